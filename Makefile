@@ -1,0 +1,31 @@
+# Quick start:  make demo   (set up, fetch the default model, compare drafters on real prompts)
+#               make test   (set up, fetch the default model, run the test suite)
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint fetch-model clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+fetch-model: setup
+	$(BIN)/layerskip fetch-model
+
+demo: fetch-model
+	$(BIN)/python scripts/demo.py
+
+test: fetch-model
+	WANDB_MODE=disabled $(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,1 @@
+"""Self-speculative decoding with layer skipping: one draft-verify engine, interchangeable drafters."""

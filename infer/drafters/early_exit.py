@@ -1,0 +1,90 @@
+"""LayerSkip early-exit drafting: layers [0, E) + final norm + shared LM head, token by token.
+
+The draft's KV for layers < E and its hidden states at layer E are exactly what the full
+model computes, so verification runs only layers >= E for the drafted positions (plus
+layers < E for the last drafted token, which no draft pass has seen).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from infer.drafters.base import DecodeState, Draft, VerifyOutcome
+from infer.errors import UserError
+from infer.sampling import probs_from_logits, sample
+
+
+@dataclass
+class EarlyExitConfig:
+    """Settings of the early-exit drafter."""
+
+    exit_layer: int = 8
+    """E: draft with decoder layers [0, E), then the final norm and LM head (1 <= E <= L)."""
+    num_draft: int = 6
+    """k: most tokens drafted per verification."""
+    confidence: float = 0.0
+    """Stop drafting when the draft's top-1 probability falls below this (0 = always draft k)."""
+
+    def __post_init__(self) -> None:
+        if self.num_draft < 1:
+            raise UserError(f"num-draft must be >= 1, got {self.num_draft}")
+        if not 0.0 <= self.confidence < 1.0:
+            raise UserError(f"confidence must be in [0, 1), got {self.confidence}")
+
+
+class EarlyExitDrafter:
+    name = "early_exit"
+    Config = EarlyExitConfig
+
+    def __init__(self, runner, config: EarlyExitConfig | None = None):
+        self.config = config or EarlyExitConfig()
+        L = runner.num_layers
+        if not 1 <= self.config.exit_layer <= L:
+            raise UserError(f"exit layer {self.config.exit_layer} is out of range: the model has {L} "
+                            f"layers, so use 1 <= --exit-layer <= {L}")
+
+    @property
+    def lookahead(self) -> int:
+        return self.config.num_draft + 1
+
+    def start(self, state: DecodeState) -> None:
+        pass
+
+    def propose(self, state: DecodeState) -> Draft | None:
+        runner, cfg = state.runner, self.config
+        E = cfg.exit_layer
+        k = min(cfg.num_draft, state.budget - 1)
+        if k < 1:
+            return None
+        greedy = state.sampling.greedy
+        token = torch.tensor([state.pending], device=runner.device)  # (1,)
+        hiddens, tokens, qs = [], [], []
+        for i in range(k):
+            pos = torch.tensor([state.n + i], device=runner.device)
+            h = runner.forward_layers(state.cache, runner.embed(token), pos, 0, E)  # (1, d)
+            hiddens.append(h)
+            logits = runner.logits(h)  # (1, V)
+            if greedy:
+                probs = torch.softmax(logits, -1) if cfg.confidence > 0 else None
+                token = logits.argmax(-1)  # (1,)
+            else:
+                probs = probs_from_logits(logits, state.sampling)  # (1, V)
+                token = sample(probs, state.generator)  # (1,)
+                qs.append(probs)
+            if cfg.confidence > 0 and float(probs.max()) < cfg.confidence:
+                if not greedy:
+                    qs.pop()
+                break
+            tokens.append(token)
+        if not tokens:
+            return Draft(torch.empty(0, dtype=torch.long), exact_layers=E, hidden=torch.cat(hiddens))
+        return Draft(tokens=torch.cat(tokens), q=torch.cat(qs) if qs else None, exact_layers=E,
+                     hidden=torch.cat(hiddens))
+
+    def update(self, state: DecodeState, outcome: VerifyOutcome) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {}

@@ -1,0 +1,252 @@
+"""The draft-verify loop: prefill, propose, verify in one forward, accept, roll back, stop."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import Tensor
+
+from infer.drafters.base import DecodeState, Draft, Drafter, VerifyOutcome
+from infer.errors import UserError
+from infer.runner import Runner
+from infer.sampling import SamplingConfig, TreeShape, greedy_accept, probs_from_logits, sampling_accept, select
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """When to stop and how to choose tokens."""
+
+    max_new_tokens: int = 128
+    """Generate at most this many tokens."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Greedy (temperature 0) or sampling settings."""
+    stop_strings: tuple[str, ...] = ()
+    """Stop once the decoded output contains any of these (kept in the output)."""
+    stop_at_eos: bool = True
+    """Stop at the model's end-of-sequence token(s)."""
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise UserError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class GenerationStats:
+    """Counters and timings of one ``generate`` call (times in seconds)."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    verify_calls: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    wall_time: float = 0.0
+    prefill_time: float = 0.0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    update_time: float = 0.0
+    drafter: dict = field(default_factory=dict)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """alpha: accepted / drafted tokens (0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_verify(self) -> float:
+        """M: tokens produced per verification forward (the prefill token excluded)."""
+        return (self.new_tokens - 1) / self.verify_calls if self.verify_calls else 1.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        """End-to-end: new tokens / wall time including prefill."""
+        return self.new_tokens / self.wall_time if self.wall_time > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(acceptance_rate=self.acceptance_rate, tokens_per_verify=self.tokens_per_verify,
+                 tokens_per_second=self.tokens_per_second)
+        return d
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    """Generated token ids (prompt excluded)."""
+    finish_reason: str
+    """'eos', 'length' or 'stop_string'."""
+    stats: GenerationStats
+    text: str | None = None
+
+
+class Engine:
+    """Runs one drafter against the full model; output is identical to plain decoding."""
+
+    def __init__(self, runner: Runner, drafter: Drafter, eos_token_ids: Sequence[int] = (),
+                 decode: Callable[[list[int]], str] | None = None):
+        self.runner = runner
+        self.drafter = drafter
+        self.eos = frozenset(int(t) for t in eos_token_ids)
+        self.decode = decode
+        self._cache = None
+
+    # ----------------------------------------------------------------- public
+    def generate(self, prompt_ids: Sequence[int] | Tensor, config: GenerationConfig | None = None,
+                 generator: torch.Generator | None = None) -> GenerationResult:
+        config = config or GenerationConfig()
+        prompt = [int(t) for t in (prompt_ids.tolist() if isinstance(prompt_ids, Tensor) else prompt_ids)]
+        self._check_prompt(prompt, config)
+        if config.stop_strings and self.decode is None:
+            raise UserError("stop strings need a tokenizer to decode the output")
+        stats = GenerationStats(prompt_tokens=len(prompt))
+        state = DecodeState(self.runner, self._cache_for(len(prompt) + config.max_new_tokens),
+                            config.sampling, generator or config.sampling.generator(self.runner.device),
+                            tokens=list(prompt), prompt_len=len(prompt))
+        t_start = time.perf_counter()
+        first = self._prefill(state)
+        stats.prefill_time = time.perf_counter() - t_start
+        out = [first]
+        finish = self._stop_reason(out, config)
+        if finish is None:
+            self.drafter.start(state)
+        while finish is None:
+            state.budget = config.max_new_tokens - len(out)
+            t0 = time.perf_counter()
+            draft = self.drafter.propose(state)
+            t1 = time.perf_counter()
+            outcome = self._verify(state, draft)
+            t2 = time.perf_counter()
+            stats.draft_time += t1 - t0
+            stats.verify_time += t2 - t1
+            stats.verify_calls += 1
+            stats.drafted += outcome.drafted
+            stats.accepted += outcome.accepted
+            new = outcome.tokens
+            out.extend(new)
+            finish = self._stop_reason(out, config, len(new))
+            state.tokens.extend(new)
+            if finish is None:
+                self.drafter.update(state, outcome)
+                stats.update_time += time.perf_counter() - t2
+        out, finish = self._truncate(out, finish, config)
+        stats.wall_time = time.perf_counter() - t_start
+        stats.new_tokens = len(out)
+        stats.drafter = self.drafter.stats()
+        text = self.decode(out) if self.decode else None
+        return GenerationResult(out, finish, stats, text)
+
+    # ----------------------------------------------------------------- steps
+    def _check_prompt(self, prompt: list[int], config: GenerationConfig) -> None:
+        if not prompt:
+            raise UserError("the prompt is empty; give at least one token of text")
+        vocab = self.runner.spec.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise UserError(f"prompt token ids must lie in [0, {vocab})")
+        limit = self.runner.spec.max_position_embeddings
+        if len(prompt) + config.max_new_tokens > limit:
+            raise UserError(f"prompt ({len(prompt)} tokens) + max-new-tokens ({config.max_new_tokens}) "
+                            f"exceeds the model's context of {limit} tokens; shorten the prompt or "
+                            "lower --max-new-tokens")
+
+    def _cache_for(self, length: int):
+        capacity = length + self.drafter.lookahead + 2
+        if self._cache is None or self._cache.capacity < capacity:
+            self._cache = self.runner.new_cache(max(capacity, 256))
+        self._cache.reset()
+        return self._cache
+
+    def _prefill(self, state: DecodeState) -> int:
+        """Run the prompt; the token it predicts becomes the pending token."""
+        ids = state.ids(0, state.prompt_len)  # (P,)
+        hidden = self.runner.forward_layers(state.cache, self.runner.embed(ids),
+                                            torch.arange(state.prompt_len, device=self.runner.device))
+        logits = self.runner.logits(hidden[-1:])  # (1, V)
+        first = int(select(logits, state.sampling, state.generator)[0])
+        state.tokens.append(first)
+        state.n = state.prompt_len
+        return first
+
+    def _verify(self, state: DecodeState, draft: Draft | None) -> VerifyOutcome:
+        """One forward of the full model over the pending token and the draft tree."""
+        runner, cache, n = self.runner, state.cache, state.n
+        if draft is not None and draft.size == 0 and draft.hidden is None:
+            draft = None
+        tree = TreeShape(draft.parents if draft is not None and draft.parents is not None
+                         else list(range(draft.size if draft is not None else 0)))
+        tokens = [state.pending] + (draft.tokens.tolist() if draft is not None else [])
+        ids = torch.tensor(tokens, dtype=torch.long, device=runner.device)  # (T,)
+        depths = torch.tensor(tree.depths(), device=runner.device)  # (T,)
+        positions = n + depths  # (T,)
+        mask = None if tree.is_chain else tree.ancestor_mask(runner.device)  # (T, T)
+
+        E, h = 0, 0
+        if draft is not None and draft.hidden is not None and draft.exact_layers > 0:
+            E, h = draft.exact_layers, draft.hidden.shape[0]
+            if any(cache.lengths[i] != n + h for i in range(E)):
+                raise RuntimeError(f"drafter left layers < {E} at lengths {cache.lengths[:E]}, "
+                                   f"expected {n + h}")
+        cache.rollback(n, start=E)  # drop whatever the draft wrote in layers >= E
+        hidden = self._hidden_at(E, h, draft, ids, positions, mask, state)  # (T, d)
+        hidden = runner.forward_layers(cache, hidden, positions, E, runner.num_layers, mask=mask)
+        logits = runner.logits(hidden)  # (T, V)
+
+        argmax: list[int] = []
+        if state.sampling.greedy:
+            argmax = logits.argmax(-1).tolist()
+            path, bonus = greedy_accept(tree, tokens, argmax)
+        else:
+            p = probs_from_logits(logits, state.sampling)  # (T, V)
+            q = draft.q if draft is not None else None
+            path, bonus = sampling_accept(tree, tokens, p, q, state.generator)
+        self._commit_path(cache, n, path)
+        state.n = n + len(path)
+        return VerifyOutcome(draft, path, [tokens[i] for i in path[1:]] + [bonus], n, argmax)
+
+    def _hidden_at(self, E: int, h: int, draft: Draft | None, ids: Tensor, positions: Tensor,
+                   mask: Tensor | None, state: DecodeState) -> Tensor:
+        """Residual stream at the input of layer E for all T tree positions."""
+        runner = self.runner
+        if E == 0:
+            return runner.embed(ids)  # (T, d)
+        T = ids.shape[0]
+        if h == T:
+            return draft.hidden
+        fresh = runner.embed(ids[h:])  # (T-h, d)
+        sub_mask = None if mask is None else mask[h:, :T]  # (T-h, T) over slots [n, n+T)
+        fresh = runner.forward_layers(state.cache, fresh, positions[h:], 0, E, mask=sub_mask)
+        return torch.cat([draft.hidden, fresh])  # (T, d)
+
+    @staticmethod
+    def _commit_path(cache, n: int, path: list[int]) -> None:
+        """Move the accepted path's KV rows to consecutive slots and drop the rest."""
+        src = [n + p for p in path]
+        dst = list(range(n, n + len(path)))
+        cache.compact(src, dst)
+        cache.rollback(n + len(path))
+
+    def _stop_reason(self, out: list[int], config: GenerationConfig, new: int = 1) -> str | None:
+        fresh = out[len(out) - new:]
+        if config.stop_at_eos and self.eos and any(t in self.eos for t in fresh):
+            return "eos"
+        if config.stop_strings and self.decode is not None:
+            tail = self.decode(out[-(new + 16):])
+            if any(s in tail for s in config.stop_strings):
+                return "stop_string"
+        if len(out) >= config.max_new_tokens:
+            return "length"
+        return None
+
+    def _truncate(self, out: list[int], finish: str, config: GenerationConfig) -> tuple[list[int], str]:
+        """Cut what a multi-token step appended past the first stop condition."""
+        for k in range(1, len(out) + 1):
+            if config.stop_at_eos and out[k - 1] in self.eos:
+                return out[:k], "eos"
+            if config.stop_strings and finish == "stop_string":
+                text = self.decode(out[:k])
+                if any(s in text for s in config.stop_strings):
+                    return out[:k], "stop_string"
+            if k >= config.max_new_tokens:
+                return out[:k], "length"
+        return out, finish

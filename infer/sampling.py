@@ -1,0 +1,186 @@
+"""Token selection and lossless acceptance of drafted token trees.
+
+Greedy: accept the longest path whose tokens equal the full model's argmax, plus one bonus.
+Sampling: speculative sampling (accept x ~ q with min(1, p(x)/q(x)), else resample from
+norm(max(p - q, 0))), generalised to several candidates per node by recursive rejection:
+siblings are tried in draft order, each rejection replaces p by the residual and removes the
+rejected token from q (candidates drawn without replacement). Deterministic candidates have
+a one-hot q. Temperature/top-k/top-p are applied identically to p and q by the caller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from infer.errors import UserError
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the next token is chosen from the (target or draft) logits."""
+
+    temperature: float = 0.0
+    """0 selects greedy (argmax) decoding; > 0 samples from softmax(logits / temperature)."""
+    top_k: int = 0
+    """Keep only the k most likely tokens before sampling (0 = off)."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches top_p (1.0 = off)."""
+    seed: int | None = None
+    """Seed of the sampling RNG; None draws a fresh one."""
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise UserError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise UserError(f"top-k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise UserError(f"top-p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        g = torch.Generator(device=device)
+        if self.seed is None:
+            g.seed()
+        else:
+            g.manual_seed(self.seed)
+        return g
+
+
+def probs_from_logits(logits: Tensor, cfg: SamplingConfig) -> Tensor:
+    """(..., V) logits -> (..., V) fp32 probabilities after temperature, top-k and top-p."""
+    logits = logits.float() / cfg.temperature
+    if cfg.top_k and cfg.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, cfg.top_k, dim=-1).values[..., -1:]  # (..., 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if cfg.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        # keep a token if the mass strictly before it is below top_p (the first always stays)
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= cfg.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: Tensor, generator: torch.Generator) -> Tensor:
+    """(..., V) probabilities -> (...,) sampled ids."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def select(logits: Tensor, cfg: SamplingConfig, generator: torch.Generator) -> Tensor:
+    """(..., V) logits -> (...,) next-token ids under ``cfg``."""
+    if cfg.greedy:
+        return logits.argmax(-1)
+    return sample(probs_from_logits(logits, cfg), generator)
+
+
+@dataclass
+class TreeShape:
+    """Parent pointers of a token tree whose position 0 is the pending (root) token."""
+
+    parents: list[int]
+    """parents[i] for positions 1..T-1 (index i-1 here), each < its own position; root excluded."""
+
+    @classmethod
+    def chain(cls, m: int) -> TreeShape:
+        return cls(list(range(m)))
+
+    @property
+    def size(self) -> int:
+        return len(self.parents) + 1
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i for i, p in enumerate(self.parents))
+
+    def children(self) -> list[list[int]]:
+        kids: list[list[int]] = [[] for _ in range(self.size)]
+        for i, p in enumerate(self.parents, start=1):
+            kids[p].append(i)
+        return kids
+
+    def depths(self) -> list[int]:
+        d = [0] * self.size
+        for i, p in enumerate(self.parents, start=1):
+            d[i] = d[p] + 1
+        return d
+
+    def ancestor_mask(self, device: torch.device | str = "cpu") -> Tensor:
+        """(T, T) bool: [i, j] is True iff j is i or an ancestor of i."""
+        T = self.size
+        if self.is_chain:
+            return torch.ones(T, T, dtype=torch.bool, device=device).tril()
+        anc = torch.eye(T, dtype=torch.bool, device=device)
+        for i, p in enumerate(self.parents, start=1):
+            anc[i] |= anc[p]
+        return anc
+
+
+def greedy_accept(tree: TreeShape, tokens: list[int], target: list[int]) -> tuple[list[int], int]:
+    """Longest path whose tokens equal the target argmax of their parent; returns (path, bonus).
+
+    ``tokens``/``target`` are per tree position; ``path`` starts with the root (0).
+    """
+    kids = tree.children()
+    path = [0]
+    while True:
+        want = target[path[-1]]
+        nxt = next((c for c in kids[path[-1]] if tokens[c] == want), None)
+        if nxt is None:
+            return path, want
+        path.append(nxt)
+
+
+def sampling_accept(tree: TreeShape, tokens: list[int], p: Tensor, q: Tensor | None,
+                    generator: torch.Generator) -> tuple[list[int], int]:
+    """Recursive rejection sampling over the tree; returns (path, bonus).
+
+    ``p`` (T, V) are target probabilities at each tree position; ``q`` (T-1, V) the draft
+    distribution each node (positions 1..T-1) was drawn from, or None for deterministic
+    candidates (one-hot q). Siblings share their parent's q and were drawn without replacement.
+    """
+    kids = tree.children()
+    path = [0]
+    while True:
+        node = path[-1]
+        residual = p[node]  # (V,)
+        q_left = None
+        accepted = None
+        for child in kids[node]:
+            tok = tokens[child]
+            if q is None:
+                ratio = residual[tok]  # q is one-hot at tok
+            else:
+                if q_left is None:
+                    q_left = q[child - 1].clone()  # (V,) siblings share it
+                ratio = residual[tok] / q_left[tok].clamp_min(1e-20)
+            u = torch.rand((), generator=generator, device=p.device)
+            if bool(u < ratio):
+                accepted = child
+                break
+            if q is None:
+                residual = residual.clone()
+                residual[tok] = 0.0
+            else:
+                residual = (residual - q_left).clamp_min(0.0)
+                q_left[tok] = 0.0
+                q_mass = q_left.sum()
+                if q_mass > 0:
+                    q_left = q_left / q_mass
+            mass = residual.sum()
+            if mass <= 0:  # p was entirely covered by q: cannot happen for a valid q, guard anyway
+                residual = p[node]
+                break
+            residual = residual / mass
+        if accepted is None:
+            bonus = int(torch.multinomial(residual, 1, generator=generator))
+            return path, bonus
+        path.append(accepted)
