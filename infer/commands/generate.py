@@ -1,0 +1,138 @@
+"""``layerskip generate``: decode prompts with any drafter; output is identical to plain decoding."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from infer.errors import UserError
+
+
+def _type_of(annotation) -> type:
+    text = str(annotation)
+    for t in (bool, int, float):
+        if annotation is t or t.__name__ in text.split(" | "):
+            return t
+    return str
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default",
+                   help="a local Hugging Face model folder, or 'default' (SmolLM2-135M-Instruct, fetched on first use)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="weights/compute dtype (default fp32)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128, help="generate at most this many tokens")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop once the output contains TEXT (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+
+
+def add_drafter_args(p: argparse.ArgumentParser) -> None:
+    from infer.drafters import DRAFTERS, all_options
+
+    p.add_argument("--drafter", default="autoregressive",
+                   help=f"one of: {', '.join(DRAFTERS)} (default autoregressive)")
+    group = p.add_argument_group("drafter options (each applies to the drafters named in brackets)")
+    for field, (annotation, doc, owners) in all_options().items():
+        kind = _type_of(annotation)
+        flag = "--" + field.replace("_", "-")
+        help_text = f"{doc} [{', '.join(owners)}]"
+        if kind is bool:
+            group.add_argument(flag, dest=field, default=None, action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            group.add_argument(flag, dest=field, type=kind, default=None, help=help_text)
+
+
+def drafter_options(args: argparse.Namespace) -> dict:
+    from infer.drafters import all_options
+
+    return {f: getattr(args, f) for f in all_options() if getattr(args, f, None) is not None}
+
+
+def generation_config(args: argparse.Namespace):
+    from infer.engine import GenerationConfig
+    from infer.sampling import SamplingConfig
+
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    return GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_strings=tuple(args.stop),
+                            stop_at_eos=not args.ignore_eos)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text with a drafter (lossless: same output as plain decoding)",
+                       description="Generate with the draft-verify engine. Greedy output is token-for-token the "
+                       "autoregressive output; sampling follows the same distribution.")
+    add_model_args(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompts-file", type=Path, help="a .jsonl file with a 'prompt' field per line")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    add_sampling_args(p)
+    add_drafter_args(p)
+    p.set_defaults(func=run)
+
+
+def _prompts(args: argparse.Namespace):
+    from infer.prompts import PromptItem, read_prompts_file
+
+    if args.prompts_file is not None:
+        if not args.prompts_file.is_file():
+            raise UserError(f"prompts file {args.prompts_file} does not exist")
+        items = read_prompts_file(args.prompts_file)
+    else:
+        items = [PromptItem("0", args.prompt)]
+    for item in items:
+        if not item.prompt.strip():
+            raise UserError(f"prompt {item.id!r} is empty; give some text")
+    return items
+
+
+def _stats_line(name: str, stats) -> str:
+    line = (f"[{name}] {stats.new_tokens} tokens in {stats.wall_time:.2f}s = {stats.tokens_per_second:.1f} tok/s, "
+            f"{stats.verify_calls} verify calls, {stats.tokens_per_verify:.2f} tokens/verify")
+    if stats.drafted:
+        line += f", acceptance {stats.acceptance_rate:.2f} ({stats.accepted}/{stats.drafted})"
+    return line
+
+
+def run(args: argparse.Namespace) -> int:
+    from infer.drafters import build_config, drafter_class
+    from infer.loading import load_model, set_threads
+
+    # Everything that can be checked without the model is checked first.
+    drafter_class(args.drafter)
+    options = drafter_options(args)
+    build_config(args.drafter, options)
+    gen = generation_config(args)
+    prompts = _prompts(args)
+    set_threads(args.threads)
+
+    from infer.drafters import build_drafter
+    from infer.engine import Engine
+
+    model = load_model(args.model, args.dtype)
+    drafter = build_drafter(args.drafter, model.runner, options)
+    engine = Engine(model.runner, drafter, model.eos_token_ids, model.decode)
+    encoded = [model.encode(item.prompt, args.chat) for item in prompts]
+    for item, ids in zip(prompts, encoded, strict=True):
+        result = engine.generate(ids, gen)
+        if args.json:
+            print(json.dumps({"id": item.id, "prompt": item.prompt, "drafter": args.drafter, "tokens": result.tokens,
+                              "text": result.text, "finish_reason": result.finish_reason,
+                              "stats": result.stats.to_dict()}), flush=True)
+        else:
+            if len(prompts) > 1:
+                print(f"### {item.id}")
+            print(result.text, flush=True)
+            print(_stats_line(args.drafter, result.stats), file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,73 @@
+"""Load a model folder as (runner, tokenizer) and turn prompts into token ids."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from infer.errors import UserError
+from infer.models import resolve_model
+from infer.runner import Runner, parse_dtype
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    runner: Runner
+    tokenizer: object
+    eos_token_ids: tuple[int, ...]
+
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        """Token ids of ``prompt``; with ``chat`` it is wrapped as one user turn of the chat template."""
+        if not prompt.strip():
+            raise UserError("the prompt is empty; give some text")
+        if chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise UserError(f"{self.path} has no chat template; drop --chat")
+            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                     add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            return [int(t) for t in ids]
+        return [int(t) for t in self.tokenizer(prompt)["input_ids"]]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def set_threads(threads: int | None) -> None:
+    import torch
+
+    if threads is not None:
+        if threads < 1:
+            raise UserError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+def eos_ids(path: Path, tokenizer) -> tuple[int, ...]:
+    """End-of-sequence ids from the generation config and the tokenizer."""
+    ids: set[int] = set()
+    try:
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+        ids.update([eos] if isinstance(eos, int) else list(eos or []))
+    except OSError:
+        pass
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+
+def load_model(model: str, dtype: str = "fp32", device: str = "cpu") -> LoadedModel:
+    """Resolve ``model`` (folder or 'default'), load the runner and tokenizer."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model(model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise UserError(f"could not load a tokenizer from {path}: {e}") from None
+    runner = Runner.from_pretrained(path, dtype=parse_dtype(dtype), device=device)
+    return LoadedModel(path, runner, tokenizer, eos_ids(path, tokenizer))

@@ -1,0 +1,88 @@
+"""The layerskip CLI: JSON output schema and one-line errors for bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from infer.cli import main
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_json_schema(capsys, tiny_model_dir, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n{"id": "x", "prompt": "hello"}\n')
+    code, out, err = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--prompts-file", str(prompts),
+                             "--drafter", "early_exit", "--exit-layer", "2", "--num-draft", "3", "--json",
+                             "--max-new-tokens", "12", "--ignore-eos")
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["id"] for r in rows] == ["0", "x"]
+    for r in rows:
+        assert len(r["tokens"]) == 12 and isinstance(r["text"], str)
+        for key in ("tokens_per_second", "acceptance_rate", "tokens_per_verify", "verify_calls", "drafted",
+                    "accepted"):
+            assert key in r["stats"]
+    code, out_ar, _ = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--prompts-file", str(prompts),
+                              "--json", "--max-new-tokens", "12", "--ignore-eos")
+    assert [json.loads(line)["tokens"] for line in out_ar.splitlines()] == [r["tokens"] for r in rows]
+
+
+def test_generate_chat_and_sampling(capsys, tiny_model_dir):
+    argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--chat", "--json", "--temperature", "0.8",
+            "--top-p", "0.9", "--seed", "3", "--max-new-tokens", "8"]
+    code, out1, _ = run_cli(capsys, *argv)
+    code2, out2, _ = run_cli(capsys, *argv)
+    assert code == code2 == 0
+    assert json.loads(out1)["tokens"] == json.loads(out2)["tokens"]  # seeded
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--drafter", "nope"], "unknown drafter 'nope'"),
+    (["--drafter", "early_exit", "--exit-layer", "9"], "exit layer 9 is out of range"),
+    (["--drafter", "early_exit", "--exit-layer", "0"], "exit layer 0 is out of range"),
+    (["--exit-layer", "2"], "does not apply to drafter 'autoregressive'"),
+    (["--prompt", "   "], "is empty"),
+    (["--prompt", "x" * 600], "exceeds the model's context"),
+    (["--model", "/definitely/not/here"], "does not exist"),
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--max-new-tokens", "0"], "max-new-tokens must be >= 1"),
+])
+def test_bad_input_is_one_clear_line(capsys, tiny_model_dir, args, message):
+    argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "hello"] + args
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_malformed_prompts_file(capsys, tiny_model_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{oops\n')
+    code, _, err = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--prompts-file", str(bad))
+    assert code == 2 and "bad.jsonl:2: not valid JSON" in err
+    missing = tmp_path / "nofield.jsonl"
+    missing.write_text('{"text": "no prompt field"}\n')
+    code, _, err = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--prompts-file", str(missing))
+    assert code == 2 and "no string 'prompt' field" in err
+
+
+def test_not_a_model_folder(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "generate", "--model", str(tmp_path), "--prompt", "hi")
+    assert code == 2 and "not a Hugging Face model folder" in err
+
+
+def test_console_script_subprocess(tiny_model_dir):
+    """The installed entry point: errors exit non-zero with one line and no traceback."""
+    proc = subprocess.run([sys.executable, "-m", "infer.cli", "generate", "--model", str(tiny_model_dir),
+                           "--prompt", "hi", "--drafter", "early_exit", "--exit-layer", "99"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("layerskip: error: exit layer 99")
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,208 @@
+"""Greedy losslessness, stop conditions, cache rollback, KV reuse, tree verification."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from infer.drafters import build_drafter
+from infer.drafters.base import DecodeState, Draft
+from infer.engine import Engine, GenerationConfig
+from infer.runner import Runner
+from infer.sampling import SamplingConfig
+from tiny_models import make_model
+
+PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 250, 17], [42] * 12 + [7, 8]]
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return Runner.from_model(make_model("llama", seed=0, layers=6))
+
+
+def generate(runner, drafter="autoregressive", prompt=PROMPTS[0], eos=(), **kw):
+    options = {k: kw.pop(k) for k in ("exit_layer", "num_draft", "confidence") if k in kw}
+    engine = Engine(runner, build_drafter(drafter, runner, options), eos_token_ids=eos)
+    return engine.generate(prompt, GenerationConfig(**kw))
+
+
+def test_autoregressive_matches_transformers_generate():
+    model = make_model("llama", seed=0, layers=6)
+    runner = Runner.from_model(model)
+    for prompt in PROMPTS:
+        ours = generate(runner, prompt=prompt, max_new_tokens=30).tokens
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert ours == ref
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_early_exit_greedy_equals_autoregressive_for_every_exit_layer(runner, k):
+    for prompt in PROMPTS:
+        ref = generate(runner, prompt=prompt, max_new_tokens=40).tokens
+        for E in range(1, runner.num_layers + 1):
+            for confidence in (0.0, 0.3):
+                res = generate(runner, "early_exit", prompt, exit_layer=E, num_draft=k, confidence=confidence,
+                               max_new_tokens=40)
+                assert res.tokens == ref, (E, k, confidence)
+
+
+def test_full_depth_exit_accepts_everything(runner):
+    res = generate(runner, "early_exit", exit_layer=runner.num_layers, num_draft=4, max_new_tokens=41)
+    assert res.stats.acceptance_rate == 1.0
+    assert res.stats.tokens_per_verify == 5.0
+
+
+def test_eos_inside_a_draft(runner):
+    ref = generate(runner, max_new_tokens=40).tokens
+    eos = ref[9]  # the 10th generated token, reached inside a multi-token step below
+    first = ref.index(eos)
+    ar = generate(runner, eos=[eos], max_new_tokens=40)
+    assert ar.tokens == ref[:first + 1] and ar.finish_reason == "eos"
+    res = generate(runner, "early_exit", eos=[eos], exit_layer=runner.num_layers, num_draft=7, max_new_tokens=40)
+    assert res.tokens == ar.tokens and res.finish_reason == "eos"
+    assert res.stats.accepted > 0
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 5, 7, 13])
+def test_max_new_tokens_inside_a_draft(runner, max_new):
+    ref = generate(runner, max_new_tokens=max_new).tokens
+    assert len(ref) == max_new
+    res = generate(runner, "early_exit", exit_layer=runner.num_layers, num_draft=6, max_new_tokens=max_new)
+    assert res.tokens == ref and res.finish_reason == "length"
+
+
+def test_stop_strings():
+    from tiny_models import byte_tokenizer
+
+    tok = byte_tokenizer()
+    model = make_model("llama", seed=2, vocab_size=259, layers=4)
+    runner = Runner.from_model(model)
+    prompt = tok("hello")["input_ids"]
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
+    plain = Engine(runner, build_drafter("autoregressive", runner), decode=decode).generate(
+        prompt, GenerationConfig(max_new_tokens=30, stop_at_eos=False))
+    stop = plain.text[8:10]
+    expect = next(j for j in range(1, 31) if stop in decode(plain.tokens[:j]))
+    for name, opts in [("autoregressive", {}), ("early_exit", {"exit_layer": 4, "num_draft": 5})]:
+        engine = Engine(runner, build_drafter(name, runner, opts), decode=decode)
+        res = engine.generate(prompt, GenerationConfig(max_new_tokens=30, stop_strings=(stop,), stop_at_eos=False))
+        assert res.finish_reason == "stop_string"
+        assert res.tokens == plain.tokens[:expect]
+
+
+def _state(runner, prompt, sampling=None):
+    sampling = sampling or SamplingConfig()
+    cache = runner.new_cache(128)
+    state = DecodeState(runner, cache, sampling, sampling.generator(), list(prompt), len(prompt))
+    engine = Engine(runner, build_drafter("autoregressive", runner))
+    engine._prefill(state)
+    state.budget = 100
+    return engine, state
+
+
+def test_cache_after_rejection_equals_fresh_prefill(runner):
+    drafter = build_drafter("early_exit", runner, {"exit_layer": 2, "num_draft": 6})
+    engine, state = _state(runner, PROMPTS[0])
+    for _ in range(6):
+        outcome = engine._verify(state, drafter.propose(state))
+        state.tokens.extend(outcome.tokens)
+    assert state.cache.lengths == [state.n] * runner.num_layers
+    fresh = runner.new_cache(128)
+    runner.forward(fresh, torch.tensor(state.tokens[:state.n]))
+    n = state.n
+    torch.testing.assert_close(state.cache.k[:, :, :n], fresh.k[:, :, :n], atol=1e-5, rtol=0)
+    torch.testing.assert_close(state.cache.v[:, :, :n], fresh.v[:, :, :n], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("E,k", [(2, 4), (3, 1), (5, 6)])
+def test_verification_reuses_draft_kv(runner, E, k):
+    """Verification computes layers < E only for the one position no draft pass has seen."""
+    drafter = build_drafter("early_exit", runner, {"exit_layer": E, "num_draft": k})
+    engine, state = _state(runner, PROMPTS[1])
+    draft = drafter.propose(state)
+    assert draft.size == k
+    runner.counters.reset()
+    engine._verify(state, draft)
+    L = runner.num_layers
+    assert runner.counters.layer_tokens == [1] * E + [k + 1] * (L - E)
+    assert runner.counters.lm_head_tokens == k + 1
+
+
+@dataclass
+class ScriptedDrafter:
+    """Proposes a fixed tree once (tests of tree verification)."""
+
+    tokens: list[int]
+    parents: list[int] | None
+    name = "scripted"
+    lookahead = 32
+
+    def start(self, state):
+        pass
+
+    def propose(self, state):
+        return Draft(torch.tensor(self.tokens), parents=self.parents)
+
+    def update(self, state, outcome):
+        pass
+
+    def stats(self):
+        return {}
+
+
+def _one_verify(runner, drafter, prompt):
+    engine, state = _state(runner, prompt)
+    outcome = engine._verify(state, drafter.propose(state))
+    return state, outcome
+
+
+def test_tree_that_is_a_chain_equals_chain(runner):
+    ref = generate(runner, prompt=PROMPTS[2], max_new_tokens=8).tokens  # ref[0] is the pending token
+    chain = ref[1:5]
+    _, a = _one_verify(runner, ScriptedDrafter(chain, None), PROMPTS[2])
+    _, b = _one_verify(runner, ScriptedDrafter(chain, [0, 1, 2, 3]), PROMPTS[2])
+    assert a.tokens == b.tokens == ref[1:6]
+
+
+def test_planted_sibling_is_accepted_and_kv_compacted(runner):
+    ref = generate(runner, prompt=PROMPTS[2], max_new_tokens=8).tokens
+    wrong = (ref[2] + 1) % 320
+    # position 1: right token; position 2: wrong child; position 3: sibling of 2 that is right;
+    # position 4: child of 3 that is right; position 5: child of the wrong node
+    tokens = [ref[1], wrong, ref[2], ref[3], ref[3]]
+    parents = [0, 1, 1, 3, 2]
+    state, outcome = _one_verify(runner, ScriptedDrafter(tokens, parents), PROMPTS[2])
+    assert outcome.path == [0, 1, 3, 4]
+    assert outcome.tokens == ref[1:5]
+    _, chain_only = _one_verify(runner, ScriptedDrafter([ref[1], wrong], None), PROMPTS[2])
+    assert chain_only.accepted == 1 < outcome.accepted
+    n = state.n
+    fresh = runner.new_cache(128)
+    runner.forward(fresh, torch.tensor(state.tokens[:len(PROMPTS[2])] + ref[:4]))
+    assert n == len(PROMPTS[2]) + 4 and state.cache.lengths == [n] * runner.num_layers
+    torch.testing.assert_close(state.cache.k[:, :, :n], fresh.k[:, :, :n], atol=1e-5, rtol=0)
+    torch.testing.assert_close(state.cache.v[:, :, :n], fresh.v[:, :, :n], atol=1e-5, rtol=0)
+
+
+def test_prompt_errors(runner):
+    from infer.errors import UserError
+
+    with pytest.raises(UserError, match="empty"):
+        generate(runner, prompt=[])
+    with pytest.raises(UserError, match="context"):
+        generate(runner, prompt=[1] * 500, max_new_tokens=100)
+
+
+@pytest.mark.real_model
+def test_early_exit_lossless_on_default_model(default_model_path):
+    from infer.loading import load_model
+
+    model = load_model(str(default_model_path))
+    prompt = model.encode("def is_prime(n):\n    \"\"\"Return True if n is prime.\"\"\"\n")
+    cfg = GenerationConfig(max_new_tokens=24, stop_at_eos=False)
+    ref = Engine(model.runner, build_drafter("autoregressive", model.runner)).generate(prompt, cfg).tokens
+    for E, k in [(8, 4), (24, 6), (30, 3)]:
+        drafter = build_drafter("early_exit", model.runner, {"exit_layer": E, "num_draft": k})
+        assert Engine(model.runner, drafter).generate(prompt, cfg).tokens == ref, (E, k)

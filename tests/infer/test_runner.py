@@ -1,0 +1,122 @@
+"""Runner parity with transformers, plan semantics, cache rollback."""
+
+import pytest
+import torch
+
+from infer.plan import LayerPlan
+from infer.runner import Runner
+from tiny_models import make_model
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(ids[None]).logits[0]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_parity_batched_and_incremental(kind, tied):
+    model = make_model(kind, seed=3, tie_word_embeddings=tied)
+    runner = Runner.from_model(model)
+    ids = torch.randint(0, 320, (24,), generator=torch.Generator().manual_seed(0))
+    ref = hf_logits(model, ids)
+    cache = runner.new_cache(64)
+    torch.testing.assert_close(runner.forward(cache, ids), ref, atol=1e-4, rtol=0)
+    cache.reset()
+    steps = [runner.forward(cache, ids[i:i + 1]) for i in range(len(ids))]
+    torch.testing.assert_close(torch.cat(steps), ref, atol=1e-4, rtol=0)
+    cache.reset()  # prefix as one chunk, then the rest token by token with the cache
+    chunk = runner.forward(cache, ids[:10])
+    rest = [runner.forward(cache, ids[i:i + 1]) for i in range(10, len(ids))]
+    torch.testing.assert_close(torch.cat([chunk] + rest), ref, atol=1e-4, rtol=0)
+
+
+def test_skip_plan_equals_zeroed_sublayers():
+    """Skipping a sublayer == a model whose residual branch for it is zero."""
+    model = make_model("llama", seed=4)
+    plan = LayerPlan(4, skip_attn={1}, skip_mlp={2, 3})
+    zeroed = make_model("llama", seed=4)
+    with torch.no_grad():
+        zeroed.model.layers[1].self_attn.o_proj.weight.zero_()
+        zeroed.model.layers[2].mlp.down_proj.weight.zero_()
+        zeroed.model.layers[3].mlp.down_proj.weight.zero_()
+    ids = torch.arange(5, 25)
+    runner = Runner.from_model(model)
+    got = runner.forward(runner.new_cache(32), ids, plan=plan)
+    torch.testing.assert_close(got, hf_logits(zeroed, ids), atol=1e-4, rtol=0)
+
+
+def test_early_exit_hidden_matches_hf_hidden_states():
+    """forward_layers(0, E) is HF hidden_states[E] (the input of layer E)."""
+    model = make_model("llama", seed=5)
+    runner = Runner.from_model(model)
+    ids = torch.arange(3, 15)
+    with torch.no_grad():
+        hs = model(ids[None], output_hidden_states=True).hidden_states
+    for E in range(1, 4):
+        h = runner.forward_layers(runner.new_cache(32), runner.embed(ids), torch.arange(len(ids)), 0, E)
+        torch.testing.assert_close(h, hs[E][0], atol=1e-5, rtol=0)
+
+
+def test_per_layer_lengths_and_rollback(tiny_llama):
+    runner = Runner.from_model(tiny_llama)
+    cache = runner.new_cache(32)
+    ids = torch.arange(1, 9)
+    runner.forward(cache, ids)
+    runner.forward_layers(cache, runner.embed(ids[:2]), torch.tensor([8, 9]), 0, 2)
+    assert cache.lengths == [10, 10, 8, 8]
+    cache.rollback(8)
+    assert cache.lengths == [8] * 4
+    # after rollback the next token's logits equal a fresh full forward
+    ref = hf_logits(tiny_llama, torch.arange(1, 10))[-1]
+    torch.testing.assert_close(runner.forward(cache, torch.tensor([9]))[0], ref, atol=1e-4, rtol=0)
+
+
+def test_mask_over_appended_positions(tiny_llama):
+    """A (T, W) mask hides slots: window tokens that cannot see a stale prefix equal a fresh run."""
+    runner = Runner.from_model(tiny_llama)
+    ids = torch.arange(2, 14)
+    cache = runner.new_cache(64)
+    runner.forward(cache, ids)  # 12 slots
+    # re-run the last 4 tokens at their own positions, appended after slot 12, hiding slots 8..11
+    window = ids[8:]
+    mask = torch.cat([torch.zeros(4, 4, dtype=torch.bool), torch.ones(4, 4, dtype=torch.bool).tril()], dim=1)
+    got = runner.forward(cache, window, positions=torch.arange(8, 12), mask=mask)
+    ref = hf_logits(tiny_llama, ids)[8:]
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+
+
+def test_unsupported_model_type_is_refused():
+    from transformers import GPT2Config
+
+    from infer.errors import UserError
+
+    with pytest.raises(UserError, match="not supported"):
+        Runner(GPT2Config(), {})
+
+
+def test_plan_exact_prefix():
+    assert LayerPlan(6).exact_prefix == 6
+    assert LayerPlan(6, skip_attn={3}).exact_prefix == 3
+    assert LayerPlan(6, skip_mlp={2}).exact_prefix == 3
+    assert LayerPlan(6, skip_attn={4}, skip_mlp={1}).exact_prefix == 2
+    plan = LayerPlan(6, skip_attn={1, 4}, skip_mlp={0})
+    assert LayerPlan.from_dict(plan.to_dict()) == plan
+    with pytest.raises(ValueError):
+        LayerPlan(4, skip_attn={4})
+
+
+@pytest.mark.real_model
+def test_parity_on_default_model(default_model_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_path)
+    model = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
+    ids = torch.tensor(tok("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")["input_ids"])
+    runner = Runner.from_pretrained(default_model_path)
+    ref = hf_logits(model, ids)
+    cache = runner.new_cache(64)
+    torch.testing.assert_close(runner.forward(cache, ids), ref, atol=1e-4, rtol=0)
+    cache.rollback(len(ids) - 3)
+    steps = [runner.forward(cache, ids[i:i + 1]) for i in range(len(ids) - 3, len(ids))]
+    torch.testing.assert_close(torch.cat(steps), ref[-3:], atol=1e-4, rtol=0)
