@@ -18,8 +18,11 @@ $(STAMP): pyproject.toml constraints.txt
 fetch-model: setup
 	$(BIN)/layerskip fetch-model
 
+# A quick look on a few held-out real prompts (HumanEval, GSM8K) with the default model.
+DEMO_DRAFTERS ?= autoregressive,early_exit:E=24:k=4
 demo: fetch-model
-	$(BIN)/python scripts/demo.py
+	$(BIN)/layerskip bench --model default --drafters $(DEMO_DRAFTERS) --peers hf_generate \
+		--data humaneval,gsm8k --n 2 --max-new-tokens 64 --repeats 1 --threads 1 --out runs/demo
 
 test: fetch-model
 	WANDB_MODE=disabled $(BIN)/python -m pytest -q

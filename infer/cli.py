@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from infer.commands import fetch_model, generate
+from infer.commands import bench, fetch_model, generate
 from infer.errors import UserError
 
-COMMANDS = (fetch_model, generate)
+COMMANDS = (fetch_model, generate, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -86,3 +86,70 @@ class LayerPlan:
         attn = ",".join(map(str, sorted(self.skip_attn))) or "-"
         mlp = ",".join(map(str, sorted(self.skip_mlp))) or "-"
         return f"skip attn[{attn}] mlp[{mlp}] ({self.skip_ratio:.0%} of sublayers)"
+
+
+PLAN_FORMAT = "layerskip-plan/1"
+
+
+@dataclass
+class PlanFile:
+    """A skip plan on disk, tied to the model it was found for (shared by self_sd and swift)."""
+
+    plan: LayerPlan
+    """The sublayer skip set."""
+    model: dict
+    """Identity of the model (``Runner.identity()``): architecture numbers and a weight fingerprint."""
+    task: str = ""
+    """What the plan was searched on (data name), e.g. 'humaneval'."""
+    objective: dict | None = None
+    """Name and value of the search objective, e.g. {'name': 'speed', 'value': 1.31}."""
+    search: dict | None = None
+    """Search settings and statistics (sampler, trials, seed, wall time, ...)."""
+    source: str = ""
+    """Which tool wrote it: 'self_sd' search or a 'swift' stream."""
+
+    def to_dict(self) -> dict:
+        return {"format": PLAN_FORMAT, "source": self.source, "model": self.model, "task": self.task,
+                "plan": self.plan.to_dict(), "skip_ratio": self.plan.skip_ratio, "objective": self.objective,
+                "search": self.search}
+
+    def save(self, path) -> None:
+        """Write atomically (a temporary file renamed into place)."""
+        import json
+        import os
+        from pathlib import Path
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path) -> PlanFile:
+        import json
+        from pathlib import Path
+
+        from infer.errors import UserError
+
+        path = Path(path)
+        if not path.is_file():
+            raise UserError(f"plan file {path} does not exist (create one with `layerskip search`)")
+        try:
+            d = json.loads(path.read_text())
+            if d.get("format") != PLAN_FORMAT:
+                raise ValueError(f"format is {d.get('format')!r}, expected {PLAN_FORMAT!r}")
+            return cls(LayerPlan.from_dict(d["plan"]), d["model"], d.get("task", ""), d.get("objective"),
+                       d.get("search"), d.get("source", ""))
+        except (ValueError, KeyError, TypeError) as e:
+            raise UserError(f"{path} is not a valid plan file: {e}") from None
+
+    def check_model(self, identity: dict, path: str = "the plan") -> None:
+        """Refuse a plan made for another model (architecture or weights differ)."""
+        from infer.errors import UserError
+
+        diff = {k: (self.model.get(k), v) for k, v in identity.items() if self.model.get(k) != v}
+        if diff:
+            what = ", ".join(f"{k}: plan has {a}, model has {b}" for k, (a, b) in diff.items())
+            raise UserError(f"{path} was made for another model ({what}); search a plan for this model with "
+                            "`layerskip search`")

@@ -41,6 +41,7 @@ class EarlyExitDrafter:
 
     def __init__(self, runner, config: EarlyExitConfig | None = None):
         self.config = config or EarlyExitConfig()
+        self.forwards = 0
         L = runner.num_layers
         if not 1 <= self.config.exit_layer <= L:
             raise UserError(f"exit layer {self.config.exit_layer} is out of range: the model has {L} "
@@ -51,7 +52,7 @@ class EarlyExitDrafter:
         return self.config.num_draft + 1
 
     def start(self, state: DecodeState) -> None:
-        pass
+        self.forwards = 0
 
     def propose(self, state: DecodeState) -> Draft | None:
         runner, cfg = state.runner, self.config
@@ -66,6 +67,7 @@ class EarlyExitDrafter:
             pos = torch.tensor([state.n + i], device=runner.device)
             h = runner.forward_layers(state.cache, runner.embed(token), pos, 0, E)  # (1, d)
             hiddens.append(h)
+            self.forwards += 1
             logits = runner.logits(h)  # (1, V)
             if greedy:
                 probs = torch.softmax(logits, -1) if cfg.confidence > 0 else None
@@ -88,4 +90,4 @@ class EarlyExitDrafter:
         pass
 
     def stats(self) -> dict:
-        return {}
+        return {"draft_forwards": self.forwards}

@@ -1,0 +1,466 @@
+"""Benchmark drafters and `transformers` peers side by side on real prompt sets.
+
+Every (model, task, method) is run on the same prompts, interleaved per prompt and repeat so
+that machine drift hits all methods alike. Greedy outputs are checked token for token against
+our autoregressive baseline; mismatches are counted and reported, never hidden.
+
+Cost model (LayerSkip, Elhoushi et al. 2024, §4; speculative decoding, Leviathan et al. 2023):
+one draft-verify cycle produces M tokens and costs k̄·c + v full-forward equivalents, where k̄ is
+the mean number of draft forwards per cycle, c the cost of one draft forward relative to one
+full single-token forward, and v the cost of the verification forward (≈ 1 when memory-bound).
+The expected speed-up over autoregressive decoding is M / (k̄·c + v).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import platform
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from infer.errors import UserError
+
+PEERS = ("hf_generate", "hf_early_exit", "prompt_lookup")
+BASELINE = "autoregressive"
+
+
+# --------------------------------------------------------------------------- specs
+@dataclass(frozen=True)
+class Method:
+    """One thing to time: one of our drafters, or a `transformers` peer."""
+
+    label: str
+    """Display name, e.g. 'early_exit:E=8:k=6' or 'hf_early_exit:E=8'."""
+    name: str
+    """Drafter name or peer name."""
+    options: tuple[tuple[str, str], ...] = ()
+    """Drafter/peer options as (key, value) strings."""
+
+    @property
+    def is_peer(self) -> bool:
+        return self.name in PEERS
+
+    @property
+    def opts(self) -> dict[str, str]:
+        return dict(self.options)
+
+
+def parse_methods(drafters: str, peers: str | None) -> list[Method]:
+    """Parse '--drafters' and '--peers' lists; the autoregressive baseline is always included."""
+    from infer.drafters import parse_spec
+
+    methods: list[Method] = []
+    for spec in [s for s in drafters.split(",") if s.strip()]:
+        name, opts = parse_spec(spec)
+        methods.append(Method(spec.strip(), name, tuple(opts.items())))
+    if not any(m.name == BASELINE and not m.options for m in methods):
+        methods.insert(0, Method(BASELINE, BASELINE))
+    exits = sorted({int(m.opts.get("E", m.opts.get("exit_layer", 0))) for m in methods if m.name == "early_exit"})
+    peer_specs = "hf_generate,prompt_lookup" + "".join(f",hf_early_exit:E={e}" for e in exits) if peers is None \
+        else peers
+    for spec in [s for s in peer_specs.split(",") if s.strip()]:
+        name, _, rest = spec.strip().partition(":")
+        if name not in PEERS:
+            raise UserError(f"unknown peer {name!r}; choose from {', '.join(PEERS)} (or --peers none)")
+        opts = tuple(tuple(p.split("=", 1)) for p in rest.split(":") if p) if rest else ()
+        if name == "hf_early_exit" and "E" not in dict(opts):
+            raise UserError("hf_early_exit needs an exit layer: hf_early_exit:E=8")
+        methods.append(Method(spec.strip(), name, opts))
+    labels = [m.label for m in methods]
+    if len(set(labels)) != len(labels):
+        raise UserError(f"a method is listed twice: {labels}")
+    return methods
+
+
+def sweep_methods(exits: list[int], ks: list[int]) -> list[Method]:
+    """The LayerSkip E x k grid of early-exit drafters."""
+    return [Method(f"early_exit:E={e}:k={k}", "early_exit", (("E", str(e)), ("k", str(k)))) for e in exits for k in ks]
+
+
+@dataclass
+class BenchConfig:
+    """What `layerskip bench` runs."""
+
+    models: list[str]
+    """Model folders or 'default'."""
+    methods: list[Method]
+    """Drafters and peers to time."""
+    data: list[str]
+    """Prompt sources (built-in names, jsonl files, text folders)."""
+    n: int = 8
+    """Prompts per task, taken from the end of each set (held out from training)."""
+    max_new_tokens: int = 128
+    """Tokens generated per prompt."""
+    repeats: int = 3
+    """Timed repeats; tokens/s is the median over repeats."""
+    threads: int = 1
+    """torch threads (1 gives the most repeatable CPU numbers)."""
+    dtype: str = "fp32"
+    """Weights/compute dtype."""
+    temperature: float = 0.0
+    """0 = greedy (exactness is checked); > 0 samples."""
+    top_k: int = 0
+    """Sampling top-k (0 = off)."""
+    top_p: float = 1.0
+    """Sampling top-p (1 = off)."""
+    seed: int = 0
+    """Sampling seed."""
+    chat: str = "auto"
+    """'auto' (chat template for gsm8k only), 'always' or 'never'."""
+    stop_at_eos: bool = False
+    """Stop at EOS; off by default so every method generates exactly max_new_tokens."""
+    warmup: bool = True
+    """One short untimed run per method before timing."""
+
+    def __post_init__(self) -> None:
+        if self.n < 1 or self.max_new_tokens < 1 or self.repeats < 1:
+            raise UserError("--n, --max-new-tokens and --repeats must be >= 1")
+        if self.chat not in ("auto", "always", "never"):
+            raise UserError("--chat must be auto, always or never")
+        if not self.models or not self.data:
+            raise UserError("give at least one --model and one --data source")
+
+
+# --------------------------------------------------------------------------- records
+@dataclass
+class Record:
+    """One timed generation."""
+
+    model: str
+    task: str
+    method: str
+    prompt_id: str
+    repeat: int
+    new_tokens: int
+    wall_time: float
+    verify_calls: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    update_time: float = 0.0
+    opt_time: float = 0.0
+    draft_forwards: int = 0
+    exact: bool | None = None
+    drafter_stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class Summary:
+    """Aggregate over the prompts and repeats of one (model, task, method)."""
+
+    model: str
+    task: str
+    method: str
+    prompts: int
+    new_tokens: int
+    tokens_per_second: float
+    tps_per_repeat: list[float]
+    speedup_vs_autoregressive: float | None
+    speedup_vs_hf_generate: float | None
+    acceptance_rate: float | None
+    tokens_per_verify: float | None
+    mean_draft_forwards: float | None
+    draft_cost_ratio: float | None
+    verify_cost_ratio: float | None
+    expected_speedup: float | None
+    opt_time_share: float | None
+    exact_mismatches: int | None
+    """Prompts whose greedy output differs from autoregressive (None when sampling)."""
+
+
+def expected_speedup(tokens_per_verify: float, mean_draft_forwards: float, draft_cost: float,
+                     verify_cost: float = 1.0) -> float:
+    """M / (k̄·c + v): tokens per cycle over cycle cost in full-forward units."""
+    return tokens_per_verify / (mean_draft_forwards * draft_cost + verify_cost)
+
+
+def expected_speedup_iid(alpha: float, k: int, draft_cost: float) -> float:
+    """Leviathan et al. (2023) Thm 3.8: (1 - a^(k+1)) / ((1 - a)(k c + 1)) for i.i.d. acceptance a."""
+    tokens = k + 1 if alpha == 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens / (k * draft_cost + 1)
+
+
+# --------------------------------------------------------------------------- running
+def _use_chat(cfg: BenchConfig, task: str) -> bool:
+    return cfg.chat == "always" or (cfg.chat == "auto" and task == "gsm8k")
+
+
+def _task_name(source: str) -> str:
+    return Path(source).stem if ("/" in source or "." in source) else source
+
+
+class _Peer:
+    """`transformers` generate, plain / with its early-exit assistant / with prompt lookup."""
+
+    def __init__(self, path: Path, dtype: str):
+        import torch
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        from infer.runner import parse_dtype
+
+        hf_logging.set_verbosity_error()  # generate() warns about its own assistant's kwargs
+        hf_logging.disable_progress_bar()
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype)).eval()
+
+    def generate(self, method: Method, ids: list[int], cfg: BenchConfig,
+                 eos: tuple[int, ...]) -> tuple[list[int], float]:
+        from transformers import GenerationConfig
+
+        kwargs: dict = {}
+        if method.name == "hf_early_exit":
+            kwargs["assistant_early_exit"] = int(method.opts["E"])
+            kwargs["num_assistant_tokens"] = int(method.opts.get("k", 5))
+        elif method.name == "prompt_lookup":
+            kwargs["prompt_lookup_num_tokens"] = int(method.opts.get("k", 10))
+        sampling = cfg.temperature > 0
+        gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, do_sample=sampling,
+                               temperature=cfg.temperature if sampling else None,
+                               top_k=cfg.top_k or None, top_p=cfg.top_p if sampling else None,
+                               eos_token_id=list(eos) if cfg.stop_at_eos and eos else None,
+                               pad_token_id=eos[0] if eos else 0, **kwargs)
+        x = self.torch.tensor([ids])
+        t0 = time.perf_counter()
+        with self.torch.no_grad():
+            out = self.model.generate(x, generation_config=gen)
+        return out[0, len(ids):].tolist(), time.perf_counter() - t0
+
+
+def run_bench(cfg: BenchConfig, progress: bool = True) -> list[Record]:
+    """Run every method on every prompt, ``cfg.repeats`` times, interleaved; return raw records."""
+    from infer.loading import load_model, set_threads
+    from infer.prompts import load_prompts
+
+    set_threads(cfg.threads)
+    tasks = {_task_name(src): load_prompts(src, cfg.n, from_end=True) for src in cfg.data}
+    records: list[Record] = []
+    for model_arg in cfg.models:
+        model = load_model(model_arg, cfg.dtype)
+        peer = _Peer(model.path, cfg.dtype) if any(m.is_peer for m in cfg.methods) else None
+        label = _model_label(model_arg, model.path)
+        for task, items in tasks.items():
+            prompts = [(it.id, model.encode(it.prompt, _use_chat(cfg, task))) for it in items]
+            records += _run_task(cfg, model, peer, label, task, prompts, progress)
+        del model, peer
+    return records
+
+
+def _model_label(arg: str, path: Path) -> str:
+    return "default" if arg == "default" else path.name
+
+
+def _engine_for(method: Method, model):
+    from infer.drafters import build_drafter
+    from infer.engine import Engine
+
+    drafter = build_drafter(method.name, model.runner, method.opts)
+    return Engine(model.runner, drafter, model.eos_token_ids, model.decode)
+
+
+def _run_task(cfg: BenchConfig, model, peer, label: str, task: str, prompts: list[tuple[str, list[int]]],
+              progress: bool) -> list[Record]:
+    from tqdm.auto import tqdm
+
+    from infer.engine import GenerationConfig
+    from infer.sampling import SamplingConfig
+
+    sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed)
+    gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, sampling=sampling, stop_at_eos=cfg.stop_at_eos)
+    if cfg.warmup:
+        _warmup(cfg, model, peer, prompts[0][1])
+    reference: dict[str, list[int]] = {}
+    records = []
+    bar = tqdm(total=cfg.repeats * len(prompts) * len(cfg.methods), desc=f"{label}/{task}", disable=not progress,
+               leave=False)
+    for repeat in range(cfg.repeats):
+        engines = {m.label: _engine_for(m, model) for m in cfg.methods if not m.is_peer}  # fresh stream state
+        for pid, ids in prompts:
+            for method in cfg.methods:
+                bar.set_postfix_str(method.label)
+                if method.is_peer:
+                    tokens, wall = peer.generate(method, ids, cfg, model.eos_token_ids)
+                    rec = Record(label, task, method.label, pid, repeat, len(tokens), wall)
+                else:
+                    result = engines[method.label].generate(ids, gen)
+                    tokens = result.tokens
+                    rec = _record(label, task, method, pid, repeat, result)
+                if method.name == BASELINE and not method.options and repeat == 0:
+                    reference[pid] = tokens
+                if sampling.greedy and pid in reference:
+                    rec.exact = tokens == reference[pid]
+                records.append(rec)
+                bar.update()
+    bar.close()
+    return records
+
+
+def _record(model: str, task: str, method: Method, pid: str, repeat: int, result) -> Record:
+    s = result.stats
+    extra = dict(s.drafter)
+    return Record(model, task, method.label, pid, repeat, s.new_tokens, s.wall_time, s.verify_calls, s.drafted,
+                  s.accepted, s.draft_time, s.verify_time, s.update_time, float(extra.get("opt_time", 0.0)),
+                  int(extra.get("draft_forwards", 0)), None, extra)
+
+
+def _warmup(cfg: BenchConfig, model, peer, ids: list[int]) -> None:
+    from infer.engine import GenerationConfig
+
+    short = dataclasses.replace(cfg, max_new_tokens=4)
+    for method in cfg.methods:
+        if method.is_peer:
+            peer.generate(method, ids, short, model.eos_token_ids)
+        else:
+            _engine_for(method, model).generate(ids, GenerationConfig(max_new_tokens=4, stop_at_eos=False))
+
+
+# --------------------------------------------------------------------------- summarising
+def summarize(records: list[Record]) -> list[Summary]:
+    groups: dict[tuple[str, str, str], list[Record]] = defaultdict(list)
+    for r in records:
+        groups[(r.model, r.task, r.method)].append(r)
+    base = {}
+    rows = []
+    for (model, task, method), recs in groups.items():
+        rows.append(_summarize_group(model, task, method, recs))
+        if method in (BASELINE, "hf_generate"):
+            base[(model, task, method)] = rows[-1]
+    ar_step = {key[:2]: _step_time(groups[key]) for key in groups if key[2] == BASELINE}
+    for row in rows:
+        ar = base.get((row.model, row.task, BASELINE))
+        hf = base.get((row.model, row.task, "hf_generate"))
+        row.speedup_vs_autoregressive = row.tokens_per_second / ar.tokens_per_second if ar else None
+        row.speedup_vs_hf_generate = row.tokens_per_second / hf.tokens_per_second if hf else None
+        _cost_model(row, groups[(row.model, row.task, row.method)], ar_step.get((row.model, row.task)))
+    return rows
+
+
+def _step_time(recs: list[Record]) -> float | None:
+    calls = sum(r.verify_calls for r in recs)
+    return sum(r.verify_time for r in recs) / calls if calls else None
+
+
+def _summarize_group(model: str, task: str, method: str, recs: list[Record]) -> Summary:
+    by_repeat: dict[int, list[Record]] = defaultdict(list)
+    for r in recs:
+        by_repeat[r.repeat].append(r)
+    tps = [sum(r.new_tokens for r in rs) / sum(r.wall_time for r in rs) for _, rs in sorted(by_repeat.items())]
+    ours = any(r.verify_calls for r in recs)
+    drafted = sum(r.drafted for r in recs)
+    calls = sum(r.verify_calls for r in recs)
+    exact = [r.exact for r in recs if r.repeat == 0 and r.exact is not None]
+    first = [r for r in recs if r.repeat == 0]
+    wall = sum(r.wall_time for r in recs)
+    return Summary(
+        model=model, task=task, method=method, prompts=len(first), new_tokens=sum(r.new_tokens for r in first),
+        tokens_per_second=statistics.median(tps), tps_per_repeat=tps, speedup_vs_autoregressive=None,
+        speedup_vs_hf_generate=None,
+        acceptance_rate=sum(r.accepted for r in recs) / drafted if drafted else None,
+        tokens_per_verify=(sum(r.new_tokens - 1 for r in recs) / calls) if ours and calls else None,
+        mean_draft_forwards=None, draft_cost_ratio=None, verify_cost_ratio=None, expected_speedup=None,
+        opt_time_share=(sum(r.opt_time for r in recs) / wall) if ours and wall else None,
+        exact_mismatches=sum(1 for e in exact if not e) if exact else None,
+    )
+
+
+def _cost_model(row: Summary, recs: list[Record], ar_step: float | None) -> None:
+    """Fill k̄, c, v and the expected speed-up M / (k̄ c + v) from measured times."""
+    calls = sum(r.verify_calls for r in recs)
+    forwards = sum(r.draft_forwards for r in recs)
+    if not calls or not ar_step or row.tokens_per_verify is None:
+        return
+    row.mean_draft_forwards = forwards / calls
+    row.verify_cost_ratio = sum(r.verify_time for r in recs) / calls / ar_step
+    if forwards:
+        row.draft_cost_ratio = sum(r.draft_time for r in recs) / forwards / ar_step
+    c = row.draft_cost_ratio or 0.0
+    row.expected_speedup = expected_speedup(row.tokens_per_verify, row.mean_draft_forwards, c, row.verify_cost_ratio)
+
+
+def recommend(rows: list[Summary]) -> dict[tuple[str, str], str]:
+    """Fastest of our methods per (model, task) (what a user should run)."""
+    best: dict[tuple[str, str], Summary] = {}
+    for row in rows:
+        if row.method.split(":")[0] in PEERS:
+            continue
+        key = (row.model, row.task)
+        if key not in best or row.tokens_per_second > best[key].tokens_per_second:
+            best[key] = row
+    return {k: v.method for k, v in best.items()}
+
+
+# --------------------------------------------------------------------------- outputs
+def machine_info(cfg: BenchConfig) -> dict:
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "threads": cfg.threads,
+            "date": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def _fmt(x, spec: str = ".2f") -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def markdown_table(rows: list[Summary]) -> str:
+    """Per task: one row per (model, method)."""
+    out = []
+    for task in dict.fromkeys(r.task for r in rows):
+        out.append(f"\n#### {task}\n")
+        out.append("| model | method | tok/s | vs AR | vs HF generate | α | M | k̄ | c | expected | opt share | exact |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in [r for r in rows if r.task == task]:
+            exact = "n/a" if r.exact_mismatches is None else (
+                "yes" if r.exact_mismatches == 0 else f"**{r.exact_mismatches} mismatched**")
+            out.append(f"| {r.model} | {r.method} | {r.tokens_per_second:.1f} | {_fmt(r.speedup_vs_autoregressive)}x "
+                       f"| {_fmt(r.speedup_vs_hf_generate)}x | {_fmt(r.acceptance_rate)} | {_fmt(r.tokens_per_verify)} "
+                       f"| {_fmt(r.mean_draft_forwards)} | {_fmt(r.draft_cost_ratio)} "
+                       f"| {_fmt(r.expected_speedup)}x | {_fmt(r.opt_time_share, '.1%')} | {exact} |")
+    return "\n".join(out) + "\n"
+
+
+def write_outputs(cfg: BenchConfig, records: list[Record], out_dir: Path, command: str) -> list[Summary]:
+    """results.json, results.csv, results.md and plots under ``out_dir``."""
+    from infer import plots
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = summarize(records)
+    meta = machine_info(cfg) | {"command": command}
+    config = asdict(cfg) | {"methods": [m.label for m in cfg.methods]}
+    best = recommend(rows)
+    payload = {"meta": meta, "config": config, "summary": [asdict(r) for r in rows],
+               "recommended": [{"model": m, "task": t, "method": v} for (m, t), v in best.items()],
+               "records": [asdict(r) for r in records]}
+    (out_dir / "results.json").write_text(json.dumps(payload, indent=1) + "\n")
+    with open(out_dir / "results.csv", "w", newline="") as f:
+        fields = [k for k in asdict(rows[0]) if k != "tps_per_repeat"] if rows else []
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        for r in rows:
+            writer.writerow(asdict(r))
+    figures = plots.write_all(rows, records, out_dir)
+    lines = ["# Benchmark results\n", f"`{command}`\n",
+             f"Machine: {meta['cpu']}; torch {meta['torch']}, transformers {meta['transformers']}, "
+             f"{cfg.threads} thread(s), {cfg.dtype}; {meta['date']}. {cfg.n} prompts per task (held-out end of "
+             f"each set), {cfg.max_new_tokens} new tokens, median tokens/s of {cfg.repeats} repeats; "
+             f"{'greedy' if cfg.temperature == 0 else f'sampling T={cfg.temperature}'}.\n",
+             "α = accepted/drafted, M = tokens per verification, k̄ = draft forwards per verification, "
+             "c = draft forward cost / full forward cost, expected = M / (k̄·c + v).\n",
+             markdown_table(rows), "\n**Recommended (fastest of ours) per model and task:** " +
+             "; ".join(f"{m}/{t}: `{v}`" for (m, t), v in best.items()) + "\n"]
+    lines += [f"\n![{p.stem}]({p.name})\n" for p in figures]
+    (out_dir / "results.md").write_text("\n".join(lines))
+    return rows

@@ -1,0 +1,86 @@
+"""``layerskip bench``: drafters and `transformers` peers, side by side, on real prompt sets."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from infer.errors import UserError
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmark drafters and transformers peers on real prompts",
+                       description="Time every method on the same held-out prompts (interleaved, median of repeats), "
+                       "check greedy exactness against autoregressive, and write results.json/.csv/.md and plots.")
+    p.add_argument("--model", action="append", dest="models", default=None,
+                   help="model folder or 'default' (repeatable: e.g. base and trained checkpoints)")
+    p.add_argument("--drafters", default="autoregressive,early_exit:E=8:k=6",
+                   help="comma-separated drafter specs, e.g. autoregressive,early_exit:E=8:k=6,self_sd:plan=P,swift")
+    p.add_argument("--peers", default=None,
+                   help="transformers peers: hf_generate, hf_early_exit:E=8, prompt_lookup (default: hf_generate, "
+                   "prompt_lookup and hf_early_exit at each early_exit E); 'none' for no peers")
+    p.add_argument("--data", default="humaneval,gsm8k", help="comma-separated prompt sources: humaneval, gsm8k, "
+                   "a .jsonl file with 'prompt' fields, or a folder of text files")
+    p.add_argument("--n", type=int, default=8, help="prompts per task (from the end of each set: held out)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy (exactness then not checked)")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 1.0 with --sample)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat", default="auto", choices=["auto", "always", "never"],
+                   help="chat template: auto = for gsm8k only")
+    p.add_argument("--stop-at-eos", action="store_true", help="stop at EOS (default: exactly max-new-tokens each)")
+    p.add_argument("--sweep", action="store_true", help="add the early-exit grid --exits x --ks and recommend the "
+                   "best setting per task")
+    p.add_argument("--exits", type=_ints, default=[4, 8, 12, 16, 20, 24], help="exit layers for --sweep")
+    p.add_argument("--ks", type=_ints, default=[2, 4, 6], help="draft lengths for --sweep")
+    p.add_argument("--out", type=Path, required=True, help="output folder")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace):
+    from infer.bench import BenchConfig, parse_methods, sweep_methods
+
+    if args.temperature is not None and not args.sample:
+        raise UserError("--temperature needs --sample")
+    peers = "" if args.peers == "none" else args.peers
+    methods = parse_methods(args.drafters, peers)
+    if args.sweep:
+        known = {m.label for m in methods}
+        grid = [m for m in sweep_methods(args.exits, args.ks) if m.label not in known]
+        methods += grid
+        if args.peers is None:  # the HF early-exit peer at the sweep's exits too
+            methods += [m for m in parse_methods("", ",".join(f"hf_early_exit:E={e}" for e in args.exits))
+                        if m.is_peer and m.label not in known]
+    return BenchConfig(models=args.models or ["default"], methods=methods,
+                       data=[d.strip() for d in args.data.split(",") if d.strip()], n=args.n,
+                       max_new_tokens=args.max_new_tokens, repeats=args.repeats, threads=args.threads,
+                       dtype=args.dtype, temperature=(args.temperature or 1.0) if args.sample else 0.0,
+                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=args.chat,
+                       stop_at_eos=args.stop_at_eos)
+
+
+def run(args: argparse.Namespace) -> int:
+    from infer.bench import markdown_table, run_bench, write_outputs
+
+    cfg = config_from_args(args)
+    command = "layerskip " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    records = run_bench(cfg, progress=not args.quiet)
+    rows = write_outputs(cfg, records, args.out, command)
+    print(markdown_table(rows))
+    print(f"wrote {args.out}/results.json, results.csv, results.md and plots", file=sys.stderr)
+    return 0

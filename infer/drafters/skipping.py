@@ -1,0 +1,71 @@
+"""Shared machinery of the sublayer-skipping drafters (Self-SD, SWIFT).
+
+A plan's first ``exact_prefix`` layers skip nothing, so their KV and the hidden state at their
+end equal the full model's: the draft computes them once and verification reuses them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from infer.drafters.base import DecodeState
+from infer.plan import LayerPlan
+from infer.runner import KVCache, Runner
+
+
+def draft_step(runner: Runner, cache: KVCache, token: Tensor, position: int, plan: LayerPlan) -> tuple[Tensor, Tensor]:
+    """One draft forward of ``token`` (1,) at ``position``: returns (hidden at exact_prefix (1, d), logits (1, V))."""
+    E = plan.exact_prefix
+    pos = torch.tensor([position], device=runner.device)
+    exact = runner.forward_layers(cache, runner.embed(token), pos, 0, E)  # (1, d)
+    hidden = runner.forward_layers(cache, exact, pos, E, runner.num_layers, plan=plan)  # (1, d)
+    return exact, runner.logits(hidden)
+
+
+def window_mask(w: int, device) -> Tensor:
+    """(w, 2w) mask: w re-run tokens see the slots before the window, each other causally, not their old rows."""
+    hide = torch.zeros(w, w, dtype=torch.bool, device=device)
+    causal = torch.ones(w, w, dtype=torch.bool, device=device).tril()
+    return torch.cat([hide, causal], dim=1)
+
+
+@torch.no_grad()
+def matchness(state: DecodeState, plans: list[LayerPlan], window: int) -> list[float]:
+    """Teacher-forced agreement of each plan's argmax with the verified tokens over the last ``window``.
+
+    The verified tokens ``tokens[s..n]`` (n = cache length, tokens[n] the pending token, itself the
+    full model's choice) are re-run in draft mode at their own positions, appended after the cache
+    and masked from their old rows; the cache is rolled back afterwards.
+    """
+    runner, cache, n = state.runner, state.cache, state.n
+    w = min(window, n - 1)
+    if w < 1:
+        return [0.0 for _ in plans]
+    s = n - w
+    ids = state.ids(s, n)  # (w,)
+    target = state.ids(s + 1, n + 1)  # (w,)
+    positions = torch.arange(s, n, device=runner.device)
+    mask = window_mask(w, runner.device)
+    embedded = runner.embed(ids)  # (w, d)
+    scores = []
+    for plan in plans:
+        hidden = runner.forward_layers(cache, embedded, positions, 0, runner.num_layers, plan=plan, mask=mask)
+        agree = runner.logits(hidden).argmax(-1) == target  # (w,)
+        scores.append(float(agree.float().mean()))
+        cache.rollback(n)
+    return scores
+
+
+def relative_cost(runner: Runner, plan: LayerPlan) -> float:
+    """Cost of one draft forward relative to a full forward, by weights read (memory-bound decoding).
+
+    Attention reads 4 d² -ish (q, k, v, o), the MLP 3 d·I, the LM head V·d; skipped sublayers read nothing.
+    """
+    s = runner.spec
+    attn = s.hidden_size * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim + s.num_heads * s.head_dim * s.hidden_size
+    mlp = 3 * s.hidden_size * s.intermediate_size
+    head = s.vocab_size * s.hidden_size
+    full = s.num_layers * (attn + mlp) + head
+    run = (s.num_layers - len(plan.skip_attn)) * attn + (s.num_layers - len(plan.skip_mlp)) * mlp + head
+    return run / full

@@ -1,0 +1,98 @@
+"""The benchmark runs end to end on a tiny model, writes its documented outputs, and catches lossy drafters."""
+
+import csv
+import json
+
+import pytest
+import torch
+
+from infer.bench import expected_speedup, expected_speedup_iid
+from infer.cli import main
+from infer.drafters import DRAFTERS
+from infer.drafters.early_exit import EarlyExitDrafter
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "def add(a, b):"}\n{"prompt": "The quick brown fox"}\n')
+    return path
+
+
+def bench(tiny_model_dir, prompts_file, out, drafters, *extra):
+    return main(["bench", "--model", str(tiny_model_dir), "--drafters", drafters, "--data", str(prompts_file),
+                 "--n", "2", "--max-new-tokens", "10", "--repeats", "2", "--out", str(out), "--quiet", *extra])
+
+
+def test_bench_end_to_end_outputs(tiny_model_dir, prompts_file, tmp_path, capsys):
+    out = tmp_path / "out"
+    code = bench(tiny_model_dir, prompts_file, out, "early_exit:E=2:k=3", "--sweep", "--exits", "1,3", "--ks", "2,4")
+    assert code == 0
+    payload = json.loads((out / "results.json").read_text())
+    assert set(payload) == {"meta", "config", "summary", "recommended", "records"}
+    assert {"cpu", "torch", "transformers", "threads", "command"} <= set(payload["meta"])
+    methods = {row["method"] for row in payload["summary"]}
+    assert {"autoregressive", "early_exit:E=2:k=3", "hf_generate", "prompt_lookup", "hf_early_exit:E=2",
+            "early_exit:E=1:k=2", "early_exit:E=3:k=4", "hf_early_exit:E=3"} <= methods
+    for row in payload["summary"]:
+        assert row["exact_mismatches"] == 0, row["method"]  # peers included: HF generate == our AR
+        assert len(row["tps_per_repeat"]) == 2 and row["tokens_per_second"] > 0
+        if row["method"].startswith("early_exit"):
+            assert row["acceptance_rate"] is not None and row["draft_cost_ratio"] > 0
+            assert row["expected_speedup"] > 0 and row["tokens_per_verify"] >= 1.0
+    ar = next(r for r in payload["summary"] if r["method"] == "autoregressive")
+    assert ar["speedup_vs_autoregressive"] == 1.0 and ar["tokens_per_verify"] == 1.0
+    assert len(payload["records"]) == 2 * 2 * len(methods)  # prompts x repeats x methods
+    with open(out / "results.csv") as f:
+        header = next(csv.reader(f))
+    assert {"model", "task", "method", "tokens_per_second", "speedup_vs_autoregressive", "acceptance_rate",
+            "tokens_per_verify", "draft_cost_ratio", "expected_speedup", "exact_mismatches"} <= set(header)
+    md = (out / "results.md").read_text()
+    assert "| early_exit:E=2:k=3 |" in md and "Recommended" in md
+    for png in ("speedup.png", "acceptance_by_exit.png"):
+        assert (out / png).stat().st_size > 1000
+    assert list(out.glob("sweep_*.png"))
+
+
+class FaultyDrafter(EarlyExitDrafter):
+    """Claims its exit hidden states are exact but perturbs them: verification becomes lossy."""
+
+    name = "faulty"
+
+    def propose(self, state):
+        draft = super().propose(state)
+        if draft is not None and draft.hidden is not None:
+            draft.hidden = draft.hidden + 3.0 * torch.randn_like(draft.hidden)
+        return draft
+
+
+def test_bench_reports_exactness_mismatches(tiny_model_dir, prompts_file, tmp_path, monkeypatch):
+    monkeypatch.setitem(DRAFTERS, "faulty", FaultyDrafter)
+    out = tmp_path / "out"
+    assert bench(tiny_model_dir, prompts_file, out, "faulty:exit_layer=2:num_draft=4", "--peers", "none") == 0
+    rows = {r["method"]: r for r in json.loads((out / "results.json").read_text())["summary"]}
+    assert rows["autoregressive"]["exact_mismatches"] == 0
+    assert rows["faulty:exit_layer=2:num_draft=4"]["exact_mismatches"] > 0
+    assert "mismatched" in (out / "results.md").read_text()
+
+
+def test_expected_speedup_formulas():
+    # M tokens per cycle over k̄ c + v: 3 tokens, 4 drafts at c = 0.25, v = 1 -> 3 / 2
+    assert expected_speedup(3.0, 4.0, 0.25, 1.0) == pytest.approx(1.5)
+    assert expected_speedup(1.0, 0.0, 0.0, 1.0) == pytest.approx(1.0)
+    # Leviathan et al. Thm 3.8: alpha 0.5, k 2, c 0 -> (1 - 0.125) / 0.5 = 1.75
+    assert expected_speedup_iid(0.5, 2, 0.0) == pytest.approx(1.75)
+    # alpha 0.8, k 4, c 0.1: (1 - 0.8^5) / 0.2 / 1.4
+    assert expected_speedup_iid(0.8, 4, 0.1) == pytest.approx((1 - 0.8 ** 5) / 0.2 / 1.4)
+    assert expected_speedup_iid(1.0, 3, 0.2) == pytest.approx(4 / 1.6)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--drafters", "early_exit:E=x"], "not a valid"),
+    (["--drafters", "nope"], "unknown drafter"),
+    (["--peers", "hf_magic"], "unknown peer"),
+    (["--temperature", "0.5"], "needs --sample"),
+])
+def test_bench_bad_input(argv, message, tmp_path, capsys):
+    code = main(["bench", "--out", str(tmp_path / "o"), "--data", "humaneval", *argv])
+    assert code == 2 and message in capsys.readouterr().err
