@@ -9,11 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from infer.drafters.base import DecodeState, Draft, VerifyOutcome
+from infer.drafters.chain import EarlyExitForward, draft_chain
 from infer.errors import UserError
-from infer.sampling import probs_from_logits, sample
 
 
 @dataclass
@@ -41,11 +39,12 @@ class EarlyExitDrafter:
 
     def __init__(self, runner, config: EarlyExitConfig | None = None):
         self.config = config or EarlyExitConfig()
-        self.forwards = 0
         L = runner.num_layers
         if not 1 <= self.config.exit_layer <= L:
             raise UserError(f"exit layer {self.config.exit_layer} is out of range: the model has {L} "
                             f"layers, so use 1 <= --exit-layer <= {L}")
+        self.forward = EarlyExitForward(runner, self.config.exit_layer)
+        self.forwards = 0
 
     @property
     def lookahead(self) -> int:
@@ -55,36 +54,9 @@ class EarlyExitDrafter:
         self.forwards = 0
 
     def propose(self, state: DecodeState) -> Draft | None:
-        runner, cfg = state.runner, self.config
-        E = cfg.exit_layer
-        k = min(cfg.num_draft, state.budget - 1)
-        if k < 1:
-            return None
-        greedy = state.sampling.greedy
-        token = torch.tensor([state.pending], device=runner.device)  # (1,)
-        hiddens, tokens, qs = [], [], []
-        for i in range(k):
-            pos = torch.tensor([state.n + i], device=runner.device)
-            h = runner.forward_layers(state.cache, runner.embed(token), pos, 0, E)  # (1, d)
-            hiddens.append(h)
-            self.forwards += 1
-            logits = runner.logits(h)  # (1, V)
-            if greedy:
-                probs = torch.softmax(logits, -1) if cfg.confidence > 0 else None
-                token = logits.argmax(-1)  # (1,)
-            else:
-                probs = probs_from_logits(logits, state.sampling)  # (1, V)
-                token = sample(probs, state.generator)  # (1,)
-                qs.append(probs)
-            if cfg.confidence > 0 and float(probs.max()) < cfg.confidence:
-                if not greedy:
-                    qs.pop()
-                break
-            tokens.append(token)
-        if not tokens:
-            return Draft(torch.empty(0, dtype=torch.long), exact_layers=E, hidden=torch.cat(hiddens))
-        return Draft(tokens=torch.cat(tokens), q=torch.cat(qs) if qs else None, exact_layers=E,
-                     hidden=torch.cat(hiddens))
+        chain = draft_chain(state, self.forward, self.config.num_draft, self.config.confidence)
+        self.forwards += chain.forwards
+        return chain.draft if chain.forwards else None
 
     def update(self, state: DecodeState, outcome: VerifyOutcome) -> None:
         pass

@@ -1,8 +1,4 @@
-"""Shared machinery of the sublayer-skipping drafters (Self-SD, SWIFT).
-
-A plan's first ``exact_prefix`` layers skip nothing, so their KV and the hidden state at their
-end equal the full model's: the draft computes them once and verification reuses them.
-"""
+"""Scoring of sublayer skip plans, shared by Self-SD (offline search) and SWIFT (online search)."""
 
 from __future__ import annotations
 
@@ -11,16 +7,7 @@ from torch import Tensor
 
 from infer.drafters.base import DecodeState
 from infer.plan import LayerPlan
-from infer.runner import KVCache, Runner
-
-
-def draft_step(runner: Runner, cache: KVCache, token: Tensor, position: int, plan: LayerPlan) -> tuple[Tensor, Tensor]:
-    """One draft forward of ``token`` (1,) at ``position``: returns (hidden at exact_prefix (1, d), logits (1, V))."""
-    E = plan.exact_prefix
-    pos = torch.tensor([position], device=runner.device)
-    exact = runner.forward_layers(cache, runner.embed(token), pos, 0, E)  # (1, d)
-    hidden = runner.forward_layers(cache, exact, pos, E, runner.num_layers, plan=plan)  # (1, d)
-    return exact, runner.logits(hidden)
+from infer.runner import Runner
 
 
 def window_mask(w: int, device) -> Tensor:

@@ -1,0 +1,86 @@
+"""Token-by-token chain drafting, shared by every drafter that drafts with part of the model.
+
+A *draft forward* runs one token through a cheap version of the model and returns the hidden
+state at the end of its exact prefix (the first layers that skip nothing) and the draft logits.
+The chain loop around it handles greedy/sampled proposals and confidence-based stopping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from infer.drafters.base import DecodeState, Draft
+from infer.plan import LayerPlan
+from infer.runner import KVCache, Runner
+from infer.sampling import probs_from_logits, sample
+
+
+class EarlyExitForward:
+    """Layers [0, E) then the final norm and LM head (LayerSkip); all of it is exact."""
+
+    def __init__(self, runner: Runner, exit_layer: int):
+        self.runner, self.exact_layers = runner, exit_layer
+
+    def __call__(self, cache: KVCache, token: Tensor, position: int) -> tuple[Tensor, Tensor]:
+        r = self.runner
+        pos = torch.tensor([position], device=r.device)
+        hidden = r.forward_layers(cache, r.embed(token), pos, 0, self.exact_layers)  # (1, d)
+        return hidden, r.logits(hidden)  # (1, d), (1, V)
+
+
+class PlanForward:
+    """All layers under a sublayer skip plan; layers before the plan's first skip are exact."""
+
+    def __init__(self, runner: Runner, plan: LayerPlan):
+        self.runner, self.plan, self.exact_layers = runner, plan, plan.exact_prefix
+
+    def __call__(self, cache: KVCache, token: Tensor, position: int) -> tuple[Tensor, Tensor]:
+        r, E = self.runner, self.exact_layers
+        pos = torch.tensor([position], device=r.device)
+        exact = r.forward_layers(cache, r.embed(token), pos, 0, E)  # (1, d)
+        hidden = r.forward_layers(cache, exact, pos, E, r.num_layers, plan=self.plan)  # (1, d)
+        return exact, r.logits(hidden)  # (1, d), (1, V)
+
+
+@dataclass
+class ChainResult:
+    draft: Draft
+    """The proposed chain (possibly empty, still carrying the exact hidden states it computed)."""
+    dists: list[Tensor] = field(default_factory=list)
+    """(1, V) distribution each drafted position was chosen from (softmax, or the sampling q)."""
+    top1: list[float] = field(default_factory=list)
+    """Draft top-1 probability at every forward (including the one that stopped the chain)."""
+    forwards: int = 0
+
+
+def draft_chain(state: DecodeState, forward, max_draft: int, confidence: float = 0.0) -> ChainResult:
+    """Draft up to ``max_draft`` tokens after the pending one; stop early below ``confidence``.
+
+    A token whose draft top-1 probability is under ``confidence`` is not proposed. Greedy
+    decoding proposes the argmax; sampling draws from the processed draft distribution q.
+    """
+    runner = state.runner
+    greedy = state.sampling.greedy
+    k = min(max_draft, state.budget - 1)
+    token = torch.tensor([state.pending], device=runner.device)  # (1,)
+    hiddens, tokens, dists, top1 = [], [], [], []
+    for i in range(max(k, 0)):
+        exact, logits = forward(state.cache, token, state.n + i)  # (1, d), (1, V)
+        hiddens.append(exact)
+        soft = torch.softmax(logits, -1)  # (1, V)
+        q = soft if greedy else probs_from_logits(logits, state.sampling)  # (1, V)
+        top1.append(float(soft.max()))
+        if top1[-1] < confidence:
+            break
+        token = logits.argmax(-1) if greedy else sample(q, state.generator)  # (1,)
+        tokens.append(token)
+        dists.append(q)
+    if not hiddens:
+        return ChainResult(Draft(torch.empty(0, dtype=torch.long)))
+    draft = Draft(tokens=torch.cat(tokens) if tokens else torch.empty(0, dtype=torch.long, device=runner.device),
+                  q=None if greedy or not dists else torch.cat(dists), exact_layers=forward.exact_layers,
+                  hidden=torch.cat(hiddens))
+    return ChainResult(draft, dists, top1, len(hiddens))
