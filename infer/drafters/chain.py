@@ -56,11 +56,13 @@ class ChainResult:
     forwards: int = 0
 
 
-def draft_chain(state: DecodeState, forward, max_draft: int, confidence: float = 0.0) -> ChainResult:
+def draft_chain(state: DecodeState, forward, max_draft: int, confidence: float = 0.0,
+                keep_last: bool = False) -> ChainResult:
     """Draft up to ``max_draft`` tokens after the pending one; stop early below ``confidence``.
 
-    A token whose draft top-1 probability is under ``confidence`` is not proposed. Greedy
-    decoding proposes the argmax; sampling draws from the processed draft distribution q.
+    A token whose draft top-1 probability is under ``confidence`` ends the chain; it is proposed
+    only with ``keep_last`` (SWIFT verifies that last, uncertain position with many candidates).
+    Greedy decoding proposes the argmax; sampling draws from the processed draft distribution q.
     """
     runner = state.runner
     greedy = state.sampling.greedy
@@ -73,11 +75,14 @@ def draft_chain(state: DecodeState, forward, max_draft: int, confidence: float =
         soft = torch.softmax(logits, -1)  # (1, V)
         q = soft if greedy else probs_from_logits(logits, state.sampling)  # (1, V)
         top1.append(float(soft.max()))
-        if top1[-1] < confidence:
+        stop = top1[-1] < confidence
+        if stop and not keep_last:
             break
         token = logits.argmax(-1) if greedy else sample(q, state.generator)  # (1,)
         tokens.append(token)
         dists.append(q)
+        if stop:
+            break
     if not hiddens:
         return ChainResult(Draft(torch.empty(0, dtype=torch.long)))
     draft = Draft(tokens=torch.cat(tokens) if tokens else torch.empty(0, dtype=torch.long, device=runner.device),

@@ -10,30 +10,36 @@ from infer.plan import LayerPlan
 from infer.runner import Runner
 
 
-def window_mask(w: int, device) -> Tensor:
-    """(w, 2w) mask: w re-run tokens see the slots before the window, each other causally, not their old rows."""
-    hide = torch.zeros(w, w, dtype=torch.bool, device=device)
+def window_mask(w: int, hidden: int, device) -> Tensor:
+    """(w, hidden + w) mask: w re-run tokens skip the ``hidden`` slots before them and see each other causally."""
+    hide = torch.zeros(w, hidden, dtype=torch.bool, device=device)
     causal = torch.ones(w, w, dtype=torch.bool, device=device).tril()
     return torch.cat([hide, causal], dim=1)
 
 
 @torch.no_grad()
 def matchness(state: DecodeState, plans: list[LayerPlan], window: int) -> list[float]:
-    """Teacher-forced agreement of each plan's argmax with the verified tokens over the last ``window``.
+    """Teacher-forced agreement of each plan's argmax with the last ``window`` verified tokens."""
+    w = min(window, state.n - 1)
+    return matchness_span(state, plans, state.n - w, state.n)
 
-    The verified tokens ``tokens[s..n]`` (n = cache length, tokens[n] the pending token, itself the
-    full model's choice) are re-run in draft mode at their own positions, appended after the cache
-    and masked from their old rows; the cache is rolled back afterwards.
+
+@torch.no_grad()
+def matchness_span(state: DecodeState, plans: list[LayerPlan], start: int, end: int) -> list[float]:
+    """Fraction of positions in [start, end) where each plan's argmax equals the next verified token.
+
+    ``tokens[start..end]`` (end <= n = cache length; tokens[n] is the pending token, itself the full
+    model's choice) are re-run in draft mode at their own positions, appended after the cache and
+    masked from their old rows [start, n); the cache is rolled back afterwards.
     """
     runner, cache, n = state.runner, state.cache, state.n
-    w = min(window, n - 1)
-    if w < 1:
+    w = end - start
+    if w < 1 or start < 1 or end > n:
         return [0.0 for _ in plans]
-    s = n - w
-    ids = state.ids(s, n)  # (w,)
-    target = state.ids(s + 1, n + 1)  # (w,)
-    positions = torch.arange(s, n, device=runner.device)
-    mask = window_mask(w, runner.device)
+    ids = state.ids(start, end)  # (w,)
+    target = state.ids(start + 1, end + 1)  # (w,)
+    positions = torch.arange(start, end, device=runner.device)
+    mask = window_mask(w, n - start, runner.device)  # (w, n - start + w)
     embedded = runner.embed(ids)  # (w, d)
     scores = []
     for plan in plans:
