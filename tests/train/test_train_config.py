@@ -1,0 +1,146 @@
+"""Strict configs: every shipped YAML loads, bad keys are refused early and clearly, overrides work."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+
+import train.model
+from infer.errors import UserError
+from train import layerskip
+from train.config import TrainConfig, build, describe, dump_config, field_docs, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+ACCELERATE_CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))
+
+
+def test_there_are_recipes_and_configs():
+    names = {p.name for p in RECIPES}
+    assert {"cpu-demo-stdlib.yaml", "cpu-demo-gsm8k-lora.yaml"} <= names
+    assert len(RECIPES) >= 4 and len(ACCELERATE_CONFIGS) >= 5
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_every_recipe_loads_and_round_trips(path, tmp_path):
+    cfg = load_config(path)
+    assert isinstance(cfg, TrainConfig)
+    text = path.read_text()
+    assert "accelerate launch" in text or "python train/layerskip.py" in text, "header must hold the launch command"
+    assert "Expected" in text or "expected" in text, "header must state the expected result"
+    dump_config(cfg, tmp_path / "resolved.yaml")
+    assert load_config(tmp_path / "resolved.yaml") == cfg
+
+
+@pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=lambda p: p.name)
+def test_every_accelerate_config_loads(path):
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    cfg = ClusterConfig.from_yaml_file(str(path))  # refuses unknown keys
+    assert cfg.num_processes >= 1
+    assert "accelerate launch" in path.read_text()
+
+
+def test_cpu_ddp_config_starts_two_processes():
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    cfg = ClusterConfig.from_yaml_file(str(REPO / "configs/accelerate/cpu-ddp.yaml"))
+    assert cfg.num_processes == 2 and cfg.use_cpu and cfg.distributed_type.value == "MULTI_GPU"
+
+
+def test_unknown_key_names_the_nearest_valid_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("optim:\n  lerning_rate: 1e-4\n")
+    with pytest.raises(UserError, match=r"unknown config key 'optim.lerning_rate'.*did you mean 'optim.lr'"):
+        load_config(bad)
+    bad.write_text("optimizer:\n  lr: 1e-4\n")
+    with pytest.raises(UserError, match=r"unknown config key 'optimizer'.*did you mean 'optim'"):
+        load_config(bad)
+    bad.write_text("data:\n  sources:\n    - type: files\n      paht: x\n")
+    with pytest.raises(UserError, match=r"'data.sources\[0\].paht'.*did you mean 'data.sources\[0\].path'"):
+        load_config(bad)
+    with pytest.raises(UserError, match=r"did you mean 'early_exit.exits'"):
+        load_config(None, ["early_exit.exit=[1]"])
+
+
+def test_bad_values_are_refused():
+    with pytest.raises(UserError, match=r"'cosin'.*did you mean 'cosine'"):
+        load_config(None, ["optim.schedule=cosin"])
+    with pytest.raises(UserError, match="expected an integer"):
+        load_config(None, ["optim.max_steps=1.5"])
+    with pytest.raises(UserError, match=r"p_max must be in \[0, 1\]"):
+        load_config(None, ["layer_dropout.p_max=1.5"])
+    with pytest.raises(UserError, match="warmup_steps"):
+        load_config(None, ["optim.max_steps=5", "optim.warmup_steps=10"])
+    with pytest.raises(UserError, match="prompt_set sources"):
+        load_config(None, ["data.sources=[{type: prompt_set, path: gsm8k}]"])
+    with pytest.raises(UserError, match="not of the form"):
+        load_config(None, ["optim.lr"])
+
+
+def test_overrides_and_yaml_numbers():
+    cfg = load_config(None, ["optim.lr=3e-4", "early_exit.exits=[8, 16]", "data.sources.0.max_documents=5",
+                             "layer_dropout.layers=null", "lora.enabled=true"])
+    assert cfg.optim.lr == pytest.approx(3e-4) and isinstance(cfg.optim.lr, float)
+    assert cfg.early_exit.exits == [8, 16]
+    assert cfg.data.sources[0].type == "stdlib" and cfg.data.sources[0].max_documents == 5
+    assert cfg.lora.enabled
+
+
+def test_every_field_has_a_docstring():
+    def walk(cls):
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            assert docs.get(f.name), f"{cls.__name__}.{f.name} has no docstring"
+            tp = typing.get_type_hints(cls)[f.name]
+            inner = typing.get_args(tp)[0] if typing.get_origin(tp) is list else tp
+            if dataclasses.is_dataclass(inner):
+                walk(inner)
+
+    walk(TrainConfig)
+    lines = describe()
+    assert any(line.startswith("optim.lr (float, default 0.0003)") for line in lines)
+
+
+def test_build_rejects_non_mappings():
+    with pytest.raises(UserError, match="expected a mapping"):
+        build(TrainConfig, {"optim": [1, 2]})
+
+
+def test_bad_key_refused_before_any_model_is_loaded(tmp_path, monkeypatch, capsys):
+    def boom(*args, **kwargs):
+        raise AssertionError("the model must not be loaded for a bad config")
+
+    monkeypatch.setattr(train.model, "load_model", boom)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  name_or_path: /nonexistent\noptim:\n  max_step: 3\n")
+    assert layerskip.main(["--config", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "did you mean 'optim.max_steps'" in err[0]
+
+
+def test_cli_error_is_one_line_without_traceback(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("early_exit:\n  scale: quadratic\n")
+    proc = subprocess.run([sys.executable, str(REPO / "train/layerskip.py"), "--config", str(bad)],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr
+    assert "early_exit.scale" in lines[0] and "'uniform', 'linear', 'sum'" in lines[0]
+    missing = subprocess.run([sys.executable, str(REPO / "train/layerskip.py"), "--config", str(tmp_path / "no.yaml")],
+                             capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert missing.returncode == 2 and "does not exist" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_help_config_and_print_config(capsys):
+    assert layerskip.main(["--help-config"]) == 0
+    out = capsys.readouterr().out
+    assert "layer_dropout.p_max" in out and "early_exit.curriculum" in out
+    assert layerskip.main(["--print-config", "optim.lr=0.01"]) == 0
+    assert "lr: 0.01" in capsys.readouterr().out

@@ -1,0 +1,325 @@
+"""LayerSkip training: layer dropout + early-exit loss, continual pretraining or finetuning, full or LoRA.
+
+Launch (any accelerate config from configs/, or plain python for one process):
+
+    accelerate launch train/layerskip.py --config recipes/cpu-demo-stdlib.yaml [key.sub=value ...]
+    python train/layerskip.py --config recipes/cpu-demo-stdlib.yaml optim.max_steps=10
+    python train/layerskip.py --config recipes/X.yaml --resume        # continue from the newest checkpoint
+    python train/layerskip.py --help-config                           # every config key with its doc
+
+The loop below is the whole training procedure; the pieces it calls live in train/:
+config (strict dataclasses), data (sources, packing, cache, batch order), model (the LayerSkip
+forward over the HF modules), schedules (dropout rates, exit weights), exit_eval (per-exit
+metrics), checkpoint (save/resume/export), tracking (metrics.jsonl + wandb).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __name__ == "__main__" and not __package__:  # run as a file: put the repo root, not train/, on sys.path
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+import argparse
+import math
+import os
+import time
+from collections.abc import Callable
+
+from infer.errors import UserError
+from train.config import TrainConfig, describe, dump_config, load_config, to_dict
+
+PROG = "layerskip-train"
+
+
+def log(msg: str) -> None:
+    print(f"{PROG}: {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Setup helpers
+# --------------------------------------------------------------------------------------------
+
+
+def make_accelerator(cfg: TrainConfig):
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and not torch.cuda.is_available():
+        # Without this, CPU processes started by `accelerate launch` each train alone (world size 1).
+        os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+    precision = cfg.optim.mixed_precision
+    if precision == "auto":
+        precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    # Layer dropout leaves whole layers unused on some steps: DDP must be told to look for them.
+    ddp = DistributedDataParallelKwargs(find_unused_parameters=cfg.layer_dropout.p_max > 0)
+    accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=cfg.optim.grad_accum_steps,
+                              kwargs_handlers=[ddp])
+    if accelerator.num_processes != launched:
+        raise UserError(f"{launched} processes were launched but accelerate sees {accelerator.num_processes}; "
+                        "they would train unsynchronised (see configs/accelerate/cpu-ddp.yaml)")
+    ds = accelerator.state.deepspeed_plugin
+    if ds is not None and cfg.lora.enabled and ds.zero_stage == 3:
+        raise UserError("LoRA with DeepSpeed ZeRO-3 is not supported (merging needs whole weights); use ZeRO-2")
+    if ds is not None:  # we pass no DataLoader to prepare(), so DeepSpeed must be told the batch geometry
+        ds.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.optim.micro_batch_size
+        ds.deepspeed_config["gradient_accumulation_steps"] = cfg.optim.grad_accum_steps
+        ds.deepspeed_config["gradient_clipping"] = cfg.optim.max_grad_norm
+    return accelerator
+
+
+def param_digest(model) -> str:
+    """sha256 of every parameter's bytes: equal on all ranks iff DDP kept the replicas identical."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        h.update(name.encode())
+        h.update(p.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def make_optimizer(model, cfg: TrainConfig):
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """Multiplier of the peak lr at optimiser step ``step``: linear warm-up, then the chosen decay."""
+    o = cfg.optim
+    if step < o.warmup_steps:
+        return (step + 1) / (o.warmup_steps + 1)
+    if o.schedule == "constant":
+        return 1.0
+    progress = (step - o.warmup_steps) / max(1, o.max_steps - o.warmup_steps)
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if o.schedule == "cosine" else 1.0 - progress
+    return o.min_lr_ratio + (1.0 - o.min_lr_ratio) * shape
+
+
+class RunningStats:
+    """Sums between two log lines, kept as tensors so the hot loop never calls ``.item()``."""
+
+    def __init__(self, num_layers: int):
+        import torch
+
+        self.loss = torch.zeros(())
+        self.exit_sum: dict[int, object] = {}
+        self.exit_n: dict[int, int] = {}
+        self.skipped = torch.zeros(num_layers, dtype=torch.long)
+        self.rows = self.micro = self.tokens = 0
+        self.grad_norm = None
+        self.t0 = time.perf_counter()
+
+    def add(self, out: dict, rows: int, tokens: int) -> None:
+        self.loss = self.loss.to(out["loss"].device) + out["loss"].detach().float()  # stays on the device
+        for j, e in enumerate(out["exits"].tolist()):  # "exits" and "skipped" are CPU tensors
+            self.exit_sum[e] = self.exit_sum.get(e, 0.0) + out["exit_losses"][j]
+            self.exit_n[e] = self.exit_n.get(e, 0) + 1
+        self.skipped += out["skipped"]
+        self.rows += rows
+        self.micro += 1
+        self.tokens += tokens
+
+    def record(self, step: int, lr: float, rates: list[float], world: int) -> dict:
+        dt = time.perf_counter() - self.t0
+        return {
+            "step": step, "lr": lr, "loss": float(self.loss) / max(1, self.micro),
+            "exit_loss": {str(e): float(s) / self.exit_n[e] for e, s in sorted(self.exit_sum.items())},
+            "skip_rate": [round(float(s) / max(1, self.rows), 4) for s in self.skipped],
+            "p_layer": [round(p, 4) for p in rates],
+            "grad_norm": None if self.grad_norm is None else float(self.grad_norm),
+            "tokens_per_s": self.tokens * world / dt if dt > 0 else 0.0,
+        }
+
+
+def evaluate(accelerator, lm, dataset, cfg: TrainConfig, pad_id: int) -> dict | None:
+    """Per-exit validation metrics, each process taking a shard of the validation examples."""
+    from train.exit_eval import exit_metrics
+
+    n = min(len(dataset.val), cfg.data.max_val_examples)
+    if n == 0:
+        return None
+    model = accelerator.unwrap_model(lm)
+    shard = list(range(accelerator.process_index, n, accelerator.num_processes))
+    exits = sorted(set(model.exits) | {model.num_layers})
+    with accelerator.autocast():
+        m = exit_metrics(model, dataset.val, exits, cfg.optim.micro_batch_size, pad_id, accelerator.device,
+                         indices=shard, reduce=accelerator.reduce if accelerator.num_processes > 1 else None)
+    return {"split": "val", "exit_loss": {str(e): v for e, v in m["loss"].items()},
+            "exit_agreement": {str(e): v for e, v in m["agreement"].items()},
+            "exit_accuracy": {str(e): v for e, v in m["accuracy"].items()}, "tokens": m["tokens"][model.num_layers]}
+
+
+# --------------------------------------------------------------------------------------------
+# The training loop
+# --------------------------------------------------------------------------------------------
+
+
+def run_training(cfg: TrainConfig, on_step: Callable[[int], None] | None = None) -> dict:
+    """Train according to ``cfg``; return a summary. ``on_step(step)`` runs after each optimiser step."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from train.checkpoint import export_final, find_resume, read_state, save_checkpoint
+    from train.data import BatchOrder, build_dataset
+    from train.model import LayerSkipLM, add_lora, load_model
+    from train.tracking import Tracker
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    out_dir = Path(cfg.checkpoint.output_dir)
+    resume_from = find_resume(cfg)  # checked before the model loads: a bad path fails fast
+    accelerator = make_accelerator(cfg)
+    main = accelerator.is_main_process
+
+    # Model (+ LoRA) wrapped in the LayerSkip forward; data tokenised once (main process first, then cached).
+    with accelerator.main_process_first():
+        hf_model, tokenizer, model_path = load_model(cfg.model.name_or_path, cfg.model.dtype,
+                                                     cfg.model.attn_implementation)
+        dataset = build_dataset(cfg.data, tokenizer, model_path, log=log if main else lambda _: None)
+    if cfg.lora.enabled:
+        hf_model = add_lora(hf_model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
+    core = LayerSkipLM(hf_model, cfg.layer_dropout, cfg.early_exit, cfg.optim.max_steps, cfg.seed,
+                       cfg.model.gradient_checkpointing)  # stays reachable inside the DDP/DeepSpeed wrapper
+    optimizer = make_optimizer(core, cfg)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
+    lm, optimizer = accelerator.prepare(core, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    world, rank, accum = accelerator.num_processes, accelerator.process_index, cfg.optim.grad_accum_steps
+    order = BatchOrder(len(dataset.train), cfg.optim.micro_batch_size, accum, world, cfg.seed)
+    pad_id = tokenizer.pad_token_id
+
+    step, tokens_seen = 0, 0
+    if resume_from is not None:
+        accelerator.load_state(str(resume_from))  # model, optimizer, scheduler, RNG of every process
+        state = read_state(resume_from)
+        step, tokens_seen = state["step"], state["tokens"]
+        if main:
+            log(f"resumed from {resume_from} at step {step}")
+
+    tracker = Tracker(out_dir, main, cfg.logging.wandb, cfg.logging.wandb_project, cfg.logging.run_name,
+                      to_dict(cfg))
+    if main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        dump_config(cfg, out_dir / "config.yaml")
+        n_train = sum(p.numel() for p in lm.parameters() if p.requires_grad)
+        tokens_per_step = cfg.optim.micro_batch_size * accum * world * cfg.data.block_size
+        log(f"{model_path.name}: {core.num_layers} layers, {n_train / 1e6:.1f}M trainable parameters; "
+            f"{dataset.meta['train_tokens']:,} training tokens in {len(dataset.train)} examples, "
+            f"{len(dataset.val)} validation examples; {cfg.optim.max_steps} steps of <= {tokens_per_step:,} tokens "
+            f"on {world} process(es)")
+    if cfg.logging.eval_at_start and step == 0:
+        tracker.log({"step": 0, **(evaluate(accelerator, lm, dataset, cfg, pad_id) or {})})
+
+    lm.train()
+    stats = RunningStats(core.num_layers)
+    bar = tqdm(total=cfg.optim.max_steps, initial=step, disable=not (main and cfg.logging.progress),
+               desc="train", dynamic_ncols=True)
+    while step < cfg.optim.max_steps:
+        for micro in range(accum):
+            batch = dataset.train.batch(order.indices(step, micro, rank), pad_id)
+            input_ids = batch["input_ids"].to(accelerator.device)  # (B, T)
+            labels = batch["labels"].to(accelerator.device)  # (B, T)
+            with accelerator.accumulate(lm):  # no gradient sync until the last micro-batch
+                with accelerator.autocast():
+                    out = lm(input_ids, labels, step=step, micro=micro)
+                accelerator.backward(out["loss"])  # divided by grad_accum_steps inside
+                if accelerator.sync_gradients and cfg.optim.max_grad_norm > 0:
+                    stats.grad_norm = accelerator.clip_grad_norm_(lm.parameters(), cfg.optim.max_grad_norm)
+                optimizer.step()  # a no-op until sync_gradients
+                optimizer.zero_grad(set_to_none=True)
+            stats.add(out, rows=input_ids.shape[0], tokens=input_ids.numel())
+            tokens_seen += int((batch["labels"][:, 1:] != -100).sum()) * world  # CPU tensor: no device sync
+        if not accelerator.optimizer_step_was_skipped:
+            scheduler.step()
+        step += 1
+        bar.update(1)
+
+        if step % cfg.logging.log_every == 0 or step == cfg.optim.max_steps:
+            lr = cfg.optim.lr * lr_factor(step - 1, cfg)  # the lr the last step used
+            rec = stats.record(step, lr, core.rates(step - 1), world)
+            rec.update(tokens=tokens_seen, epoch=round(order.epoch(step), 4))
+            tracker.log(rec)
+            bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+            stats = RunningStats(core.num_layers)
+        if cfg.logging.eval_every and step % cfg.logging.eval_every == 0 and step < cfg.optim.max_steps:
+            tracker.log({"step": step, **(evaluate(accelerator, lm, dataset, cfg, pad_id) or {})})
+        if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
+            save_checkpoint(accelerator, cfg, step, {"tokens": tokens_seen})
+        if on_step is not None:
+            on_step(step)
+    bar.close()
+
+    final_eval = evaluate(accelerator, lm, dataset, cfg, pad_id)
+    if final_eval:
+        tracker.log({"step": step, **final_eval})
+    if world > 1:  # replicas must be identical after DDP; record one digest per rank
+        from accelerate.utils import gather_object
+
+        digests = gather_object([param_digest(core)])
+        tracker.log({"step": step, "param_digest": digests})
+        if main and len(set(digests)) > 1:
+            log(f"warning: parameters differ across ranks: {digests}")
+    final_dir = None
+    if cfg.checkpoint.save_final:
+        final_dir = export_final(accelerator, lm, tokenizer, cfg, out_dir / "final")
+        if main:
+            log(f"final model: {final_dir}  (layerskip generate --model {final_dir} --drafter early_exit ...)")
+    tracker.close()
+    return {"step": step, "tokens": tokens_seen, "final_dir": final_dir, "eval": final_eval, "model": lm,
+            "accelerator": accelerator}
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="train/layerskip.py", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="recipe YAML (recipes/*.yaml)")
+    parser.add_argument("--resume", action="store_true", help="same as checkpoint.resume=auto")
+    parser.add_argument("--help-config", action="store_true", help="list every config key with its documentation")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted config overrides")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.help_config:
+            print("\n".join(describe()))
+            return 0
+        if args.config is None and not args.overrides:
+            raise UserError("give a recipe: --config recipes/<name>.yaml (see --help-config for every key)")
+        overrides = list(args.overrides) + (["checkpoint.resume=auto"] if args.resume else [])
+        cfg = load_config(args.config, overrides)  # strict: fails here, before any model is loaded
+        if args.print_config:
+            import yaml
+
+            print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+            return 0
+        run_training(cfg)
+        return 0
+    except UserError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
