@@ -77,6 +77,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--prompts-file", type=Path, help="a .jsonl file with a 'prompt' field per line")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.add_argument("--stream", action="store_true",
+                   help="treat the prompts as one input stream: the drafter keeps its state (e.g. SWIFT's plan and "
+                   "optimiser) across prompts; reports per-prompt statistics and a stream summary")
     add_sampling_args(p)
     add_drafter_args(p)
     p.set_defaults(func=run)
@@ -121,11 +124,16 @@ def run(args: argparse.Namespace) -> int:
     from infer.engine import Engine
 
     model = load_model(args.model, args.dtype)
-    drafter = build_drafter(args.drafter, model.runner, options)
-    engine = Engine(model.runner, drafter, model.eos_token_ids, model.decode)
     encoded = [model.encode(item.prompt, args.chat) for item in prompts]
+    new_engine = lambda: Engine(model.runner, build_drafter(args.drafter, model.runner, options),  # noqa: E731
+                                model.eos_token_ids, model.decode)
+    engine = new_engine()
+    results = []
     for item, ids in zip(prompts, encoded, strict=True):
+        if not args.stream and results:
+            engine = new_engine()  # independent prompts: fresh drafter state
         result = engine.generate(ids, gen)
+        results.append(result)
         if args.json:
             print(json.dumps({"id": item.id, "prompt": item.prompt, "drafter": args.drafter, "tokens": result.tokens,
                               "text": result.text, "finish_reason": result.finish_reason,
@@ -135,4 +143,43 @@ def run(args: argparse.Namespace) -> int:
                 print(f"### {item.id}")
             print(result.text, flush=True)
             print(_stats_line(args.drafter, result.stats), file=sys.stderr, flush=True)
+    if args.stream:
+        _stream_summary(args, results)
     return 0
+
+
+def stream_summary(results) -> dict:
+    """Totals over a stream of prompts: speed, acceptance, optimisation share, matchness trajectory."""
+    stats = [r.stats for r in results]
+    wall = sum(s.wall_time for s in stats)
+    drafted = sum(s.drafted for s in stats)
+    opt = sum(float(s.drafter.get("opt_time", 0.0)) for s in stats)
+    last = stats[-1].drafter if stats else {}
+    return {
+        "prompts": len(stats), "new_tokens": sum(s.new_tokens for s in stats),
+        "tokens_per_second": sum(s.new_tokens for s in stats) / wall if wall else 0.0,
+        "acceptance_rate": sum(s.accepted for s in stats) / drafted if drafted else 0.0,
+        "tokens_per_verify": sum(s.new_tokens - 1 for s in stats) / max(1, sum(s.verify_calls for s in stats)),
+        "opt_time_share": opt / wall if wall else 0.0,
+        "matchness_trajectory": [p for s in stats for p in s.drafter.get("matchness_trajectory", [])],
+        "final_drafter_state": {k: v for k, v in last.items() if k != "matchness_trajectory"},
+    }
+
+
+def _stream_summary(args: argparse.Namespace, results) -> None:
+    summary = stream_summary(results)
+    if args.json:
+        print(json.dumps({"stream_summary": summary}), flush=True)
+        return
+    traj = summary["matchness_trajectory"]
+    print(f"[stream] {summary['prompts']} prompts, {summary['new_tokens']} tokens, "
+          f"{summary['tokens_per_second']:.1f} tok/s, acceptance {summary['acceptance_rate']:.2f}, "
+          f"{summary['tokens_per_verify']:.2f} tokens/verify, optimisation {summary['opt_time_share']:.1%} of time",
+          file=sys.stderr)
+    if traj:
+        marks = traj[:: max(1, len(traj) // 8)] + [traj[-1]]
+        print("[stream] best matchness by optimisation step: " + ", ".join(f"{s}:{m:.2f}" for s, m in marks),
+              file=sys.stderr)
+    state = summary["final_drafter_state"]
+    if "plan" in state:
+        print(f"[stream] final plan: {state['plan']}", file=sys.stderr)

@@ -1,0 +1,366 @@
+"""SWIFT: on-the-fly self-speculative decoding (Xia et al., ICLR 2025).
+
+The skip set is optimised *during* generation from the tokens the full model already
+produced: each candidate set of skipped attention/MLP sublayers is scored by one parallel
+draft-mode forward over a window of verified context (matchness = fraction of positions where
+the draft's argmax equals the full model's token). Candidates come from random search and,
+every ``bo_interval`` steps, from Bayesian optimisation (optuna TPE) fitted to every scored
+candidate. Drafting is confidence-aware and verified as a dynamic top-k token tree.
+
+Beyond the paper: the drafter measures its own tokens/s in drafting and in plain decoding and
+falls back to plain steps while drafting does not pay, re-checking later; optimisation time is
+capped at a fraction of decoding time (a larger share while drafting pays than while it does
+not), so ``swift`` stays close to ``autoregressive`` on models without exploitable redundancy.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from infer.drafters.base import DecodeState, Draft, VerifyOutcome
+from infer.drafters.chain import ChainResult, PlanForward, draft_chain
+from infer.drafters.skipping import matchness_span
+from infer.errors import UserError
+from infer.plan import LayerPlan, PlanFile
+
+GREEDY_WIDTHS = (3, 5, 8, 10)  # candidates per depth for top-1 prob > 0.95, > 0.8, > 0.5, else (paper)
+SAMPLING_WIDTHS = (1, 3, 5, 10)
+WIDTH_THRESHOLDS = (0.95, 0.8, 0.5)
+
+
+@dataclass
+class SwiftConfig:
+    """Settings of the SWIFT drafter (paper defaults where the paper has one)."""
+
+    skip_ratio: float = 0.45
+    """Fraction of the 2(L-2) sublayers of layers 1..L-2 that a candidate skips (first and last layer kept)."""
+    context_window: int = 32
+    """γ: verified tokens of the current prompt used to score candidates (and needed before optimising)."""
+    bo_interval: int = 25
+    """β: every β-th optimisation step proposes by Bayesian optimisation instead of random search."""
+    max_opt_steps: int = 1000
+    """Stop optimising after this many scored candidates."""
+    patience: int = 300
+    """Stop optimising after this many candidates without improvement."""
+    match_threshold: float = 0.95
+    """Stop optimising once the best candidate's matchness exceeds this."""
+    confidence: float = 0.8
+    """Stop drafting when the draft's top-1 probability falls below this."""
+    max_draft: int = 25
+    """Most draft forwards per verification."""
+    tree: bool = True
+    """Verify a dynamic top-k tree (candidates per depth from the draft's confidence); off = chain only."""
+    max_tree_nodes: int = 12
+    """Cap on drafted tree nodes: on CPU, verifying T tokens costs ~2-3x one step at T = 4-16 (docs/RESULTS.md)."""
+    opt_budget: float = 0.25
+    """Most fraction of wall time spent optimising while drafting pays off (or is still being assessed)."""
+    fallback: bool = True
+    """Fall back to plain decoding while measured drafting speed is below plain speed; re-check later."""
+    fallback_opt_budget: float = 0.03
+    """Most fraction of wall time spent optimising while in the fallback (plain) mode."""
+    recheck_interval: int = 64
+    """In fallback, probe drafting again after this many plain steps (sooner when a better plan appears)."""
+    plan: str | None = None
+    """Initial plan file (a self_sd or swift plan JSON); default: a uniform plan at skip_ratio."""
+    save_plan: str | None = None
+    """Write the best plan found to this JSON file (self_sd-compatible) after every prompt."""
+    opt_seed: int = 0
+    """Seed of the random search and the optuna sampler."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            (0.0 < self.skip_ratio < 1.0, f"skip-ratio must be in (0, 1), got {self.skip_ratio}"),
+            (self.context_window >= 2, f"context-window must be >= 2, got {self.context_window}"),
+            (self.bo_interval >= 1, f"bo-interval must be >= 1, got {self.bo_interval}"),
+            (self.max_opt_steps >= 0 and self.patience >= 1, "max-opt-steps must be >= 0 and patience >= 1"),
+            (0.0 < self.match_threshold <= 1.0, f"match-threshold must be in (0, 1], got {self.match_threshold}"),
+            (0.0 <= self.confidence < 1.0, f"confidence must be in [0, 1), got {self.confidence}"),
+            (self.max_draft >= 1 and self.max_tree_nodes >= 1, "max-draft and max-tree-nodes must be >= 1"),
+            (0.0 <= self.fallback_opt_budget <= self.opt_budget < 1.0,
+             "need 0 <= fallback-opt-budget <= opt-budget < 1"),
+            (self.recheck_interval >= 1, "recheck-interval must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise UserError(message)
+
+
+# --------------------------------------------------------------------------- layer-set search
+class LayerSetSearch:
+    """Random search + periodic Bayesian optimisation over skip sets of a fixed size.
+
+    The search space is the attention and MLP sublayers of layers 1..L-2 (the first and last
+    layer always run, as in the paper). A candidate is encoded as one [0, 1] value per sublayer;
+    the ``num_skip`` largest are skipped, so optuna's TPE sees every random candidate (as 0/1
+    points) and proposes continuous points that decode to valid sets.
+    """
+
+    def __init__(self, num_layers: int, skip_ratio: float, bo_interval: int, seed: int):
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self.num_layers = num_layers
+        self.slots = [("attn", i) for i in range(1, num_layers - 1)] + [("mlp", i) for i in range(1, num_layers - 1)]
+        self.num_skip = max(1, int(len(self.slots) * skip_ratio))
+        self.bo_interval = bo_interval
+        self.rng = random.Random(seed)
+        self.dists = {f"x{j}": optuna.distributions.FloatDistribution(0.0, 1.0) for j in range(len(self.slots))}
+        self.study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=seed))
+        self.steps = 0
+        self.since_improved = 0
+
+    def uniform_plan(self) -> LayerPlan:
+        """``num_skip`` sublayers spread evenly over the interleaved attn/MLP order of layers 1..L-2."""
+        order = [s for i in range(1, self.num_layers - 1) for s in (("attn", i), ("mlp", i))]
+        stride = len(order) / self.num_skip
+        return self._plan([order[int(j * stride)] for j in range(self.num_skip)])
+
+    def _plan(self, chosen) -> LayerPlan:
+        return LayerPlan(self.num_layers, frozenset(i for kind, i in chosen if kind == "attn"),
+                         frozenset(i for kind, i in chosen if kind == "mlp"))
+
+    def _point(self, plan: LayerPlan) -> dict[str, float]:
+        skipped = {("attn", i) for i in plan.skip_attn} | {("mlp", i) for i in plan.skip_mlp}
+        return {f"x{j}": float(slot in skipped) for j, slot in enumerate(self.slots)}
+
+    def propose(self):
+        """Next candidate: (plan, optuna trial or None)."""
+        self.steps += 1
+        if self.steps % self.bo_interval == 0 and len(self.study.trials) >= 2:
+            trial = self.study.ask(self.dists)
+            values = [trial.params[f"x{j}"] for j in range(len(self.slots))]
+            top = sorted(range(len(values)), key=lambda j: -values[j])[:self.num_skip]
+            return self._plan([self.slots[j] for j in top]), trial
+        return self._plan(self.rng.sample(self.slots, self.num_skip)), None
+
+    def record(self, plan: LayerPlan, trial, score: float) -> None:
+        """Tell the optimiser a scored candidate (random ones become completed trials)."""
+        import optuna
+
+        if trial is not None:
+            self.study.tell(trial, score)
+        else:
+            self.study.add_trial(optuna.trial.create_trial(params=self._point(plan), distributions=self.dists,
+                                                           value=score))
+
+
+# --------------------------------------------------------------------------- speed bookkeeping
+class _Rate:
+    """Exponential moving average of tokens per second over decode cycles."""
+
+    def __init__(self, weight: float = 0.2):
+        self.weight, self.tokens, self.seconds, self.cycles = weight, 0.0, 0.0, 0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        w = 1.0 if self.cycles == 0 else self.weight
+        self.tokens += w * (tokens - self.tokens)
+        self.seconds += w * (seconds - self.seconds)
+        self.cycles += 1
+
+    @property
+    def value(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+# --------------------------------------------------------------------------- the drafter
+class SwiftDrafter:
+    name = "swift"
+    Config = SwiftConfig
+    aliases = {"r": "skip_ratio", "gamma": "context_window", "beta": "bo_interval"}
+
+    WARM_PLAIN = 3  # plain cycles measured before the first drafting probe
+    PROBE = 6  # drafting cycles measured before drafting is judged
+    MARGIN = 0.02  # drafting must be this much faster than plain to be kept
+    BACKOFF = 16  # a failed probe doubles the re-check interval, up to this factor
+    REPROBE_GAIN = 0.05  # matchness gain since the last probe that triggers an early re-check
+
+    def __init__(self, runner, config: SwiftConfig | None = None):
+        self.config = cfg = config or SwiftConfig()
+        self.runner = runner
+        if runner.num_layers < 3:
+            raise UserError("swift needs a model with at least 3 layers (the first and last always run)")
+        self.search = LayerSetSearch(runner.num_layers, cfg.skip_ratio, cfg.bo_interval, cfg.opt_seed)
+        self.best = self.search.uniform_plan()
+        if cfg.plan:
+            plan_file = PlanFile.load(cfg.plan)
+            plan_file.check_model(runner.identity(), cfg.plan)
+            self.best = plan_file.plan
+        self.best_score = -1.0
+        self.optimising = cfg.max_opt_steps > 0
+        self.stop_reason = ""
+        self.forward = PlanForward(runner, self.best)
+        self.plain, self.drafting = _Rate(), _Rate()
+        self.mode = "plain" if cfg.fallback else "draft"
+        self.mode_cycles = 0
+        self.recheck = cfg.recheck_interval
+        self.score_at_probe = -1.0
+        self.opt_time_total = 0.0
+        self.decode_time = 0.0
+        self.trajectory: list[tuple[int, float]] = []
+        self._reset_prompt_stats()
+
+    # -------------------------------------------------------------- protocol
+    @property
+    def lookahead(self) -> int:
+        return max(self.config.max_tree_nodes, self.config.max_draft) + self.config.context_window + 2
+
+    def start(self, state: DecodeState) -> None:
+        self.window: tuple[int, int] | None = None
+        self._reset_prompt_stats()
+        self._cycle_start = None
+
+    def propose(self, state: DecodeState) -> Draft | None:
+        self._cycle_start = time.perf_counter()
+        if self.mode == "plain":
+            return None
+        chain = draft_chain(state, self.forward, self.config.max_draft, self.config.confidence, keep_last=True)
+        self.forwards += chain.forwards
+        if not chain.forwards:
+            return None
+        return self._tree(chain, state) if self.config.tree else chain.draft
+
+    def update(self, state: DecodeState, outcome: VerifyOutcome) -> None:
+        if self._cycle_start is not None:
+            seconds = time.perf_counter() - self._cycle_start
+            self.decode_time += seconds
+            (self.plain if outcome.draft is None else self.drafting).add(len(outcome.tokens), seconds)
+        self._choose_mode()
+        if self.optimising and self._within_budget():
+            t0 = time.perf_counter()
+            self._optimise_step(state)
+            spent = time.perf_counter() - t0
+            self.opt_time += spent
+            self.opt_time_total += spent
+
+    def stats(self) -> dict:
+        if self.config.save_plan:
+            self.save(self.config.save_plan)
+        return {"draft_forwards": self.forwards, "opt_time": self.opt_time, "opt_steps": self.opt_steps,
+                "plain_steps": self.plain_steps, "best_matchness": self.best_score, "skip_ratio": self.best.skip_ratio,
+                "plan": self.best.describe(), "mode": self.mode, "optimising": self.optimising,
+                "stop_reason": self.stop_reason, "tps_plain": self.plain.value, "tps_draft": self.drafting.value,
+                "matchness_trajectory": self.trajectory[self._traj_mark:]}
+
+    # -------------------------------------------------------------- tree building
+    def _tree(self, chain: ChainResult, state: DecodeState) -> Draft:
+        """Chain nodes first (positions 1..m), then siblings of each chain node, shallow depths first."""
+        draft = chain.draft
+        m = draft.size
+        greedy = state.sampling.greedy
+        widths = GREEDY_WIDTHS if greedy else SAMPLING_WIDTHS
+        room = self.config.max_tree_nodes - m
+        extra_tok, extra_parent = [], []
+        for depth in range(m):
+            if room <= 0:
+                break
+            p1 = chain.top1[depth]
+            width = next((w for t, w in zip(WIDTH_THRESHOLDS, widths, strict=False) if p1 > t), widths[-1])
+            dist = chain.dists[depth][0]  # (V,)
+            chosen = int(draft.tokens[depth])
+            n_sib = min(width - 1, room)
+            siblings = self._siblings(dist, chosen, n_sib, greedy, state.generator)
+            room -= len(siblings)
+            extra_tok += siblings
+            extra_parent += [depth] * len(siblings)  # depth d's siblings hang off chain position d
+        if not extra_tok:
+            return draft
+        tokens = torch.cat([draft.tokens, torch.tensor(extra_tok, dtype=torch.long, device=draft.tokens.device)])
+        # a sibling was drawn from the same distribution as the chain node at its depth
+        q = None if draft.q is None else draft.q[list(range(m)) + extra_parent]
+        return Draft(tokens, list(range(m)) + extra_parent, q, draft.exact_layers, draft.hidden)
+
+    @staticmethod
+    def _siblings(dist: torch.Tensor, chosen: int, n: int, greedy: bool, generator) -> list[int]:
+        """Up to n more candidates at one depth: next-most-likely (greedy) or drawn without replacement."""
+        if n <= 0:
+            return []
+        rest = dist.clone()
+        rest[chosen] = 0.0
+        available = int((rest > 0).sum())
+        n = min(n, available)
+        if n <= 0:
+            return []
+        if greedy:
+            return torch.topk(rest, n).indices.tolist()
+        return torch.multinomial(rest / rest.sum(), n, replacement=False, generator=generator).tolist()
+
+    # -------------------------------------------------------------- optimisation
+    def _within_budget(self) -> bool:
+        """Optimisation may use at most a budgeted share of this drafter's own decode + optimisation time."""
+        budget = self.config.opt_budget if self.mode == "draft" or self.drafting.cycles < self.PROBE \
+            else self.config.fallback_opt_budget
+        return self.opt_time_total <= budget * (self.decode_time + self.opt_time_total)
+
+    def _optimise_step(self, state: DecodeState) -> None:
+        gamma = self.config.context_window
+        if self.window is None:
+            if state.n - state.prompt_len < gamma:
+                return  # context accumulation: draft with the current plan until γ verified tokens exist
+            self.window = (state.n - gamma, state.n)
+            # the window changed: rescore the incumbent on it so comparisons are like for like
+            self.best_score = matchness_span(state, [self.best], *self.window)[0]
+        plan, trial = self.search.propose()
+        score = matchness_span(state, [plan], *self.window)[0]
+        self.search.record(plan, trial, score)
+        self.opt_steps += 1
+        if score > self.best_score:
+            self.best, self.best_score = plan, score
+            self.forward = PlanForward(self.runner, plan)
+            self.search.since_improved = 0
+        else:
+            self.search.since_improved += 1
+        self.trajectory.append((self.search.steps, self.best_score))
+        self._maybe_stop()
+
+    def _maybe_stop(self) -> None:
+        cfg = self.config
+        if self.best_score >= cfg.match_threshold:
+            self.stop_reason = f"matchness {self.best_score:.2f} >= {cfg.match_threshold}"
+        elif self.search.since_improved >= cfg.patience:
+            self.stop_reason = f"no improvement in {cfg.patience} steps"
+        elif self.search.steps >= cfg.max_opt_steps:
+            self.stop_reason = f"{cfg.max_opt_steps} steps"
+        self.optimising = not self.stop_reason
+
+    # -------------------------------------------------------------- fallback
+    def _choose_mode(self) -> None:
+        """Draft while it is measurably faster than plain decoding; otherwise decode plainly and re-check."""
+        if not self.config.fallback:
+            return
+        self.mode_cycles += 1
+        if self.mode == "plain":
+            self.plain_steps += 1
+            better = self.best_score >= self.score_at_probe + self.REPROBE_GAIN
+            due = self.drafting.cycles == 0 or self.mode_cycles >= self.recheck or (
+                better and self.mode_cycles >= self.WARM_PLAIN)
+            if self.plain.cycles >= self.WARM_PLAIN and due:
+                self._switch("draft")
+        elif self.mode_cycles >= self.PROBE and self.drafting.value < self.plain.value * (1 + self.MARGIN):
+            self.recheck = min(self.recheck * 2, self.config.recheck_interval * self.BACKOFF)
+            self._switch("plain")
+
+    def _switch(self, mode: str) -> None:
+        self.mode, self.mode_cycles = mode, 0
+        if mode == "draft":
+            self.score_at_probe = self.best_score
+            self.drafting = _Rate()  # judge the (possibly new) plan on fresh measurements
+
+    # -------------------------------------------------------------- persistence
+    def save(self, path: str) -> None:
+        """The best plan as a self_sd-compatible plan file."""
+        PlanFile(self.best, self.runner.identity(), task="swift-stream",
+                 objective={"name": "matchness", "value": None if self.best_score < 0 else self.best_score},
+                 search={"steps": self.search.steps, "skip_ratio": self.config.skip_ratio,
+                         "context_window": self.config.context_window, "bo_interval": self.config.bo_interval,
+                         "stop_reason": self.stop_reason}, source="swift").save(path)
+
+    def _reset_prompt_stats(self) -> None:
+        self.forwards = 0
+        self.opt_time = 0.0
+        self.opt_steps = 0
+        self.plain_steps = 0
+        self._traj_mark = len(self.trajectory)

@@ -1,0 +1,225 @@
+"""SWIFT: losslessness (greedy and sampling, trees included), matchness, optimisation, fallback, plan files."""
+
+import random
+import time
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import make_model
+
+from infer.drafters import build_drafter
+from infer.drafters.base import DecodeState
+from infer.drafters.skipping import matchness
+from infer.drafters.swift import LayerSetSearch, SwiftDrafter
+from infer.engine import Engine, GenerationConfig
+from infer.plan import LayerPlan, PlanFile
+from infer.runner import Runner
+from infer.sampling import SamplingConfig
+
+PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 250, 17], [42] * 12 + [7, 8], [1, 2, 3]]
+EAGER = {"context_window": 8, "opt_budget": 0.95, "fallback_opt_budget": 0.95}  # optimise at every step
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return Runner.from_model(make_model("llama", seed=0, layers=6))
+
+
+def reference(runner, prompt, n=48):
+    return Engine(runner, build_drafter("autoregressive", runner)).generate(
+        prompt, GenerationConfig(max_new_tokens=n)).tokens
+
+
+def random_plan_file(runner, tmp_path, seed):
+    rng = random.Random(seed)
+    L = runner.num_layers
+    plan = LayerPlan(L, frozenset(rng.sample(range(L), 2)), frozenset(rng.sample(range(L), 2)))
+    path = tmp_path / f"plan{seed}.json"
+    PlanFile(plan, runner.identity(), task="test").save(path)
+    return path
+
+
+@pytest.mark.parametrize("tree", [True, False])
+@pytest.mark.parametrize("fallback", [True, False])
+def test_greedy_equals_autoregressive_over_a_stream(runner, tmp_path, tree, fallback):
+    for seed in range(3):
+        options = EAGER | {"tree": tree, "fallback": fallback, "plan": str(random_plan_file(runner, tmp_path, seed)),
+                           "confidence": 0.3, "opt_seed": seed}
+        engine = Engine(runner, build_drafter("swift", runner, options))  # one drafter: state persists
+        drafted = 0
+        for prompt in PROMPTS:
+            res = engine.generate(prompt, GenerationConfig(max_new_tokens=48))
+            assert res.tokens == reference(runner, prompt), (seed, prompt)
+            drafted += res.stats.drafted
+        assert engine.drafter.search.steps > 0  # the optimiser ran inside the stream
+        if not fallback:
+            assert drafted > 0
+
+
+def test_tree_shape_and_sibling_distributions(runner):
+    drafter = SwiftDrafter(runner, SwiftDrafter.Config(confidence=0.99, max_draft=3, max_tree_nodes=12))
+    drafter.mode = "draft"
+    cache = runner.new_cache(128)
+    sampling = SamplingConfig(temperature=1.0, seed=0)
+    state = DecodeState(runner, cache, sampling, sampling.generator(), [5, 6, 7], 3)
+    engine = Engine(runner, drafter)
+    engine._prefill(state)
+    state.budget = 50
+    draft = drafter.propose(state)
+    m = draft.hidden.shape[0]  # chain nodes drafted = draft forwards
+    assert draft.parents[:m] == list(range(m))
+    assert len(draft.parents) > m and all(p < m for p in draft.parents[m:])
+    for i, p in enumerate(draft.parents):  # a sibling shares the distribution of the chain node at its depth
+        torch.testing.assert_close(draft.q[i], draft.q[p])
+    for depth in range(m):  # siblings at one depth are distinct and differ from the chain token
+        group = [int(draft.tokens[depth])] + [int(draft.tokens[i]) for i, p in enumerate(draft.parents)
+                                              if i >= m and p == depth]
+        assert len(group) == len(set(group))
+
+
+def _target_joint(model, prompt, cfg, steps):
+    from infer.sampling import probs_from_logits
+
+    V = model.config.vocab_size
+    joint = {}
+    import itertools
+
+    for seq in itertools.product(range(V), repeat=steps):
+        prob = 1.0
+        for i in range(steps):
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + list(seq[:i])])).logits[0, -1]
+            prob *= probs_from_logits(logits, cfg)[seq[i]].item()
+        joint[seq] = prob
+    return joint
+
+
+@pytest.mark.slow
+def test_sampling_with_multi_candidate_trees_matches_target():
+    from scipy.stats import chisquare
+
+    model = make_model("llama", seed=7, vocab_size=5, layers=4)
+    runner = Runner.from_model(model)
+    cfg = SamplingConfig(temperature=1.0)
+    prompt, steps = [1, 2, 3], 3
+    joint = _target_joint(model, prompt, cfg, steps)
+    cells = sorted(joint)
+    probs = np.array([joint[c] for c in cells], dtype=np.float64)
+    probs /= probs.sum()
+    options = {"confidence": 0.99, "max_draft": 2, "fallback": False, "max_opt_steps": 0, "skip_ratio": 0.3}
+    engine = Engine(runner, build_drafter("swift", runner, options))
+    gen = torch.Generator().manual_seed(99)
+    counts = np.zeros(len(cells))
+    index = {c: i for i, c in enumerate(cells)}
+    siblings = accepted = 0
+    for _ in range(4000):
+        res = engine.generate(prompt, GenerationConfig(max_new_tokens=steps, sampling=cfg), generator=gen)
+        counts[index[tuple(res.tokens)]] += 1
+        siblings += res.stats.drafted - res.stats.drafter["draft_forwards"]
+        accepted += res.stats.accepted
+    assert siblings > 800 and accepted > 300  # multi-candidate trees were drafted and used
+    keep = probs * counts.sum() >= 5
+    obs = np.append(counts[keep], counts[~keep].sum())
+    exp = np.append(probs[keep], probs[~keep].sum()) * counts.sum()
+    assert chisquare(obs[exp > 0], exp[exp > 0]).pvalue > 1e-3
+
+
+def engine_state(runner, prompt, n=40):
+    """A decode state whose cache holds the prompt and n greedy tokens (the last one pending)."""
+    tokens = prompt + reference(runner, prompt, n)
+    cache = runner.new_cache(128)
+    state = DecodeState(runner, cache, SamplingConfig(), SamplingConfig().generator(), tokens, len(prompt))
+    runner.forward(cache, torch.tensor(tokens[:-1]))
+    state.n = len(tokens) - 1
+    return state
+
+
+def test_matchness_of_the_full_plan_is_one(runner):
+    state = engine_state(runner, PROMPTS[0])
+    cache = state.cache
+    full, skipped = matchness(state, [LayerPlan.full(runner.num_layers), LayerPlan(6, frozenset({1, 2, 3, 4}))], 32)
+    assert full == 1.0 and skipped < 1.0
+    assert cache.lengths == [state.n] * runner.num_layers  # scoring leaves the cache as it was
+
+
+def planted_model():
+    """A 6-layer model whose layer-2 attention and layer-3/4 MLPs contribute nothing (redundant)."""
+    model = make_model("llama", seed=11, layers=6)
+    with torch.no_grad():
+        model.model.layers[2].self_attn.o_proj.weight.zero_()
+        model.model.layers[3].mlp.down_proj.weight.zero_()
+        model.model.layers[4].mlp.down_proj.weight.zero_()
+    return Runner.from_model(model)
+
+
+def test_optimisation_finds_the_planted_redundant_sublayers():
+    runner = planted_model()
+    planted = LayerPlan(6, frozenset({2}), frozenset({3, 4}))
+    options = EAGER | {"skip_ratio": 0.375, "fallback": False, "bo_interval": 5, "opt_seed": 0}  # 3 of 8 slots
+    drafter = build_drafter("swift", runner, options)
+    start_plan = drafter.best
+    engine = Engine(runner, drafter)
+    for prompt in PROMPTS * 3:
+        res = engine.generate(prompt, GenerationConfig(max_new_tokens=48))
+        assert res.tokens == reference(runner, prompt)
+        if not drafter.optimising:
+            break
+    assert drafter.best_score == 1.0 and drafter.stop_reason.startswith("matchness")
+    # the planted set is perfect and the uniform start is not (scored on the same verified window)
+    state = engine_state(runner, PROMPTS[0])
+    start_score, planted_score, found_score = matchness(state, [start_plan, planted, drafter.best], 32)
+    assert start_score < 1.0 and planted_score == 1.0 and found_score >= start_score
+    traj = [score for _, score in drafter.trajectory]
+    assert traj == sorted(traj) and traj[-1] == 1.0  # best-so-far never decreases
+
+
+def test_search_random_and_bayesian_candidates_have_the_right_size():
+    search = LayerSetSearch(num_layers=10, skip_ratio=0.45, bo_interval=3, seed=0)
+    assert search.uniform_plan().num_skipped == search.num_skip == int(16 * 0.45)
+    kinds = []
+    for _ in range(9):
+        plan, trial = search.propose()
+        assert plan.num_skipped == search.num_skip
+        assert not ({0, 9} & (plan.skip_attn | plan.skip_mlp))  # first and last layer always run
+        search.record(plan, trial, random.random())
+        kinds.append(trial is not None)
+    assert kinds == [False, False, True] * 3
+
+
+def test_fallback_when_drafting_cannot_pay(runner, monkeypatch):
+    slow_forward = SwiftDrafter.propose
+
+    def slow(self, state):
+        draft = slow_forward(self, state)
+        if draft is not None:
+            time.sleep(0.02)  # make drafting far slower than a plain step
+        return draft
+
+    monkeypatch.setattr(SwiftDrafter, "propose", slow)
+    drafter = build_drafter("swift", runner, {"max_opt_steps": 0})
+    engine = Engine(runner, drafter)
+    res = engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=80))
+    assert res.tokens == reference(runner, PROMPTS[0], 80)
+    assert drafter.mode == "plain"
+    assert res.stats.drafter["plain_steps"] > 50 and drafter.drafting.cycles >= SwiftDrafter.PROBE
+
+
+def test_plan_saved_by_swift_loads_back(runner, tmp_path):
+    path = tmp_path / "swift_plan.json"
+    drafter = build_drafter("swift", runner, EAGER | {"save_plan": str(path)})
+    Engine(runner, drafter).generate(PROMPTS[0], GenerationConfig(max_new_tokens=40))
+    saved = PlanFile.load(path)
+    assert saved.plan == drafter.best and saved.source == "swift"
+    saved.check_model(runner.identity())
+    again = build_drafter("swift", runner, {"plan": str(path)})
+    assert again.best == drafter.best
+
+
+def test_plan_for_another_model_is_refused(runner, tmp_path):
+    from infer.errors import UserError
+
+    other = Runner.from_model(make_model("llama", seed=5, layers=6))
+    path = random_plan_file(other, tmp_path, 0)
+    with pytest.raises(UserError, match="another model"):
+        build_drafter("swift", runner, {"plan": str(path)})
