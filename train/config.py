@@ -152,7 +152,7 @@ class OptimConfig:
             _check(getattr(self, name) >= 1, f"optim.{name} must be >= 1 (got {getattr(self, name)})")
         _check(self.lr > 0, f"optim.lr must be positive (got {self.lr})")
         _check(0.0 <= self.min_lr_ratio <= 1.0, "optim.min_lr_ratio must be in [0, 1]")
-        _check(0 <= self.warmup_steps <= self.max_steps, "optim.warmup_steps must be in [0, optim.max_steps]")
+        _check(self.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
         _check(len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
            "optim.betas must be two numbers in [0, 1)")
         _check(self.max_grad_norm >= 0, "optim.max_grad_norm must be >= 0")

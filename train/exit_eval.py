@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from train.data import IGNORE, Examples
-from train.model import LayerSkipLM
+from train.model import LayerSkipLM, next_token_targets
 
 
 @torch.no_grad()
@@ -38,15 +38,15 @@ def exit_metrics(lm: LayerSkipLM, examples: Examples, exits: list[int], batch_si
     for start in range(0, len(order), batch_size):
         batch = examples.batch(order[start:start + batch_size], pad_id)
         ids = batch["input_ids"].to(device)  # (B, T)
-        targets = batch["labels"][:, 1:].to(device)  # (B, T-1)
-        valid = targets != IGNORE  # (B, T-1)
+        targets = next_token_targets(batch["labels"]).to(device)  # (B, T): position t predicts token t+1
+        valid = targets != IGNORE  # (B, T)
         hiddens, last = lm.hidden_states(ids, None, collect=set(exits) - {L})
         hiddens[L] = last
-        final_top = lm.exit_logits(last)[:, :-1].argmax(-1)  # (B, T-1)
+        final_top = lm.exit_logits(last).argmax(-1)  # (B, T)
         for j, e in enumerate(exits):
-            logits = lm.exit_logits(hiddens[e])[:, :-1].float()  # (B, T-1, V)
+            logits = lm.exit_logits(hiddens[e]).float()  # (B, T, V)
             ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
-            top = logits.argmax(-1)  # (B, T-1)
+            top = logits.argmax(-1)  # (B, T)
             stats[0, j] += ce.double().cpu()
             stats[1, j] += ((top == final_top) & valid).sum().cpu()
             stats[2, j] += ((top == targets) & valid).sum().cpu()

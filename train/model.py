@@ -54,11 +54,18 @@ def decoder_parts(model: nn.Module) -> Parts:
     return Parts(inner.embed_tokens, inner.rotary_emb, inner.layers, inner.norm, base.lm_head, config)
 
 
+def next_token_targets(labels: Tensor) -> Tensor:
+    """Labels shifted left by one (position t predicts label t+1); the last position gets -100. (B, T)"""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+
+
 def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
-    """Mean next-token CE over positions whose label is not -100 (the HF convention)."""
-    logits = logits[:, :-1].flatten(0, 1).float()  # (B*(T-1), V)
-    targets = labels[:, 1:].flatten()  # (B*(T-1),)
-    return F.cross_entropy(logits, targets, ignore_index=IGNORE)
+    """Mean next-token CE over positions whose label is not -100 (the HF convention).
+
+    The targets are shifted instead of the logits, so the (B, T, V) logits are never copied.
+    """
+    targets = next_token_targets(labels)  # (B, T)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE)
 
 
 class LayerSkipLM(nn.Module):
