@@ -3,6 +3,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+export PATH := $(abspath $(BIN)):$(PATH)
 STAMP := $(VENV)/.installed
 
 .PHONY: setup demo test lint fetch-model clean

@@ -75,23 +75,40 @@ class ModelSpec:
         )
 
 
-@dataclass
-class LayerWeights:
-    """One decoder layer, with q/k/v and gate/up fused into single matmuls.
+class Linear:
+    """y = x @ W^T (+ b), W (out, in) as in HF checkpoints.
 
-    Weights named ``*_wt`` are stored transposed, (in, out): on CPU a single-token ``x @ Wt``
-    streams them ~1.5x faster than ``F.linear`` does the (out, in) layout (measured, see
-    docs/RESULTS.md); ``down`` is the exception and stays (out, in).
+    On x86 CPUs in fp32 it runs the small-batch kernel of ``infer.kernels``: verifying T tokens
+    then costs little more than one, and every row's result is bitwise independent of T, so a
+    batched verification reproduces token-by-token decoding exactly. Elsewhere: ``F.linear``.
     """
 
+    def __init__(self, weight: Tensor, bias: Tensor | None, kernel):
+        self.weight = weight.contiguous()  # (out, in)
+        self.bias = bias
+        self.kernel = kernel if kernel is not None and weight.shape[1] % 8 == 0 else None
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.kernel is None:
+            return F.linear(x, self.weight, self.bias)  # (T, out)
+        y = self.kernel.small_matmul(x, self.weight)  # (T, out)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer, with q/k/v and gate/up fused into single matmuls."""
+
     attn_norm: Tensor  # (d,)
-    qkv_wt: Tensor  # (d, (Hq + 2 Hkv) D)
-    qkv_b: Tensor | None  # ((Hq + 2 Hkv) D,)  Qwen2 has qkv bias
-    o_wt: Tensor  # (Hq D, d)
-    o_b: Tensor | None
+    qkv: Linear  # d -> (Hq + 2 Hkv) D, with bias for Qwen2
+    o: Linear  # Hq D -> d
     mlp_norm: Tensor  # (d,)
-    gate_up_wt: Tensor  # (d, 2 I)
-    down_w: Tensor  # (d, I)
+    gate_up: Linear  # d -> 2 I
+    down: Linear  # I -> d
 
 
 class KVCache:
@@ -153,14 +170,20 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * x32.to(x.dtype)
 
 
-def _matmul(x: Tensor, wt: Tensor, bias: Tensor | None) -> Tensor:
-    """(T, in) @ (in, out) [+ bias] -> (T, out)."""
-    return x @ wt if bias is None else torch.addmm(bias, x, wt)
-
-
 def _rotate_half(x: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _load_kernel(dtype: torch.dtype, device: torch.device, kernel: str):
+    """The small-matmul kernel module for fp32 on CPU when ``kernel`` is 'auto' (and it builds)."""
+    if kernel not in ("auto", "torch"):
+        raise UserError(f"unknown matmul kernel {kernel!r}; use 'auto' or 'torch'")
+    if kernel == "torch" or dtype != torch.float32 or device.type != "cpu":
+        return None
+    from infer import kernels
+
+    return kernels.load()
 
 
 def _strip_prefix(state: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -184,15 +207,15 @@ class Runner:
     """Executes layer ranges of a Llama-family model with sublayer skip plans over a KV cache."""
 
     def __init__(self, config, state: dict[str, Tensor], dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", kernel: str = "auto"):
         self.config = config
         self.spec = ModelSpec.from_config(config)
         self.dtype = dtype
         self.device = torch.device(device)
         state = _strip_prefix(state)
         self.fingerprint = _fingerprint(state)
-        self.embed_w, self.final_norm, self.lm_head_w, self.layers = self._take_weights(state)
-        self.lm_head_wt = self.lm_head_w.t().contiguous()  # (d, V): the fast layout for one token
+        self.kernel = _load_kernel(dtype, self.device, kernel)
+        self.embed_w, self.final_norm, self.lm_head, self.layers = self._take_weights(state)
         self.inv_freq, self.rope_scale = self._rope_inv_freq(config)
         self._cos = self._sin = torch.empty(0)
         self.counters = RunnerCounters([0] * self.spec.num_layers)
@@ -200,7 +223,7 @@ class Runner:
     # ----------------------------------------------------------------- loading
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, dtype: str | torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu") -> Runner:
+                        device: str | torch.device = "cpu", kernel: str = "auto") -> Runner:
         """Load from a local HF folder (safetensors read directly; .bin through transformers)."""
         from transformers import AutoConfig
 
@@ -212,14 +235,14 @@ class Runner:
             from transformers import AutoModelForCausalLM
 
             state = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
-        return cls(config, state, parse_dtype(dtype), device)
+        return cls(config, state, parse_dtype(dtype), device, kernel)
 
     @classmethod
-    def from_model(cls, model, dtype: torch.dtype | None = None) -> Runner:
+    def from_model(cls, model, dtype: torch.dtype | None = None, kernel: str = "auto") -> Runner:
         """Wrap an instantiated HF model (its weights are copied into fused tensors)."""
         state = {k: v.detach() for k, v in model.state_dict().items()}
         dtype = dtype or next(model.parameters()).dtype
-        return cls(model.config, state, dtype, next(model.parameters()).device)
+        return cls(model.config, state, dtype, next(model.parameters()).device, kernel)
 
     def _take_weights(self, state: dict[str, Tensor]):
         spec, dt, dev = self.spec, self.dtype, self.device
@@ -248,18 +271,16 @@ class Runner:
             gate_up = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
             layers.append(LayerWeights(
                 attn_norm=get(p + "input_layernorm.weight"),
-                qkv_wt=qkv.t().contiguous(),
-                qkv_b=cat_bias([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]),
-                o_wt=get(a + "o_proj.weight").t().contiguous(),
-                o_b=maybe(a + "o_proj.bias"),
+                qkv=Linear(qkv, cat_bias([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]), self.kernel),
+                o=Linear(get(a + "o_proj.weight"), maybe(a + "o_proj.bias"), self.kernel),
                 mlp_norm=get(p + "post_attention_layernorm.weight"),
-                gate_up_wt=gate_up.t().contiguous(),
-                down_w=get(p + "mlp.down_proj.weight"),
+                gate_up=Linear(gate_up, None, self.kernel),
+                down=Linear(get(p + "mlp.down_proj.weight"), None, self.kernel),
             ))
         embed = get("embed_tokens.weight")
         head = state.get("lm_head.weight")
-        head = embed if head is None or getattr(self.config, "tie_word_embeddings", False) else head.to(dev, dt)
-        return embed, get("norm.weight"), head, layers
+        tied = head is None or getattr(self.config, "tie_word_embeddings", False)
+        return embed, get("norm.weight"), Linear(embed if tied else head.to(dev, dt), None, self.kernel), layers
 
     def _qkv_widths(self) -> list[int]:
         s = self.spec
@@ -308,9 +329,7 @@ class Runner:
         """Final norm + LM head, returned in fp32."""
         self.counters.lm_head_tokens += hidden.shape[0]
         h = _rms_norm(hidden, self.final_norm, self.spec.rms_norm_eps)  # (T, d)
-        if h.shape[0] == 1:
-            return (h @ self.lm_head_wt).float()  # (1, V)
-        return F.linear(h, self.lm_head_w).float()  # (T, V)
+        return self.lm_head(h).float()  # (T, V)
 
     def forward_layers(self, cache: KVCache, hidden: Tensor, positions: Tensor, start: int = 0,
                        end: int | None = None, plan: LayerPlan | None = None,
@@ -367,7 +386,7 @@ class Runner:
         s, w = self.spec, self.layers[i]
         T = hidden.shape[0]
         x = _rms_norm(hidden, w.attn_norm, s.rms_norm_eps)  # (T, d)
-        qkv = _matmul(x, w.qkv_wt, w.qkv_b)  # (T, (Hq + 2 Hkv) D)
+        qkv = w.qkv(x)  # (T, (Hq + 2 Hkv) D)
         q, k, v = qkv.split(self._qkv_widths(), dim=-1)
         q = q.view(T, s.num_heads, s.head_dim).transpose(0, 1)  # (Hq, T, D)
         k = k.view(T, s.num_kv_heads, s.head_dim).transpose(0, 1)  # (Hkv, T, D)
@@ -387,12 +406,12 @@ class Runner:
             q[None], keys[None], values[None], attn_mask=attn_mask,
             enable_gqa=s.num_heads != s.num_kv_heads)  # (1, Hq, T, D)
         out = out[0].transpose(0, 1).reshape(T, s.num_heads * s.head_dim)  # (T, Hq D)
-        return hidden + _matmul(out, w.o_wt, w.o_b)
+        return hidden + w.o(out)
 
     def _mlp(self, w: LayerWeights, hidden: Tensor) -> Tensor:
         x = _rms_norm(hidden, w.mlp_norm, self.spec.rms_norm_eps)  # (T, d)
-        gate, up = (x @ w.gate_up_wt).chunk(2, dim=-1)  # (T, I) each
-        return hidden + F.linear(F.silu(gate) * up, w.down_w)  # (T, d)
+        gate, up = w.gate_up(x).chunk(2, dim=-1)  # (T, I) each
+        return hidden + w.down(F.silu(gate) * up)  # (T, d)
 
     # ----------------------------------------------------------------- identity
     def identity(self) -> dict:

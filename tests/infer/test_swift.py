@@ -6,7 +6,6 @@ import time
 import numpy as np
 import pytest
 import torch
-from tiny_models import make_model
 
 from infer.drafters import build_drafter
 from infer.drafters.base import DecodeState
@@ -16,6 +15,7 @@ from infer.engine import Engine, GenerationConfig
 from infer.plan import LayerPlan, PlanFile
 from infer.runner import Runner
 from infer.sampling import SamplingConfig
+from tiny_models import make_model
 
 PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 250, 17], [42] * 12 + [7, 8], [1, 2, 3]]
 EAGER = {"context_window": 8, "opt_budget": 0.95, "fallback_opt_budget": 0.95}  # optimise at every step
