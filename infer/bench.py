@@ -87,7 +87,7 @@ class BenchConfig:
     """What `layerskip bench` runs."""
 
     models: list[str]
-    """Model folders or 'default'."""
+    """Model folders or 'default', optionally labelled as NAME=PATH (the label names rows and '{model}')."""
     methods: list[Method]
     """Drafters and peers to time."""
     data: list[str]
@@ -242,9 +242,10 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> list[Record]:
     tasks = {_task_name(src): load_prompts(src, cfg.n, from_end=True) for src in cfg.data}
     records: list[Record] = []
     for model_arg in cfg.models:
-        model = load_model(model_arg, cfg.dtype)
+        label, _, source = model_arg.rpartition("=") if "=" in model_arg else ("", "", model_arg)
+        model = load_model(source, cfg.dtype)
         peer = _Peer(model.path, cfg.dtype) if any(m.is_peer for m in cfg.methods) else None
-        label = _model_label(model_arg, model.path)
+        label = label or _model_label(source, model.path)
         for task, items in tasks.items():
             prompts = [(it.id, model.encode(it.prompt, _use_chat(cfg, task))) for it in items]
             records += _run_task(cfg, model, peer, label, task, prompts, progress)
@@ -256,11 +257,13 @@ def _model_label(arg: str, path: Path) -> str:
     return "default" if arg == "default" else path.name
 
 
-def _engine_for(method: Method, model):
+def _engine_for(method: Method, model, label: str):
+    """A fresh engine; '{model}' in an option value becomes the model's label (per-model plan files)."""
     from infer.drafters import build_drafter
     from infer.engine import Engine
 
-    drafter = build_drafter(method.name, model.runner, method.opts)
+    options = {k: v.replace("{model}", label) for k, v in method.opts.items()}
+    drafter = build_drafter(method.name, model.runner, options)
     return Engine(model.runner, drafter, model.eos_token_ids, model.decode)
 
 
@@ -274,13 +277,13 @@ def _run_task(cfg: BenchConfig, model, peer, label: str, task: str, prompts: lis
     sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed)
     gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, sampling=sampling, stop_at_eos=cfg.stop_at_eos)
     if cfg.warmup:
-        _warmup(cfg, model, peer, prompts[0][1])
+        _warmup(cfg, model, peer, prompts[0][1], label)
     reference: dict[str, list[int]] = {}
     records = []
     bar = tqdm(total=cfg.repeats * len(prompts) * len(cfg.methods), desc=f"{label}/{task}", disable=not progress,
                leave=False)
     for repeat in range(cfg.repeats):
-        engines = {m.label: _engine_for(m, model) for m in cfg.methods if not m.is_peer}  # fresh stream state
+        engines = {m.label: _engine_for(m, model, label) for m in cfg.methods if not m.is_peer}  # fresh streams
         for pid, ids in prompts:
             for method in cfg.methods:
                 bar.set_postfix_str(method.label)
@@ -309,7 +312,7 @@ def _record(model: str, task: str, method: Method, pid: str, repeat: int, result
                   int(extra.get("draft_forwards", 0)), None, extra)
 
 
-def _warmup(cfg: BenchConfig, model, peer, ids: list[int]) -> None:
+def _warmup(cfg: BenchConfig, model, peer, ids: list[int], label: str) -> None:
     from infer.engine import GenerationConfig
 
     short = dataclasses.replace(cfg, max_new_tokens=4)
@@ -317,7 +320,7 @@ def _warmup(cfg: BenchConfig, model, peer, ids: list[int]) -> None:
         if method.is_peer:
             peer.generate(method, ids, short, model.eos_token_ids)
         else:
-            _engine_for(method, model).generate(ids, GenerationConfig(max_new_tokens=4, stop_at_eos=False))
+            _engine_for(method, model, label).generate(ids, GenerationConfig(max_new_tokens=4, stop_at_eos=False))
 
 
 # --------------------------------------------------------------------------- summarising

@@ -22,7 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Time every method on the same held-out prompts (interleaved, median of repeats), "
                        "check greedy exactness against autoregressive, and write results.json/.csv/.md and plots.")
     p.add_argument("--model", action="append", dest="models", default=None,
-                   help="model folder or 'default' (repeatable: e.g. base and trained checkpoints)")
+                   help="model folder or 'default', optionally NAME=PATH (repeatable: e.g. base=default "
+                   "trained=runs/cpu-demo/final); '{model}' in a drafter option becomes NAME")
     p.add_argument("--drafters", default="autoregressive,early_exit:E=8:k=6",
                    help="comma-separated drafter specs, e.g. autoregressive,early_exit:E=8:k=6,self_sd:plan=P,swift")
     p.add_argument("--peers", default=None,
