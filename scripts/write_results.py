@@ -1,0 +1,105 @@
+"""Assemble docs/RESULTS.md from the outputs of scripts/compare_trained_vs_free.sh.
+
+    python scripts/write_results.py --runs runs/compare --out docs/RESULTS.md
+
+Tables and plots are regenerated from the run folder; hand-written text between the markers
+``<!-- notes:NAME -->`` and ``<!-- /notes:NAME -->`` in an existing page is kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+from pathlib import Path
+
+NOTE = re.compile(r"<!-- notes:(\w+) -->\n(.*?)<!-- /notes:\1 -->", re.S)
+
+
+def _notes(old: str, name: str) -> str:
+    found = {m.group(1): m.group(2) for m in NOTE.finditer(old)}
+    body = found.get(name, "_(findings to be written after reading the numbers)_\n")
+    return f"<!-- notes:{name} -->\n{body}<!-- /notes:{name} -->\n"
+
+
+def _bench_section(run: Path, title: str, img_dir: Path, old: str, name: str) -> list[str]:
+    from infer.bench import Summary, markdown_table
+
+    path = run / "results.json"
+    if not path.is_file():
+        return [f"## {title}\n", f"_not run: {path} missing_\n"]
+    payload = json.loads(path.read_text())
+    rows = [Summary(**r) for r in payload["summary"]]
+    meta = payload["meta"]
+    out = [f"## {title}\n", f"```\n{meta['command']}\n```\n",
+           f"{meta['cpu']}, {meta['threads']} thread(s), torch {meta['torch']}, transformers {meta['transformers']}, "
+           f"{meta['date']}; {payload['config']['n']} held-out prompts per task, "
+           f"{payload['config']['max_new_tokens']} new tokens, median of {payload['config']['repeats']} repeat(s).\n",
+           markdown_table(rows)]
+    best = payload.get("recommended", [])
+    if best:
+        out.append("Fastest of ours per model and task: " +
+                   "; ".join(f"{b['model']}/{b['task']}: `{b['method']}`" for b in best) + "\n")
+    for png in sorted(run.glob("*.png")):
+        target = img_dir / f"{name}_{png.name}"
+        shutil.copyfile(png, target)
+        out.append(f"![{png.stem}]({target.parent.name}/{target.name})\n")
+    out.append(_notes(old, name))
+    return out
+
+
+def _verify_cost(path: Path, old: str) -> list[str]:
+    if not path.is_file():
+        return []
+    data = json.loads(path.read_text())
+    result = data["result"]
+    kinds = list(result)
+    sizes = list(next(iter(result.values())))
+    lines = ["## Cost of verifying T tokens at once\n",
+             "```\npython scripts/bench_verify_cost.py --model default --threads 1 --repeats 7\n```\n",
+             f"Forward over T new tokens with {data['context']} tokens in the cache, {data['threads']} thread(s); "
+             "v(T) = time(T) / time(1).\n",
+             "| T | " + " | ".join(f"{k} ms | {k} v(T)" for k in kinds) + " |",
+             "|---|" + "---|---|" * len(kinds)]
+    for T in sizes:
+        lines.append(f"| {T} | " + " | ".join(f"{result[k][T]['ms']:.1f} | {result[k][T]['v']:.2f}" for k in kinds)
+                     + " |")
+    return lines + ["", _notes(old, "verify_cost")]
+
+
+def _exit_eval(runs: Path, old: str) -> list[str]:
+    files = sorted(runs.glob("exits_*.json"))
+    if not files:
+        return []
+    lines = ["## Early-exit agreement before and after LayerSkip training\n"]
+    for f in files:
+        lines += [f"`{f.name}`:\n", "```json", f.read_text().strip()[:4000], "```\n"]
+    return lines + [_notes(old, "exits")]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=Path, default=Path("runs/compare"))
+    p.add_argument("--out", type=Path, default=Path("docs/RESULTS.md"))
+    args = p.parse_args()
+    old = args.out.read_text() if args.out.is_file() else ""
+    img = args.out.parent / "img"
+    img.mkdir(parents=True, exist_ok=True)
+    commands = (args.runs / "commands.txt").read_text() if (args.runs / "commands.txt").is_file() else ""
+    page = ["# Results: training-free vs trained self-speculative decoding\n",
+            "Every number below was measured by the commands shown, on the machine named with them; "
+            "regenerate the page with `scripts/compare_trained_vs_free.sh`.\n",
+            _notes(old, "summary")]
+    if commands:
+        page += ["## Commands of this run\n", "```bash", commands.strip(), "```\n"]
+    page += _bench_section(args.runs / "bench", "Drafters vs peers, base and trained model", img, old, "bench")
+    page += _bench_section(args.runs / "sweep", "Early-exit E x k sweep", img, old, "sweep")
+    page += _exit_eval(args.runs, old)
+    page += _verify_cost(args.runs / "verify_cost.json", old)
+    args.out.write_text("\n".join(page) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
