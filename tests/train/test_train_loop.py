@@ -93,9 +93,20 @@ def test_tiny_run_writes_metrics_checkpoints_and_a_plain_hf_folder(tiny_recipe):
     torch.testing.assert_close(runner_logits(final, ids[0]), trained[0], rtol=0, atol=1e-4)
 
 
-def test_killed_and_resumed_run_equals_uninterrupted_run(tiny_recipe):
+@pytest.fixture(scope="module")
+def tied_model_dir(tmp_path_factory):
+    """Like the default model: the LM head shares the embedding matrix (safetensors stores it once)."""
+    from tiny_models import save_tiny
+
+    return save_tiny(tmp_path_factory.mktemp("tiny-tied"), seed=4, tie_word_embeddings=True)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied-embeddings"])
+def test_killed_and_resumed_run_equals_uninterrupted_run(tiny_recipe, tied_model_dir, tied):
     common = ("layer_dropout.p_max=0.5", "early_exit.exits=[2, 3]", "early_exit.curriculum=rotational",
               "checkpoint.save_every=2", "optim.max_steps=6", "checkpoint.save_final=false")
+    if tied:
+        common += (f"model.name_or_path={tied_model_dir}",)
     whole_cfg = tiny_recipe(*common, output="whole")
     whole = run_training(whole_cfg)
     reference = {k: v.clone() for k, v in whole["accelerator"].unwrap_model(whole["model"]).state_dict().items()}
