@@ -12,19 +12,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 
 
-def variants(exits: list[int], p_max: float) -> dict[str, tuple[dict, dict]]:
-    return {
-        "plain (final loss only)": ({}, {}),
-        f"layer dropout p_max={p_max} exp": ({"p_max": p_max, "scale": "exp"}, {}),
-        f"early exits {exits}": ({}, {"exits": exits, "scale": "linear"}),
-        f"LayerSkip (dropout p_max={p_max} + exits)": ({"p_max": p_max, "scale": "exp"},
-                                                      {"exits": exits, "scale": "linear"}),
-    }
+def variants(exits: list[int], p_maxes: list[float]) -> dict[str, tuple[dict, dict]]:
+    out = {"plain (final loss only)": ({}, {})}
+    for p in p_maxes:
+        out[f"layer dropout p_max={p} exp"] = ({"p_max": p, "scale": "exp"}, {})
+    out[f"early exits {exits}"] = ({}, {"exits": exits, "scale": "linear"})
+    p = p_maxes[0]
+    out[f"LayerSkip: dropout p_max={p} + exits"] = ({"p_max": p, "scale": "exp"}, {"exits": exits, "scale": "linear"})
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--exits", default="8,12,16,20,24")
-    parser.add_argument("--p-max", type=float, default=0.2)
+    parser.add_argument("--p-max", default="0.1,0.5", help="layer-dropout rates to time (the first also with exits)")
     parser.add_argument("--json", help="write results here")
     args = parser.parse_args(argv)
 
@@ -51,11 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     exits = [int(x) for x in args.exits.split(",")]
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.0)  # lr 0: weights fixed
     lms = {name: LayerSkipLM(model, LayerDropoutConfig(**d), EarlyExitConfig(**e), max_steps=1000).train()
-           for name, (d, e) in variants(exits, args.p_max).items()}
+           for name, (d, e) in variants(exits, [float(p) for p in args.p_max.split(",")]).items()}
     results = {}
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         times: dict[str, list[float]] = {name: [] for name in lms}
+        skipped: dict[str, float] = {name: 0.0 for name in lms}
         for rep in range(args.repeats + 1):  # repeat 0 is a warm-up
             for name, lm in lms.items():
                 t0 = time.perf_counter()
@@ -65,14 +67,18 @@ def main(argv: list[str] | None = None) -> int:
                 optimizer.zero_grad(set_to_none=True)
                 if rep:
                     times[name].append(time.perf_counter() - t0)
+                    skipped[name] += float(out["skipped"].sum()) / (args.batch * lm.num_layers * args.repeats)
         tokens = args.batch * args.block
+        load = os.getloadavg()[0]  # other processes on the machine make CPU timings noisy: record it
         base = statistics.median(times["plain (final loss only)"])
         for name, ts in times.items():
             med = statistics.median(ts)
             results[f"{threads}t {name}"] = {"threads": threads, "variant": name, "seconds": med,
-                                              "tokens_per_s": tokens / med, "relative": base / med, "all": ts}
+                                              "tokens_per_s": tokens / med, "relative": base / med, "all": ts,
+                                              "skipped_layer_rows": skipped[name], "loadavg_1min": load}
             print(f"threads={threads}  {name:45s} {med:6.2f} s/step  {tokens / med:7.1f} tok/s  "
-                  f"x{base / med:.2f} vs plain", flush=True)
+                  f"skipped {skipped[name]:.3f}  "
+                  f"x{base / med:.2f} vs plain  (load {load:.1f})", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": str(path), "batch": args.batch, "block": args.block, "results": results}, f, indent=2)
