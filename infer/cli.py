@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from infer.commands import bench, fetch_model, generate
+from infer.commands import bench, fetch_model, generate, search
 from infer.errors import UserError
 
-COMMANDS = (fetch_model, generate, bench)
+COMMANDS = (fetch_model, generate, search, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -95,12 +95,18 @@ def test_replay_of_chain_drafting():
 
 
 # --------------------------------------------------------------------------- the optimiser
-@pytest.mark.parametrize("ratio", [None, 5 / 16])
-def test_search_finds_a_planted_optimum(ratio):
-    target = LayerPlan(8, frozenset({2, 5}), frozenset({1, 4, 6}))  # 5 of 16 sublayers; 65536 plans
-    result, _ = search(hamming_objective(target), 8, trials=70, seed=1, skip_ratio=ratio)
+@pytest.mark.parametrize("target,ratio,trials", [
+    (LayerPlan(8, frozenset({2, 5}), frozenset({1, 4, 6})), None, 80),  # 1 of 65536 plans
+    (LayerPlan(6, frozenset({1, 4}), frozenset({0, 3})), 4 / 12, 60),  # 1 of the 495 plans that skip 4 of 12
+], ids=["free", "skip-ratio"])
+def test_search_finds_a_planted_optimum(target, ratio, trials):
+    result, study = search(hamming_objective(target), target.num_layers, trials=trials, seed=0, skip_ratio=ratio)
     assert result.plan == target and result.value == 0.0
+    assert result.completed == len(result.history) <= trials and result.proposals == len(study.trials)
     assert result.history == sorted(result.history) and result.history[-1] == 0.0
+    if ratio is not None:
+        assert all(len(t.user_attrs["plan"]["skip_attn"]) + len(t.user_attrs["plan"]["skip_mlp"]) == 4
+                   for t in study.trials)
 
 
 def test_search_is_reproducible_with_a_seed():
@@ -126,9 +132,10 @@ def test_identical_plans_are_evaluated_once():
         calls.append(plan)
         return float(len(plan.skip_attn)), {}
 
-    result, study = search(evaluate, 2, trials=30, seed=0, warm_start=False)  # only 16 distinct plans
-    assert len(calls) == len(set(calls)) <= 16
-    assert result.completed == 30
+    result, study = search(evaluate, 2, trials=16, seed=0, warm_start=False)  # all 16 plans of 2 layers
+    assert len(calls) == len(set(calls)) == result.completed == 16
+    assert result.proposals == len(study.trials) > 16  # the sampler repeated itself; repeats were free
+    assert sum(1 for t in study.trials if t.user_attrs.get("repeat")) == result.proposals - 16
 
 
 # --------------------------------------------------------------------------- the model objective
@@ -264,7 +271,7 @@ def test_search_cli_writes_a_usable_plan(capsys, tiny_model_dir, prompts_file, t
 ])
 def test_search_cli_bad_input_is_one_clear_line(capsys, tiny_model_dir, prompts_file, tmp_path, args, message):
     argv = ["search", "--model", str(tiny_model_dir), "--data", str(prompts_file), "--out", str(tmp_path / "p.json"),
-            "--trials", "2", "--cost", "weights", "--quiet"]
+            "--trials", "2", "--cost", "weights", "--n", "2", "--quiet"]
     for i in range(0, len(args), 2):  # later flags override earlier ones
         argv += args[i:i + 2]
     code = main(argv)

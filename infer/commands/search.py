@@ -1,0 +1,99 @@
+"""``layerskip search``: find a Self-SD sublayer skip plan offline with Bayesian optimisation (optuna)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from infer.errors import UserError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("search", help="search a Self-SD skip plan (which attention/MLP sublayers the draft skips)",
+                       description="Bayesian optimisation (optuna) over the 2L sublayer skip choices on calibration "
+                       "prompts from the front of a data set; the best plan is written atomically to --out with the "
+                       "model's identity, and the study is kept beside it so an interrupted search resumes.")
+    p.add_argument("--model", default="default", help="a local Hugging Face model folder, or 'default'")
+    p.add_argument("--data", required=True, help="calibration prompts: humaneval, gsm8k, a .jsonl file with 'prompt' "
+                   "fields, or a folder of text files (items are taken from the front of the set)")
+    p.add_argument("--out", type=Path, required=True, help="plan file to write, e.g. plans/smollm2-135m-humaneval.json")
+    p.add_argument("--trials", type=int, default=100, help="trials the study should hold in total (default 100; "
+                   "a resumed study runs only the missing ones)")
+    p.add_argument("--objective", default="model",
+                   help="'model' (alias 'acceptance', default): expected speed-up from teacher-forced agreement and "
+                   "draft cost, noise-free and fast; 'speed': measured tokens/s of self-speculative decoding")
+    p.add_argument("--skip-ratio", type=float, default=None,
+                   help="skip exactly this fraction of the 2L sublayers (default: the search chooses how many)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the optuna sampler (default 0)")
+    p.add_argument("--timeout", type=float, default=None, help="stop starting trials after SEC seconds")
+    p.add_argument("--sampler", default="tpe", help="'tpe' (multivariate TPE, default) or 'gp' (Gaussian process)")
+    p.add_argument("--n", type=int, default=8, help="calibration prompts (default 8)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens per calibration prompt (default 64 for model, 32 for speed)")
+    p.add_argument("--num-draft", type=int, default=12,
+                   help="most drafts per verification (the drafter's k; the largest k the model objective replays)")
+    p.add_argument("--cost", default="measured", help="model objective: draft/verify costs 'measured' once before "
+                   "the search (default) or counted in 'weights' read (deterministic)")
+    p.add_argument("--no-warm-start", action="store_true", help="do not enqueue uniform plans as first trials")
+    p.add_argument("--chat", default="auto", choices=["auto", "always", "never"],
+                   help="chat template: auto = for gsm8k only (as `layerskip bench` does)")
+    p.add_argument("--study", type=Path, default=None,
+                   help="optuna journal file (default: beside --out, e.g. plans/x.study.log)")
+    p.add_argument("--fresh", action="store_true", help="discard an existing study instead of resuming it")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, as the benchmark)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def _task_name(source: str) -> str:
+    return Path(source).stem if ("/" in source or "." in source) else source
+
+
+def run(args: argparse.Namespace) -> int:
+    from infer.loading import set_threads
+    from infer.prompts import load_prompts
+    from infer.search import SearchConfig, search_plan, study_path_for
+
+    # Everything that can be checked without the model is checked first.
+    cfg = SearchConfig(objective=args.objective, trials=args.trials, skip_ratio=args.skip_ratio, seed=args.seed,
+                       timeout=args.timeout, sampler=args.sampler, n_prompts=args.n,
+                       max_new_tokens=args.max_new_tokens, num_draft=args.num_draft, cost=args.cost,
+                       warm_start=not args.no_warm_start)
+    if args.out.suffix != ".json":
+        raise UserError(f"--out {args.out} should be a .json file")
+    if args.out.is_dir():
+        raise UserError(f"--out {args.out} is a folder; give a .json file path")
+    items = load_prompts(args.data, cfg.n_prompts)
+    if len(items) < cfg.n_prompts:
+        print(f"layerskip: note: {args.data} has only {len(items)} prompts", file=sys.stderr)
+    set_threads(args.threads)
+
+    from infer.loading import load_model
+
+    model = load_model(args.model, args.dtype)
+    task = _task_name(args.data)
+    chat = args.chat == "always" or (args.chat == "auto" and task == "gsm8k")
+    prompts = [model.encode(item.prompt, chat) for item in items]
+    limit = model.runner.spec.max_position_embeddings
+    too_long = [it.id for it, ids in zip(items, prompts, strict=True) if len(ids) + cfg.max_new_tokens
+                + cfg.num_draft + 2 > limit]
+    if too_long:
+        raise UserError(f"calibration prompts {too_long} are too long for the model's context of {limit} tokens")
+    study = args.study or study_path_for(args.out)
+    extra = {"data": args.data, "chat": chat, "threads": args.threads, "dtype": args.dtype,
+             "prompt_ids": [it.id for it in items]}
+    result, plan_file = search_plan(model.runner, prompts, cfg, args.out, task, study, fresh=args.fresh,
+                                    progress=not args.quiet, extra=extra)
+    m = result.attrs
+    line = (f"best of {result.completed} trials (#{result.best_trial}): {result.plan.describe()}; "
+            f"{cfg.objective} objective {result.value:.4g}")
+    if "acceptance_rate" in m:
+        line += f", acceptance {m['acceptance_rate']:.2f}, tokens/verify {m['tokens_per_verify']:.2f}"
+    if "k" in m:
+        line += f" (best replayed k={m['k']}, gamma={m['gamma']})"
+    print(line, file=sys.stderr)
+    print(f"search took {plan_file.search['wall_time_s']}s (study: {study})", file=sys.stderr)
+    print(args.out)
+    return 0

@@ -1,0 +1,194 @@
+"""Self-speculative decoding (Draft & Verify, Zhang et al., ACL 2024): a fixed sublayer skip plan.
+
+The plan (skipped attention and MLP sublayers) is found offline by ``layerskip search`` and
+stored as JSON tied to the model. Drafting runs the model under the plan token by token and
+stops when the draft's top-1 probability falls below a threshold gamma, which adapts during
+generation (the paper's §3.3 "adaptive draft-exiting"; defaults from its reference code):
+
+    acc   <- b1 * acc + (1 - b1) * accepted / drafted          (smoothed acceptance, acc_0 = 0)
+    g'    =  gamma + eps   if acc < alpha                        (too many rejections: draft less)
+             gamma         if acc >= alpha and the draft was not stopped by gamma
+             gamma - eps   otherwise                             (drafts are good: draft more)
+    gamma <- b2 * gamma + (1 - b2) * g'
+
+with alpha = 0.9, eps = 0.01, b1 = 0.5, b2 = 0.9, gamma_0 = 0.8 and at most 12 drafts.
+
+The layers before the plan's first skipped sublayer compute exactly what the full model does,
+so their KV and hidden states are handed to verification; every row the draft wrote in deeper
+layers is rolled back by the engine and rewritten by the verification forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from infer.drafters.base import DecodeState, Draft, VerifyOutcome
+from infer.drafters.chain import draft_chain
+from infer.errors import UserError
+from infer.plan import LayerPlan, PlanFile
+from infer.runner import KVCache, Runner
+
+
+@dataclass
+class SelfSDConfig:
+    """Settings of the Self-SD drafter."""
+
+    plan: str | None = None
+    """Path of the skip-plan JSON made by `layerskip search` for this model (required)."""
+    num_draft: int = 12
+    """k: most tokens drafted per verification (Self-SD evaluates with 12)."""
+    confidence: float = 0.8
+    """Stop drafting when the draft's top-1 probability falls below this (Self-SD's initial threshold gamma)."""
+    adapt_confidence: bool = True
+    """Adapt the confidence threshold after every verification (Self-SD §3.3); off = fixed threshold."""
+    target_acceptance: float = 0.9
+    """alpha: the threshold rises while the smoothed acceptance rate is below this and falls when above."""
+    confidence_step: float = 0.01
+    """epsilon: size of one threshold adjustment."""
+    acceptance_momentum: float = 0.5
+    """beta1: smoothing of the acceptance rate that drives the adjustments."""
+    confidence_momentum: float = 0.9
+    """beta2: smoothing of the threshold itself."""
+
+    def __post_init__(self) -> None:
+        if not self.plan:
+            raise UserError("the self_sd drafter needs a plan: --plan PLAN.json (or self_sd:plan=PLAN.json); "
+                            "make one with `layerskip search`")
+        if not Path(self.plan).expanduser().is_file():
+            raise UserError(f"plan file {self.plan} does not exist (create one with `layerskip search`)")
+        self._check_numbers()
+
+    @classmethod
+    def in_memory(cls, **options) -> SelfSDConfig:
+        """Settings for a plan passed as an object (the search), without the plan-file checks."""
+        config = cls.__new__(cls)
+        for f in dataclasses.fields(cls):
+            setattr(config, f.name, options.get(f.name, f.default))
+        config.plan = "<in memory>"
+        config._check_numbers()
+        return config
+
+    def _check_numbers(self) -> None:
+        if self.num_draft < 1:
+            raise UserError(f"num-draft must be >= 1, got {self.num_draft}")
+        if not 0.0 <= self.confidence < 1.0:
+            raise UserError(f"confidence must be in [0, 1), got {self.confidence}")
+        if not 0.0 < self.target_acceptance <= 1.0:
+            raise UserError(f"target-acceptance must be in (0, 1], got {self.target_acceptance}")
+        if not 0.0 <= self.confidence_step < 1.0:
+            raise UserError(f"confidence-step must be in [0, 1), got {self.confidence_step}")
+        for name in ("acceptance_momentum", "confidence_momentum"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise UserError(f"{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
+
+
+class AdaptiveThreshold:
+    """Self-SD's draft-exiting threshold: nudged up when drafts get rejected, down when they pass."""
+
+    def __init__(self, config: SelfSDConfig):
+        self.config = config
+        self.value = config.confidence
+        self.acceptance = 0.0  # smoothed acceptance rate; the reference code starts it at 0
+        self.updates = 0
+
+    def update(self, accepted: int, drafted: int, stopped_by_threshold: bool) -> None:
+        c = self.config
+        if not c.adapt_confidence or drafted == 0:
+            return
+        self.acceptance = c.acceptance_momentum * self.acceptance + (1 - c.acceptance_momentum) * accepted / drafted
+        if self.acceptance < c.target_acceptance:
+            proposal = self.value + c.confidence_step
+        elif stopped_by_threshold:
+            proposal = self.value - c.confidence_step
+        else:  # drafts pass and the chain already ran to its length limit: nothing to gain by lowering
+            proposal = self.value
+        value = c.confidence_momentum * self.value + (1 - c.confidence_momentum) * proposal
+        self.value = min(max(value, 0.0), 1.0)  # a probability threshold; the reference code does not clamp
+        self.updates += 1
+
+
+def exact_layers(plan: LayerPlan) -> int:
+    """Layers before the first layer with a skipped sublayer: the draft computes them exactly."""
+    return min(plan.skip_attn | plan.skip_mlp, default=plan.num_layers)
+
+
+class SkipPlanForward:
+    """One draft step under ``plan``: exact layers [0, E), then layers [E, L) with the plan's skips.
+
+    E is the first layer with any skipped sublayer. (``chain.PlanForward`` hands over
+    ``plan.exact_prefix`` layers, which is one more when the first skip is an MLP, and runs those
+    layers without the plan, so it silently keeps that MLP; here the draft is exactly the plan.)
+    """
+
+    def __init__(self, runner: Runner, plan: LayerPlan):
+        self.runner, self.plan, self.exact_layers = runner, plan, exact_layers(plan)
+
+    def __call__(self, cache: KVCache, token: Tensor, position: int) -> tuple[Tensor, Tensor]:
+        r, E = self.runner, self.exact_layers
+        pos = torch.tensor([position], device=r.device)
+        exact = r.forward_layers(cache, r.embed(token), pos, 0, E)  # (1, d) input of layer E
+        hidden = r.forward_layers(cache, exact, pos, E, r.num_layers, plan=self.plan)  # (1, d)
+        return exact, r.logits(hidden)  # (1, d), (1, V)
+
+
+def load_plan(path: str | Path, runner: Runner) -> PlanFile:
+    """Load a plan file and refuse it unless it was made for ``runner``'s model."""
+    plan_file = PlanFile.load(Path(path).expanduser())
+    plan_file.check_model(runner.identity(), str(path))
+    if plan_file.plan.num_layers != runner.num_layers:
+        raise UserError(f"{path} is a plan for {plan_file.plan.num_layers} layers; the model has {runner.num_layers}")
+    return plan_file
+
+
+class SelfSDDrafter:
+    """Drafts with a fixed sublayer skip plan, stopping at an adaptive confidence threshold."""
+
+    name = "self_sd"
+    Config = SelfSDConfig
+    aliases = {"k": "num_draft", "gamma": "confidence"}
+
+    def __init__(self, runner: Runner, config: SelfSDConfig | None = None, plan: LayerPlan | None = None):
+        """``plan`` overrides ``config.plan`` (the search evaluates plans that are not on disk yet)."""
+        if config is None:
+            raise UserError("the self_sd drafter needs a plan file (make one with `layerskip search`)")
+        self.config = config
+        if plan is None:
+            plan = load_plan(config.plan, runner).plan
+        elif plan.num_layers != runner.num_layers:
+            raise ValueError(f"plan has {plan.num_layers} layers, the model {runner.num_layers}")
+        self.plan = plan
+        self.forward = SkipPlanForward(runner, plan)
+        self.threshold = AdaptiveThreshold(config)
+        self.forwards = 0
+        self._stopped = False
+
+    @property
+    def lookahead(self) -> int:
+        return self.config.num_draft + 1
+
+    def start(self, state: DecodeState) -> None:
+        self.threshold = AdaptiveThreshold(self.config)  # per generate call, as in the reference code
+        self.forwards = 0
+        self._stopped = False
+
+    def propose(self, state: DecodeState) -> Draft | None:
+        # Like Self-SD, the token whose confidence falls below the threshold is still proposed
+        # (verifying one more token costs next to nothing) and ends the chain.
+        chain = draft_chain(state, self.forward, self.config.num_draft, self.threshold.value, keep_last=True)
+        self.forwards += chain.forwards
+        self._stopped = bool(chain.top1) and chain.top1[-1] < self.threshold.value
+        return chain.draft if chain.forwards else None
+
+    def update(self, state: DecodeState, outcome: VerifyOutcome) -> None:
+        self.threshold.update(outcome.accepted, outcome.drafted, self._stopped)
+
+    def stats(self) -> dict:
+        return {"draft_forwards": self.forwards, "confidence": round(self.threshold.value, 4),
+                "threshold_updates": self.threshold.updates, "skip_ratio": self.plan.skip_ratio,
+                "exact_layers": self.forward.exact_layers}
+
