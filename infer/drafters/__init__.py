@@ -14,12 +14,14 @@ from infer.drafters.autoregressive import AutoregressiveDrafter
 from infer.drafters.base import DecodeState, Draft, Drafter, VerifyOutcome
 from infer.drafters.early_exit import EarlyExitDrafter
 from infer.drafters.self_sd import SelfSDDrafter
+from infer.drafters.swift import SwiftDrafter
 from infer.errors import UserError
 
 DRAFTERS: dict[str, type] = {
     AutoregressiveDrafter.name: AutoregressiveDrafter,
     EarlyExitDrafter.name: EarlyExitDrafter,
     SelfSDDrafter.name: SelfSDDrafter,
+    SwiftDrafter.name: SwiftDrafter,
 }
 
 
