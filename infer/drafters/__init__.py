@@ -57,15 +57,19 @@ def field_docs(config_cls: type) -> dict[str, str]:
 
 def all_options() -> dict[str, tuple[object, str, list[str]]]:
     """Every drafter option: field -> (type, help, drafters that take it)."""
-    out: dict[str, tuple[object, str, list[str]]] = {}
+    types: dict[str, object] = {}
+    docs: dict[str, dict[str, str]] = {}
     for name, cls in DRAFTERS.items():
         hints = typing.get_type_hints(cls.Config)
-        docs = field_docs(cls.Config)
+        field_doc = field_docs(cls.Config)
         for field in hints:
-            if field in out:
-                out[field][2].append(name)
-            else:
-                out[field] = (hints[field], docs.get(field, ""), [name])
+            types.setdefault(field, hints[field])
+            docs.setdefault(field, {})[name] = field_doc.get(field, "")
+    out = {}
+    for field, per_drafter in docs.items():
+        texts = set(per_drafter.values())
+        doc = texts.pop() if len(texts) == 1 else " ".join(f"{d}: {t}" for d, t in per_drafter.items())
+        out[field] = (types[field], doc, list(per_drafter))
     return out
 
 
