@@ -56,7 +56,7 @@ def parse_methods(drafters: str, peers: str | None) -> list[Method]:
 
     methods: list[Method] = []
     for spec in [s for s in drafters.split(",") if s.strip()]:
-        name, opts = parse_spec(spec)
+        name, opts = parse_spec(spec, validate="{model}" not in spec)  # per-model values are checked at load
         methods.append(Method(spec.strip(), name, tuple(opts.items())))
     if not any(m.name == BASELINE and not m.options for m in methods):
         methods.insert(0, Method(BASELINE, BASELINE))

@@ -118,8 +118,8 @@ def build_drafter(name: str, runner, options: dict | None = None):
     return drafter_class(name)(runner, config)
 
 
-def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
-    """``'early_exit:E=8:k=6'`` -> ``('early_exit', {'E': '8', 'k': '6'})`` (validated names)."""
+def parse_spec(spec: str, validate: bool = True) -> tuple[str, dict[str, str]]:
+    """``'early_exit:E=8:k=6'`` -> ``('early_exit', {'E': '8', 'k': '6'})``; ``validate`` builds the config now."""
     name, *parts = spec.strip().split(":")
     drafter_class(name)
     options = {}
@@ -128,7 +128,8 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
         if not sep or not key:
             raise UserError(f"bad drafter spec {spec!r}: options look like name:key=value:key=value")
         options[key] = value
-    build_config(name, options)  # validate now, before any model is loaded
+    if validate:
+        build_config(name, options)  # before any model is loaded
     return name, options
 
 
