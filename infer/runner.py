@@ -164,15 +164,12 @@ class RunnerCounters:
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)  # one fused op
     # Same arithmetic as HF LlamaRMSNorm: normalise in fp32, scale in the model dtype.
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _load_kernel(dtype: torch.dtype, device: torch.device, kernel: str):
@@ -314,8 +311,11 @@ class Runner:
         pos = torch.arange(n, dtype=torch.float)
         freqs = pos[:, None] * self.inv_freq[None, :]  # (n, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (n, D)
+        half = emb.shape[-1] // 2
+        sin = emb.sin() * self.rope_scale
+        sin[:, :half] = -sin[:, :half]  # rotate_half(x) * sin == roll(x, half) * signed sin
         self._cos = (emb.cos() * self.rope_scale).to(self.device, self.dtype)
-        self._sin = (emb.sin() * self.rope_scale).to(self.device, self.dtype)
+        self._sin = sin.to(self.device, self.dtype)
 
     # ----------------------------------------------------------------- compute
     @property
@@ -342,8 +342,8 @@ class Runner:
         A skipped attention sublayer writes no K/V and leaves its layer's length unchanged.
         """
         end = self.spec.num_layers if end is None else end
-        cos = self._cos[positions]  # (T, D)
-        sin = self._sin[positions]  # (T, D)
+        cos = self._cos[positions][:, None]  # (T, 1, D)
+        sin = self._sin[positions][:, None]  # (T, 1, D), sign folded in for the roll form of RoPE
         masks: dict[int, Tensor | None] = {}
         attn_skip, mlp_skip = (plan.skip_attn, plan.skip_mlp) if plan is not None else ((), ())
         T = hidden.shape[0]
@@ -387,12 +387,13 @@ class Runner:
         T = hidden.shape[0]
         x = _rms_norm(hidden, w.attn_norm, s.rms_norm_eps)  # (T, d)
         qkv = w.qkv(x)  # (T, (Hq + 2 Hkv) D)
-        q, k, v = qkv.split(self._qkv_widths(), dim=-1)
-        q = q.view(T, s.num_heads, s.head_dim).transpose(0, 1)  # (Hq, T, D)
-        k = k.view(T, s.num_kv_heads, s.head_dim).transpose(0, 1)  # (Hkv, T, D)
-        v = v.view(T, s.num_kv_heads, s.head_dim).transpose(0, 1)  # (Hkv, T, D)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        heads = s.num_heads + s.num_kv_heads
+        qk = qkv[:, :heads * s.head_dim].view(T, heads, s.head_dim)  # (T, Hq + Hkv, D)
+        # RoPE on q and k at once: rotate_half(x) * sin == roll(x, D/2) * [-sin_lo, sin_hi]
+        qk = qk * cos + qk.roll(s.head_dim // 2, dims=-1) * sin
+        q = qk[:, :s.num_heads].transpose(0, 1)  # (Hq, T, D)
+        k = qk[:, s.num_heads:].transpose(0, 1)  # (Hkv, T, D)
+        v = qkv[:, heads * s.head_dim:].view(T, s.num_kv_heads, s.head_dim).transpose(0, 1)  # (Hkv, T, D)
         start = cache.lengths[i]
         stop = start + T
         if stop > cache.capacity:
