@@ -217,6 +217,28 @@ def test_interrupted_search_resumes(runner, tmp_path):
     assert fresh.completed == 3
 
 
+def test_model_objective_finds_planted_redundant_sublayers(tmp_path):
+    """Zeroed output projections make three sublayers no-ops: skipping exactly them is exact and cheaper."""
+    model = make_model("llama", seed=0, layers=6)
+    with torch.no_grad():
+        for i in (2, 3):
+            model.model.layers[i].self_attn.o_proj.weight.zero_()
+        model.model.layers[4].mlp.down_proj.weight.zero_()
+    runner = Runner.from_model(model)
+    cfg = SearchConfig(trials=80, seed=0, cost="weights", n_prompts=3, max_new_tokens=16, num_draft=4)
+    result, plan_file = search_plan(runner, PROMPTS, cfg, tmp_path / "p.json", "tiny", None, progress=False)
+    assert result.plan == LayerPlan(6, frozenset({2, 3}), frozenset({4}))
+    assert result.attrs["acceptance_rate"] == 1.0 and result.value > 1.15
+    from infer.drafters import build_drafter
+    from infer.engine import Engine, GenerationConfig
+
+    gen = GenerationConfig(max_new_tokens=30)
+    drafted = Engine(runner, build_drafter("self_sd", runner, {"plan": str(tmp_path / "p.json")})).generate(
+        PROMPTS[0], gen)
+    plain = Engine(runner, build_drafter("autoregressive", runner)).generate(PROMPTS[0], gen)
+    assert drafted.tokens == plain.tokens and drafted.stats.acceptance_rate == 1.0
+
+
 def test_speed_objective(runner, tmp_path):
     cfg = SearchConfig(objective="speed", trials=3, n_prompts=1, max_new_tokens=8, num_draft=3, warm_start=False)
     result, plan_file = search_plan(runner, PROMPTS[:1], cfg, tmp_path / "s.json", "tiny", None, progress=False)
