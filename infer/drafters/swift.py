@@ -62,8 +62,9 @@ class SwiftConfig:
     """Fall back to plain decoding while measured drafting speed is below plain speed; re-check later."""
     fallback_opt_budget: float = 0.03
     """Most fraction of wall time spent optimising while in the fallback (plain) mode."""
-    recheck_interval: int = 64
-    """In fallback, probe drafting again after this many plain steps (sooner when a better plan appears)."""
+    recheck_interval: int = 128
+    """In fallback, probe drafting again after this many plain steps (doubling after each failed probe), if the
+    cost model does not rule it out; sooner when a better plan is predicted to pay."""
     plan: str | None = None
     """Initial plan file (a self_sd or swift plan JSON); default: a uniform plan at skip_ratio."""
     save_plan: str | None = None
@@ -177,6 +178,7 @@ class SwiftDrafter:
     MARGIN = 0.02  # drafting must be this much faster than plain to be kept
     BACKOFF = 16  # a failed probe doubles the re-check interval, up to this factor
     REPROBE_GAIN = 0.05  # matchness gain since the last probe that triggers an early re-check
+    HOPELESS = 0.9  # no periodic re-probe while the cost model predicts less than this speed-up
 
     def __init__(self, runner, config: SwiftConfig | None = None):
         self.config = cfg = config or SwiftConfig()
@@ -194,6 +196,7 @@ class SwiftDrafter:
         self.stop_reason = ""
         self.forward = PlanForward(runner, self.best)
         self.plain, self.drafting = _Rate(), _Rate()
+        self.draft_forward, self.verify = _Rate(), _Rate()  # forwards per second, verifications per second
         self.mode = "plain" if cfg.fallback else "draft"
         self.mode_cycles = 0
         self.recheck = cfg.recheck_interval
@@ -215,12 +218,15 @@ class SwiftDrafter:
 
     def propose(self, state: DecodeState) -> Draft | None:
         self._cycle_start = time.perf_counter()
+        self._draft_seconds = 0.0
         if self.mode == "plain":
             return None
         chain = draft_chain(state, self.forward, self.config.max_draft, self.config.confidence, keep_last=True)
         self.forwards += chain.forwards
         if not chain.forwards:
             return None
+        self._draft_seconds = time.perf_counter() - self._cycle_start
+        self.draft_forward.add(chain.forwards, self._draft_seconds)
         return self._tree(chain, state) if self.config.tree else chain.draft
 
     def update(self, state: DecodeState, outcome: VerifyOutcome) -> None:
@@ -228,6 +234,8 @@ class SwiftDrafter:
             seconds = time.perf_counter() - self._cycle_start
             self.decode_time += seconds
             (self.plain if outcome.draft is None else self.drafting).add(len(outcome.tokens), seconds)
+            if outcome.draft is not None:
+                self.verify.add(1, seconds - self._draft_seconds)
         self._choose_mode()
         if self.optimising and self._within_budget():
             t0 = time.perf_counter()
@@ -243,6 +251,7 @@ class SwiftDrafter:
                 "plain_steps": self.plain_steps, "best_matchness": self.best_score, "skip_ratio": self.best.skip_ratio,
                 "plan": self.best.describe(), "mode": self.mode, "optimising": self.optimising,
                 "stop_reason": self.stop_reason, "tps_plain": self.plain.value, "tps_draft": self.drafting.value,
+                "predicted_speedup": self.predicted_speedup(self.best_score),
                 "matchness_trajectory": self.trajectory[self._traj_mark:]}
 
     # -------------------------------------------------------------- tree building
@@ -334,14 +343,29 @@ class SwiftDrafter:
         self.mode_cycles += 1
         if self.mode == "plain":
             self.plain_steps += 1
-            better = self.best_score >= self.score_at_probe + self.REPROBE_GAIN
-            due = self.drafting.cycles == 0 or self.mode_cycles >= self.recheck or (
-                better and self.mode_cycles >= self.WARM_PLAIN)
+            predicted = self.predicted_speedup(self.best_score)
+            better = self.best_score >= self.score_at_probe + self.REPROBE_GAIN and (predicted or 0.0) >= 1.0
+            periodic = self.mode_cycles >= self.recheck and (predicted is None or predicted >= self.HOPELESS)
+            due = self.drafting.cycles == 0 or periodic or (better and self.mode_cycles >= self.WARM_PLAIN)
             if self.plain.cycles >= self.WARM_PLAIN and due:
                 self._switch("draft")
         elif self.mode_cycles >= self.PROBE and self.drafting.value < self.plain.value * (1 + self.MARGIN):
             self.recheck = min(self.recheck * 2, self.config.recheck_interval * self.BACKOFF)
             self._switch("plain")
+
+    def predicted_speedup(self, matchness: float) -> float | None:
+        """Cost-model speed-up of drafting over plain steps: max_k M(a, k) / (k c + v), from measured times.
+
+        a = matchness (per-token acceptance), M(a, k) = (1 - a^(k+1)) / (1 - a) tokens per chain of k drafts
+        (Leviathan et al. 2023), c and v the measured draft-forward and verification times over a plain step.
+        """
+        if matchness < 0 or not (self.plain.value and self.draft_forward.value and self.verify.value):
+            return None
+        step = 1.0 / self.plain.value
+        c = 1.0 / self.draft_forward.value / step
+        v = 1.0 / self.verify.value / step
+        a = min(matchness, 0.999)
+        return max((1 - a ** (k + 1)) / (1 - a) / (k * c + v) for k in range(1, self.config.max_draft + 1))
 
     def _switch(self, mode: str) -> None:
         self.mode, self.mode_cycles = mode, 0
