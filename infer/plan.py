@@ -61,15 +61,9 @@ class LayerPlan:
 
     @property
     def exact_prefix(self) -> int:
-        """Number of leading layers whose KV and input hidden state equal the full model's.
-
-        Layer ``l``'s attention input is exact iff no sublayer before it is skipped; its KV is
-        written iff its attention runs. So the prefix ends at the first skipped attention, or
-        one layer after the first skipped MLP, whichever comes first.
-        """
-        first_attn = min(self.skip_attn, default=self.num_layers)
-        first_mlp = min(self.skip_mlp, default=self.num_layers) + 1
-        return min(first_attn, first_mlp, self.num_layers)
+        """Number of leading layers that skip nothing: their KV, and the hidden state entering the
+        first layer after them, are exactly the full model's (a draft hands both to verification)."""
+        return min(self.skip_attn | self.skip_mlp, default=self.num_layers)
 
     def to_dict(self) -> dict:
         return {"num_layers": self.num_layers, "skip_attn": sorted(self.skip_attn),

@@ -32,7 +32,7 @@ class EarlyExitForward:
 
 
 class PlanForward:
-    """All layers under a sublayer skip plan; layers before the plan's first skip are exact."""
+    """All layers under a sublayer skip plan; the layers before the first layer with a skip are exact."""
 
     def __init__(self, runner: Runner, plan: LayerPlan):
         self.runner, self.plan, self.exact_layers = runner, plan, plan.exact_prefix

@@ -98,8 +98,8 @@ def test_unsupported_model_type_is_refused():
 def test_plan_exact_prefix():
     assert LayerPlan(6).exact_prefix == 6
     assert LayerPlan(6, skip_attn={3}).exact_prefix == 3
-    assert LayerPlan(6, skip_mlp={2}).exact_prefix == 3
-    assert LayerPlan(6, skip_attn={4}, skip_mlp={1}).exact_prefix == 2
+    assert LayerPlan(6, skip_mlp={2}).exact_prefix == 2  # layer 2's MLP is skipped: its output is not exact
+    assert LayerPlan(6, skip_attn={4}, skip_mlp={1}).exact_prefix == 1
     plan = LayerPlan(6, skip_attn={1, 4}, skip_mlp={0})
     assert LayerPlan.from_dict(plan.to_dict()) == plan
     with pytest.raises(ValueError):
@@ -154,3 +154,17 @@ def test_runner_kernel_and_torch_paths_agree():
     assert outs[0].shape == outs[1].shape
     torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=0)
     torch.testing.assert_close(outs[0], hf_logits(model, ids), atol=1e-4, rtol=0)
+
+
+def test_plan_forward_drafts_exactly_the_plan(tiny_llama):
+    """The draft step runs the plan itself (an MLP skipped in the first skipping layer included)."""
+    from infer.drafters.chain import PlanForward
+
+    runner = Runner.from_model(tiny_llama)
+    token = torch.tensor([17])
+    for plan in (LayerPlan(4, skip_mlp={1}), LayerPlan(4, skip_attn={2}, skip_mlp={0, 3})):
+        forward = PlanForward(runner, plan)
+        exact, logits = forward(runner.new_cache(8), token, 0)
+        torch.testing.assert_close(logits, runner.forward(runner.new_cache(8), token, plan=plan), atol=1e-5, rtol=0)
+        ref = runner.forward_layers(runner.new_cache(8), runner.embed(token), torch.tensor([0]), 0, plan.exact_prefix)
+        torch.testing.assert_close(exact, ref, atol=0, rtol=0)
