@@ -35,6 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="most drafts per verification (the drafter's k; the largest k the model objective replays)")
     p.add_argument("--cost", default="measured", help="model objective: draft/verify costs 'measured' once before "
                    "the search (default) or counted in 'weights' read (deterministic)")
+    p.add_argument("--speed-reference", default="interleaved",
+                   help="speed objective: 'interleaved' (default; value = speed-up over autoregressive decoding of "
+                   "each prompt timed just before it) or 'once' (value = tokens/s, as in Self-SD)")
     p.add_argument("--no-warm-start", action="store_true", help="do not enqueue uniform plans as first trials")
     p.add_argument("--chat", default="auto", choices=["auto", "always", "never"],
                    help="chat template: auto = for gsm8k only (as `layerskip bench` does)")
@@ -60,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = SearchConfig(objective=args.objective, trials=args.trials, skip_ratio=args.skip_ratio, seed=args.seed,
                        timeout=args.timeout, sampler=args.sampler, n_prompts=args.n,
                        max_new_tokens=args.max_new_tokens, num_draft=args.num_draft, cost=args.cost,
-                       warm_start=not args.no_warm_start)
+                       warm_start=not args.no_warm_start, speed_reference=args.speed_reference)
     if args.out.suffix != ".json":
         raise UserError(f"--out {args.out} should be a .json file")
     if args.out.is_dir():

@@ -239,12 +239,17 @@ def test_model_objective_finds_planted_redundant_sublayers(tmp_path):
     assert drafted.tokens == plain.tokens and drafted.stats.acceptance_rate == 1.0
 
 
-def test_speed_objective(runner, tmp_path):
-    cfg = SearchConfig(objective="speed", trials=3, n_prompts=1, max_new_tokens=8, num_draft=3, warm_start=False)
+@pytest.mark.parametrize("reference", ["interleaved", "once"])
+def test_speed_objective(runner, tmp_path, reference):
+    cfg = SearchConfig(objective="speed", trials=3, n_prompts=1, max_new_tokens=8, num_draft=3, warm_start=False,
+                       speed_reference=reference)
     result, plan_file = search_plan(runner, PROMPTS[:1], cfg, tmp_path / "s.json", "tiny", None, progress=False)
     assert result.value > 0 and plan_file.objective["name"] == "speed"
-    assert {"speedup", "acceptance_rate", "tokens_per_verify", "final_confidence"} <= set(plan_file.objective)
-    assert plan_file.search["autoregressive_tokens_per_second"] > 0
+    assert {"speedup", "tokens_per_second", "acceptance_rate", "tokens_per_verify", "final_confidence"} <= set(
+        plan_file.objective)
+    expect = plan_file.objective["speedup"] if reference == "interleaved" else plan_file.objective["tokens_per_second"]
+    assert result.value == pytest.approx(expect)
+    assert plan_file.search["autoregressive_tokens_per_second_at_start"] > 0
 
 
 def test_config_aliases_and_defaults():
@@ -285,6 +290,7 @@ def test_search_cli_writes_a_usable_plan(capsys, tiny_model_dir, prompts_file, t
     (["--objective", "fastest"], "unknown objective 'fastest'"),
     (["--sampler", "cmaes"], "unknown sampler 'cmaes'"),
     (["--cost", "guess"], "unknown cost model 'guess'"),
+    (["--speed-reference", "never"], "unknown speed reference 'never'"),
     (["--timeout", "0"], "--timeout must be > 0"),
     (["--n", "0"], "--n must be >= 1"),
     (["--data", "/no/such/set"], "unknown prompt source"),
