@@ -481,11 +481,9 @@ class ModelObjective:
     @torch.no_grad()
     def agreement(self, plan: LayerPlan) -> tuple[list[list[bool]], list[list[float]]]:
         """Per calibration item: does the plan's argmax equal the full model's token, and its top-1 prob."""
-        from infer.drafters.self_sd import exact_layers
-
         r = self.runner
         agree, top1 = [], []
-        E = exact_layers(plan)
+        E = plan.exact_prefix
         for cache, n, inputs, positions, mask, target in self.items:
             hidden = r.forward_layers(cache, inputs[E], positions, E, r.num_layers, plan=plan, mask=mask)  # (w, d)
             cache.rollback(n)

@@ -11,11 +11,12 @@ generation (the paper's §3.3 "adaptive draft-exiting"; defaults from its refere
              gamma - eps   otherwise                             (drafts are good: draft more)
     gamma <- b2 * gamma + (1 - b2) * g'
 
-with alpha = 0.9, eps = 0.01, b1 = 0.5, b2 = 0.9, gamma_0 = 0.8 and at most 12 drafts.
+with alpha = 0.9, eps = 0.01, b1 = 0.5, b2 = 0.9, gamma_0 = 0.8 and at most 12 drafts. As in the
+reference code, the token whose confidence falls below gamma is still proposed and ends the chain.
 
-The layers before the plan's first skipped sublayer compute exactly what the full model does,
-so their KV and hidden states are handed to verification; every row the draft wrote in deeper
-layers is rolled back by the engine and rewritten by the verification forward.
+The layers before the first layer with a skipped sublayer (``plan.exact_prefix``) compute exactly
+what the full model does, so their KV and hidden states are handed to verification; every row the
+draft wrote in deeper layers is rolled back by the engine and rewritten by the verification forward.
 """
 
 from __future__ import annotations
@@ -24,14 +25,11 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from torch import Tensor
-
 from infer.drafters.base import DecodeState, Draft, VerifyOutcome
-from infer.drafters.chain import draft_chain
+from infer.drafters.chain import PlanForward, draft_chain
 from infer.errors import UserError
 from infer.plan import LayerPlan, PlanFile
-from infer.runner import KVCache, Runner
+from infer.runner import Runner
 
 
 @dataclass
@@ -112,30 +110,6 @@ class AdaptiveThreshold:
         self.updates += 1
 
 
-def exact_layers(plan: LayerPlan) -> int:
-    """Layers before the first layer with a skipped sublayer: the draft computes them exactly."""
-    return min(plan.skip_attn | plan.skip_mlp, default=plan.num_layers)
-
-
-class SkipPlanForward:
-    """One draft step under ``plan``: exact layers [0, E), then layers [E, L) with the plan's skips.
-
-    E is the first layer with any skipped sublayer. (``chain.PlanForward`` hands over
-    ``plan.exact_prefix`` layers, which is one more when the first skip is an MLP, and runs those
-    layers without the plan, so it silently keeps that MLP; here the draft is exactly the plan.)
-    """
-
-    def __init__(self, runner: Runner, plan: LayerPlan):
-        self.runner, self.plan, self.exact_layers = runner, plan, exact_layers(plan)
-
-    def __call__(self, cache: KVCache, token: Tensor, position: int) -> tuple[Tensor, Tensor]:
-        r, E = self.runner, self.exact_layers
-        pos = torch.tensor([position], device=r.device)
-        exact = r.forward_layers(cache, r.embed(token), pos, 0, E)  # (1, d) input of layer E
-        hidden = r.forward_layers(cache, exact, pos, E, r.num_layers, plan=self.plan)  # (1, d)
-        return exact, r.logits(hidden)  # (1, d), (1, V)
-
-
 def load_plan(path: str | Path, runner: Runner) -> PlanFile:
     """Load a plan file and refuse it unless it was made for ``runner``'s model."""
     plan_file = PlanFile.load(Path(path).expanduser())
@@ -162,7 +136,7 @@ class SelfSDDrafter:
         elif plan.num_layers != runner.num_layers:
             raise ValueError(f"plan has {plan.num_layers} layers, the model {runner.num_layers}")
         self.plan = plan
-        self.forward = SkipPlanForward(runner, plan)
+        self.forward = PlanForward(runner, plan)
         self.threshold = AdaptiveThreshold(config)
         self.forwards = 0
         self._stopped = False

@@ -9,7 +9,8 @@ import torch
 
 from infer.cli import main
 from infer.drafters import build_drafter, parse_spec
-from infer.drafters.self_sd import AdaptiveThreshold, SelfSDConfig, SelfSDDrafter, SkipPlanForward, exact_layers
+from infer.drafters.chain import PlanForward
+from infer.drafters.self_sd import AdaptiveThreshold, SelfSDConfig, SelfSDDrafter
 from infer.engine import Engine, GenerationConfig
 from infer.errors import UserError
 from infer.plan import LayerPlan, PlanFile
@@ -149,7 +150,7 @@ def _verify_after(runner, monkeypatch, plan, corrupt=None, broken_rollback=False
     draft = d.propose(state)
     n, h = state.n, draft.hidden.shape[0]
     if corrupt is not None:
-        E = exact_layers(plan)
+        E = plan.exact_prefix
         layers = slice(0, E) if corrupt == "exact" else slice(E, L)
         g = torch.Generator().manual_seed(0)
         for buf in (state.cache.k, state.cache.v):
@@ -167,7 +168,7 @@ def _verify_after(runner, monkeypatch, plan, corrupt=None, broken_rollback=False
 
 def test_verification_never_reads_the_draft_kv_past_the_exact_prefix(runner, monkeypatch):
     plan = LayerPlan(L, frozenset({2, 4}), frozenset({3}))  # exact prefix: layers 0, 1
-    assert exact_layers(plan) == 2
+    assert plan.exact_prefix == 2
     clean, clean_logits, clean_cache = _verify_after(runner, monkeypatch, plan)
     dirty, dirty_logits, dirty_cache = _verify_after(runner, monkeypatch, plan, corrupt="deep")
     assert dirty.tokens == clean.tokens
@@ -191,7 +192,7 @@ def test_verification_recomputes_only_what_the_draft_could_not_reuse(runner, pla
     d = drafter(runner, plan, num_draft=k, confidence=0.0)
     d.start(state)
     draft = d.propose(state)
-    E = exact_layers(plan)
+    E = plan.exact_prefix
     assert draft.size == k and draft.exact_layers == E
     runner.counters.reset()
     state.tokens.extend(engine._verify(state, draft).tokens)
@@ -213,13 +214,13 @@ def test_draft_step_is_exactly_the_plan(runner, plan):
     cache = runner.new_cache(64)
     runner.forward(cache, prompt[:-1])
     n = len(PROMPTS[2]) - 1
-    exact, logits = SkipPlanForward(runner, plan)(cache, prompt[-1:], n)
+    exact, logits = PlanForward(runner, plan)(cache, prompt[-1:], n)
     ref = runner.new_cache(64)
     runner.forward(ref, prompt[:-1])
     pos = torch.tensor([n])
     torch.testing.assert_close(logits, runner.logits(runner.forward_layers(ref, runner.embed(prompt[-1:]), pos,
                                                                             plan=plan)), atol=1e-5, rtol=0)
-    E = exact_layers(plan)
+    E = plan.exact_prefix
     full = runner.new_cache(64)
     runner.forward(full, prompt[:-1])
     torch.testing.assert_close(exact, runner.forward_layers(full, runner.embed(prompt[-1:]), pos, 0, E),
