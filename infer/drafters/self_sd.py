@@ -152,7 +152,7 @@ class SelfSDDrafter:
 
     def propose(self, state: DecodeState) -> Draft | None:
         # Like Self-SD, the token whose confidence falls below the threshold is still proposed
-        # (verifying one more token costs next to nothing) and ends the chain.
+        # (one more verified row costs far less than the draft forward already spent) and ends the chain.
         chain = draft_chain(state, self.forward, self.config.num_draft, self.threshold.value, keep_last=True)
         self.forwards += chain.forwards
         self._stopped = bool(chain.top1) and chain.top1[-1] < self.threshold.value
