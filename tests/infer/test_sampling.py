@@ -1,19 +1,15 @@
 """Sampling: logits processing, and statistical losslessness of speculative sampling."""
 
-import itertools
-
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
+from lossless_stats import P_THRESHOLD, chi2_pvalue, sampling_pvalue
 
 from infer.drafters import build_drafter
-from infer.engine import Engine, GenerationConfig
+from infer.engine import Engine
 from infer.runner import Runner
 from infer.sampling import SamplingConfig, TreeShape, probs_from_logits, sampling_accept
 from tiny_models import make_model
-
-P_THRESHOLD = 1e-3  # fixed seeds make these deterministic; the threshold guards against a real bias
 
 
 def test_top_k_and_top_p():
@@ -24,17 +20,6 @@ def test_top_k_and_top_p():
     torch.testing.assert_close(p, torch.tensor([0.5, 0.2, 0.15, 0, 0]) / 0.85)
     p = probs_from_logits(logits, SamplingConfig(temperature=1.0, top_p=0.01))
     torch.testing.assert_close(p, torch.tensor([1.0, 0, 0, 0, 0]))
-
-
-def _chi2(counts: np.ndarray, probs: np.ndarray) -> float:
-    probs = np.asarray(probs, dtype=np.float64)
-    probs = probs / probs.sum()
-    keep = probs * counts.sum() >= 5  # pool rare cells
-    obs = np.append(counts[keep], counts[~keep].sum())
-    exp = np.append(probs[keep], probs[~keep].sum()) * counts.sum()
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    return chisquare(obs, exp).pvalue
 
 
 @pytest.mark.parametrize("candidates", [1, 3])
@@ -58,28 +43,12 @@ def test_recursive_rejection_reproduces_target(candidates, deterministic):
         path, bonus = sampling_accept(tree, [0] + cand.tolist(), torch.stack([p] + [p] * candidates), qs, gen)
         token = cand[path[1] - 1].item() if len(path) > 1 else bonus
         counts[token] += 1
-    assert _chi2(counts, p.numpy()) > P_THRESHOLD
+    assert chi2_pvalue(counts, p.numpy()) > P_THRESHOLD
     # and a 2% shift of mass is detected at this sample size
     biased = p.clone()
     biased[0] += 0.02
     biased[1] -= 0.02
-    assert _chi2(counts, biased.numpy()) < P_THRESHOLD
-
-
-def _target_joint(model, prompt, cfg, steps):
-    """Exact distribution of the first `steps` generated tokens by enumeration."""
-    V = model.config.vocab_size
-    joint = {}
-    for seq in itertools.product(range(V), repeat=steps):
-        prob = 1.0
-        for i in range(steps):
-            with torch.no_grad():
-                logits = model(torch.tensor([prompt + list(seq[:i])])).logits[0, -1]
-            prob *= probs_from_logits(logits, cfg)[seq[i]].item()
-            if prob == 0:
-                break
-        joint[seq] = prob
-    return joint
+    assert chi2_pvalue(counts, biased.numpy()) < P_THRESHOLD
 
 
 @pytest.mark.slow
@@ -89,21 +58,7 @@ def test_speculative_sampling_matches_target_distribution(cfg):
     """Empirical joint of the first 3 tokens under early-exit drafting == exact target joint."""
     model = make_model("llama", seed=7, vocab_size=5, layers=2)
     runner = Runner.from_model(model)
-    prompt = [1, 2, 3]
-    steps = 3
-    joint = _target_joint(model, prompt, cfg, steps)
-    cells = sorted(joint)
-    probs = np.array([joint[c] for c in cells])
     engine = Engine(runner, build_drafter("early_exit", runner, {"exit_layer": 1, "num_draft": 3}))
-    gen = torch.Generator().manual_seed(1234)
-    counts = np.zeros(len(cells))
-    index = {c: i for i, c in enumerate(cells)}
-    accepted = drafted = 0
-    n = 6000
-    for _ in range(n):
-        res = engine.generate(prompt, GenerationConfig(max_new_tokens=steps, sampling=cfg), generator=gen)
-        counts[index[tuple(res.tokens)]] += 1
-        accepted += res.stats.accepted
-        drafted += res.stats.drafted
-    assert 0.2 < accepted / drafted < 0.95  # the draft differs from the target but is used
-    assert _chi2(counts, probs) > P_THRESHOLD
+    pvalue, totals = sampling_pvalue(engine, model, [1, 2, 3], cfg, samples=6000, seed=1234)
+    assert 0.2 < totals["accepted"] / totals["drafted"] < 0.95  # the draft differs from the target but is used
+    assert pvalue > P_THRESHOLD

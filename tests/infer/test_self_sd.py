@@ -3,9 +3,9 @@
 import json
 import random
 
-import numpy as np
 import pytest
 import torch
+from lossless_stats import P_THRESHOLD, sampling_pvalue
 
 from infer.cli import main
 from infer.drafters import build_drafter, parse_spec
@@ -106,28 +106,15 @@ def test_eos_and_max_new_tokens_inside_a_draft(runner):
 @pytest.mark.slow
 def test_speculative_sampling_with_a_plan_matches_target_distribution():
     """Empirical joint of the first 3 sampled tokens under Self-SD drafting == exact target joint."""
-    from test_sampling import P_THRESHOLD, _chi2, _target_joint
-
     model = make_model("llama", seed=7, vocab_size=5, layers=2)
     runner = Runner.from_model(model)
-    cfg = SamplingConfig(temperature=1.0)
-    prompt, steps = [1, 2, 3], 3
-    joint = _target_joint(model, prompt, cfg, steps)
-    cells = sorted(joint)
-    index = {c: i for i, c in enumerate(cells)}
     plan = LayerPlan(2, frozenset({1}), frozenset({0}))
     # adaptive threshold (starts at 0.5: the 5-token draft is rarely more confident than that)
     engine = Engine(runner, drafter(runner, plan, num_draft=3, confidence=0.5))
-    gen = torch.Generator().manual_seed(4321)
-    counts = np.zeros(len(cells))
-    accepted = drafted = 0
-    for _ in range(6000):
-        res = engine.generate(prompt, GenerationConfig(max_new_tokens=steps, sampling=cfg), generator=gen)
-        counts[index[tuple(res.tokens)]] += 1
-        accepted += res.stats.accepted
-        drafted += res.stats.drafted
-    assert 0.2 < accepted / drafted < 0.95  # the draft differs from the target but is used
-    assert _chi2(counts, np.array([joint[c] for c in cells])) > P_THRESHOLD
+    pvalue, totals = sampling_pvalue(engine, model, [1, 2, 3], SamplingConfig(temperature=1.0), samples=6000,
+                                     seed=4321)
+    assert 0.2 < totals["accepted"] / totals["drafted"] < 0.95  # the draft differs from the target but is used
+    assert pvalue > P_THRESHOLD
 
 
 # --------------------------------------------------------------------------- KV validity
