@@ -18,11 +18,14 @@ import sys
 import time
 
 
-def variants(exits: list[int], p_maxes: list[float]) -> dict[str, tuple[dict, dict]]:
+def variants(exits: list[int], p_maxes: list[float], rotation: int) -> dict[str, tuple[dict, dict]]:
     out = {"plain (final loss only)": ({}, {})}
     for p in p_maxes:
         out[f"layer dropout p_max={p} exp"] = ({"p_max": p, "scale": "exp"}, {})
     out[f"early exits {exits}"] = ({}, {"exits": exits, "scale": "linear"})
+    if rotation > 1:
+        out[f"early exits, rotational R={rotation}"] = ({}, {"exits": exits, "scale": "linear",
+                                                              "curriculum": "rotational", "rotation": rotation})
     p = p_maxes[0]
     out[f"LayerSkip: dropout p_max={p} + exits"] = ({"p_max": p, "scale": "exp"}, {"exits": exits, "scale": "linear"})
     return out
@@ -37,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--exits", default="8,12,16,20,24")
     parser.add_argument("--p-max", default="0.1,0.5", help="layer-dropout rates to time (the first also with exits)")
+    parser.add_argument("--rotation", type=int, default=0, help="also time the exits with a rotational curriculum")
+    parser.add_argument("--only", default="", help="comma-separated substrings: time only matching variants")
     parser.add_argument("--json", help="write results here")
     args = parser.parse_args(argv)
 
@@ -52,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     exits = [int(x) for x in args.exits.split(",")]
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.0)  # lr 0: weights fixed
     lms = {name: LayerSkipLM(model, LayerDropoutConfig(**d), EarlyExitConfig(**e), max_steps=1000).train()
-           for name, (d, e) in variants(exits, [float(p) for p in args.p_max.split(",")]).items()}
+           for name, (d, e) in variants(exits, [float(p) for p in args.p_max.split(",")], args.rotation).items()
+           if name.startswith("plain") or not args.only or any(o in name for o in args.only.split(","))}
     results = {}
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
