@@ -40,7 +40,7 @@ for name in base trained; do
     --trials "$TRIALS" --objective model --threads "$THREADS" --out "$OUT/plans/$name.json"
 done
 [ -f "$OUT/bench/results.json" ] || run "$BIN/layerskip" bench --model base=default --model "trained=$TRAINED" \
-  --drafters "autoregressive,early_exit:E=8:k=4,early_exit:E=24:k=4,self_sd:plan=$OUT/plans/{model}.json,swift" \
+  --drafters "autoregressive,early_exit:E=8:k=4,early_exit:E=24:k=4,self_sd:plan=$OUT/plans/{model}.json,swift,swift:r=0.2" \
   --peers hf_generate,prompt_lookup,hf_early_exit:E=8 \
   --data humaneval,gsm8k --n "$N" --max-new-tokens "$TOKENS" --repeats "$REPEATS" --threads "$THREADS" \
   --quiet --out "$OUT/bench"
