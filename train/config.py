@@ -268,7 +268,7 @@ class CheckpointConfig:
     """Run folder: ``checkpoints/step-NNNNNN`` (resumable state), ``final`` (plain HF model folder),
     ``metrics.jsonl`` and ``config.yaml``."""
     save_every: int = 100
-    """Save a resumable checkpoint every N steps (0: never; the final model is always written)."""
+    """Save a resumable checkpoint every N steps (0: never; the final model folder is separate, see save_final)."""
     keep_last: int = 2
     """Keep only the newest N resumable checkpoints (0 keeps all)."""
     resume: str = "never"
