@@ -86,3 +86,22 @@ def test_console_script_subprocess(tiny_model_dir):
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("layerskip: error: exit layer 99")
     assert "Traceback" not in proc.stderr
+
+
+def test_swift_stream_reports_a_summary(capsys, tiny_model_dir, tmp_path):
+    prompts = tmp_path / "stream.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "def f{i}(x):"}}\n' for i in range(3)))
+    plan = tmp_path / "best.json"
+    code, out, err = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--prompts-file", str(prompts),
+                             "--drafter", "swift", "--stream", "--json", "--max-new-tokens", "24", "--ignore-eos",
+                             "--context-window", "4", "--opt-budget", "0.9", "--save-plan", str(plan))
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert len(rows) == 4 and "stream_summary" in rows[-1]
+    summary = rows[-1]["stream_summary"]
+    assert summary["prompts"] == 3 and summary["new_tokens"] == 72
+    assert summary["matchness_trajectory"] and 0.0 <= summary["opt_time_share"] < 1.0
+    assert plan.is_file()
+    code, _, err = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--prompt", "x", "--drafter", "swift",
+                           "--skip-ratio", "1.5")
+    assert code == 2 and "skip-ratio must be in (0, 1)" in err
