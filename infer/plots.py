@@ -126,17 +126,23 @@ def matchness_over_time(records, path: Path) -> Path | None:
     series = defaultdict(list)
     for r in records:
         if r.repeat == 0 and r.drafter_stats.get("matchness_trajectory"):
-            series[(r.model, r.task, r.method)].extend(r.drafter_stats["matchness_trajectory"])
+            series[f"{r.model} · {r.task} · {r.method}"].extend(r.drafter_stats["matchness_trajectory"])
+    return plot_matchness(series, path, "SWIFT layer-set optimisation")
+
+
+def plot_matchness(series: dict[str, list], path: Path, title: str) -> Path | None:
+    """One line per label: [(optimisation step, best matchness), ...]; None when every series is empty."""
+    series = {label: traj for label, traj in series.items() if traj}
     if not series:
         return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4))
-    for (model, task, method), traj in series.items():
-        ax.plot([p[0] for p in traj], [p[1] for p in traj], label=f"{model} · {task} · {method}", linewidth=1)
+    for label, traj in series.items():
+        ax.plot([p[0] for p in traj], [p[1] for p in traj], label=label, linewidth=1)
     ax.set_xlabel("optimisation step (cumulative over the stream)")
     ax.set_ylabel("best matchness")
     ax.set_ylim(0, 1)
-    ax.set_title("SWIFT layer-set optimisation")
+    ax.set_title(title)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -10,8 +10,9 @@
 #   3. per-exit agreement with the final layer, before and after training (held-out stdlib files)
 #   4. a Self-SD plan per model (layerskip search, model-based objective)
 #   5. bench: every drafter + peers, base and trained, on held-out HumanEval and GSM8K prompts
-#   6. the early-exit E x k sweep on HumanEval, base and trained
-#   7. v(T): cost of verifying T tokens, with and without the small-matmul kernel
+#   6. SWIFT over one stream that alternates HumanEval and GSM8K prompts, base and trained
+#   7. the early-exit E x k sweep on HumanEval, base and trained
+#   8. v(T): cost of verifying T tokens, with and without the small-matmul kernel
 # Knobs (environment): OUT, THREADS, N, TOKENS, REPEATS, TRIALS, TRAINED.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,26 +28,32 @@ BIN=${BIN:-.venv/bin}
 mkdir -p "$OUT/plans"
 : > "$OUT/commands.txt"
 run() { echo "$*" >> "$OUT/commands.txt"; echo "+ $*" >&2; "$@"; }
+# step OUTPUT CMD...: record CMD, run it unless OUTPUT exists (then say it is reused)
+step() {
+  local output=$1; shift
+  if [ -e "$output" ]; then echo "$*  # reused: $output exists" >> "$OUT/commands.txt"; else run "$@"; fi
+}
 
 run "$BIN/layerskip" fetch-model
-if [ ! -f "$TRAINED/config.json" ]; then
-  run "$BIN/python" train/layerskip.py --config recipes/cpu-demo-stdlib.yaml
-fi
+step "$TRAINED/config.json" "$BIN/python" train/layerskip.py --config recipes/cpu-demo-stdlib.yaml
 for name in base trained; do
   model=$([ "$name" = base ] && echo default || echo "$TRAINED")
-  [ -f "$OUT/exits_$name.json" ] || run "$BIN/python" scripts/eval_exits.py --model "$model" \
+  step "$OUT/exits_$name.json" "$BIN/python" scripts/eval_exits.py --model "$model" \
     --config recipes/cpu-demo-stdlib.yaml --threads "$THREADS" --json "$OUT/exits_$name.json"
-  [ -f "$OUT/plans/$name.json" ] || run "$BIN/layerskip" search --model "$model" --data humaneval \
+  step "$OUT/plans/$name.json" "$BIN/layerskip" search --model "$model" --data humaneval \
     --trials "$TRIALS" --objective model --threads "$THREADS" --out "$OUT/plans/$name.json"
 done
-[ -f "$OUT/bench/results.json" ] || run "$BIN/layerskip" bench --model base=default --model "trained=$TRAINED" \
+step "$OUT/bench/results.json" "$BIN/layerskip" bench --model base=default --model "trained=$TRAINED" \
   --drafters "autoregressive,early_exit:E=8:k=4,early_exit:E=24:k=4,self_sd:plan=$OUT/plans/{model}.json,swift,swift:r=0.2" \
   --peers hf_generate,prompt_lookup,hf_early_exit:E=8 \
   --data humaneval,gsm8k --n "$N" --max-new-tokens "$TOKENS" --repeats "$REPEATS" --threads "$THREADS" \
   --quiet --out "$OUT/bench"
-[ -f "$OUT/sweep/results.json" ] || run "$BIN/layerskip" bench --model base=default --model "trained=$TRAINED" \
+step "$OUT/swift_stream/stream.json" "$BIN/python" scripts/swift_stream.py --model base=default \
+  --model "trained=$TRAINED" --data humaneval,gsm8k --n "$((N + 1))" --max-new-tokens "$TOKENS" --repeats "$REPEATS" \
+  --threads "$THREADS" --out "$OUT/swift_stream"
+step "$OUT/sweep/results.json" "$BIN/layerskip" bench --model base=default --model "trained=$TRAINED" \
   --drafters autoregressive --peers hf_generate --sweep --exits 4,8,12,16,20,24 --ks 2,4,6 \
   --data humaneval --n 3 --max-new-tokens 64 --repeats 1 --threads "$THREADS" --quiet --out "$OUT/sweep"
-[ -f "$OUT/verify_cost.json" ] || run "$BIN/python" scripts/bench_verify_cost.py --threads "$THREADS" \
+step "$OUT/verify_cost.json" "$BIN/python" scripts/bench_verify_cost.py --threads "$THREADS" \
   --out "$OUT/verify_cost.json"
 run "$BIN/python" scripts/write_results.py --runs "$OUT" --out docs/RESULTS.md

@@ -68,14 +68,63 @@ def _verify_cost(path: Path, old: str) -> list[str]:
     return lines + ["", _notes(old, "verify_cost")]
 
 
-def _exit_eval(runs: Path, old: str) -> list[str]:
-    files = sorted(runs.glob("exits_*.json"))
-    if not files:
+def _exit_eval(runs: Path, img_dir: Path, old: str) -> list[str]:
+    """Per-exit loss / agreement with the final layer, one column pair per evaluated model, and a plot."""
+    evals = {f.stem.removeprefix("exits_"): json.loads(f.read_text()) for f in sorted(runs.glob("exits_*.json"))}
+    if not evals:
         return []
-    lines = ["## Early-exit agreement before and after LayerSkip training\n"]
-    for f in files:
-        lines += [f"`{f.name}`:\n", "```json", f.read_text().strip()[:4000], "```\n"]
+    first = next(iter(evals.values()))
+    exits = sorted(first["agreement"], key=int)
+    lines = ["## Early-exit agreement before and after LayerSkip training\n",
+             "```\npython scripts/eval_exits.py --model M --config recipes/cpu-demo-stdlib.yaml --threads 1\n```\n",
+             f"Held-out stdlib blocks ({first['examples']} blocks, {first['tokens'][exits[0]]} tokens): "
+             "cross-entropy of the exit (final norm + shared LM head) and top-1 agreement with the final layer.\n",
+             "| exit | " + " | ".join(f"{m} loss | {m} agreement" for m in evals) + " |",
+             "|---:|" + "---:|---:|" * len(evals)]
+    for e in exits:
+        lines.append(f"| {e} | " + " | ".join(f"{d['loss'][e]:.2f} | {d['agreement'][e]:.3f}" for d in evals.values())
+                     + " |")
+    lines.append("")
+    png = _plot_exits(evals, img_dir / "exits_agreement.png")
+    if png:
+        lines.append(f"![exit agreement]({png.parent.name}/{png.name})\n")
     return lines + [_notes(old, "exits")]
+
+
+def _plot_exits(evals: dict[str, dict], path: Path) -> Path | None:
+    from infer.plots import _plt
+
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, d in evals.items():
+        exits = sorted(d["agreement"], key=int)
+        ax.plot([int(e) for e in exits], [d["agreement"][e] for e in exits], marker="o", label=name)
+    ax.set_xlabel("exit layer")
+    ax.set_ylabel("top-1 agreement with the final layer")
+    ax.set_ylim(0, 1)
+    ax.set_title("Early exits before and after LayerSkip training")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _swift_stream(run: Path, img_dir: Path, old: str) -> list[str]:
+    """SWIFT over a mixed-task stream (scripts/swift_stream.py)."""
+    if not (run / "stream.md").is_file():
+        return []
+    lines = ["## SWIFT over a stream of HumanEval and GSM8K prompts\n",
+             "```\npython scripts/swift_stream.py --model base=default --model trained=runs/cpu-demo/final "
+             "--data humaneval,gsm8k --n 4 --max-new-tokens 128 --repeats 2 --threads 1\n```\n",
+             "Prompts alternate between the tasks; one SWIFT state per stream; tokens/s are medians over "
+             "repeats, each repeat a fresh SWIFT. α, M and shares are over all repeats.\n",
+             (run / "stream.md").read_text()]
+    if (run / "matchness.png").is_file():
+        target = img_dir / "swift_stream_matchness.png"
+        shutil.copyfile(run / "matchness.png", target)
+        lines.append(f"![SWIFT matchness]({target.parent.name}/{target.name})\n")
+    return lines + [_notes(old, "swift_stream")]
 
 
 def main() -> None:
@@ -95,7 +144,8 @@ def main() -> None:
         page += ["## Commands of this run\n", "```bash", commands.strip(), "```\n"]
     page += _bench_section(args.runs / "bench", "Drafters vs peers, base and trained model", img, old, "bench")
     page += _bench_section(args.runs / "sweep", "Early-exit E x k sweep", img, old, "sweep")
-    page += _exit_eval(args.runs, old)
+    page += _swift_stream(args.runs / "swift_stream", img, old)
+    page += _exit_eval(args.runs, img, old)
     page += _verify_cost(args.runs / "verify_cost.json", old)
     args.out.write_text("\n".join(page) + "\n")
     print(f"wrote {args.out}")
