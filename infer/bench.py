@@ -414,8 +414,8 @@ def machine_info(cfg: BenchConfig) -> dict:
             "date": time.strftime("%Y-%m-%d %H:%M")}
 
 
-def _fmt(x, spec: str = ".2f") -> str:
-    return "–" if x is None else format(x, spec)
+def _fmt(x, spec: str = ".2f", suffix: str = "") -> str:
+    return "–" if x is None else format(x, spec) + suffix
 
 
 def markdown_table(rows: list[Summary]) -> str:
@@ -428,10 +428,11 @@ def markdown_table(rows: list[Summary]) -> str:
         for r in [r for r in rows if r.task == task]:
             exact = "n/a" if r.exact_mismatches is None else (
                 "yes" if r.exact_mismatches == 0 else f"**{r.exact_mismatches} mismatched**")
-            out.append(f"| {r.model} | {r.method} | {r.tokens_per_second:.1f} | {_fmt(r.speedup_vs_autoregressive)}x "
-                       f"| {_fmt(r.speedup_vs_hf_generate)}x | {_fmt(r.acceptance_rate)} | {_fmt(r.tokens_per_verify)} "
-                       f"| {_fmt(r.mean_draft_forwards)} | {_fmt(r.draft_cost_ratio)} "
-                       f"| {_fmt(r.expected_speedup)}x | {_fmt(r.opt_time_share, '.1%')} | {exact} |")
+            cells = [r.model, r.method, f"{r.tokens_per_second:.1f}", _fmt(r.speedup_vs_autoregressive, suffix="x"),
+                     _fmt(r.speedup_vs_hf_generate, suffix="x"), _fmt(r.acceptance_rate), _fmt(r.tokens_per_verify),
+                     _fmt(r.mean_draft_forwards), _fmt(r.draft_cost_ratio), _fmt(r.expected_speedup, suffix="x"),
+                     _fmt(r.opt_time_share, ".1%"), exact]
+            out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
 
