@@ -226,6 +226,9 @@ class _Peer:
                                top_k=cfg.top_k or None, top_p=cfg.top_p if sampling else None,
                                eos_token_id=list(eos) if cfg.stop_at_eos and eos else None,
                                pad_token_id=eos[0] if eos else 0, **kwargs)
+        # generate() falls back to the model's own generation_config.eos_token_id when ours is None;
+        # with stop_at_eos off every method must run to max_new_tokens, so clear it for this call.
+        self.model.generation_config.eos_token_id = list(eos) if cfg.stop_at_eos and eos else None
         x = self.torch.tensor([ids])
         t0 = time.perf_counter()
         with self.torch.no_grad():

@@ -54,6 +54,29 @@ def test_bench_end_to_end_outputs(tiny_model_dir, prompts_file, tmp_path, capsys
     assert list(out.glob("sweep_*.png"))
 
 
+def test_peers_ignore_the_models_eos_when_bench_does(tiny_model_dir, prompts_file, tmp_path):
+    """The bench runs every method to max-new-tokens by default: HF generate must not stop at the
+    EOS of the model's own generation_config (it falls back to it when given None)."""
+    import shutil
+
+    from infer.drafters import build_drafter
+    from infer.engine import Engine, GenerationConfig
+    from infer.loading import load_model
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    m = load_model(str(model_dir))
+    ids = m.encode("def add(a, b):")
+    ar = Engine(m.runner, build_drafter("autoregressive", m.runner), (), m.decode)
+    emitted = ar.generate(ids, GenerationConfig(max_new_tokens=10, stop_at_eos=False)).tokens
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": emitted[2]}))
+    out = tmp_path / "out"
+    assert bench(model_dir, prompts_file, out, "autoregressive", "--peers", "hf_generate") == 0
+    payload = json.loads((out / "results.json").read_text())
+    assert all(r["new_tokens"] == 10 for r in payload["records"])
+    assert all(row["exact_mismatches"] == 0 for row in payload["summary"])
+
+
 class FaultyDrafter(EarlyExitDrafter):
     """Claims its exit hidden states are exact but perturbs them: verification becomes lossy."""
 
