@@ -7,10 +7,12 @@ layers < E for the last drafted token, which no draft pass has seen).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from infer.drafters.base import DecodeState, Draft, VerifyOutcome
 from infer.drafters.chain import EarlyExitForward, draft_chain
+from infer.drafters.gate import FallbackGate
 from infer.errors import UserError
 
 
@@ -24,10 +26,18 @@ class EarlyExitConfig:
     """k: most tokens drafted per verification."""
     confidence: float = 0.0
     """Stop drafting when the draft's top-1 probability falls below this (0 = always draft k)."""
+    adaptive: bool = False
+    """Beyond LayerSkip: draft only while draft-verify cycles measure faster than plain steps; otherwise take
+    plain steps and probe drafting again later, so an exit that does not pay costs little (state persists
+    across the prompts a drafter instance decodes)."""
+    recheck_interval: int = 128
+    """With adaptive: plain steps before drafting is probed again (doubling after each failed probe)."""
 
     def __post_init__(self) -> None:
         if self.num_draft < 1:
             raise UserError(f"num-draft must be >= 1, got {self.num_draft}")
+        if self.recheck_interval < 1:
+            raise UserError(f"recheck-interval must be >= 1, got {self.recheck_interval}")
         if not 0.0 <= self.confidence < 1.0:
             raise UserError(f"confidence must be in [0, 1), got {self.confidence}")
 
@@ -44,22 +54,36 @@ class EarlyExitDrafter:
             raise UserError(f"exit layer {self.config.exit_layer} is out of range: the model has {L} "
                             f"layers, so use 1 <= --exit-layer <= {L}")
         self.forward = EarlyExitForward(runner, self.config.exit_layer)
-        self.forwards = 0
+        self.gate = FallbackGate(self.config.recheck_interval, enabled=self.config.adaptive)
+        self.forwards = self.plain_steps = 0
+        self._cycle_start: float | None = None
 
     @property
     def lookahead(self) -> int:
         return self.config.num_draft + 1
 
     def start(self, state: DecodeState) -> None:
-        self.forwards = 0
+        self.forwards = self.plain_steps = 0
+        self._cycle_start = None
 
     def propose(self, state: DecodeState) -> Draft | None:
+        self._cycle_start = time.perf_counter()
+        if self.gate.mode == "plain":
+            return None
         chain = draft_chain(state, self.forward, self.config.num_draft, self.config.confidence)
         self.forwards += chain.forwards
         return chain.draft if chain.forwards else None
 
     def update(self, state: DecodeState, outcome: VerifyOutcome) -> None:
-        pass
+        if outcome.draft is None:
+            self.plain_steps += 1
+        if self.config.adaptive and self._cycle_start is not None:
+            seconds = time.perf_counter() - self._cycle_start
+            self.gate.record(len(outcome.tokens), seconds, drafted=outcome.draft is not None)
+            self.gate.decide()
 
     def stats(self) -> dict:
-        return {"draft_forwards": self.forwards}
+        out = {"draft_forwards": self.forwards, "plain_steps": self.plain_steps}
+        if self.config.adaptive:
+            out |= {"mode": self.gate.mode, "tps_plain": self.gate.plain.value, "tps_draft": self.gate.drafting.value}
+        return out

@@ -23,6 +23,7 @@ import torch
 
 from infer.drafters.base import DecodeState, Draft, VerifyOutcome
 from infer.drafters.chain import ChainResult, PlanForward, draft_chain
+from infer.drafters.gate import FallbackGate, Rate
 from infer.drafters.skipping import matchness_span
 from infer.errors import UserError
 from infer.plan import LayerPlan, PlanFile
@@ -149,36 +150,14 @@ class LayerSetSearch:
                                                            value=score))
 
 
-# --------------------------------------------------------------------------- speed bookkeeping
-class _Rate:
-    """Exponential moving average of tokens per second over decode cycles."""
-
-    def __init__(self, weight: float = 0.2):
-        self.weight, self.tokens, self.seconds, self.cycles = weight, 0.0, 0.0, 0
-
-    def add(self, tokens: int, seconds: float) -> None:
-        w = 1.0 if self.cycles == 0 else self.weight
-        self.tokens += w * (tokens - self.tokens)
-        self.seconds += w * (seconds - self.seconds)
-        self.cycles += 1
-
-    @property
-    def value(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-
 # --------------------------------------------------------------------------- the drafter
 class SwiftDrafter:
     name = "swift"
     Config = SwiftConfig
     aliases = {"r": "skip_ratio", "gamma": "context_window", "beta": "bo_interval"}
 
-    WARM_PLAIN = 3  # plain cycles measured before the first drafting probe
-    PROBE = 6  # drafting cycles measured before drafting is judged
-    MARGIN = 0.02  # drafting must be this much faster than plain to be kept
-    BACKOFF = 16  # a failed probe doubles the re-check interval, up to this factor
+    PROBE = FallbackGate.PROBE  # drafting cycles measured before drafting is judged
     REPROBE_GAIN = 0.05  # matchness gain since the last probe that triggers an early re-check
-    HOPELESS = 0.9  # no periodic re-probe while the cost model predicts less than this speed-up
 
     def __init__(self, runner, config: SwiftConfig | None = None):
         self.config = cfg = config or SwiftConfig()
@@ -195,11 +174,8 @@ class SwiftDrafter:
         self.optimising = cfg.max_opt_steps > 0
         self.stop_reason = ""
         self.forward = PlanForward(runner, self.best)
-        self.plain, self.drafting = _Rate(), _Rate()
-        self.draft_forward, self.verify = _Rate(), _Rate()  # forwards per second, verifications per second
-        self.mode = "plain" if cfg.fallback else "draft"
-        self.mode_cycles = 0
-        self.recheck = cfg.recheck_interval
+        self.gate = FallbackGate(cfg.recheck_interval, enabled=cfg.fallback)
+        self.draft_forward, self.verify = Rate(), Rate()  # forwards per second, verifications per second
         self.score_at_probe = -1.0
         self.opt_time_total = 0.0
         self.decode_time = 0.0
@@ -207,6 +183,18 @@ class SwiftDrafter:
         self._reset_prompt_stats()
 
     # -------------------------------------------------------------- protocol
+    @property
+    def mode(self) -> str:
+        return self.gate.mode
+
+    @property
+    def plain(self) -> Rate:
+        return self.gate.plain
+
+    @property
+    def drafting(self) -> Rate:
+        return self.gate.drafting
+
     @property
     def lookahead(self) -> int:
         return max(self.config.max_tree_nodes, self.config.max_draft) + self.config.context_window + 2
@@ -233,7 +221,7 @@ class SwiftDrafter:
         if self._cycle_start is not None:
             seconds = time.perf_counter() - self._cycle_start
             self.decode_time += seconds
-            (self.plain if outcome.draft is None else self.drafting).add(len(outcome.tokens), seconds)
+            self.gate.record(len(outcome.tokens), seconds, drafted=outcome.draft is not None)
             if outcome.draft is not None:
                 self.verify.add(1, seconds - self._draft_seconds)
         self._choose_mode()
@@ -337,21 +325,18 @@ class SwiftDrafter:
 
     # -------------------------------------------------------------- fallback
     def _choose_mode(self) -> None:
-        """Draft while it is measurably faster than plain decoding; otherwise decode plainly and re-check."""
+        """Draft while it is measurably faster than plain decoding; otherwise decode plainly and re-check,
+        sooner when the optimiser has found a plan the cost model expects to pay."""
         if not self.config.fallback:
             return
-        self.mode_cycles += 1
+        predicted = None
+        early = False
         if self.mode == "plain":
             self.plain_steps += 1
             predicted = self.predicted_speedup(self.best_score)
-            better = self.best_score >= self.score_at_probe + self.REPROBE_GAIN and (predicted or 0.0) >= 1.0
-            periodic = self.mode_cycles >= self.recheck and (predicted is None or predicted >= self.HOPELESS)
-            due = self.drafting.cycles == 0 or periodic or (better and self.mode_cycles >= self.WARM_PLAIN)
-            if self.plain.cycles >= self.WARM_PLAIN and due:
-                self._switch("draft")
-        elif self.mode_cycles >= self.PROBE and self.drafting.value < self.plain.value * (1 + self.MARGIN):
-            self.recheck = min(self.recheck * 2, self.config.recheck_interval * self.BACKOFF)
-            self._switch("plain")
+            early = self.best_score >= self.score_at_probe + self.REPROBE_GAIN and (predicted or 0.0) >= 1.0
+        if self.gate.decide(predicted, early_probe=early):
+            self.score_at_probe = self.best_score
 
     def predicted_speedup(self, matchness: float) -> float | None:
         """Cost-model speed-up of drafting over plain steps: max_k M(a, k) / (k c + v), from measured times.
@@ -366,12 +351,6 @@ class SwiftDrafter:
         v = 1.0 / self.verify.value / step
         a = min(matchness, 0.999)
         return max((1 - a ** (k + 1)) / (1 - a) / (k * c + v) for k in range(1, self.config.max_draft + 1))
-
-    def _switch(self, mode: str) -> None:
-        self.mode, self.mode_cycles = mode, 0
-        if mode == "draft":
-            self.score_at_probe = self.best_score
-            self.drafting = _Rate()  # judge the (possibly new) plan on fresh measurements
 
     # -------------------------------------------------------------- persistence
     def save(self, path: str) -> None:

@@ -48,6 +48,51 @@ def test_early_exit_greedy_equals_autoregressive_for_every_exit_layer(runner, k)
                 assert res.tokens == ref, (E, k, confidence)
 
 
+@pytest.mark.parametrize("E", [1, 3, 6])
+def test_adaptive_early_exit_is_lossless_over_a_stream(runner, E):
+    """One adaptive drafter over several prompts (its gate keeps state): every output exact, whether it
+    drafts or takes plain steps; a short recheck interval makes it switch modes often."""
+    from infer.drafters.gate import FallbackGate
+
+    drafter = build_drafter("early_exit", runner, {"E": str(E), "k": "3", "adaptive": "true",
+                                                   "recheck_interval": "4"})
+    engine = Engine(runner, drafter)
+    drafted = plain = 0
+    for i, prompt in enumerate(PROMPTS * 2):
+        ref = generate(runner, prompt=prompt, max_new_tokens=60).tokens
+        res = engine.generate(prompt, GenerationConfig(max_new_tokens=60))
+        assert res.tokens == ref, E
+        if i == 0:
+            assert res.stats.drafter["plain_steps"] >= FallbackGate.WARM_PLAIN  # plain steps are timed first
+        drafted, plain = drafted + res.stats.drafted, plain + res.stats.drafter["plain_steps"]
+    assert drafted > 0 and plain > 0  # both modes were exercised
+
+
+def test_adaptive_early_exit_falls_back_when_drafting_cannot_pay(runner, monkeypatch):
+    import time
+
+    from infer.drafters.early_exit import EarlyExitDrafter
+    from infer.drafters.gate import FallbackGate
+
+    fast_propose = EarlyExitDrafter.propose
+
+    def slow(self, state):
+        draft = fast_propose(self, state)
+        if draft is not None:
+            time.sleep(0.02)  # drafting far slower than a plain step
+        return draft
+
+    monkeypatch.setattr(EarlyExitDrafter, "propose", slow)
+    drafter = build_drafter("early_exit", runner, {"E": "3", "k": "4", "adaptive": "true"})
+    res = Engine(runner, drafter).generate(PROMPTS[0], GenerationConfig(max_new_tokens=80))
+    assert res.tokens == generate(runner, max_new_tokens=80).tokens
+    assert res.stats.drafter["mode"] == "plain" and res.stats.drafter["plain_steps"] > 50
+    assert drafter.gate.drafting.cycles >= FallbackGate.PROBE  # drafting was probed, then dropped
+    fixed = build_drafter("early_exit", runner, {"E": "3", "k": "4"})
+    assert Engine(runner, fixed).generate(PROMPTS[0], GenerationConfig(max_new_tokens=20)).stats.drafter[
+        "plain_steps"] == 0  # without adaptive, LayerSkip's fixed k always drafts
+
+
 def test_full_depth_exit_accepts_everything(runner):
     res = generate(runner, "early_exit", exit_layer=runner.num_layers, num_draft=4, max_new_tokens=41)
     assert res.stats.acceptance_rate == 1.0

@@ -59,7 +59,7 @@ def test_greedy_equals_autoregressive_over_a_stream(runner, tmp_path, tree, fall
 
 def test_tree_shape_and_sibling_distributions(runner):
     drafter = SwiftDrafter(runner, SwiftDrafter.Config(confidence=0.99, max_draft=3, max_tree_nodes=12))
-    drafter.mode = "draft"
+    drafter.gate.mode = "draft"
     cache = runner.new_cache(128)
     sampling = SamplingConfig(temperature=1.0, seed=0)
     state = DecodeState(runner, cache, sampling, sampling.generator(), [5, 6, 7], 3)
