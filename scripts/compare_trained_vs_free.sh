@@ -10,9 +10,10 @@
 #   3. per-exit agreement with the final layer, before and after training (held-out stdlib files)
 #   4. a Self-SD plan per model (layerskip search, model-based objective)
 #   5. bench: every drafter + peers, base and trained, on held-out HumanEval and GSM8K prompts
-#   6. SWIFT over one stream that alternates HumanEval and GSM8K prompts, base and trained
-#   7. the early-exit E x k sweep on HumanEval, base and trained
-#   8. v(T): cost of verifying T tokens, with and without the small-matmul kernel
+#   6. early exit with the adaptive gate vs fixed k vs transformers' assistant
+#   7. SWIFT over one stream that alternates HumanEval and GSM8K prompts, base and trained
+#   8. the early-exit E x k sweep on HumanEval, base and trained
+#   9. v(T): cost of verifying T tokens, with and without the small-matmul kernel
 # Knobs (environment): OUT, THREADS, N, TOKENS, REPEATS, TRIALS, TRAINED.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -48,6 +49,11 @@ step "$OUT/bench/results.json" "$BIN/layerskip" bench --model base=default --mod
   --peers hf_generate,prompt_lookup,hf_early_exit:E=8 \
   --data humaneval,gsm8k --n "$N" --max-new-tokens "$TOKENS" --repeats "$REPEATS" --threads "$THREADS" \
   --quiet --out "$OUT/bench"
+step "$OUT/adaptive/results.json" "$BIN/layerskip" bench --model base=default --model "trained=$TRAINED" \
+  --drafters "autoregressive,early_exit:E=8:k=4,early_exit:E=8:k=4:adaptive=true,early_exit:E=24:k=4:adaptive=true" \
+  --peers hf_generate,hf_early_exit:E=8 \
+  --data humaneval,gsm8k --n "$N" --max-new-tokens "$TOKENS" --repeats "$REPEATS" --threads "$THREADS" \
+  --quiet --out "$OUT/adaptive"
 step "$OUT/swift_stream/stream.json" "$BIN/python" scripts/swift_stream.py --model base=default \
   --model "trained=$TRAINED" --data humaneval,gsm8k --n "$((N + 1))" --max-new-tokens "$TOKENS" --repeats "$REPEATS" \
   --threads "$THREADS" --out "$OUT/swift_stream"

@@ -146,6 +146,8 @@ def main() -> None:
     if commands:
         page += ["## Commands of this run\n", "```bash", commands.strip(), "```\n"]
     page += _bench_section(args.runs / "bench", "Drafters vs peers, base and trained model", img, old, "bench")
+    page += _bench_section(args.runs / "adaptive", "Early exit, fixed k vs adaptive, against transformers' assistant",
+                           img, old, "adaptive")
     page += _bench_section(args.runs / "sweep", "Early-exit E x k sweep", img, old, "sweep")
     page += _swift_stream(args.runs / "swift_stream", img, old)
     page += _exit_eval(args.runs, img, old)
