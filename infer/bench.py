@@ -413,8 +413,23 @@ def machine_info(cfg: BenchConfig) -> dict:
     except OSError:
         pass
     return {"cpu": cpu, "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "threads": cfg.threads,
+            "transformers": transformers.__version__, "threads": cfg.threads, "git": _git_commit(),
             "date": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def _git_commit() -> str | None:
+    """The toolkit's commit (with '+dirty' for local changes), when it runs from a git checkout."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return rev + ("+dirty" if dirty else "")
 
 
 def _fmt(x, spec: str = ".2f", suffix: str = "") -> str:

@@ -161,7 +161,7 @@ class Engine:
         """Run the prompt; the token it predicts becomes the pending token."""
         ids = state.ids(0, state.prompt_len)  # (P,)
         hidden = self.runner.forward_layers(state.cache, self.runner.embed(ids),
-                                            torch.arange(state.prompt_len, device=self.runner.device))
+                                            torch.arange(state.prompt_len, device=self.runner.device), bulk=True)
         logits = self.runner.logits(hidden[-1:])  # (1, V)
         first = int(select(logits, state.sampling, state.generator)[0])
         state.tokens.append(first)

@@ -88,8 +88,8 @@ class Linear:
         self.bias = bias
         self.kernel = kernel if kernel is not None and weight.shape[1] % 8 == 0 else None
 
-    def __call__(self, x: Tensor) -> Tensor:
-        if self.kernel is None:
+    def __call__(self, x: Tensor, bulk: bool = False) -> Tensor:
+        if self.kernel is None or bulk:
             return F.linear(x, self.weight, self.bias)  # (T, out)
         y = self.kernel.small_matmul(x, self.weight)  # (T, out)
         return y if self.bias is None else y + self.bias
@@ -333,13 +333,15 @@ class Runner:
 
     def forward_layers(self, cache: KVCache, hidden: Tensor, positions: Tensor, start: int = 0,
                        end: int | None = None, plan: LayerPlan | None = None,
-                       mask: Tensor | None = None) -> Tensor:
+                       mask: Tensor | None = None, bulk: bool = False) -> Tensor:
         """Run layers ``[start, end)`` on ``hidden`` (T, d); append K/V at each layer's length.
 
         ``positions`` (T,) are the RoPE positions. ``mask`` (T, W) bool, if given, says which of
         the last W attended slots (the W-T slots before the new ones, then the T new ones) each
         new token sees; all earlier slots are visible. Without a mask the new tokens are causal.
         A skipped attention sublayer writes no K/V and leaves its layer's length unchanged.
+        ``bulk`` (prompt prefill) uses BLAS even where the small-batch kernel exists: faster for
+        long inputs, and nothing compares prefill rows with token-by-token ones.
         """
         end = self.spec.num_layers if end is None else end
         cos = self._cos[positions][:, None]  # (T, 1, D)
@@ -353,9 +355,9 @@ class Runner:
                 start_slot = cache.lengths[i]
                 if start_slot not in masks:
                     masks[start_slot] = self._attn_mask(start_slot, T, mask)
-                hidden = self._attention(i, cache, hidden, cos, sin, masks[start_slot])
+                hidden = self._attention(i, cache, hidden, cos, sin, masks[start_slot], bulk)
             if run_mlp:
-                hidden = self._mlp(self.layers[i], hidden)
+                hidden = self._mlp(self.layers[i], hidden, bulk)
             if run_attn or run_mlp:
                 self.counters.layer_tokens[i] += T
         return hidden
@@ -382,11 +384,11 @@ class Runner:
         return full
 
     def _attention(self, i: int, cache: KVCache, hidden: Tensor, cos: Tensor, sin: Tensor,
-                   attn_mask: Tensor | None) -> Tensor:
+                   attn_mask: Tensor | None, bulk: bool = False) -> Tensor:
         s, w = self.spec, self.layers[i]
         T = hidden.shape[0]
         x = _rms_norm(hidden, w.attn_norm, s.rms_norm_eps)  # (T, d)
-        qkv = w.qkv(x)  # (T, (Hq + 2 Hkv) D)
+        qkv = w.qkv(x, bulk)  # (T, (Hq + 2 Hkv) D)
         heads = s.num_heads + s.num_kv_heads
         qk = qkv[:, :heads * s.head_dim].view(T, heads, s.head_dim)  # (T, Hq + Hkv, D)
         # RoPE on q and k at once: rotate_half(x) * sin == roll(x, D/2) * [-sin_lo, sin_hi]
@@ -407,12 +409,12 @@ class Runner:
             q[None], keys[None], values[None], attn_mask=attn_mask,
             enable_gqa=s.num_heads != s.num_kv_heads)  # (1, Hq, T, D)
         out = out[0].transpose(0, 1).reshape(T, s.num_heads * s.head_dim)  # (T, Hq D)
-        return hidden + w.o(out)
+        return hidden + w.o(out, bulk)
 
-    def _mlp(self, w: LayerWeights, hidden: Tensor) -> Tensor:
+    def _mlp(self, w: LayerWeights, hidden: Tensor, bulk: bool = False) -> Tensor:
         x = _rms_norm(hidden, w.mlp_norm, self.spec.rms_norm_eps)  # (T, d)
-        gate, up = w.gate_up(x).chunk(2, dim=-1)  # (T, I) each
-        return hidden + w.down(F.silu(gate) * up)  # (T, d)
+        gate, up = w.gate_up(x, bulk).chunk(2, dim=-1)  # (T, I) each
+        return hidden + w.down(F.silu(gate) * up, bulk)  # (T, d)
 
     # ----------------------------------------------------------------- identity
     def identity(self) -> dict:
