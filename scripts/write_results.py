@@ -34,7 +34,8 @@ def _bench_section(run: Path, title: str, img_dir: Path, old: str, name: str) ->
     meta = payload["meta"]
     out = [f"## {title}\n", f"```\n{meta['command']}\n```\n",
            f"{meta['cpu']}, {meta['threads']} thread(s), torch {meta['torch']}, transformers {meta['transformers']}, "
-           f"{meta['date']}, commit {meta.get('git') or 'not recorded'}; {payload['config']['n']} held-out prompts per task, "
+           f"{meta['date']}, commit {meta.get('git') or 'not recorded'}; "
+           f"{payload['config']['n']} held-out prompts per task, "
            f"{payload['config']['max_new_tokens']} new tokens, median of {payload['config']['repeats']} repeat(s).\n",
            markdown_table(rows)]
     best = payload.get("recommended", [])
