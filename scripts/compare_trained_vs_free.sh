@@ -50,7 +50,7 @@ step "$OUT/bench/results.json" "$BIN/layerskip" bench --model base=default --mod
   --data humaneval,gsm8k --n "$N" --max-new-tokens "$TOKENS" --repeats "$REPEATS" --threads "$THREADS" \
   --quiet --out "$OUT/bench"
 step "$OUT/adaptive/results.json" "$BIN/layerskip" bench --model base=default --model "trained=$TRAINED" \
-  --drafters "autoregressive,early_exit:E=8:k=4,early_exit:E=8:k=4:adaptive=true,early_exit:E=24:k=4:adaptive=true" \
+  --drafters "autoregressive,early_exit:E=8:k=4,early_exit:E=8:k=4:adaptive=true,early_exit:E=24:k=2,early_exit:E=24:k=2:adaptive=true" \
   --peers hf_generate,hf_early_exit:E=8 \
   --data humaneval,gsm8k --n "$N" --max-new-tokens "$TOKENS" --repeats "$REPEATS" --threads "$THREADS" \
   --quiet --out "$OUT/adaptive"
