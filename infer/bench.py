@@ -230,9 +230,12 @@ class _Peer:
         # with stop_at_eos off every method must run to max_new_tokens, so clear it for this call.
         self.model.generation_config.eos_token_id = list(eos) if cfg.stop_at_eos and eos else None
         x = self.torch.tensor([ids])
+        # An explicit mask: without one, generate() infers it from pad_token_id, and SmolLM2's pad is
+        # its <|im_end|>, which every chat prompt contains, so those prompt tokens would be masked out.
+        mask = self.torch.ones_like(x)
         t0 = time.perf_counter()
         with self.torch.no_grad():
-            out = self.model.generate(x, generation_config=gen)
+            out = self.model.generate(x, attention_mask=mask, generation_config=gen)
         return out[0, len(ids):].tolist(), time.perf_counter() - t0
 
 

@@ -54,9 +54,13 @@ def test_bench_end_to_end_outputs(tiny_model_dir, prompts_file, tmp_path, capsys
     assert list(out.glob("sweep_*.png"))
 
 
-def test_peers_ignore_the_models_eos_when_bench_does(tiny_model_dir, prompts_file, tmp_path):
-    """The bench runs every method to max-new-tokens by default: HF generate must not stop at the
-    EOS of the model's own generation_config (it falls back to it when given None)."""
+@pytest.mark.parametrize("eos", ["emitted", "in_prompt"])
+def test_transformers_peers_match_autoregressive(tiny_model_dir, prompts_file, tmp_path, eos):
+    """HF generate must reproduce our greedy output token for token. Two traps, planted here:
+    'emitted': the bench runs to max-new-tokens, but generate() falls back to the EOS of the model's
+    generation_config when given None and would stop early; 'in_prompt': the pad id (= EOS, as
+    SmolLM2's <|im_end|>) occurs in the prompt, and generate() infers an attention mask from it that
+    hides those prompt tokens unless it is given one."""
     import shutil
 
     from infer.drafters import build_drafter
@@ -70,8 +74,13 @@ def test_peers_ignore_the_models_eos_when_bench_does(tiny_model_dir, prompts_fil
     ar = Engine(m.runner, build_drafter("autoregressive", m.runner), (), m.decode)
     emitted = ar.generate(ids, GenerationConfig(max_new_tokens=10, stop_at_eos=False)).tokens
     (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": emitted[2]}))
+    if eos == "in_prompt":  # the tokenizer's EOS '</s>' (the bench's pad id) inside a prompt
+        pad = min(load_model(str(model_dir)).eos_token_ids)
+        text = "def add(a, b):</s>  return"
+        assert pad in m.encode(text)
+        prompts_file.write_text(json.dumps({"prompt": text}) + "\n")
     out = tmp_path / "out"
-    assert bench(model_dir, prompts_file, out, "autoregressive", "--peers", "hf_generate") == 0
+    assert bench(model_dir, prompts_file, out, "autoregressive", "--peers", "hf_generate,prompt_lookup") == 0
     payload = json.loads((out / "results.json").read_text())
     assert all(r["new_tokens"] == 10 for r in payload["records"])
     assert all(row["exact_mismatches"] == 0 for row in payload["summary"])
