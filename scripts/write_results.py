@@ -147,6 +147,8 @@ def main() -> None:
     if commands:
         page += ["## Commands of this run\n", "```bash", commands.strip(), "```\n"]
     page += _bench_section(args.runs / "bench", "Drafters vs peers, base and trained model", img, old, "bench")
+    page += _bench_section(args.runs / "peers_gsm8k", "transformers peers on GSM8K, rerun with an attention mask",
+                           img, old, "peers_gsm8k")
     page += _bench_section(args.runs / "adaptive", "Early exit, fixed k vs adaptive, against transformers' assistant",
                            img, old, "adaptive")
     page += _bench_section(args.runs / "sweep", "Early-exit E x k sweep", img, old, "sweep")
