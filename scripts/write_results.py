@@ -43,6 +43,8 @@ def _bench_section(run: Path, title: str, img_dir: Path, old: str, name: str) ->
         out.append("Fastest of ours per model and task: " +
                    "; ".join(f"{b['model']}/{b['task']}: `{b['method']}`" for b in best) + "\n")
     for png in sorted(run.glob("*.png")):
+        if png.name.startswith("sweep_") and name != "sweep":
+            continue  # E x k heatmaps only mean something for a sweep
         target = img_dir / f"{name}_{png.name}"
         shutil.copyfile(png, target)
         out.append(f"![{png.stem}]({target.parent.name}/{target.name})\n")
