@@ -52,6 +52,11 @@ def _bench_section(run: Path, title: str, img_dir: Path, old: str, name: str) ->
     return out
 
 
+def _table(head: list[str], rows: list[list[str]], sep: str = "---") -> list[str]:
+    """Markdown table lines: a header row, a separator (``sep`` per column), one line per row."""
+    return ["| " + " | ".join(head) + " |", "|" + f"{sep}|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
 def _verify_cost(path: Path, old: str) -> list[str]:
     if not path.is_file():
         return []
@@ -62,12 +67,11 @@ def _verify_cost(path: Path, old: str) -> list[str]:
     lines = ["## Cost of verifying T tokens at once\n",
              "```\npython scripts/bench_verify_cost.py --model default --threads 1 --repeats 7\n```\n",
              f"Forward over T new tokens with {data['context']} tokens in the cache, {data['threads']} thread(s); "
-             "v(T) = time(T) / time(1).\n",
-             "| T | " + " | ".join(f"{k} ms | {k} v(T)" for k in kinds) + " |",
-             "|---|" + "---|---|" * len(kinds)]
-    for T in sizes:
-        lines.append(f"| {T} | " + " | ".join(f"{result[k][T]['ms']:.1f} | {result[k][T]['v']:.2f}" for k in kinds)
-                     + " |")
+             "v(T) = time(T) / time(1).\n"]
+    head = ["T"] + [f"{k} {col}" for k in kinds for col in ("ms", "v(T)")]
+    rows = [[str(T)] + [f"{result[k][T][f]:{spec}}" for k in kinds for f, spec in (("ms", ".1f"), ("v", ".2f"))]
+            for T in sizes]
+    lines += _table(head, rows)
     return lines + ["", _notes(old, "verify_cost")]
 
 
@@ -81,12 +85,11 @@ def _exit_eval(runs: Path, img_dir: Path, old: str) -> list[str]:
     lines = ["## Early-exit agreement before and after LayerSkip training\n",
              "```\npython scripts/eval_exits.py --model M --config recipes/cpu-demo-stdlib.yaml --threads 1\n```\n",
              f"Held-out stdlib blocks ({first['examples']} blocks, {first['tokens'][exits[0]]} tokens): "
-             "cross-entropy of the exit (final norm + shared LM head) and top-1 agreement with the final layer.\n",
-             "| exit | " + " | ".join(f"{m} loss | {m} agreement" for m in evals) + " |",
-             "|---:|" + "---:|---:|" * len(evals)]
-    for e in exits:
-        lines.append(f"| {e} | " + " | ".join(f"{d['loss'][e]:.2f} | {d['agreement'][e]:.3f}" for d in evals.values())
-                     + " |")
+             "cross-entropy of the exit (final norm + shared LM head) and top-1 agreement with the final layer.\n"]
+    head = ["exit"] + [f"{m} {col}" for m in evals for col in ("loss", "agreement")]
+    cols = (("loss", ".2f"), ("agreement", ".3f"))
+    rows = [[e] + [f"{d[key][e]:{spec}}" for d in evals.values() for key, spec in cols] for e in exits]
+    lines += _table(head, rows, sep="---:")
     lines.append("")
     png = _plot_exits(evals, img_dir / "exits_agreement.png")
     if png:

@@ -67,9 +67,10 @@ class EarlyExitDrafter:
         self._cycle_start = None
 
     def propose(self, state: DecodeState) -> Draft | None:
-        self._cycle_start = time.perf_counter()
-        if self.gate.mode == "plain":
-            return None
+        if self.config.adaptive:
+            self._cycle_start = time.perf_counter()
+            if self.gate.mode == "plain":
+                return None
         chain = draft_chain(state, self.forward, self.config.num_draft, self.config.confidence)
         self.forwards += chain.forwards
         return chain.draft if chain.forwards else None
@@ -77,7 +78,7 @@ class EarlyExitDrafter:
     def update(self, state: DecodeState, outcome: VerifyOutcome) -> None:
         if outcome.draft is None:
             self.plain_steps += 1
-        if self.config.adaptive and self._cycle_start is not None:
+        if self._cycle_start is not None:  # set by propose only when adaptive
             seconds = time.perf_counter() - self._cycle_start
             self.gate.record(len(outcome.tokens), seconds, drafted=outcome.draft is not None)
             self.gate.decide()
