@@ -23,7 +23,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from infer.errors import UserError
+from core.errors import UserError
 
 PEERS = ("hf_generate", "hf_early_exit", "prompt_lookup")
 BASELINE = "autoregressive"
@@ -203,7 +203,7 @@ class _Peer:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
-        from infer.runner import parse_dtype
+        from core.device import parse_dtype
 
         hf_logging.set_verbosity_error()  # generate() warns about its own assistant's kwargs
         hf_logging.disable_progress_bar()
@@ -241,8 +241,8 @@ class _Peer:
 
 def run_bench(cfg: BenchConfig, progress: bool = True) -> list[Record]:
     """Run every method on every prompt, ``cfg.repeats`` times, interleaved; return raw records."""
+    from core.prompts import load_prompts
     from infer.loading import load_model, set_threads
-    from infer.prompts import load_prompts
 
     set_threads(cfg.threads)
     tasks = {_task_name(src): load_prompts(src, cfg.n, from_end=True) for src in cfg.data}

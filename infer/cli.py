@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from core.errors import UserError
 from infer.commands import bench, fetch_model, generate, search
-from infer.errors import UserError
 
 COMMANDS = (fetch_model, generate, search, bench)
 

@@ -9,8 +9,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor
 
+from core.errors import UserError
 from infer.drafters.base import DecodeState, Draft, Drafter, VerifyOutcome
-from infer.errors import UserError
 from infer.runner import Runner
 from infer.sampling import SamplingConfig, TreeShape, greedy_accept, probs_from_logits, sampling_accept, select
 

@@ -6,9 +6,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from infer.errors import UserError
-from infer.models import resolve_model
-from infer.runner import Runner, parse_dtype
+from core.device import parse_dtype, resolve_device
+from core.errors import UserError
+from core.models import resolve_model
+from infer.runner import Runner
 
 
 @dataclass
@@ -61,7 +62,10 @@ def eos_ids(path: Path, tokenizer) -> tuple[int, ...]:
 
 
 def load_model(model: str, dtype: str = "fp32", device: str = "cpu") -> LoadedModel:
-    """Resolve ``model`` (folder or 'default'), load the runner and tokenizer."""
+    """Resolve ``model`` (folder or 'default'), load the runner and tokenizer.
+
+    ``device`` and ``dtype`` take the CLI names (``auto`` = CUDA + bf16 when available, else CPU + fp32).
+    """
     from transformers import AutoTokenizer
 
     path = resolve_model(model)
@@ -69,5 +73,6 @@ def load_model(model: str, dtype: str = "fp32", device: str = "cpu") -> LoadedMo
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise UserError(f"could not load a tokenizer from {path}: {e}") from None
-    runner = Runner.from_pretrained(path, dtype=parse_dtype(dtype), device=device)
+    dev = resolve_device(device)
+    runner = Runner.from_pretrained(path, dtype=parse_dtype(dtype, dev), device=dev)
     return LoadedModel(path, runner, tokenizer, eos_ids(path, tokenizer))

@@ -124,7 +124,7 @@ class PlanFile:
         import json
         from pathlib import Path
 
-        from infer.errors import UserError
+        from core.errors import UserError
 
         path = Path(path)
         if not path.is_file():
@@ -140,7 +140,7 @@ class PlanFile:
 
     def check_model(self, identity: dict, path: str = "the plan") -> None:
         """Refuse a plan made for another model (architecture or weights differ)."""
-        from infer.errors import UserError
+        from core.errors import UserError
 
         diff = {k: (self.model.get(k), v) for k, v in identity.items() if self.model.get(k) != v}
         if diff:

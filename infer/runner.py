@@ -20,20 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from infer.errors import UserError
+from core.device import parse_dtype
+from core.errors import UserError
+from core.models import SUPPORTED_MODEL_TYPES
 from infer.plan import LayerPlan
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-
-
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in _DTYPES:
-        raise UserError(f"unknown dtype {name!r}; use one of fp32, bf16, fp16")
-    return _DTYPES[name]
 
 
 @dataclass

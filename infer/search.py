@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from infer.errors import UserError
+from core.errors import UserError
 from infer.plan import LayerPlan, PlanFile
 from infer.runner import Runner
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
+from core.models import resolve_model
 from infer.loading import set_threads
-from infer.models import resolve_model
 from infer.runner import Runner
 
 

@@ -20,7 +20,7 @@ if __name__ == "__main__" and not __package__:
 import argparse
 import json
 
-from infer.errors import UserError
+from core.errors import UserError
 
 
 def parse_exits(text: str | None, num_layers: int) -> list[int]:

@@ -23,12 +23,12 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from core.prompts import load_prompts
 from infer.bench import BASELINE
 from infer.drafters import build_drafter, parse_spec
 from infer.engine import Engine, GenerationConfig
 from infer.loading import load_model, set_threads
 from infer.plots import plot_matchness
-from infer.prompts import load_prompts
 
 
 def interleaved(sources: list[str], n: int) -> list[tuple[str, str, str]]:

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from infer.models import default_model_dir, is_model_dir
+from core.models import default_model_dir, is_model_dir
 from tiny_models import make_model, save_tiny
 
 

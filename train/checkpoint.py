@@ -18,7 +18,7 @@ import os
 import shutil
 from pathlib import Path
 
-from infer.errors import UserError
+from core.errors import UserError
 from train.config import TrainConfig, dump_config
 
 STATE_FILE = "trainer_state.json"

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import yaml
 
-from infer.errors import UserError
+from core.errors import UserError
 
 # --------------------------------------------------------------------------------------------
 # Sections (each checks its own invariants in __post_init__)
@@ -58,7 +58,7 @@ class SourceConfig:
     ``stdlib``: the Python standard library of the running interpreter (found with ``sysconfig``).
     ``text``: text files through ``datasets`` (``load_dataset("text", sample_by=...)``).
     ``jsonl``: JSON-lines files through ``datasets`` (``load_dataset("json")``).
-    ``prompt_set``: a prompt set of ``infer.prompts`` (``gsm8k``, ``humaneval``), prompt + reference."""
+    ``prompt_set``: a prompt set of ``core.prompts`` (``gsm8k``, ``humaneval``), prompt + reference."""
     path: str = ""
     """Folder, file or glob (``files``, ``text``, ``jsonl``), or the set name (``prompt_set``).
     Unused for ``stdlib``."""

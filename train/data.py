@@ -7,7 +7,7 @@
   where it has one; labels are -100 on the prompt, so the loss is on the response only.
 
 Every source has a deterministic document order; the back ``val_fraction`` of each source is
-held out for validation (the same convention as ``infer.prompts``: train from the front,
+held out for validation (the same convention as ``core.prompts``: train from the front,
 evaluate from the back). The tokenised result is cached under ``$LAYERSKIP_CACHE/tokens``,
 keyed by the tokenizer files, the source files (names, sizes, mtimes) and the data config.
 
@@ -31,12 +31,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from infer.errors import UserError
-from infer.packages import cache_root
+from core.errors import UserError
+from core.packages import cache_root
 from train.config import DataConfig, SourceConfig
 
 CACHE_VERSION = 1
 IGNORE = -100
+"""Label value that cross-entropy ignores (prompt tokens, padding): PyTorch's ``ignore_index``."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model", "vocab.json", "merges.txt")
 
@@ -148,7 +149,7 @@ def read_source(src: SourceConfig, task: str) -> list[Document]:
             docs = [Document(str(i), prompt=str(p), response=str(r))
                     for i, (p, r) in enumerate(zip(ds[src.prompt_field], ds[src.response_field], strict=True))]
     elif src.type == "prompt_set":
-        from infer.prompts import load_prompts
+        from core.prompts import load_prompts
 
         items = load_prompts(src.path)
         docs = [Document(it.id, prompt=it.prompt, response=it.reference) for it in items]
@@ -290,7 +291,7 @@ def _source_fingerprint(src: SourceConfig) -> dict:
     stats = [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
     spec["files"] = hashlib.sha256(json.dumps(stats).encode()).hexdigest()
     if src.type == "prompt_set":
-        from infer.prompts import BUILTIN_SETS
+        from core.prompts import BUILTIN_SETS
 
         spec["package"] = repr(BUILTIN_SETS.get(src.path)) if src.path in BUILTIN_SETS else repr(stats)
     return spec

@@ -27,7 +27,7 @@ import os
 import time
 from collections.abc import Callable
 
-from infer.errors import UserError
+from core.errors import UserError
 from train.config import TrainConfig, describe, dump_config, load_config, to_dict
 
 PROG = "layerskip-train"

@@ -23,12 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from infer.errors import UserError
+from core.device import parse_dtype
+from core.errors import UserError
+from core.models import SUPPORTED_MODEL_TYPES, is_model_dir, resolve_model
 from train.config import EarlyExitConfig, LayerDropoutConfig
+from train.data import IGNORE
 from train.schedules import check_exits, dropout_rates, exit_weights, sample_skips, skip_generator
-
-IGNORE = -100
-SUPPORTED = ("llama", "mistral", "qwen2")
 
 
 @dataclass
@@ -47,9 +47,9 @@ def decoder_parts(model: nn.Module) -> Parts:
     """Find the decoder parts of a HF ``*ForCausalLM`` (optionally wrapped by peft)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = base.config
-    if config.model_type not in SUPPORTED:
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise UserError(f"model type {config.model_type!r} is not supported for LayerSkip training; "
-                        f"use a Llama-family checkpoint ({', '.join(SUPPORTED)})")
+                        f"use a Llama-family checkpoint ({', '.join(SUPPORTED_MODEL_TYPES)})")
     inner = base.model
     return Parts(inner.embed_tokens, inner.rotary_emb, inner.layers, inner.norm, base.lm_head, config)
 
@@ -178,9 +178,6 @@ class LayerSkipLM(nn.Module):
 def load_model(name_or_path: str, dtype: str = "fp32", attn_implementation: str = "sdpa"):
     """Load a HF causal LM and its tokenizer from a folder (``default`` fetches the default model)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from infer.models import is_model_dir, resolve_model
-    from infer.runner import parse_dtype
 
     path = resolve_model(name_or_path)
     if not is_model_dir(path):

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor
 
-from infer.errors import UserError
+from core.errors import UserError
 from train.config import EarlyExitConfig, LayerDropoutConfig
 
 # --------------------------------------------------------------------------------------------

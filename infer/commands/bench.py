@@ -7,7 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from infer.errors import UserError
+from core.errors import UserError
 
 
 def _ints(text: str) -> list[int]:

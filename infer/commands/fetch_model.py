@@ -16,7 +16,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from infer.models import fetch_default_model
+    from core.models import fetch_default_model
 
     print(fetch_default_model(args.dest))
     return 0

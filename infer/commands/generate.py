@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from infer.errors import UserError
+from core.errors import UserError
 
 
 def _type_of(annotation) -> type:
@@ -86,7 +86,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _prompts(args: argparse.Namespace):
-    from infer.prompts import PromptItem, read_prompts_file
+    from core.prompts import PromptItem, read_prompts_file
 
     if args.prompts_file is not None:
         if not args.prompts_file.is_file():

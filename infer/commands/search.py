@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from infer.errors import UserError
+from core.errors import UserError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -55,8 +55,8 @@ def _task_name(source: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from core.prompts import load_prompts
     from infer.loading import set_threads
-    from infer.prompts import load_prompts
     from infer.search import SearchConfig, search_plan, study_path_for
 
     # Everything that can be checked without the model is checked first.

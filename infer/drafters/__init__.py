@@ -10,12 +10,12 @@ from __future__ import annotations
 import dataclasses
 import typing
 
+from core.errors import UserError
 from infer.drafters.autoregressive import AutoregressiveDrafter
 from infer.drafters.base import DecodeState, Draft, Drafter, VerifyOutcome
 from infer.drafters.early_exit import EarlyExitDrafter
 from infer.drafters.self_sd import SelfSDDrafter
 from infer.drafters.swift import SwiftDrafter
-from infer.errors import UserError
 
 DRAFTERS: dict[str, type] = {
     AutoregressiveDrafter.name: AutoregressiveDrafter,

@@ -10,10 +10,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from core.errors import UserError
 from infer.drafters.base import DecodeState, Draft, VerifyOutcome
 from infer.drafters.chain import EarlyExitForward, draft_chain
 from infer.drafters.gate import FallbackGate
-from infer.errors import UserError
 
 
 @dataclass

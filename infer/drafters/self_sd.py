@@ -25,9 +25,9 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.errors import UserError
 from infer.drafters.base import DecodeState, Draft, VerifyOutcome
 from infer.drafters.chain import PlanForward, draft_chain
-from infer.errors import UserError
 from infer.plan import LayerPlan, PlanFile
 from infer.runner import Runner
 

@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
+from core.errors import UserError
 from infer.drafters.base import DecodeState, Draft, VerifyOutcome
 from infer.drafters.chain import ChainResult, PlanForward, draft_chain
 from infer.drafters.gate import FallbackGate, Rate
 from infer.drafters.skipping import matchness_span
-from infer.errors import UserError
 from infer.plan import LayerPlan, PlanFile
 
 GREEDY_WIDTHS = (3, 5, 8, 10)  # candidates per depth for top-1 prob > 0.95, > 0.8, > 0.5, else (paper)

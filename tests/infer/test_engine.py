@@ -232,7 +232,7 @@ def test_planted_sibling_is_accepted_and_kv_compacted(runner):
 
 
 def test_prompt_errors(runner):
-    from infer.errors import UserError
+    from core.errors import UserError
 
     with pytest.raises(UserError, match="empty"):
         generate(runner, prompt=[])

@@ -8,10 +8,10 @@ import optuna
 import pytest
 import torch
 
+from core.errors import UserError
 from infer.cli import main
 from infer.drafters.base import DecodeState
 from infer.drafters.skipping import matchness
-from infer.errors import UserError
 from infer.plan import LayerPlan, PlanFile
 from infer.runner import Runner
 from infer.sampling import SamplingConfig

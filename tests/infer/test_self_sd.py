@@ -7,12 +7,12 @@ import pytest
 import torch
 from lossless_stats import P_THRESHOLD, sampling_pvalue
 
+from core.errors import UserError
 from infer.cli import main
 from infer.drafters import build_drafter, parse_spec
 from infer.drafters.chain import PlanForward
 from infer.drafters.self_sd import AdaptiveThreshold, SelfSDConfig, SelfSDDrafter
 from infer.engine import Engine, GenerationConfig
-from infer.errors import UserError
 from infer.plan import LayerPlan, PlanFile
 from infer.runner import Runner
 from infer.sampling import SamplingConfig

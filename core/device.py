@@ -1,0 +1,62 @@
+"""Device and dtype names as users type them (``--device``, ``--dtype``), resolved in one place.
+
+``auto`` means CUDA in bf16 when a GPU is visible, else the CPU in fp32: bf16 halves the weight
+reads that bound decoding on a GPU, while on a CPU fp32 is both faster and exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from core.errors import UserError
+
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32, "float32": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16,
+}
+DTYPE_CHOICES = ("auto", "fp32", "bf16", "fp16")
+DEVICE_HELP = "auto (CUDA when available, else CPU), cpu, cuda or cuda:N"
+DTYPE_HELP = "auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16"
+
+
+def parse_dtype(name: str | torch.dtype, device: torch.device | str | None = None) -> torch.dtype:
+    """A torch dtype from its name; ``auto`` picks bf16 on CUDA and fp32 elsewhere."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        dev = torch.device(device) if device is not None else resolve_device("auto")
+        return torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise UserError(f"unknown dtype {name!r}; use one of {', '.join(DTYPE_CHOICES)}")
+    return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The short name of a dtype (fp32, bf16, fp16) for stats and file names."""
+    for short in ("fp32", "bf16", "fp16"):
+        if DTYPES[short] == dtype:
+            return short
+    return str(dtype).removeprefix("torch.")
+
+
+def resolve_device(name: str | torch.device = "auto") -> torch.device:
+    """``auto`` / ``cpu`` / ``cuda`` / ``cuda:N`` to a device that exists on this machine."""
+    if isinstance(name, torch.device):
+        name = str(name)
+    name = name.strip().lower()
+    if name == "auto":
+        return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda" or name.startswith("cuda:"):
+        index = name.partition(":")[2]
+        if index and not index.isdigit():
+            raise UserError(f"bad device {name!r}; use {DEVICE_HELP}")
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {name}: CUDA is not available on this machine (torch "
+                            f"{torch.__version__}); use --device cpu or auto")
+        if index and int(index) >= torch.cuda.device_count():
+            raise UserError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) visible")
+        return torch.device(name)
+    raise UserError(f"unknown device {name!r}; use {DEVICE_HELP}")
