@@ -1,0 +1,210 @@
+"""Dataclass configs <-> YAML, ``key=value`` text and argparse flags: one implementation.
+
+Every config in the toolkit (the training recipe, each drafter's options, the bench settings) is a
+dataclass whose fields carry a docstring (the string literal right under the field). This module
+reads those docstrings for ``--help``, converts user values to the declared field types strictly
+(unknown keys and wrong types are a one-line :class:`UserError` naming the nearest valid key), and
+turns a dataclass into a group of argparse flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import difflib
+import inspect
+import textwrap
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import yaml
+
+from core.errors import UserError
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings of a dataclass: the string literal right after each field (whitespace folded)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):  # classes built at run time have no source
+        return {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def hints(cls: type) -> dict[str, Any]:
+    """Resolved field annotations of a dataclass (``from __future__ import annotations`` safe)."""
+    return typing.get_type_hints(cls)
+
+
+def strip_optional(tp: Any) -> Any:
+    """``X | None`` -> ``X``; anything else unchanged."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def type_name(tp: Any) -> str:
+    """How a field type reads in messages and ``--help`` (int, float | None, list of int, ...)."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"list of {type_name(typing.get_args(tp)[0])}"
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def nearest(key: str, valid: list[str], prefix: str = "", aliases: Mapping[str, str] | None = None) -> str:
+    """The ``; did you mean 'optim.lr'?`` tail of an unknown-key message (aliases: other tools' names)."""
+    known = {a: t for a, t in (aliases or {}).items() if t in valid}
+    close = difflib.get_close_matches(key, valid + list(known), n=1, cutoff=0.5)
+    pre = f"{prefix}." if prefix else ""
+    if close:
+        return f"; did you mean '{pre}{known.get(close[0], close[0])}'?"
+    return f"; valid keys under '{prefix or 'top level'}': " + ", ".join(valid)
+
+
+def convert(value: Any, tp: Any, where: str) -> Any:
+    """Check ``value`` (a YAML scalar, list or mapping) against annotation ``tp``; convert where unambiguous."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return convert(value, arg, where)
+            except UserError as e:
+                errors.append(str(e))
+        raise UserError(errors[0] if errors else f"{where}: expected {type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise UserError(f"{where}: {value!r} is not one of {', '.join(map(repr, choices))}{hint}")
+        return value
+    if origin in (list, tuple):
+        item = typing.get_args(tp)[0]
+        if not isinstance(value, (list, tuple)):
+            raise UserError(f"{where}: expected a list ({type_name(tp)}), got {value!r}")
+        items = [convert(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        return items if origin is list else tuple(items)
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value, where)
+    return _scalar(value, tp, where)
+
+
+def _scalar(value: Any, tp: Any, where: str) -> Any:
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise UserError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise UserError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool):
+            raise UserError(f"{where}: expected a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise UserError(f"{where}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, (dict, list)) or value is None:
+            raise UserError(f"{where}: expected a string, got {value!r}")
+        return str(value)
+    if tp is Any:
+        return value
+    raise TypeError(f"unsupported annotation {tp!r} at {where}")  # a bug in a config class, not user input
+
+
+def parse_text(text: str) -> Any:
+    """A value typed by a user (``8``, ``3e-4``, ``true``, ``[8, 16]``, ``null``), read as YAML; else the string."""
+    if not text.strip():
+        return ""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def from_text(text: str, tp: Any, where: str) -> Any:
+    """Convert a user-typed string to field type ``tp`` (strings stay strings even if they look like YAML)."""
+    if strip_optional(tp) is str:
+        return text
+    return convert(parse_text(text), tp, where)
+
+
+def build(cls: type, raw: Any, where: str = "", aliases: Mapping[str, str] | None = None):
+    """Build dataclass ``cls`` from a mapping, refusing unknown keys (the nearest valid key is named)."""
+    label = where or "config"
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise UserError(f"{label}: expected a mapping of keys, got {raw!r}")
+    field_types = hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        path = f"{where}.{key}" if where else str(key)
+        if key not in names:
+            raise UserError(f"unknown config key '{path}'{nearest(str(key), names, where, aliases)}")
+        kwargs[key] = convert(value, field_types[key], path)
+    return cls(**kwargs)  # __post_init__ checks the section's invariants
+
+
+def add_dataclass_flags(group: argparse._ActionsContainer, cls: type, skip: tuple[str, ...] = (),
+                        seen: set[str] | None = None, suffix: str = "") -> list[str]:
+    """One ``--field-name`` flag per field of ``cls`` (default None = the dataclass default applies).
+
+    Fields in ``skip`` and flags already in ``seen`` (a flag shared by several configs is added once)
+    are left out; ``suffix`` is appended to each help text. Returns the destinations added.
+    """
+    docs, field_types, added = field_docs(cls), hints(cls), []
+    for f in dataclasses.fields(cls):
+        if f.name in skip or (seen is not None and f.name in seen):
+            continue
+        tp = strip_optional(field_types[f.name])
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        text = f"{docs.get(f.name, '')} (default {default!r}){suffix}"
+        if tp is bool:
+            group.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=text)
+        else:
+            group.add_argument(flag, dest=f.name, default=None, metavar=type_name(tp).upper().replace(" ", "_"),
+                               type=_flag_parser(tp, flag), help=text)
+        added.append(f.name)
+        if seen is not None:
+            seen.add(f.name)
+    return added
+
+
+def _flag_parser(tp: Any, flag: str):
+    def parse(text: str) -> Any:
+        try:
+            return from_text(text, tp, flag)
+        except UserError as e:  # argparse prints "argument --x: <message>" and exits 2
+            raise argparse.ArgumentTypeError(str(e).removeprefix(f"{flag}: ")) from None
+
+    return parse
