@@ -77,9 +77,24 @@ class SourceConfig:
     """``jsonl`` sources in finetuning: the field holding the response (the only tokens with loss)."""
     max_documents: int | None = None
     """Keep only the first N documents of this source (after its deterministic ordering)."""
+    dedup: Literal["off", "exact", "near"] = "off"
+    """Drop duplicate documents before the split (the first in the source's order is kept; with
+    ``holdout_packages`` held-out documents come first, so a pair across the split loses its training copy). ``exact``:
+    same content after normalising whitespace and case; ``near``: also MinHash-estimated Jaccard
+    similarity of 5-token shingles >= ``dedup_threshold`` (families such as ``encodings/cp*.py``)."""
+    dedup_threshold: float = 0.7
+    """``near`` dedup: estimated Jaccard similarity at or above which two documents are duplicates."""
+    holdout_packages: list[str] = field(default_factory=list)
+    """``files``/``stdlib``: top-level packages or modules (first path component, ``.py`` dropped) whose
+    documents form this source's validation set, whole; the rest trains. Replaces ``val_fraction`` for this
+    source, so held-out text shares no package with training text."""
 
     def __post_init__(self) -> None:
         _check(self.type == "stdlib" or bool(self.path), f"data source of type {self.type!r} needs a 'path'")
+        _check(0.0 < self.dedup_threshold <= 1.0,
+               f"source dedup_threshold must be in (0, 1] (got {self.dedup_threshold})")
+        _check(not self.holdout_packages or self.type in ("stdlib", "files"),
+               f"holdout_packages needs a stdlib or files source (got type {self.type!r})")
         _check(self.type != "stdlib" or not self.path,
                f"a stdlib source takes no path (got {self.path!r}); for your own files use type: files")
         _check(self.max_documents is None or self.max_documents > 0, "source max_documents must be positive")

@@ -8,7 +8,9 @@
 
 Every source has a deterministic document order; the back ``val_fraction`` of each source is
 held out for validation (the same convention as ``core.prompts``: train from the front,
-evaluate from the back). The tokenised result is cached under ``$LAYERSKIP_CACHE/tokens``,
+evaluate from the back), or, with ``holdout_packages``, whole top-level packages are. A source
+can first drop duplicate and near-duplicate documents (``dedup``), so held-out text has no
+near-copy in the training text. The tokenised result is cached under ``$LAYERSKIP_CACHE/tokens``,
 keyed by the tokenizer files, the source files (names, sizes, mtimes) and the data config.
 
 The batch order is a pure function of (seed, step, micro-batch, rank), so resuming at step k
@@ -22,9 +24,11 @@ import glob
 import hashlib
 import json
 import os
+import re
 import sys
 import sysconfig
 import tempfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -169,6 +173,129 @@ def split_documents(docs: list[Document], val_fraction: float) -> tuple[list[Doc
         return docs, []
     n_val = min(len(docs) - 1, max(1, round(val_fraction * len(docs))))
     return docs[:-n_val], docs[-n_val:]
+
+
+# --------------------------------------------------------------------------------------------
+# Deduplication and package hold-out
+# --------------------------------------------------------------------------------------------
+
+SHINGLE = 5
+"""Tokens per shingle of the near-duplicate test."""
+NUM_PERM = 64
+"""MinHash permutations (signature length); 16 LSH bands of 4 rows."""
+LSH_BANDS = 16
+_WORD = re.compile(r"\w+|[^\w\s]")
+
+
+def normalise(text: str) -> str:
+    """Content key of the exact test: case-folded, all whitespace runs collapsed to one space."""
+    return " ".join(text.lower().split())
+
+
+def package_of(doc_id: str) -> str:
+    """Top-level package or module of a document id (a relative path): ``email/mime/text.py`` -> ``email``,
+    ``json.py`` -> ``json``."""
+    first = Path(doc_id).parts[0] if Path(doc_id).parts else doc_id
+    return first[:-3] if first.endswith(".py") else first
+
+
+def shingle_hashes(text: str, cache: dict[str, int]) -> np.ndarray:
+    """32-bit hashes of the text's overlapping ``SHINGLE``-token windows (words and punctuation, case-folded)."""
+    toks = []
+    for w in _WORD.findall(text.lower()):
+        h = cache.get(w)
+        if h is None:
+            h = cache[w] = zlib.crc32(w.encode())
+        toks.append(h)
+    t = np.array(toks, dtype=np.uint64)  # (n,)
+    if len(t) < SHINGLE:
+        return np.unique(t)
+    n = len(t) - SHINGLE + 1
+    h = np.zeros(n, dtype=np.uint64)  # (n,) polynomial rolling combination, kept to 32 bits
+    for j in range(SHINGLE):
+        h = (h * np.uint64(1_000_003) + t[j:j + n]) & np.uint64(0xFFFFFFFF)
+    return np.unique(h)
+
+
+def minhash(shingles: np.ndarray, seeds: np.ndarray) -> np.ndarray:
+    """(NUM_PERM,) MinHash signature: per seed, the minimum over shingles of splitmix64(h + seed)."""
+    if len(shingles) == 0:
+        return np.full(len(seeds), np.iinfo(np.uint64).max, dtype=np.uint64)
+    z = shingles[None, :] + seeds[:, None]  # (P, n), uint64 arithmetic wraps modulo 2^64
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return (z ^ (z >> np.uint64(31))).min(axis=1)
+
+
+def deduplicate(docs: list[Document], mode: str, threshold: float,
+                priority: list[bool] | None = None) -> tuple[list[Document], list[tuple[str, str]]]:
+    """Documents without duplicates (order kept) and the (dropped id, kept id) pairs.
+
+    A document is dropped when an earlier-visited one has the same normalised content (``exact``,
+    ``near``) or an estimated Jaccard similarity of shingles >= ``threshold`` (``near``, MinHash with
+    LSH banding). Documents whose ``priority`` is True are visited first (e.g. held-out ones, so a
+    duplicate pair across the split loses its training copy).
+    """
+    if mode == "off":
+        return docs, []
+    order = sorted(range(len(docs)), key=lambda i: (not priority[i]) if priority else 0)
+    seeds = np.random.default_rng(0).integers(0, np.iinfo(np.uint64).max, NUM_PERM, dtype=np.uint64)  # (P,)
+    rows = NUM_PERM // LSH_BANDS
+    seen: dict[str, str] = {}
+    buckets: dict[tuple, list[int]] = {}
+    sigs: dict[int, np.ndarray] = {}
+    cache: dict[str, int] = {}
+    keep, dropped = set(), []
+    for i in order:
+        doc = docs[i]
+        key = hashlib.sha1(normalise(doc.text or doc.prompt + "\n" + doc.response).encode()).hexdigest()
+        if key in seen:
+            dropped.append((doc.id, seen[key]))
+            continue
+        if mode == "near":
+            sig = minhash(shingle_hashes(doc.text or doc.prompt + "\n" + doc.response, cache), seeds)
+            bands = [(band, sig[band * rows:(band + 1) * rows].tobytes()) for band in range(LSH_BANDS)]
+            cands = {j for bk in bands for j in buckets.get(bk, [])}
+            match = next((j for j in sorted(cands) if float(np.mean(sigs[j] == sig)) >= threshold), None)
+            if match is not None:
+                dropped.append((doc.id, docs[match].id))
+                continue
+            sigs[i] = sig
+            for bk in bands:
+                buckets.setdefault(bk, []).append(i)
+        seen[key] = doc.id
+        keep.add(i)
+    return [d for i, d in enumerate(docs) if i in keep], dropped
+
+
+def split_source(docs: list[Document], src: SourceConfig,
+                 val_fraction: float) -> tuple[list[Document], list[Document], list[tuple[str, str]]]:
+    """(train, validation, dropped duplicates) of one source: dedup, then package hold-out or the back fraction."""
+    held = set(src.holdout_packages)
+    is_held = [package_of(d.id) in held for d in docs] if held else None
+    docs, dropped = deduplicate(docs, src.dedup, src.dedup_threshold, is_held)
+    if not held:
+        train, val = split_documents(docs, val_fraction)
+        return train, val, dropped
+    val = [d for d in docs if package_of(d.id) in held]
+    train = [d for d in docs if package_of(d.id) not in held]
+    if not val:
+        raise UserError(f"holdout_packages {sorted(held)} match no document of source {src.type}:"
+                        f"{src.path or stdlib_dir()}; give top-level names such as 'email' or 'json'")
+    if not train:
+        raise UserError(f"holdout_packages {sorted(held)} hold out every document; nothing is left to train on")
+    return train, val, dropped
+
+
+def split_sources(cfg: DataConfig) -> tuple[list[Document], list[Document], list[tuple[str, str]]]:
+    """Training and validation documents of every source (in order) and the duplicates dropped."""
+    train_docs, val_docs, dropped = [], [], []
+    for src in cfg.sources:
+        tr, va, dr = split_source(read_source(src, cfg.task), src, cfg.val_fraction)
+        train_docs += tr
+        val_docs += va
+        dropped += dr
+    return train_docs, val_docs, dropped
 
 
 # --------------------------------------------------------------------------------------------
@@ -345,12 +472,9 @@ def build_dataset(cfg: DataConfig, tokenizer, tokenizer_dir: Path, log=None) -> 
     if path.is_file():
         train, val, meta = _load(path)
         return Dataset(train, val, meta)
-    train_docs, val_docs = [], []
-    for src in cfg.sources:
-        docs = read_source(src, cfg.task)
-        tr, va = split_documents(docs, cfg.val_fraction)
-        train_docs += tr
-        val_docs += va
+    train_docs, val_docs, dropped = split_sources(cfg)
+    if dropped:
+        log(f"dropped {len(dropped)} duplicate or near-duplicate documents")
     log(f"tokenising {len(train_docs)} training + {len(val_docs)} validation documents (cached in {path}) ...")
     train = tokenize_documents(train_docs, tokenizer, cfg)
     val = tokenize_documents(val_docs, tokenizer, cfg) if val_docs else Examples.from_lists([], [])
@@ -360,7 +484,7 @@ def build_dataset(cfg: DataConfig, tokenizer, tokenizer_dir: Path, log=None) -> 
     meta = {"train_documents": len(train_docs), "val_documents": len(val_docs),
             "train_examples": len(train), "val_examples": len(val),
             "train_tokens": train.num_tokens, "val_tokens": val.num_tokens,
-            "val_ids": [d.id for d in val_docs][:1000]}
+            "val_ids": [d.id for d in val_docs][:1000], "duplicates_dropped": len(dropped)}
     _save(path, train, val, meta)
     return Dataset(train, val, meta)
 

@@ -149,3 +149,104 @@ def test_examples_take_and_empty():
     ex = Examples.from_lists([[1, 2], [3, 4, 5], [6]], [[1, 2], [3, 4, 5], [6]])
     assert len(ex.take(2)) == 2 and ex.take(2).num_tokens == 5
     assert len(Examples.from_lists([], [])) == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Deduplication and package hold-out
+# --------------------------------------------------------------------------------------------
+
+
+def _module(name: str, n: int = 40, tweak: str = "") -> str:
+    """A synthetic module: ``n`` distinct functions whose names and bodies depend on ``name``."""
+    lines = [f'"""Module {name}."""', "", "import os", ""]
+    for i in range(n):
+        lines += [f"def {name}_func_{i}(x, y={i}):", f"    total = x * {i} + y - len('{name}{i}')",
+                  f"    return os.path.join(str(total), '{name}'){tweak if i == n // 2 else ''}", ""]
+    return "\n".join(lines)
+
+
+@pytest.fixture
+def code_tree(tmp_path):
+    """Packages alpha (with a near-copy and an exact copy of one file), beta, and a top-level module gamma.py."""
+    root = tmp_path / "tree"
+    for rel, text in {
+        "alpha/__init__.py": _module("alpha_init"),
+        "alpha/core.py": _module("core"),
+        "alpha/core_copy.py": _module("core", tweak="  # one changed line"),
+        "alpha/CORE_SAME.py": _module("core").upper().lower().replace("\n", "\n\n"),
+        "alpha/other.py": _module("other"),
+        "beta/__init__.py": _module("beta_init"),
+        "beta/util.py": _module("util"),
+        "beta/core_again.py": _module("core", tweak="  # beta's copy"),
+        "gamma.py": _module("gamma"),
+        "delta.py": _module("delta"),
+    }.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def _ids(docs):
+    return sorted(d.id for d in docs)
+
+
+def test_package_of_takes_the_first_path_component():
+    assert data.package_of("email/mime/text.py") == "email"
+    assert data.package_of("json.py") == "json"
+    assert data.package_of("encodings/cp1252.py") == "encodings"
+
+
+def test_exact_dedup_ignores_case_and_whitespace_only(code_tree):
+    src = SourceConfig(type="files", path=str(code_tree), dedup="exact")
+    docs = read_source(src, "pretrain")
+    kept, dropped = data.deduplicate(docs, "exact", 0.7)
+    dropped_ids = {a for a, _ in dropped}
+    assert len(dropped) == 1 and dropped_ids <= {"alpha/core.py", "alpha/CORE_SAME.py"}
+    assert "alpha/core_copy.py" in _ids(kept)  # one changed line is not an exact duplicate
+    assert data.deduplicate(docs, "off", 0.7) == (docs, [])
+
+
+def test_near_dedup_drops_near_copies_and_keeps_distinct_files(code_tree):
+    src = SourceConfig(type="files", path=str(code_tree), dedup="near")
+    docs = read_source(src, "pretrain")
+    kept, dropped = data.deduplicate(docs, "near", 0.7)
+    core_family = {"alpha/core.py", "alpha/core_copy.py", "alpha/CORE_SAME.py", "beta/core_again.py"}
+    assert len(core_family & set(_ids(kept))) == 1  # one representative of the family survives
+    assert {"alpha/__init__.py", "alpha/other.py", "beta/__init__.py", "beta/util.py", "gamma.py",
+            "delta.py"} <= set(_ids(kept))
+    assert {a for a, _ in dropped} | set(_ids(kept)) == {d.id for d in docs}
+
+
+def test_holdout_packages_form_the_validation_set_whole(code_tree):
+    src = SourceConfig(type="files", path=str(code_tree), holdout_packages=["beta", "gamma"])
+    train, val, dropped = data.split_source(read_source(src, "pretrain"), src, val_fraction=0.5)
+    assert _ids(val) == ["beta/__init__.py", "beta/core_again.py", "beta/util.py", "gamma.py"]
+    assert all(data.package_of(d.id) not in ("beta", "gamma") for d in train)
+    assert len(train) == 6 and dropped == []  # val_fraction is not applied on top of the hold-out
+
+
+def test_near_duplicates_across_the_split_lose_their_training_copy(code_tree):
+    src = SourceConfig(type="files", path=str(code_tree), dedup="near", holdout_packages=["beta"])
+    train, val, dropped = data.split_source(read_source(src, "pretrain"), src, val_fraction=0.0)
+    assert "beta/core_again.py" in _ids(val)
+    assert not {"alpha/core.py", "alpha/core_copy.py", "alpha/CORE_SAME.py"} & set(_ids(train))
+    assert sorted(a for a, _ in dropped) == ["alpha/CORE_SAME.py", "alpha/core.py", "alpha/core_copy.py"]
+
+
+def test_build_dataset_with_dedup_and_holdout(code_tree, tok, tmp_path):
+    src = SourceConfig(type="files", path=str(code_tree), dedup="near", holdout_packages=["beta"])
+    cfg = DataConfig(sources=[src], block_size=64, cache_dir=str(tmp_path / "cache"))
+    ds = build_dataset(cfg, tok, Path(tmp_path), log=lambda m: None)
+    assert ds.meta["duplicates_dropped"] == 3 and ds.meta["val_documents"] == 3
+    assert all(i.startswith("beta/") for i in ds.meta["val_ids"])
+    assert ds.meta["train_documents"] == 4  # alpha/__init__, alpha/other, gamma, delta
+
+
+def test_holdout_errors_are_one_line(code_tree):
+    src = SourceConfig(type="files", path=str(code_tree), holdout_packages=["nosuchpkg"])
+    with pytest.raises(UserError, match="match no document"):
+        data.split_source(read_source(src, "pretrain"), src, 0.1)
+    with pytest.raises(UserError, match="holdout_packages needs"):
+        SourceConfig(type="text", path="x.txt", holdout_packages=["a"])
+    with pytest.raises(UserError, match="dedup_threshold"):
+        SourceConfig(type="stdlib", dedup_threshold=0.0)
