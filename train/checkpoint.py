@@ -9,6 +9,11 @@ Layout of a run folder (``checkpoint.output_dir``)::
         config.yaml               the resolved config, beside every checkpoint
     final/                        config.json + model.safetensors + tokenizer (LoRA merged): load it with
                                   transformers, infer.runner.Runner or ``layerskip generate --model``
+
+One folder holds one run: a new run into a folder holding another is refused (resume it, choose
+another folder, or ``--overwrite`` to delete it first), a resume checks that the config matches,
+and ``trainer_state.json`` records how many lines ``metrics.jsonl`` had, so a resumed run cuts the
+log back to the checkpoint instead of repeating steps.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import shutil
 from pathlib import Path
 
 from core.errors import UserError
+from core.packages import normal_permissions
 from train.config import TrainConfig, dump_config
 
 STATE_FILE = "trainer_state.json"
@@ -53,6 +59,117 @@ def find_resume(cfg: TrainConfig) -> Path | None:
     return path
 
 
+RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoints", "final", ".tmp-final", "wandb")
+"""What a training run writes into its output folder (``--overwrite`` removes exactly these)."""
+RESUMABLE_CHANGES = ("optim.max_steps", "checkpoint.", "logging.", "threads", "data.cache_dir")
+"""Config keys (or prefixes) that may differ between a checkpoint and the run resuming it: the run's
+length, checkpointing, logging and threads. Everything else must match, or the resumed run would not
+be the run the checkpoint came from."""
+
+
+def run_files(output_dir: str | Path) -> list[str]:
+    """The names of a training run's files present in ``output_dir``."""
+    out = Path(output_dir)
+    return [name for name in RUN_FILES if (out / name).exists()]
+
+
+def clear_run(output_dir: str | Path) -> None:
+    """Delete a previous run's files from ``output_dir`` (other files stay)."""
+    out = Path(output_dir)
+    for name in run_files(out):
+        target = out / name
+        shutil.rmtree(target) if target.is_dir() and not target.is_symlink() else target.unlink()
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    flat = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            flat.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            flat[f"{prefix}{k}"] = v
+    return flat
+
+
+def config_differences(saved: dict, current: dict, defaults: dict | None = None) -> list[str]:
+    """``key: saved -> current`` for every key that differs and may not change on resume.
+
+    A key missing from ``saved`` (written before the key existed) counts as its default.
+    """
+    old, new, dflt = _flatten(saved), _flatten(current), _flatten(defaults or {})
+    diffs = []
+    for key, value in new.items():
+        if key.startswith(RESUMABLE_CHANGES) or key in RESUMABLE_CHANGES:
+            continue
+        before = old.get(key, dflt.get(key))
+        if before != value:
+            diffs.append(f"{key}: {before!r} -> {value!r}")
+    return diffs
+
+
+def _check_same_run(ckpt: Path, cfg: TrainConfig) -> None:
+    import yaml
+
+    from train.config import to_dict
+
+    try:
+        saved = yaml.safe_load((ckpt / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return  # checkpoints of older versions may lack it; nothing to compare against
+    if not isinstance(saved, dict):
+        return
+    diffs = config_differences(saved, to_dict(cfg), to_dict(TrainConfig()))
+    if diffs:
+        shown = "; ".join(diffs[:4]) + (f"; and {len(diffs) - 4} more" if len(diffs) > 4 else "")
+        raise UserError(f"cannot resume {ckpt}: it was written with a different config ({shown}); resume with its "
+                        f"values (see {ckpt / 'config.yaml'}) or start a new run in another checkpoint.output_dir")
+
+
+def prepare_run_folder(cfg: TrainConfig, overwrite: bool = False) -> Path | None:
+    """Decide how this run uses its output folder; return the checkpoint to resume from (or None).
+
+    A folder holding another run is refused unless the run resumes it (``--resume``; the saved
+    config must match, see :data:`RESUMABLE_CHANGES`) or ``overwrite`` is set (the caller then
+    deletes the old run's files with :func:`clear_run`). Nothing is written here.
+    """
+    out = Path(cfg.checkpoint.output_dir)
+    mode = cfg.checkpoint.resume
+    if out.exists() and not out.is_dir():
+        raise UserError(f"checkpoint.output_dir {out} is a file, not a folder; choose another checkpoint.output_dir")
+    if overwrite and mode != "never":
+        raise UserError("--overwrite starts the run again from step 0; it cannot be combined with --resume "
+                        f"(checkpoint.resume={mode})")
+    present = run_files(out)
+    if mode == "never":
+        if present and not overwrite:
+            raise UserError(f"{out} already holds a training run ({', '.join(present)}); continue it with --resume, "
+                            "write to a new folder with checkpoint.output_dir=<dir>, or pass --overwrite to delete it "
+                            "and start again")
+        return None
+    ckpt = find_resume(cfg)
+    if ckpt is None:
+        if present:
+            raise UserError(f"{out} holds a training run ({', '.join(present)}) but no checkpoint to resume from; "
+                            "pass --overwrite to start it again, or use a new checkpoint.output_dir")
+        return None
+    if present and ckpt.resolve().parent.parent != out.resolve():
+        raise UserError(f"{out} already holds a training run ({', '.join(present)}); to continue {ckpt} in it, "
+                        "choose a new checkpoint.output_dir instead")
+    newer = [p.name for p in list_checkpoints(out) if _step_of(p) > _step_of(ckpt)]
+    if newer:
+        raise UserError(f"cannot resume from {ckpt}: newer checkpoints of the run exist ({', '.join(newer)}), and "
+                        "the resumed run would mix with them; resume from the newest (--resume) or remove them")
+    _check_same_run(ckpt, cfg)
+    return ckpt
+
+
+def _step_of(ckpt: Path) -> int:
+    try:
+        return int(read_state(ckpt)["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return int(ckpt.name[len(PREFIX):]) if ckpt.name[len(PREFIX):].isdigit() else -1
+
+
 def read_state(path: Path) -> dict:
     return json.loads((Path(path) / STATE_FILE).read_text())
 
@@ -74,8 +191,9 @@ def save_checkpoint(accelerator, cfg: TrainConfig, step: int, state: dict) -> Pa
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         keep = cfg.checkpoint.keep_last
-        if keep:
-            for old in list_checkpoints(cfg.checkpoint.output_dir)[:-keep]:
+        if keep:  # only checkpoints up to this step are this run's history; never prune past it
+            mine = [p for p in list_checkpoints(cfg.checkpoint.output_dir) if _step_of(p) <= step]
+            for old in mine[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
@@ -98,6 +216,7 @@ def export_final(accelerator, lm, tokenizer, cfg: TrainConfig, out_dir: str | Pa
         hf.save_pretrained(tmp, state_dict=state, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         dump_config(cfg, tmp / "layerskip_train.yaml")
+        normal_permissions(tmp)  # safetensors writes 0600: the exported model must be readable like any file
         shutil.rmtree(out_dir, ignore_errors=True)
         os.replace(tmp, out_dir)
     accelerator.wait_for_everyone()

@@ -10,6 +10,7 @@ overrides + defaults) is written beside every checkpoint, so a run can be reprod
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import difflib
 import inspect
@@ -357,8 +358,24 @@ ALIASES = {"learning_rate": "lr", "steps": "max_steps", "num_steps": "max_steps"
            "output": "output_dir", "save_steps": "save_every", "eval_steps": "eval_every", "logging_steps": "log_every"}
 
 
+def _dotted_keys(cls=None, prefix: str = "") -> list[str]:
+    """Every key of the config as ``section.key`` (sections of dataclasses, not list items)."""
+    cls = cls or TrainConfig
+    keys = []
+    for name, tp in _hints(cls).items():
+        keys.append(f"{prefix}{name}")
+        if dataclasses.is_dataclass(tp):
+            keys.extend(_dotted_keys(tp, f"{prefix}{name}."))
+    return keys
+
+
 def _nearest(key: str, valid: list[str], prefix: str = "") -> str:
     """The ``; did you mean 'optim.lr'?`` tail of an unknown-key message."""
+    leaf = ALIASES.get(key, key)
+    elsewhere = [k for k in _dotted_keys() if k.rsplit(".", 1)[-1] == leaf and k != f"{prefix}.{leaf}".lstrip(".")]
+    if elsewhere:  # the right name in the wrong section: output_dir -> checkpoint.output_dir
+        return f"; did you mean '{elsewhere[0]}'?" if len(elsewhere) == 1 else \
+            "; did you mean one of " + ", ".join(f"'{k}'" for k in elsewhere) + "?"
     aliases = {a: t for a, t in ALIASES.items() if t in valid}
     close = difflib.get_close_matches(key, valid + list(aliases), n=1, cutoff=0.5)
     pre = f"{prefix}." if prefix else ""
@@ -481,6 +498,11 @@ def _set_dotted(raw: dict, dotted: str, value: Any) -> None:
             key = part
             child_tp = _strip_optional(_hints(tp)[part])
         if i == len(parts) - 1:
+            leaf_tp = child_tp if isinstance(node, list) else _hints(tp)[part]
+            try:
+                _convert(value, leaf_tp, here)  # type errors are blamed on the override, not the recipe
+            except UserError as e:
+                raise UserError(f"command-line override {dotted}={_show(value)}: {e}") from None
             node[key] = value
             return
         child = node[key] if isinstance(node, list) else node.get(key)
@@ -490,6 +512,10 @@ def _set_dotted(raw: dict, dotted: str, value: Any) -> None:
                 raise UserError(f"override {dotted}: '{here}' has no sub-keys")
             node[key] = child
         node, tp = child, child_tp
+
+
+def _show(value: Any) -> str:
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -527,13 +553,23 @@ def read_yaml(path: str | Path) -> dict:
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
     """Read a recipe, apply ``key=value`` overrides, and build a checked :class:`TrainConfig`."""
     raw = read_yaml(path) if path is not None else {}
+    try:
+        build(TrainConfig, copy.deepcopy(raw))  # the recipe on its own: its errors name the file
+    except UserError as e:
+        recipe_error: UserError | None = UserError(f"{path}: {e}" if path is not None else str(e))
+    else:
+        recipe_error = None
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(raw, key, value)
     try:
         return build(TrainConfig, raw)
     except UserError as e:
-        raise UserError(f"{path}: {e}" if path is not None else str(e)) from None
+        if recipe_error is not None and str(e) in str(recipe_error):
+            raise recipe_error from None
+        # the recipe alone is fine (or fails differently): the command-line overrides made it invalid
+        shown = " ".join(overrides)
+        raise UserError(f"{e} (after the command-line overrides: {shown})" if overrides else str(e)) from None
 
 
 def to_dict(cfg) -> dict:

@@ -5,6 +5,7 @@ Launch (any accelerate config from configs/, or plain python for one process):
     accelerate launch train/layerskip.py --config recipes/cpu-demo-stdlib.yaml [key.sub=value ...]
     python train/layerskip.py --config recipes/cpu-demo-stdlib.yaml optim.max_steps=10
     python train/layerskip.py --config recipes/X.yaml --resume        # continue from the newest checkpoint
+    python train/layerskip.py --config recipes/X.yaml --overwrite     # delete the run in output_dir, start again
     python train/layerskip.py --help-config                           # every config key with its doc
 
 The loop below is the whole training procedure; the pieces it calls live in train/:
@@ -15,17 +16,13 @@ metrics), checkpoint (save/resume/export), tracking (metrics.jsonl + wandb).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-if __name__ == "__main__" and not __package__:  # run as a file: put the repo root, not train/, on sys.path
-    sys.path[0] = str(Path(__file__).resolve().parent.parent)
-
 import argparse
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from core.errors import UserError
 from train.config import TrainConfig, describe, dump_config, load_config, to_dict
@@ -164,23 +161,31 @@ def evaluate(accelerator, lm, dataset, cfg: TrainConfig, pad_id: int) -> dict | 
 # --------------------------------------------------------------------------------------------
 
 
-def run_training(cfg: TrainConfig, on_step: Callable[[int], None] | None = None) -> dict:
-    """Train according to ``cfg``; return a summary. ``on_step(step)`` runs after each optimiser step."""
+def run_training(cfg: TrainConfig, on_step: Callable[[int], None] | None = None, overwrite: bool = False) -> dict:
+    """Train according to ``cfg``; return a summary. ``on_step(step)`` runs after each optimiser step.
+
+    ``overwrite`` deletes a previous run's files from ``checkpoint.output_dir`` first; without it a
+    folder holding another run is refused unless this run resumes it.
+    """
     import torch
     from tqdm.auto import tqdm
 
-    from train.checkpoint import export_final, find_resume, read_state, save_checkpoint
+    from train.checkpoint import clear_run, export_final, prepare_run_folder, read_state, save_checkpoint
     from train.data import BatchOrder, build_dataset
     from train.model import LayerSkipLM, add_lora, load_model
-    from train.tracking import Tracker
+    from train.tracking import Tracker, truncate_metrics
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     out_dir = Path(cfg.checkpoint.output_dir)
-    resume_from = find_resume(cfg)  # checked before the model loads: a bad path fails fast
+    resume_from = prepare_run_folder(cfg, overwrite)  # checked before the model loads: a bad folder fails fast
     accelerator = make_accelerator(cfg)
     main = accelerator.is_main_process
+    accelerator.wait_for_everyone()  # every process has checked the folder before it changes
+    if main and overwrite:
+        clear_run(out_dir)
+        log(f"--overwrite: deleted the previous run in {out_dir}")
 
     # Model (+ LoRA) wrapped in the LayerSkip forward; data tokenised once (main process first, then cached).
     with accelerator.main_process_first():
@@ -205,6 +210,7 @@ def run_training(cfg: TrainConfig, on_step: Callable[[int], None] | None = None)
         state = read_state(resume_from)
         step, tokens_seen = state["step"], state["tokens"]
         if main:
+            truncate_metrics(out_dir / "metrics.jsonl", state.get("metrics_lines"), step)  # no repeated steps
             log(f"resumed from {resume_from} at step {step}")
 
     tracker = Tracker(out_dir, main, cfg.logging.wandb, cfg.logging.wandb_project, cfg.logging.run_name,
@@ -255,7 +261,7 @@ def run_training(cfg: TrainConfig, on_step: Callable[[int], None] | None = None)
         if cfg.logging.eval_every and step % cfg.logging.eval_every == 0 and step < cfg.optim.max_steps:
             tracker.log({"step": step, **(evaluate(accelerator, lm, dataset, cfg, pad_id) or {})})
         if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
-            save_checkpoint(accelerator, cfg, step, {"tokens": tokens_seen})
+            save_checkpoint(accelerator, cfg, step, {"tokens": tokens_seen, "metrics_lines": tracker.lines})
         if on_step is not None:
             on_step(step)
     bar.close()
@@ -290,6 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="recipe YAML (recipes/*.yaml)")
     parser.add_argument("--resume", action="store_true", help="same as checkpoint.resume=auto")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="delete a previous run in checkpoint.output_dir and start again from step 0")
     parser.add_argument("--help-config", action="store_true", help="list every config key with its documentation")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="dotted config overrides")
@@ -311,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
             return 0
-        run_training(cfg)
+        run_training(cfg, overwrite=args.overwrite)
         return 0
     except UserError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)

@@ -30,6 +30,29 @@ def _flatten(record: dict, prefix: str = "") -> dict[str, float]:
     return flat
 
 
+def truncate_metrics(path: Path, lines: int | None, step: int) -> None:
+    """Cut ``metrics.jsonl`` back to a checkpoint: its first ``lines`` lines, as recorded when the
+    checkpoint was saved (checkpoints without that count: the records of steps <= ``step``)."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    kept = []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(keepends=True)):
+        if lines is not None:
+            if i >= lines:
+                break
+        else:
+            try:
+                if int(json.loads(line).get("step", 0)) > step:
+                    continue
+            except (ValueError, AttributeError, TypeError):
+                continue  # a line cut short by the kill
+        kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
 class Tracker:
     """Writes every record to ``metrics.jsonl`` and, if enabled, to wandb. Main process only."""
 
@@ -38,9 +61,12 @@ class Tracker:
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
         self.run = None
+        self.lines = 0  # lines in metrics.jsonl so far, saved with each checkpoint (see truncate_metrics)
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.is_file():
+            self.lines = len(self.path.read_text(encoding="utf-8").splitlines())
         if wandb_mode != "disabled":
             self.run = _start_wandb(Path(output_dir), wandb_mode, project, run_name, config)
 
@@ -50,6 +76,7 @@ class Tracker:
         record = {"time": round(time.time(), 3), **record}
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
+        self.lines += 1
         if self.run is not None:
             prefix = "val/" if record.get("split") == "val" else ""
             self.run.log(_flatten({k: v for k, v in record.items() if k not in ("time", "split")}, prefix),

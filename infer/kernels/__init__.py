@@ -1,20 +1,31 @@
 """Optional C++ kernel for small-batch fp32 matmuls on x86 CPUs (AVX2 + FMA).
 
-Built on first use with ``torch.utils.cpp_extension`` (about a minute, cached afterwards in
-torch's extension folder). Where it cannot be built or the CPU lacks AVX2/FMA, ``load()``
-returns None and the runner uses ``torch.matmul``; set ``LAYERSKIP_KERNEL=torch`` to force that.
+Built on first use with ``torch.utils.cpp_extension`` (about a minute), into a folder keyed by a
+hash of the kernel source and compiler flags, the torch version and the Python version:
+``$TORCH_EXTENSIONS_DIR/layerskip_small_matmul-<key>`` when that variable is set, otherwise
+``$LAYERSKIP_CACHE/kernels/layerskip_small_matmul-<key>`` (``~/.cache/layerskip/kernels/...``).
+Every checkout and virtualenv with the same source and torch therefore shares one build; once
+the library exists it is imported directly (no compiler or ninja run). Where the kernel cannot be
+built or the CPU lacks AVX2/FMA, ``load()`` returns None and the runner uses ``torch.matmul``;
+set ``LAYERSKIP_KERNEL=torch`` to force that.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import os
 import platform
+import shutil
 import sys
 import warnings
 from pathlib import Path
 
+from core.packages import cache_root
+
 _SOURCE = Path(__file__).with_name("small_matmul.cpp")
 NAME = "layerskip_small_matmul"
+CFLAGS = ("-O3", "-mavx2", "-mfma")
 _loaded: dict[str, object] = {}
 
 
@@ -28,12 +39,40 @@ def cpu_supported() -> bool:
     return " avx2" in flags and " fma" in flags
 
 
-def _already_built(cpp_extension) -> bool:
-    try:
-        folder = Path(cpp_extension._get_build_directory(NAME, verbose=False))
-    except Exception:
-        return False
-    return any(folder.glob(f"{NAME}*.so"))
+def build_key(source: bytes, torch_version: str) -> str:
+    """What a build depends on: the source, the flags, torch and Python (their ABIs)."""
+    digest = hashlib.sha256(source + "\0".join(CFLAGS).encode()).hexdigest()[:16]
+    py = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return f"{digest}-torch{torch_version.replace('+', '_')}-{py}"
+
+
+def build_dir(torch_version: str) -> Path:
+    """The folder this kernel source is built in for ``torch_version`` (see the module docstring)."""
+    env = os.environ.get("TORCH_EXTENSIONS_DIR")
+    root = Path(env).expanduser() if env else cache_root() / "kernels"
+    return root / f"{NAME}-{build_key(_SOURCE.read_bytes(), torch_version)}"
+
+
+def _import_library(path: Path):
+    spec = importlib.util.spec_from_file_location(NAME, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(folder: Path):
+    """Compile into ``folder``; the source is copied there first so every checkout builds the same file."""
+    from torch.utils import cpp_extension  # slow import, needed only to compile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    source = folder / _SOURCE.name
+    if not source.is_file() or source.read_bytes() != _SOURCE.read_bytes():
+        tmp = folder / f".{_SOURCE.name}.{os.getpid()}"
+        shutil.copyfile(_SOURCE, tmp)
+        os.replace(tmp, source)
+    print("layerskip: building the small-matmul CPU kernel (once, about a minute) ...", file=sys.stderr, flush=True)
+    return cpp_extension.load(name=NAME, sources=[str(source)], extra_cflags=list(CFLAGS),
+                              build_directory=str(folder), verbose=False)
 
 
 def load():
@@ -43,14 +82,18 @@ def load():
     module = None
     if os.environ.get("LAYERSKIP_KERNEL", "auto") != "torch" and cpu_supported():
         try:
-            from torch.utils import cpp_extension
+            import torch  # the library links against torch: it must be loaded first
 
-            if not _already_built(cpp_extension):
-                print("layerskip: building the small-matmul CPU kernel (once, about a minute) ...", file=sys.stderr,
-                      flush=True)
-            module = cpp_extension.load(name=NAME, sources=[str(_SOURCE)],
-                           extra_cflags=["-O3", "-mavx2", "-mfma"], verbose=False)
-        except Exception as e:  # no compiler, no ninja, ...: fall back to torch, say why once
+            folder = build_dir(torch.__version__)
+            library = folder / f"{NAME}.so"
+            module = None
+            if library.is_file():
+                try:
+                    module = _import_library(library)
+                except ImportError:  # a build cut short: build it again
+                    library.unlink(missing_ok=True)
+            module = module or _build(folder)
+        except Exception as e:  # no compiler, no ninja, unwritable cache, ...: fall back to torch, say why once
             warnings.warn(f"small-matmul kernel unavailable ({type(e).__name__}: {e}); using torch.matmul",
                           stacklevel=2)
     _loaded["module"] = module
