@@ -1,8 +1,13 @@
 """Benchmark drafters and `transformers` peers side by side on real prompt sets.
 
 Every (model, task, method) is run on the same prompts, interleaved per prompt and repeat so
-that machine drift hits all methods alike. Greedy outputs are checked token for token against
-our autoregressive baseline; mismatches are counted and reported, never hidden.
+that machine drift hits all methods alike, on one device and dtype (peers included). Greedy
+outputs are checked token for token against our autoregressive baseline: identical in fp32; in
+bf16/fp16 a near-tie can flip, so every mismatch is classified at its first divergent position by
+the full model's logit margin between the two tokens. A margin within the dtype's resolution is a
+*tie flip* (its own column); anything else is a bug and makes ``layerskip bench`` exit non-zero.
+Lossy early exit (``autoregressive:E=8``) is not expected to match: its quality is reported next
+to its speed (token agreement with the full model; GSM8K answer accuracy).
 
 Cost model (LayerSkip, Elhoushi et al. 2024, §4; speculative decoding, Leviathan et al. 2023):
 one draft-verify cycle produces M tokens and costs k̄·c + v full-forward equivalents, where k̄ is
@@ -23,9 +28,13 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from core.cli import split_named
+from core.device import dtype_name
 from core.errors import UserError
+from core.prompts import final_number, load_prompts, task_name, use_chat_template
 
-PEERS = ("hf_generate", "hf_early_exit", "prompt_lookup")
+PEERS = ("hf_generate", "hf_static", "hf_early_exit", "prompt_lookup")
+PEER_OPTIONS = {"hf_early_exit": ("E", "k"), "prompt_lookup": ("k",)}
 BASELINE = "autoregressive"
 
 
@@ -55,6 +64,9 @@ def parse_methods(drafters: str, peers: str | None) -> list[Method]:
     from infer.drafters import parse_spec
 
     methods: list[Method] = []
+    if any(not s.strip() for s in drafters.split(",")) and drafters.strip():
+        raise UserError(f"--drafters {drafters!r} has an empty entry; give comma-separated drafter specs such as "
+                        "autoregressive,early_exit:E=8:k=6")
     for spec in [s for s in drafters.split(",") if s.strip()]:
         name, opts = parse_spec(spec, validate="{model}" not in spec)  # per-model values are checked at load
         methods.append(Method(spec.strip(), name, tuple(opts.items())))
@@ -63,18 +75,45 @@ def parse_methods(drafters: str, peers: str | None) -> list[Method]:
     exits = sorted({int(m.opts.get("E", m.opts.get("exit_layer", 0))) for m in methods if m.name == "early_exit"})
     peer_specs = "hf_generate,prompt_lookup" + "".join(f",hf_early_exit:E={e}" for e in exits) if peers is None \
         else peers
+    if any(not s.strip() for s in peer_specs.split(",")) and peer_specs.strip():
+        raise UserError(f"--peers {peer_specs!r} has an empty entry; give comma-separated peers (or 'none')")
     for spec in [s for s in peer_specs.split(",") if s.strip()]:
-        name, _, rest = spec.strip().partition(":")
-        if name not in PEERS:
-            raise UserError(f"unknown peer {name!r}; choose from {', '.join(PEERS)} (or --peers none)")
-        opts = tuple(tuple(p.split("=", 1)) for p in rest.split(":") if p) if rest else ()
-        if name == "hf_early_exit" and "E" not in dict(opts):
-            raise UserError("hf_early_exit needs an exit layer: hf_early_exit:E=8")
-        methods.append(Method(spec.strip(), name, opts))
+        methods.append(parse_peer(spec))
     labels = [m.label for m in methods]
     if len(set(labels)) != len(labels):
         raise UserError(f"a method is listed twice: {labels}")
     return methods
+
+
+def parse_peer(spec: str) -> Method:
+    """``'hf_early_exit:E=8:k=5'`` -> a peer Method; names, keys and integer values checked here."""
+    name, _, rest = spec.strip().partition(":")
+    if name not in PEERS:
+        raise UserError(f"unknown peer {name!r}; choose from {', '.join(PEERS)} (or --peers none)")
+    opts = {}
+    for part in [p for p in rest.split(":") if p] if rest else []:
+        key, sep, value = part.partition("=")
+        if not sep or key not in PEER_OPTIONS.get(name, ()):
+            allowed = ", ".join(PEER_OPTIONS.get(name, ())) or "none"
+            raise UserError(f"peer spec {spec!r}: bad option {part!r} (options of {name}: {allowed})")
+        try:
+            if int(value) < 1:
+                raise ValueError(value)
+        except ValueError:
+            raise UserError(f"peer spec {spec!r}: {key}={value!r}: expected an integer >= 1") from None
+        opts[key] = value
+    if name == "hf_early_exit" and "E" not in opts:
+        raise UserError("hf_early_exit needs an exit layer: hf_early_exit:E=8")
+    return Method(spec.strip(), name, tuple(opts.items()))
+
+
+def check_layers(methods: list[Method], num_layers: int, model: str) -> None:
+    """Refuse an exit layer beyond the model (peers too), before anything is timed."""
+    for m in methods:
+        E = m.opts.get("E", m.opts.get("exit_layer"))
+        if m.is_peer and E is not None and not 1 <= int(E) <= num_layers:
+            raise UserError(f"{m.label}: exit layer {E} is out of range: {model} has {num_layers} layers, so use "
+                            f"1 <= E <= {num_layers}")
 
 
 def sweep_methods(exits: list[int], ks: list[int]) -> list[Method]:
@@ -100,8 +139,10 @@ class BenchConfig:
     """Timed repeats; tokens/s is the median over repeats."""
     threads: int = 1
     """torch threads (1 gives the most repeatable CPU numbers)."""
-    dtype: str = "fp32"
-    """Weights/compute dtype."""
+    dtype: str = "auto"
+    """Weights/compute dtype: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16."""
+    device: str = "auto"
+    """auto (CUDA when available), cpu, cuda or cuda:N; our drafters and the peers run there."""
     temperature: float = 0.0
     """0 = greedy (exactness is checked); > 0 samples."""
     top_k: int = 0
@@ -148,6 +189,16 @@ class Record:
     draft_forwards: int = 0
     exact: bool | None = None
     drafter_stats: dict = field(default_factory=dict)
+    lossy: bool = False
+    """Lossy early exit (autoregressive with E < L): compared by agreement, not exactness."""
+    divergence: dict | None = None
+    """First greedy divergence from autoregressive: position, tokens, margin, resolution, tie_flip."""
+    agree_prefix: int | None = None
+    """Tokens equal to the full model's before the first divergence (lossy methods)."""
+    agree_total: int | None = None
+    """Positions equal to the full model's output overall (lossy methods)."""
+    answer_correct: bool | None = None
+    """Final number equals the reference answer's (sets with '#### N' answers, e.g. GSM8K)."""
 
 
 @dataclass
@@ -171,7 +222,19 @@ class Summary:
     expected_speedup: float | None
     opt_time_share: float | None
     exact_mismatches: int | None
-    """Prompts whose greedy output differs from autoregressive (None when sampling)."""
+    """Prompts whose greedy output differs from autoregressive (None when sampling or lossy)."""
+    tie_flips: int | None = None
+    """Mismatches at a near-tie: the target's margin within the dtype's resolution (bf16/fp16)."""
+    mismatches: int | None = None
+    """Mismatches that are not tie flips: bugs (the bench exits non-zero)."""
+    lossy: bool = False
+    """Lossy early exit: quality below, not exactness."""
+    agreement: float | None = None
+    """Fraction of positions equal to the full model's greedy output (lossy methods)."""
+    prefix_agreement: float | None = None
+    """Fraction of positions equal up to the first divergence (lossy methods)."""
+    answer_accuracy: float | None = None
+    """Fraction of prompts whose final number is the reference answer (GSM8K)."""
 
 
 def expected_speedup(tokens_per_verify: float, mean_draft_forwards: float, draft_cost: float,
@@ -186,29 +249,35 @@ def expected_speedup_iid(alpha: float, k: int, draft_cost: float) -> float:
     return tokens / (k * draft_cost + 1)
 
 
+def tokens_per_verify(stats) -> float | None:
+    """M over many generations (anything with ``new_tokens`` and ``verify_calls``): the prefill token excluded."""
+    stats = list(stats)
+    calls = sum(s.verify_calls for s in stats)
+    return sum(s.new_tokens - 1 for s in stats) / calls if calls else None
+
+
+def token_agreement(reference: list[int], out: list[int]) -> tuple[int, int]:
+    """(positions equal before the first divergence, positions equal overall) of ``out`` against ``reference``."""
+    from infer.exactness import first_divergence
+
+    first = first_divergence(reference, out)
+    return (len(reference) if first is None else first), sum(a == b for a, b in zip(reference, out, strict=False))
+
+
 # --------------------------------------------------------------------------- running
-def _use_chat(cfg: BenchConfig, task: str) -> bool:
-    return cfg.chat == "always" or (cfg.chat == "auto" and task == "gsm8k")
-
-
-def _task_name(source: str) -> str:
-    return Path(source).stem if ("/" in source or "." in source) else source
-
-
 class _Peer:
     """`transformers` generate, plain / with its early-exit assistant / with prompt lookup."""
 
-    def __init__(self, path: Path, dtype: str):
+    def __init__(self, path: Path, dtype, device):
         import torch
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
-        from core.device import parse_dtype
-
         hf_logging.set_verbosity_error()  # generate() warns about its own assistant's kwargs
         hf_logging.disable_progress_bar()
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype)).eval()
+        self.device = device
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
     def generate(self, method: Method, ids: list[int], cfg: BenchConfig,
                  eos: tuple[int, ...]) -> tuple[list[int], float]:
@@ -220,6 +289,8 @@ class _Peer:
             kwargs["num_assistant_tokens"] = int(method.opts.get("k", 5))
         elif method.name == "prompt_lookup":
             kwargs["prompt_lookup_num_tokens"] = int(method.opts.get("k", 10))
+        elif method.name == "hf_static":  # a fixed-size cache; on CUDA generate() compiles the forward
+            kwargs["cache_implementation"] = "static"
         sampling = cfg.temperature > 0
         gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, do_sample=sampling,
                                temperature=cfg.temperature if sampling else None,
@@ -229,34 +300,46 @@ class _Peer:
         # generate() falls back to the model's own generation_config.eos_token_id when ours is None;
         # with stop_at_eos off every method must run to max_new_tokens, so clear it for this call.
         self.model.generation_config.eos_token_id = list(eos) if cfg.stop_at_eos and eos else None
-        x = self.torch.tensor([ids])
+        x = self.torch.tensor([ids], device=self.device)
         # An explicit mask: without one, generate() infers it from pad_token_id, and SmolLM2's pad is
         # its <|im_end|>, which every chat prompt contains, so those prompt tokens would be masked out.
         mask = self.torch.ones_like(x)
         t0 = time.perf_counter()
         with self.torch.no_grad():
             out = self.model.generate(x, attention_mask=mask, generation_config=gen)
-        return out[0, len(ids):].tolist(), time.perf_counter() - t0
+            tokens = out[0, len(ids):].tolist()  # reads the result: the GPU has finished when the clock stops
+        return tokens, time.perf_counter() - t0
 
 
 def run_bench(cfg: BenchConfig, progress: bool = True) -> list[Record]:
     """Run every method on every prompt, ``cfg.repeats`` times, interleaved; return raw records."""
-    from core.prompts import load_prompts
     from infer.loading import load_model, set_threads
 
     set_threads(cfg.threads)
-    tasks = {_task_name(src): load_prompts(src, cfg.n, from_end=True) for src in cfg.data}
+    tasks = {task_name(src): load_prompts(src, cfg.n, from_end=True) for src in cfg.data}
     records: list[Record] = []
     for model_arg in cfg.models:
-        label, _, source = model_arg.rpartition("=") if "=" in model_arg else ("", "", model_arg)
-        model = load_model(source, cfg.dtype)
-        peer = _Peer(model.path, cfg.dtype) if any(m.is_peer for m in cfg.methods) else None
+        label, source = split_named(model_arg)
+        model = load_model(source, cfg.dtype, cfg.device)
+        check_layers(cfg.methods, model.runner.num_layers, source)
+        peer = _Peer(model.path, model.runner.dtype, model.runner.device) \
+            if any(m.is_peer for m in cfg.methods) else None
         label = label or _model_label(source, model.path)
         for task, items in tasks.items():
-            prompts = [(it.id, model.encode(it.prompt, _use_chat(cfg, task))) for it in items]
+            prompts = [Prompt(it.id, model.encode(it.prompt, use_chat_template(task, cfg.chat)), it.reference)
+                       for it in items]
             records += _run_task(cfg, model, peer, label, task, prompts, progress)
         del model, peer
     return records
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One encoded prompt of a task."""
+
+    id: str
+    ids: list[int]
+    reference: str = ""
 
 
 def _model_label(arg: str, path: Path) -> str:
@@ -265,15 +348,13 @@ def _model_label(arg: str, path: Path) -> str:
 
 def _engine_for(method: Method, model, label: str):
     """A fresh engine; '{model}' in an option value becomes the model's label (per-model plan files)."""
-    from infer.drafters import build_drafter
-    from infer.engine import Engine
+    from infer.commands.generate import build_engine
 
     options = {k: v.replace("{model}", label) for k, v in method.opts.items()}
-    drafter = build_drafter(method.name, model.runner, options)
-    return Engine(model.runner, drafter, model.eos_token_ids, model.decode)
+    return build_engine(model, method.name, options)
 
 
-def _run_task(cfg: BenchConfig, model, peer, label: str, task: str, prompts: list[tuple[str, list[int]]],
+def _run_task(cfg: BenchConfig, model, peer, label: str, task: str, prompts: list[Prompt],
               progress: bool) -> list[Record]:
     from tqdm.auto import tqdm
 
@@ -283,31 +364,51 @@ def _run_task(cfg: BenchConfig, model, peer, label: str, task: str, prompts: lis
     sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed)
     gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, sampling=sampling, stop_at_eos=cfg.stop_at_eos)
     if cfg.warmup:
-        _warmup(cfg, model, peer, prompts[0][1], label)
+        _warmup(cfg, model, peer, prompts[0].ids, label)
     reference: dict[str, list[int]] = {}
     records = []
     bar = tqdm(total=cfg.repeats * len(prompts) * len(cfg.methods), desc=f"{label}/{task}", disable=not progress,
                leave=False)
     for repeat in range(cfg.repeats):
         engines = {m.label: _engine_for(m, model, label) for m in cfg.methods if not m.is_peer}  # fresh streams
-        for pid, ids in prompts:
+        for prompt in prompts:
             for method in cfg.methods:
                 bar.set_postfix_str(method.label)
                 if method.is_peer:
-                    tokens, wall = peer.generate(method, ids, cfg, model.eos_token_ids)
-                    rec = Record(label, task, method.label, pid, repeat, len(tokens), wall)
+                    tokens, wall = peer.generate(method, prompt.ids, cfg, model.eos_token_ids)
+                    rec = Record(label, task, method.label, prompt.id, repeat, len(tokens), wall)
                 else:
-                    result = engines[method.label].generate(ids, gen)
+                    result = engines[method.label].generate(prompt.ids, gen)
                     tokens = result.tokens
-                    rec = _record(label, task, method, pid, repeat, result)
+                    rec = _record(label, task, method, prompt.id, repeat, result)
                 if method.name == BASELINE and not method.options and repeat == 0:
-                    reference[pid] = tokens
-                if sampling.greedy and pid in reference:
-                    rec.exact = tokens == reference[pid]
+                    reference[prompt.id] = tokens
+                if repeat == 0:
+                    _judge(rec, tokens, reference.get(prompt.id), prompt, model, sampling.greedy)
                 records.append(rec)
                 bar.update()
     bar.close()
     return records
+
+
+def _judge(rec: Record, tokens: list[int], reference: list[int] | None, prompt: Prompt, model,
+           greedy: bool) -> None:
+    """Exactness (classified at the first divergence), lossy agreement and answer accuracy of one output."""
+    answer = final_number(prompt.reference) if "####" in prompt.reference else None
+    if answer is not None:
+        eos = next((i for i, t in enumerate(tokens) if t in model.eos_token_ids), len(tokens))
+        rec.answer_correct = final_number(model.decode(tokens[:eos])) == answer
+    if not greedy or reference is None:
+        return
+    if rec.lossy:
+        rec.agree_prefix, rec.agree_total = token_agreement(reference, tokens)
+        return
+    rec.exact = tokens == reference
+    if not rec.exact:
+        from infer.exactness import classify_divergence
+
+        found = classify_divergence(model.runner, prompt.ids, reference, tokens)
+        rec.divergence = asdict(found) if found is not None else None
 
 
 def _record(model: str, task: str, method: Method, pid: str, repeat: int, result) -> Record:
@@ -315,7 +416,7 @@ def _record(model: str, task: str, method: Method, pid: str, repeat: int, result
     extra = dict(s.drafter)
     return Record(model, task, method.label, pid, repeat, s.new_tokens, s.wall_time, s.verify_calls, s.drafted,
                   s.accepted, s.draft_time, s.verify_time, s.update_time, float(extra.get("opt_time", 0.0)),
-                  int(extra.get("draft_forwards", 0)), None, extra)
+                  int(extra.get("draft_forwards", 0)), None, extra, lossy=bool(extra.get("lossy", False)))
 
 
 def _warmup(cfg: BenchConfig, model, peer, ids: list[int], label: str) -> None:
@@ -362,19 +463,28 @@ def _summarize_group(model: str, task: str, method: str, recs: list[Record]) -> 
     tps = [sum(r.new_tokens for r in rs) / sum(r.wall_time for r in rs) for _, rs in sorted(by_repeat.items())]
     ours = any(r.verify_calls for r in recs)
     drafted = sum(r.drafted for r in recs)
-    calls = sum(r.verify_calls for r in recs)
-    exact = [r.exact for r in recs if r.repeat == 0 and r.exact is not None]
     first = [r for r in recs if r.repeat == 0]
+    wrong = [r for r in first if r.exact is False]
+    flips = sum(1 for r in wrong if (r.divergence or {}).get("tie_flip"))
+    judged = any(r.exact is not None for r in first)
+    compared = [r for r in first if r.agree_total is not None]
+    n_cmp = sum(r.new_tokens for r in compared)
+    answered = [r.answer_correct for r in first if r.answer_correct is not None]
     wall = sum(r.wall_time for r in recs)
     return Summary(
         model=model, task=task, method=method, prompts=len(first), new_tokens=sum(r.new_tokens for r in first),
         tokens_per_second=statistics.median(tps), tps_per_repeat=tps, speedup_vs_autoregressive=None,
         speedup_vs_hf_generate=None,
         acceptance_rate=sum(r.accepted for r in recs) / drafted if drafted else None,
-        tokens_per_verify=(sum(r.new_tokens - 1 for r in recs) / calls) if ours and calls else None,
+        tokens_per_verify=tokens_per_verify(recs) if ours else None,
         mean_draft_forwards=None, draft_cost_ratio=None, verify_cost_ratio=None, expected_speedup=None,
         opt_time_share=(sum(r.opt_time for r in recs) / wall) if ours and wall else None,
-        exact_mismatches=sum(1 for e in exact if not e) if exact else None,
+        exact_mismatches=len(wrong) if judged else None,
+        tie_flips=flips if judged else None, mismatches=len(wrong) - flips if judged else None,
+        lossy=any(r.lossy for r in first),
+        agreement=sum(r.agree_total for r in compared) / n_cmp if n_cmp else None,
+        prefix_agreement=sum(r.agree_prefix for r in compared) / n_cmp if n_cmp else None,
+        answer_accuracy=sum(answered) / len(answered) if answered else None,
     )
 
 
@@ -409,15 +519,20 @@ def machine_info(cfg: BenchConfig) -> dict:
     import torch
     import transformers
 
+    from core.device import parse_dtype, resolve_device
+
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
+    device = resolve_device(cfg.device)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return {"cpu": cpu, "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "threads": cfg.threads, "git": _git_commit(),
-            "date": time.strftime("%Y-%m-%d %H:%M")}
+            "date": time.strftime("%Y-%m-%d %H:%M"), "device": str(device), "gpu": gpu,
+            "dtype": dtype_name(parse_dtype(cfg.dtype, device))}
 
 
 def _git_commit() -> str | None:
@@ -439,22 +554,46 @@ def _fmt(x, spec: str = ".2f", suffix: str = "") -> str:
     return "–" if x is None else format(x, spec) + suffix
 
 
+def _exact_cell(r: Summary) -> str:
+    """yes / n tie flip(s) / **n mismatched** (bugs), 'lossy' for early-exit decoding, n/a when sampling."""
+    if r.lossy:
+        return "lossy"
+    if r.exact_mismatches is None:
+        return "n/a"
+    bugs = r.exact_mismatches if r.mismatches is None else r.mismatches
+    cells = [f"{r.tie_flips} tie flip{'s' if r.tie_flips != 1 else ''}"] if r.tie_flips else []
+    cells += [f"**{bugs} mismatched**"] if bugs else []
+    return ", ".join(cells) or "yes"
+
+
 def markdown_table(rows: list[Summary]) -> str:
-    """Per task: one row per (model, method)."""
+    """Per task: one row per (model, method); quality columns appear when some row has them."""
     out = []
     for task in dict.fromkeys(r.task for r in rows):
+        task_rows = [r for r in rows if r.task == task]
+        agree = any(r.agreement is not None for r in task_rows)
+        acc = any(r.answer_accuracy is not None for r in task_rows)
+        head = ["model", "method", "tok/s", "vs AR", "vs HF generate", "α", "M", "k̄", "c", "expected", "opt share",
+                "exact"] + (["agree (prefix)"] if agree else []) + (["answer acc"] if acc else [])
         out.append(f"\n#### {task}\n")
-        out.append("| model | method | tok/s | vs AR | vs HF generate | α | M | k̄ | c | expected | opt share | exact |")
-        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for r in [r for r in rows if r.task == task]:
-            exact = "n/a" if r.exact_mismatches is None else (
-                "yes" if r.exact_mismatches == 0 else f"**{r.exact_mismatches} mismatched**")
+        out.append("| " + " | ".join(head) + " |")
+        out.append("|" + "---|" * len(head))
+        for r in task_rows:
             cells = [r.model, r.method, f"{r.tokens_per_second:.1f}", _fmt(r.speedup_vs_autoregressive, suffix="x"),
                      _fmt(r.speedup_vs_hf_generate, suffix="x"), _fmt(r.acceptance_rate), _fmt(r.tokens_per_verify),
                      _fmt(r.mean_draft_forwards), _fmt(r.draft_cost_ratio), _fmt(r.expected_speedup, suffix="x"),
-                     _fmt(r.opt_time_share, ".1%"), exact]
+                     _fmt(r.opt_time_share, ".1%"), _exact_cell(r)]
+            if agree:
+                cells.append("–" if r.agreement is None else f"{r.agreement:.2f} ({r.prefix_agreement:.2f})")
+            if acc:
+                cells.append(_fmt(r.answer_accuracy))
             out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
+
+
+def bugs(rows: list[Summary]) -> list[Summary]:
+    """Rows with greedy mismatches that are not tie flips (lossy early exit excluded)."""
+    return [r for r in rows if not r.lossy and (r.exact_mismatches if r.mismatches is None else r.mismatches)]
 
 
 def write_outputs(cfg: BenchConfig, records: list[Record], out_dir: Path, command: str) -> list[Summary]:
@@ -478,12 +617,17 @@ def write_outputs(cfg: BenchConfig, records: list[Record], out_dir: Path, comman
             writer.writerow(asdict(r))
     figures = plots.write_all(rows, records, out_dir)
     lines = ["# Benchmark results\n", f"`{command}`\n",
-             f"Machine: {meta['cpu']}; torch {meta['torch']}, transformers {meta['transformers']}, "
-             f"{cfg.threads} thread(s), {cfg.dtype}; {meta['date']}. {cfg.n} prompts per task (held-out end of "
+             f"Machine: {meta['gpu'] or meta['cpu']} ({meta['device']}); torch {meta['torch']}, transformers "
+             f"{meta['transformers']}, {cfg.threads} thread(s), {meta['dtype']}; {meta['date']}. "
+             f"{cfg.n} prompts per task (held-out end of "
              f"each set), {cfg.max_new_tokens} new tokens, median tokens/s of {cfg.repeats} repeats; "
              f"{'greedy' if cfg.temperature == 0 else f'sampling T={cfg.temperature}'}.\n",
              "α = accepted/drafted, M = tokens per verification, k̄ = draft forwards per verification, "
-             "c = draft forward cost / full forward cost, expected = M / (k̄·c + v).\n",
+             "c = draft forward cost / full forward cost, expected = M / (k̄·c + v). exact: greedy output equals "
+             "autoregressive (identical in fp32; in bf16/fp16 a near-tie can flip: a *tie flip* is a first "
+             "divergence where the full model's margin between the two tokens is within the dtype's resolution; "
+             "anything else is counted as mismatched, a bug). agree: lossy early exit's tokens equal to the full "
+             "model's, overall (before the first divergence); answer acc: final number equals the reference's.\n",
              markdown_table(rows), "\n**Recommended (fastest of ours) per model and task:** " +
              "; ".join(f"{m}/{t}: `{v}`" for (m, t), v in best.items()) + "\n"]
     lines += [f"\n![{p.stem}]({p.name})\n" for p in figures]

@@ -1,14 +1,14 @@
-"""``layerskip``: fetch the default model, generate with any drafter, search plans, benchmark."""
+"""``layerskip``: fetch the default model, generate with any drafter, search plans, benchmark, train, evaluate exits."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from core.errors import UserError
-from infer.commands import bench, fetch_model, generate, search
+from core.cli import run_main
+from infer.commands import bench, eval_exits, fetch_model, generate, search, train
 
-COMMANDS = (fetch_model, generate, search, bench)
+COMMANDS = (fetch_model, generate, search, bench, eval_exits, train)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,16 +20,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:  # every later argument (--help included) belongs to train/layerskip.py
+        return run_main("layerskip", lambda: train.main(argv[1:]))
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except UserError as e:
-        print(f"layerskip: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("layerskip: interrupted", file=sys.stderr)
-        return 130
+    return run_main("layerskip", lambda: args.func(args))
 
 
 if __name__ == "__main__":

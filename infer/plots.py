@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -34,25 +35,63 @@ def _bar_methods(rows) -> list[str]:
     return keep + ours[:MAX_BARS - len(keep)]
 
 
+def method_colours(methods: list[str]) -> dict[str, tuple]:
+    """One distinct colour per method, the same in every facet (tab10, or tab20 beyond ten methods)."""
+    plt = _plt()
+    cmap = plt.get_cmap("tab10" if len(methods) <= 10 else "tab20")
+    return {m: cmap(i % cmap.N) for i, m in enumerate(methods)}
+
+
 def speedup_bars(rows, path: Path) -> Path | None:
+    """Speed-up vs our autoregressive: one facet per model (e.g. base | trained), tasks on the x axis,
+    one colour per method across facets, the legend outside the axes."""
     rows = [r for r in rows if r.speedup_vs_autoregressive is not None]
     if not rows:
         return None
     plt = _plt()
+    models = list(dict.fromkeys(r.model for r in rows))
     tasks = list(dict.fromkeys(r.task for r in rows))
-    series = [(model, method) for model in dict.fromkeys(r.model for r in rows) for method in _bar_methods(rows)]
-    series = [s for s in series if any((r.model, r.method) == s for r in rows)]
-    width = 0.8 / max(len(series), 1)
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(tasks) * max(1, len(series) / 4)), 4))
-    for i, (model, method) in enumerate(series):
-        vals = [next((r.speedup_vs_autoregressive for r in rows if (r.model, r.method, r.task) == (model, method, t)),
-                     0.0) for t in tasks]
-        ax.bar([j + i * width for j in range(len(tasks))], vals, width, label=f"{model} · {method}")
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))], tasks)
-    ax.set_ylabel("speed-up vs our autoregressive")
-    ax.set_title("Measured speed-up per task")
-    ax.legend(fontsize=7, ncol=2)
+    methods = _bar_methods(rows)
+    colours = method_colours(methods)
+    width = 0.8 / max(len(methods), 1)
+    panel = max(3.0, 0.35 * len(tasks) * len(methods) + 1.0)
+    fig, axes = plt.subplots(1, len(models), figsize=(panel * len(models) + 2.8, 4.2), sharey=True, squeeze=False)
+    speedup = {(r.model, r.method, r.task): r.speedup_vs_autoregressive for r in rows}
+    for ax, model in zip(axes[0], models, strict=True):
+        for i, method in enumerate(methods):
+            vals = [speedup.get((model, method, t)) for t in tasks]
+            xs = [j + i * width for j, v in enumerate(vals) if v is not None]
+            ax.bar(xs, [v for v in vals if v is not None], width, color=colours[method], label=method)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))], tasks)
+        ax.set_title(model)
+    axes[0][0].set_ylabel("speed-up vs our autoregressive")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours[m]) for m in methods]
+    fig.legend(handles, methods, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
+    fig.suptitle("Measured speed-up per task")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def exit_quality(evals: dict[str, dict], path: Path) -> Path:
+    """Per-exit perplexity and top-1 agreement with the final layer, one line per evaluated model."""
+    plt = _plt()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for name, d in evals.items():
+        exits = sorted(d["agreement"], key=int)
+        xs = [int(e) for e in exits]
+        right.plot(xs, [d["agreement"][e] for e in exits], marker="o", label=name)
+        left.plot(xs, [math.exp(min(d["loss"][e], 50.0)) for e in exits], marker="o", label=name)
+    left.set_yscale("log")
+    left.set_xlabel("exit layer")
+    left.set_ylabel("perplexity (log scale)")
+    right.set_xlabel("exit layer")
+    right.set_ylabel("top-1 agreement with the final layer")
+    right.set_ylim(0, 1)
+    right.legend(loc="lower right", fontsize=8)
+    fig.suptitle("Early-exit quality on held-out text")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

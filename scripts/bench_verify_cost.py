@@ -1,9 +1,11 @@
 """Cost of one forward over T tokens relative to one token (v(T)), with and without the C++ kernel.
 
     python scripts/bench_verify_cost.py --model default --threads 1 --repeats 7 --out runs/verify_cost.json
+    python scripts/bench_verify_cost.py --model default --device cuda --dtype bf16
 
 Speculative decoding pays only if verifying T tokens costs little more than decoding one; this
-measures v(T) for the runner's two matmul paths on the same model, interleaved, median of repeats.
+measures v(T) for the runner's matmul paths on the same model (the C++ small-matmul kernel exists
+for fp32 on CPU only), interleaved, median of repeats.
 """
 
 from __future__ import annotations
@@ -11,60 +13,95 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+from core.cli import run_main
+from core.device import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP, dtype_name, parse_dtype, resolve_device
+from core.errors import UserError
 from core.models import resolve_model
 from infer.loading import set_threads
 from infer.runner import Runner
 
 
-def measure(model: str, sizes: list[int], repeats: int, context: int) -> dict:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(model: str, sizes: list[int], repeats: int, context: int, device: str = "cpu",
+            dtype: str = "fp32") -> dict:
     path = resolve_model(model)
-    runners = {name: Runner.from_pretrained(path, kernel=k) for name, k in (("kernel", "auto"), ("torch", "torch"))}
+    dev = resolve_device(device)
+    dt = parse_dtype(dtype, dev)
+    runners = {name: Runner.from_pretrained(path, dtype=dt, device=dev, kernel=k)
+               for name, k in (("kernel", "auto"), ("torch", "torch"))}
     if runners["kernel"].kernel is None:
         runners.pop("kernel")
     caches = {k: r.new_cache(context + max(sizes) + 8) for k, r in runners.items()}
     for k, r in runners.items():
-        r.forward(caches[k], torch.arange(100, 100 + context))
+        r.forward(caches[k], torch.arange(100, 100 + context, device=dev))
     times: dict[str, dict[int, list[float]]] = {k: {T: [] for T in sizes} for k in runners}
     for _ in range(repeats):
         for T in sizes:
-            ids = torch.arange(1000, 1000 + T)
+            ids = torch.arange(1000, 1000 + T, device=dev)  # (T,)
             for k, r in runners.items():
                 caches[k].rollback(context)
+                _sync(dev)
                 t0 = time.perf_counter()
                 r.forward(caches[k], ids)
+                _sync(dev)
                 times[k][T].append(time.perf_counter() - t0)
     out = {}
     for k, per_t in times.items():
-        base = statistics.median(per_t[1])
+        base = statistics.median(per_t[min(sizes)])
         out[k] = {T: {"ms": 1000 * statistics.median(v), "v": statistics.median(v) / base} for T, v in per_t.items()}
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="default")
-    p.add_argument("--sizes", default="1,2,3,4,5,6,8,12,16,32")
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--context", type=int, default=200, help="tokens already in the cache")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", type=Path, default=None)
-    args = p.parse_args()
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--sizes {text!r}: expected comma-separated integers, e.g. 1,2,4,8") from None
+    if not sizes or min(sizes) < 1 or 1 not in sizes:
+        raise UserError(f"--sizes {text!r}: give token counts >= 1, including 1 (the reference)")
+    return sizes
+
+
+def run(args: argparse.Namespace) -> int:
+    sizes = _sizes(args.sizes)
+    dev = resolve_device(args.device)  # a missing GPU is refused before the model loads
     set_threads(args.threads)
-    sizes = [int(x) for x in args.sizes.split(",")]
-    result = measure(args.model, sizes, args.repeats, args.context)
+    result = measure(args.model, sizes, args.repeats, args.context, str(dev), args.dtype)
     print("| T | " + " | ".join(f"{k} ms | {k} v(T)" for k in result) + " |")
     print("|---|" + "---|---|" * len(result))
     for T in sizes:
         print(f"| {T} | " + " | ".join(f"{result[k][T]['ms']:.1f} | {result[k][T]['v']:.2f}" for k in result) + " |")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"threads": args.threads, "context": args.context, "result": result}, indent=1))
+        meta = {"threads": args.threads, "context": args.context, "device": str(dev),
+                "dtype": dtype_name(parse_dtype(args.dtype, dev))}
+        args.out.write_text(json.dumps(meta | {"result": result}, indent=1))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="default")
+    p.add_argument("--sizes", default="1,2,3,4,5,6,8,12,16,32")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--context", type=int, default=200, help="tokens already in the cache")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="auto", help=f"{DEVICE_HELP} (default auto)")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=f"{DTYPE_HELP} (default auto)")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    return run_main("bench_verify_cost", lambda: run(args))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

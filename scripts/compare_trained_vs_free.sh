@@ -39,8 +39,8 @@ run "$BIN/layerskip" fetch-model
 step "$TRAINED/config.json" "$BIN/python" train/layerskip.py --config recipes/cpu-demo-stdlib.yaml
 for name in base trained; do
   model=$([ "$name" = base ] && echo default || echo "$TRAINED")
-  step "$OUT/exits_$name.json" "$BIN/python" scripts/eval_exits.py --model "$model" \
-    --config recipes/cpu-demo-stdlib.yaml --threads "$THREADS" --json "$OUT/exits_$name.json"
+  step "$OUT/exits_$name/exits.json" "$BIN/layerskip" eval-exits --model "$model" \
+    --config recipes/cpu-demo-stdlib.yaml --threads "$THREADS" --device cpu --dtype fp32 --out "$OUT/exits_$name"
   step "$OUT/plans/$name.json" "$BIN/layerskip" search --model "$model" --data humaneval \
     --trials "$TRIALS" --objective model --threads "$THREADS" --out "$OUT/plans/$name.json"
 done

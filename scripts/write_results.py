@@ -77,13 +77,18 @@ def _verify_cost(path: Path, old: str) -> list[str]:
 
 def _exit_eval(runs: Path, img_dir: Path, old: str) -> list[str]:
     """Per-exit loss / agreement with the final layer, one column pair per evaluated model, and a plot."""
-    evals = {f.stem.removeprefix("exits_"): json.loads(f.read_text()) for f in sorted(runs.glob("exits_*.json"))}
+    from infer.plots import exit_quality
+
+    files = sorted(runs.glob("exits_*.json")) + sorted(runs.glob("exits_*/exits.json"))
+    evals = {(f.stem if f.name != "exits.json" else f.parent.name).removeprefix("exits_"): json.loads(f.read_text())
+             for f in files}
     if not evals:
         return []
     first = next(iter(evals.values()))
     exits = sorted(first["agreement"], key=int)
     lines = ["## Early-exit agreement before and after LayerSkip training\n",
-             "```\npython scripts/eval_exits.py --model M --config recipes/cpu-demo-stdlib.yaml --threads 1\n```\n",
+             "```\nlayerskip eval-exits --model M --config recipes/cpu-demo-stdlib.yaml --threads 1 --device cpu "
+             "--dtype fp32 --out runs/compare/exits_NAME\n```\n",
              f"Held-out stdlib blocks ({first['examples']} blocks, {first['tokens'][exits[0]]} tokens): "
              "cross-entropy of the exit (final norm + shared LM head) and top-1 agreement with the final layer.\n"]
     head = ["exit"] + [f"{m} {col}" for m in evals for col in ("loss", "agreement")]
@@ -91,29 +96,9 @@ def _exit_eval(runs: Path, img_dir: Path, old: str) -> list[str]:
     rows = [[e] + [f"{d[key][e]:{spec}}" for d in evals.values() for key, spec in cols] for e in exits]
     lines += _table(head, rows, sep="---:")
     lines.append("")
-    png = _plot_exits(evals, img_dir / "exits_agreement.png")
-    if png:
-        lines.append(f"![exit agreement]({png.parent.name}/{png.name})\n")
+    png = exit_quality(evals, img_dir / "exits_agreement.png")
+    lines.append(f"![exit agreement]({png.parent.name}/{png.name})\n")
     return lines + [_notes(old, "exits")]
-
-
-def _plot_exits(evals: dict[str, dict], path: Path) -> Path | None:
-    from infer.plots import _plt
-
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, d in evals.items():
-        exits = sorted(d["agreement"], key=int)
-        ax.plot([int(e) for e in exits], [d["agreement"][e] for e in exits], marker="o", label=name)
-    ax.set_xlabel("exit layer")
-    ax.set_ylabel("top-1 agreement with the final layer")
-    ax.set_ylim(0, 1)
-    ax.set_title("Early exits before and after LayerSkip training")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
 
 
 def _swift_stream(run: Path, img_dir: Path, old: str) -> list[str]:

@@ -1,13 +1,22 @@
-"""``layerskip generate``: decode prompts with any drafter; output is identical to plain decoding."""
+"""``layerskip generate``: decode prompts with any drafter; greedy output is identical to plain decoding in fp32.
+
+In bf16/fp16 a near-tie can flip: verifying several tokens in one forward rounds differently from
+one-token decoding, so where the model's top two tokens are within the dtype's resolution the
+greedy choice may differ (``layerskip bench`` classifies every such mismatch).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
+from core.device import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP, dtype_name
 from core.errors import UserError
+
+EXACTNESS = "greedy output is identical to plain decoding in fp32; in bf16/fp16 a near-tie can flip"
 
 
 def _type_of(annotation) -> type:
@@ -21,7 +30,9 @@ def _type_of(annotation) -> type:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
                    help="a local Hugging Face model folder, or 'default' (SmolLM2-135M-Instruct, fetched on first use)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="weights/compute dtype (default fp32)")
+    p.add_argument("--device", default="auto", help=f"where to run: {DEVICE_HELP} (default auto)")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help=f"weights/compute dtype: {DTYPE_HELP} (default auto; {EXACTNESS})")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
@@ -32,7 +43,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="stop once the output contains TEXT (repeatable)")
+                   help="stop once the output contains TEXT (repeatable; not empty)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
 
 
@@ -62,6 +73,8 @@ def generation_config(args: argparse.Namespace):
     from infer.engine import GenerationConfig
     from infer.sampling import SamplingConfig
 
+    if any(not s for s in args.stop):
+        raise UserError("--stop needs a non-empty text (an empty stop string would end every output at once)")
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     return GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_strings=tuple(args.stop),
                             stop_at_eos=not args.ignore_eos)
@@ -70,7 +83,9 @@ def generation_config(args: argparse.Namespace):
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text with a drafter (lossless: same output as plain decoding)",
                        description="Generate with the draft-verify engine. Greedy output is token-for-token the "
-                       "autoregressive output; sampling follows the same distribution.")
+                       "autoregressive output: identical in fp32; in bf16/fp16 a near-tie can flip. Sampling "
+                       "follows the same distribution. '--drafter autoregressive --exit-layer E' is lossy early "
+                       "exit: it decodes with layers [0, E) only, so the output is the exit layer's.")
     add_model_args(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
@@ -108,6 +123,48 @@ def _stats_line(name: str, stats) -> str:
     return line
 
 
+def check_writable(path: str | Path, what: str) -> None:
+    """Refuse, before any work, an output path whose folder cannot be created or written."""
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise UserError(f"{what} {target} is a folder; give a file path")
+    parent = next((p for p in (target.parent, *target.parent.parents) if p.exists()), None)
+    if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"{what} {target}: cannot write there ({parent or target.parent} is not a writable "
+                        "folder); choose another path")
+    if target.exists() and not os.access(target, os.W_OK):
+        raise UserError(f"{what} {target} exists and is not writable; choose another path")
+
+
+def exit_layer_of(drafter) -> int | None:
+    """The lossy exit layer E of an autoregressive drafter (None = the full model)."""
+    exit_layer = getattr(drafter.config, "exit_layer", None) if drafter.name == "autoregressive" else None
+    return None if exit_layer is None or exit_layer == drafter.num_layers else exit_layer
+
+
+def build_engine(model, name: str, options: dict):
+    """An Engine for drafter ``name``; ``autoregressive`` with ``exit_layer=E < L`` decodes with layers [0, E)."""
+    from infer.drafters import build_drafter
+    from infer.engine import Engine
+
+    drafter = build_drafter(name, model.runner, options)
+    exit_layer = exit_layer_of(drafter)
+    if exit_layer is None:
+        return Engine(model.runner, drafter, model.eos_token_ids, model.decode)
+    return Engine(model.runner, drafter, model.eos_token_ids, model.decode, exit_layer=exit_layer)
+
+
+def _notes(args: argparse.Namespace, engine, dtype: str, greedy: bool) -> None:
+    """Say once on stderr when the output is not the full model's plain greedy decoding."""
+    lossy = exit_layer_of(engine.drafter)
+    if lossy is not None:
+        print(f"layerskip: note: lossy early exit: the output is exit layer {lossy}'s (layers [0, {lossy}) + "
+              f"norm + head), not the {engine.runner.num_layers}-layer model's", file=sys.stderr)
+    elif greedy and dtype != "fp32" and args.drafter != "autoregressive":
+        print(f"layerskip: note: in {dtype}, greedy output may differ from plain decoding where two tokens "
+              "nearly tie (a near-tie can flip; identical in fp32)", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     from infer.drafters import build_config, drafter_class
     from infer.loading import load_model, set_threads
@@ -115,29 +172,30 @@ def run(args: argparse.Namespace) -> int:
     # Everything that can be checked without the model is checked first.
     drafter_class(args.drafter)
     options = drafter_options(args)
-    build_config(args.drafter, options)
+    config = build_config(args.drafter, options)
+    if getattr(config, "save_plan", None):
+        check_writable(config.save_plan, "--save-plan")
     gen = generation_config(args)
     prompts = _prompts(args)
     set_threads(args.threads)
 
-    from infer.drafters import build_drafter
-    from infer.engine import Engine
-
-    model = load_model(args.model, args.dtype)
+    model = load_model(args.model, args.dtype, args.device)
+    device, dtype = str(model.runner.device), dtype_name(model.runner.dtype)
     encoded = [model.encode(item.prompt, args.chat) for item in prompts]
-    new_engine = lambda: Engine(model.runner, build_drafter(args.drafter, model.runner, options),  # noqa: E731
-                                model.eos_token_ids, model.decode)
-    engine = new_engine()
+    engine = build_engine(model, args.drafter, options)
+    lossy = exit_layer_of(engine.drafter) is not None
+    _notes(args, engine, dtype, gen.sampling.greedy)
     results = []
     for item, ids in zip(prompts, encoded, strict=True):
         if not args.stream and results:
-            engine = new_engine()  # independent prompts: fresh drafter state
+            engine = build_engine(model, args.drafter, options)  # independent prompts: fresh drafter state
         result = engine.generate(ids, gen)
         results.append(result)
         if args.json:
+            stats = result.stats.to_dict() | {"device": device, "dtype": dtype, "lossy": lossy}
             print(json.dumps({"id": item.id, "prompt": item.prompt, "drafter": args.drafter, "tokens": result.tokens,
                               "text": result.text, "finish_reason": result.finish_reason,
-                              "stats": result.stats.to_dict()}), flush=True)
+                              "stats": stats}), flush=True)
         else:
             if len(prompts) > 1:
                 print(f"### {item.id}")
@@ -150,6 +208,8 @@ def run(args: argparse.Namespace) -> int:
 
 def stream_summary(results) -> dict:
     """Totals over a stream of prompts: speed, acceptance, optimisation share, matchness trajectory."""
+    from infer.bench import tokens_per_verify
+
     stats = [r.stats for r in results]
     wall = sum(s.wall_time for s in stats)
     drafted = sum(s.drafted for s in stats)
@@ -159,7 +219,7 @@ def stream_summary(results) -> dict:
         "prompts": len(stats), "new_tokens": sum(s.new_tokens for s in stats),
         "tokens_per_second": sum(s.new_tokens for s in stats) / wall if wall else 0.0,
         "acceptance_rate": sum(s.accepted for s in stats) / drafted if drafted else 0.0,
-        "tokens_per_verify": sum(s.new_tokens - 1 for s in stats) / max(1, sum(s.verify_calls for s in stats)),
+        "tokens_per_verify": tokens_per_verify(stats) or 0.0,
         "opt_time_share": opt / wall if wall else 0.0,
         "matchness_trajectory": [p for s in stats for p in s.drafter.get("matchness_trajectory", [])],
         "final_drafter_state": {k: v for k, v in last.items() if k != "matchness_trajectory"},

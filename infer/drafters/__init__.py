@@ -106,8 +106,9 @@ def build_config(name: str, options: dict) -> object:
             try:
                 value = _convert(value, hints[field])
             except ValueError:
-                raise UserError(f"option {key}={value!r} of drafter {name!r} is not a valid "
-                                f"{hints[field]}") from None
+                kind = next((w for t, w in (("bool", "true or false"), ("int", "an integer"), ("float", "a number"))
+                             if t in str(hints[field])), str(hints[field]))
+                raise UserError(f"option {key}={value!r} of drafter {name!r}: expected {kind}") from None
         kwargs[field] = value
     return cls.Config(**kwargs)
 

@@ -98,14 +98,43 @@ class FaultyDrafter(EarlyExitDrafter):
         return draft
 
 
-def test_bench_reports_exactness_mismatches(tiny_model_dir, prompts_file, tmp_path, monkeypatch):
+def test_bench_reports_exactness_mismatches(tiny_model_dir, prompts_file, tmp_path, monkeypatch, capsys):
+    """A lossy drafter in fp32 is a bug: counted, classified (not a tie flip), and the bench exits 1 after writing."""
     monkeypatch.setitem(DRAFTERS, "faulty", FaultyDrafter)
     out = tmp_path / "out"
-    assert bench(tiny_model_dir, prompts_file, out, "faulty:exit_layer=2:num_draft=4", "--peers", "none") == 0
-    rows = {r["method"]: r for r in json.loads((out / "results.json").read_text())["summary"]}
+    assert bench(tiny_model_dir, prompts_file, out, "faulty:exit_layer=2:num_draft=4", "--peers", "none") == 1
+    assert "beyond a near-tie" in capsys.readouterr().err
+    payload = json.loads((out / "results.json").read_text())
+    rows = {r["method"]: r for r in payload["summary"]}
     assert rows["autoregressive"]["exact_mismatches"] == 0
-    assert rows["faulty:exit_layer=2:num_draft=4"]["exact_mismatches"] > 0
+    faulty = rows["faulty:exit_layer=2:num_draft=4"]
+    assert faulty["exact_mismatches"] > 0 and faulty["mismatches"] == faulty["exact_mismatches"]
+    assert faulty["tie_flips"] == 0
+    wrong = [r for r in payload["records"] if r["method"].startswith("faulty") and r["exact"] is False]
+    assert wrong and all(r["divergence"]["position"] >= 0 and not r["divergence"]["tie_flip"] for r in wrong)
     assert "mismatched" in (out / "results.md").read_text()
+
+
+def test_bench_tie_flips_are_reported_not_failed(tiny_model_dir, prompts_file, tmp_path, monkeypatch):
+    """A mismatch the classifier calls a near-tie goes to the tie_flips column and the bench still exits 0."""
+    from infer import exactness
+
+    monkeypatch.setitem(DRAFTERS, "faulty", FaultyDrafter)
+    monkeypatch.setattr(exactness, "classify_divergence", lambda runner, prompt, ref, out: exactness.Divergence(
+        exactness.first_divergence(ref, out), 0, 1, 0.01, 0.5, True))
+    out = tmp_path / "out"
+    assert bench(tiny_model_dir, prompts_file, out, "faulty:exit_layer=2:num_draft=4", "--peers", "none") == 0
+    summary = json.loads((out / "results.json").read_text())["summary"]
+    faulty = next(r for r in summary if r["method"] != "autoregressive")
+    assert faulty["tie_flips"] == faulty["exact_mismatches"] > 0 and faulty["mismatches"] == 0
+    assert "tie flip" in (out / "results.md").read_text()
+
+
+def test_hf_static_peer_matches_autoregressive(tiny_model_dir, prompts_file, tmp_path):
+    out = tmp_path / "out"
+    assert bench(tiny_model_dir, prompts_file, out, "autoregressive", "--peers", "hf_static,hf_generate") == 0
+    rows = {r["method"]: r for r in json.loads((out / "results.json").read_text())["summary"]}
+    assert rows["hf_static"]["exact_mismatches"] == 0 and rows["hf_static"]["tokens_per_second"] > 0
 
 
 def test_expected_speedup_formulas():
@@ -120,11 +149,70 @@ def test_expected_speedup_formulas():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--drafters", "early_exit:E=x"], "not a valid"),
+    (["--drafters", "early_exit:E=x"], "E='x' of drafter 'early_exit': expected an integer"),
     (["--drafters", "nope"], "unknown drafter"),
+    (["--drafters", ","], "has an empty entry"),
+    (["--drafters", "autoregressive,,early_exit"], "has an empty entry"),
     (["--peers", "hf_magic"], "unknown peer"),
+    (["--peers", "hf_early_exit:E=x"], "E='x': expected an integer"),
+    (["--peers", "hf_early_exit:Q=3"], "bad option"),
+    (["--peers", ","], "has an empty entry"),
     (["--temperature", "0.5"], "needs --sample"),
+    (["--exits", ","], "expected comma-separated integers"),
 ])
 def test_bench_bad_input(argv, message, tmp_path, capsys):
-    code = main(["bench", "--out", str(tmp_path / "o"), "--data", "humaneval", *argv])
-    assert code == 2 and message in capsys.readouterr().err
+    """Refused before any model loads (the model path does not even exist)."""
+    try:
+        code = main(["bench", "--out", str(tmp_path / "o"), "--data", "humaneval", "--model", str(tmp_path / "none"),
+                     *argv])
+    except SystemExit as e:  # argparse's own type errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+    assert len(err.strip().splitlines()) == 1 or "usage:" in err
+
+
+def test_bench_peer_exit_beyond_the_model_refused(tiny_model_dir, prompts_file, tmp_path, capsys):
+    code = bench(tiny_model_dir, prompts_file, tmp_path / "o", "autoregressive", "--peers", "hf_early_exit:E=40")
+    err = capsys.readouterr().err
+    assert code == 2 and "exit layer 40 is out of range" in err and "4 layers" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_bench_out_existing_file_refused(tiny_model_dir, prompts_file, tmp_path, capsys):
+    target = tmp_path / "results"
+    target.write_text("keep me")
+    code = bench(tiny_model_dir, prompts_file, target, "autoregressive")
+    assert code == 2 and "existing file" in capsys.readouterr().err
+    assert target.read_text() == "keep me"
+
+
+def test_speedup_plot_facets_by_model(tmp_path):
+    """One panel per model, one colour per method shared by the panels, the legend outside the axes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from infer import plots
+    from infer.bench import Summary
+
+    def row(model, method, speedup):
+        return Summary(model, "humaneval", method, 1, 8, 10.0, [10.0], speedup, None, None, None, None, None, None,
+                       None, None, 0)
+
+    methods = ["autoregressive", "hf_generate"] + [f"early_exit:E={e}:k=4" for e in range(2, 10)]
+    rows = [row(m, meth, 1.0 + i / 10) for m in ("base", "trained") for i, meth in enumerate(methods)]
+    figures = []
+    real_savefig = plt.Figure.savefig
+    plt.Figure.savefig = lambda self, *a, **k: (figures.append(self), real_savefig(self, *a, **k))[1]
+    try:
+        assert plots.speedup_bars(rows, tmp_path / "s.png").stat().st_size > 1000
+    finally:
+        plt.Figure.savefig = real_savefig
+    fig = figures[0]
+    axes = [ax for ax in fig.axes if ax.patches]
+    assert [ax.get_title() for ax in axes] == ["base", "trained"]
+    colours = [[tuple(p.get_facecolor()) for p in ax.patches] for ax in axes]
+    assert colours[0] == colours[1] and len(set(colours[0])) == len(methods)  # distinct, same in both panels
+    assert fig.legends and not any(ax.get_legend() for ax in fig.axes)

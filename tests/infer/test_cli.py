@@ -47,7 +47,10 @@ def test_generate_chat_and_sampling(capsys, tiny_model_dir):
     (["--drafter", "nope"], "unknown drafter 'nope'"),
     (["--drafter", "early_exit", "--exit-layer", "9"], "exit layer 9 is out of range"),
     (["--drafter", "early_exit", "--exit-layer", "0"], "exit layer 0 is out of range"),
-    (["--exit-layer", "2"], "does not apply to drafter 'autoregressive'"),
+    (["--num-draft", "2"], "does not apply to drafter 'autoregressive'"),
+    (["--exit-layer", "5"], "exit layer 5 is out of range"),
+    (["--stop", ""], "--stop needs a non-empty text"),
+    (["--device", "cuda:x"], "bad device"),
     (["--prompt", "   "], "is empty"),
     (["--prompt", "x" * 600], "exceeds the model's context"),
     (["--model", "/definitely/not/here"], "does not exist"),
@@ -105,3 +108,22 @@ def test_swift_stream_reports_a_summary(capsys, tiny_model_dir, tmp_path):
     code, _, err = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--prompt", "x", "--drafter", "swift",
                            "--skip-ratio", "1.5")
     assert code == 2 and "skip-ratio must be in (0, 1)" in err
+
+
+def test_unwritable_save_plan_refused_before_generating(capsys, tiny_model_dir, tmp_path):
+    """The path is checked first: no output is generated (and lost) before a traceback."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    for bad in ("/proc/x/p.json", str(blocker / "p.json"), str(tmp_path)):
+        code, out, err = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--prompt", "hi",
+                                 "--drafter", "swift", "--save-plan", bad, "--max-new-tokens", "4")
+        assert code == 2 and "--save-plan" in err and out == "", (bad, err)
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_help_states_the_exactness_contract(capsys):
+    for command in ("generate", "bench"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert "identical in fp32; in bf16/fp16 a near-tie can flip" in text, command
