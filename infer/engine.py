@@ -11,6 +11,7 @@ from torch import Tensor
 
 from core.errors import UserError
 from infer.drafters.base import DecodeState, Draft, Drafter, VerifyOutcome
+from infer.graphs import BUCKETS
 from infer.runner import Runner
 from infer.sampling import SamplingConfig, TreeShape, greedy_accept, probs_from_logits, sampling_accept, select
 
@@ -81,20 +82,69 @@ class GenerationResult:
     text: str | None = None
 
 
+@dataclass
+class Generation:
+    """One sequence being generated: made by ``Engine.start``, advanced by ``Engine.step``."""
+
+    state: DecodeState
+    """The decoding state shared with the drafter (tokens, cache, sampling)."""
+    config: GenerationConfig
+    """The settings it was started with."""
+    stats: GenerationStats
+    """Counters and timings so far."""
+    tokens: list[int]
+    """Generated tokens so far (a multi-token step may run past a stop; ``Engine.finish`` cuts it)."""
+    finish_reason: str | None = None
+    """None while running; then 'eos', 'length' or 'stop_string'."""
+    started: float = 0.0
+    """perf_counter() when the prefill began."""
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
 class Engine:
-    """Runs one drafter against the full model; output is identical to plain decoding."""
+    """Runs one drafter against the full model; output is identical to plain decoding.
+
+    With ``exit_layer`` E the *target* itself is lossy: layers [0, E) + final norm + LM head
+    (prefill and verification run only those layers); only the autoregressive drafter may be
+    combined with it, and E = L is exactly the plain model.
+    """
 
     def __init__(self, runner: Runner, drafter: Drafter, eos_token_ids: Sequence[int] = (),
-                 decode: Callable[[list[int]], str] | None = None):
+                 decode: Callable[[list[int]], str] | None = None, exit_layer: int | None = None):
         self.runner = runner
         self.drafter = drafter
         self.eos = frozenset(int(t) for t in eos_token_ids)
         self.decode = decode
+        self.depth = self._target_depth(exit_layer)
         self._cache = None
+
+    def _target_depth(self, exit_layer: int | None) -> int:
+        L = self.runner.num_layers
+        if exit_layer is None:
+            return L
+        if not 1 <= exit_layer <= L:
+            raise UserError(f"target exit layer {exit_layer} is out of range: the model has {L} layers, "
+                            f"so use 1 <= exit layer <= {L}")
+        if getattr(self.drafter, "name", "") != "autoregressive":
+            raise UserError(f"an early-exit target (exit layer {exit_layer}) works only with the "
+                            f"autoregressive drafter, not {getattr(self.drafter, 'name', '?')!r}")
+        return exit_layer
 
     # ----------------------------------------------------------------- public
     def generate(self, prompt_ids: Sequence[int] | Tensor, config: GenerationConfig | None = None,
                  generator: torch.Generator | None = None) -> GenerationResult:
+        """Prefill, then propose-verify-accept cycles until a stop condition."""
+        gen = self.start(prompt_ids, config, generator)
+        while not gen.done:
+            self.step(gen)
+        return self.finish(gen)
+
+    def start(self, prompt_ids: Sequence[int] | Tensor, config: GenerationConfig | None = None,
+              generator: torch.Generator | None = None) -> Generation:
+        """Check and prefill a prompt; the returned generation holds its first token."""
         config = config or GenerationConfig()
         prompt = [int(t) for t in (prompt_ids.tolist() if isinstance(prompt_ids, Tensor) else prompt_ids)]
         self._check_prompt(prompt, config)
@@ -107,31 +157,43 @@ class Engine:
         t_start = time.perf_counter()
         first = self._prefill(state)
         stats.prefill_time = time.perf_counter() - t_start
-        out = [first]
-        finish = self._stop_reason(out, config)
-        if finish is None:
+        gen = Generation(state, config, stats, [first], started=t_start)
+        gen.finish_reason = self._stop_reason(gen.tokens, config)
+        if not gen.done:
             self.drafter.start(state)
-        while finish is None:
-            state.budget = config.max_new_tokens - len(out)
-            t0 = time.perf_counter()
-            draft = self.drafter.propose(state)
-            t1 = time.perf_counter()
-            outcome = self._verify(state, draft)
-            t2 = time.perf_counter()
-            stats.draft_time += t1 - t0
-            stats.verify_time += t2 - t1
-            stats.verify_calls += 1
-            stats.drafted += outcome.drafted
-            stats.accepted += outcome.accepted
-            new = outcome.tokens
-            out.extend(new)
-            finish = self._stop_reason(out, config, len(new))
-            state.tokens.extend(new)
-            if finish is None:
-                self.drafter.update(state, outcome)
-                stats.update_time += time.perf_counter() - t2
-        out, finish = self._truncate(out, finish, config)
-        stats.wall_time = time.perf_counter() - t_start
+        return gen
+
+    def step(self, gen: Generation) -> VerifyOutcome:
+        """One cycle: the drafter proposes, one forward verifies, the accepted tokens are appended."""
+        if gen.done:
+            raise ValueError(f"the generation has finished ({gen.finish_reason})")
+        state, stats = gen.state, gen.stats
+        state.budget = gen.config.max_new_tokens - len(gen.tokens)
+        t0 = time.perf_counter()
+        draft = self.drafter.propose(state)
+        t1 = time.perf_counter()
+        outcome = self._verify(state, draft)
+        t2 = time.perf_counter()
+        stats.draft_time += t1 - t0
+        stats.verify_time += t2 - t1
+        stats.verify_calls += 1
+        stats.drafted += outcome.drafted
+        stats.accepted += outcome.accepted
+        gen.tokens.extend(outcome.tokens)
+        gen.finish_reason = self._stop_reason(gen.tokens, gen.config, len(outcome.tokens))
+        state.tokens.extend(outcome.tokens)
+        if not gen.done:
+            self.drafter.update(state, outcome)
+            stats.update_time += time.perf_counter() - t2
+        return outcome
+
+    def finish(self, gen: Generation) -> GenerationResult:
+        """The result of a finished generation (output cut at its first stop condition)."""
+        if not gen.done:
+            raise ValueError("the generation is still running; call step() until done")
+        out, finish = self._truncate(gen.tokens, gen.finish_reason, gen.config)
+        stats = gen.stats
+        stats.wall_time = time.perf_counter() - gen.started
         stats.new_tokens = len(out)
         stats.drafter = self.drafter.stats()
         text = self.decode(out) if self.decode else None
@@ -151,17 +213,19 @@ class Engine:
                             "lower --max-new-tokens")
 
     def _cache_for(self, length: int):
-        capacity = length + self.drafter.lookahead + 2
+        # slack for the static executor, whose padded rows write up to BUCKETS[-1] - 1 slots past the real ones
+        capacity = length + self.drafter.lookahead + 2 + BUCKETS[-1]
         if self._cache is None or self._cache.capacity < capacity:
             self._cache = self.runner.new_cache(max(capacity, 256))
         self._cache.reset()
         return self._cache
 
     def _prefill(self, state: DecodeState) -> int:
-        """Run the prompt; the token it predicts becomes the pending token."""
+        """Run the prompt through the target; the token it predicts becomes the pending token."""
         ids = state.ids(0, state.prompt_len)  # (P,)
         hidden = self.runner.forward_layers(state.cache, self.runner.embed(ids),
-                                            torch.arange(state.prompt_len, device=self.runner.device), bulk=True)
+                                            torch.arange(state.prompt_len, device=self.runner.device),
+                                            0, self.depth, bulk=True)  # (P, d)
         logits = self.runner.logits(hidden[-1:])  # (1, V)
         first = int(select(logits, state.sampling, state.generator)[0])
         state.tokens.append(first)
@@ -169,17 +233,19 @@ class Engine:
         return first
 
     def _verify(self, state: DecodeState, draft: Draft | None) -> VerifyOutcome:
-        """One forward of the full model over the pending token and the draft tree."""
+        """One forward of the target over the pending token and the draft tree.
+
+        Greedy decoding reads the device once (drafted tokens and target argmax together).
+        """
         runner, cache, n = self.runner, state.cache, state.n
         if draft is not None and draft.size == 0 and draft.hidden is None:
             draft = None
-        tree = TreeShape(draft.parents if draft is not None and draft.parents is not None
-                         else list(range(draft.size if draft is not None else 0)))
-        tokens = [state.pending] + (draft.tokens.tolist() if draft is not None else [])
-        ids = torch.tensor(tokens, dtype=torch.long, device=runner.device)  # (T,)
-        depths = torch.tensor(tree.depths(), device=runner.device)  # (T,)
-        positions = n + depths  # (T,)
-        mask = None if tree.is_chain else tree.ancestor_mask(runner.device)  # (T, T)
+        m = draft.size if draft is not None else 0
+        tree = TreeShape(draft.parents if draft is not None and draft.parents is not None else list(range(m)))
+        pending = runner.to_device([state.pending])  # (1,)
+        ids = pending if m == 0 else torch.cat([pending, draft.tokens.to(runner.device)])  # (T,)
+        positions = [n + d for d in tree.depths()]  # T host ints
+        mask = None if tree.is_chain else tree.ancestor_mask()  # (T, T)
 
         E, h = 0, 0
         if draft is not None and draft.hidden is not None and draft.exact_layers > 0:
@@ -189,14 +255,16 @@ class Engine:
                                    f"expected {n + h}")
         cache.rollback(n, start=E)  # drop whatever the draft wrote in layers >= E
         hidden = self._hidden_at(E, h, draft, ids, positions, mask, state)  # (T, d)
-        hidden = runner.forward_layers(cache, hidden, positions, E, runner.num_layers, mask=mask)
-        logits = runner.logits(hidden)  # (T, V)
+        logits = runner.span(cache, hidden, positions, E, self.depth, mask=mask, logits=True).logits  # (T, V)
 
         argmax: list[int] = []
+        T = len(positions)
         if state.sampling.greedy:
-            argmax = logits.argmax(-1).tolist()
+            host = torch.cat([ids, logits.argmax(-1)]).tolist()  # the one host sync of the step
+            tokens, argmax = host[:T], host[T:]
             path, bonus = greedy_accept(tree, tokens, argmax)
         else:
+            tokens = ids.tolist()
             p = probs_from_logits(logits, state.sampling)  # (T, V)
             q = draft.q if draft is not None else None
             path, bonus = sampling_accept(tree, tokens, p, q, state.generator)
@@ -204,7 +272,7 @@ class Engine:
         state.n = n + len(path)
         return VerifyOutcome(draft, path, [tokens[i] for i in path[1:]] + [bonus], n, argmax)
 
-    def _hidden_at(self, E: int, h: int, draft: Draft | None, ids: Tensor, positions: Tensor,
+    def _hidden_at(self, E: int, h: int, draft: Draft | None, ids: Tensor, positions: list[int],
                    mask: Tensor | None, state: DecodeState) -> Tensor:
         """Residual stream at the input of layer E for all T tree positions."""
         runner = self.runner
@@ -215,7 +283,7 @@ class Engine:
             return draft.hidden
         fresh = runner.embed(ids[h:])  # (T-h, d)
         sub_mask = None if mask is None else mask[h:, :T]  # (T-h, T) over slots [n, n+T)
-        fresh = runner.forward_layers(state.cache, fresh, positions[h:], 0, E, mask=sub_mask)
+        fresh = runner.span(state.cache, fresh, positions[h:], 0, E, mask=sub_mask).hidden  # (T-h, d)
         return torch.cat([draft.hidden, fresh])  # (T, d)
 
     @staticmethod

@@ -7,12 +7,19 @@ exit makes shallow layers run ahead of deep ones, and rollback is setting a leng
 
 Batch size is 1 (speculative decoding of one sequence); tensors are ``(T, ...)`` for the T
 tokens of one call.
+
+Decoding forwards (draft steps, verification) go through ``Runner.span``, which an *executor*
+runs: ``eager`` (the plain loop below, the CPU default: fastest there, and exact thanks to the
+small-matmul kernel), ``static`` (static shapes with device-side positions and lengths, see
+``infer.graphs``) or ``graphs`` (the static forwards captured as CUDA graphs, the CUDA default).
+Prompt prefill always runs eagerly.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +30,13 @@ from torch import Tensor
 from core.device import parse_dtype
 from core.errors import UserError
 from core.models import SUPPORTED_MODEL_TYPES
+from infer.graphs import StaticExecutor
 from infer.plan import LayerPlan
+
+EXECUTORS = ("auto", "eager", "static", "graphs")
+"""How ``Runner.span`` runs decoding forwards: auto = graphs on CUDA, eager elsewhere."""
+EXECUTOR_ENV = "LAYERSKIP_EXECUTOR"
+"""Environment variable read when the executor is 'auto' (e.g. ``eager`` turns CUDA graphs off)."""
 
 
 @dataclass
@@ -142,6 +155,18 @@ class KVCache:
 
 
 @dataclass
+class SpanOutput:
+    """What ``Runner.span`` returns for the T tokens of one call."""
+
+    exact: Tensor
+    """(T, d) residual stream at the input of layer ``exact_until`` (before any skip plan)."""
+    hidden: Tensor
+    """(T, d) residual stream after the last layer of the span."""
+    logits: Tensor | None = None
+    """(T, V) fp32 logits after the final norm and LM head, when asked for."""
+
+
+@dataclass
 class RunnerCounters:
     """How many token-rows each layer has processed (for tests and profiling)."""
 
@@ -194,7 +219,7 @@ class Runner:
     """Executes layer ranges of a Llama-family model with sublayer skip plans over a KV cache."""
 
     def __init__(self, config, state: dict[str, Tensor], dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", kernel: str = "auto"):
+                 device: str | torch.device = "cpu", kernel: str = "auto", executor: str = "auto"):
         self.config = config
         self.spec = ModelSpec.from_config(config)
         self.dtype = dtype
@@ -206,11 +231,13 @@ class Runner:
         self.inv_freq, self.rope_scale = self._rope_inv_freq(config)
         self._cos = self._sin = torch.empty(0)
         self.counters = RunnerCounters([0] * self.spec.num_layers)
+        self.static: StaticExecutor | None = None
+        self.set_executor(executor)
 
     # ----------------------------------------------------------------- loading
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, dtype: str | torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu", kernel: str = "auto") -> Runner:
+                        device: str | torch.device = "cpu", kernel: str = "auto", executor: str = "auto") -> Runner:
         """Load from a local HF folder (safetensors read directly; .bin through transformers)."""
         from transformers import AutoConfig
 
@@ -222,14 +249,42 @@ class Runner:
             from transformers import AutoModelForCausalLM
 
             state = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
-        return cls(config, state, parse_dtype(dtype), device, kernel)
+        return cls(config, state, parse_dtype(dtype), device, kernel, executor)
 
     @classmethod
-    def from_model(cls, model, dtype: torch.dtype | None = None, kernel: str = "auto") -> Runner:
+    def from_model(cls, model, dtype: torch.dtype | None = None, kernel: str = "auto",
+                   executor: str = "auto") -> Runner:
         """Wrap an instantiated HF model (its weights are copied into fused tensors)."""
         state = {k: v.detach() for k, v in model.state_dict().items()}
         dtype = dtype or next(model.parameters()).dtype
-        return cls(model.config, state, dtype, next(model.parameters()).device, kernel)
+        return cls(model.config, state, dtype, next(model.parameters()).device, kernel, executor)
+
+    # ----------------------------------------------------------------- executor
+    def set_executor(self, executor: str = "auto") -> None:
+        """Choose how decoding forwards run (see the module docstring); 'auto' consults $LAYERSKIP_EXECUTOR."""
+        if executor == "auto":
+            executor = os.environ.get(EXECUTOR_ENV, "") or "auto"
+        if executor not in EXECUTORS:
+            raise UserError(f"unknown executor {executor!r}; use one of {', '.join(EXECUTORS)}")
+        if executor == "auto":
+            executor = "graphs" if self.device.type == "cuda" else "eager"
+        if executor == "graphs" and self.device.type != "cuda":
+            raise UserError("CUDA graphs need a CUDA device; use the 'static' or 'eager' executor on "
+                            f"{self.device.type}")
+        self.static = None if executor == "eager" else StaticExecutor(self, capture=executor == "graphs")
+
+    @property
+    def executor(self) -> str:
+        """The executor in use: 'eager', 'static' or 'graphs'."""
+        if self.static is None:
+            return "eager"
+        return "graphs" if self.static.capture else "static"
+
+    def fall_back_to_eager(self, reason: str) -> None:
+        """Drop the static executor after a failure (called once; warns)."""
+        warnings.warn(f"CUDA graph capture failed ({reason}); decoding continues with the eager executor",
+                      RuntimeWarning, stacklevel=3)
+        self.static = None
 
     def _take_weights(self, state: dict[str, Tensor]):
         spec, dt, dev = self.spec, self.dtype, self.device
@@ -306,6 +361,8 @@ class Runner:
         sin[:, :half] = -sin[:, :half]  # rotate_half(x) * sin == roll(x, half) * signed sin
         self._cos = (emb.cos() * self.rope_scale).to(self.device, self.dtype)
         self._sin = sin.to(self.device, self.dtype)
+        if self.static is not None:
+            self.static.clear()  # captured graphs read the old tables
 
     # ----------------------------------------------------------------- compute
     @property
@@ -318,8 +375,45 @@ class Runner:
     def logits(self, hidden: Tensor) -> Tensor:
         """Final norm + LM head, returned in fp32."""
         self.counters.lm_head_tokens += hidden.shape[0]
+        return self.head(hidden)
+
+    def head(self, hidden: Tensor) -> Tensor:
+        """Final norm + LM head in fp32, without counting (the static executor counts on the host)."""
         h = _rms_norm(hidden, self.final_norm, self.spec.rms_norm_eps)  # (T, d)
         return self.lm_head(h).float()  # (T, V)
+
+    def span(self, cache: KVCache, hidden: Tensor, positions: list[int], start: int, end: int, *,
+             exact_until: int | None = None, plan: LayerPlan | None = None, mask: Tensor | None = None,
+             logits: bool = False) -> SpanOutput:
+        """A decoding forward: layers ``[start, exact_until)`` exactly, then ``[exact_until, end)`` under ``plan``.
+
+        ``hidden`` (T, d) enters layer ``start`` at RoPE ``positions`` (T host ints); ``mask`` (T, W)
+        bool as in ``forward_layers`` (None = causal new tokens). Returns the stream at
+        ``exact_until`` (default ``end``), after ``end``, and the logits when ``logits``. Runs on the
+        static executor when one is set and the call fits it, else eagerly; both write the same
+        cache rows and lengths.
+        """
+        split = end if exact_until is None else exact_until
+        if self.static is not None:
+            out = self.static.span(cache, hidden, positions, start, split, end, plan, mask, logits)
+            if out is not None:
+                return SpanOutput(*out)
+        return self._span_eager(cache, hidden, positions, start, split, end, plan, mask, logits)
+
+    def _span_eager(self, cache: KVCache, hidden: Tensor, positions: list[int], start: int, split: int,
+                    end: int, plan: LayerPlan | None, mask: Tensor | None, logits: bool) -> SpanOutput:
+        pos = torch.tensor(positions, device=self.device)  # (T,)
+        mask = None if mask is None else mask.to(self.device)  # (T, W)
+        exact = self.forward_layers(cache, hidden, pos, start, split, mask=mask)  # (T, d)
+        out = exact if split >= end else self.forward_layers(cache, exact, pos, split, end, plan=plan, mask=mask)
+        return SpanOutput(exact, out, self.logits(out) if logits else None)
+
+    def to_device(self, values: list[int]) -> Tensor:
+        """Host ints as a device long tensor; on CUDA through pinned memory, so no host sync."""
+        t = torch.tensor(values, dtype=torch.long)  # (n,)
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def forward_layers(self, cache: KVCache, hidden: Tensor, positions: Tensor, start: int = 0,
                        end: int | None = None, plan: LayerPlan | None = None,
@@ -377,15 +471,7 @@ class Runner:
                    attn_mask: Tensor | None, bulk: bool = False) -> Tensor:
         s, w = self.spec, self.layers[i]
         T = hidden.shape[0]
-        x = _rms_norm(hidden, w.attn_norm, s.rms_norm_eps)  # (T, d)
-        qkv = w.qkv(x, bulk)  # (T, (Hq + 2 Hkv) D)
-        heads = s.num_heads + s.num_kv_heads
-        qk = qkv[:, :heads * s.head_dim].view(T, heads, s.head_dim)  # (T, Hq + Hkv, D)
-        # RoPE on q and k at once: rotate_half(x) * sin == roll(x, D/2) * [-sin_lo, sin_hi]
-        qk = qk * cos + qk.roll(s.head_dim // 2, dims=-1) * sin
-        q = qk[:, :s.num_heads].transpose(0, 1)  # (Hq, T, D)
-        k = qk[:, s.num_heads:].transpose(0, 1)  # (Hkv, T, D)
-        v = qkv[:, heads * s.head_dim:].view(T, s.num_kv_heads, s.head_dim).transpose(0, 1)  # (Hkv, T, D)
+        q, k, v = self.qkv_rope(i, hidden, cos, sin, bulk)  # (Hq, T, D), (Hkv, T, D), (Hkv, T, D)
         start = cache.lengths[i]
         stop = start + T
         if stop > cache.capacity:
@@ -400,6 +486,22 @@ class Runner:
             enable_gqa=s.num_heads != s.num_kv_heads)  # (1, Hq, T, D)
         out = out[0].transpose(0, 1).reshape(T, s.num_heads * s.head_dim)  # (T, Hq D)
         return hidden + w.o(out, bulk)
+
+    def qkv_rope(self, i: int, hidden: Tensor, cos: Tensor, sin: Tensor,
+                 bulk: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        """Layer i's attention norm, fused q/k/v projection and RoPE: (Hq, T, D), (Hkv, T, D), (Hkv, T, D)."""
+        s, w = self.spec, self.layers[i]
+        T = hidden.shape[0]
+        x = _rms_norm(hidden, w.attn_norm, s.rms_norm_eps)  # (T, d)
+        qkv = w.qkv(x, bulk)  # (T, (Hq + 2 Hkv) D)
+        heads = s.num_heads + s.num_kv_heads
+        qk = qkv[:, :heads * s.head_dim].view(T, heads, s.head_dim)  # (T, Hq + Hkv, D)
+        # RoPE on q and k at once: rotate_half(x) * sin == roll(x, D/2) * [-sin_lo, sin_hi]
+        qk = qk * cos + qk.roll(s.head_dim // 2, dims=-1) * sin
+        q = qk[:, :s.num_heads].transpose(0, 1)  # (Hq, T, D)
+        k = qk[:, s.num_heads:].transpose(0, 1)  # (Hkv, T, D)
+        v = qkv[:, heads * s.head_dim:].view(T, s.num_kv_heads, s.head_dim).transpose(0, 1)  # (Hkv, T, D)
+        return q, k, v
 
     def _mlp(self, w: LayerWeights, hidden: Tensor, bulk: bool = False) -> Tensor:
         x = _rms_norm(hidden, w.mlp_norm, self.spec.rms_norm_eps)  # (T, d)

@@ -26,9 +26,8 @@ class EarlyExitForward:
 
     def __call__(self, cache: KVCache, token: Tensor, position: int) -> tuple[Tensor, Tensor]:
         r = self.runner
-        pos = torch.tensor([position], device=r.device)
-        hidden = r.forward_layers(cache, r.embed(token), pos, 0, self.exact_layers)  # (1, d)
-        return hidden, r.logits(hidden)  # (1, d), (1, V)
+        out = r.span(cache, r.embed(token), [position], 0, self.exact_layers, logits=True)
+        return out.hidden, out.logits  # (1, d), (1, V)
 
 
 class PlanForward:
@@ -38,11 +37,10 @@ class PlanForward:
         self.runner, self.plan, self.exact_layers = runner, plan, plan.exact_prefix
 
     def __call__(self, cache: KVCache, token: Tensor, position: int) -> tuple[Tensor, Tensor]:
-        r, E = self.runner, self.exact_layers
-        pos = torch.tensor([position], device=r.device)
-        exact = r.forward_layers(cache, r.embed(token), pos, 0, E)  # (1, d)
-        hidden = r.forward_layers(cache, exact, pos, E, r.num_layers, plan=self.plan)  # (1, d)
-        return exact, r.logits(hidden)  # (1, d), (1, V)
+        r = self.runner
+        out = r.span(cache, r.embed(token), [position], 0, r.num_layers, exact_until=self.exact_layers,
+                     plan=self.plan, logits=True)
+        return out.exact, out.logits  # (1, d), (1, V)
 
 
 @dataclass

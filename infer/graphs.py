@@ -1,0 +1,268 @@
+"""Static-shape decoding forwards, and their capture as CUDA graphs.
+
+On a GPU a small model's forward is dominated by kernel launches and Python, not by arithmetic.
+A CUDA graph replays a recorded sequence of kernels with one launch, but only if every shape and
+every buffer address stays the same from one replay to the next. So the forwards here are written
+with static shapes (as gpt-fast does):
+
+- **Positions and lengths on the device.** The RoPE positions, each layer's window start (derived
+  from its cache length; per layer, because early exit lets shallow layers run ahead) and the
+  attention pattern among the new tokens travel in one small int64 ``meta`` buffer, copied from
+  pinned host memory without a host sync. The host keeps the authoritative per-layer lengths
+  (``KVCache.lengths``), so rollback stays O(1) and needs no device work.
+- **Attention over the cache capacity with a length mask** instead of slicing ``[:length]``: every
+  query sees slots before its layer's window, plus the window slots its mask allows.
+- **Row buckets.** T tokens are padded up to a bucket (1, 2, 4, 8, 16, 32). Padded rows attend
+  only to the prefix and themselves, and no real row attends to them, so they never change the
+  real rows' results; they write K/V in slots past the new length, which the host length marks as
+  free (the cache after rollback is as if unpadded).
+- **One graph per shape and layer span**: verification over layers [E, L) per bucket, draft steps
+  through layers [0, E) + final norm + LM head (one per E), skip-plan forwards (one per plan; plans
+  live in a small LRU cache, and a key is captured only when it is used a second time, so SWIFT's
+  optimiser, which tries many plans once each, does not capture a graph per trial).
+
+``StaticExecutor(capture=False)`` runs these forwards eagerly (on any device; tests use it on CPU to
+check they equal the eager path). With ``capture=True`` (CUDA) each forward is warmed up on a side
+stream, captured with ``torch.cuda.graph`` and replayed; if capture fails the runner warns once and
+falls back to its eager path.
+
+Host syncs: a draft step and a verification forward make none (inputs are copied device-to-device
+or from pinned memory; outputs are cloned on the device). The engine then reads the accepted
+tokens once per verification. A confidence-stopped draft chain (``--confidence`` > 0) must read
+each draft token's probability to decide whether to go on, one sync per drafted token: the GPU
+drains its queue each time, which costs roughly one kernel-launch latency plus the idle time of
+the next launch (tens of microseconds per token), small next to a forward that is not captured
+but a noticeable share of a captured one on a small model.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+from weakref import WeakKeyDictionary
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from infer.plan import LayerPlan
+    from infer.runner import KVCache, Runner
+
+BUCKETS = (1, 2, 4, 8, 16, 32)
+"""Row counts a static forward is padded up to; larger calls run eagerly."""
+MAX_SPANS = 48
+"""Static forwards (and graphs) kept per cache, least recently used dropped first."""
+CAPTURE_AFTER = 2
+"""A forward shape is captured on its second use (the first runs uncaptured)."""
+
+
+@dataclass(frozen=True)
+class SpanKey:
+    """Everything that fixes a static forward's shapes and kernels."""
+
+    rows: int
+    """Bucket: the padded row count."""
+    extra: int
+    """Window columns before the new rows' own slots (W - T for a (T, W) mask; 0 = causal)."""
+    start: int
+    """First layer."""
+    split: int
+    """Layers [start, split) run exactly; [split, end) under the plan."""
+    end: int
+    """One past the last layer."""
+    plan: tuple | None
+    """(skipped attention layers, skipped MLP layers) of the plan, sorted; None = no plan."""
+    logits: bool
+    """Whether the final norm and LM head run."""
+
+
+def bucket(rows: int, buckets: tuple[int, ...] = BUCKETS) -> int | None:
+    """Smallest bucket holding ``rows`` (None when none does)."""
+    return next((b for b in buckets if b >= rows), None)
+
+
+def plan_key(plan: LayerPlan | None) -> tuple | None:
+    if plan is None:
+        return None
+    return tuple(sorted(plan.skip_attn)), tuple(sorted(plan.skip_mlp))
+
+
+def window_mask(rows: int, T: int, extra: int, mask: Tensor | None) -> Tensor:
+    """(rows, extra + rows) int64: which window slots each (padded) row sees.
+
+    Window column c is slot ``window_start + c``; the T real rows own columns [extra, extra + T).
+    Real rows follow ``mask`` (T, extra + T), or are causal when it is None; padded rows see themselves.
+    """
+    W = extra + rows
+    out = torch.zeros(rows, W, dtype=torch.long)  # (rows, W)
+    if mask is None:
+        out[:T, extra:extra + T] = torch.ones(T, T, dtype=torch.long).tril()
+        out[:T, :extra] = 1
+    else:
+        out[:T, :extra + T] = mask.to("cpu", torch.long)
+    pad = torch.arange(T, rows)
+    out[pad, extra + pad] = 1
+    return out
+
+
+class StaticSpan:
+    """One static forward: its input buffers, and on CUDA its captured graph and output buffers."""
+
+    def __init__(self, runner: Runner, cache: KVCache, key: SpanKey, plan: LayerPlan | None):
+        self.runner, self.cache, self.key, self.plan = runner, cache, key, plan
+        d, L = runner.spec.hidden_size, runner.num_layers
+        W = key.extra + key.rows
+        self.hidden = torch.zeros(key.rows, d, dtype=runner.dtype, device=runner.device)  # (rows, d)
+        self.meta = torch.zeros(key.rows + L + key.rows * W, dtype=torch.long, device=runner.device)
+        self.uses = 0
+        self.graph = None
+        self.outputs: tuple[Tensor, Tensor, Tensor | None] | None = None
+
+    def compute(self) -> tuple[Tensor, Tensor, Tensor | None]:
+        return static_forward(self.runner, self.cache, self.hidden, self.meta, self.key, self.plan)
+
+    def capture(self) -> None:
+        """Warm up on a side stream, then record the forward (PyTorch's documented recipe)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up writes the same K/V rows the replay will write
+                self.compute()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.outputs = self.compute()
+        self.graph = graph
+
+    def run(self, capture: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+        self.uses += 1
+        if not capture:
+            return self.compute()
+        if self.graph is None and self.uses >= CAPTURE_AFTER:
+            self.capture()
+        if self.graph is None:
+            return self.compute()
+        self.graph.replay()
+        exact, hidden, logits = self.outputs
+        # replays overwrite the output buffers: hand out copies (device-side, no sync)
+        return exact.clone(), hidden.clone(), None if logits is None else logits.clone()
+
+
+class StaticExecutor:
+    """Runs ``Runner.span`` calls as static-shape forwards, captured as CUDA graphs when ``capture``."""
+
+    def __init__(self, runner: Runner, capture: bool, buckets: tuple[int, ...] = BUCKETS):
+        self.runner, self.capture, self.buckets = runner, capture, buckets
+        self._spans: WeakKeyDictionary = WeakKeyDictionary()  # cache -> OrderedDict[SpanKey, StaticSpan]
+
+    def clear(self) -> None:
+        self._spans = WeakKeyDictionary()
+
+    def span(self, cache: KVCache, hidden: Tensor, positions: list[int], start: int, split: int, end: int,
+             plan: LayerPlan | None, mask: Tensor | None,
+             logits: bool) -> tuple[Tensor, Tensor, Tensor | None] | None:
+        """The static forward of ``Runner.span``; None when the call does not fit (run it eagerly)."""
+        T = hidden.shape[0]
+        rows = bucket(T, self.buckets)
+        extra = 0 if mask is None else mask.shape[1] - T
+        if rows is None or extra < 0:
+            return None
+        ran = self._layers_run(start, split, end, plan)
+        window_starts = [0] * self.runner.num_layers
+        for i in ran["attn"]:
+            window_starts[i] = cache.lengths[i] - extra  # window = the last extra + T slots
+            if window_starts[i] < 0 or window_starts[i] + extra + rows > cache.capacity:
+                return None  # the padded rows would not fit: let the eager path raise or run
+        key = SpanKey(rows, extra, start, split, end, plan_key(plan) if split < end else None, logits)
+        entry = self._entry(cache, key, plan if split < end else None)
+        pos = list(positions) + [positions[-1]] * (rows - T)
+        meta = torch.cat([torch.tensor(pos + window_starts, dtype=torch.long),
+                          window_mask(rows, T, extra, mask).flatten()])  # (rows + L + rows * W,)
+        if entry.meta.is_cuda:
+            meta = meta.pin_memory()
+        entry.meta.copy_(meta, non_blocking=True)
+        entry.hidden[:T].copy_(hidden)
+        try:
+            exact, out, head = entry.run(self.capture)
+        except RuntimeError as e:
+            if not self.capture:
+                raise
+            self.runner.fall_back_to_eager(str(e).splitlines()[0] if str(e) else type(e).__name__)
+            return None
+        self._account(cache, ran, T, logits)
+        return exact[:T], out[:T], None if head is None else head[:T]
+
+    def _entry(self, cache: KVCache, key: SpanKey, plan: LayerPlan | None) -> StaticSpan:
+        spans = self._spans.setdefault(cache, OrderedDict())
+        entry = spans.get(key)
+        if entry is None or entry.cache is not cache:
+            entry = spans[key] = StaticSpan(self.runner, cache, key, plan)
+            while len(spans) > MAX_SPANS:
+                spans.popitem(last=False)
+        spans.move_to_end(key)
+        return entry
+
+    def _layers_run(self, start: int, split: int, end: int, plan: LayerPlan | None) -> dict[str, list[int]]:
+        skip_attn = plan.skip_attn if plan is not None else ()
+        skip_mlp = plan.skip_mlp if plan is not None else ()
+        attn = [i for i in range(start, end) if i < split or i not in skip_attn]
+        mlp = [i for i in range(start, end) if i < split or i not in skip_mlp]
+        return {"attn": attn, "mlp": mlp}
+
+    def _account(self, cache: KVCache, ran: dict[str, list[int]], T: int, logits: bool) -> None:
+        """Host-side bookkeeping the eager path does inside its loop: lengths and counters."""
+        counters = self.runner.counters
+        for i in ran["attn"]:
+            cache.lengths[i] += T
+        for i in sorted(set(ran["attn"]) | set(ran["mlp"])):
+            counters.layer_tokens[i] += T
+        if logits:
+            counters.lm_head_tokens += T
+
+
+def static_forward(runner: Runner, cache: KVCache, hidden: Tensor, meta: Tensor, key: SpanKey,
+                   plan: LayerPlan | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The padded forward itself: only device tensors and Python constants, so it can be captured."""
+    rows, L = key.rows, runner.num_layers
+    W = key.extra + rows
+    positions = meta[:rows]  # (rows,)
+    window_starts = meta[rows:rows + L]  # (L,)
+    window = meta[rows + L:].view(rows, W).bool()  # (rows, W)
+    cos = runner._cos[positions][:, None]  # (rows, 1, D)
+    sin = runner._sin[positions][:, None]  # (rows, 1, D)
+    slots = torch.arange(cache.capacity, device=hidden.device)  # (C,)
+    skip_attn = set(plan.skip_attn) if plan is not None else set()
+    skip_mlp = set(plan.skip_mlp) if plan is not None else set()
+    exact = hidden
+    for i in range(key.start, key.end):
+        if i == key.split:
+            exact = hidden
+        planned = i >= key.split
+        if not (planned and i in skip_attn):
+            hidden = _attention(runner, cache, i, hidden, cos, sin, window_starts[i], key.extra, window, slots)
+        if not (planned and i in skip_mlp):
+            hidden = runner._mlp(runner.layers[i], hidden)
+    if key.split >= key.end:
+        exact = hidden
+    return exact, hidden, runner.head(hidden) if key.logits else None
+
+
+def _attention(runner: Runner, cache: KVCache, i: int, hidden: Tensor, cos: Tensor, sin: Tensor,
+               window_start: Tensor, extra: int, window: Tensor, slots: Tensor) -> Tensor:
+    """Layer i's attention over the whole cache capacity, masked by each row's visible slots."""
+    s = runner.spec
+    rows, W = window.shape
+    q, k, v = runner.qkv_rope(i, hidden, cos, sin)  # (Hq, rows, D), (Hkv, rows, D), (Hkv, rows, D)
+    write = window_start + extra + torch.arange(rows, device=hidden.device)  # (rows,)
+    cache.k[i].index_copy_(1, write, k)  # into (Hkv, C, D)
+    cache.v[i].index_copy_(1, write, v)
+    rel = slots - window_start  # (C,): slot index relative to the window
+    inside = (rel >= 0) & (rel < W)  # (C,)
+    visible = (window[:, rel.clamp(0, W - 1)] & inside) | (rel < 0)  # (rows, C)
+    out = F.scaled_dot_product_attention(
+        q[None], cache.k[i][None], cache.v[i][None], attn_mask=visible,
+        enable_gqa=s.num_heads != s.num_kv_heads)  # (1, Hq, rows, D)
+    out = out[0].transpose(0, 1).reshape(rows, s.num_heads * s.head_dim)  # (rows, Hq D)
+    return hidden + runner.layers[i].o(out)

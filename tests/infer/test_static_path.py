@@ -1,0 +1,170 @@
+"""The static-shape executor (device-side positions and lengths, capacity-wide attention with a length
+mask, row buckets) equals the eager path: token for token for every drafter, and cache for cache after
+a padded verification and its rollback."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from core.errors import UserError
+from infer.drafters import build_drafter
+from infer.drafters.base import Draft
+from infer.engine import Engine, GenerationConfig
+from infer.graphs import bucket, window_mask
+from infer.plan import LayerPlan, PlanFile
+from infer.runner import Runner
+from tiny_models import make_model
+
+PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 250, 17], [42] * 12 + [7, 8]]
+L = 6
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model("llama", seed=0, layers=L)
+
+
+@pytest.fixture(scope="module")
+def eager(model):
+    return Runner.from_model(model, executor="eager")
+
+
+@pytest.fixture(scope="module")
+def static(model):
+    return Runner.from_model(model, executor="static")
+
+
+def _plan_path(runner, tmp_path, name, plan):
+    path = tmp_path / f"{name}.json"
+    PlanFile(plan, runner.identity(), task="test").save(path)
+    return str(path)
+
+
+def _drafters(runner, tmp_path):
+    plan = LayerPlan(L, frozenset({2, 4}), frozenset({3}))
+    return [
+        ("autoregressive", {}),
+        ("early_exit", {"exit_layer": 2, "num_draft": 4}),
+        ("early_exit", {"exit_layer": 5, "num_draft": 3, "confidence": 0.3}),
+        ("early_exit", {"exit_layer": L, "num_draft": 8}),  # T = 9: a 16-row bucket
+        ("self_sd", {"plan": _plan_path(runner, tmp_path, "sd", plan)}),
+        ("swift", {"plan": _plan_path(runner, tmp_path, "sw", plan), "tree": True, "fallback": False,
+                   "context_window": 8, "opt_budget": 0.95, "opt_seed": 0}),
+    ]
+
+
+def _run(runner, name, options, prompt, n=32):
+    engine = Engine(runner, build_drafter(name, runner, options))
+    return engine.generate(prompt, GenerationConfig(max_new_tokens=n))
+
+
+def test_static_equals_eager_for_every_drafter(eager, static, tmp_path):
+    assert (eager.executor, static.executor) == ("eager", "static")
+    for prompt in PROMPTS:
+        ref = _run(eager, "autoregressive", {}, prompt).tokens
+        for name, options in _drafters(eager, tmp_path):
+            a = _run(eager, name, options, prompt)
+            b = _run(static, name, options, prompt)
+            assert b.tokens == a.tokens == ref, (name, options, prompt)
+            if name != "swift":  # SWIFT's optimiser times itself, so its acceptance may differ run to run
+                assert (b.stats.drafted, b.stats.accepted) == (a.stats.drafted, a.stats.accepted), (name, options)
+
+
+def test_static_executor_runs_the_decoding_forwards(static):
+    res = _run(static, "early_exit", {"exit_layer": 3, "num_draft": 3}, PROMPTS[0], n=12)
+    spans = [key for cache_spans in static.static._spans.values() for key in cache_spans]
+    assert res.stats.verify_calls > 0
+    assert any(k.start == 0 and k.end == 3 and k.logits and k.rows == 1 for k in spans)  # draft steps
+    assert any(k.start == 3 and k.end == L and k.logits and k.rows == 4 for k in spans)  # verification of 4
+
+
+@dataclass
+class ScriptedDrafter:
+    """Proposes a fixed chain or tree (tests of one verification)."""
+
+    tokens: list[int]
+    parents: list[int] | None
+    name = "scripted"
+    lookahead = 32
+
+    def start(self, state):
+        pass
+
+    def propose(self, state):
+        return Draft(torch.tensor(self.tokens), parents=self.parents)
+
+    def update(self, state, outcome):
+        pass
+
+    def stats(self):
+        return {}
+
+
+def _verify_once(runner, tokens, parents, prompt):
+    engine = Engine(runner, ScriptedDrafter(tokens, parents))
+    gen = engine.start(prompt, GenerationConfig(max_new_tokens=20))
+    outcome = engine.step(gen)
+    n = gen.state.n
+    cache = gen.state.cache
+    return outcome, n, list(cache.lengths), cache.k[:, :, :n].clone(), cache.v[:, :, :n].clone()
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_padded_verification_equals_unpadded(model, eager, shape):
+    """Verifying T = 3 in a 4-row bucket: same tokens, acceptance and cache (after rollback) as unpadded."""
+    prompt = PROMPTS[2]
+    ref = _run(eager, "autoregressive", {}, prompt, n=6).tokens  # ref[0] is the pending token
+    wrong = (ref[2] + 1) % 320
+    if shape == "chain":
+        tokens, parents = [ref[1], wrong], None  # first accepted, second rejected
+    else:
+        tokens, parents = [wrong, ref[1]], [0, 0]  # two siblings: the second is right
+    padded = Runner.from_model(model, executor="static")
+    unpadded = Runner.from_model(model, executor="static")
+    unpadded.static.buckets = tuple(range(1, 33))  # every T is its own bucket: no padding
+    assert bucket(3) == 4
+    results = [_verify_once(r, tokens, parents, prompt) for r in (padded, unpadded, eager)]
+    (o1, n1, len1, k1, v1), (o2, n2, len2, k2, v2), (o3, n3, len3, k3, v3) = results
+    assert o1.tokens == o2.tokens == o3.tokens == ref[1:3]
+    assert o1.path == o2.path == o3.path and o1.accepted == 1
+    assert n1 == n2 == n3 and len1 == len2 == len3 == [n1] * L
+    # padded rows are masked out; only the attention kernel's rounding may depend on the row count
+    torch.testing.assert_close(k1, k2, atol=1e-5, rtol=0)
+    torch.testing.assert_close(v1, v2, atol=1e-5, rtol=0)
+    torch.testing.assert_close(k1, k3, atol=1e-5, rtol=0)  # and the static path matches the eager one
+    torch.testing.assert_close(v1, v3, atol=1e-5, rtol=0)
+
+
+def test_window_mask_padded_rows_see_only_themselves():
+    m = window_mask(4, 3, 0, None)  # chain of 3 in a 4-row bucket
+    assert m.tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 1]]
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    sub = window_mask(2, 1, 2, tree[2:, :])  # one fresh row behind two earlier window slots
+    assert sub.tolist() == [[1, 0, 1, 0], [0, 0, 0, 1]]
+
+
+def test_span_falls_back_to_eager_when_the_bucket_does_not_fit(model, eager):
+    """A 3-token span whose 4-row bucket would run past the cache capacity still runs (eagerly) and agrees."""
+    static = Runner.from_model(model, executor="static")
+    ids = torch.tensor(PROMPTS[0] + [11, 12, 13])
+    outs = []
+    for runner in (static, eager):
+        cache = runner.new_cache(8)  # 5 prompt + 3 new = 8: the padded 4th row has no slot
+        runner.forward_layers(cache, runner.embed(ids[:5]), torch.arange(5))
+        out = runner.span(cache, runner.embed(ids[5:]), [5, 6, 7], 0, L, logits=True)
+        assert cache.lengths == [8] * L
+        outs.append(out.logits)
+    assert not static.static._spans or not any(static.static._spans.values())  # nothing static was built
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+
+
+def test_executor_option_errors(model, monkeypatch):
+    with pytest.raises(UserError, match="unknown executor"):
+        Runner.from_model(model, executor="fast")
+    with pytest.raises(UserError, match="CUDA"):
+        Runner.from_model(model, executor="graphs")  # CPU runner
+    monkeypatch.setenv("LAYERSKIP_EXECUTOR", "static")
+    assert Runner.from_model(model).executor == "static"
+    monkeypatch.delenv("LAYERSKIP_EXECUTOR")
+    assert Runner.from_model(model).executor == "eager"  # CPU default: the eager path stays
