@@ -9,7 +9,10 @@ The search space is the 2L binary choices "skip attention / MLP of layer l". Two
 - ``model`` (alias ``acceptance``): a noise-free expected speed-up. The full model's greedy
   continuation of each calibration prompt is computed once; each plan is then run once,
   teacher-forced, over those continuations (one masked parallel forward per prompt) giving
-  per-position agreement with the full model and the draft's top-1 probability. A replay of
+  per-position agreement with the full model and the draft's top-1 probability. Each position
+  is drafted as a real draft is after a verification: it attends to the full model's exact KV of
+  every earlier (verified) token and to its own draft-mode KV (a draft deeper in a chain would
+  also see the chain's earlier draft-mode rows; the replay ignores that). A replay of
   chain drafting over these vectors (draft k, stop below a confidence gamma, accept the
   matching prefix + one bonus token) gives tokens per cycle; the cycle cost is k·c + v(k+1),
   c the draft forward cost and v(T) the cost of verifying T tokens, both relative to one full
@@ -456,6 +459,7 @@ class ModelObjective:
         from infer.drafters.skipping import window_mask
 
         self.runner, self.cost = runner, cost
+        self.draft_masks: dict[int, torch.Tensor] = {}
         self.ks = [k for k in K_GRID if k < max_draft] + [max_draft]
         self.items = []
         L = runner.num_layers
@@ -484,13 +488,23 @@ class ModelObjective:
         r = self.runner
         agree, top1 = [], []
         E = plan.exact_prefix
-        for cache, n, inputs, positions, mask, target in self.items:
+        for cache, n, inputs, positions, _, target in self.items:
+            mask = self._draft_mask(len(positions))  # (w, 2w)
             hidden = r.forward_layers(cache, inputs[E], positions, E, r.num_layers, plan=plan, mask=mask)  # (w, d)
             cache.rollback(n)
             p, arg = torch.softmax(r.logits(hidden), -1).max(-1)  # (w,), (w,)
             agree.append((arg == target).tolist())  # [i]: the draft predicts continuation token i
             top1.append(p.tolist())
         return agree, top1
+
+    def _draft_mask(self, w: int) -> torch.Tensor:
+        """(w, 2w): window token i sees the exact rows of the window tokens before it and its own draft row."""
+        if w not in self.draft_masks:
+            device = self.runner.device
+            earlier = torch.ones(w, w, dtype=torch.bool, device=device).tril(-1)  # exact rows [s, s + i)
+            own = torch.eye(w, dtype=torch.bool, device=device)  # the draft-mode row it writes itself
+            self.draft_masks[w] = torch.cat([earlier, own], dim=1)
+        return self.draft_masks[w]
 
     def __call__(self, plan: LayerPlan) -> tuple[float, dict]:
         agree, top1 = self.agreement(plan)

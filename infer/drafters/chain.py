@@ -49,34 +49,40 @@ class ChainResult:
     """The proposed chain (possibly empty, still carrying the exact hidden states it computed)."""
     dists: list[Tensor] = field(default_factory=list)
     """(1, V) distribution each drafted position was chosen from (softmax, or the sampling q)."""
-    top1: list[float] = field(default_factory=list)
-    """Draft top-1 probability at every forward (including the one that stopped the chain)."""
+    confidence: list[float] = field(default_factory=list)
+    """Draft confidence at every forward (including the one that stopped the chain): the draft's softmax
+    probability of the token it chose there (the top-1 probability when greedy, the sampled token's when
+    sampling, as SWIFT's and Self-SD's code do)."""
     forwards: int = 0
+    stopped: bool = False
+    """The last forward fell below the confidence threshold (rather than the length cap ending the chain)."""
 
 
 def draft_chain(state: DecodeState, forward, max_draft: int, confidence: float = 0.0,
                 keep_last: bool = False) -> ChainResult:
     """Draft up to ``max_draft`` tokens after the pending one; stop early below ``confidence``.
 
-    A token whose draft top-1 probability is under ``confidence`` ends the chain; it is proposed
-    only with ``keep_last`` (SWIFT verifies that last, uncertain position with many candidates).
+    A token whose draft probability (of the token chosen: the argmax when greedy, the sampled one
+    when sampling) is under ``confidence`` ends the chain; it is proposed only with ``keep_last``
+    (Self-SD proposes it; SWIFT verifies that last, uncertain position with many candidates).
     Greedy decoding proposes the argmax; sampling draws from the processed draft distribution q.
     """
     runner = state.runner
     greedy = state.sampling.greedy
     k = min(max_draft, state.budget - 1)
     token = torch.tensor([state.pending], device=runner.device)  # (1,)
-    hiddens, tokens, dists, top1 = [], [], [], []
+    hiddens, tokens, dists, conf = [], [], [], []
+    stop = False
     for i in range(max(k, 0)):
         exact, logits = forward(state.cache, token, state.n + i)  # (1, d), (1, V)
         hiddens.append(exact)
         soft = torch.softmax(logits, -1)  # (1, V)
         q = soft if greedy else probs_from_logits(logits, state.sampling)  # (1, V)
-        top1.append(float(soft.max()))
-        stop = top1[-1] < confidence
+        token = logits.argmax(-1) if greedy else sample(q, state.generator)  # (1,)
+        conf.append(float(soft[0, token[0]]))
+        stop = conf[-1] < confidence
         if stop and not keep_last:
             break
-        token = logits.argmax(-1) if greedy else sample(q, state.generator)  # (1,)
         tokens.append(token)
         dists.append(q)
         if stop:
@@ -86,4 +92,4 @@ def draft_chain(state: DecodeState, forward, max_draft: int, confidence: float =
     draft = Draft(tokens=torch.cat(tokens) if tokens else torch.empty(0, dtype=torch.long, device=runner.device),
                   q=None if greedy or not dists else torch.cat(dists), exact_layers=forward.exact_layers,
                   hidden=torch.cat(hiddens))
-    return ChainResult(draft, dists, top1, len(hiddens))
+    return ChainResult(draft, dists, conf, len(hiddens), stop)

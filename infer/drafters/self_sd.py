@@ -7,12 +7,16 @@ generation (the paper's §3.3 "adaptive draft-exiting"; defaults from its refere
 
     acc   <- b1 * acc + (1 - b1) * accepted / drafted          (smoothed acceptance, acc_0 = 0)
     g'    =  gamma + eps   if acc < alpha                        (too many rejections: draft less)
-             gamma         if acc >= alpha and the draft was not stopped by gamma
+             gamma         if acc >= alpha and the chain drafted all k tokens
              gamma - eps   otherwise                             (drafts are good: draft more)
     gamma <- b2 * gamma + (1 - b2) * g'
 
 with alpha = 0.9, eps = 0.01, b1 = 0.5, b2 = 0.9, gamma_0 = 0.8 and at most 12 drafts. As in the
 reference code, the token whose confidence falls below gamma is still proposed and ends the chain.
+Like the reference (``decoding.py``), the middle case looks only at the chain's length: a chain
+that drafted all k tokens keeps gamma even when its last token fell below gamma, and a chain
+cut short by the token budget lowers it like one stopped by gamma. The confidence is the draft's
+probability of the token it proposes: its top-1 when greedy, the sampled token's when sampling.
 
 The layers before the first layer with a skipped sublayer (``plan.exact_prefix``) compute exactly
 what the full model does, so their KV and hidden states are handed to verification; every row the
@@ -94,17 +98,17 @@ class AdaptiveThreshold:
         self.acceptance = 0.0  # smoothed acceptance rate; the reference code starts it at 0
         self.updates = 0
 
-    def update(self, accepted: int, drafted: int, stopped_by_threshold: bool) -> None:
+    def update(self, accepted: int, drafted: int) -> None:
         c = self.config
         if not c.adapt_confidence or drafted == 0:
             return
         self.acceptance = c.acceptance_momentum * self.acceptance + (1 - c.acceptance_momentum) * accepted / drafted
         if self.acceptance < c.target_acceptance:
             proposal = self.value + c.confidence_step
-        elif stopped_by_threshold:
-            proposal = self.value - c.confidence_step
-        else:  # drafts pass and the chain already ran to its length limit: nothing to gain by lowering
+        elif drafted >= c.num_draft:  # drafts pass and the chain already ran to k: nothing to gain by lowering
             proposal = self.value
+        else:  # drafts pass but the chain ended early (threshold or token budget): draft more
+            proposal = self.value - c.confidence_step
         value = c.confidence_momentum * self.value + (1 - c.confidence_momentum) * proposal
         self.value = min(max(value, 0.0), 1.0)  # a probability threshold; the reference code does not clamp
         self.updates += 1
@@ -139,7 +143,6 @@ class SelfSDDrafter:
         self.forward = PlanForward(runner, plan)
         self.threshold = AdaptiveThreshold(config)
         self.forwards = 0
-        self._stopped = False
 
     @property
     def lookahead(self) -> int:
@@ -148,18 +151,16 @@ class SelfSDDrafter:
     def start(self, state: DecodeState) -> None:
         self.threshold = AdaptiveThreshold(self.config)  # per generate call, as in the reference code
         self.forwards = 0
-        self._stopped = False
 
     def propose(self, state: DecodeState) -> Draft | None:
         # Like Self-SD, the token whose confidence falls below the threshold is still proposed
         # (one more verified row costs far less than the draft forward already spent) and ends the chain.
         chain = draft_chain(state, self.forward, self.config.num_draft, self.threshold.value, keep_last=True)
         self.forwards += chain.forwards
-        self._stopped = bool(chain.top1) and chain.top1[-1] < self.threshold.value
         return chain.draft if chain.forwards else None
 
     def update(self, state: DecodeState, outcome: VerifyOutcome) -> None:
-        self.threshold.update(outcome.accepted, outcome.drafted, self._stopped)
+        self.threshold.update(outcome.accepted, outcome.drafted)
 
     def stats(self) -> dict:
         return {"draft_forwards": self.forwards, "confidence": round(self.threshold.value, 4),

@@ -11,6 +11,10 @@ Beyond the paper: the drafter measures its own tokens/s in drafting and in plain
 falls back to plain steps while drafting does not pay, re-checking later; optimisation time is
 capped at a fraction of decoding time (a larger share while drafting pays than while it does
 not), so ``swift`` stays close to ``autoregressive`` on models without exploitable redundancy.
+
+``paper=true`` turns all of that off and runs exactly the paper's settings: no fallback, no
+optimisation budget (an optimisation step after every verification until a stop criterion),
+and the paper's tree widths at every depth with no cap on the number of tree nodes.
 """
 
 from __future__ import annotations
@@ -72,6 +76,9 @@ class SwiftConfig:
     """Write the best plan found to this JSON file (self_sd-compatible) after every prompt."""
     opt_seed: int = 0
     """Seed of the random search and the optuna sampler."""
+    paper: bool = False
+    """Exactly the paper's SWIFT: no fallback, no optimisation budget, the paper's tree widths with no node cap
+    (overrides fallback, opt-budget, fallback-opt-budget and max-tree-nodes)."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -174,7 +181,8 @@ class SwiftDrafter:
         self.optimising = cfg.max_opt_steps > 0
         self.stop_reason = ""
         self.forward = PlanForward(runner, self.best)
-        self.gate = FallbackGate(cfg.recheck_interval, enabled=cfg.fallback)
+        self.fallback = cfg.fallback and not cfg.paper
+        self.gate = FallbackGate(cfg.recheck_interval, enabled=self.fallback)
         self.draft_forward, self.verify = Rate(), Rate()  # forwards per second, verifications per second
         self.score_at_probe = -1.0
         self.opt_time_total = 0.0
@@ -197,7 +205,13 @@ class SwiftDrafter:
 
     @property
     def lookahead(self) -> int:
-        return max(self.config.max_tree_nodes, self.config.max_draft) + self.config.context_window + 2
+        return max(self.tree_nodes, self.config.max_draft) + self.config.context_window + 2
+
+    @property
+    def tree_nodes(self) -> int:
+        """Most drafted tree nodes per verification (paper mode: a full tree of the widest width)."""
+        cfg = self.config
+        return cfg.max_draft * max(GREEDY_WIDTHS + SAMPLING_WIDTHS) if cfg.paper else cfg.max_tree_nodes
 
     def start(self, state: DecodeState) -> None:
         self.window: tuple[int, int] | None = None
@@ -249,12 +263,12 @@ class SwiftDrafter:
         m = draft.size
         greedy = state.sampling.greedy
         widths = GREEDY_WIDTHS if greedy else SAMPLING_WIDTHS
-        room = self.config.max_tree_nodes - m
+        room = self.tree_nodes - m
         extra_tok, extra_parent = [], []
         for depth in range(m):
             if room <= 0:
                 break
-            p1 = chain.top1[depth]
+            p1 = chain.confidence[depth]  # top-1 when greedy, the sampled token's probability when sampling
             width = next((w for t, w in zip(WIDTH_THRESHOLDS, widths, strict=False) if p1 > t), widths[-1])
             dist = chain.dists[depth][0]  # (V,)
             chosen = int(draft.tokens[depth])
@@ -288,6 +302,8 @@ class SwiftDrafter:
     # -------------------------------------------------------------- optimisation
     def _within_budget(self) -> bool:
         """Optimisation may use at most a budgeted share of this drafter's own decode + optimisation time."""
+        if self.config.paper:
+            return True
         budget = self.config.opt_budget if self.mode == "draft" or self.drafting.cycles < self.PROBE \
             else self.config.fallback_opt_budget
         return self.opt_time_total <= budget * (self.decode_time + self.opt_time_total)
@@ -327,7 +343,7 @@ class SwiftDrafter:
     def _choose_mode(self) -> None:
         """Draft while it is measurably faster than plain decoding; otherwise decode plainly and re-check,
         sooner when the optimiser has found a plan the cost model expects to pay."""
-        if not self.config.fallback:
+        if not self.fallback:
             return
         predicted = None
         early = False

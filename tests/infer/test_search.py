@@ -10,11 +10,9 @@ import torch
 
 from core.errors import UserError
 from infer.cli import main
-from infer.drafters.base import DecodeState
-from infer.drafters.skipping import matchness
+from infer.drafters.chain import PlanForward
 from infer.plan import LayerPlan, PlanFile
 from infer.runner import Runner
-from infer.sampling import SamplingConfig
 from infer.search import (
     ModelObjective,
     PlanSpace,
@@ -144,22 +142,27 @@ def calibration(runner):
     return calibration_set(runner, PROMPTS, 20)
 
 
-def test_teacher_forced_agreement_matches_the_shared_matchness(runner, calibration):
+def test_teacher_forced_agreement_is_a_draft_on_exact_kv(runner, calibration):
+    """Each position is scored as a real draft after a verification: exact KV for every earlier token."""
     objective = ModelObjective(runner, calibration, weights_cost(runner, 5), 4)
     rng = random.Random(0)
-    plans = [LayerPlan.full(6), LayerPlan(6, frozenset({0}))] + [
+    plans = [LayerPlan.full(6), LayerPlan(6, frozenset({0})), LayerPlan(6, frozenset({1, 2, 4}), frozenset({3}))] + [
         LayerPlan.from_mask([rng.random() < 0.3 for _ in range(6)], [rng.random() < 0.3 for _ in range(6)])
-        for _ in range(5)]
+        for _ in range(3)]
+    item = calibration[0]
+    seq = item.prompt + item.continuation
+    n, w = len(seq) - 1, len(item.continuation)
     for plan in plans:
         agree, top1 = objective.agreement(plan)
-        for item, a, p in zip(calibration, agree, top1, strict=True):
-            seq = item.prompt + item.continuation
+        assert len(agree[0]) == len(top1[0]) == w and all(0 < x <= 1 for x in top1[0])
+        for i in (0, w // 2, w - 1):  # window position i drafts seq[n - w + i] -> seq[n - w + i + 1]
+            pos = n - w + i
             cache = runner.new_cache(128)
-            n = len(seq) - 1
-            runner.forward(cache, torch.tensor(seq[:n]))
-            state = DecodeState(runner, cache, SamplingConfig(), torch.Generator(), seq, len(item.prompt), n=n)
-            assert sum(a) / len(a) == pytest.approx(matchness(state, [plan], len(item.continuation))[0])
-            assert len(a) == len(p) == len(item.continuation) and all(0 < x <= 1 for x in p)
+            runner.forward(cache, torch.tensor(seq[:pos]))  # the verified context, exact in every layer
+            _, logits = PlanForward(runner, plan)(cache, torch.tensor([seq[pos]]), pos)  # (1, V)
+            p, arg = torch.softmax(logits, -1).max(-1)
+            assert top1[0][i] == pytest.approx(float(p), abs=1e-5)
+            assert agree[0][i] == (int(arg) == seq[pos + 1])
     assert all(all(a) for a in objective.agreement(LayerPlan.full(6))[0])
 
 

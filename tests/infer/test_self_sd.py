@@ -10,6 +10,7 @@ from lossless_stats import P_THRESHOLD, sampling_pvalue
 from core.errors import UserError
 from infer.cli import main
 from infer.drafters import build_drafter, parse_spec
+from infer.drafters.base import DecodeState, Draft, VerifyOutcome
 from infer.drafters.chain import PlanForward
 from infer.drafters.self_sd import AdaptiveThreshold, SelfSDConfig, SelfSDDrafter
 from infer.engine import Engine, GenerationConfig
@@ -217,20 +218,49 @@ def test_draft_step_is_exactly_the_plan(runner, plan):
 # --------------------------------------------------------------------------- adaptive threshold
 def test_threshold_rule_follows_self_sd():
     t = AdaptiveThreshold(SelfSDConfig.in_memory())
-    t.update(accepted=0, drafted=4, stopped_by_threshold=True)  # acc 0 < 0.9: raise by eps, smoothed
+    t.update(accepted=0, drafted=4)  # acc 0 < 0.9: raise by eps, smoothed
     assert t.acceptance == 0.0 and t.value == pytest.approx(0.9 * 0.8 + 0.1 * 0.81)
     for _ in range(10):
-        t.update(4, 4, stopped_by_threshold=True)
+        t.update(4, 4)
     assert t.acceptance > 0.9
     high = t.value
-    t.update(4, 4, stopped_by_threshold=True)  # good drafts that stopped early: lower the threshold
+    t.update(4, 4)  # good drafts that ended before k: lower the threshold
     assert t.value == pytest.approx(0.9 * high + 0.1 * (high - 0.01))
     same = t.value
-    t.update(12, 12, stopped_by_threshold=False)  # good drafts that ran to k: keep it
+    t.update(12, 12)  # good drafts that ran to k: keep it
     assert t.value == pytest.approx(same)
     fixed = AdaptiveThreshold(SelfSDConfig.in_memory(adapt_confidence=False, confidence=0.3))
-    fixed.update(0, 5, True)
+    fixed.update(0, 5)
     assert fixed.value == 0.3 and fixed.updates == 0
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_threshold_edge_cases_follow_the_reference_code(runner, k):
+    """decoding.py decides by the chain's length alone: k drafts keep gamma, fewer (budget cut) lower it."""
+    d = drafter(runner, LayerPlan(L, frozenset({3})), num_draft=k)
+    cache = runner.new_cache(64)
+    prompt = PROMPTS[0]
+    runner.forward(cache, torch.tensor(prompt[:-1]))
+    state = DecodeState(runner, cache, SamplingConfig(), torch.Generator(), list(prompt), len(prompt),
+                        n=len(prompt) - 1)
+    d.start(state)
+
+    def cycle(gamma: float, budget: int) -> tuple[Draft, float]:
+        d.threshold.acceptance, d.threshold.value = 1.0, gamma  # drafts have been passing
+        state.budget = budget
+        draft = d.propose(state)
+        cache.rollback(state.n)
+        d.update(state, VerifyOutcome(draft, list(range(draft.size + 1)), [], state.n))
+        return draft, d.threshold.value
+
+    draft, gamma = cycle(0.999, budget=100)  # the first token falls below gamma and ends the chain
+    assert draft.size == 1
+    assert gamma == pytest.approx(0.999) if k == 1 else gamma < 0.999  # k reached (k = 1): kept; else lowered
+    draft, gamma = cycle(0.001, budget=100)  # nothing falls below: the chain runs to k and keeps gamma
+    assert draft.size == k and gamma == pytest.approx(0.001)
+    if k > 2:
+        draft, gamma = cycle(0.001, budget=3)  # the token budget cuts the chain to 2 drafts: lowered
+        assert draft.size == 2 and gamma < 0.001
 
 
 def test_threshold_adapts_during_generation_and_stats_are_per_call(runner):

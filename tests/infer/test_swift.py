@@ -201,3 +201,26 @@ def test_cost_model_prediction(runner):
     expected = max(expected_speedup_iid(0.8, k, 0.25) for k in range(1, 5))
     assert drafter.predicted_speedup(0.8) == pytest.approx(expected)
     assert drafter.predicted_speedup(0.0) == pytest.approx(1 / 1.25)  # k = 1 is best when nothing is accepted
+
+
+def test_paper_mode_has_no_budget_no_cap_and_no_fallback(runner):
+    """swift:paper=true is the paper's SWIFT: the tree is not capped, optimisation has no budget, no fallback."""
+    drafter = build_drafter("swift", runner, {"paper": "true", "confidence": 0.0, "max_draft": 4,
+                                              "context_window": 8})
+    assert drafter.gate.mode == "draft" and not drafter.gate.enabled
+    drafter.opt_time_total, drafter.decode_time = 100.0, 1.0  # far over any budget
+    assert drafter._within_budget()
+    sizes = []
+    propose = drafter.propose
+
+    def record(state):
+        draft = propose(state)
+        sizes.append(0 if draft is None else draft.size)
+        return draft
+
+    drafter.propose = record
+    res = Engine(runner, drafter).generate(PROMPTS[0], GenerationConfig(max_new_tokens=48))
+    assert res.tokens == reference(runner, PROMPTS[0])
+    assert max(sizes) > 12  # more nodes than the default cap of 12 (4 chain nodes + their siblings)
+    cycles = res.stats.verify_calls
+    assert drafter.opt_steps >= cycles - 8 - 1  # an optimisation step after every verification once γ tokens exist
