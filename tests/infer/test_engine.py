@@ -6,10 +6,9 @@ import pytest
 import torch
 
 from infer.drafters import build_drafter
-from infer.drafters.base import DecodeState, Draft
+from infer.drafters.base import Draft
 from infer.engine import Engine, GenerationConfig
 from infer.runner import Runner
-from infer.sampling import SamplingConfig
 from tiny_models import make_model
 
 PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 250, 17], [42] * 12 + [7, 8]]
@@ -68,18 +67,30 @@ def test_adaptive_early_exit_is_lossless_over_a_stream(runner, E):
     assert drafted > 0 and plain > 0  # both modes were exercised
 
 
-def test_adaptive_early_exit_falls_back_when_drafting_cannot_pay(runner, monkeypatch):
-    import time
+class FakeClock:
+    """perf_counter() that advances 1 ms per call, plus whatever a test adds."""
 
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 0.001
+        return self.now
+
+
+def test_adaptive_early_exit_falls_back_when_drafting_cannot_pay(runner, monkeypatch):
+    from infer.drafters import early_exit
     from infer.drafters.early_exit import EarlyExitDrafter
     from infer.drafters.gate import FallbackGate
 
+    clock = FakeClock()
+    monkeypatch.setattr(early_exit, "time", clock)  # the gate's timings, without sleeping
     fast_propose = EarlyExitDrafter.propose
 
     def slow(self, state):
         draft = fast_propose(self, state)
         if draft is not None:
-            time.sleep(0.02)  # drafting far slower than a plain step
+            clock.now += 0.02  # drafting far slower than a plain step
         return draft
 
     monkeypatch.setattr(EarlyExitDrafter, "propose", slow)
@@ -137,23 +148,38 @@ def test_stop_strings():
         assert res.tokens == plain.tokens[:expect]
 
 
-def _state(runner, prompt, sampling=None):
-    sampling = sampling or SamplingConfig()
-    cache = runner.new_cache(128)
-    state = DecodeState(runner, cache, sampling, sampling.generator(), list(prompt), len(prompt))
-    engine = Engine(runner, build_drafter("autoregressive", runner))
-    engine._prefill(state)
-    state.budget = 100
-    return engine, state
+def _started(runner, prompt, drafter=None):
+    """An engine and a prefilled generation with room for many steps (public API only)."""
+    engine = Engine(runner, drafter or build_drafter("autoregressive", runner))
+    return engine, engine.start(prompt, GenerationConfig(max_new_tokens=100))
+
+
+def test_step_by_step_equals_generate(runner):
+    drafter = build_drafter("early_exit", runner, {"exit_layer": 3, "num_draft": 3})
+    engine = Engine(runner, drafter)
+    gen = engine.start(PROMPTS[1], GenerationConfig(max_new_tokens=25))
+    assert len(gen.tokens) == 1 and not gen.done  # the prefill's token
+    steps = 0
+    while not gen.done:
+        outcome = engine.step(gen)
+        assert 1 <= len(outcome.tokens) <= 4
+        steps += 1
+    res = engine.finish(gen)
+    assert res.tokens == generate(runner, prompt=PROMPTS[1], max_new_tokens=25).tokens
+    assert res.stats.verify_calls == steps and res.finish_reason == "length"
+    with pytest.raises(ValueError, match="finished"):
+        engine.step(gen)
+    with pytest.raises(ValueError, match="running"):
+        engine.finish(engine.start(PROMPTS[1], GenerationConfig(max_new_tokens=25)))
 
 
 def test_cache_after_rejection_equals_fresh_prefill(runner):
     drafter = build_drafter("early_exit", runner, {"exit_layer": 2, "num_draft": 6})
-    engine, state = _state(runner, PROMPTS[0])
+    engine, gen = _started(runner, PROMPTS[0], drafter)
     for _ in range(6):
-        outcome = engine._verify(state, drafter.propose(state))
-        state.tokens.extend(outcome.tokens)
-    assert state.cache.lengths == [state.n] * runner.num_layers
+        engine.step(gen)
+    state = gen.state
+    assert not gen.done and state.cache.lengths == [state.n] * runner.num_layers
     fresh = runner.new_cache(128)
     runner.forward(fresh, torch.tensor(state.tokens[:state.n]))
     n = state.n
@@ -165,14 +191,14 @@ def test_cache_after_rejection_equals_fresh_prefill(runner):
 def test_verification_reuses_draft_kv(runner, E, k):
     """Verification computes layers < E only for the one position no draft pass has seen."""
     drafter = build_drafter("early_exit", runner, {"exit_layer": E, "num_draft": k})
-    engine, state = _state(runner, PROMPTS[1])
-    draft = drafter.propose(state)
-    assert draft.size == k
+    engine, gen = _started(runner, PROMPTS[1], drafter)
     runner.counters.reset()
-    engine._verify(state, draft)
+    outcome = engine.step(gen)
+    assert outcome.drafted == k
     L = runner.num_layers
-    assert runner.counters.layer_tokens == [1] * E + [k + 1] * (L - E)
-    assert runner.counters.lm_head_tokens == k + 1
+    # k draft forwards through [0, E), then verification: 1 row in [0, E) and k + 1 rows in [E, L)
+    assert runner.counters.layer_tokens == [k + 1] * L
+    assert runner.counters.lm_head_tokens == k + (k + 1)
 
 
 @dataclass
@@ -198,9 +224,9 @@ class ScriptedDrafter:
 
 
 def _one_verify(runner, drafter, prompt):
-    engine, state = _state(runner, prompt)
-    outcome = engine._verify(state, drafter.propose(state))
-    return state, outcome
+    engine, gen = _started(runner, prompt, drafter)
+    outcome = engine.step(gen)
+    return gen.state, outcome
 
 
 def test_tree_that_is_a_chain_equals_chain(runner):
@@ -229,6 +255,43 @@ def test_planted_sibling_is_accepted_and_kv_compacted(runner):
     assert n == len(PROMPTS[2]) + 4 and state.cache.lengths == [n] * runner.num_layers
     torch.testing.assert_close(state.cache.k[:, :, :n], fresh.k[:, :, :n], atol=1e-5, rtol=0)
     torch.testing.assert_close(state.cache.v[:, :, :n], fresh.v[:, :, :n], atol=1e-5, rtol=0)
+
+
+def test_early_exit_target_at_full_depth_is_the_plain_model(runner):
+    L = runner.num_layers
+    engine = Engine(runner, build_drafter("autoregressive", runner), exit_layer=L)
+    for prompt in PROMPTS:
+        assert engine.generate(prompt, GenerationConfig(max_new_tokens=20)).tokens == generate(
+            runner, prompt=prompt, max_new_tokens=20).tokens
+
+
+@pytest.mark.parametrize("E", [1, 3])
+def test_early_exit_target_runs_only_its_layers(runner, E):
+    """exit_layer E: greedy decoding of layers [0, E) + final norm + LM head, deeper layers never run."""
+    prompt = PROMPTS[0]
+    engine = Engine(runner, build_drafter("autoregressive", runner), exit_layer=E)
+    runner.counters.reset()
+    got = engine.generate(prompt, GenerationConfig(max_new_tokens=12)).tokens
+    assert runner.counters.layer_tokens[E:] == [0] * (runner.num_layers - E)
+    ids, expect = list(prompt), []
+    for _ in range(12):  # reference: recompute the shallow model on the whole sequence each time
+        hidden = runner.forward_layers(runner.new_cache(64), runner.embed(torch.tensor(ids)),
+                                       torch.arange(len(ids)), 0, E)
+        expect.append(int(runner.logits(hidden[-1:]).argmax()))
+        ids.append(expect[-1])
+    assert got == expect
+    assert got != generate(runner, prompt=prompt, max_new_tokens=12).tokens  # lossy: not the full model
+
+
+def test_early_exit_target_errors(runner):
+    from core.errors import UserError
+
+    L = runner.num_layers
+    for bad in (0, L + 1):
+        with pytest.raises(UserError, match="out of range"):
+            Engine(runner, build_drafter("autoregressive", runner), exit_layer=bad)
+    with pytest.raises(UserError, match="autoregressive"):
+        Engine(runner, build_drafter("early_exit", runner, {"exit_layer": 2}), exit_layer=3)
 
 
 def test_prompt_errors(runner):
