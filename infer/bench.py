@@ -530,12 +530,12 @@ def machine_info(cfg: BenchConfig) -> dict:
     device = resolve_device(cfg.device)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return {"cpu": cpu, "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "threads": cfg.threads, "git": _git_commit(),
+            "transformers": transformers.__version__, "threads": cfg.threads, "git": git_commit(),
             "date": time.strftime("%Y-%m-%d %H:%M"), "device": str(device), "gpu": gpu,
             "dtype": dtype_name(parse_dtype(cfg.dtype, device))}
 
 
-def _git_commit() -> str | None:
+def git_commit() -> str | None:
     """The toolkit's commit (with '+dirty' for local changes), when it runs from a git checkout."""
     import subprocess
 
