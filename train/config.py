@@ -190,6 +190,9 @@ class LayerDropoutConfig:
     """D(t): ``off`` = 1, ``linear`` = min(1, t/T), ``exp`` = 2^(t/T) - 1 (the paper's pretraining one)."""
     curriculum_steps: int | None = None
     """T of the curriculum (``null``: ``optim.max_steps``)."""
+    granularity: Literal["sample", "batch"] = "sample"
+    """``sample``: each row of a micro-batch draws its own skips (LayerSkip's). ``batch``: one draw per layer
+    for the whole micro-batch (no row regrouping; coarser regularisation, see docs/TRAINING.md)."""
 
     def __post_init__(self) -> None:
         _check(0.0 <= self.p_max <= 1.0, f"layer_dropout.p_max must be in [0, 1] (got {self.p_max})")
@@ -219,7 +222,8 @@ class EarlyExitConfig:
     rotation: int = 2
     """R of the rotational curriculum."""
     curriculum_steps: int | None = None
-    """Steps over which the gradual curriculum enables all exits (``null``: ``optim.max_steps``)."""
+    """Steps over which the gradual curriculum enables all exits (``null``: ``optim.max_steps / 2``, as in
+    the paper: all exits on by half of training)."""
 
     def __post_init__(self) -> None:
         _check(all(e >= 1 for e in self.exits), f"early_exit.exits are layer counts >= 1 (got {self.exits})")

@@ -28,6 +28,7 @@ from core.errors import UserError
 from core.models import SUPPORTED_MODEL_TYPES, is_model_dir, resolve_model
 from train.config import EarlyExitConfig, LayerDropoutConfig
 from train.data import IGNORE
+from train.losses import checkpointed_head_ce, default_chunk, fused_head_ce, is_plain_head
 from train.schedules import check_exits, dropout_rates, exit_weights, sample_skips, skip_generator
 
 
@@ -77,7 +78,7 @@ class LayerSkipLM(nn.Module):
     """
 
     def __init__(self, model: nn.Module, dropout: LayerDropoutConfig, early_exit: EarlyExitConfig,
-                 max_steps: int, seed: int = 0, gradient_checkpointing: bool = False):
+                 max_steps: int, seed: int = 0, gradient_checkpointing: bool = False, loss_chunk: int = 0):
         super().__init__()
         self.model = model  # the HF model (or peft wrapper): its state dict is the checkpoint's
         self.dropout_cfg = dropout
@@ -85,6 +86,7 @@ class LayerSkipLM(nn.Module):
         self.max_steps = max_steps
         self.seed = seed
         self.gradient_checkpointing = gradient_checkpointing
+        self.loss_chunk = loss_chunk  # token rows per chunk of the exit loss (0: about 32M logits per chunk)
         parts = decoder_parts(model)
         self.num_layers = len(parts.layers)
         self.exits = check_exits(early_exit, self.num_layers)
@@ -100,56 +102,79 @@ class LayerSkipLM(nn.Module):
 
     # -- forward ---------------------------------------------------------------------------
 
-    def _masks(self, parts: Parts, h: Tensor, positions: Tensor) -> dict[str, object]:
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-        kwargs = dict(config=parts.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=positions)
-        masks = {"full_attention": create_causal_mask(**kwargs)}
-        if "sliding_attention" in (getattr(parts.config, "layer_types", None) or []):
-            masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
-        return masks
-
-    def _run_layer(self, layer: nn.Module, h: Tensor, mask, pos_emb, positions: Tensor) -> Tensor:
+    def _run_layer(self, layer: nn.Module, h: Tensor, mask: Tensor | None, pos_emb, positions: Tensor) -> Tensor:
+        # Only arguments that every transformers 5.x decoder layer takes (no cache, no cache_position).
         def run(x: Tensor) -> Tensor:
-            return layer(x, attention_mask=mask, position_ids=positions, position_embeddings=pos_emb)
+            out = layer(x, attention_mask=mask, position_ids=positions, position_embeddings=pos_emb)
+            return out[0] if isinstance(out, tuple) else out
 
         if self.gradient_checkpointing and self.training:
             return torch.utils.checkpoint.checkpoint(run, h, use_reentrant=False)
         return run(h)
 
-    def hidden_states(self, input_ids: Tensor, skip: Tensor | None = None,
-                      collect: set[int] = frozenset()) -> tuple[dict[int, Tensor], Tensor]:
+    def hidden_states(self, input_ids: Tensor, skip: Tensor | None = None, collect: set[int] = frozenset(),
+                      plan: DropoutPlan | None = None) -> tuple[dict[int, Tensor], Tensor]:
         """Run the decoder; return ({E: hidden after E layers} for E in ``collect``, un-normed last hidden).
 
-        ``skip`` is a (B, L) bool CPU tensor: row b skips layer l when ``skip[b, l]``.
+        ``skip`` is a (B, L) bool CPU tensor: row b skips layer l when ``skip[b, l]``. The rows of the
+        returned states are in the batch's order; :meth:`forward` passes its own ``plan`` to keep them
+        in the plan's row order instead (and permutes the labels to match).
         """
         parts = decoder_parts(self.model)
-        B, T = input_ids.shape
+        T = input_ids.shape[1]
         h = parts.embed(input_ids)  # (B, T, d)
         positions = torch.arange(T, device=h.device).unsqueeze(0)  # (1, T)
         pos_emb = parts.rotary(h, positions)  # (cos, sin), each (1, T, head_dim)
-        masks = self._masks(parts, h, positions)
-        layer_types = getattr(parts.config, "layer_types", None)
+        layer_masks = attention_masks(parts.config, T, h.device, h.dtype)
+        own_plan = plan is None and skip is not None
+        if own_plan:
+            plan = DropoutPlan.build(skip, h.device)
         out: dict[int, Tensor] = {}
         for i, layer in enumerate(parts.layers):
-            mask = masks["full_attention" if not layer_types else layer_types[i]]
-            keep = None if skip is None else ~skip[:, i]  # (B,) CPU
-            if keep is None or bool(keep.all()):
-                h = self._run_layer(layer, h, mask, pos_emb, positions)
-            elif bool(keep.any()):
-                rows = keep.nonzero().squeeze(1).to(h.device)  # (b,)
-                row_mask = mask[rows] if isinstance(mask, Tensor) and mask.shape[0] == B else mask
-                h_kept = self._run_layer(layer, h.index_select(0, rows), row_mask, pos_emb, positions)  # (b, T, d)
-                h = h.index_copy(0, rows, h_kept)  # (B, T, d): skipped rows pass through
-            # else: every row skips this layer
+            h = self._layer_step(layer, h, i, plan, layer_masks[i], pos_emb, positions)
             if i + 1 in collect:
                 out[i + 1] = h
+        if own_plan:  # back to the batch's row order for the caller
+            out = {e: plan.unpermute(v, plan.order_after(e)) for e, v in out.items()}
+            h = plan.unpermute(h, plan.order_after(len(parts.layers)))
         return out, h
+
+    def _layer_step(self, layer: nn.Module, h: Tensor, i: int, plan: DropoutPlan | None, mask: Tensor | None,
+                    pos_emb, positions: Tensor) -> Tensor:
+        """One decoder layer with layer dropout: the rows that keep it are a contiguous prefix of h."""
+        if plan is None:
+            return self._run_layer(layer, h, mask, pos_emb, positions)
+        kept, gather = plan.kept[i], plan.gather_index(i)
+        if gather is not None:  # reorder once so the kept rows come first
+            h = h.index_select(0, gather)  # (B, T, d)
+        if kept == h.shape[0]:
+            return self._run_layer(layer, h, mask, pos_emb, positions)
+        if kept == 0:
+            return h
+        h_kept = self._run_layer(layer, h[:kept], mask, pos_emb, positions)  # (b, T, d)
+        return torch.cat([h_kept, h[kept:]], dim=0)  # (B, T, d): skipped rows pass through
 
     def exit_logits(self, h: Tensor) -> Tensor:
         """Un-normed hidden (B, T, d) -> final norm -> shared LM head -> (B, T, V)."""
         parts = decoder_parts(self.model)
         return parts.lm_head(parts.norm(h))
+
+    def exit_losses(self, hiddens: dict[int, Tensor], targets: dict[int, Tensor],
+                    weights: dict[int, float]) -> tuple[Tensor, Tensor]:
+        """(weighted total, per-exit CE in sorted exit order) without a full (B, T, V) logits tensor.
+
+        ``hiddens[E]`` (B, T, d) un-normed, ``targets[E]`` (B, T) next-token targets in the same row order.
+        """
+        parts = decoder_parts(self.model)
+        exits = sorted(weights)
+        vocab = parts.lm_head.weight.shape[0] if hasattr(parts.lm_head, "weight") else 1
+        chunk = self.loss_chunk or default_chunk(vocab)
+        if is_plain_head(parts.lm_head):
+            xs = [parts.norm(hiddens[e]) for e in exits]  # each (B, T, d)
+            return fused_head_ce(parts.lm_head, xs, [targets[e] for e in exits], [weights[e] for e in exits], chunk)
+        ces = [checkpointed_head_ce(parts.norm, parts.lm_head, hiddens[e], targets[e], chunk) for e in exits]
+        total = sum(weights[e] * ce for e, ce in zip(exits, ces, strict=True))
+        return total, torch.stack([ce.detach() for ce in ces])
 
     def forward(self, input_ids: Tensor, labels: Tensor, step: int = 0, micro: int = 0) -> dict[str, Tensor]:
         B = input_ids.shape[0]
@@ -157,22 +182,106 @@ class LayerSkipLM(nn.Module):
         dropout_on = self.training and self.dropout_cfg.p_max > 0
         skip = None
         if dropout_on:
-            skip = sample_skips(self.rates(step), B, skip_generator(self.seed, step, micro))  # (B, L) CPU
+            skip = sample_skips(self.rates(step), B, skip_generator(self.seed, step, micro),
+                                self.dropout_cfg.granularity)  # (B, L) CPU
         weights = self.weights(step) if self.training else {e: 1.0 for e in [*self.exits, L]}
-        hiddens, last = self.hidden_states(input_ids, skip, collect=set(weights) - {L})
+        collect = set(weights) - {L}
+        plan = DropoutPlan.build(skip, input_ids.device) if skip is not None else None
+        hiddens, last = self.hidden_states(input_ids, skip, collect=collect, plan=plan)
         hiddens[L] = last
-        loss = input_ids.new_zeros((), dtype=torch.float32)
-        exit_losses = []
-        for e in sorted(weights):
-            ce = causal_lm_loss(self.exit_logits(hiddens[e]), labels)
-            exit_losses.append(ce.detach())
-            if self.training:
-                loss = loss + weights[e] * ce
-        if not self.training:
-            loss = exit_losses[-1]  # eval: the final layer's loss
+        base_targets = next_token_targets(labels)  # (B, T)
+        targets = {e: base_targets if plan is None else base_targets.index_select(0, plan.order_after(e))
+                   for e in weights}  # the rows of each exit's hidden state are in the plan's order there
+        total, exit_losses = self.exit_losses(hiddens, targets, weights)
+        loss = total if self.training else exit_losses[-1]  # eval: the final layer's loss
         skipped = skip.sum(0) if skip is not None else torch.zeros(L, dtype=torch.long)  # (L,)
-        return {"loss": loss, "exit_losses": torch.stack(exit_losses), "exits": torch.tensor(sorted(weights)),
+        return {"loss": loss, "exit_losses": exit_losses.detach(), "exits": torch.tensor(sorted(weights)),
                 "skipped": skipped}
+
+
+def attention_masks(config, T: int, device: torch.device, dtype: torch.dtype) -> list[Tensor | None]:
+    """Per-layer attention mask for T tokens without padding, built here (no transformers internals).
+
+    ``None`` where SDPA's / flash attention's own causal path applies (full attention, or a sliding
+    window no shorter than T); otherwise a (1, 1, T, T) mask: boolean (True = attend) for SDPA,
+    additive (0 / dtype min) for eager attention. It broadcasts over any subset of rows.
+    """
+    impl = getattr(config, "_attn_implementation", None) or "sdpa"
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    cache: dict[int | None, Tensor | None] = {}
+
+    def mask_for(w: int | None) -> Tensor | None:
+        if w not in cache:
+            if impl.startswith("flash") or (impl == "sdpa" and (w is None or w >= T)):
+                cache[w] = None
+            else:
+                i = torch.arange(T, device=device)
+                allowed = i.unsqueeze(1) >= i.unsqueeze(0)  # (T, T): key <= query
+                if w is not None:
+                    allowed &= i.unsqueeze(1) - i.unsqueeze(0) < w  # (T, T): within the window
+                if impl != "sdpa":
+                    allowed = torch.zeros((T, T), device=device, dtype=dtype).masked_fill(
+                        ~allowed, torch.finfo(dtype).min)  # (T, T) additive
+                cache[w] = allowed[None, None]  # (1, 1, T, T)
+        return cache[w]
+
+    return [mask_for(window if t == "sliding_attention" and window else None) for t in types]
+
+
+class DropoutPlan:
+    """Row order of one step's layer dropout, computed on the CPU from the (B, L) skip matrix.
+
+    Before layer l the rows of h are reordered (only when needed) so that the rows keeping layer l
+    form a prefix ``h[:kept[l]]``: the layer runs on a contiguous slice, no row count is read back
+    from the device, and every reorder index goes to the device in a single copy per step.
+    """
+
+    def __init__(self, kept: list[int], gathers: list[Tensor | None], orders: list[Tensor], device: torch.device):
+        self.kept = kept  # rows that run layer l
+        lengths = [0 if g is None else len(g) for g in gathers] + [len(o) for o in orders]
+        cpu = torch.cat([g for g in gathers if g is not None] + orders)  # all indices, one tensor
+        if device.type == "cuda":
+            cpu = cpu.pin_memory()
+        flat = cpu.to(device, non_blocking=True)  # the step's only host-to-device copy
+        pieces = list(torch.split(flat, lengths))
+        self._gathers = [None if g is None else pieces[i] for i, g in enumerate(gathers)]
+        self._orders = pieces[len(gathers):]  # order after layer count E, for E in [0, L]
+
+    @classmethod
+    def build(cls, skip: Tensor, device: torch.device) -> DropoutPlan:
+        """Plan for ``skip`` (B, L) bool CPU; the row order after every depth is kept (B ints each)."""
+        B, L = skip.shape
+        keep = (~skip).tolist()  # B lists of L bools
+        order = list(range(B))  # order[j] = batch row now at position j
+        kept, gathers, orders = [], [], [torch.tensor(order)]
+        for i in range(L):
+            first = [r for r in order if keep[r][i]]
+            rest = [r for r in order if not keep[r][i]]
+            new = first + rest
+            if new != order and first and rest:
+                pos = {r: j for j, r in enumerate(order)}
+                gathers.append(torch.tensor([pos[r] for r in new]))  # positions in the current h
+                order = new
+            else:
+                gathers.append(None)
+            kept.append(len(first))
+            orders.append(torch.tensor(order))
+        return cls(kept, gathers, orders, device)
+
+    def gather_index(self, layer: int) -> Tensor | None:
+        return self._gathers[layer]
+
+    def order_after(self, depth: int) -> Tensor:
+        """(B,) device tensor: the batch row at each position of h after ``depth`` layers."""
+        return self._orders[depth]
+
+    @staticmethod
+    def unpermute(h: Tensor, order: Tensor) -> Tensor:
+        """Rows of h (in ``order``) back to the batch's order. (B, ...)"""
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        return h.index_select(0, inverse)
 
 
 def load_model(name_or_path: str, dtype: str = "fp32", attn_implementation: str = "sdpa"):

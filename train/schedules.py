@@ -61,11 +61,16 @@ def skip_generator(seed: int, step: int, micro: int) -> torch.Generator:
     return g
 
 
-def sample_skips(rates: list[float], batch_size: int, generator: torch.Generator) -> Tensor:
-    """Per-sample decisions: ``skip[b, l]`` is True when layer l is skipped for row b. (B, L) bool, CPU."""
+def sample_skips(rates: list[float], batch_size: int, generator: torch.Generator,
+                 granularity: str = "sample") -> Tensor:
+    """Skip decisions: ``skip[b, l]`` is True when layer l is skipped for row b. (B, L) bool, CPU.
+
+    ``sample``: one draw per row and layer. ``batch``: one draw per layer, shared by every row.
+    """
     p = torch.tensor(rates, dtype=torch.float64)  # (L,)
-    u = torch.rand((batch_size, len(rates)), generator=generator, dtype=torch.float64)  # (B, L)
-    return u < p  # (B, L)
+    rows = batch_size if granularity == "sample" else 1
+    u = torch.rand((rows, len(rates)), generator=generator, dtype=torch.float64)  # (B or 1, L)
+    return (u < p).expand(batch_size, -1).contiguous()  # (B, L)
 
 
 # --------------------------------------------------------------------------------------------
@@ -98,8 +103,9 @@ def enabled_exits(cfg: EarlyExitConfig, exits: list[int], step: int, max_steps: 
     if cfg.curriculum == "rotational":
         r = cfg.rotation
         return [e for i, e in enumerate(exits) if i % r == step % r]
-    # gradual: deepest first, exit j (1 = deepest) is on once step + 1 >= j * T / k
-    k, total = len(exits), cfg.curriculum_steps or max_steps
+    # gradual: deepest first, exit j (1 = deepest) is on once step + 1 >= j * T / k, where T defaults
+    # to max_steps / 2 (the paper's C_grad: all exits on by half of training)
+    k, total = len(exits), cfg.curriculum_steps or max(1, max_steps // 2)
     n_on = min(k, math.floor((step + 1) * k / total))
     return exits[k - n_on:] if n_on else []
 

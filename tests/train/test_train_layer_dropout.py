@@ -49,7 +49,7 @@ def test_p0_is_identity_to_the_plain_model(model, ids):
     ref = model(ids).logits
     torch.testing.assert_close(logits, ref, rtol=0, atol=1e-5)
     out = lm(ids, ids, step=5)
-    torch.testing.assert_close(out["loss"], model(ids, labels=ids).loss, rtol=0, atol=1e-6)
+    torch.testing.assert_close(out["loss"], model(ids, labels=ids).loss, rtol=1e-6, atol=1e-6)
     assert out["skipped"].sum() == 0
 
 
@@ -101,7 +101,7 @@ def test_eval_disables_dropout(model, ids):
     lm = lm_for(model, p_max=1.0, scale="uniform").eval()
     out = lm(ids, ids, step=50)
     assert out["skipped"].sum() == 0
-    torch.testing.assert_close(out["loss"], model(ids, labels=ids).loss, rtol=0, atol=1e-6)
+    torch.testing.assert_close(out["loss"], model(ids, labels=ids).loss, rtol=1e-6, atol=1e-6)
     lm.train()
     assert lm(ids, ids, step=50)["skipped"].sum() == 3 * L  # p=1 everywhere: every row skips every layer
 

@@ -1,0 +1,65 @@
+"""train.gpu_bench on tiny CPU shapes: the result's keys, the e2e train -> save -> runner decode, the doc table."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+
+from train.gpu_bench import BEGIN, END, NOT_RUN, step_flops, train_check, update_training_doc, variants
+
+FIELDS = ("plain_tok_s", "dropout_rel", "dropout05_rel", "dropout_batch_rel", "exits_rel", "dropout_exits_rel",
+          "rotational_rel", "plain_peak_gb", "exits_peak_gb", "mfu")
+
+
+@pytest.fixture(scope="module")
+def tiny_result(tiny_model_dir):
+    return train_check("cpu", tiny=True, tokenizer_dir=str(tiny_model_dir))
+
+
+def test_tiny_train_check_reports_every_field_and_e2e(tiny_result):
+    assert set(tiny_result) >= {"train", "e2e_ok", "train_e2e", "train_meta"}
+    (name, row), = tiny_result["train"].items()
+    assert set(FIELDS) <= set(row)
+    assert row["plain_tok_s"] > 0 and all(row[f] > 0 for f in FIELDS if f.endswith("_rel"))
+    assert row["plain_peak_gb"] is None and row["mfu"] is None  # CPU: no peak memory counter, no peak FLOP/s
+    assert 0 < row["dropout05_skipped"] < 1
+    e2e = tiny_result["train_e2e"]
+    assert tiny_result["e2e_ok"] is True, e2e
+    assert len(e2e["decoded"]) == 6 and all(math.isfinite(x) for x in e2e["losses"])
+    assert "model.safetensors" in e2e["final_dir_files"]
+
+
+def test_doc_table_between_markers(tiny_result, tmp_path):
+    doc = tmp_path / "TRAINING.md"
+    doc.write_text(f"# T\n\nbefore\n{BEGIN}\n{NOT_RUN}\n{END}\nafter\n", encoding="utf-8")
+    update_training_doc(tiny_result, str(doc))
+    text = doc.read_text(encoding="utf-8")
+    name = next(iter(tiny_result["train"]))
+    assert text.startswith("# T\n\nbefore\n") and text.endswith(f"{END}\nafter\n")
+    assert f"| {name} |" in text and NOT_RUN not in text and "End to end" in text
+    update_training_doc({}, str(doc))  # an empty result puts the placeholder back
+    assert NOT_RUN in doc.read_text(encoding="utf-8")
+    bad = tmp_path / "none.md"
+    bad.write_text("no markers\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="markers"):
+        update_training_doc(tiny_result, str(bad))
+
+
+def test_variants_and_flops():
+    v = variants(16)
+    assert v["exits"][1].exits == [4, 8, 12] and v["rotational"][1].curriculum == "rotational"
+    assert v["dropout"][0].p_max == 0.2 and v["dropout05"][0].p_max == 0.5
+    assert v["dropout_batch"][0].granularity == "batch"
+    cfg = dict(hidden_size=8, num_hidden_layers=1, vocab_size=10, intermediate_size=16, num_attention_heads=2,
+               num_key_value_heads=1)
+    # weights: q, o 8x8; k, v 8x4; gate/up/down 8x16 -> 64*2 + 32*2 + 384 = 576; head 80
+    assert step_flops(cfg, tokens=2, block=2) == 3 * (2 * 2 * (576 + 80) + 2 * 2 * 1 * 2 * 8)
+
+
+def test_import_needs_no_optional_packages():
+    code = ("import sys, train.gpu_bench; bad = [m for m in ('infer', 'train.layerskip', 'deepspeed', 'wandb', "
+            "'datasets', 'matplotlib', 'optuna') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
+    subprocess.run([sys.executable, "-c", code], check=True)
