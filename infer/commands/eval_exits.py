@@ -106,22 +106,29 @@ def _recipe_examples(args: argparse.Namespace, tokenizer, path: Path):
 def evaluate(args: argparse.Namespace) -> dict:
     """Load the model on the chosen device, evaluate every exit, return the JSON-ready result."""
     import torch
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     from core.device import dtype_name, parse_dtype, resolve_device
+    from core.models import resolve_model
     from infer.loading import set_threads
     from train.config import EarlyExitConfig, LayerDropoutConfig
     from train.exit_eval import exit_metrics
     from train.model import LayerSkipLM, load_model
 
+    # Everything that can be checked without the weights is checked first.
     _check_args(args)
     set_threads(args.threads)
     device = resolve_device(args.device)
     dtype = parse_dtype(args.dtype, device)
-    model, tokenizer, path = load_model(args.model, dtype)
-    lm = LayerSkipLM(model.to(device), LayerDropoutConfig(), EarlyExitConfig(), max_steps=1).eval()
-    exits = parse_exits(args.exits, lm.num_layers)
+    path = resolve_model(args.model)
+    exits = parse_exits(args.exits, AutoConfig.from_pretrained(path).num_hidden_layers)
+    tokenizer = AutoTokenizer.from_pretrained(path)
     examples = (held_out_examples(args.data, tokenizer, args.n, args.max_tokens) if args.data
                 else _recipe_examples(args, tokenizer, path))
+    hf_logging.disable_progress_bar()
+    model, tokenizer, path = load_model(str(path), dtype)
+    lm = LayerSkipLM(model.to(device), LayerDropoutConfig(), EarlyExitConfig(), max_steps=1).eval()
     with torch.inference_mode():
         metrics = exit_metrics(lm, examples, exits, args.batch_size, tokenizer.pad_token_id, device=device)
     metrics["perplexity"] = {e: math.exp(min(loss, 50.0)) for e, loss in metrics["loss"].items()}
