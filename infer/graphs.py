@@ -110,8 +110,9 @@ def window_mask(rows: int, T: int, extra: int, mask: Tensor | None) -> Tensor:
 class StaticSpan:
     """One static forward: its input buffers, and on CUDA its captured graph and output buffers."""
 
-    def __init__(self, runner: Runner, cache: KVCache, key: SpanKey, plan: LayerPlan | None):
-        self.runner, self.cache, self.key, self.plan = runner, cache, key, plan
+    def __init__(self, runner: Runner, key: SpanKey, plan: LayerPlan | None):
+        # no reference to the cache: the executor's table is keyed by it weakly (a graph dies with its cache)
+        self.runner, self.key, self.plan = runner, key, plan
         d, L = runner.spec.hidden_size, runner.num_layers
         W = key.extra + key.rows
         self.hidden = torch.zeros(key.rows, d, dtype=runner.dtype, device=runner.device)  # (rows, d)
@@ -120,30 +121,30 @@ class StaticSpan:
         self.graph = None
         self.outputs: tuple[Tensor, Tensor, Tensor | None] | None = None
 
-    def compute(self) -> tuple[Tensor, Tensor, Tensor | None]:
-        return static_forward(self.runner, self.cache, self.hidden, self.meta, self.key, self.plan)
+    def compute(self, cache: KVCache) -> tuple[Tensor, Tensor, Tensor | None]:
+        return static_forward(self.runner, cache, self.hidden, self.meta, self.key, self.plan)
 
-    def capture(self) -> None:
+    def capture(self, cache: KVCache) -> None:
         """Warm up on a side stream, then record the forward (PyTorch's documented recipe)."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):  # warm-up writes the same K/V rows the replay will write
-                self.compute()
+                self.compute(cache)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self.outputs = self.compute()
+            self.outputs = self.compute(cache)
         self.graph = graph
 
-    def run(self, capture: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    def run(self, cache: KVCache, capture: bool) -> tuple[Tensor, Tensor, Tensor | None]:
         self.uses += 1
         if not capture:
-            return self.compute()
+            return self.compute(cache)
         if self.graph is None and self.uses >= CAPTURE_AFTER:
-            self.capture()
+            self.capture(cache)
         if self.graph is None:
-            return self.compute()
+            return self.compute(cache)
         self.graph.replay()
         exact, hidden, logits = self.outputs
         # replays overwrite the output buffers: hand out copies (device-side, no sync)
@@ -185,7 +186,7 @@ class StaticExecutor:
         entry.meta.copy_(meta, non_blocking=True)
         entry.hidden[:T].copy_(hidden)
         try:
-            exact, out, head = entry.run(self.capture)
+            exact, out, head = entry.run(cache, self.capture)
         except RuntimeError as e:
             if not self.capture:
                 raise
@@ -197,8 +198,8 @@ class StaticExecutor:
     def _entry(self, cache: KVCache, key: SpanKey, plan: LayerPlan | None) -> StaticSpan:
         spans = self._spans.setdefault(cache, OrderedDict())
         entry = spans.get(key)
-        if entry is None or entry.cache is not cache:
-            entry = spans[key] = StaticSpan(self.runner, cache, key, plan)
+        if entry is None:
+            entry = spans[key] = StaticSpan(self.runner, key, plan)
             while len(spans) > MAX_SPANS:
                 spans.popitem(last=False)
         spans.move_to_end(key)

@@ -72,8 +72,9 @@ def test_static_equals_eager_for_every_drafter(eager, static, tmp_path):
 
 
 def test_static_executor_runs_the_decoding_forwards(static):
-    res = _run(static, "early_exit", {"exit_layer": 3, "num_draft": 3}, PROMPTS[0], n=12)
-    spans = [key for cache_spans in static.static._spans.values() for key in cache_spans]
+    engine = Engine(static, build_drafter("early_exit", static, {"exit_layer": 3, "num_draft": 3}))
+    res = engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=12))
+    spans = list(static.static._spans[engine._cache])  # static forwards are kept per cache
     assert res.stats.verify_calls > 0
     assert any(k.start == 0 and k.end == 3 and k.logits and k.rows == 1 for k in spans)  # draft steps
     assert any(k.start == 3 and k.end == L and k.logits and k.rows == 4 for k in spans)  # verification of 4
@@ -168,3 +169,52 @@ def test_executor_option_errors(model, monkeypatch):
     assert Runner.from_model(model).executor == "static"
     monkeypatch.delenv("LAYERSKIP_EXECUTOR")
     assert Runner.from_model(model).executor == "eager"  # CPU default: the eager path stays
+
+
+def _fake_capture(self, cache):
+    """Stands in for CUDA-graph capture on CPU: replay recomputes into the same output buffers."""
+    self.outputs = self.compute(cache)
+    span = self
+
+    class Replay:
+        def replay(self):
+            for buf, value in zip(span.outputs, span.compute(cache), strict=True):
+                if buf is not None:
+                    buf.copy_(value)
+
+    self.graph = Replay()
+
+
+def test_replayed_forwards_hand_out_copies(model, eager, monkeypatch):
+    """With graph replay semantics (outputs overwritten in place) decoding stays exact: outputs are cloned."""
+    from infer.graphs import StaticExecutor, StaticSpan
+
+    monkeypatch.setattr(StaticSpan, "capture", _fake_capture)
+    replayed = Runner.from_model(model, executor="eager")
+    replayed.static = StaticExecutor(replayed, capture=True)
+    spans = []
+    for name, options in [("autoregressive", {}), ("early_exit", {"exit_layer": 3, "num_draft": 4})]:
+        engine = Engine(replayed, build_drafter(name, replayed, options))
+        for prompt in PROMPTS:
+            got = engine.generate(prompt, GenerationConfig(max_new_tokens=32)).tokens
+            assert got == _run(eager, name, options, prompt).tokens, (name, prompt)
+        spans += list(replayed.static._spans[engine._cache].values())
+    assert any(s.graph is not None for s in spans)  # captured on second use, then replayed
+    assert all(s.graph is None for s in spans if s.uses < 2)
+
+
+def test_failed_capture_warns_once_and_falls_back_to_eager(model, eager, monkeypatch):
+    from infer.graphs import StaticExecutor, StaticSpan
+
+    def broken(self, cache):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(StaticSpan, "capture", broken)
+    runner = Runner.from_model(model, executor="eager")
+    runner.static = StaticExecutor(runner, capture=True)
+    options = {"exit_layer": 3, "num_draft": 4}
+    with pytest.warns(RuntimeWarning, match="capture failed") as record:
+        res = _run(runner, "early_exit", options, PROMPTS[0])
+    assert len([w for w in record if issubclass(w.category, RuntimeWarning)]) == 1
+    assert runner.executor == "eager"
+    assert res.tokens == _run(eager, "early_exit", options, PROMPTS[0]).tokens
