@@ -24,7 +24,7 @@ import shutil
 from pathlib import Path
 
 from core.errors import UserError
-from core.packages import normal_permissions
+from core.packages import ensure_writable_dir, normal_permissions
 from train.config import TrainConfig, dump_config
 
 STATE_FILE = "trainer_state.json"
@@ -130,7 +130,7 @@ def prepare_run_folder(cfg: TrainConfig, overwrite: bool = False) -> Path | None
 
     A folder holding another run is refused unless the run resumes it (``--resume``; the saved
     config must match, see :data:`RESUMABLE_CHANGES`) or ``overwrite`` is set (the caller then
-    deletes the old run's files with :func:`clear_run`). Nothing is written here.
+    deletes the old run's files with :func:`clear_run`). Only the (empty) folder is created here.
     """
     out = Path(cfg.checkpoint.output_dir)
     mode = cfg.checkpoint.resume
@@ -139,6 +139,7 @@ def prepare_run_folder(cfg: TrainConfig, overwrite: bool = False) -> Path | None
     if overwrite and mode != "never":
         raise UserError("--overwrite starts the run again from step 0; it cannot be combined with --resume "
                         f"(checkpoint.resume={mode})")
+    ensure_writable_dir(out, "checkpoint.output_dir", "choose a writable checkpoint.output_dir")
     present = run_files(out)
     if mode == "never":
         if present and not overwrite:

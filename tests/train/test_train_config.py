@@ -144,3 +144,29 @@ def test_help_config_and_print_config(capsys):
     assert "layer_dropout.p_max" in out and "early_exit.curriculum" in out
     assert layerskip.main(["--print-config", "optim.lr=0.01"]) == 0
     assert "lr: 0.01" in capsys.readouterr().out
+
+
+def test_command_line_overrides_are_blamed_on_the_command_line(capsys, tmp_path):
+    recipe = REPO / "recipes" / "cpu-demo-stdlib.yaml"
+    for override, expected in [("optim.max_steps=x", "command-line override optim.max_steps=x"),
+                               ("optim.max_steps=0", "command-line overrides: optim.max_steps=0")]:
+        assert layerskip.main(["--config", str(recipe), override]) == 2
+        err = capsys.readouterr().err.strip()
+        assert expected in err and "cpu-demo-stdlib.yaml" not in err, err
+    bad = tmp_path / "recipe.yaml"  # the file's own mistakes still name the file
+    bad.write_text(recipe.read_text().replace("max_steps: 200", "max_steps: x", 1))
+    with pytest.raises(UserError, match=r"recipe\.yaml: optim\.max_steps: expected an integer"):
+        load_config(bad, ["optim.lr=0.1"])
+
+
+@pytest.mark.parametrize("key,suggested", [("output_dir", "checkpoint.output_dir"),
+                                           ("optim.output_dir", "checkpoint.output_dir"),
+                                           ("max_steps", "optim.max_steps"), ("save_steps", "checkpoint.save_every")])
+def test_unknown_key_suggests_the_section_qualified_key(key, suggested, tmp_path):
+    with pytest.raises(UserError, match=f"did you mean '{suggested}'"):
+        load_config(None, [f"{key}=3"])
+    recipe = tmp_path / "r.yaml"
+    top, _, leaf = key.rpartition(".")
+    recipe.write_text(f"{top}:\n  {leaf}: 3\n" if top else f"{leaf}: 3\n")
+    with pytest.raises(UserError, match=f"did you mean '{suggested}'"):
+        load_config(recipe)

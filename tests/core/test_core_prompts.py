@@ -1,0 +1,46 @@
+"""core.prompts: every bad prompts file is one line naming the file and the real line."""
+
+from __future__ import annotations
+
+import gzip
+
+import pytest
+
+from core.errors import UserError
+from core.prompts import load_prompts, read_prompts_file
+
+
+def test_non_utf8_bytes_name_the_line(tmp_path):
+    path = tmp_path / "f.jsonl"
+    path.write_bytes(b'{"prompt": "ok"}\n\n{"prompt": "caf\xe9"}\n')
+    for read in (read_prompts_file, load_prompts):
+        with pytest.raises(UserError, match=r"f\.jsonl:3: not UTF-8"):
+            read(path if read is read_prompts_file else str(path))
+
+
+def test_line_numbers_count_blank_lines(tmp_path):
+    path = tmp_path / "f.jsonl"
+    path.write_text('\n\n{"id": 1}\n')
+    with pytest.raises(UserError, match="line 3 has no string 'prompt'"):
+        read_prompts_file(path)
+    path.write_text('{"prompt": "a"}\n\n\n{oops\n')
+    with pytest.raises(UserError, match=r"f\.jsonl:4: not valid JSON"):
+        read_prompts_file(path)
+
+
+def test_directory_and_missing_file_say_so(tmp_path):
+    with pytest.raises(UserError, match="is a directory"):
+        read_prompts_file(tmp_path)
+    with pytest.raises(UserError, match="does not exist"):
+        read_prompts_file(tmp_path / "missing.jsonl")
+    with pytest.raises(UserError, match="missing.jsonl does not exist"):
+        load_prompts(str(tmp_path / "missing.jsonl"))  # bench --data / search --data
+    with pytest.raises(UserError, match="unknown prompt source"):
+        load_prompts("humaneva")
+
+
+def test_broken_gzip_is_one_line(tmp_path):
+    path = tmp_path / "f.jsonl.gz"
+    path.write_bytes(gzip.compress(b'{"prompt": "a"}\n' * 50)[:30])
+    with pytest.raises(UserError, match="gzip"):
+        read_prompts_file(path)

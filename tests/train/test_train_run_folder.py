@@ -1,0 +1,136 @@
+"""One run per output folder: refusal, --overwrite, resume config check, log cut back, safe pruning."""
+
+from __future__ import annotations
+
+import json
+import pkgutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from train import layerskip
+from train.checkpoint import STATE_FILE, list_checkpoints, save_checkpoint
+from train.config import dump_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _fresh_state() -> None:
+    """Each run builds its own Accelerator; accelerate keeps process-wide singletons between them."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    _fresh_state()
+    yield
+    _fresh_state()
+
+
+@pytest.fixture
+def recipe(tiny_recipe, tmp_path) -> Path:
+    """A 2-step tiny run with a checkpoint every step, as a recipe file for the command line."""
+    cfg = tiny_recipe("optim.max_steps=2", "checkpoint.save_every=1", "checkpoint.keep_last=2",
+                      "checkpoint.save_final=false")
+    path = tmp_path / "recipe.yaml"
+    dump_config(cfg, path)
+    return path
+
+
+def _main(capsys, *argv: str) -> tuple[int, str]:
+    _fresh_state()
+    code = layerskip.main(list(argv))
+    return code, capsys.readouterr().err
+
+
+def _steps(out: Path) -> list[int]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [r["step"] for r in map(json.loads, lines) if "loss" in r]
+
+
+def test_new_run_into_a_run_folder_is_refused_and_overwrite_starts_again(recipe, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _main(capsys, "--config", str(recipe))[0] == 0
+    before = (out / "metrics.jsonl").read_bytes()
+    code, err = _main(capsys, "--config", str(recipe), "optim.max_steps=3")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "--resume" in err and "--overwrite" in err and "checkpoint.output_dir" in err
+    assert (out / "metrics.jsonl").read_bytes() == before  # nothing touched
+    code, err = _main(capsys, "--config", str(recipe), "optim.max_steps=3", "--overwrite")
+    assert code == 0, err
+    assert _steps(out) == [1, 2, 3]  # only the new run
+    assert [p.name for p in list_checkpoints(out)] == ["step-000002", "step-000003"]
+    assert _main(capsys, "--config", str(recipe), "--overwrite", "--resume")[0] == 2
+
+
+def test_resume_checks_the_saved_config(recipe, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _main(capsys, "--config", str(recipe))[0] == 0
+    code, err = _main(capsys, "--config", str(recipe), "--resume", "optim.lr=0.1", "data.block_size=16")
+    assert code == 2 and "optim.lr" in err and "data.block_size" in err and len(err.strip().splitlines()) == 1
+    code, err = _main(capsys, "--config", str(recipe), "--resume", "optim.max_steps=3", "logging.log_every=1")
+    assert code == 0, err  # the run's length and logging may change
+    assert _steps(out) == [1, 2, 3]
+
+
+def test_resume_of_an_older_checkpoint_with_newer_ones_is_refused(recipe, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _main(capsys, "--config", str(recipe))[0] == 0
+    older = list_checkpoints(out)[0]
+    code, err = _main(capsys, "--config", str(recipe), f"checkpoint.resume={older}")
+    assert code == 2 and "step-000002" in err
+
+
+def test_folder_without_checkpoint_cannot_be_resumed_into(recipe, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _main(capsys, "--config", str(recipe), "checkpoint.save_every=0")[0] == 0
+    code, err = _main(capsys, "--config", str(recipe), "checkpoint.save_every=0", "--resume")
+    assert code == 2 and "no checkpoint" in err and "--overwrite" in err
+    assert _steps(out) == [1, 2]
+
+
+def test_unwritable_output_dir_is_one_line(recipe, tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    for out in ("/proc/layerskip-no-such/run", str(tmp_path / "file" / "run")):
+        code, err = _main(capsys, "--config", str(recipe), f"checkpoint.output_dir={out}")
+        assert code == 2 and len(err.strip().splitlines()) == 1 and "checkpoint.output_dir" in err
+
+
+class _FakeAccelerator:
+    is_main_process = True
+
+    def wait_for_everyone(self):
+        pass
+
+    def save_state(self, path):
+        Path(path).mkdir(parents=True)
+
+
+def test_pruning_never_deletes_the_current_runs_checkpoint(tiny_recipe, tmp_path):
+    cfg = tiny_recipe("checkpoint.keep_last=2")
+    root = Path(cfg.checkpoint.output_dir) / "checkpoints"
+    for step in (4, 5):  # checkpoints with higher step numbers than the one being saved
+        (root / f"step-{step:06d}").mkdir(parents=True)
+        (root / f"step-{step:06d}" / STATE_FILE).write_text(json.dumps({"step": step}))
+    saved = save_checkpoint(_FakeAccelerator(), cfg, 1, {"tokens": 0})
+    assert saved.is_dir() and (saved / STATE_FILE).is_file()
+
+
+def test_script_runs_without_a_sys_path_hack_and_shadows_no_module():
+    source = (REPO / "train" / "layerskip.py").read_text()
+    assert "sys.path" not in source
+    # `python train/layerskip.py` puts train/ first on sys.path: none of its modules may hide another one
+    names = [m.name for m in pkgutil.iter_modules([str(REPO / "train")])]
+    shadowed = [n for n in names if n in sys.stdlib_module_names or _importable_elsewhere(n)]
+    assert shadowed == []
+
+
+def _importable_elsewhere(name: str) -> bool:
+    import importlib.machinery
+
+    paths = [p for p in sys.path if Path(p or ".").resolve() != (REPO / "train").resolve()]
+    return importlib.machinery.PathFinder.find_spec(name, paths) is not None
