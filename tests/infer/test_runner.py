@@ -31,6 +31,23 @@ def test_parity_batched_and_incremental(kind, tied):
     torch.testing.assert_close(torch.cat([chunk] + rest), ref, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_static_executor_parity_with_transformers(kind):
+    """The static-shape forwards (capacity-wide masked attention, padded rows) give transformers' logits."""
+    model = make_model(kind, seed=3)
+    runner = Runner.from_model(model, executor="static")
+    ids = torch.randint(0, 320, (24,), generator=torch.Generator().manual_seed(0))
+    ref = hf_logits(model, ids)
+    cache = runner.new_cache(64)
+    runner.forward_layers(cache, runner.embed(ids[:10]), torch.arange(10))  # prefill runs eagerly
+    L = runner.num_layers
+    got = [runner.span(cache, runner.embed(ids[10:15]), list(range(10, 15)), 0, L, logits=True).logits]  # 8-row bucket
+    got += [runner.span(cache, runner.embed(ids[i:i + 1]), [i], 0, L, logits=True).logits for i in range(15, 24)]
+    assert cache.lengths == [24] * L
+    assert any(runner.static._spans[cache])  # the static executor ran them
+    torch.testing.assert_close(torch.cat(got), ref[10:], atol=1e-4, rtol=0)
+
+
 def test_skip_plan_equals_zeroed_sublayers():
     """Skipping a sublayer == a model whose residual branch for it is zero."""
     model = make_model("llama", seed=4)
