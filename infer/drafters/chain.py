@@ -70,7 +70,7 @@ def draft_chain(state: DecodeState, forward, max_draft: int, confidence: float =
     runner = state.runner
     greedy = state.sampling.greedy
     k = min(max_draft, state.budget - 1)
-    token = torch.tensor([state.pending], device=runner.device)  # (1,)
+    token = runner.to_device([state.pending])  # (1,), via pinned memory on CUDA: no host sync
     hiddens, tokens, dists, conf = [], [], [], []
     stop = False
     for i in range(max(k, 0)):
