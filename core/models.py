@@ -43,6 +43,8 @@ COMPLETE_FILE = ".layerskip-complete.json"
 """Completion marker of a converted model folder: every file's size and sha256, written last."""
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 """HF ``model_type`` values of the Llama family that the runner and the trainer handle."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+"""A folder holding none of these has no tokenizer that transformers could load."""
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 """``org/name`` as the Hugging Face hub spells repository ids."""
 
@@ -122,6 +124,16 @@ def check_model_folder(path: Path, what: str = "model folder", fix: str = "") ->
     fix = fix or "pass a complete folder written by save_pretrained (config, weights and tokenizer)"
     if not (path / "config.json").is_file():
         raise UserError(f"{path} is not a Hugging Face model folder (no config.json); {fix}")
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UserError(f"{what} {path} cannot be loaded: its config.json is not readable JSON "
+                        f"({type(e).__name__}); {fix}") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{what} {path} cannot be loaded: its config.json is not a JSON object; {fix}")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise UserError(f"{what} {path} cannot be loaded: it has no tokenizer ({', '.join(TOKENIZER_FILES)}); "
+                        "save the tokenizer into it too (tokenizer.save_pretrained)")
     problem = weights_problem(path)
     if problem:
         raise UserError(f"{what} {path} cannot be loaded: {problem}; {fix}")

@@ -539,10 +539,17 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 def read_yaml(path: str | Path) -> dict:
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"config file {path} is a directory; pass a recipe file (recipes/<name>.yaml)")
     if not path.is_file():
         raise UserError(f"config file {path} does not exist")
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        line = e.object[:e.start].count(b"\n") + 1
+        raise UserError(f"{path}: not UTF-8 text (line {line}); save the recipe as UTF-8") from None
+    except PermissionError:
+        raise UserError(f"config file {path} is not readable (permission denied)") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""

@@ -176,3 +176,15 @@ def test_hub_id_uses_snapshot_download(tiny_dir, monkeypatch):
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot)
     assert resolve_model("someorg/somemodel", log=lambda _: None) == tiny_dir and seen == ["someorg/somemodel"]
+
+
+def test_folder_without_tokenizer_or_with_broken_config_is_refused(tiny_dir, tmp_path):
+    no_tok = _copy(tiny_dir, tmp_path / "a")
+    for f in no_tok.glob("tokenizer*"):
+        f.unlink()
+    with pytest.raises(UserError, match="no tokenizer"):
+        resolve_model(no_tok)
+    broken = _copy(tiny_dir, tmp_path / "b")
+    (broken / "config.json").write_text('{"model_type": "lla')
+    with pytest.raises(UserError, match="config.json is not readable JSON"):
+        resolve_model(broken)

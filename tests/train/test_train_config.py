@@ -170,3 +170,12 @@ def test_unknown_key_suggests_the_section_qualified_key(key, suggested, tmp_path
     recipe.write_text(f"{top}:\n  {leaf}: 3\n" if top else f"{leaf}: 3\n")
     with pytest.raises(UserError, match=f"did you mean '{suggested}'"):
         load_config(recipe)
+
+
+def test_recipe_that_is_not_utf8_or_is_a_directory_is_one_line(tmp_path):
+    bad = tmp_path / "r.yaml"
+    bad.write_bytes(b"optim:\n  lr: 'caf\xe9'\n")
+    with pytest.raises(UserError, match=r"r\.yaml: not UTF-8 text \(line 2\)"):
+        load_config(bad)
+    with pytest.raises(UserError, match="is a directory"):
+        load_config(tmp_path)
