@@ -41,8 +41,13 @@ def default_chunk(vocab_size: int) -> int:
 def _compute_dtype(x: Tensor, weight: Tensor) -> torch.dtype:
     """The matmul dtype autocast would use on this device (the head's dtype when autocast is off)."""
     kind = x.device.type
-    if torch.is_autocast_enabled(kind):
-        return torch.get_autocast_dtype(kind)
+    if hasattr(torch, "get_autocast_dtype"):  # torch >= 2.4
+        if torch.is_autocast_enabled(kind):
+            return torch.get_autocast_dtype(kind)
+    elif kind == "cuda" and torch.is_autocast_enabled():
+        return torch.get_autocast_gpu_dtype()
+    elif kind == "cpu" and torch.is_autocast_cpu_enabled():
+        return torch.get_autocast_cpu_dtype()
     return torch.promote_types(x.dtype, weight.dtype)
 
 
@@ -101,7 +106,7 @@ class FusedHeadCE(torch.autograd.Function):
                 losses.append(ce_sum / count)
                 grad_xs.append(grad_x)
         per_exit = torch.stack(losses)  # (n_exits,)
-        total = (per_exit * torch.tensor(exit_weights, dtype=torch.float32, device=per_exit.device)).sum()  # ()
+        total = sum(w_e * loss for w_e, loss in zip(exit_weights, losses, strict=True))  # (): no host-to-device copy
         ctx.mark_non_differentiable(per_exit)
         ctx.save_for_backward(grad_w, *grad_xs)
         ctx.weight_dtype = weight.dtype

@@ -218,3 +218,24 @@ def test_eager_masks_match_sdpa(batch, window):
         hf = m(ids, labels=labels).loss  # the HF forward builds its own masks
         torch.testing.assert_close(losses[impl][-1], hf, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(losses["sdpa"], losses["eager"], rtol=1e-5, atol=1e-5)
+
+
+def test_fused_ce_under_bf16_autocast_matches_unfused(model, batch):
+    """bf16 autocast (CPU here, CUDA in training): the fused loss follows autocast's matmul dtype."""
+    ids, labels = batch
+    targets = next_token_targets(labels)
+    h = torch.randn(B, T, 64, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = full_ce(model, h, targets)
+    ref.backward()
+    want = [h.grad.clone(), model.lm_head.weight.grad.clone()]
+    h.grad = None
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        total, _ = fused_head_ce(model.lm_head, [model.model.norm(h)], [targets], [1.0], 16)
+    total.backward()
+    assert total.dtype == torch.float32 and h.grad.dtype == torch.float32
+    assert model.lm_head.weight.grad.dtype == torch.float32
+    torch.testing.assert_close(total, ref, rtol=1e-2, atol=1e-2)
+    for g, r in zip([h.grad, model.lm_head.weight.grad], want, strict=True):
+        torch.testing.assert_close(g, r, rtol=5e-2, atol=5e-3)
