@@ -109,4 +109,8 @@ class Drafter(Protocol):
         """Learn from a verification (the cache now holds state.n exact rows)."""
 
     def stats(self) -> dict:
-        """Drafter-specific statistics for the result (e.g. optimisation time)."""
+        """Drafter-specific statistics for the result (e.g. optimisation time); no side effects."""
+
+    def finish(self) -> None:
+        """Decoding with this drafter is over (called once by its owner): save plans or learned state.
+        Optional: callers skip drafters that have no ``finish``."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from core.errors import UserError
 from infer.drafters.base import DecodeState, Draft, VerifyOutcome
 from infer.drafters.chain import EarlyExitForward, draft_chain
-from infer.drafters.gate import FallbackGate
+from infer.drafters.gate import FallbackGate, GateMemory
 
 
 @dataclass
@@ -32,6 +32,9 @@ class EarlyExitConfig:
     across the prompts a drafter instance decodes)."""
     recheck_interval: int = 128
     """With adaptive: plain steps before drafting is probed again (doubling after each failed probe)."""
+    remember: bool = True
+    """With adaptive: keep what the gate measured (plain and drafting speed, its mode and back-off) in the toolkit
+    cache across commands, per model, device, dtype, threads and these settings (saved by ``finish``)."""
 
     def __post_init__(self) -> None:
         if self.num_draft < 1:
@@ -55,6 +58,13 @@ class EarlyExitDrafter:
                             f"layers, so use 1 <= --exit-layer <= {L}")
         self.forward = EarlyExitForward(runner, self.config.exit_layer)
         self.gate = FallbackGate(self.config.recheck_interval, enabled=self.config.adaptive)
+        self.memory = None
+        if self.config.adaptive and self.config.remember:
+            self.memory = GateMemory.for_drafter(runner, self.name, self.config)
+            try:
+                self.gate.load((self.memory.load() or {}).get("gate", {}))
+            except (KeyError, TypeError, ValueError):  # a damaged memory file: start afresh
+                self.gate = FallbackGate(self.config.recheck_interval, enabled=True)
         self.forwards = self.plain_steps = 0
         self._cycle_start: float | None = None
 
@@ -82,6 +92,11 @@ class EarlyExitDrafter:
             seconds = time.perf_counter() - self._cycle_start
             self.gate.record(len(outcome.tokens), seconds, drafted=outcome.draft is not None)
             self.gate.decide()
+
+    def finish(self) -> None:
+        """The last prompt is done: keep the gate's measurements for the next command."""
+        if self.memory is not None:
+            self.memory.save({"gate": self.gate.to_dict()})
 
     def stats(self) -> dict:
         out = {"draft_forwards": self.forwards, "plain_steps": self.plain_steps}

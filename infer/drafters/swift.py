@@ -28,7 +28,7 @@ import torch
 from core.errors import UserError
 from infer.drafters.base import DecodeState, Draft, VerifyOutcome
 from infer.drafters.chain import ChainResult, PlanForward, draft_chain
-from infer.drafters.gate import FallbackGate, Rate
+from infer.drafters.gate import FallbackGate, GateMemory, Rate
 from infer.drafters.skipping import matchness_span
 from infer.plan import LayerPlan, PlanFile
 
@@ -73,9 +73,12 @@ class SwiftConfig:
     plan: str | None = None
     """Initial plan file (a self_sd or swift plan JSON); default: a uniform plan at skip_ratio."""
     save_plan: str | None = None
-    """Write the best plan found to this JSON file (self_sd-compatible) after every prompt."""
+    """Write the best plan found to this JSON file (self_sd-compatible) when decoding is finished."""
     opt_seed: int = 0
     """Seed of the random search and the optuna sampler."""
+    remember: bool = True
+    """With the fallback: keep what it measured (plain and drafting speed, draft and verification rates, its mode
+    and back-off) in the toolkit cache across commands, per model, device, dtype, threads and these settings."""
     paper: bool = False
     """Exactly the paper's SWIFT: no fallback, no optimisation budget, the paper's tree widths with no node cap
     (overrides fallback, opt-budget, fallback-opt-budget and max-tree-nodes)."""
@@ -189,6 +192,9 @@ class SwiftDrafter:
         self.decode_time = 0.0
         self.trajectory: list[tuple[int, float]] = []
         self._reset_prompt_stats()
+        self.memory = GateMemory.for_drafter(runner, self.name, cfg) if self.fallback and cfg.remember else None
+        if self.memory is not None:
+            self._restore(self.memory.load() or {})
 
     # -------------------------------------------------------------- protocol
     @property
@@ -246,9 +252,27 @@ class SwiftDrafter:
             self.opt_time += spent
             self.opt_time_total += spent
 
-    def stats(self) -> dict:
+    def finish(self) -> None:
+        """Decoding is over: write --save-plan (once) and keep the gate's measurements for the next command."""
         if self.config.save_plan:
             self.save(self.config.save_plan)
+        if self.memory is not None:
+            self.memory.save({"gate": self.gate.to_dict(), "draft_forward": self.draft_forward.to_dict(),
+                              "verify": self.verify.to_dict(), "opt_time": self.opt_time_total,
+                              "decode_time": self.decode_time})
+
+    def _restore(self, saved: dict) -> None:
+        """Continue from what an earlier command measured (nothing when ``saved`` is empty or unusable)."""
+        try:
+            self.gate.load(saved.get("gate", {}))
+            if "draft_forward" in saved:
+                self.draft_forward.load(saved["draft_forward"])
+                self.verify.load(saved["verify"])
+                self.opt_time_total, self.decode_time = float(saved["opt_time"]), float(saved["decode_time"])
+        except (KeyError, TypeError, ValueError):
+            self.gate = FallbackGate(self.config.recheck_interval, enabled=self.fallback)
+
+    def stats(self) -> dict:
         return {"draft_forwards": self.forwards, "opt_time": self.opt_time, "opt_steps": self.opt_steps,
                 "plain_steps": self.plain_steps, "best_matchness": self.best_score, "skip_ratio": self.best.skip_ratio,
                 "plan": self.best.describe(), "mode": self.mode, "optimising": self.optimising,

@@ -21,6 +21,12 @@ PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 250, 17], [42] * 12 + [7, 8], [1, 2, 3]]
 EAGER = {"context_window": 8, "opt_budget": 0.95, "fallback_opt_budget": 0.95}  # optimise at every step
 
 
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    """The fallback gate's memory lives in the toolkit cache: keep each test's apart."""
+    monkeypatch.setenv("LAYERSKIP_CACHE", str(tmp_path / "cache"))
+
+
 @pytest.fixture(scope="module")
 def runner():
     return Runner.from_model(make_model("llama", seed=0, layers=6))
@@ -173,7 +179,10 @@ def test_fallback_when_drafting_cannot_pay(runner, monkeypatch):
 def test_plan_saved_by_swift_loads_back(runner, tmp_path):
     path = tmp_path / "swift_plan.json"
     drafter = build_drafter("swift", runner, EAGER | {"save_plan": str(path)})
-    Engine(runner, drafter).generate(PROMPTS[0], GenerationConfig(max_new_tokens=40))
+    res = Engine(runner, drafter).generate(PROMPTS[0], GenerationConfig(max_new_tokens=40))
+    drafter.stats()
+    assert res.stats.drafter and not path.exists()  # stats() has no side effects: the plan is saved by finish()
+    drafter.finish()
     saved = PlanFile.load(path)
     assert saved.plan == drafter.best and saved.source == "swift"
     saved.check_model(runner.identity())

@@ -1,0 +1,90 @@
+"""The fallback gate's memory: what early_exit --adaptive and swift learned survives into the next command."""
+
+import json
+
+import pytest
+import torch
+
+from infer.drafters import build_drafter
+from infer.engine import Engine, GenerationConfig
+from infer.runner import Runner
+from tiny_models import make_model
+
+PROMPT = [5, 6, 7, 8, 9]
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return Runner.from_model(make_model("llama", seed=0, layers=6))
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LAYERSKIP_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def decode(runner, drafter, n=40):
+    return Engine(runner, drafter).generate(PROMPT, GenerationConfig(max_new_tokens=n))
+
+
+@pytest.mark.parametrize("name,options", [("early_exit", {"E": "2", "k": "3", "adaptive": "true"}),
+                                          ("swift", {"max_opt_steps": "0"})])
+def test_a_new_command_continues_from_what_the_gate_learned(runner, cache, name, options):
+    first = build_drafter(name, runner, options)
+    decode(runner, first)
+    assert not cache.exists()  # nothing is written while decoding or by stats()
+    first.finish()
+    assert len(list((cache / "gate").glob(f"{name}-*.json"))) == 1
+    again = build_drafter(name, runner, options)  # a later command, same model and settings
+    assert again.gate.to_dict() == first.gate.to_dict()
+    assert again.gate.plain.cycles >= 3  # no fresh warm-up of plain steps on the next prompt
+    if name == "swift":
+        assert again.draft_forward.to_dict() == first.draft_forward.to_dict()
+
+
+def test_other_settings_threads_or_models_start_afresh(runner, cache):
+    options = {"E": "2", "k": "3", "adaptive": "true"}
+    first = build_drafter("early_exit", runner, options)
+    decode(runner, first)
+    first.finish()
+    assert build_drafter("early_exit", runner, options).gate.plain.cycles > 0
+    assert build_drafter("early_exit", runner, options | {"k": "4"}).gate.plain.cycles == 0
+    other = Runner.from_model(make_model("llama", seed=3, layers=6))
+    assert build_drafter("early_exit", other, options).gate.plain.cycles == 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert build_drafter("early_exit", runner, options).gate.plain.cycles == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"format": "layerskip-gate/1", "gate": {"mode": "plain"}}),
+                                     json.dumps([1, 2])])
+def test_a_damaged_memory_is_ignored_and_rewritten(runner, cache, content):
+    options = {"E": "2", "k": "3", "adaptive": "true"}
+    first = build_drafter("early_exit", runner, options)
+    first.finish()
+    (path,) = (cache / "gate").glob("*.json")
+    path.write_text(content)
+    again = build_drafter("early_exit", runner, options)
+    assert again.gate.plain.cycles == 0 and again.gate.mode == "plain"
+    res = decode(runner, again)
+    assert res.tokens == decode(runner, build_drafter("autoregressive", runner)).tokens
+    again.finish()
+    assert json.loads(path.read_text())["gate"]["plain"]["cycles"] > 0
+
+
+def test_a_remembered_plain_mode_spends_nothing_on_probes(runner, cache):
+    """Once drafting was measured not to pay, the next command's prompt takes plain steps only."""
+    options = {"E": "2", "k": "3", "adaptive": "true"}
+    fresh = build_drafter("early_exit", runner, options)
+    assert decode(runner, fresh).stats.drafted > 0  # a fresh gate probes drafting on its first prompt
+    fresh.gate.plain.add(10, 1.0)  # as if plain steps had measured faster than drafting
+    fresh.gate.drafting.add(1, 1.0)
+    fresh.gate._switch("plain")
+    fresh.finish()
+    again = build_drafter("early_exit", runner, options)
+    res = decode(runner, again)
+    assert res.stats.drafted == 0 and again.gate.mode == "plain"
