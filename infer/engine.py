@@ -1,4 +1,8 @@
-"""The draft-verify loop: prefill, propose, verify in one forward, accept, roll back, stop."""
+"""The draft-verify loop: prefill, propose, verify in one forward, accept, roll back, stop.
+
+``Engine.start`` prefills a prompt, ``Engine.step`` runs one propose-verify-accept cycle and
+``Engine.finish`` returns the result; ``Engine.generate`` is those three in a loop.
+"""
 
 from __future__ import annotations
 
