@@ -1,13 +1,17 @@
 """One command-line policy for every entry point: bad input is one line on stderr and exit code 2.
 
 ``run_main`` wraps a command's body; ``split_named`` parses the ``NAME=PATH`` labels that several
-commands accept for models (``--model base=default --model trained=runs/x/final``).
+commands accept for models (``--model base=default --model trained=runs/x/final``);
+``check_output_file`` / ``check_output_dir`` refuse an output path before any work is done.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 from core.errors import UserError
 
@@ -35,3 +39,43 @@ def split_named(spec: str) -> tuple[str, str]:
     if not name.strip() or not value.strip():
         raise UserError(f"{spec!r}: expected NAME=PATH (e.g. trained=runs/demo/final) or a plain path")
     return name.strip(), value.strip()
+
+
+def _writable_ancestor(target: Path) -> Path | None:
+    """The nearest existing folder above ``target`` if a file can be created in it (tried, then removed), else None.
+
+    Trying beats ``os.access``: root passes every permission check, yet cannot create files in /proc.
+    """
+    parent = next((p for p in target.parents if p.exists()), None)
+    if parent is None or not parent.is_dir():
+        return None
+    try:
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".layerskip-probe-"):
+            pass
+    except OSError:
+        return None
+    return parent
+
+
+def check_output_file(path: str | os.PathLike, what: str) -> Path:
+    """Refuse, before any work, a file path that is a folder or whose folder cannot be created or written."""
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise UserError(f"{what} {target} is a folder; give a file path")
+    if target.exists() and not os.access(target, os.W_OK):
+        raise UserError(f"{what} {target} exists and is not writable; choose another path")
+    if not target.exists() and _writable_ancestor(target) is None:
+        raise UserError(f"{what} {target}: cannot create it (no writable folder above it); choose another path")
+    return target
+
+
+def check_output_dir(path: str | os.PathLike, what: str) -> Path:
+    """Refuse, before any work, an output folder that is an existing file or cannot be created or written."""
+    target = Path(path).expanduser()
+    if target.exists() and not target.is_dir():
+        raise UserError(f"{what} {target} is an existing file; give a folder")
+    if target.is_dir() and not os.access(target, os.W_OK | os.X_OK):
+        raise UserError(f"{what} {target} is not writable; choose another folder")
+    if not target.exists() and _writable_ancestor(target) is None:
+        raise UserError(f"{what} {target}: cannot create it (no writable folder above it); choose another folder")
+    return target

@@ -592,8 +592,13 @@ def markdown_table(rows: list[Summary]) -> str:
 
 
 def bugs(rows: list[Summary]) -> list[Summary]:
-    """Rows with greedy mismatches that are not tie flips (lossy early exit excluded)."""
-    return [r for r in rows if not r.lossy and (r.exact_mismatches if r.mismatches is None else r.mismatches)]
+    """Rows of our drafters with greedy mismatches that are not tie flips (lossy early exit excluded).
+
+    A transformers peer's mismatches are reported in its row but fail nothing: it runs other kernels,
+    so in bf16/fp16 its rounding (not only ours) differs from our plain decoding's.
+    """
+    return [r for r in rows if not r.lossy and r.method.split(":")[0] not in PEERS
+            and (r.exact_mismatches if r.mismatches is None else r.mismatches)]
 
 
 def write_outputs(cfg: BenchConfig, records: list[Record], out_dir: Path, command: str) -> list[Summary]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from core.cli import run_main
+from core.cli import check_output_file, run_main
 from core.device import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP, dtype_name, parse_dtype, resolve_device
 from core.errors import UserError
 from core.models import resolve_model
@@ -74,6 +74,8 @@ def _sizes(text: str) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     sizes = _sizes(args.sizes)
+    if args.out:
+        check_output_file(args.out, "--out")
     dev = resolve_device(args.device)  # a missing GPU is refused before the model loads
     set_threads(args.threads)
     result = measure(args.model, sizes, args.repeats, args.context, str(dev), args.dtype)

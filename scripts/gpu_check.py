@@ -44,7 +44,7 @@ import torch
 import transformers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from core.cli import run_main
+from core.cli import check_output_dir, run_main
 from core.device import resolve_device
 from infer.bench import git_commit
 from infer.drafters import build_drafter
@@ -405,10 +405,7 @@ def check(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.out.exists() and not args.out.is_dir():
-        from core.errors import UserError
-
-        raise UserError(f"--out {args.out} is a file; give the docs folder to write gpu/latest.json and GPU.md into")
+    check_output_dir(args.out, "--out")  # gpu/latest.json, GPU.md and TRAINING.md go there
     (args.out / "gpu").mkdir(parents=True, exist_ok=True)
     result = check(args)
     (args.out / "gpu" / "latest.json").write_text(json.dumps(result, indent=1) + "\n")

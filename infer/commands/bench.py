@@ -7,6 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from core.cli import check_output_dir
 from core.device import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP
 from core.errors import UserError
 from core.prompts import CHAT_MODES
@@ -70,8 +71,7 @@ def config_from_args(args: argparse.Namespace):
 
     if args.temperature is not None and not args.sample:
         raise UserError("--temperature needs --sample")
-    if args.out.exists() and not args.out.is_dir():
-        raise UserError(f"--out {args.out} is an existing file; give a folder for results.json, .csv, .md and plots")
+    check_output_dir(args.out, "--out")  # results.json, .csv, .md and plots go there
     parse_dtype(args.dtype, resolve_device(args.device))  # a missing GPU is refused before anything loads
     peers = "" if args.peers == "none" else args.peers
     methods = parse_methods(args.drafters, peers)

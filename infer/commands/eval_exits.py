@@ -20,6 +20,7 @@ import math
 import sys
 from pathlib import Path
 
+from core.cli import check_output_dir, check_output_file
 from core.device import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP
 from core.errors import UserError
 
@@ -71,10 +72,10 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError("--n and --batch-size must be >= 1, --max-tokens >= 2")
     if args.overrides and not args.config:
         raise UserError(f"recipe overrides {args.overrides} need --config")
-    if args.out is not None and args.out.exists() and not args.out.is_dir():
-        raise UserError(f"--out {args.out} is an existing file; give a folder for exits.json and exits.png")
-    if args.json is not None and args.json.is_dir():
-        raise UserError(f"--json {args.json} is a folder; give a file path")
+    if args.out is not None:
+        check_output_dir(args.out, "--out")
+    if args.json is not None:
+        check_output_file(args.json, "--json")
 
 
 def held_out_examples(source: str, tokenizer, n: int, max_tokens: int):

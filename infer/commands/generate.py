@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
+from core.cli import check_output_file
 from core.device import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP, dtype_name
 from core.errors import UserError
 
@@ -123,19 +123,6 @@ def _stats_line(name: str, stats) -> str:
     return line
 
 
-def check_writable(path: str | Path, what: str) -> None:
-    """Refuse, before any work, an output path whose folder cannot be created or written."""
-    target = Path(path).expanduser()
-    if target.is_dir():
-        raise UserError(f"{what} {target} is a folder; give a file path")
-    parent = next((p for p in (target.parent, *target.parent.parents) if p.exists()), None)
-    if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise UserError(f"{what} {target}: cannot write there ({parent or target.parent} is not a writable "
-                        "folder); choose another path")
-    if target.exists() and not os.access(target, os.W_OK):
-        raise UserError(f"{what} {target} exists and is not writable; choose another path")
-
-
 def exit_layer_of(drafter) -> int | None:
     """The lossy exit layer E of an autoregressive drafter (None = the full model)."""
     exit_layer = getattr(drafter.config, "exit_layer", None) if drafter.name == "autoregressive" else None
@@ -174,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     options = drafter_options(args)
     config = build_config(args.drafter, options)
     if getattr(config, "save_plan", None):
-        check_writable(config.save_plan, "--save-plan")
+        check_output_file(config.save_plan, "--save-plan")
     gen = generation_config(args)
     prompts = _prompts(args)
     set_threads(args.threads)

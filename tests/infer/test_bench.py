@@ -185,6 +185,8 @@ def test_bench_out_existing_file_refused(tiny_model_dir, prompts_file, tmp_path,
     code = bench(tiny_model_dir, prompts_file, target, "autoregressive")
     assert code == 2 and "existing file" in capsys.readouterr().err
     assert target.read_text() == "keep me"
+    code = bench(tiny_model_dir, prompts_file, target / "sub", "autoregressive")  # a folder under a file
+    assert code == 2 and "cannot create it" in capsys.readouterr().err
 
 
 def test_speedup_plot_facets_by_model(tmp_path):
