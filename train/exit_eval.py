@@ -61,13 +61,3 @@ def exit_metrics(lm: LayerSkipLM, examples: Examples, exits: list[int], batch_si
         "accuracy": {e: float(stats[2, j] / n[j]) for j, e in enumerate(exits)},
         "tokens": {e: int(stats[3, j]) for j, e in enumerate(exits)},
     }
-
-
-def format_table(metrics: dict[str, dict[int, float]], title: str = "") -> str:
-    """A small markdown table: one row per exit."""
-    lines = [title] if title else []
-    lines += ["| exit | val loss | top-1 agreement with final | top-1 accuracy |", "|---:|---:|---:|---:|"]
-    for e in metrics["loss"]:
-        lines.append(f"| {e} | {metrics['loss'][e]:.3f} | {metrics['agreement'][e]:.3f} | "
-                     f"{metrics['accuracy'][e]:.3f} |")
-    return "\n".join(lines)
