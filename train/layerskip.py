@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from core.errors import UserError
+from core.packages import cache_root
 from train.config import TrainConfig, describe, dump_config, load_config, to_dict
 
 PROG = "layerskip-train"
@@ -66,6 +67,16 @@ def make_accelerator(cfg: TrainConfig):
         ds.deepspeed_config["gradient_accumulation_steps"] = cfg.optim.grad_accum_steps
         ds.deepspeed_config["gradient_clipping"] = cfg.optim.max_grad_norm
     return accelerator
+
+
+def check_token_cache(cfg: TrainConfig) -> None:
+    """The tokenisation cache folder must exist or be creatable (checked before any model loads)."""
+    folder = Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir else cache_root() / "tokens"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create the token cache folder {folder} ({e.strerror or e}); set data.cache_dir "
+                        "(or LAYERSKIP_CACHE) to a writable folder") from None
 
 
 def param_digest(model) -> str:
@@ -180,6 +191,7 @@ def run_training(cfg: TrainConfig, on_step: Callable[[int], None] | None = None,
     torch.manual_seed(cfg.seed)
     out_dir = Path(cfg.checkpoint.output_dir)
     resume_from = prepare_run_folder(cfg, overwrite)  # checked before the model loads: a bad folder fails fast
+    check_token_cache(cfg)
     accelerator = make_accelerator(cfg)
     main = accelerator.is_main_process
     accelerator.wait_for_everyone()  # every process has checked the folder before it changes

@@ -134,3 +134,11 @@ def _importable_elsewhere(name: str) -> bool:
 
     paths = [p for p in sys.path if Path(p or ".").resolve() != (REPO / "train").resolve()]
     return importlib.machinery.PathFinder.find_spec(name, paths) is not None
+
+
+def test_uncreatable_token_cache_is_one_line_before_loading(recipe, tmp_path, capsys, monkeypatch):
+    import train.model
+
+    monkeypatch.setattr(train.model, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    code, err = _main(capsys, "--config", str(recipe), "data.cache_dir=/proc/layerskip-no-such/tokens")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "data.cache_dir" in err
