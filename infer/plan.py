@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
+
+from core.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -109,10 +114,6 @@ class PlanFile:
 
     def save(self, path) -> None:
         """Write atomically (a temporary file renamed into place)."""
-        import json
-        import os
-        from pathlib import Path
-
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
@@ -121,27 +122,29 @@ class PlanFile:
 
     @classmethod
     def load(cls, path) -> PlanFile:
-        import json
-        from pathlib import Path
-
-        from core.errors import UserError
-
-        path = Path(path)
+        """Read and validate a plan file; anything wrong is one UserError naming the file."""
+        path = Path(path).expanduser()
         if not path.is_file():
-            raise UserError(f"plan file {path} does not exist (create one with `layerskip search`)")
+            raise UserError(f"plan file {path} does not exist (create one with `layerskip search` or "
+                            "`layerskip plan import`)")
         try:
-            d = json.loads(path.read_text())
+            d = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(d, dict):
+                raise ValueError(f"it holds a JSON {type(d).__name__}, not an object")
             if d.get("format") != PLAN_FORMAT:
                 raise ValueError(f"format is {d.get('format')!r}, expected {PLAN_FORMAT!r}")
-            return cls(LayerPlan.from_dict(d["plan"]), d["model"], d.get("task", ""), d.get("objective"),
-                       d.get("search"), d.get("source", ""))
+            for key, kind in (("plan", dict), ("model", dict)):
+                if not isinstance(d.get(key), kind):
+                    raise ValueError(f"{key!r} must be an object, got {type(d.get(key)).__name__}")
+            return cls(LayerPlan.from_dict(d["plan"]), d["model"], str(d.get("task", "")), d.get("objective"),
+                       d.get("search"), str(d.get("source", "")))
         except (ValueError, KeyError, TypeError) as e:
             raise UserError(f"{path} is not a valid plan file: {e}") from None
+        except OSError as e:
+            raise UserError(f"cannot read plan file {path}: {e.strerror}") from None
 
     def check_model(self, identity: dict, path: str = "the plan") -> None:
         """Refuse a plan made for another model (architecture or weights differ)."""
-        from core.errors import UserError
-
         diff = {k: (self.model.get(k), v) for k, v in identity.items() if self.model.get(k) != v}
         if diff:
             what = ", ".join(f"{k}: plan has {a}, model has {b}" for k, (a, b) in diff.items())
