@@ -17,6 +17,7 @@ import re
 import shutil
 import struct
 import sys
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -99,6 +100,16 @@ def safetensors_problem(path: Path) -> str | None:
     return None
 
 
+def _cut_short_zip(path: Path) -> bool:
+    """A torch ``.bin`` saved as a zip (torch >= 1.6) whose central directory is missing."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError:
+        return True
+    return magic == b"PK\x03\x04" and not zipfile.is_zipfile(path)
+
+
 def weights_problem(path: Path) -> str | None:
     """Why a model folder's weights are missing or incomplete (None: present and whole)."""
     path = Path(path)
@@ -116,6 +127,8 @@ def weights_problem(path: Path) -> str | None:
     for f in files:
         if f.suffix == ".safetensors" and (problem := safetensors_problem(f)):
             return problem
+        if f.suffix == ".bin" and _cut_short_zip(f):
+            return f"{f.name} is cut short (a torch zip checkpoint without its end)"
     return None
 
 
@@ -131,6 +144,12 @@ def check_model_folder(path: Path, what: str = "model folder", fix: str = "") ->
                         f"({type(e).__name__}); {fix}") from None
     if not isinstance(config, dict):
         raise UserError(f"{what} {path} cannot be loaded: its config.json is not a JSON object; {fix}")
+    if (path / "tokenizer.json").is_file():
+        try:
+            json.loads((path / "tokenizer.json").read_bytes())
+        except (OSError, ValueError) as e:
+            raise UserError(f"{what} {path} cannot be loaded: its tokenizer.json is not readable JSON "
+                            f"({type(e).__name__}: cut short or damaged); {fix}") from None
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise UserError(f"{what} {path} cannot be loaded: it has no tokenizer ({', '.join(TOKENIZER_FILES)}); "
                         "save the tokenizer into it too (tokenizer.save_pretrained)")

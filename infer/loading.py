@@ -71,8 +71,8 @@ def load_model(model: str, dtype: str = "fp32", device: str = "cpu") -> LoadedMo
     path = resolve_model(model)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise UserError(f"could not load a tokenizer from {path}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for a malformed tokenizer.json
+        raise UserError(f"could not load a tokenizer from {path}: {type(e).__name__}: {e}") from None
     dev = resolve_device(device)
     runner = Runner.from_pretrained(path, dtype=parse_dtype(dtype, dev), device=dev)
     return LoadedModel(path, runner, tokenizer, eos_ids(path, tokenizer))

@@ -188,3 +188,18 @@ def test_folder_without_tokenizer_or_with_broken_config_is_refused(tiny_dir, tmp
     (broken / "config.json").write_text('{"model_type": "lla')
     with pytest.raises(UserError, match="config.json is not readable JSON"):
         resolve_model(broken)
+
+
+def test_cut_short_tokenizer_or_torch_bin_is_refused(tiny_dir, tmp_path):
+    import torch
+
+    tok = _copy(tiny_dir, tmp_path / "a")
+    (tok / "tokenizer.json").write_bytes((tok / "tokenizer.json").read_bytes()[:100])
+    with pytest.raises(UserError, match="tokenizer.json"):
+        resolve_model(tok)
+    binary = _copy(tiny_dir, tmp_path / "b", weights=False)
+    torch.save({"w": torch.zeros(100)}, binary / "pytorch_model.bin")
+    assert resolve_model(binary) == binary
+    (binary / "pytorch_model.bin").write_bytes((binary / "pytorch_model.bin").read_bytes()[:200])
+    with pytest.raises(UserError, match="pytorch_model.bin is cut short"):
+        resolve_model(binary)
