@@ -33,7 +33,8 @@ def _bench_section(run: Path, title: str, img_dir: Path, old: str, name: str) ->
     rows = [Summary(**r) for r in payload["summary"]]
     meta = payload["meta"]
     out = [f"## {title}\n", f"```\n{meta['command']}\n```\n",
-           f"{meta['cpu']}, {meta['threads']} thread(s), torch {meta['torch']}, transformers {meta['transformers']}, "
+           f"{meta.get('gpu') or meta['cpu']}, {meta.get('device', 'cpu')} {meta.get('dtype', 'fp32')}, "
+           f"{meta['threads']} thread(s), torch {meta['torch']}, transformers {meta['transformers']}, "
            f"{meta['date']}, commit {meta.get('git') or 'not recorded'}; "
            f"{payload['config']['n']} held-out prompts per task, "
            f"{payload['config']['max_new_tokens']} new tokens, median of {payload['config']['repeats']} repeat(s).\n",
