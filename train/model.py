@@ -6,13 +6,16 @@ checkpoint's state-dict keys stay those of the HF model. That gives us the two t
 LayerSkip needs in one pass:
 
 - **layer dropout that really skips compute**: for a layer, only the rows of the batch that keep
-  it are run (``h[keep]``), and the result is scattered back; skipped rows pass through unchanged.
+  it are run, as a contiguous slice (:class:`DropoutPlan` regroups rows when needed, planned on the
+  CPU once per step, so the layer loop never waits for the device); skipped rows pass through unchanged.
 - **early-exit losses**: the hidden state after the first E layers goes through the final norm
-  and the shared LM head, and its CE is weighted into the loss.
+  and the shared LM head, and its CE is weighted into the loss, chunked over tokens
+  (:mod:`train.losses`), so no (B, T, V) logits tensor is built per exit.
 
-Causal attention needs no mask here: packed pretraining blocks have no padding, and finetuning
-batches are right-padded, so real tokens never attend to the padding after them (padding has
-label -100). Position ids are therefore ``arange(T)`` for every row.
+Causal attention needs no padding mask here: packed pretraining blocks have no padding, and
+finetuning batches are right-padded, so real tokens never attend to the padding after them (padding
+has label -100). Position ids are therefore ``arange(T)`` for every row, and the masks are built here
+(:func:`attention_masks`), not by ``transformers`` internals.
 """
 
 from __future__ import annotations
@@ -167,8 +170,7 @@ class LayerSkipLM(nn.Module):
         """
         parts = decoder_parts(self.model)
         exits = sorted(weights)
-        vocab = parts.lm_head.weight.shape[0] if hasattr(parts.lm_head, "weight") else 1
-        chunk = self.loss_chunk or default_chunk(vocab)
+        chunk = self.loss_chunk or default_chunk(parts.config.vocab_size)  # not the weight's shape: ZeRO-3 empties it
         if is_plain_head(parts.lm_head):
             xs = [parts.norm(hiddens[e]) for e in exits]  # each (B, T, d)
             return fused_head_ce(parts.lm_head, xs, [targets[e] for e in exits], [weights[e] for e in exits], chunk)
