@@ -239,3 +239,18 @@ def test_fused_ce_under_bf16_autocast_matches_unfused(model, batch):
     torch.testing.assert_close(total, ref, rtol=1e-2, atol=1e-2)
     for g, r in zip([h.grad, model.lm_head.weight.grad], want, strict=True):
         torch.testing.assert_close(g, r, rtol=5e-2, atol=5e-3)
+
+
+def test_tied_head_gradient_reaches_the_embedding(batch):
+    """With tied embeddings the fused loss's head gradient adds to the embedding's lookup gradient."""
+    ids, labels = batch
+    m = make_model(layers=2, seed=11, tie_word_embeddings=True)
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+    m(ids, labels=labels).loss.backward()
+    want = grads(m)
+    out = LayerSkipLM(m, LayerDropoutConfig(), EarlyExitConfig(), max_steps=10).train()(ids, labels)
+    out["loss"].backward()
+    got = grads(m)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
