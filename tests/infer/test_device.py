@@ -1,6 +1,7 @@
 """--device / --dtype on every model-loading command: plumbing on CPU, a missing GPU refused in one line."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,6 +75,7 @@ def test_scripts_refuse_cuda_without_a_gpu(tiny_model_dir):
     import subprocess
     import sys
 
+    repo = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, "scripts/bench_verify_cost.py", "--model", str(tiny_model_dir),
-                           "--device", "cuda"], capture_output=True, text=True)
+                           "--device", "cuda"], capture_output=True, text=True, cwd=repo)
     assert proc.returncode == 2 and "CUDA is not available" in proc.stderr and "Traceback" not in proc.stderr
