@@ -127,3 +127,12 @@ def test_help_states_the_exactness_contract(capsys):
             main([command, "--help"])
         text = " ".join(capsys.readouterr().out.split())
         assert "identical in fp32; in bf16/fp16 a near-tie can flip" in text, command
+
+
+def test_train_subcommand_is_train_layerskip(capsys, tmp_path):
+    """`layerskip train ARGS` runs train/layerskip.py's main with ARGS (its --help and its one-line errors)."""
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--help"])
+    assert e.value.code == 0 and "--config" in capsys.readouterr().out
+    code, _, err = run_cli(capsys, "train", "--config", str(tmp_path / "missing.yaml"))
+    assert code == 2 and "missing.yaml" in err and "Traceback" not in err
