@@ -143,9 +143,11 @@ def prepare_run_folder(cfg: TrainConfig, overwrite: bool = False) -> Path | None
     present = run_files(out)
     if mode == "never":
         if present and not overwrite:
-            raise UserError(f"{out} already holds a training run ({', '.join(present)}); continue it with --resume, "
-                            "write to a new folder with checkpoint.output_dir=<dir>, or pass --overwrite to delete it "
-                            "and start again")
+            found = list_checkpoints(out)
+            resume = (f"continue it with --resume (from {found[-1].name}), " if found
+                      else "it has no checkpoint to resume; ")
+            raise UserError(f"{out} already holds a training run ({', '.join(present)}); {resume}write to a new "
+                            "folder with checkpoint.output_dir=<dir>, or pass --overwrite to delete it and start again")
         return None
     ckpt = find_resume(cfg)
     if ckpt is None:

@@ -88,6 +88,8 @@ def test_resume_of_an_older_checkpoint_with_newer_ones_is_refused(recipe, tmp_pa
 def test_folder_without_checkpoint_cannot_be_resumed_into(recipe, tmp_path, capsys):
     out = tmp_path / "run"
     assert _main(capsys, "--config", str(recipe), "checkpoint.save_every=0")[0] == 0
+    code, err = _main(capsys, "--config", str(recipe), "checkpoint.save_every=0")
+    assert code == 2 and "no checkpoint to resume" in err and "--resume" not in err
     code, err = _main(capsys, "--config", str(recipe), "checkpoint.save_every=0", "--resume")
     assert code == 2 and "no checkpoint" in err and "--overwrite" in err
     assert _steps(out) == [1, 2]
