@@ -212,11 +212,14 @@ def end_to_end(device: torch.device, tiny: bool, tokenizer_dir: str | None, work
     finally:
         if env_cpu is None:
             os.environ.pop("ACCELERATE_USE_CPU", None)
+        else:
+            os.environ["ACCELERATE_USE_CPU"] = env_cpu
     result = {"rc": rc, "train_s": time.perf_counter() - t0}
     final = workdir / "run" / "final"
     if rc != 0 or not final.is_dir():
         return {**result, "ok": False, "error": f"training exited {rc}; final checkpoint: {final.is_dir()}"}
-    runner = Runner.from_pretrained(final, dtype="bf16" if bf16 else "fp32", device=str(device))
+    # eager executor: this checks the checkpoint, not the runner's CUDA-graph capture
+    runner = Runner.from_pretrained(final, dtype="bf16" if bf16 else "fp32", device=str(device), executor="eager")
     prompt = torch.tensor([1, 2, 3, 4, 5], device=runner.device)
     cache = runner.new_cache(16)
     tokens = [int(runner.forward(cache, prompt)[-1].argmax())]
