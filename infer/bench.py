@@ -70,8 +70,8 @@ def parse_methods(drafters: str, peers: str | None) -> list[Method]:
     for spec in [s for s in drafters.split(",") if s.strip()]:
         name, opts = parse_spec(spec, validate="{model}" not in spec)  # per-model values are checked at load
         methods.append(Method(spec.strip(), name, tuple(opts.items())))
-    if not any(m.name == BASELINE and not m.options for m in methods):
-        methods.insert(0, Method(BASELINE, BASELINE))
+    # The baseline runs first on every prompt: the others are judged against its output right away.
+    methods = [Method(BASELINE, BASELINE)] + [m for m in methods if not (m.name == BASELINE and not m.options)]
     exits = sorted({int(m.opts.get("E", m.opts.get("exit_layer", 0))) for m in methods if m.name == "early_exit"})
     peer_specs = "hf_generate,prompt_lookup" + "".join(f",hf_early_exit:E={e}" for e in exits) if peers is None \
         else peers

@@ -218,3 +218,15 @@ def test_speedup_plot_facets_by_model(tmp_path):
     colours = [[tuple(p.get_facecolor()) for p in ax.patches] for ax in axes]
     assert colours[0] == colours[1] and len(set(colours[0])) == len(methods)  # distinct, same in both panels
     assert fig.legends and not any(ax.get_legend() for ax in fig.axes)
+
+
+def test_baseline_runs_first_whatever_the_order(tiny_model_dir, prompts_file, tmp_path):
+    """Listed after a drafter, autoregressive still runs first, so the drafter is judged on every prompt."""
+    out = tmp_path / "out"
+    assert bench(tiny_model_dir, prompts_file, out, "early_exit:E=2:k=3,autoregressive", "--peers", "none") == 0
+    payload = json.loads((out / "results.json").read_text())
+    assert payload["config"]["methods"] == ["autoregressive", "early_exit:E=2:k=3"]
+    row = next(r for r in payload["summary"] if r["method"] == "early_exit:E=2:k=3")
+    assert row["exact_mismatches"] == 0 and row["mismatches"] == 0
+    judged = [r for r in payload["records"] if r["method"] != "autoregressive" and r["repeat"] == 0]
+    assert judged and all(r["exact"] is True for r in judged)
