@@ -7,7 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from core.cli import check_output_dir
+from core.cli import check_output_dir, split_named
 from core.device import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP
 from core.errors import UserError
 from core.prompts import CHAT_MODES
@@ -73,6 +73,10 @@ def config_from_args(args: argparse.Namespace):
         raise UserError("--temperature needs --sample")
     check_output_dir(args.out, "--out")  # results.json, .csv, .md and plots go there
     parse_dtype(args.dtype, resolve_device(args.device))  # a missing GPU is refused before anything loads
+    labels = [split_named(m)[0] or split_named(m)[1] for m in args.models or ["default"]]
+    if len(set(labels)) != len(labels):
+        raise UserError(f"--model given twice with the same name ({', '.join(labels)}); label them as NAME=PATH, "
+                        "e.g. --model base=default --model trained=runs/demo/final")
     peers = "" if args.peers == "none" else args.peers
     methods = parse_methods(args.drafters, peers)
     if args.sweep:

@@ -159,6 +159,9 @@ def test_expected_speedup_formulas():
     (["--peers", ","], "has an empty entry"),
     (["--temperature", "0.5"], "needs --sample"),
     (["--exits", ","], "expected comma-separated integers"),
+    (["--model", "x=default", "--model", "x=runs/other"], "same name"),
+    (["--model", "trained="], "expected NAME=PATH"),
+    (["--device", "cuda:x"], "bad device"),
 ])
 def test_bench_bad_input(argv, message, tmp_path, capsys):
     """Refused before any model loads (the model path does not even exist)."""
