@@ -27,6 +27,7 @@ With ``skip_ratio`` the plan skips exactly round(ratio·2L) sublayers: the sampl
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -241,8 +242,15 @@ def open_study(storage_path: Path | None, settings: dict, fresh: bool = False):
         storage_path.parent.mkdir(parents=True, exist_ok=True)
         if fresh and storage_path.exists():
             storage_path.unlink()
-        storage = JournalStorage(JournalFileBackend(str(storage_path)))
-    study = optuna.create_study(storage=storage, study_name="self_sd", direction="maximize", load_if_exists=True)
+        _remove_stale_lock(storage_path)
+        _check_journal(storage_path)
+    try:
+        if storage_path is not None:
+            storage = JournalStorage(JournalFileBackend(str(storage_path)))
+        study = optuna.create_study(storage=storage, study_name="self_sd", direction="maximize", load_if_exists=True)
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:  # JSONDecodeError is a ValueError
+        raise UserError(f"the study journal {storage_path} is damaged ({type(e).__name__}); pass --fresh to "
+                        "start the search over") from None
     stored = study.user_attrs.get("settings")
     if stored is None:
         study.set_user_attr("settings", settings)
@@ -252,6 +260,37 @@ def open_study(storage_path: Path | None, settings: dict, fresh: bool = False):
         raise UserError(f"the study in {storage_path} was run with other settings ({diff}); pass --fresh to "
                         "start over or choose another --out")
     return study
+
+
+def _check_journal(journal: Path) -> None:
+    """Refuse a journal cut short (no final newline) or holding a line that is not JSON, before optuna reads it."""
+    try:
+        data = journal.read_bytes() if journal.exists() else b""
+        ok = not data or data.endswith(b"\n")
+        for line in data.splitlines() if ok else ():
+            if line.strip():
+                json.loads(line)
+    except (OSError, ValueError):
+        ok = False
+    if not ok:
+        raise UserError(f"the study journal {journal} is damaged (cut short or not a journal); pass --fresh to "
+                        "start the search over")
+
+
+def _remove_stale_lock(journal: Path, stale_after: float = 2.0) -> None:
+    """Remove the journal's lock left by a killed search (optuna would wait 30 s for it).
+
+    The lock is held only while one log line is written (milliseconds), so one older than a couple
+    of seconds belongs to a process that is gone.
+    """
+    lock = journal.with_name(journal.name + ".lock")
+    try:
+        age = time.time() - lock.lstat().st_mtime
+    except OSError:
+        return
+    if age > stale_after:
+        with contextlib.suppress(OSError):
+            lock.unlink()
 
 
 def run_search(evaluate: Evaluate, space: PlanSpace, cfg: SearchConfig, study, on_best=None,

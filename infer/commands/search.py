@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from core.cli import check_output_file
 from core.errors import UserError
 
 
@@ -66,8 +67,9 @@ def run(args: argparse.Namespace) -> int:
                        warm_start=not args.no_warm_start, speed_reference=args.speed_reference)
     if args.out.suffix != ".json":
         raise UserError(f"--out {args.out} should be a .json file")
-    if args.out.is_dir():
-        raise UserError(f"--out {args.out} is a folder; give a .json file path")
+    check_output_file(args.out, "--out")
+    if args.study is not None:
+        check_output_file(args.study, "--study")
     items = load_prompts(args.data, cfg.n_prompts)
     if len(items) < cfg.n_prompts:
         print(f"layerskip: note: {args.data} has only {len(items)} prompts", file=sys.stderr)

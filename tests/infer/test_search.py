@@ -310,3 +310,50 @@ def test_search_cli_bad_input_is_one_clear_line(capsys, tiny_model_dir, prompts_
     assert code == 2
     assert message in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def search_argv(model_dir, data, out, *extra):
+    return ["search", "--model", str(model_dir), "--data", str(data), "--trials", "3", "--out", str(out),
+            "--cost", "weights", "--n", "2", "--max-new-tokens", "8", "--quiet", *extra]
+
+
+def test_search_out_below_a_file_is_one_line(capsys, tiny_model_dir, prompts_file, tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    code = main(search_argv(tiny_model_dir, prompts_file, afile / "p.json"))
+    err = capsys.readouterr().err
+    assert code == 2 and "--out" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("damage", ["garbage", "cut"])
+def test_damaged_study_journal_says_pass_fresh(capsys, tiny_model_dir, prompts_file, tmp_path, damage):
+    out = tmp_path / "p.json"
+    assert main(search_argv(tiny_model_dir, prompts_file, out)) == 0
+    journal = tmp_path / "p.study.log"
+    text = journal.read_bytes()
+    journal.write_bytes(b"\x00garbage{{\n" if damage == "garbage" else text[:len(text) // 2])
+    capsys.readouterr()
+    code = main(search_argv(tiny_model_dir, prompts_file, out))
+    err = capsys.readouterr().err
+    assert code == 2 and "--fresh" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert main(search_argv(tiny_model_dir, prompts_file, out, "--fresh")) == 0
+
+
+def test_a_killed_search_leaves_no_lock_that_stalls_the_rerun(capsys, tiny_model_dir, prompts_file, tmp_path,
+                                                               monkeypatch):
+    import os
+
+    from optuna.storages.journal import _file
+
+    out = tmp_path / "p.json"
+    assert main(search_argv(tiny_model_dir, prompts_file, out)) == 0
+    lock = tmp_path / "p.study.log.lock"
+    os.symlink(tmp_path / "p.study.log", lock)  # what a search killed while writing leaves behind
+    os.utime(lock, (1e9, 1e9), follow_symlinks=False)
+
+    def no_waiting(seconds):
+        raise AssertionError("optuna waited for a stale lock")
+
+    monkeypatch.setattr(_file.time, "sleep", no_waiting)
+    assert main(search_argv(tiny_model_dir, prompts_file, out, "--trials", "4")) == 0
+    assert not lock.exists() and not lock.is_symlink()
