@@ -18,7 +18,8 @@ class AutoregressiveConfig:
     """Settings of plain decoding."""
 
     exit_layer: int | None = None
-    """lossy early exit: decode with layers [0, E) + norm + head only (None = all layers, exact)"""
+    """E: lossy early exit, decode with layers [0, E) + final norm + LM head only; the output is the exit
+    layer's (default: all layers, exact)."""
 
 
 class AutoregressiveDrafter:
