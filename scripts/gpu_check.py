@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -50,6 +50,7 @@ from infer.bench import git_commit
 from infer.drafters import build_drafter
 from infer.engine import Engine
 from infer.engine import GenerationConfig as OurGenerationConfig
+from infer.exactness import classify_divergence
 from infer.plan import LayerPlan, PlanFile
 from infer.runner import Runner
 
@@ -216,9 +217,11 @@ def greedy_identity(device: torch.device, new_tokens: int, notes: list[str]) -> 
                 except ImportError as e:  # e.g. swift's optimiser needs optuna
                     notes.append(f"greedy identity: {name} skipped ({e.name or e} not installed)")
                     continue
-                wrong = sum(engine.generate(p, gen).tokens != ref for p, ref in zip(prompts, refs, strict=True))
-                detail[f"{kind}/{name}"] = {"runs": len(prompts), "mismatches": wrong}
-                mismatches += wrong
+                outs = [engine.generate(p, gen).tokens for p in prompts]
+                wrong = [asdict(classify_divergence(runner, p, ref, out))
+                         for p, ref, out in zip(prompts, refs, outs, strict=True) if out != ref]
+                detail[f"{kind}/{name}"] = {"runs": len(prompts), "mismatches": len(wrong), "divergences": wrong}
+                mismatches += len(wrong)
                 runs += len(prompts)
     return mismatches, runs, detail
 
