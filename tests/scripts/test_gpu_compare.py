@@ -1,0 +1,191 @@
+"""scripts/gpu_compare.py and scripts/gpu_bundle.py: helpers, the bundle round trip, and the whole
+pipeline in --dry-run on a tiny model and a synthetic code tree (CPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from core.errors import UserError
+from core.packages import sha256_of
+from tiny_models import save_tiny
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+gc = _load("gpu_compare")
+gb = _load("gpu_bundle")
+
+
+def test_answer_number_takes_the_last_number():
+    assert gc._answer_number("so 3 + 4 = 7.\nThe answer is 1,234.") == "1234"
+    assert gc._answer_number("#### 230") == "230"
+    assert gc._answer_number("it costs 12.0 dollars") == "12"
+    assert gc._answer_number("no digits here") is None
+
+
+def test_method_key_drops_the_per_model_plan():
+    assert gc.method_key("self_sd:plan=runs/x/plans/base.json") == "self_sd"
+    assert gc.method_key("self_sd:plan=/a/b.json:k=4") == "self_sd:k=4"
+    assert gc.method_key("early_exit:E=12:k=3") == "early_exit:E=12:k=3"
+
+
+def test_write_section_replaces_only_the_marked_part(tmp_path):
+    page = tmp_path / "RESULTS.md"
+    page.write_text("# Results\n\nintro\n")
+    gc.write_section(page, f"{gc.SECTION_BEGIN}\nfirst\n{gc.SECTION_END}\n")
+    assert page.read_text().startswith("# Results\n\nintro\n") and "first" in page.read_text()
+    page.write_text(page.read_text() + "\n## Later section\n")
+    gc.write_section(page, f"{gc.SECTION_BEGIN}\nsecond\n{gc.SECTION_END}\n")
+    text = page.read_text()
+    assert "first" not in text and "second" in text and text.count(gc.SECTION_BEGIN) == 1
+    assert text.endswith("## Later section\n") and "intro" in text
+
+
+def _row(model, task, method, vs_ar):
+    return {"model": model, "task": task, "method": method, "vs_ar": vs_ar}
+
+
+def test_targets_use_the_best_early_exit_and_the_worst_task():
+    rows = [_row("trained", "code_heldout", "early_exit:E=12:k=3", 1.2),
+            _row("trained", "code_heldout", "early_exit:E=16:k=3", 1.6),
+            _row("base", "code_heldout", "early_exit:E=16:k=3", 2.0),
+            _row("trained", "humaneval", "early_exit:E=16:k=3", 0.9),
+            _row("trained", "code_heldout", "self_sd:plan=p/trained.json", 1.3),
+            _row("trained", "humaneval", "self_sd:plan=p/trained.json", 0.8)]
+    quality = {"base": {"gsm8k_accuracy": 0.30, "humaneval_prompt_loss": 2.0},
+               "trained": {"gsm8k_accuracy": 0.27, "humaneval_prompt_loss": 2.05}}
+    t = gc.targets(rows, quality, total_s=500.0)
+    code = t["trained early_exit vs AR, held-out code (>= 1.5)"]
+    assert code == {"value": 1.6, "met": True}
+    assert t["trained early_exit vs AR, HumanEval (>= 1.0)"]["met"] is False
+    assert t["GSM8K accuracy drop base -> trained (<= 0.02)"]["met"] is False
+    assert t["HumanEval prompt loss trained / base (<= 1.05)"]["met"] is True
+    assert t["trained self_sd vs AR, worst task (>= 1.0)"]["value"] == 0.8
+    assert t["trained swift vs AR, worst task (>= 1.0)"] == {"value": None, "met": None}
+    assert t["whole run in seconds (<= 480)"]["met"] is False
+
+
+def _fake_bundle(tmp_path: Path) -> tuple[Path, bytes, dict]:
+    """A bundle whose 'model' is a small random file split in two halves, with one data file and no wheels."""
+    blob = bytes(range(256)) * 41 + b"tail"
+    src = tmp_path / "src" / "model.gguf"
+    src.parent.mkdir(parents=True)
+    src.write_bytes(blob)
+    bundle = tmp_path / "bundle"
+    parts = gb.split_file(src, [bundle / "part1" / "model.gguf.part1", bundle / "part2" / "model.gguf.part2"])
+    (bundle / "part1" / "cases.jsonl").write_text('{"id": "1"}\n')
+    manifest = {"model": {"filename": "model.gguf", "sha256": sha256_of(src), "parts": parts},
+                "data": [{"filename": "cases.jsonl", "sha256": sha256_of(bundle / "part1" / "cases.jsonl")}],
+                "wheels": {"install": [], "files": []}}
+    (bundle / "part1" / "manifest.json").write_text(json.dumps(manifest))
+    return bundle, blob, manifest
+
+
+def _pipeline(tmp_path: Path):
+    return gc.Pipeline(tmp_path / "out", gc.dry_settings(), env={}, quiet=True)
+
+
+def test_bundle_halves_join_into_the_verified_model(tmp_path):
+    bundle, blob, _ = _fake_bundle(tmp_path)
+    sizes = [f.stat().st_size for f in sorted(bundle.rglob("*.part*"))]
+    assert len(sizes) == 2 and abs(sizes[0] - sizes[1]) <= 1 and sum(sizes) == len(blob)
+    cache = tmp_path / "cache"
+    gc.unpack_bundle(bundle, cache, _pipeline(tmp_path))
+    assert (cache / "packages" / "model.gguf").read_bytes() == blob
+    assert (cache / "data" / "cases.jsonl").read_text() == '{"id": "1"}\n'
+
+
+def test_bundle_missing_half_or_corrupt_part_is_a_user_error(tmp_path):
+    bundle, _, _ = _fake_bundle(tmp_path)
+    part2 = bundle / "part2" / "model.gguf.part2"
+    data = part2.read_bytes()
+    part2.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(UserError, match="wrong sha256"):
+        gc.unpack_bundle(bundle, tmp_path / "cache", _pipeline(tmp_path))
+    part2.unlink()
+    with pytest.raises(UserError, match="missing model part"):
+        gc.unpack_bundle(bundle, tmp_path / "cache", _pipeline(tmp_path))
+    assert not (tmp_path / "cache" / "packages" / "model.gguf").exists()
+
+
+def test_bundle_refuses_a_non_empty_folder(tmp_path):
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "x").write_text("keep me")
+    with pytest.raises(UserError, match="not empty"):
+        gb.build_bundle(tmp_path / "b")
+    assert (tmp_path / "b" / "x").read_text() == "keep me"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_without_cuda_the_real_run_is_refused_in_one_line(tmp_path, capsys):
+    assert gc.main(["--out", str(tmp_path / "o"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--dry-run" in err
+
+
+def test_out_folder_with_foreign_files_is_refused(tmp_path, capsys):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert gc.main(["--dry-run", "--out", str(out), "--quiet"]) == 2
+    assert "not empty" in capsys.readouterr().err and (out / "notes.txt").read_text() == "mine"
+
+
+def _code_tree(root: Path) -> Path:
+    for pkg in ("alpha", "beta", "gamma"):
+        for i in range(3):
+            body = "\n".join(f"def {pkg}_{i}_{j}(x):\n    return x * {j} + len('{pkg}{i}')\n" for j in range(30))
+            (root / pkg).mkdir(parents=True, exist_ok=True)
+            (root / pkg / f"mod{i}.py").write_text(f'"""{pkg} module {i}."""\n\n{body}')
+    return root
+
+
+@pytest.mark.slow
+def test_dry_run_writes_the_whole_comparison(tmp_path):
+    """The full pipeline (train, eval-exits, quality, search, bench per task) on a tiny 8-layer model."""
+    model = save_tiny(tmp_path / "tiny", layers=8, max_position_embeddings=4096)  # byte tokens: long prompts
+    tree = _code_tree(tmp_path / "tree")
+    out = tmp_path / "out"
+    docs_json = REPO / "docs" / "gpu" / "compare.json"
+    before = docs_json.read_bytes() if docs_json.exists() else None
+    overrides = ["data.sources.0.type=files", f"data.sources.0.path={tree}", "data.sources.0.holdout_packages=[beta]",
+                 "early_exit.exits=[2,4,6]", f"data.cache_dir={tmp_path / 'tokens'}"]
+    argv = ["--dry-run", "--out", str(out), "--model", str(model), "--quiet"]
+    for o in overrides:
+        argv += ["--set", o]
+    assert gc.main(argv) == 0
+    c = json.loads((out / "compare.json").read_text())
+    assert c["dry_run"] is True and isinstance(c["device"], str) and isinstance(c["commit"], str)
+    assert {r["model"] for r in c["rows"]} == {"base", "trained"}
+    assert {r["task"] for r in c["rows"]} == {"code_heldout", "humaneval", "gsm8k"}
+    methods = {gc.method_key(r["method"]) for r in c["rows"]}
+    assert {"autoregressive", "early_exit:E=2:k=2", "hf_generate", "hf_static", "hf_early_exit:E=2:k=2"} <= methods
+    for r in c["rows"]:
+        assert isinstance(r["tok_s"], float) and r["tok_s"] > 0
+        assert r["alpha"] is None or 0.0 <= r["alpha"] <= 1.0
+        assert isinstance(r["mismatches"], int) and r["mismatches"] == 0  # fp32: lossless
+    for name in ("base", "trained"):
+        q = c["quality"][name]
+        assert 0.0 <= q["gsm8k_accuracy"] <= 1.0 and q["humaneval_prompt_loss"] > 0
+        assert set(q["exits"]["agreement"]) == {"2", "4", "6", "8"}
+    prompts = [json.loads(line) for line in (out / "prompts" / "code_heldout.jsonl").read_text().splitlines()]
+    assert prompts and all(p["id"].startswith("beta/") for p in prompts)  # cut from the held-out package only
+    assert (out / "train" / "final" / "config.json").is_file()
+    section = (out / "gpu_section.md").read_text()
+    assert section.startswith(gc.SECTION_BEGIN) and "dry run" in section
+    after = docs_json.read_bytes() if docs_json.exists() else None
+    assert before == after  # a dry run never writes the docs
