@@ -9,7 +9,8 @@
 #   2. LayerSkip CPU demo: continual pretraining on the stdlib source (recipes/cpu-demo-stdlib.yaml, ~30-60 min)
 #   3. per-exit agreement with the final layer, before and after training (held-out stdlib files)
 #   4. a Self-SD plan per model (layerskip search, model-based objective)
-#   5. bench: every drafter + peers, base and trained, on held-out HumanEval and GSM8K prompts
+#   5. bench: every drafter + peers, base and trained, on held-out HumanEval and GSM8K prompts (with lossy
+#      early exit at E=24: its agreement with the full model and GSM8K answer accuracy)
 #   6. early exit with the adaptive gate vs fixed k vs transformers' assistant
 #   7. SWIFT over one stream that alternates HumanEval and GSM8K prompts, base and trained
 #   8. the early-exit E x k sweep on HumanEval, base and trained
@@ -45,8 +46,8 @@ for name in base trained; do
     --trials "$TRIALS" --objective model --threads "$THREADS" --out "$OUT/plans/$name.json"
 done
 step "$OUT/bench/results.json" "$BIN/layerskip" bench --model base=default --model "trained=$TRAINED" \
-  --drafters "autoregressive,early_exit:E=8:k=4,early_exit:E=24:k=4,self_sd:plan=$OUT/plans/{model}.json,swift,swift:r=0.2" \
-  --peers hf_generate,prompt_lookup,hf_early_exit:E=8 \
+  --drafters "autoregressive,early_exit:E=8:k=4,early_exit:E=24:k=4,self_sd:plan=$OUT/plans/{model}.json,swift,swift:r=0.2,autoregressive:E=24" \
+  --peers hf_generate,hf_static,prompt_lookup,hf_early_exit:E=8 \
   --data humaneval,gsm8k --n "$N" --max-new-tokens "$TOKENS" --repeats "$REPEATS" --threads "$THREADS" \
   --quiet --out "$OUT/bench"
 step "$OUT/adaptive/results.json" "$BIN/layerskip" bench --model base=default --model "trained=$TRAINED" \
