@@ -503,10 +503,10 @@ def _cost_model(row: Summary, recs: list[Record], ar_step: float | None) -> None
 
 
 def recommend(rows: list[Summary]) -> dict[tuple[str, str], str]:
-    """Fastest of our methods per (model, task) (what a user should run)."""
+    """Fastest of our lossless methods per (model, task) (what a user should run; lossy early exit excluded)."""
     best: dict[tuple[str, str], Summary] = {}
     for row in rows:
-        if row.method.split(":")[0] in PEERS:
+        if row.method.split(":")[0] in PEERS or row.lossy:
             continue
         key = (row.model, row.task)
         if key not in best or row.tokens_per_second > best[key].tokens_per_second:

@@ -68,5 +68,7 @@ def test_bench_reports_quality_next_to_speed(tiny_model_dir, tmp_path, capsys):
     assert ar["agreement"] is None and ar["mismatches"] == 0
     for row in (lossy, ar):
         assert row["answer_accuracy"] is not None and 0.0 <= row["answer_accuracy"] <= 1.0
+    recommended = json.loads((out / "results.json").read_text())["recommended"]
+    assert [r["method"] for r in recommended] == ["autoregressive"]  # a lossy method is never recommended
     md = (out / "results.md").read_text()
     assert "| lossy |" in md and "answer acc" in md and "agree (prefix)" in md
