@@ -257,7 +257,9 @@ def unpack_bundle(bundle: Path, cache: Path, p: Pipeline) -> None:
     wheels = manifest.get("wheels", {})
     if wheels.get("install"):
         wheel_dir = _find(bundle, wheels["files"][0]).parent if wheels.get("files") else bundle
-        argv = python("-m", "pip", "install", "--no-index", "--disable-pip-version-check", "-q",
+        # --no-deps: the compiled dependencies (markupsafe for mako) cannot travel as pure wheels, and optuna
+        # with its in-memory / journal storage imports neither alembic nor mako
+        argv = python("-m", "pip", "install", "--no-index", "--no-deps", "--disable-pip-version-check", "-q",
                       "--find-links", str(wheel_dir), *wheels["install"])
         proc = subprocess.run(argv, capture_output=True, text=True)
         if proc.returncode != 0:
