@@ -317,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)  # overrides may come before or after the flags
     try:
         if args.help_config:
             print("\n".join(describe()))

@@ -70,7 +70,7 @@ def test_new_run_into_a_run_folder_is_refused_and_overwrite_starts_again(recipe,
 def test_resume_checks_the_saved_config(recipe, tmp_path, capsys):
     out = tmp_path / "run"
     assert _main(capsys, "--config", str(recipe))[0] == 0
-    code, err = _main(capsys, "--config", str(recipe), "--resume", "optim.lr=0.1", "data.block_size=16")
+    code, err = _main(capsys, "--config", str(recipe), "optim.lr=0.1", "--resume", "data.block_size=16")
     assert code == 2 and "optim.lr" in err and "data.block_size" in err and len(err.strip().splitlines()) == 1
     code, err = _main(capsys, "--config", str(recipe), "--resume", "optim.max_steps=3", "logging.log_every=1")
     assert code == 0, err  # the run's length and logging may change
