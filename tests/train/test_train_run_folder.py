@@ -144,3 +144,17 @@ def test_uncreatable_token_cache_is_one_line_before_loading(recipe, tmp_path, ca
     monkeypatch.setattr(train.model, "load_model", lambda *a, **k: pytest.fail("model loaded"))
     code, err = _main(capsys, "--config", str(recipe), "data.cache_dir=/proc/layerskip-no-such/tokens")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "data.cache_dir" in err
+
+
+def test_truncate_metrics_by_line_count_or_by_step(tmp_path):
+    from train.tracking import truncate_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    records = [{"step": 1}, {"step": 2}, {"step": 2, "split": "val"}, {"step": 3}]
+    text = "".join(json.dumps(r) + "\n" for r in records) + '{"step": 4, "lo'  # last line cut by the kill
+    path.write_text(text)
+    truncate_metrics(path, 2, step=2)  # the checkpoint recorded 2 lines: the eval line came after it
+    assert [json.loads(line) for line in path.read_text().splitlines()] == records[:2]
+    path.write_text(text)
+    truncate_metrics(path, None, step=2)  # older checkpoints: every record up to the step
+    assert [json.loads(line) for line in path.read_text().splitlines()] == records[:3]
