@@ -63,7 +63,7 @@ def _read_jsonl(path: Path, what: str = "prompts file") -> list[tuple[int, dict]
         with opener(path, "rb") as f:
             for lineno, raw in enumerate(f, start=1):
                 try:
-                    line = raw.decode("utf-8")
+                    line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a BOM some editors write
                 except UnicodeDecodeError as e:
                     raise UserError(f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start:e.start + 1]!r} at column "
                                     f"{e.start + 1}); save the file as UTF-8") from None

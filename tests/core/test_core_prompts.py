@@ -44,3 +44,9 @@ def test_broken_gzip_is_one_line(tmp_path):
     path.write_bytes(gzip.compress(b'{"prompt": "a"}\n' * 50)[:30])
     with pytest.raises(UserError, match="gzip"):
         read_prompts_file(path)
+
+
+def test_utf8_bom_and_crlf_are_accepted(tmp_path):
+    path = tmp_path / "f.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"prompt": "caf\xc3\xa9"}\r\n\r\n{"prompt": "b"}\r\n')
+    assert [item.prompt for item in read_prompts_file(path)] == ["café", "b"]
