@@ -410,10 +410,7 @@ class Runner:
 
     def to_device(self, values: list[int]) -> Tensor:
         """Host ints as a device long tensor; on CUDA through pinned memory, so no host sync."""
-        t = torch.tensor(values, dtype=torch.long)  # (n,)
-        if self.device.type != "cuda":
-            return t.to(self.device)
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return ints_to_device(values, self.device)
 
     def forward_layers(self, cache: KVCache, hidden: Tensor, positions: Tensor, start: int = 0,
                        end: int | None = None, plan: LayerPlan | None = None,
@@ -514,6 +511,14 @@ class Runner:
         s = self.spec
         return {"model_type": s.model_type, "num_layers": s.num_layers, "hidden_size": s.hidden_size,
                 "vocab_size": s.vocab_size, "weight_fingerprint": self.fingerprint}
+
+
+def ints_to_device(values: list[int], device: torch.device) -> Tensor:
+    """(n,) long tensor of host ints on ``device``; on CUDA copied from pinned memory without a host sync."""
+    t = torch.tensor(values, dtype=torch.long)  # (n,)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _fingerprint(state: dict[str, Tensor]) -> str:

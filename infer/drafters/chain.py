@@ -14,7 +14,7 @@ from torch import Tensor
 
 from infer.drafters.base import DecodeState, Draft
 from infer.plan import LayerPlan
-from infer.runner import KVCache, Runner
+from infer.runner import KVCache, Runner, ints_to_device
 from infer.sampling import probs_from_logits, sample
 
 
@@ -70,7 +70,7 @@ def draft_chain(state: DecodeState, forward, max_draft: int, confidence: float =
     runner = state.runner
     greedy = state.sampling.greedy
     k = min(max_draft, state.budget - 1)
-    token = runner.to_device([state.pending])  # (1,), via pinned memory on CUDA: no host sync
+    token = ints_to_device([state.pending], runner.device)  # (1,), via pinned memory on CUDA: no host sync
     hiddens, tokens, dists, conf = [], [], [], []
     stop = False
     for i in range(max(k, 0)):
