@@ -587,10 +587,7 @@ class SpeedObjective:
         self.runner, self.prompts, self.num_draft, self.reference = runner, prompts, num_draft, reference
         self.gen = GenerationConfig(max_new_tokens=max_new_tokens, stop_at_eos=False)
         self.baseline_engine = Engine(runner, build_drafter("autoregressive", runner))
-        self.engine = Engine(runner, build_drafter("autoregressive", runner))
-        warm = GenerationConfig(max_new_tokens=4, stop_at_eos=False)
-        self.baseline_engine.generate(prompts[0], warm)
-        self.engine.generate(prompts[0], warm)
+        self.baseline_engine.generate(prompts[0], GenerationConfig(max_new_tokens=4, stop_at_eos=False))  # warm-up
         self.baseline = self._tokens_per_second(self.baseline_engine)
 
     def _tokens_per_second(self, engine) -> float:
@@ -599,14 +596,16 @@ class SpeedObjective:
 
     def __call__(self, plan: LayerPlan) -> tuple[float, dict]:
         from infer.drafters.self_sd import SelfSDConfig, SelfSDDrafter
+        from infer.engine import Engine
 
-        self.engine.drafter = SelfSDDrafter(self.runner, SelfSDConfig.in_memory(num_draft=self.num_draft), plan=plan)
+        # a new engine per plan: a live engine's drafter is never swapped
+        engine = Engine(self.runner, SelfSDDrafter(self.runner, SelfSDConfig(plan=plan, num_draft=self.num_draft)))
         results, ar_tokens, ar_wall = [], 0, 0.0
         for ids in self.prompts:
             if self.reference == "interleaved":
                 ar = self.baseline_engine.generate(ids, self.gen).stats
                 ar_tokens, ar_wall = ar_tokens + ar.new_tokens, ar_wall + ar.wall_time
-            results.append(self.engine.generate(ids, self.gen))
+            results.append(engine.generate(ids, self.gen))
         tps = sum(r.stats.new_tokens for r in results) / sum(r.stats.wall_time for r in results)
         baseline = ar_tokens / ar_wall if self.reference == "interleaved" else self.baseline
         drafted = sum(r.stats.drafted for r in results)

@@ -25,7 +25,6 @@ draft wrote in deeper layers is rolled back by the engine and rewritten by the v
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,8 +39,9 @@ from infer.runner import Runner
 class SelfSDConfig:
     """Settings of the Self-SD drafter."""
 
-    plan: str | None = None
-    """Path of the skip-plan JSON made by `layerskip search` for this model (required)."""
+    plan: str | LayerPlan | None = None
+    """The skip plan (required): the path of a plan JSON made by `layerskip search` or `layerskip plan import` for
+    this model, or a ``LayerPlan`` object (what the search evaluates)."""
     num_draft: int = 12
     """k: most tokens drafted per verification (Self-SD evaluates with 12)."""
     confidence: float = 0.8
@@ -58,24 +58,11 @@ class SelfSDConfig:
     """beta2: smoothing of the threshold itself."""
 
     def __post_init__(self) -> None:
-        if not self.plan:
+        if self.plan is None or self.plan == "":
             raise UserError("the self_sd drafter needs a plan: --plan PLAN.json (or self_sd:plan=PLAN.json); "
-                            "make one with `layerskip search`")
-        if not Path(self.plan).expanduser().is_file():
+                            "make one with `layerskip search` or `layerskip plan import`")
+        if isinstance(self.plan, str) and not Path(self.plan).expanduser().is_file():  # before any model is loaded
             raise UserError(f"plan file {self.plan} does not exist (create one with `layerskip search`)")
-        self._check_numbers()
-
-    @classmethod
-    def in_memory(cls, **options) -> SelfSDConfig:
-        """Settings for a plan passed as an object (the search), without the plan-file checks."""
-        config = cls.__new__(cls)
-        for f in dataclasses.fields(cls):
-            setattr(config, f.name, options.get(f.name, f.default))
-        config.plan = "<in memory>"
-        config._check_numbers()
-        return config
-
-    def _check_numbers(self) -> None:
         if self.num_draft < 1:
             raise UserError(f"num-draft must be >= 1, got {self.num_draft}")
         if not 0.0 <= self.confidence < 1.0:
@@ -130,15 +117,13 @@ class SelfSDDrafter:
     Config = SelfSDConfig
     aliases = {"k": "num_draft", "gamma": "confidence"}
 
-    def __init__(self, runner: Runner, config: SelfSDConfig | None = None, plan: LayerPlan | None = None):
-        """``plan`` overrides ``config.plan`` (the search evaluates plans that are not on disk yet)."""
+    def __init__(self, runner: Runner, config: SelfSDConfig | None = None):
         if config is None:
             raise UserError("the self_sd drafter needs a plan file (make one with `layerskip search`)")
         self.config = config
-        if plan is None:
-            plan = load_plan(config.plan, runner).plan
-        elif plan.num_layers != runner.num_layers:
-            raise ValueError(f"plan has {plan.num_layers} layers, the model {runner.num_layers}")
+        plan = config.plan if isinstance(config.plan, LayerPlan) else load_plan(config.plan, runner).plan
+        if plan.num_layers != runner.num_layers:
+            raise UserError(f"the plan is for {plan.num_layers} layers; the model has {runner.num_layers}")
         self.plan = plan
         self.forward = PlanForward(runner, plan)
         self.threshold = AdaptiveThreshold(config)

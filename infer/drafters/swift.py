@@ -183,7 +183,7 @@ class SwiftDrafter:
         self.best_score = -1.0
         self.optimising = cfg.max_opt_steps > 0
         self.stop_reason = ""
-        self.forward = PlanForward(runner, self.best)
+        self._forward: PlanForward | None = None
         self.fallback = cfg.fallback and not cfg.paper
         self.gate = FallbackGate(cfg.recheck_interval, enabled=self.fallback)
         self.draft_forward, self.verify = Rate(), Rate()  # forwards per second, verifications per second
@@ -208,6 +208,13 @@ class SwiftDrafter:
     @property
     def drafting(self) -> Rate:
         return self.gate.drafting
+
+    @property
+    def forward(self) -> PlanForward:
+        """The draft forward of the current best plan, so drafting always uses the optimised plan."""
+        if self._forward is None or self._forward.plan != self.best:
+            self._forward = PlanForward(self.runner, self.best)
+        return self._forward
 
     @property
     def lookahead(self) -> int:
@@ -346,7 +353,6 @@ class SwiftDrafter:
         self.opt_steps += 1
         if score > self.best_score:
             self.best, self.best_score = plan, score
-            self.forward = PlanForward(self.runner, plan)
             self.search.since_improved = 0
         else:
             self.search.since_improved += 1

@@ -48,7 +48,7 @@ EDGE_PLANS = [
 
 
 def drafter(runner, plan, **options):
-    return SelfSDDrafter(runner, SelfSDConfig.in_memory(**options), plan=plan)
+    return SelfSDDrafter(runner, SelfSDConfig(plan=plan, **options))
 
 
 def generate(runner, d=None, prompt=PROMPTS[0], eos=(), **kw):
@@ -217,7 +217,7 @@ def test_draft_step_is_exactly_the_plan(runner, plan):
 
 # --------------------------------------------------------------------------- adaptive threshold
 def test_threshold_rule_follows_self_sd():
-    t = AdaptiveThreshold(SelfSDConfig.in_memory())
+    t = AdaptiveThreshold(SelfSDConfig(plan=LayerPlan.full(L)))
     t.update(accepted=0, drafted=4)  # acc 0 < 0.9: raise by eps, smoothed
     assert t.acceptance == 0.0 and t.value == pytest.approx(0.9 * 0.8 + 0.1 * 0.81)
     for _ in range(10):
@@ -229,7 +229,7 @@ def test_threshold_rule_follows_self_sd():
     same = t.value
     t.update(12, 12)  # good drafts that ran to k: keep it
     assert t.value == pytest.approx(same)
-    fixed = AdaptiveThreshold(SelfSDConfig.in_memory(adapt_confidence=False, confidence=0.3))
+    fixed = AdaptiveThreshold(SelfSDConfig(plan=LayerPlan.full(L), adapt_confidence=False, confidence=0.3))
     fixed.update(0, 5)
     assert fixed.value == 0.3 and fixed.updates == 0
 

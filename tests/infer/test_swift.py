@@ -233,3 +233,33 @@ def test_paper_mode_has_no_budget_no_cap_and_no_fallback(runner):
     assert max(sizes) > 12  # more nodes than the default cap of 12 (4 chain nodes + their siblings)
     cycles = res.stats.verify_calls
     assert drafter.opt_steps >= cycles - 8 - 1  # an optimisation step after every verification once γ tokens exist
+
+
+def test_drafting_uses_the_optimised_plan(monkeypatch):
+    """Every draft forward runs the best plan found so far, and the optimiser does change it."""
+    from infer.drafters import chain
+
+    runner = planted_model()
+    drafter = build_drafter("swift", runner, EAGER | {"skip_ratio": 0.375, "fallback": False, "bo_interval": 5})
+    start = drafter.best
+    used, best_at_propose = [], []
+    call = chain.PlanForward.__call__
+
+    def record(self, cache, token, position):
+        used.append((len(best_at_propose), self.plan))
+        return call(self, cache, token, position)
+
+    propose = drafter.propose
+
+    def remember_best(state):
+        best_at_propose.append(drafter.best)
+        return propose(state)
+
+    monkeypatch.setattr(chain.PlanForward, "__call__", record)
+    drafter.propose = remember_best
+    engine = Engine(runner, drafter)
+    for prompt in PROMPTS[:2]:
+        assert engine.generate(prompt, GenerationConfig(max_new_tokens=48)).tokens == reference(runner, prompt)
+    assert drafter.best != start and used
+    assert all(plan == best_at_propose[i - 1] for i, plan in used)
+    assert {plan for _, plan in used} >= {start, drafter.best}  # drafted with the start plan, then the found one
