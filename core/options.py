@@ -17,7 +17,7 @@ import inspect
 import textwrap
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import yaml
@@ -76,8 +76,15 @@ def nearest(key: str, valid: list[str], prefix: str = "", aliases: Mapping[str, 
     return f"; valid keys under '{prefix or 'top level'}': " + ", ".join(valid)
 
 
-def convert(value: Any, tp: Any, where: str) -> Any:
-    """Check ``value`` (a YAML scalar, list or mapping) against annotation ``tp``; convert where unambiguous."""
+Suggest = Callable[[str, list[str], str], str]
+"""``suggest(unknown_key, valid_keys, section) -> message tail``, e.g. :func:`nearest`."""
+
+
+def convert(value: Any, tp: Any, where: str, suggest: Suggest | None = None) -> Any:
+    """Check ``value`` (a YAML scalar, list or mapping) against annotation ``tp``; convert where unambiguous.
+
+    ``suggest`` words the hint of an unknown key in a nested section (default: :func:`nearest`).
+    """
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -88,7 +95,7 @@ def convert(value: Any, tp: Any, where: str) -> Any:
             if arg is type(None):
                 continue
             try:
-                return convert(value, arg, where)
+                return convert(value, arg, where, suggest)
             except UserError as e:
                 errors.append(str(e))
         raise UserError(errors[0] if errors else f"{where}: expected {type_name(tp)}, got {value!r}")
@@ -103,10 +110,10 @@ def convert(value: Any, tp: Any, where: str) -> Any:
         item = typing.get_args(tp)[0]
         if not isinstance(value, (list, tuple)):
             raise UserError(f"{where}: expected a list ({type_name(tp)}), got {value!r}")
-        items = [convert(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        items = [convert(v, item, f"{where}[{i}]", suggest) for i, v in enumerate(value)]
         return items if origin is list else tuple(items)
     if dataclasses.is_dataclass(tp):
-        return build(tp, value, where)
+        return build(tp, value, where, suggest)
     return _scalar(value, tp, where)
 
 
@@ -156,8 +163,8 @@ def from_text(text: str, tp: Any, where: str) -> Any:
     return convert(parse_text(text), tp, where)
 
 
-def build(cls: type, raw: Any, where: str = "", aliases: Mapping[str, str] | None = None):
-    """Build dataclass ``cls`` from a mapping, refusing unknown keys (the nearest valid key is named)."""
+def build(cls: type, raw: Any, where: str = "", suggest: Suggest | None = None):
+    """Build dataclass ``cls`` from a mapping, refusing unknown keys (``suggest`` names the nearest valid one)."""
     label = where or "config"
     if raw is None:
         raw = {}
@@ -169,8 +176,9 @@ def build(cls: type, raw: Any, where: str = "", aliases: Mapping[str, str] | Non
     for key, value in raw.items():
         path = f"{where}.{key}" if where else str(key)
         if key not in names:
-            raise UserError(f"unknown config key '{path}'{nearest(str(key), names, where, aliases)}")
-        kwargs[key] = convert(value, field_types[key], path)
+            hint = (suggest or nearest)(str(key), names, where)
+            raise UserError(f"unknown config key '{path}'{hint}")
+        kwargs[key] = convert(value, field_types[key], path, suggest)
     return cls(**kwargs)  # __post_init__ checks the section's invariants
 
 

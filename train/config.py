@@ -9,12 +9,8 @@ overrides + defaults) is written beside every checkpoint, so a run can be reprod
 
 from __future__ import annotations
 
-import ast
 import copy
 import dataclasses
-import difflib
-import inspect
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +18,9 @@ from typing import Any, Literal
 
 import yaml
 
+from core import options
 from core.errors import UserError
+from core.options import field_docs, hints, strip_optional, type_name
 
 # --------------------------------------------------------------------------------------------
 # Sections (each checks its own invariants in __post_init__)
@@ -338,21 +336,6 @@ class TrainConfig:
 # --------------------------------------------------------------------------------------------
 
 
-def _hints(cls) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _type_name(tp) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin is list:
-        return f"list of {_type_name(typing.get_args(tp)[0])}"
-    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
-
-
 # Common names from other trainers, so a key spelt the HF/torchtune way still finds its match here.
 ALIASES = {"learning_rate": "lr", "steps": "max_steps", "num_steps": "max_steps", "train_steps": "max_steps",
            "batch_size": "micro_batch_size", "per_device_train_batch_size": "micro_batch_size",
@@ -366,7 +349,7 @@ def _dotted_keys(cls=None, prefix: str = "") -> list[str]:
     """Every key of the config as ``section.key`` (sections of dataclasses, not list items)."""
     cls = cls or TrainConfig
     keys = []
-    for name, tp in _hints(cls).items():
+    for name, tp in hints(cls).items():
         keys.append(f"{prefix}{name}")
         if dataclasses.is_dataclass(tp):
             keys.extend(_dotted_keys(tp, f"{prefix}{name}."))
@@ -380,94 +363,12 @@ def _nearest(key: str, valid: list[str], prefix: str = "") -> str:
     if elsewhere:  # the right name in the wrong section: output_dir -> checkpoint.output_dir
         return f"; did you mean '{elsewhere[0]}'?" if len(elsewhere) == 1 else \
             "; did you mean one of " + ", ".join(f"'{k}'" for k in elsewhere) + "?"
-    aliases = {a: t for a, t in ALIASES.items() if t in valid}
-    close = difflib.get_close_matches(key, valid + list(aliases), n=1, cutoff=0.5)
-    pre = f"{prefix}." if prefix else ""
-    if close:
-        return f"; did you mean '{pre}{aliases.get(close[0], close[0])}'?"
-    return f"; valid keys under '{prefix or 'top level'}': " + ", ".join(valid)
-
-
-def _convert(value: Any, tp, where: str) -> Any:
-    """Check ``value`` against the annotation ``tp`` and convert YAML scalars where unambiguous."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _convert(value, arg, where)
-            except UserError as e:
-                errors.append(str(e))
-        raise UserError(errors[0] if errors else f"{where}: expected {_type_name(tp)}, got {value!r}")
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        if value not in choices:
-            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise UserError(f"{where}: {value!r} is not one of {', '.join(map(repr, choices))}{hint}")
-        return value
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        if not isinstance(value, list):
-            raise UserError(f"{where}: expected a list ({_type_name(tp)}), got {value!r}")
-        return [_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
-    if dataclasses.is_dataclass(tp):
-        return build(tp, value, where)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise UserError(f"{where}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise UserError(f"{where}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool):
-            raise UserError(f"{where}: expected a number, got {value!r}")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise UserError(f"{where}: expected a number, got {value!r}")
-    if tp is str:
-        if isinstance(value, (dict, list)) or value is None:
-            raise UserError(f"{where}: expected a string, got {value!r}")
-        return str(value)
-    raise TypeError(f"unsupported annotation {tp!r} at {where}")  # a bug in this file, not user input
+    return options.nearest(key, valid, prefix, ALIASES)
 
 
 def build(cls, raw: Any, where: str = ""):
     """Build dataclass ``cls`` from a mapping, refusing unknown keys (nearest valid key named)."""
-    label = where or "config"
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise UserError(f"{label}: expected a mapping of keys, got {raw!r}")
-    hints = _hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in raw.items():
-        path = f"{where}.{key}" if where else str(key)
-        if key not in names:
-            raise UserError(f"unknown config key '{path}'{_nearest(str(key), names, where)}")
-        kwargs[key] = _convert(value, hints[key], path)
-    return cls(**kwargs)  # __post_init__ checks the section's invariants
-
-
-def _strip_optional(tp):
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return tp
+    return options.build(cls, raw, where, _nearest)
 
 
 def _default_at(parts: list[str]) -> Any:
@@ -500,11 +401,12 @@ def _set_dotted(raw: dict, dotted: str, value: Any) -> None:
                 raise UserError(f"unknown config key '{here}' in override {dotted}"
                                 f"{_nearest(part, names, '.'.join(parts[:i]))}")
             key = part
-            child_tp = _strip_optional(_hints(tp)[part])
+            child_tp = strip_optional(hints(tp)[part])
         if i == len(parts) - 1:
-            leaf_tp = child_tp if isinstance(node, list) else _hints(tp)[part]
+            leaf_tp = child_tp if isinstance(node, list) else hints(tp)[part]
             try:
-                _convert(value, leaf_tp, here)  # type errors are blamed on the override, not the recipe
+                # type errors are blamed on the override, not the recipe
+                options.convert(value, leaf_tp, here, _nearest)
             except UserError as e:
                 raise UserError(f"command-line override {dotted}={_show(value)}: {e}") from None
             node[key] = value
@@ -597,27 +499,15 @@ def dump_config(cfg: TrainConfig, path: str | Path) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def field_docs(cls) -> dict[str, str]:
-    """Attribute docstrings of a dataclass: the string literal right after each field."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs = {}
-    for node, nxt in zip(body, body[1:], strict=False):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
-                docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
-
-
 def describe(cls=TrainConfig, prefix: str = "") -> list[str]:
     """One line per leaf key: ``dotted.key (type, default): doc``."""
     lines = []
     docs = field_docs(cls)
-    hints = _hints(cls)
+    field_types = hints(cls)
     defaults = cls()
     for f in dataclasses.fields(cls):
         key = f"{prefix}{f.name}"
-        tp = hints[f.name]
+        tp = field_types[f.name]
         if dataclasses.is_dataclass(tp):
             lines.append(f"{key}:  {docs.get(f.name, '')}")
             lines.extend(describe(tp, key + "."))
@@ -625,8 +515,8 @@ def describe(cls=TrainConfig, prefix: str = "") -> list[str]:
         default = getattr(defaults, f.name)
         if isinstance(default, list) and default and dataclasses.is_dataclass(default[0]):
             default = [to_dict(d) for d in default]
-            lines.append(f"{key} ({_type_name(tp)}, default {default}): {docs.get(f.name, '')}")
+            lines.append(f"{key} ({type_name(tp)}, default {default}): {docs.get(f.name, '')}")
             lines.extend(describe(typing.get_args(tp)[0], key + "[i]."))
             continue
-        lines.append(f"{key} ({_type_name(tp)}, default {default!r}): {docs.get(f.name, '')}")
+        lines.append(f"{key} ({type_name(tp)}, default {default!r}): {docs.get(f.name, '')}")
     return lines
