@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+import warnings
 
 from core.errors import UserError
 from infer.drafters.autoregressive import AutoregressiveDrafter
@@ -70,6 +71,10 @@ def all_options() -> dict[str, tuple[object, str, list[str]]]:
         texts = set(per_drafter.values())
         doc = texts.pop() if len(texts) == 1 else " ".join(f"{d}: {t}" for d, t in per_drafter.items())
         out[field] = (types[field], doc, list(per_drafter))
+    for name, cls in DRAFTERS.items():  # old names, still accepted for one release
+        for old, new in getattr(cls, "deprecated", {}).items():
+            if old not in out and old not in {a for c in DRAFTERS.values() for a in getattr(c, "aliases", {})}:
+                out[old] = (types[new], f"deprecated: use --{new.replace('_', '-')}", [name])
     return out
 
 
@@ -91,7 +96,12 @@ def _convert(value: str, annotation) -> object:
 def build_config(name: str, options: dict) -> object:
     """A drafter's Config from ``options`` (field names or aliases; None values ignored)."""
     cls = drafter_class(name)
-    aliases = getattr(cls, "aliases", {})
+    aliases = dict(getattr(cls, "aliases", {}))
+    for old, new in getattr(cls, "deprecated", {}).items():
+        if old in options and options[old] is not None:
+            warnings.warn(f"option {old!r} of drafter {name!r} is deprecated and will be removed in the next "
+                          f"release; use {new!r}", FutureWarning, stacklevel=2)
+            aliases[old] = new
     hints = typing.get_type_hints(cls.Config)
     fields = set(hints)
     kwargs = {}

@@ -17,7 +17,7 @@ from infer.drafters.gate import FallbackGate, GateMemory
 
 
 @dataclass
-class EarlyExitConfig:
+class EarlyExitDrafterConfig:
     """Settings of the early-exit drafter."""
 
     exit_layer: int = 8
@@ -47,11 +47,11 @@ class EarlyExitConfig:
 
 class EarlyExitDrafter:
     name = "early_exit"
-    Config = EarlyExitConfig
+    Config = EarlyExitDrafterConfig
     aliases = {"E": "exit_layer", "k": "num_draft"}
 
-    def __init__(self, runner, config: EarlyExitConfig | None = None):
-        self.config = config or EarlyExitConfig()
+    def __init__(self, runner, config: EarlyExitDrafterConfig | None = None):
+        self.config = config or EarlyExitDrafterConfig()
         L = runner.num_layers
         if not 1 <= self.config.exit_layer <= L:
             raise UserError(f"exit layer {self.config.exit_layer} is out of range: the model has {L} "

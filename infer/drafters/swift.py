@@ -55,16 +55,17 @@ class SwiftConfig:
     """Stop optimising once the best candidate's matchness exceeds this."""
     confidence: float = 0.8
     """Stop drafting when the draft's top-1 probability falls below this."""
-    max_draft: int = 25
-    """Most draft forwards per verification."""
+    num_draft: int = 25
+    """k: most draft forwards (chain depth) per verification (was ``max_draft``)."""
     tree: bool = True
     """Verify a dynamic top-k tree (candidates per depth from the draft's confidence); off = chain only."""
     max_tree_nodes: int = 12
     """Cap on drafted tree nodes: on CPU, verifying T tokens costs ~2-3x one step at T = 4-16 (docs/RESULTS.md)."""
     opt_budget: float = 0.25
     """Most fraction of wall time spent optimising while drafting pays off (or is still being assessed)."""
-    fallback: bool = True
-    """Fall back to plain decoding while measured drafting speed is below plain speed; re-check later."""
+    adaptive: bool = True
+    """Draft only while draft-verify cycles measure faster than plain steps, else fall back to plain decoding and
+    re-check later (the same gate as early_exit's; was ``fallback``)."""
     fallback_opt_budget: float = 0.03
     """Most fraction of wall time spent optimising while in the fallback (plain) mode."""
     recheck_interval: int = 128
@@ -77,11 +78,11 @@ class SwiftConfig:
     opt_seed: int = 0
     """Seed of the random search and the optuna sampler."""
     remember: bool = True
-    """With the fallback: keep what it measured (plain and drafting speed, draft and verification rates, its mode
+    """With adaptive: keep what the gate measured (plain and drafting speed, draft and verification rates, its mode
     and back-off) in the toolkit cache across commands, per model, device, dtype, threads and these settings."""
     paper: bool = False
     """Exactly the paper's SWIFT: no fallback, no optimisation budget, the paper's tree widths with no node cap
-    (overrides fallback, opt-budget, fallback-opt-budget and max-tree-nodes)."""
+    (overrides adaptive, opt-budget, fallback-opt-budget and max-tree-nodes)."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -91,7 +92,7 @@ class SwiftConfig:
             (self.max_opt_steps >= 0 and self.patience >= 1, "max-opt-steps must be >= 0 and patience >= 1"),
             (0.0 < self.match_threshold <= 1.0, f"match-threshold must be in (0, 1], got {self.match_threshold}"),
             (0.0 <= self.confidence < 1.0, f"confidence must be in [0, 1), got {self.confidence}"),
-            (self.max_draft >= 1 and self.max_tree_nodes >= 1, "max-draft and max-tree-nodes must be >= 1"),
+            (self.num_draft >= 1 and self.max_tree_nodes >= 1, "num-draft and max-tree-nodes must be >= 1"),
             (0.0 <= self.fallback_opt_budget <= self.opt_budget < 1.0,
              "need 0 <= fallback-opt-budget <= opt-budget < 1"),
             (self.recheck_interval >= 1, "recheck-interval must be >= 1"),
@@ -164,7 +165,9 @@ class LayerSetSearch:
 class SwiftDrafter:
     name = "swift"
     Config = SwiftConfig
-    aliases = {"r": "skip_ratio", "gamma": "context_window", "beta": "bo_interval"}
+    aliases = {"r": "skip_ratio", "k": "num_draft", "beta": "bo_interval"}
+    deprecated = {"max_draft": "num_draft", "fallback": "adaptive", "gamma": "context_window"}
+    """Old option names still accepted (with a warning) for one release; ``gamma`` means Self-SD's threshold."""
 
     PROBE = FallbackGate.PROBE  # drafting cycles measured before drafting is judged
     REPROBE_GAIN = 0.05  # matchness gain since the last probe that triggers an early re-check
@@ -184,7 +187,7 @@ class SwiftDrafter:
         self.optimising = cfg.max_opt_steps > 0
         self.stop_reason = ""
         self._forward: PlanForward | None = None
-        self.fallback = cfg.fallback and not cfg.paper
+        self.fallback = cfg.adaptive and not cfg.paper
         self.gate = FallbackGate(cfg.recheck_interval, enabled=self.fallback)
         self.draft_forward, self.verify = Rate(), Rate()  # forwards per second, verifications per second
         self.score_at_probe = -1.0
@@ -218,13 +221,13 @@ class SwiftDrafter:
 
     @property
     def lookahead(self) -> int:
-        return max(self.tree_nodes, self.config.max_draft) + self.config.context_window + 2
+        return max(self.tree_nodes, self.config.num_draft) + self.config.context_window + 2
 
     @property
     def tree_nodes(self) -> int:
         """Most drafted tree nodes per verification (paper mode: a full tree of the widest width)."""
         cfg = self.config
-        return cfg.max_draft * max(GREEDY_WIDTHS + SAMPLING_WIDTHS) if cfg.paper else cfg.max_tree_nodes
+        return cfg.num_draft * max(GREEDY_WIDTHS + SAMPLING_WIDTHS) if cfg.paper else cfg.max_tree_nodes
 
     def start(self, state: DecodeState) -> None:
         self.window: tuple[int, int] | None = None
@@ -236,7 +239,7 @@ class SwiftDrafter:
         self._draft_seconds = 0.0
         if self.mode == "plain":
             return None
-        chain = draft_chain(state, self.forward, self.config.max_draft, self.config.confidence, keep_last=True)
+        chain = draft_chain(state, self.forward, self.config.num_draft, self.config.confidence, keep_last=True)
         self.forwards += chain.forwards
         if not chain.forwards:
             return None
@@ -396,7 +399,7 @@ class SwiftDrafter:
         c = 1.0 / self.draft_forward.value / step
         v = 1.0 / self.verify.value / step
         a = min(matchness, 0.999)
-        return max((1 - a ** (k + 1)) / (1 - a) / (k * c + v) for k in range(1, self.config.max_draft + 1))
+        return max((1 - a ** (k + 1)) / (1 - a) / (k * c + v) for k in range(1, self.config.num_draft + 1))
 
     # -------------------------------------------------------------- persistence
     def save(self, path: str) -> None:

@@ -50,7 +50,7 @@ def random_plan_file(runner, tmp_path, seed):
 @pytest.mark.parametrize("fallback", [True, False])
 def test_greedy_equals_autoregressive_over_a_stream(runner, tmp_path, tree, fallback):
     for seed in range(3):
-        options = EAGER | {"tree": tree, "fallback": fallback, "plan": str(random_plan_file(runner, tmp_path, seed)),
+        options = EAGER | {"tree": tree, "adaptive": fallback, "plan": str(random_plan_file(runner, tmp_path, seed)),
                            "confidence": 0.3, "opt_seed": seed}
         engine = Engine(runner, build_drafter("swift", runner, options))  # one drafter: state persists
         drafted = 0
@@ -64,7 +64,7 @@ def test_greedy_equals_autoregressive_over_a_stream(runner, tmp_path, tree, fall
 
 
 def test_tree_shape_and_sibling_distributions(runner):
-    drafter = SwiftDrafter(runner, SwiftDrafter.Config(confidence=0.99, max_draft=3, max_tree_nodes=12))
+    drafter = SwiftDrafter(runner, SwiftDrafter.Config(confidence=0.99, num_draft=3, max_tree_nodes=12))
     drafter.gate.mode = "draft"
     cache = runner.new_cache(128)
     sampling = SamplingConfig(temperature=1.0, seed=0)
@@ -88,7 +88,7 @@ def test_tree_shape_and_sibling_distributions(runner):
 def test_sampling_with_multi_candidate_trees_matches_target():
     model = make_model("llama", seed=7, vocab_size=5, layers=4)
     runner = Runner.from_model(model)
-    options = {"confidence": 0.99, "max_draft": 2, "fallback": False, "max_opt_steps": 0, "skip_ratio": 0.3}
+    options = {"confidence": 0.99, "num_draft": 2, "adaptive": False, "max_opt_steps": 0, "skip_ratio": 0.3}
     engine = Engine(runner, build_drafter("swift", runner, options))
     pvalue, totals = sampling_pvalue(engine, model, [1, 2, 3], SamplingConfig(temperature=1.0), seed=99)
     siblings = totals["drafted"] - totals["draft_forwards"]
@@ -127,7 +127,7 @@ def planted_model():
 def test_optimisation_finds_the_planted_redundant_sublayers():
     runner = planted_model()
     planted = LayerPlan(6, frozenset({2}), frozenset({3, 4}))
-    options = EAGER | {"skip_ratio": 0.375, "fallback": False, "bo_interval": 5, "opt_seed": 0}  # 3 of 8 slots
+    options = EAGER | {"skip_ratio": 0.375, "adaptive": False, "bo_interval": 5, "opt_seed": 0}  # 3 of 8 slots
     drafter = build_drafter("swift", runner, options)
     start_plan = drafter.best
     engine = Engine(runner, drafter)
@@ -202,7 +202,7 @@ def test_plan_for_another_model_is_refused(runner, tmp_path):
 def test_cost_model_prediction(runner):
     from infer.bench import expected_speedup_iid
 
-    drafter = SwiftDrafter(runner, SwiftDrafter.Config(max_draft=4))
+    drafter = SwiftDrafter(runner, SwiftDrafter.Config(num_draft=4))
     assert drafter.predicted_speedup(0.8) is None  # nothing measured yet
     drafter.plain.add(1, 0.1)  # 10 tokens/s plain
     drafter.draft_forward.add(4, 0.1)  # c = 0.025 s / 0.1 s = 0.25
@@ -214,7 +214,7 @@ def test_cost_model_prediction(runner):
 
 def test_paper_mode_has_no_budget_no_cap_and_no_fallback(runner):
     """swift:paper=true is the paper's SWIFT: the tree is not capped, optimisation has no budget, no fallback."""
-    drafter = build_drafter("swift", runner, {"paper": "true", "confidence": 0.0, "max_draft": 4,
+    drafter = build_drafter("swift", runner, {"paper": "true", "confidence": 0.0, "num_draft": 4,
                                               "context_window": 8})
     assert drafter.gate.mode == "draft" and not drafter.gate.enabled
     drafter.opt_time_total, drafter.decode_time = 100.0, 1.0  # far over any budget
@@ -240,7 +240,7 @@ def test_drafting_uses_the_optimised_plan(monkeypatch):
     from infer.drafters import chain
 
     runner = planted_model()
-    drafter = build_drafter("swift", runner, EAGER | {"skip_ratio": 0.375, "fallback": False, "bo_interval": 5})
+    drafter = build_drafter("swift", runner, EAGER | {"skip_ratio": 0.375, "adaptive": False, "bo_interval": 5})
     start = drafter.best
     used, best_at_propose = [], []
     call = chain.PlanForward.__call__
@@ -263,3 +263,11 @@ def test_drafting_uses_the_optimised_plan(monkeypatch):
     assert drafter.best != start and used
     assert all(plan == best_at_propose[i - 1] for i, plan in used)
     assert {plan for _, plan in used} >= {start, drafter.best}  # drafted with the start plan, then the found one
+
+
+def test_old_option_names_still_work_with_a_warning(runner):
+    with pytest.warns(FutureWarning, match="'max_draft' of drafter 'swift' is deprecated.*'num_draft'"):
+        drafter = build_drafter("swift", runner, {"max_draft": "3", "fallback": "false", "gamma": "9"})
+    assert (drafter.config.num_draft, drafter.config.adaptive, drafter.config.context_window) == (3, False, 9)
+    assert build_drafter("self_sd", runner, {"gamma": "0.5", "plan": LayerPlan(6, frozenset({2}))}).config.confidence \
+        == 0.5  # gamma is Self-SD's threshold; for swift it is only a deprecated name
