@@ -410,14 +410,16 @@ class CostModel:
 
 
 def weights_cost(runner: Runner, max_tokens: int) -> CostModel:
-    """Memory-bound costs: proportional to the weights each part reads; verification costs one forward."""
-    from infer.drafters.skipping import relative_cost
+    """Memory-bound costs: proportional to the weights each part reads; verification costs one forward.
 
-    L = runner.num_layers
-    base = relative_cost(runner, LayerPlan(L, frozenset(range(L)), frozenset(range(L))))
-    attn = (1.0 - relative_cost(runner, LayerPlan(L, frozenset(range(L))))) / L
-    mlp = (1.0 - relative_cost(runner, LayerPlan(L, frozenset(), frozenset(range(L))))) / L
-    return CostModel(base, attn, mlp, [1.0] * max_tokens, "weights")
+    Attention reads its q, k, v and o projections, the MLP 3·d·I, the LM head V·d.
+    """
+    s = runner.spec
+    attn = s.hidden_size * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim + s.num_heads * s.head_dim * s.hidden_size
+    mlp = 3 * s.hidden_size * s.intermediate_size
+    head = s.vocab_size * s.hidden_size
+    full = s.num_layers * (attn + mlp) + head
+    return CostModel(head / full, attn / full, mlp / full, [1.0] * max_tokens, "weights")
 
 
 @torch.no_grad()

@@ -7,7 +7,6 @@ optional ``aliases`` map of short option names used in compact specs such as
 
 from __future__ import annotations
 
-import dataclasses
 import typing
 import warnings
 
@@ -30,11 +29,6 @@ def drafter_class(name: str) -> type:
     if name not in DRAFTERS:
         raise UserError(f"unknown drafter {name!r}; choose one of: {', '.join(DRAFTERS)}")
     return DRAFTERS[name]
-
-
-def option_names(name: str) -> list[str]:
-    """The Config fields of a drafter (its settable options)."""
-    return [f.name for f in dataclasses.fields(drafter_class(name).Config)]
 
 
 def field_docs(config_cls: type) -> dict[str, str]:
@@ -145,4 +139,4 @@ def parse_spec(spec: str, validate: bool = True) -> tuple[str, dict[str, str]]:
 
 
 __all__ = ["DRAFTERS", "DecodeState", "Draft", "Drafter", "VerifyOutcome", "all_options", "build_config",
-           "build_drafter", "drafter_class", "field_docs", "option_names", "parse_spec"]
+           "build_drafter", "drafter_class", "field_docs", "parse_spec"]

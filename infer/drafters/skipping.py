@@ -1,4 +1,4 @@
-"""Scoring of sublayer skip plans, shared by Self-SD (offline search) and SWIFT (online search)."""
+"""SWIFT's scoring of sublayer skip plans: agreement with verified tokens over a window, in draft mode."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from torch import Tensor
 
 from infer.drafters.base import DecodeState
 from infer.plan import LayerPlan
-from infer.runner import Runner
 
 
 def window_mask(w: int, hidden: int, device) -> Tensor:
@@ -15,13 +14,6 @@ def window_mask(w: int, hidden: int, device) -> Tensor:
     hide = torch.zeros(w, hidden, dtype=torch.bool, device=device)
     causal = torch.ones(w, w, dtype=torch.bool, device=device).tril()
     return torch.cat([hide, causal], dim=1)
-
-
-@torch.no_grad()
-def matchness(state: DecodeState, plans: list[LayerPlan], window: int) -> list[float]:
-    """Teacher-forced agreement of each plan's argmax with the last ``window`` verified tokens."""
-    w = min(window, state.n - 1)
-    return matchness_span(state, plans, state.n - w, state.n)
 
 
 @torch.no_grad()
@@ -48,17 +40,3 @@ def matchness_span(state: DecodeState, plans: list[LayerPlan], start: int, end: 
         scores.append(float(agree.float().mean()))
         cache.rollback(n)
     return scores
-
-
-def relative_cost(runner: Runner, plan: LayerPlan) -> float:
-    """Cost of one draft forward relative to a full forward, by weights read (memory-bound decoding).
-
-    Attention reads 4 d² -ish (q, k, v, o), the MLP 3 d·I, the LM head V·d; skipped sublayers read nothing.
-    """
-    s = runner.spec
-    attn = s.hidden_size * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim + s.num_heads * s.head_dim * s.hidden_size
-    mlp = 3 * s.hidden_size * s.intermediate_size
-    head = s.vocab_size * s.hidden_size
-    full = s.num_layers * (attn + mlp) + head
-    run = (s.num_layers - len(plan.skip_attn)) * attn + (s.num_layers - len(plan.skip_mlp)) * mlp + head
-    return run / full

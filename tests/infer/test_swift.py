@@ -9,7 +9,7 @@ from lossless_stats import P_THRESHOLD, sampling_pvalue
 
 from infer.drafters import build_drafter
 from infer.drafters.base import DecodeState
-from infer.drafters.skipping import matchness
+from infer.drafters.skipping import matchness_span
 from infer.drafters.swift import LayerSetSearch, SwiftDrafter
 from infer.engine import Engine, GenerationConfig
 from infer.plan import LayerPlan, PlanFile
@@ -109,7 +109,8 @@ def engine_state(runner, prompt, n=40):
 def test_matchness_of_the_full_plan_is_one(runner):
     state = engine_state(runner, PROMPTS[0])
     cache = state.cache
-    full, skipped = matchness(state, [LayerPlan.full(runner.num_layers), LayerPlan(6, frozenset({1, 2, 3, 4}))], 32)
+    full, skipped = matchness_span(state, [LayerPlan.full(runner.num_layers), LayerPlan(6, frozenset({1, 2, 3, 4}))],
+                                   state.n - 32, state.n)
     assert full == 1.0 and skipped < 1.0
     assert cache.lengths == [state.n] * runner.num_layers  # scoring leaves the cache as it was
 
@@ -139,7 +140,8 @@ def test_optimisation_finds_the_planted_redundant_sublayers():
     assert drafter.best_score == 1.0 and drafter.stop_reason.startswith("matchness")
     # the planted set is perfect and the uniform start is not (scored on the same verified window)
     state = engine_state(runner, PROMPTS[0])
-    start_score, planted_score, found_score = matchness(state, [start_plan, planted, drafter.best], 32)
+    start_score, planted_score, found_score = matchness_span(state, [start_plan, planted, drafter.best],
+                                                             state.n - 32, state.n)
     assert start_score < 1.0 and planted_score == 1.0 and found_score >= start_score
     traj = [score for _, score in drafter.trajectory]
     assert traj == sorted(traj) and traj[-1] == 1.0  # best-so-far never decreases
