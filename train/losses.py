@@ -65,7 +65,7 @@ def _chunk_ce_and_grad(x: Tensor, weight: Tensor, targets: Tensor, scale: Tensor
     ce_sum = ((lse - picked) * valid).sum()  # ()
     if scale is None:
         return ce_sum, None
-    grad = torch.softmax(logits, dim=-1)  # (n, V): reuse the chunk's buffer for the gradient
+    grad = logits.sub_(lse.unsqueeze(1)).exp_()  # (n, V): softmax, in the logits' own buffer
     grad.scatter_add_(1, safe, torch.full_like(picked, -1.0).unsqueeze(1))  # (n, V): softmax - onehot
     grad.mul_((valid * scale).unsqueeze(1))  # (n, V): ignored rows get no gradient
     return ce_sum, grad
@@ -86,7 +86,7 @@ class FusedHeadCE(torch.autograd.Function):
         need_grad = need_w or any(ctx.needs_input_grad[4:])
         cdtype = _compute_dtype(xs[0], weight)
         kind = xs[0].device.type
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None  # (V, d)
+        grad_w = None  # (V, d) fp32, from the first chunk's product on (no zero fill)
         grad_xs, losses = [], []
         with torch.autocast(kind, enabled=False):  # dtypes are chosen explicitly above
             for w_e, x, targets in zip(exit_weights, xs, targets_list, strict=True):
@@ -101,7 +101,11 @@ class FusedHeadCE(torch.autograd.Function):
                     if grad is not None:
                         g = grad.to(cdtype)  # (n, V)
                         grad_x[s:s + chunk] = (g @ weight.to(cdtype)).to(x.dtype)  # (n, d)
-                        if need_w:
+                        if need_w and grad_w is None:
+                            grad_w = (g.t() @ xc.to(cdtype)).float()  # (V, d)
+                        elif need_w and cdtype == torch.float32:
+                            grad_w.addmm_(g.t(), xc)  # (V, d), accumulated in place
+                        elif need_w:
                             grad_w.add_((g.t() @ xc.to(cdtype)).float())  # (V, d)
                 losses.append(ce_sum / count)
                 grad_xs.append(grad_x)
@@ -110,14 +114,18 @@ class FusedHeadCE(torch.autograd.Function):
         ctx.mark_non_differentiable(per_exit)
         ctx.save_for_backward(grad_w, *grad_xs)
         ctx.weight_dtype = weight.dtype
+        ctx.done = False
         return total, per_exit
 
     @staticmethod
     def backward(ctx, grad_total: Tensor, _grad_per_exit: Tensor):
+        if ctx.done:  # the kept gradients are scaled in place below: a second backward would be wrong
+            raise RuntimeError("FusedHeadCE supports one backward pass per forward (no retain_graph)")
+        ctx.done = True
         grad_w, *grad_xs = ctx.saved_tensors
         g = grad_total.float()
-        gw = (grad_w * g).to(ctx.weight_dtype) if grad_w is not None else None
-        gxs = [gx * g.to(gx.dtype) if gx is not None else None for gx in grad_xs]
+        gw = grad_w.mul_(g).to(ctx.weight_dtype) if grad_w is not None else None  # (V, d)
+        gxs = [gx.mul_(g.to(gx.dtype)) if gx is not None else None for gx in grad_xs]  # each (N, d)
         return (gw, None, None, None, *gxs)
 
 
