@@ -76,6 +76,9 @@ class SpanKey:
     """(skipped attention layers, skipped MLP layers) of the plan, sorted; None = no plan."""
     logits: bool
     """Whether the final norm and LM head run."""
+    groups: tuple[int, ...] = ()
+    """For each attention layer run, in order, the first of them with the same window start: layers of a
+    group share one attention mask (computed once per forward, not once per layer)."""
 
 
 def bucket(rows: int, buckets: tuple[int, ...] = BUCKETS) -> int | None:
@@ -176,7 +179,8 @@ class StaticExecutor:
             window_starts[i] = cache.lengths[i] - extra  # window = the last extra + T slots
             if window_starts[i] < 0 or window_starts[i] + extra + rows > cache.capacity:
                 return None  # the padded rows would not fit: let the eager path raise or run
-        key = SpanKey(rows, extra, start, split, end, plan_key(plan) if split < end else None, logits)
+        groups = tuple(next(j for j in ran["attn"] if window_starts[j] == window_starts[i]) for i in ran["attn"])
+        key = SpanKey(rows, extra, start, split, end, plan_key(plan) if split < end else None, logits, groups)
         entry = self._entry(cache, key, plan if split < end else None)
         pos = list(positions) + [positions[-1]] * (rows - T)
         meta = torch.cat([torch.tensor(pos + window_starts, dtype=torch.long),
@@ -234,15 +238,22 @@ def static_forward(runner: Runner, cache: KVCache, hidden: Tensor, meta: Tensor,
     cos = runner._cos[positions][:, None]  # (rows, 1, D)
     sin = runner._sin[positions][:, None]  # (rows, 1, D)
     slots = torch.arange(cache.capacity, device=hidden.device)  # (C,)
+    offsets = key.extra + torch.arange(rows, device=hidden.device)  # (rows,): new rows' window columns
     skip_attn = set(plan.skip_attn) if plan is not None else set()
     skip_mlp = set(plan.skip_mlp) if plan is not None else set()
+    leaders = iter(key.groups)
+    masks: dict[int, Tensor] = {}
     exact = hidden
     for i in range(key.start, key.end):
         if i == key.split:
             exact = hidden
         planned = i >= key.split
         if not (planned and i in skip_attn):
-            hidden = _attention(runner, cache, i, hidden, cos, sin, window_starts[i], key.extra, window, slots)
+            leader = next(leaders)
+            if leader not in masks:
+                masks[leader] = _visible(window_starts[leader], window, slots)  # (rows, C)
+            write = window_starts[i] + offsets  # (rows,) cache slots of the new rows
+            hidden = _attention(runner, cache, i, hidden, cos, sin, write, masks[leader])
         if not (planned and i in skip_mlp):
             hidden = runner._mlp(runner.layers[i], hidden)
     if key.split >= key.end:
@@ -250,18 +261,22 @@ def static_forward(runner: Runner, cache: KVCache, hidden: Tensor, meta: Tensor,
     return exact, hidden, runner.head(hidden) if key.logits else None
 
 
-def _attention(runner: Runner, cache: KVCache, i: int, hidden: Tensor, cos: Tensor, sin: Tensor,
-               window_start: Tensor, extra: int, window: Tensor, slots: Tensor) -> Tensor:
-    """Layer i's attention over the whole cache capacity, masked by each row's visible slots."""
-    s = runner.spec
-    rows, W = window.shape
-    q, k, v = runner.qkv_rope(i, hidden, cos, sin)  # (Hq, rows, D), (Hkv, rows, D), (Hkv, rows, D)
-    write = window_start + extra + torch.arange(rows, device=hidden.device)  # (rows,)
-    cache.k[i].index_copy_(1, write, k)  # into (Hkv, C, D)
-    cache.v[i].index_copy_(1, write, v)
+def _visible(window_start: Tensor, window: Tensor, slots: Tensor) -> Tensor:
+    """(rows, C) bool: the slots before the window, plus the window slots each row's mask allows."""
+    W = window.shape[1]
     rel = slots - window_start  # (C,): slot index relative to the window
     inside = (rel >= 0) & (rel < W)  # (C,)
-    visible = (window[:, rel.clamp(0, W - 1)] & inside) | (rel < 0)  # (rows, C)
+    return (window[:, rel.clamp(0, W - 1)] & inside) | (rel < 0)  # (rows, C)
+
+
+def _attention(runner: Runner, cache: KVCache, i: int, hidden: Tensor, cos: Tensor, sin: Tensor,
+               write: Tensor, visible: Tensor) -> Tensor:
+    """Layer i's attention over the whole cache capacity: new K/V at slots ``write``, mask ``visible``."""
+    s = runner.spec
+    rows = hidden.shape[0]
+    q, k, v = runner.qkv_rope(i, hidden, cos, sin)  # (Hq, rows, D), (Hkv, rows, D), (Hkv, rows, D)
+    cache.k[i].index_copy_(1, write, k)  # into (Hkv, C, D)
+    cache.v[i].index_copy_(1, write, v)
     out = F.scaled_dot_product_attention(
         q[None], cache.k[i][None], cache.v[i][None], attn_mask=visible,
         enable_gqa=s.num_heads != s.num_kv_heads)  # (1, Hq, rows, D)

@@ -49,7 +49,7 @@ def _drafters(runner, tmp_path):
         ("early_exit", {"exit_layer": 5, "num_draft": 3, "confidence": 0.3}),
         ("early_exit", {"exit_layer": L, "num_draft": 8}),  # T = 9: a 16-row bucket
         ("self_sd", {"plan": _plan_path(runner, tmp_path, "sd", plan)}),
-        ("swift", {"plan": _plan_path(runner, tmp_path, "sw", plan), "tree": True, "fallback": False,
+        ("swift", {"plan": _plan_path(runner, tmp_path, "sw", plan), "tree": True, "adaptive": False,
                    "context_window": 8, "opt_budget": 0.95, "opt_seed": 0}),
     ]
 
@@ -218,3 +218,22 @@ def test_failed_capture_warns_once_and_falls_back_to_eager(model, eager, monkeyp
     assert len([w for w in record if issubclass(w.category, RuntimeWarning)]) == 1
     assert runner.executor == "eager"
     assert res.tokens == _run(eager, "early_exit", options, PROMPTS[0]).tokens
+
+
+def test_layers_at_different_lengths(model, eager):
+    """Shallow layers ahead of deep ones (early exit): each layer writes and attends at its own length."""
+    static = Runner.from_model(model, executor="static")
+    ids = torch.tensor(PROMPTS[2])
+    outs, lengths, caches = [], [], []
+    for runner in (static, eager):
+        cache = runner.new_cache(48)
+        caches.append(cache)  # the static forwards live as long as their cache
+        runner.forward_layers(cache, runner.embed(ids[:10]), torch.arange(10))
+        runner.forward_layers(cache, runner.embed(ids[10:12]), torch.tensor([10, 11]), 0, 2)  # layers 0, 1 ahead
+        out = runner.span(cache, runner.embed(ids[12:14]), [12, 13], 0, L, logits=True)
+        outs.append(out.logits)
+        lengths.append(list(cache.lengths))
+    assert lengths[0] == lengths[1] == [14, 14] + [12] * (L - 2)
+    (key,) = list(static.static._spans[caches[0]])
+    assert key.groups == (0, 0) + (2,) * (L - 2)  # two masks per forward, not one per layer
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
