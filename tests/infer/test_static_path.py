@@ -71,6 +71,18 @@ def test_static_equals_eager_for_every_drafter(eager, static, tmp_path):
                 assert (b.stats.drafted, b.stats.accepted) == (a.stats.drafted, a.stats.accepted), (name, options)
 
 
+def test_static_equals_eager_when_sampling(eager, static):
+    """Same seed, same draws: the sampled acceptance path sees the same probabilities on both executors."""
+    from infer.sampling import SamplingConfig
+
+    for name, options in [("autoregressive", {}), ("early_exit", {"exit_layer": 3, "num_draft": 4})]:
+        for prompt in PROMPTS:
+            cfg = GenerationConfig(max_new_tokens=24, sampling=SamplingConfig(temperature=1.0, seed=7))
+            a = Engine(eager, build_drafter(name, eager, options)).generate(prompt, cfg)
+            b = Engine(static, build_drafter(name, static, options)).generate(prompt, cfg)
+            assert b.tokens == a.tokens and b.stats.accepted == a.stats.accepted, (name, prompt)
+
+
 def test_static_executor_runs_the_decoding_forwards(static):
     engine = Engine(static, build_drafter("early_exit", static, {"exit_layer": 3, "num_draft": 3}))
     res = engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=12))
