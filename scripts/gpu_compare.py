@@ -167,15 +167,18 @@ class Pipeline:
             self.steps.append(Step(name, command, 0.0, reused=True))
             self.log(f"{name}: reusing {output}")
             return 0
-        self.log(f"{name}: {command}")
+        log_file = self.out / "logs" / f"{name}.log"
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        self.log(f"{name}: {command}  (output: {log_file})")
         t0 = time.perf_counter()
-        proc = subprocess.run(argv, cwd=REPO, env=self.env, stdout=None if not self.quiet else subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+        with open(log_file, "w") as f:
+            proc = subprocess.run(argv, cwd=REPO, env=self.env, stdout=f, stderr=subprocess.STDOUT)
         seconds = time.perf_counter() - t0
         self.steps.append(Step(name, command, round(seconds, 2), returncode=proc.returncode))
         if proc.returncode not in ok_codes:
-            tail = (proc.stderr or "").strip().splitlines()[-5:]
-            raise UserError(f"step {name!r} failed (exit {proc.returncode}): {' | '.join(tail) or 'no output'}")
+            tail = [ln for ln in log_file.read_text(errors="replace").splitlines() if ln.strip()][-3:]
+            raise UserError(f"step {name!r} failed (exit {proc.returncode}; {log_file}): "
+                            f"{' | '.join(tail) or 'no output'}")
         return proc.returncode
 
     def supports(self, argv: list[str], flag: str) -> bool:
@@ -536,7 +539,7 @@ def run_compare(args, s: Settings) -> dict:
     total = time.perf_counter() - t_start
     compare = {
         "device": _device_name(s), "commit": _git_commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "dry_run": bool(args.dry_run), "command": shlex.join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "dry_run": bool(args.dry_run), "command": shlex.join(["scripts/gpu_compare.py", *args.argv]),
         "recipe": RECIPE, "settings": asdict(s), "bench_meta": results[CODE_TASK].get("meta", {}),
         "rows": rows, "quality": quality_, "targets": targets(rows, quality_, total),
         "steps": [asdict(st) for st in p.steps], "total_seconds": round(total, 1), "notes": p.notes,
@@ -653,6 +656,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=None, help="Self-SD search trials per model (default 40)")
     parser.add_argument("--quiet", action="store_true", help="only errors on stderr")
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     args.out = args.out or ("runs/gpu-compare-dry" if args.dry_run else "runs/gpu-compare")
     try:
         if Path(args.out).exists() and any(Path(args.out).iterdir()) and not (Path(args.out) / "train").exists():

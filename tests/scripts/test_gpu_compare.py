@@ -130,6 +130,18 @@ def test_bundle_refuses_a_non_empty_folder(tmp_path):
     assert (tmp_path / "b" / "x").read_text() == "keep me"
 
 
+def test_a_failing_step_is_one_user_error_naming_its_log(tmp_path):
+    p = _pipeline(tmp_path)
+    argv = [sys.executable, "-c", "import sys; print('first'); print('boom: bad input'); sys.exit(3)"]
+    with pytest.raises(UserError, match="exit 3") as e:
+        p.run("demo", argv)
+    assert "boom: bad input" in str(e.value) and "\n" not in str(e.value)
+    assert "first" in (tmp_path / "out" / "logs" / "demo.log").read_text()
+    assert p.run("demo", argv, ok_codes=(3,)) == 3 and p.steps[-1].returncode == 3
+    (tmp_path / "done.json").write_text("{}")
+    assert p.run("again", argv, output=tmp_path / "done.json") == 0 and p.steps[-1].reused
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_without_cuda_the_real_run_is_refused_in_one_line(tmp_path, capsys):
     assert gc.main(["--out", str(tmp_path / "o"), "--quiet"]) == 2
@@ -184,7 +196,8 @@ def test_dry_run_writes_the_whole_comparison(tmp_path):
         assert set(q["exits"]["agreement"]) == {"2", "4", "6", "8"}
     prompts = [json.loads(line) for line in (out / "prompts" / "code_heldout.jsonl").read_text().splitlines()]
     assert prompts and all(p["id"].startswith("beta/") for p in prompts)  # cut from the held-out package only
-    assert (out / "train" / "final" / "config.json").is_file()
+    assert (out / "train" / "final" / "config.json").is_file() and (out / "logs" / "train.log").is_file()
+    assert c["command"].startswith("scripts/gpu_compare.py --dry-run")
     section = (out / "gpu_section.md").read_text()
     assert section.startswith(gc.SECTION_BEGIN) and "dry run" in section
     after = docs_json.read_bytes() if docs_json.exists() else None
