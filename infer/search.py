@@ -409,6 +409,21 @@ class CostModel:
                 "mlp": round(self.mlp, 5), "verify": [round(v, 3) for v in self.verify]}
 
 
+def iid_tokens_per_cycle(acceptance: float, k: int) -> float:
+    """Expected tokens per draft-verify cycle of k drafts with i.i.d. per-token acceptance a (Leviathan et al.
+    2023, Thm 3.8): (1 - a^(k+1)) / (1 - a), k + 1 when a = 1."""
+    return k + 1.0 if acceptance >= 1.0 else (1 - acceptance ** (k + 1)) / (1 - acceptance)
+
+
+def cycle_speedup(tokens_per_cycle: float, draft_forwards: float, draft_cost: float, verify_cost: float) -> float:
+    """Speed-up of draft-verify cycles over plain steps: tokens per cycle / (f·c + v), costs in plain-step units.
+
+    The one cost model of skip-plan drafting: the search's replay, SWIFT's fallback prediction and the
+    bench's expected speed-up are all this ratio.
+    """
+    return tokens_per_cycle / (draft_forwards * draft_cost + verify_cost)
+
+
 def weights_cost(runner: Runner, max_tokens: int) -> CostModel:
     """Memory-bound costs: proportional to the weights each part reads; verification costs one forward.
 

@@ -31,6 +31,7 @@ from infer.drafters.chain import ChainResult, PlanForward, draft_chain
 from infer.drafters.gate import FallbackGate, GateMemory, Rate
 from infer.drafters.skipping import matchness_span
 from infer.plan import LayerPlan, PlanFile
+from infer.search import cycle_speedup, iid_tokens_per_cycle
 
 GREEDY_WIDTHS = (3, 5, 8, 10)  # candidates per depth for top-1 prob > 0.95, > 0.8, > 0.5, else (paper)
 SAMPLING_WIDTHS = (1, 3, 5, 10)
@@ -399,7 +400,7 @@ class SwiftDrafter:
         c = 1.0 / self.draft_forward.value / step
         v = 1.0 / self.verify.value / step
         a = min(matchness, 0.999)
-        return max((1 - a ** (k + 1)) / (1 - a) / (k * c + v) for k in range(1, self.config.num_draft + 1))
+        return max(cycle_speedup(iid_tokens_per_cycle(a, k), k, c, v) for k in range(1, self.config.num_draft + 1))
 
     # -------------------------------------------------------------- persistence
     def save(self, path: str) -> None:
