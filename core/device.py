@@ -6,15 +6,17 @@ reads that bound decoding on a GPU, while on a CPU fp32 is both faster and exact
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from core.errors import UserError
 
-DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32, "float32": torch.float32,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16,
-}
+if TYPE_CHECKING:
+    import torch
+
+DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+               "fp16": "float16", "float16": "float16"}
+"""Accepted dtype names -> torch attribute names (torch itself is imported on first use, so that
+``--help`` and argument errors of every command stay instant)."""
 DTYPE_CHOICES = ("auto", "fp32", "bf16", "fp16")
 DEVICE_HELP = "auto (CUDA when available, else CPU), cpu, cuda or cuda:N"
 DTYPE_HELP = "auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16"
@@ -22,26 +24,28 @@ DTYPE_HELP = "auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16"
 
 def parse_dtype(name: str | torch.dtype, device: torch.device | str | None = None) -> torch.dtype:
     """A torch dtype from its name; ``auto`` picks bf16 on CUDA and fp32 elsewhere."""
+    import torch  # lazily: see DTYPE_NAMES
+
     if isinstance(name, torch.dtype):
         return name
     if name == "auto":
         dev = torch.device(device) if device is not None else resolve_device("auto")
         return torch.bfloat16 if dev.type == "cuda" else torch.float32
-    if name not in DTYPES:
+    if name not in DTYPE_NAMES:
         raise UserError(f"unknown dtype {name!r}; use one of {', '.join(DTYPE_CHOICES)}")
-    return DTYPES[name]
+    return getattr(torch, DTYPE_NAMES[name])
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The short name of a dtype (fp32, bf16, fp16) for stats and file names."""
-    for short in ("fp32", "bf16", "fp16"):
-        if DTYPES[short] == dtype:
-            return short
-    return str(dtype).removeprefix("torch.")
+    long = str(dtype).removeprefix("torch.")
+    return next((short for short in ("fp32", "bf16", "fp16") if DTYPE_NAMES[short] == long), long)
 
 
 def resolve_device(name: str | torch.device = "auto") -> torch.device:
     """``auto`` / ``cpu`` / ``cuda`` / ``cuda:N`` to a device that exists on this machine."""
+    import torch  # lazily: see DTYPE_NAMES
+
     if isinstance(name, torch.device):
         name = str(name)
     name = name.strip().lower()

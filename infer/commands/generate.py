@@ -27,13 +27,15 @@ def _type_of(annotation) -> type:
     return str
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser, threads: int | None = None) -> None:
+    """--model, --device, --dtype and --threads (``threads``: the default thread count; None = torch's choice)."""
     p.add_argument("--model", default="default",
                    help="a local Hugging Face model folder, or 'default' (SmolLM2-135M-Instruct, fetched on first use)")
     p.add_argument("--device", default="auto", help=f"where to run: {DEVICE_HELP} (default auto)")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help=f"weights/compute dtype: {DTYPE_HELP} (default auto; {EXACTNESS})")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=threads,
+                   help=f"torch CPU threads (default: {threads if threads else 'torch' + chr(39) + 's choice'})")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -7,7 +7,10 @@ import sys
 from pathlib import Path
 
 from core.cli import check_output_file
+from core.device import dtype_name
 from core.errors import UserError
+from core.prompts import load_prompts, task_name, use_chat_template
+from infer.commands.generate import add_model_args
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -15,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Bayesian optimisation (optuna) over the 2L sublayer skip choices on calibration "
                        "prompts from the front of a data set; the best plan is written atomically to --out with the "
                        "model's identity, and the study is kept beside it so an interrupted search resumes.")
-    p.add_argument("--model", default="default", help="a local Hugging Face model folder, or 'default'")
+    add_model_args(p, threads=1)  # one thread by default, as the benchmark measures
     p.add_argument("--data", required=True, help="calibration prompts: humaneval, gsm8k, a .jsonl file with 'prompt' "
                    "fields, or a folder of text files (items are taken from the front of the set)")
     p.add_argument("--out", type=Path, required=True, help="plan file to write, e.g. plans/smollm2-135m-humaneval.json")
@@ -45,19 +48,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--study", type=Path, default=None,
                    help="optuna journal file (default: beside --out, e.g. plans/x.study.log)")
     p.add_argument("--fresh", action="store_true", help="discard an existing study instead of resuming it")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, as the benchmark)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
 
-def _task_name(source: str) -> str:
-    return Path(source).stem if ("/" in source or "." in source) else source
-
-
 def run(args: argparse.Namespace) -> int:
-    from core.prompts import load_prompts
-    from infer.loading import set_threads
+    # torch, transformers and optuna load only once the arguments are known to be good
+    from infer.loading import load_model, set_threads
     from infer.search import SearchConfig, search_plan, study_path_for
 
     # Everything that can be checked without the model is checked first.
@@ -75,11 +72,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"layerskip: note: {args.data} has only {len(items)} prompts", file=sys.stderr)
     set_threads(args.threads)
 
-    from infer.loading import load_model
-
-    model = load_model(args.model, args.dtype)
-    task = _task_name(args.data)
-    chat = args.chat == "always" or (args.chat == "auto" and task == "gsm8k")
+    model = load_model(args.model, args.dtype, args.device)
+    task = task_name(args.data)
+    chat = use_chat_template(task, args.chat)
     prompts = [model.encode(item.prompt, chat) for item in items]
     limit = model.runner.spec.max_position_embeddings
     too_long = [it.id for it, ids in zip(items, prompts, strict=True) if len(ids) + cfg.max_new_tokens
@@ -87,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
     if too_long:
         raise UserError(f"calibration prompts {too_long} are too long for the model's context of {limit} tokens")
     study = args.study or study_path_for(args.out)
-    extra = {"data": args.data, "chat": chat, "threads": args.threads, "dtype": args.dtype,
+    extra = {"data": args.data, "chat": chat, "threads": args.threads, "device": str(model.runner.device),
+             "dtype": dtype_name(model.runner.dtype),
              "prompt_ids": [it.id for it in items]}
     result, plan_file = search_plan(model.runner, prompts, cfg, args.out, task, study, fresh=args.fresh,
                                     progress=not args.quiet, extra=extra)
