@@ -18,13 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from core.prompts import load_prompts
-from infer.bench import BASELINE
+from core.cli import run_main, split_named
+from core.device import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP, dtype_name
+from core.prompts import load_prompts, use_chat_template
+from infer.bench import BASELINE, tokens_per_verify
 from infer.drafters import build_drafter, parse_spec
 from infer.engine import Engine, GenerationConfig
 from infer.loading import load_model, set_threads
@@ -54,7 +57,7 @@ def run_streams(model, specs: list[str], prompts: list[tuple[str, str, list[int]
         for spec, engine in engines.items():
             r = engine.generate(ids, gen)
             s = r.stats
-            rows[spec].append({"task": task, "id": pid, "tokens": r.tokens, "new_tokens": s.new_tokens,
+            rows[spec].append({"task": task, "id": pid, "tokens": r.tokens, "stats": s, "new_tokens": s.new_tokens,
                                "wall": s.wall_time, "verify_calls": s.verify_calls, "drafted": s.drafted,
                                "accepted": s.accepted, "drafter": dict(s.drafter)})
             bar.update()
@@ -78,7 +81,7 @@ def summarise(runs: dict[str, list[list[dict]]]) -> dict:
             per_method[method] = {
                 "tokens_per_second": statistics.median(tps), "tokens_per_second_repeats": tps,
                 "acceptance_rate": sum(r["accepted"] for r in rs) / drafted if drafted else 0.0,
-                "tokens_per_verify": sum(r["new_tokens"] - 1 for r in rs) / calls,
+                "tokens_per_verify": tokens_per_verify(r["stats"] for r in rs) or 1.0,
                 "opt_time_share": sum(float(r["drafter"].get("opt_time", 0.0)) for r in rs) / wall,
                 "plain_step_share": sum(int(r["drafter"].get("plain_steps", 0)) for r in rs) / calls,
                 "opt_steps": sum(int(r["drafter"].get("opt_steps", 0)) for r in rs) / len(repeats)}
@@ -125,7 +128,11 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    return run_main("swift_stream", lambda: _run(argv))
+
+
+def _run(argv: list[str] | None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", action="append", required=True, help="LABEL=PATH or PATH ('default' allowed)")
     p.add_argument("--data", default="humaneval,gsm8k")
@@ -133,11 +140,13 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="auto", help=f"where to run: {DEVICE_HELP} (default auto)")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=f"{DTYPE_HELP} (default auto)")
     p.add_argument("--drafters", default="swift,swift:paper=true",
                    help="drafter specs run as streams next to autoregressive (default: ours, and exactly the "
                    "paper's settings: no fallback, no optimisation budget, uncapped tree widths)")
     p.add_argument("--out", type=Path, required=True)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     set_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens)
@@ -145,16 +154,18 @@ def main() -> None:
     specs = [BASELINE] + [d for d in args.drafters.split(",") if d]
     results = {}
     for spec in args.model:
-        label, _, source = spec.rpartition("=") if "=" in spec else (spec, "", spec)
-        model = load_model(source)
-        prompts = [(task, pid, model.encode(text, chat=(task == "gsm8k"))) for task, pid, text in items]
+        label, source = split_named(spec)
+        label = label or source
+        model = load_model(source, args.dtype, args.device)
+        prompts = [(task, pid, model.encode(text, chat=use_chat_template(task))) for task, pid, text in items]
         runs: dict[str, list[list[dict]]] = defaultdict(list)
         with tqdm(total=len(specs) * args.repeats * len(prompts), desc=label) as bar:
             for _ in range(args.repeats):
                 for method, rows in run_streams(model, specs, prompts, gen, bar).items():
                     runs[method].append(rows)
         swifts = [m for m in specs if m != BASELINE]
-        results[label] = {"tasks": summarise(runs), "exact": exact(runs),
+        results[label] = {"device": str(model.runner.device), "dtype": dtype_name(model.runner.dtype),
+                          "tasks": summarise(runs), "exact": exact(runs),
                           "final_state": {m: final_state(runs[m][0]) for m in swifts},
                           "matchness_trajectory": {m: trajectory(runs[m][0]) for m in swifts},
                           "order": [f"{t}/{i}" for t, i, _ in items]}
@@ -164,7 +175,8 @@ def main() -> None:
                     for m, traj in res["matchness_trajectory"].items()},
                    args.out / "matchness.png", "SWIFT over a HumanEval/GSM8K stream")
     print(markdown(results))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
