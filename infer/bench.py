@@ -32,6 +32,7 @@ from core.cli import split_named
 from core.device import dtype_name
 from core.errors import UserError
 from core.prompts import final_number, load_prompts, task_name, use_chat_template
+from infer.plan import cycle_speedup
 
 PEERS = ("hf_generate", "hf_static", "hf_early_exit", "prompt_lookup")
 PEER_OPTIONS = {"hf_early_exit": ("E", "k"), "prompt_lookup": ("k",)}
@@ -235,18 +236,6 @@ class Summary:
     """Fraction of positions equal up to the first divergence (lossy methods)."""
     answer_accuracy: float | None = None
     """Fraction of prompts whose final number is the reference answer (GSM8K)."""
-
-
-def expected_speedup(tokens_per_verify: float, mean_draft_forwards: float, draft_cost: float,
-                     verify_cost: float = 1.0) -> float:
-    """M / (k̄·c + v): tokens per cycle over cycle cost in full-forward units."""
-    return tokens_per_verify / (mean_draft_forwards * draft_cost + verify_cost)
-
-
-def expected_speedup_iid(alpha: float, k: int, draft_cost: float) -> float:
-    """Leviathan et al. (2023) Thm 3.8: (1 - a^(k+1)) / ((1 - a)(k c + 1)) for i.i.d. acceptance a."""
-    tokens = k + 1 if alpha == 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return tokens / (k * draft_cost + 1)
 
 
 def tokens_per_verify(stats) -> float | None:
@@ -499,7 +488,7 @@ def _cost_model(row: Summary, recs: list[Record], ar_step: float | None) -> None
     if forwards:
         row.draft_cost_ratio = sum(r.draft_time for r in recs) / forwards / ar_step
     c = row.draft_cost_ratio or 0.0
-    row.expected_speedup = expected_speedup(row.tokens_per_verify, row.mean_draft_forwards, c, row.verify_cost_ratio)
+    row.expected_speedup = cycle_speedup(row.tokens_per_verify, row.mean_draft_forwards, c, row.verify_cost_ratio)
 
 
 def recommend(rows: list[Summary]) -> dict[tuple[str, str], str]:

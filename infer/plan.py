@@ -1,4 +1,15 @@
-"""Which sublayers of the model run: the unit every layer-skipping drafter works with."""
+"""Skip plans: which sublayers of the model run, the unit every layer-skipping drafter works with.
+
+One home for what `layerskip search` (Self-SD's offline search) and SWIFT's online optimiser share:
+
+- ``LayerPlan`` and plan files (``PlanFile``);
+- the search space (``PlanSpace``: one optuna encoding of the 2L skip choices) and uniform plans
+  (``uniform_plan``: skips spread evenly over the inner layers);
+- one cost model of draft-verify decoding (``CostModel``, ``iid_tokens_per_cycle``,
+  ``cycle_speedup``, ``weights_cost``), used by the search, SWIFT's fallback prediction and the bench.
+
+The agreement scorers, which run the model, live in ``infer.drafters.skipping``.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +17,12 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from core.errors import UserError
+
+if TYPE_CHECKING:  # infer.runner imports this module
+    from infer.runner import Runner
 
 
 @dataclass(frozen=True)
@@ -150,3 +165,60 @@ class PlanFile:
             what = ", ".join(f"{k}: plan has {a}, model has {b}" for k, (a, b) in diff.items())
             raise UserError(f"{path} was made for another model ({what}); search a plan for this model with "
                             "`layerskip search`")
+
+
+# --------------------------------------------------------------------------- costs
+@dataclass
+class CostModel:
+    """Costs relative to one full single-token forward (final norm + LM head included)."""
+
+    base: float
+    """Embedding, final norm and LM head: what a draft costs with every sublayer skipped."""
+    attn: float
+    """One attention sublayer."""
+    mlp: float
+    """One MLP sublayer."""
+    verify: list[float]
+    """verify[T-1]: one full forward over T tokens (T = 1 .. k+1)."""
+    source: str = "weights"
+    """'measured' (timed before the search) or 'weights' (weights read)."""
+
+    def draft(self, plan: LayerPlan) -> float:
+        L = plan.num_layers
+        return self.base + (L - len(plan.skip_attn)) * self.attn + (L - len(plan.skip_mlp)) * self.mlp
+
+    def verify_cost(self, tokens: int) -> float:
+        return self.verify[min(tokens, len(self.verify)) - 1]
+
+    def to_dict(self) -> dict:
+        return {"source": self.source, "base": round(self.base, 4), "attn": round(self.attn, 5),
+                "mlp": round(self.mlp, 5), "verify": [round(v, 3) for v in self.verify]}
+
+
+def iid_tokens_per_cycle(acceptance: float, k: int) -> float:
+    """Expected tokens per draft-verify cycle of k drafts with i.i.d. per-token acceptance a (Leviathan et al.
+    2023, Thm 3.8): (1 - a^(k+1)) / (1 - a), k + 1 when a = 1."""
+    return k + 1.0 if acceptance >= 1.0 else (1 - acceptance ** (k + 1)) / (1 - acceptance)
+
+
+def cycle_speedup(tokens_per_cycle: float, draft_forwards: float, draft_cost: float, verify_cost: float) -> float:
+    """Speed-up of draft-verify cycles over plain steps: tokens per cycle / (f·c + v), costs in plain-step units.
+
+    f draft forwards of cost c and a verification of cost v per cycle (means, or totals over many cycles:
+    the ratio is the same). The one cost model of skip-plan drafting: the search's replay, SWIFT's
+    fallback prediction and the bench's expected speed-up are all this ratio.
+    """
+    return tokens_per_cycle / (draft_forwards * draft_cost + verify_cost)
+
+
+def weights_cost(runner: Runner, max_tokens: int) -> CostModel:
+    """Memory-bound costs: proportional to the weights each part reads; verification costs one forward.
+
+    Attention reads its q, k, v and o projections, the MLP 3·d·I, the LM head V·d.
+    """
+    s = runner.spec
+    attn = s.hidden_size * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim + s.num_heads * s.head_dim * s.hidden_size
+    mlp = 3 * s.hidden_size * s.intermediate_size
+    head = s.vocab_size * s.hidden_size
+    full = s.num_layers * (attn + mlp) + head
+    return CostModel(head / full, attn / full, mlp / full, [1.0] * max_tokens, "weights")

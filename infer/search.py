@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from core.errors import UserError
-from infer.plan import LayerPlan, PlanFile
+from infer.plan import CostModel, LayerPlan, PlanFile, cycle_speedup, weights_cost
 from infer.runner import Runner
 
 OBJECTIVES = {"model": "model", "acceptance": "model", "speed": "speed"}
@@ -382,61 +382,6 @@ def _result(study, wall: float, history: list[float]) -> SearchResult:
 
 
 # --------------------------------------------------------------------------- costs
-@dataclass
-class CostModel:
-    """Costs relative to one full single-token forward (final norm + LM head included)."""
-
-    base: float
-    """Embedding, final norm and LM head: what a draft costs with every sublayer skipped."""
-    attn: float
-    """One attention sublayer."""
-    mlp: float
-    """One MLP sublayer."""
-    verify: list[float]
-    """verify[T-1]: one full forward over T tokens (T = 1 .. k+1)."""
-    source: str = "weights"
-    """'measured' (timed before the search) or 'weights' (weights read)."""
-
-    def draft(self, plan: LayerPlan) -> float:
-        L = plan.num_layers
-        return self.base + (L - len(plan.skip_attn)) * self.attn + (L - len(plan.skip_mlp)) * self.mlp
-
-    def verify_cost(self, tokens: int) -> float:
-        return self.verify[min(tokens, len(self.verify)) - 1]
-
-    def to_dict(self) -> dict:
-        return {"source": self.source, "base": round(self.base, 4), "attn": round(self.attn, 5),
-                "mlp": round(self.mlp, 5), "verify": [round(v, 3) for v in self.verify]}
-
-
-def iid_tokens_per_cycle(acceptance: float, k: int) -> float:
-    """Expected tokens per draft-verify cycle of k drafts with i.i.d. per-token acceptance a (Leviathan et al.
-    2023, Thm 3.8): (1 - a^(k+1)) / (1 - a), k + 1 when a = 1."""
-    return k + 1.0 if acceptance >= 1.0 else (1 - acceptance ** (k + 1)) / (1 - acceptance)
-
-
-def cycle_speedup(tokens_per_cycle: float, draft_forwards: float, draft_cost: float, verify_cost: float) -> float:
-    """Speed-up of draft-verify cycles over plain steps: tokens per cycle / (f·c + v), costs in plain-step units.
-
-    The one cost model of skip-plan drafting: the search's replay, SWIFT's fallback prediction and the
-    bench's expected speed-up are all this ratio.
-    """
-    return tokens_per_cycle / (draft_forwards * draft_cost + verify_cost)
-
-
-def weights_cost(runner: Runner, max_tokens: int) -> CostModel:
-    """Memory-bound costs: proportional to the weights each part reads; verification costs one forward.
-
-    Attention reads its q, k, v and o projections, the MLP 3·d·I, the LM head V·d.
-    """
-    s = runner.spec
-    attn = s.hidden_size * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim + s.num_heads * s.head_dim * s.hidden_size
-    mlp = 3 * s.hidden_size * s.intermediate_size
-    head = s.vocab_size * s.hidden_size
-    full = s.num_layers * (attn + mlp) + head
-    return CostModel(head / full, attn / full, mlp / full, [1.0] * max_tokens, "weights")
-
-
 @torch.no_grad()
 def measure_cost(runner: Runner, context: Sequence[int], max_tokens: int, repeats: int = 7) -> CostModel:
     """Time single-token forwards under all-attention / all-MLP / everything skipped, and T-token verifies."""
@@ -569,16 +514,17 @@ class ModelObjective:
         matchness = sum(sum(a) for a in agree) / sum(len(a) for a in agree)
         for k in self.ks:
             for gamma in GAMMA_GRID:
-                tokens = cycles = drafted = accepted = 0
-                cost = 0.0
+                tokens = cycles = drafted = accepted = forwards = 0
+                verify = 0.0
                 for a, p in zip(agree, top1, strict=True):
                     t, d, acc, steps = replay(a, p, k, gamma)
                     tokens += t
                     cycles += len(steps)
                     drafted += d
                     accepted += acc
-                    cost += sum(f * c + self.cost.verify_cost(v) for f, v in steps)
-                speedup = tokens / cost if cost else 0.0
+                    forwards += sum(f for f, _ in steps)
+                    verify += sum(self.cost.verify_cost(v) for _, v in steps)
+                speedup = cycle_speedup(tokens, forwards, c, verify) if cycles else 0.0
                 if speedup > best[0]:
                     best = (speedup, {"k": k, "gamma": gamma, "acceptance_rate": accepted / drafted if drafted else 0.0,
                                       "tokens_per_verify": tokens / cycles if cycles else 0.0})

@@ -30,8 +30,7 @@ from infer.drafters.base import DecodeState, Draft, VerifyOutcome
 from infer.drafters.chain import ChainResult, PlanForward, draft_chain
 from infer.drafters.gate import FallbackGate, GateMemory, Rate
 from infer.drafters.skipping import matchness_span
-from infer.plan import LayerPlan, PlanFile
-from infer.search import cycle_speedup, iid_tokens_per_cycle
+from infer.plan import LayerPlan, PlanFile, cycle_speedup, iid_tokens_per_cycle
 
 GREEDY_WIDTHS = (3, 5, 8, 10)  # candidates per depth for top-1 prob > 0.95, > 0.8, > 0.5, else (paper)
 SAMPLING_WIDTHS = (1, 3, 5, 10)

@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
-from infer.bench import expected_speedup, expected_speedup_iid
 from infer.cli import main
 from infer.drafters import DRAFTERS
 from infer.drafters.early_exit import EarlyExitDrafter
+from infer.plan import cycle_speedup, iid_tokens_per_cycle
 
 
 @pytest.fixture
@@ -138,14 +138,15 @@ def test_hf_static_peer_matches_autoregressive(tiny_model_dir, prompts_file, tmp
 
 
 def test_expected_speedup_formulas():
+    """The bench's expected speed-up is the one cost model of infer.plan: M / (k̄ c + v)."""
     # M tokens per cycle over k̄ c + v: 3 tokens, 4 drafts at c = 0.25, v = 1 -> 3 / 2
-    assert expected_speedup(3.0, 4.0, 0.25, 1.0) == pytest.approx(1.5)
-    assert expected_speedup(1.0, 0.0, 0.0, 1.0) == pytest.approx(1.0)
+    assert cycle_speedup(3.0, 4.0, 0.25, 1.0) == pytest.approx(1.5)
+    assert cycle_speedup(1.0, 0.0, 0.0, 1.0) == pytest.approx(1.0)
     # Leviathan et al. Thm 3.8: alpha 0.5, k 2, c 0 -> (1 - 0.125) / 0.5 = 1.75
-    assert expected_speedup_iid(0.5, 2, 0.0) == pytest.approx(1.75)
+    assert cycle_speedup(iid_tokens_per_cycle(0.5, 2), 2, 0.0, 1.0) == pytest.approx(1.75)
     # alpha 0.8, k 4, c 0.1: (1 - 0.8^5) / 0.2 / 1.4
-    assert expected_speedup_iid(0.8, 4, 0.1) == pytest.approx((1 - 0.8 ** 5) / 0.2 / 1.4)
-    assert expected_speedup_iid(1.0, 3, 0.2) == pytest.approx(4 / 1.6)
+    assert cycle_speedup(iid_tokens_per_cycle(0.8, 4), 4, 0.1, 1.0) == pytest.approx((1 - 0.8 ** 5) / 0.2 / 1.4)
+    assert cycle_speedup(iid_tokens_per_cycle(1.0, 3), 3, 0.2, 1.0) == pytest.approx(4 / 1.6)
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -202,14 +202,12 @@ def test_plan_for_another_model_is_refused(runner, tmp_path):
 
 
 def test_cost_model_prediction(runner):
-    from infer.bench import expected_speedup_iid
-
     drafter = SwiftDrafter(runner, SwiftDrafter.Config(num_draft=4))
     assert drafter.predicted_speedup(0.8) is None  # nothing measured yet
     drafter.plain.add(1, 0.1)  # 10 tokens/s plain
     drafter.draft_forward.add(4, 0.1)  # c = 0.025 s / 0.1 s = 0.25
     drafter.verify.add(1, 0.1)  # v = 1
-    expected = max(expected_speedup_iid(0.8, k, 0.25) for k in range(1, 5))
+    expected = max((1 - 0.8 ** (k + 1)) / 0.2 / (k * 0.25 + 1) for k in range(1, 5))  # Leviathan et al. Thm 3.8
     assert drafter.predicted_speedup(0.8) == pytest.approx(expected)
     assert drafter.predicted_speedup(0.0) == pytest.approx(1 / 1.25)  # k = 1 is best when nothing is accepted
 
