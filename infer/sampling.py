@@ -89,10 +89,6 @@ class TreeShape:
     parents: list[int]
     """parents[i] for positions 1..T-1 (index i-1 here), each < its own position; root excluded."""
 
-    @classmethod
-    def chain(cls, m: int) -> TreeShape:
-        return cls(list(range(m)))
-
     @property
     def size(self) -> int:
         return len(self.parents) + 1
