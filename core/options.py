@@ -182,6 +182,19 @@ def build(cls: type, raw: Any, where: str = "", suggest: Suggest | None = None):
     return cls(**kwargs)  # __post_init__ checks the section's invariants
 
 
+def add_flag(group: argparse._ActionsContainer, name: str, tp: Any, help: str) -> None:
+    """A ``--name`` flag (underscores become dashes) parsed to field type ``tp``; default None (= not given)."""
+    tp = strip_optional(tp)
+    flag = "--" + name.replace("_", "-")
+    if tp is bool:
+        group.add_argument(flag, dest=name, default=None, action=argparse.BooleanOptionalAction, help=help)
+    else:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        shown = "str" if str in args else type_name(tp)  # a union given on the command line is text
+        group.add_argument(flag, dest=name, default=None, metavar=shown.upper().replace(" ", "_"),
+                           type=_flag_parser(tp, flag), help=help)
+
+
 def add_dataclass_flags(group: argparse._ActionsContainer, cls: type, skip: tuple[str, ...] = (),
                         seen: set[str] | None = None, suffix: str = "") -> list[str]:
     """One ``--field-name`` flag per field of ``cls`` (default None = the dataclass default applies).
@@ -193,15 +206,8 @@ def add_dataclass_flags(group: argparse._ActionsContainer, cls: type, skip: tupl
     for f in dataclasses.fields(cls):
         if f.name in skip or (seen is not None and f.name in seen):
             continue
-        tp = strip_optional(field_types[f.name])
-        flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else None
-        text = f"{docs.get(f.name, '')} (default {default!r}){suffix}"
-        if tp is bool:
-            group.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction, help=text)
-        else:
-            group.add_argument(flag, dest=f.name, default=None, metavar=type_name(tp).upper().replace(" ", "_"),
-                               type=_flag_parser(tp, flag), help=text)
+        add_flag(group, f.name, field_types[f.name], f"{docs.get(f.name, '')} (default {default!r}){suffix}")
         added.append(f.name)
         if seen is not None:
             seen.add(f.name)

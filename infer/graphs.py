@@ -28,7 +28,8 @@ falls back to its eager path.
 
 Host syncs: a draft step and a verification forward make none (inputs are copied device-to-device
 or from pinned memory; outputs are cloned on the device). The engine then reads the accepted
-tokens once per verification. A confidence-stopped draft chain (``--confidence`` > 0) must read
+tokens once per verification. A fixed-length draft chain reads its tokens' probabilities once per
+chain. A confidence-stopped draft chain (``--confidence`` > 0) must read
 each draft token's probability to decide whether to go on, one sync per drafted token: the GPU
 drains its queue each time, which costs roughly one kernel-launch latency plus the idle time of
 the next launch (tens of microseconds per token), small next to a forward that is not captured

@@ -15,16 +15,9 @@ from pathlib import Path
 from core.cli import check_output_file
 from core.device import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP, dtype_name
 from core.errors import UserError
+from core.options import add_flag
 
 EXACTNESS = "greedy output is identical to plain decoding in fp32; in bf16/fp16 a near-tie can flip"
-
-
-def _type_of(annotation) -> type:
-    text = str(annotation)
-    for t in (bool, int, float):
-        if annotation is t or t.__name__ in text.split(" | "):
-            return t
-    return str
 
 
 def add_model_args(p: argparse.ArgumentParser, threads: int | None = None) -> None:
@@ -50,19 +43,28 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_drafter_args(p: argparse.ArgumentParser) -> None:
+    """--drafter and one flag group per drafter; options several drafters share get a group of their own."""
     from infer.drafters import DRAFTERS, all_options
 
     p.add_argument("--drafter", default="autoregressive",
                    help=f"one of: {', '.join(DRAFTERS)} (default autoregressive)")
-    group = p.add_argument_group("drafter options (each applies to the drafters named in brackets)")
-    for field, (annotation, doc, owners) in all_options().items():
-        kind = _type_of(annotation)
-        flag = "--" + field.replace("_", "-")
-        help_text = f"{doc} [{', '.join(owners)}]"
-        if kind is bool:
-            group.add_argument(flag, dest=field, default=None, action=argparse.BooleanOptionalAction, help=help_text)
-        else:
-            group.add_argument(flag, dest=field, type=kind, default=None, help=help_text)
+    options = all_options()
+    current = [o for o in options.values() if not o.deprecated_for]
+    shared = [o for o in current if len(o.owners) > 1]
+    group = p.add_argument_group("options of several drafters (same meaning in each; defaults per drafter)")
+    for o in shared:
+        add_flag(group, o.field, o.type, f"{o.help()} [{', '.join(o.owners)}]")
+    for name in DRAFTERS:
+        own = [o for o in current if o.owners == [name]]
+        if own:
+            group = p.add_argument_group(f"{name} options")
+            for o in own:
+                add_flag(group, o.field, o.type, o.help())
+    old = [o for o in options.values() if o.deprecated_for]
+    if old:
+        group = p.add_argument_group("deprecated option names (accepted for one release)")
+        for o in old:
+            add_flag(group, o.field, o.type, o.help())
 
 
 def drafter_options(args: argparse.Namespace) -> dict:

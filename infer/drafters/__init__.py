@@ -7,10 +7,12 @@ optional ``aliases`` map of short option names used in compact specs such as
 
 from __future__ import annotations
 
-import typing
+import dataclasses
 import warnings
+from dataclasses import dataclass
 
 from core.errors import UserError
+from core.options import field_docs, from_text, hints
 from infer.drafters.autoregressive import AutoregressiveDrafter
 from infer.drafters.base import DecodeState, Draft, Drafter, VerifyOutcome
 from infer.drafters.early_exit import EarlyExitDrafter
@@ -31,60 +33,51 @@ def drafter_class(name: str) -> type:
     return DRAFTERS[name]
 
 
-def field_docs(config_cls: type) -> dict[str, str]:
-    """Attribute docstrings of a dataclass (the string literal under each field), for --help."""
-    import ast
-    import inspect
-    import textwrap
+@dataclass(frozen=True)
+class Option:
+    """One settable drafter option as the CLI shows it."""
 
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(config_cls)))
-    except (OSError, TypeError):
-        return {}
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:], strict=False):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
+    field: str
+    """Config field name (the flag is ``--field-name``)."""
+    type: object
+    """Declared field type."""
+    docs: dict[str, str]
+    """Docstring of the field per drafter that takes it."""
+    defaults: dict[str, object]
+    """Default of the field per drafter that takes it."""
+    deprecated_for: str | None = None
+    """For an old name kept one release: the field it now maps to."""
+
+    @property
+    def owners(self) -> list[str]:
+        return list(self.docs)
+
+    def help(self) -> str:
+        """The doc (once when every drafter words it alike) and each drafter's default."""
+        if self.deprecated_for:
+            return f"deprecated: use --{self.deprecated_for.replace('_', '-')}"
+        texts = set(self.docs.values())
+        doc = texts.pop() if len(texts) == 1 else " ".join(f"{d}: {t}" for d, t in self.docs.items())
+        defaults = ", ".join(f"{d} {v!r}" for d, v in self.defaults.items()) if len(self.defaults) > 1 \
+            else f"{next(iter(self.defaults.values()))!r}"
+        return f"{doc} (default {defaults})"
 
 
-def all_options() -> dict[str, tuple[object, str, list[str]]]:
-    """Every drafter option: field -> (type, help, drafters that take it)."""
-    types: dict[str, object] = {}
-    docs: dict[str, dict[str, str]] = {}
+def all_options() -> dict[str, Option]:
+    """Every drafter option by field name (a field several drafters share means the same in each)."""
+    found: dict[str, Option] = {}
     for name, cls in DRAFTERS.items():
-        hints = typing.get_type_hints(cls.Config)
-        field_doc = field_docs(cls.Config)
-        for field in hints:
-            types.setdefault(field, hints[field])
-            docs.setdefault(field, {})[name] = field_doc.get(field, "")
-    out = {}
-    for field, per_drafter in docs.items():
-        texts = set(per_drafter.values())
-        doc = texts.pop() if len(texts) == 1 else " ".join(f"{d}: {t}" for d, t in per_drafter.items())
-        out[field] = (types[field], doc, list(per_drafter))
+        types, docs = hints(cls.Config), field_docs(cls.Config)
+        for f in dataclasses.fields(cls.Config):
+            opt = found.setdefault(f.name, Option(f.name, types[f.name], {}, {}))
+            opt.docs[name] = docs.get(f.name, "")
+            opt.defaults[name] = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    aliases = {a for c in DRAFTERS.values() for a in getattr(c, "aliases", {})}
     for name, cls in DRAFTERS.items():  # old names, still accepted for one release
         for old, new in getattr(cls, "deprecated", {}).items():
-            if old not in out and old not in {a for c in DRAFTERS.values() for a in getattr(c, "aliases", {})}:
-                out[old] = (types[new], f"deprecated: use --{new.replace('_', '-')}", [name])
-    return out
-
-
-def _convert(value: str, annotation) -> object:
-    """Turn a spec string into the field's declared type (int, float, bool, str, or Optional)."""
-    kind = annotation if isinstance(annotation, type) else None
-    text = str(annotation)
-    if kind is None:
-        kind = next((t for t in (bool, int, float) if t.__name__ in text.split(" | ")), str)
-    if kind is bool:
-        if value.lower() in ("1", "true", "yes", "on"):
-            return True
-        if value.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(value)
-    return kind(value)
+            if old not in found and old not in aliases:
+                found[old] = Option(old, found[new].type, {name: ""}, {name: None}, deprecated_for=new)
+    return found
 
 
 def build_config(name: str, options: dict) -> object:
@@ -96,8 +89,8 @@ def build_config(name: str, options: dict) -> object:
             warnings.warn(f"option {old!r} of drafter {name!r} is deprecated and will be removed in the next "
                           f"release; use {new!r}", FutureWarning, stacklevel=2)
             aliases[old] = new
-    hints = typing.get_type_hints(cls.Config)
-    fields = set(hints)
+    types = hints(cls.Config)
+    fields = set(types)
     kwargs = {}
     for key, value in options.items():
         if value is None:
@@ -106,13 +99,8 @@ def build_config(name: str, options: dict) -> object:
         if field not in fields:
             valid = ", ".join(sorted(fields | set(aliases))) or "none"
             raise UserError(f"option {key!r} does not apply to drafter {name!r} (its options: {valid})")
-        if isinstance(value, str) and hints[field] is not str:
-            try:
-                value = _convert(value, hints[field])
-            except ValueError:
-                kind = next((w for t, w in (("bool", "true or false"), ("int", "an integer"), ("float", "a number"))
-                             if t in str(hints[field])), str(hints[field]))
-                raise UserError(f"option {key}={value!r} of drafter {name!r}: expected {kind}") from None
+        if isinstance(value, str):
+            value = from_text(value, types[field], f"option {key} of drafter {name!r}")
         kwargs[field] = value
     return cls.Config(**kwargs)
 
@@ -138,5 +126,5 @@ def parse_spec(spec: str, validate: bool = True) -> tuple[str, dict[str, str]]:
     return name, options
 
 
-__all__ = ["DRAFTERS", "DecodeState", "Draft", "Drafter", "VerifyOutcome", "all_options", "build_config",
-           "build_drafter", "drafter_class", "field_docs", "parse_spec"]
+__all__ = ["DRAFTERS", "DecodeState", "Draft", "Drafter", "Option", "VerifyOutcome", "all_options", "build_config",
+           "build_drafter", "drafter_class", "parse_spec"]

@@ -79,14 +79,18 @@ def draft_chain(state: DecodeState, forward, max_draft: int, confidence: float =
         soft = torch.softmax(logits, -1)  # (1, V)
         q = soft if greedy else probs_from_logits(logits, state.sampling)  # (1, V)
         token = logits.argmax(-1) if greedy else sample(q, state.generator)  # (1,)
-        conf.append(float(soft[0, token[0]]))
-        stop = conf[-1] < confidence
+        p_token = soft[0, token[0]]  # () on the device
+        # reading it on the host syncs the GPU: only when a threshold needs the value now
+        conf.append(float(p_token) if confidence > 0 else p_token)
+        stop = confidence > 0 and conf[-1] < confidence
         if stop and not keep_last:
             break
         tokens.append(token)
         dists.append(q)
         if stop:
             break
+    if confidence <= 0 and conf:
+        conf = torch.stack(conf).tolist()  # one host sync per chain instead of one per token
     if not hiddens:
         return ChainResult(Draft(torch.empty(0, dtype=torch.long)))
     draft = Draft(tokens=torch.cat(tokens) if tokens else torch.empty(0, dtype=torch.long, device=runner.device),
