@@ -144,6 +144,8 @@ class BenchConfig:
     """Weights/compute dtype: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16."""
     device: str = "auto"
     """auto (CUDA when available), cpu, cuda or cuda:N; our drafters and the peers run there."""
+    executor: str = "auto"
+    """How our runner's decoding forwards run: auto (CUDA graphs on CUDA, eager elsewhere), eager, static, graphs."""
     temperature: float = 0.0
     """0 = greedy (exactness is checked); > 0 samples."""
     top_k: int = 0
@@ -309,7 +311,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> list[Record]:
     records: list[Record] = []
     for model_arg in cfg.models:
         label, source = split_named(model_arg)
-        model = load_model(source, cfg.dtype, cfg.device)
+        model = load_model(source, cfg.dtype, cfg.device, cfg.executor)
         check_layers(cfg.methods, model.runner.num_layers, source)
         peer = _Peer(model.path, model.runner.dtype, model.runner.device) \
             if any(m.is_peer for m in cfg.methods) else None
@@ -521,7 +523,7 @@ def machine_info(cfg: BenchConfig) -> dict:
     return {"cpu": cpu, "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "threads": cfg.threads, "git": git_commit(),
             "date": time.strftime("%Y-%m-%d %H:%M"), "device": str(device), "gpu": gpu,
-            "dtype": dtype_name(parse_dtype(cfg.dtype, device))}
+            "dtype": dtype_name(parse_dtype(cfg.dtype, device)), "executor": cfg.executor}
 
 
 def git_commit() -> str | None:

@@ -61,7 +61,7 @@ def eos_ids(path: Path, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def load_model(model: str, dtype: str = "fp32", device: str = "cpu") -> LoadedModel:
+def load_model(model: str, dtype: str = "fp32", device: str = "cpu", executor: str = "auto") -> LoadedModel:
     """Resolve ``model`` (folder or 'default'), load the runner and tokenizer.
 
     ``device`` and ``dtype`` take the CLI names (``auto`` = CUDA + bf16 when available, else CPU + fp32).
@@ -74,5 +74,5 @@ def load_model(model: str, dtype: str = "fp32", device: str = "cpu") -> LoadedMo
     except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for a malformed tokenizer.json
         raise UserError(f"could not load a tokenizer from {path}: {type(e).__name__}: {e}") from None
     dev = resolve_device(device)
-    runner = Runner.from_pretrained(path, dtype=parse_dtype(dtype, dev), device=dev)
+    runner = Runner.from_pretrained(path, dtype=parse_dtype(dtype, dev), device=dev, executor=executor)
     return LoadedModel(path, runner, tokenizer, eos_ids(path, tokenizer))

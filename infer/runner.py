@@ -27,13 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from core.device import parse_dtype
+from core.device import EXECUTOR_CHOICES, parse_dtype
 from core.errors import UserError
 from core.models import SUPPORTED_MODEL_TYPES
 from infer.graphs import StaticExecutor
 from infer.plan import LayerPlan
 
-EXECUTORS = ("auto", "eager", "static", "graphs")
+EXECUTORS = EXECUTOR_CHOICES
 """How ``Runner.span`` runs decoding forwards: auto = graphs on CUDA, eager elsewhere."""
 EXECUTOR_ENV = "LAYERSKIP_EXECUTOR"
 """Environment variable read when the executor is 'auto' (e.g. ``eager`` turns CUDA graphs off)."""

@@ -25,7 +25,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from core.cli import run_main, split_named
-from core.device import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP, dtype_name
+from core.device import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP, EXECUTOR_CHOICES, EXECUTOR_HELP, dtype_name
 from core.prompts import load_prompts, use_chat_template
 from infer.bench import BASELINE, tokens_per_verify
 from infer.drafters import build_drafter, parse_spec
@@ -142,6 +142,7 @@ def _run(argv: list[str] | None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="auto", help=f"where to run: {DEVICE_HELP} (default auto)")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=f"{DTYPE_HELP} (default auto)")
+    p.add_argument("--executor", default="auto", choices=EXECUTOR_CHOICES, help=EXECUTOR_HELP)
     p.add_argument("--drafters", default="swift,swift:paper=true",
                    help="drafter specs run as streams next to autoregressive (default: ours, and exactly the "
                    "paper's settings: no fallback, no optimisation budget, uncapped tree widths)")
@@ -156,7 +157,7 @@ def _run(argv: list[str] | None) -> int:
     for spec in args.model:
         label, source = split_named(spec)
         label = label or source
-        model = load_model(source, args.dtype, args.device)
+        model = load_model(source, args.dtype, args.device, args.executor)
         prompts = [(task, pid, model.encode(text, chat=use_chat_template(task))) for task, pid, text in items]
         runs: dict[str, list[list[dict]]] = defaultdict(list)
         with tqdm(total=len(specs) * args.repeats * len(prompts), desc=label) as bar:

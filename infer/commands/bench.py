@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from core.cli import check_output_dir, split_named
-from core.device import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP
+from core.device import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP, EXECUTOR_CHOICES, EXECUTOR_HELP
 from core.errors import UserError
 from core.prompts import CHAT_MODES
 
@@ -48,6 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="auto", help=f"where every method runs: {DEVICE_HELP} (default auto)")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=f"{DTYPE_HELP} (default auto)")
+    p.add_argument("--executor", default="auto", choices=EXECUTOR_CHOICES, help=EXECUTOR_HELP)
     p.add_argument("--sample", action="store_true", help="sample instead of greedy (exactness then not checked)")
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 1.0 with --sample)")
     p.add_argument("--top-k", type=int, default=0)
@@ -89,7 +90,7 @@ def config_from_args(args: argparse.Namespace):
     return BenchConfig(models=args.models or ["default"], methods=methods,
                        data=[d.strip() for d in args.data.split(",") if d.strip()], n=args.n,
                        max_new_tokens=args.max_new_tokens, repeats=args.repeats, threads=args.threads,
-                       dtype=args.dtype, device=args.device,
+                       dtype=args.dtype, device=args.device, executor=args.executor,
                        temperature=(args.temperature or 1.0) if args.sample else 0.0,
                        top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=args.chat,
                        stop_at_eos=args.stop_at_eos)

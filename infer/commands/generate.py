@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from core.cli import check_output_file
-from core.device import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP, dtype_name
+from core.device import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP, EXECUTOR_CHOICES, EXECUTOR_HELP, dtype_name
 from core.errors import UserError
 from core.options import add_flag
 
@@ -27,6 +27,7 @@ def add_model_args(p: argparse.ArgumentParser, threads: int | None = None) -> No
     p.add_argument("--device", default="auto", help=f"where to run: {DEVICE_HELP} (default auto)")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help=f"weights/compute dtype: {DTYPE_HELP} (default auto; {EXACTNESS})")
+    p.add_argument("--executor", default="auto", choices=EXECUTOR_CHOICES, help=EXECUTOR_HELP)
     p.add_argument("--threads", type=int, default=threads,
                    help=f"torch CPU threads (default: {threads if threads else 'torch' + chr(39) + 's choice'})")
 
@@ -170,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = _prompts(args)
     set_threads(args.threads)
 
-    model = load_model(args.model, args.dtype, args.device)
+    model = load_model(args.model, args.dtype, args.device, args.executor)
     device, dtype = str(model.runner.device), dtype_name(model.runner.dtype)
     encoded = [model.encode(item.prompt, args.chat) for item in prompts]
     engine = build_engine(model, args.drafter, options)
@@ -184,7 +185,8 @@ def run(args: argparse.Namespace) -> int:
         result = engine.generate(ids, gen)
         results.append(result)
         if args.json:
-            stats = result.stats.to_dict() | {"device": device, "dtype": dtype, "lossy": lossy}
+            stats = result.stats.to_dict() | {"device": device, "dtype": dtype, "lossy": lossy,
+                                              "executor": model.runner.executor}
             print(json.dumps({"id": item.id, "prompt": item.prompt, "drafter": args.drafter, "tokens": result.tokens,
                               "text": result.text, "finish_reason": result.finish_reason,
                               "stats": stats}), flush=True)

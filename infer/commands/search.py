@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"layerskip: note: {args.data} has only {len(items)} prompts", file=sys.stderr)
     set_threads(args.threads)
 
-    model = load_model(args.model, args.dtype, args.device)
+    model = load_model(args.model, args.dtype, args.device, args.executor)
     task = task_name(args.data)
     chat = use_chat_template(task, args.chat)
     prompts = [model.encode(item.prompt, chat) for item in items]

@@ -79,3 +79,20 @@ def test_scripts_refuse_cuda_without_a_gpu(tiny_model_dir):
     proc = subprocess.run([sys.executable, "scripts/bench_verify_cost.py", "--model", str(tiny_model_dir),
                            "--device", "cuda"], capture_output=True, text=True, cwd=repo)
     assert proc.returncode == 2 and "CUDA is not available" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_executor_flag_static_equals_eager_and_graphs_need_cuda(capsys, tiny_model_dir):
+    args = ["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--json", "--max-new-tokens", "6",
+            "--device", "cpu", "--drafter", "early_exit", "--exit-layer", "2", "--num-draft", "3"]
+    outputs = {}
+    for executor in ("eager", "static"):
+        code, out, err = run_cli(capsys, *args, "--executor", executor)
+        assert code == 0, err
+        row = json.loads(out)
+        assert row["stats"]["executor"] == executor
+        outputs[executor] = row["tokens"]
+    assert outputs["static"] == outputs["eager"]
+    if not torch.cuda.is_available():
+        code, out, err = run_cli(capsys, *args, "--executor", "graphs")
+        assert code == 2 and out == "" and "CUDA graphs need a CUDA device" in err
+        assert len(err.strip().splitlines()) == 1
