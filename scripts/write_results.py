@@ -3,7 +3,8 @@
     python scripts/write_results.py --runs runs/compare --out docs/RESULTS.md
 
 Tables and plots are regenerated from the run folder; hand-written text between the markers
-``<!-- notes:NAME -->`` and ``<!-- /notes:NAME -->`` in an existing page is kept.
+``<!-- notes:NAME -->`` and ``<!-- /notes:NAME -->`` in an existing page is kept, and so is the GPU
+section that ``scripts/gpu_compare.py`` writes between ``<!-- gpu-compare:begin -->`` and ``end``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import shutil
 from pathlib import Path
 
 NOTE = re.compile(r"<!-- notes:(\w+) -->\n(.*?)<!-- /notes:\1 -->", re.S)
+GPU_SECTION = re.compile(r"<!-- gpu-compare:begin -->.*?<!-- gpu-compare:end -->\n?", re.S)
 
 
 def _notes(old: str, name: str) -> str:
@@ -146,6 +148,10 @@ def main() -> None:
     page += _swift_stream(args.runs / "swift_stream", img, old)
     page += _exit_eval(args.runs, img, old)
     page += _verify_cost(args.runs / "verify_cost.json", old)
+    page += ["## Where self-speculation pays: CPU vs GPU, untrained vs trained\n", _notes(old, "where_it_pays")]
+    gpu = GPU_SECTION.search(old)
+    if gpu:
+        page.append(gpu.group(0))
     args.out.write_text("\n".join(page) + "\n")
     print(f"wrote {args.out}")
 
