@@ -167,6 +167,112 @@ class PlanFile:
                             "`layerskip search`")
 
 
+# --------------------------------------------------------------------------- search space
+WARM_RATIOS = (0.15, 0.3, 0.45)
+"""Skip ratios of the uniform plans that warm-start a search free to choose how many sublayers to skip."""
+
+
+def _spread(m: int, n: int) -> list[int]:
+    """n indices evenly spread over range(m) (centred: the i-th is int((i + 1/2)·m/n))."""
+    return sorted({min(m - 1, int((i + 0.5) * m / n)) for i in range(n)})
+
+
+def inner_layers(num_layers: int) -> list[int]:
+    """Layers 1..L-2: the first and last layer are kept by uniform plans and by SWIFT (all layers when L < 3)."""
+    return list(range(1, num_layers - 1)) or list(range(num_layers))
+
+
+def uniform_plan(num_layers: int, n_skip: int, kinds: tuple[str, ...] = ("attn", "mlp")) -> LayerPlan:
+    """``n_skip`` sublayers of ``kinds`` spread evenly over layers 1..L-2, in the interleaved order
+    attn 1, mlp 1, attn 2, ... (all of them when there are fewer than ``n_skip``)."""
+    slots = [(kind, layer) for layer in inner_layers(num_layers) for kind in kinds]
+    chosen = [slots[j] for j in _spread(len(slots), min(n_skip, len(slots)))]
+    return LayerPlan(num_layers, frozenset(i for kind, i in chosen if kind == "attn"),
+                     frozenset(i for kind, i in chosen if kind == "mlp"))
+
+
+class PlanSpace:
+    """The skip choices as optuna parameters ``attn.<l>`` / ``mlp.<l>`` (True = skip): the one encoding of
+    `layerskip search` (every layer, any number of skips or exactly round(skip_ratio·2L)) and of SWIFT's online
+    optimiser (``keep_ends``: layers 1..L-2 only, exactly ``n_skip``).
+
+    With an exact count the sampler still proposes a yes/no per sublayer, and a deterministic repair adds
+    skips (inner deep layers first) or drops them (shallow layers first) until the count is right, so
+    the plan stays a function of the proposal.
+    """
+
+    def __init__(self, num_layers: int, skip_ratio: float | None = None, *, keep_ends: bool = False,
+                 n_skip: int | None = None):
+        self.num_layers = num_layers
+        self.layers = inner_layers(num_layers) if keep_ends else list(range(num_layers))
+        self.names = [f"attn.{i}" for i in self.layers] + [f"mlp.{i}" for i in self.layers]
+        if n_skip is None and skip_ratio is not None:
+            n_skip = round(skip_ratio * 2 * num_layers)
+            if not 1 <= n_skip <= len(self.names) - 1:
+                raise UserError(f"--skip-ratio {skip_ratio} skips {n_skip} of the {2 * num_layers} sublayers; "
+                                "choose a ratio that skips at least one and not all")
+        if n_skip is not None and not 1 <= n_skip <= len(self.names):
+            raise ValueError(f"cannot skip {n_skip} of {len(self.names)} sublayers")
+        self.n_skip = n_skip
+
+    def distributions(self) -> dict:
+        """The optuna distribution of every parameter (for ``study.ask`` and ``create_trial``)."""
+        import optuna  # optional and slow to import: only optimisers need it
+
+        return {name: optuna.distributions.CategoricalDistribution([False, True]) for name in self.names}
+
+    def suggest(self, trial) -> LayerPlan:
+        """The plan of an optuna trial inside ``study.optimize``."""
+        return self.decode({name: trial.suggest_categorical(name, [False, True]) for name in self.names})
+
+    def decode(self, params: dict) -> LayerPlan:
+        """The plan of a parameter set (repaired to exactly ``n_skip`` skips when the count is fixed)."""
+        skip = [bool(params[name]) for name in self.names]
+        if self.n_skip is not None:
+            skip = self._repair(skip)
+        chosen = {name for name, s in zip(self.names, skip, strict=True) if s}
+        return LayerPlan(self.num_layers, frozenset(i for i in self.layers if f"attn.{i}" in chosen),
+                         frozenset(i for i in self.layers if f"mlp.{i}" in chosen))
+
+    def _repair(self, skip: list[bool]) -> list[bool]:
+        """Add or drop skips until exactly ``n_skip``: add in inner deep layers first, drop in shallow ones first."""
+        L, n = self.num_layers, len(self.layers)
+        where = {layer: p for p, layer in enumerate(self.layers)}
+        deep_first = dict.fromkeys(list(range(L - 2, 0, -1)) + [L - 1, 0])  # first and last layers at the end
+        order = [j for layer in deep_first if layer in where for j in (where[layer], n + where[layer])]
+        skip = list(skip)
+        extra = sum(skip) - self.n_skip
+        for j in order if extra < 0 else order[::-1]:
+            if extra < 0 and not skip[j]:
+                skip[j], extra = True, extra + 1
+            elif extra > 0 and skip[j]:
+                skip[j], extra = False, extra - 1
+            if extra == 0:
+                break
+        return skip
+
+    def params(self, plan: LayerPlan) -> dict:
+        """optuna parameters that make ``suggest``/``decode`` return ``plan`` (enqueued or told trials)."""
+        return ({f"attn.{i}": i in plan.skip_attn for i in self.layers}
+                | {f"mlp.{i}": i in plan.skip_mlp for i in self.layers})
+
+    def uniform_plans(self) -> list[LayerPlan]:
+        """Warm starts: skips spread evenly over layers 1..L-2 (attention+MLP, attention only, MLP only)."""
+        L = self.num_layers
+        ratios = WARM_RATIOS if self.n_skip is None else (self.n_skip / (2 * L),)
+        plans: list[LayerPlan] = []
+        for r in ratios:
+            n = self.n_skip if self.n_skip is not None else max(1, round(r * 2 * L))
+            shapes = [("attn", "mlp")] + ([("attn",), ("mlp",)] if n <= len(inner_layers(L)) else [])
+            for kinds in shapes:
+                plan = uniform_plan(L, n, kinds)
+                if self.n_skip is not None and plan.num_skipped != self.n_skip:
+                    continue
+                if plan not in plans and not plan.is_full:
+                    plans.append(plan)
+        return plans
+
+
 # --------------------------------------------------------------------------- costs
 @dataclass
 class CostModel:

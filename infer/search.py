@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from core.errors import UserError
-from infer.plan import CostModel, LayerPlan, PlanFile, cycle_speedup, weights_cost
+from infer.plan import CostModel, LayerPlan, PlanFile, PlanSpace, cycle_speedup, weights_cost
 from infer.runner import Runner
 
 OBJECTIVES = {"model": "model", "acceptance": "model", "speed": "speed"}
@@ -50,7 +50,6 @@ SPEED_REFERENCES = ("interleaved", "once")
 DEFAULT_NEW_TOKENS = {"model": 64, "speed": 32}
 K_GRID = (1, 2, 3, 4, 6, 8, 12, 16)
 GAMMA_GRID = (0.0, 0.5, 0.7, 0.8, 0.9)
-WARM_RATIOS = (0.15, 0.3, 0.45)
 
 
 # --------------------------------------------------------------------------- settings
@@ -116,78 +115,7 @@ class SearchConfig:
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("trials", "timeout", "seed")}
 
 
-# --------------------------------------------------------------------------- search space
-def _spread(m: int, n: int) -> list[int]:
-    """n indices evenly spread over range(m)."""
-    return sorted({min(m - 1, int((i + 0.5) * m / n)) for i in range(n)})
-
-
-class PlanSpace:
-    """The 2L sublayer choices as optuna parameters ``attn.<l>`` / ``mlp.<l>``."""
-
-    def __init__(self, num_layers: int, skip_ratio: float | None = None):
-        self.num_layers = num_layers
-        self.skip_ratio = skip_ratio
-        self.n_skip = None if skip_ratio is None else round(skip_ratio * 2 * num_layers)
-        if self.n_skip is not None and not 1 <= self.n_skip <= 2 * num_layers - 1:
-            raise UserError(f"--skip-ratio {skip_ratio} skips {self.n_skip} of the {2 * num_layers} sublayers; "
-                            "choose a ratio that skips at least one and not all")
-        self.names = [f"attn.{i}" for i in range(num_layers)] + [f"mlp.{i}" for i in range(num_layers)]
-
-    def suggest(self, trial) -> LayerPlan:
-        L = self.num_layers
-        skip = [bool(trial.suggest_categorical(name, [False, True])) for name in self.names]
-        if self.n_skip is not None:
-            skip = self._repair(skip)
-        return LayerPlan.from_mask(skip[:L], skip[L:])
-
-    def _repair(self, skip: list[bool]) -> list[bool]:
-        """Add or drop skips until exactly ``n_skip``: add in inner deep layers first, drop in shallow ones first."""
-        L = self.num_layers
-        layers = list(range(L - 2, 0, -1)) + [L - 1, 0]  # deep to shallow; first and last layers at the end
-        order = [j for layer in layers for j in (layer, L + layer)]  # attention before MLP within a layer
-        skip = list(skip)
-        extra = sum(skip) - self.n_skip
-        for j in order if extra < 0 else order[::-1]:
-            if extra < 0 and not skip[j]:
-                skip[j], extra = True, extra + 1
-            elif extra > 0 and skip[j]:
-                skip[j], extra = False, extra - 1
-            if extra == 0:
-                break
-        return skip
-
-    def params(self, plan: LayerPlan) -> dict:
-        """optuna parameters that make ``suggest`` return ``plan`` (for enqueued trials)."""
-        attn, mlp = plan.to_mask()
-        return dict(zip(self.names, attn + mlp, strict=True))
-
-    def uniform_plans(self) -> list[LayerPlan]:
-        """Warm starts: skips spread evenly over layers 1..L-2 (attention+MLP, attention only, MLP only)."""
-        L = self.num_layers
-        inner = list(range(1, L - 1)) or list(range(L))
-        ratios = WARM_RATIOS if self.n_skip is None else (self.n_skip / (2 * L),)
-        plans: list[LayerPlan] = []
-        for r in ratios:
-            n = max(1, round(r * 2 * L))
-            if self.n_skip is not None:
-                n = self.n_skip
-            sub = [(kind, layer) for layer in inner for kind in ("attn", "mlp")]
-            both = [sub[j] for j in _spread(len(sub), min(n, len(sub)))]
-            candidates = [both]
-            if n <= len(inner):
-                candidates += [[("attn", inner[j]) for j in _spread(len(inner), n)],
-                               [("mlp", inner[j]) for j in _spread(len(inner), n)]]
-            for chosen in candidates:
-                plan = LayerPlan(L, frozenset(i for k, i in chosen if k == "attn"),
-                                 frozenset(i for k, i in chosen if k == "mlp"))
-                if self.n_skip is not None and plan.num_skipped != self.n_skip:
-                    continue
-                if plan not in plans and not plan.is_full:
-                    plans.append(plan)
-        return plans
-
-
+# --------------------------------------------------------------------------- plans
 def plan_key(plan: LayerPlan) -> str:
     return json.dumps(plan.to_dict(), sort_keys=True)
 

@@ -30,7 +30,7 @@ from infer.drafters.base import DecodeState, Draft, VerifyOutcome
 from infer.drafters.chain import ChainResult, PlanForward, draft_chain
 from infer.drafters.gate import FallbackGate, GateMemory, Rate
 from infer.drafters.skipping import matchness_span
-from infer.plan import LayerPlan, PlanFile, cycle_speedup, iid_tokens_per_cycle
+from infer.plan import LayerPlan, PlanFile, PlanSpace, cycle_speedup, iid_tokens_per_cycle, inner_layers, uniform_plan
 
 GREEDY_WIDTHS = (3, 5, 8, 10)  # candidates per depth for top-1 prob > 0.95, > 0.8, > 0.5, else (paper)
 SAMPLING_WIDTHS = (1, 3, 5, 10)
@@ -104,60 +104,49 @@ class SwiftConfig:
 
 # --------------------------------------------------------------------------- layer-set search
 class LayerSetSearch:
-    """Random search + periodic Bayesian optimisation over skip sets of a fixed size.
+    """SWIFT's online optimiser: random search + periodic Bayesian optimisation over skip sets of a fixed size.
 
-    The search space is the attention and MLP sublayers of layers 1..L-2 (the first and last
-    layer always run, as in the paper). A candidate is encoded as one [0, 1] value per sublayer;
-    the ``num_skip`` largest are skipped, so optuna's TPE sees every random candidate (as 0/1
-    points) and proposes continuous points that decode to valid sets.
+    The search space is `layerskip search`'s (``PlanSpace``) restricted to the attention and MLP
+    sublayers of layers 1..L-2 (the first and last layer always run, as in the paper), with exactly
+    ``num_skip`` skips. Random candidates are told to optuna as completed trials, so its TPE sampler,
+    asked every ``bo_interval`` steps, fits every scored candidate.
     """
 
     def __init__(self, num_layers: int, skip_ratio: float, bo_interval: int, seed: int):
-        import optuna
+        import optuna  # optional and slow to import
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        self.num_layers = num_layers
-        self.slots = [("attn", i) for i in range(1, num_layers - 1)] + [("mlp", i) for i in range(1, num_layers - 1)]
-        self.num_skip = max(1, int(len(self.slots) * skip_ratio))
+        slots = 2 * len(inner_layers(num_layers))
+        self.space = PlanSpace(num_layers, keep_ends=True, n_skip=max(1, int(slots * skip_ratio)))
+        self.num_skip = self.space.n_skip
         self.bo_interval = bo_interval
         self.rng = random.Random(seed)
-        self.dists = {f"x{j}": optuna.distributions.FloatDistribution(0.0, 1.0) for j in range(len(self.slots))}
+        self.dists = self.space.distributions()
         self.study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=seed))
         self.steps = 0
         self.since_improved = 0
 
     def uniform_plan(self) -> LayerPlan:
-        """``num_skip`` sublayers spread evenly over the interleaved attn/MLP order of layers 1..L-2."""
-        order = [s for i in range(1, self.num_layers - 1) for s in (("attn", i), ("mlp", i))]
-        stride = len(order) / self.num_skip
-        return self._plan([order[int(j * stride)] for j in range(self.num_skip)])
-
-    def _plan(self, chosen) -> LayerPlan:
-        return LayerPlan(self.num_layers, frozenset(i for kind, i in chosen if kind == "attn"),
-                         frozenset(i for kind, i in chosen if kind == "mlp"))
-
-    def _point(self, plan: LayerPlan) -> dict[str, float]:
-        skipped = {("attn", i) for i in plan.skip_attn} | {("mlp", i) for i in plan.skip_mlp}
-        return {f"x{j}": float(slot in skipped) for j, slot in enumerate(self.slots)}
+        """The starting plan: ``num_skip`` sublayers spread evenly over layers 1..L-2."""
+        return uniform_plan(self.space.num_layers, self.num_skip)
 
     def propose(self):
         """Next candidate: (plan, optuna trial or None)."""
         self.steps += 1
         if self.steps % self.bo_interval == 0 and len(self.study.trials) >= 2:
             trial = self.study.ask(self.dists)
-            values = [trial.params[f"x{j}"] for j in range(len(self.slots))]
-            top = sorted(range(len(values)), key=lambda j: -values[j])[:self.num_skip]
-            return self._plan([self.slots[j] for j in top]), trial
-        return self._plan(self.rng.sample(self.slots, self.num_skip)), None
+            return self.space.decode(trial.params), trial
+        chosen = set(self.rng.sample(self.space.names, self.num_skip))
+        return self.space.decode({name: name in chosen for name in self.space.names}), None
 
     def record(self, plan: LayerPlan, trial, score: float) -> None:
         """Tell the optimiser a scored candidate (random ones become completed trials)."""
-        import optuna
+        import optuna  # optional and slow to import
 
         if trial is not None:
             self.study.tell(trial, score)
         else:
-            self.study.add_trial(optuna.trial.create_trial(params=self._point(plan), distributions=self.dists,
+            self.study.add_trial(optuna.trial.create_trial(params=self.space.params(plan), distributions=self.dists,
                                                            value=score))
 
 

@@ -1,11 +1,14 @@
-"""`layerskip plan import/show`: published skip sets become plan files tied to a model; bad plan files are one line."""
+"""Skip plans: `layerskip plan import/show` (published skip sets become plan files tied to a model; bad plan files are
+one line), the one search space and uniform-plan builder shared by `layerskip search` and SWIFT."""
 
 import json
+import random
 
 import pytest
 
 from infer.cli import main
-from infer.plan import LayerPlan, PlanFile
+from infer.drafters.swift import LayerSetSearch
+from infer.plan import LayerPlan, PlanFile, PlanSpace, uniform_plan
 
 
 def run(capsys, *argv):
@@ -89,3 +92,43 @@ def test_bad_plan_files_are_one_line_everywhere(capsys, tiny_model_dir, tmp_path
         code, _, err = run(capsys, "generate", "--model", str(tiny_model_dir), "--prompt", "hi",
                            "--max-new-tokens", "4", "--drafter", drafter, "--plan", str(path))
         one_line_error(code, err, message)
+
+
+# --------------------------------------------------------------------------- search space and uniform plans
+@pytest.mark.parametrize("num_layers,n_skip,kinds", [(10, 7, ("attn", "mlp")), (30, 25, ("attn", "mlp")),
+                                                     (12, 4, ("attn",)), (12, 10, ("mlp",))])
+def test_uniform_plan_spreads_skips_evenly_and_keeps_the_ends(num_layers, n_skip, kinds):
+    plan = uniform_plan(num_layers, n_skip, kinds)
+    assert plan.num_skipped == n_skip and not ({0, num_layers - 1} & (plan.skip_attn | plan.skip_mlp))
+    if "attn" not in kinds:
+        assert not plan.skip_attn
+    if "mlp" not in kinds:
+        assert not plan.skip_mlp
+    slots = [(kind, layer) for layer in range(1, num_layers - 1) for kind in kinds]
+    chosen = [j for j, (kind, layer) in enumerate(slots)
+              if layer in (plan.skip_attn if kind == "attn" else plan.skip_mlp)]
+    gaps = {b - a for a, b in zip(chosen, chosen[1:], strict=False)}
+    assert max(gaps) - min(gaps) <= 1  # evenly spread
+
+
+def test_swift_optimises_in_the_search_space_of_layerskip_search():
+    """One encoding: a SWIFT candidate's optuna parameters are `layerskip search`'s, restricted to layers 1..L-2."""
+    swift = LayerSetSearch(num_layers=10, skip_ratio=0.45, bo_interval=3, seed=0)
+    full = PlanSpace(10)
+    assert isinstance(swift.space, PlanSpace) and set(swift.space.names) < set(full.names)
+    assert not {"attn.0", "mlp.0", "attn.9", "mlp.9"} & set(swift.space.names)
+    rng = random.Random(0)
+    for _ in range(20):
+        plan, trial = swift.propose()
+        params = swift.space.params(plan)
+        assert swift.space.decode(params) == plan and full.decode(full.params(plan)) == plan
+        assert all(full.params(plan)[name] == value for name, value in params.items())
+        swift.record(plan, trial, rng.random())
+    assert all(set(t.params) == set(swift.space.names) for t in swift.study.trials)
+
+
+@pytest.mark.parametrize("everything", [False, True])
+def test_exact_count_repair_never_skips_the_kept_ends(everything):
+    space = PlanSpace(8, keep_ends=True, n_skip=5)
+    plan = space.decode(dict.fromkeys(space.names, everything))
+    assert plan.num_skipped == 5 and not ({0, 7} & (plan.skip_attn | plan.skip_mlp))

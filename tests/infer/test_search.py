@@ -11,11 +11,10 @@ import torch
 from core.errors import UserError
 from infer.cli import main
 from infer.drafters.chain import PlanForward
-from infer.plan import LayerPlan, PlanFile
+from infer.plan import LayerPlan, PlanFile, PlanSpace
 from infer.runner import Runner
 from infer.search import (
     ModelObjective,
-    PlanSpace,
     SearchConfig,
     calibration_set,
     measure_cost,
