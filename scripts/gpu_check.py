@@ -317,13 +317,24 @@ def measure_shape(shape: Shape, settings: Settings, device: torch.device, notes:
 
 
 # --------------------------------------------------------------------------- 3. training
+def runner_decode(model_dir: Path, device: torch.device, dtype: torch.dtype, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens from a trained checkpoint through our runner (eager: this checks the checkpoint,
+    not the CUDA-graph capture, which part 1 covers)."""
+    runner = Runner.from_pretrained(model_dir, dtype=dtype, device=device, executor="eager")
+    cache = runner.new_cache(len(prompt) + n + 1)
+    tokens = [int(runner.forward(cache, torch.tensor(prompt, device=runner.device))[-1].argmax())]
+    while len(tokens) < n:
+        tokens.append(int(runner.forward(cache, torch.tensor(tokens[-1:], device=runner.device))[-1].argmax()))
+    return tokens
+
+
 def training(device: torch.device, tiny: bool, tokenizer_dir: str | None, out: Path, notes: list[str]) -> dict:
     try:
         from train.gpu_bench import train_check, update_training_doc
     except ImportError as e:
         notes.append(f"training part skipped: {e}")
         return {}
-    result = train_check(str(device), tiny=tiny, tokenizer_dir=tokenizer_dir)
+    result = train_check(str(device), tiny=tiny, tokenizer_dir=tokenizer_dir, decode=runner_decode)
     doc = out / "TRAINING.md"
     if not doc.exists():
         doc.write_text("<!-- gpu_check:train:begin -->\n<!-- gpu_check:train:end -->\n")

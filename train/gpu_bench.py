@@ -27,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -186,10 +187,26 @@ def make_random_checkpoint(folder: Path, config: dict, tokenizer_dir: str) -> Pa
     return folder
 
 
-def end_to_end(device: torch.device, tiny: bool, tokenizer_dir: str | None, workdir: Path) -> dict:
-    """Train 12 steps with train/layerskip.py, reload the final checkpoint with the runner, decode."""
+Decode = Callable[[Path, torch.device, torch.dtype, list[int], int], list[int]]
+"""``decode(model_dir, device, dtype, prompt_ids, n) -> n greedy token ids`` from a saved checkpoint."""
+
+
+def hf_decode(model_dir: Path, device: torch.device, dtype: torch.dtype, prompt: list[int], n: int) -> list[int]:
+    """Greedy decoding with transformers (the default; scripts/gpu_check.py passes the inference runner)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    ids = torch.tensor([prompt], device=device)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def end_to_end(device: torch.device, tiny: bool, tokenizer_dir: str | None, workdir: Path,
+               decode: Decode = hf_decode) -> dict:
+    """Train 12 steps with train/layerskip.py, reload the final checkpoint with ``decode`` and decode 6 tokens."""
     from core.models import resolve_model
-    from infer.runner import Runner
     from train.layerskip import main as train_main
 
     tok_dir = tokenizer_dir or str(resolve_model("default"))
@@ -218,13 +235,7 @@ def end_to_end(device: torch.device, tiny: bool, tokenizer_dir: str | None, work
     final = workdir / "run" / "final"
     if rc != 0 or not final.is_dir():
         return {**result, "ok": False, "error": f"training exited {rc}; final checkpoint: {final.is_dir()}"}
-    # eager executor: this checks the checkpoint, not the runner's CUDA-graph capture
-    runner = Runner.from_pretrained(final, dtype="bf16" if bf16 else "fp32", device=str(device), executor="eager")
-    prompt = torch.tensor([1, 2, 3, 4, 5], device=runner.device)
-    cache = runner.new_cache(16)
-    tokens = [int(runner.forward(cache, prompt)[-1].argmax())]
-    for _ in range(5):
-        tokens.append(int(runner.forward(cache, torch.tensor(tokens[-1:], device=runner.device))[-1].argmax()))
+    tokens = decode(final, device, torch.bfloat16 if bf16 else torch.float32, [1, 2, 3, 4, 5], 6)
     metrics = Path(workdir / "run" / "metrics.jsonl")
     losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()
               if '"loss"' in line and '"split"' not in line] if metrics.exists() else []
@@ -237,7 +248,8 @@ def end_to_end(device: torch.device, tiny: bool, tokenizer_dir: str | None, work
 # --------------------------------------------------------------------------------------------
 
 
-def train_check(device: str, tiny: bool = False, tokenizer_dir: str | None = None) -> dict:
+def train_check(device: str, tiny: bool = False, tokenizer_dir: str | None = None,
+                decode: Decode = hf_decode) -> dict:
     """Training speed/memory table and the end-to-end check on ``device`` (``tiny``: CPU-sized shapes).
 
     Returns ``{"train": {NAME: {"plain_tok_s", "dropout_rel", "dropout05_rel", "dropout_batch_rel",
@@ -251,7 +263,7 @@ def train_check(device: str, tiny: bool = False, tokenizer_dir: str | None = Non
     table = {shape.name: bench_shape(shape, dev) for shape in shapes(tiny)}
     with tempfile.TemporaryDirectory(prefix="layerskip-e2e-") as tmp:
         try:
-            e2e = end_to_end(dev, tiny, tokenizer_dir, Path(tmp))
+            e2e = end_to_end(dev, tiny, tokenizer_dir, Path(tmp), decode)
         except Exception as exc:  # the table is still worth reporting; the failure is recorded
             e2e = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     meta = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type,
