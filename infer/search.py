@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from core.errors import UserError
+from infer.drafters.skipping import agreement, verified_window
 from infer.plan import CostModel, LayerPlan, PlanFile, PlanSpace, cycle_speedup, weights_cost
 from infer.runner import Runner
 
@@ -385,55 +386,24 @@ class ModelObjective:
     """Expected speed-up of a plan from teacher-forced agreement and a cost model (noise-free)."""
 
     def __init__(self, runner: Runner, calibration: list[Calibration], cost: CostModel, max_draft: int):
-        from infer.drafters.skipping import window_mask
-
         self.runner, self.cost = runner, cost
-        self.draft_masks: dict[int, torch.Tensor] = {}
         self.ks = [k for k in K_GRID if k < max_draft] + [max_draft]
-        self.items = []
-        L = runner.num_layers
+        self.windows = []
         for item in calibration:
             seq = item.prompt + item.continuation
             n = len(seq) - 1  # seq[:n] in the cache; the window re-runs seq[P-1:n] and predicts seq[P:n+1]
-            w = len(item.continuation)
-            s = n - w
-            cache = runner.new_cache(n + w + 1)
+            s = n - len(item.continuation)
+            cache = runner.new_cache(n + len(item.continuation) + 1)
             ids = torch.tensor(seq, device=runner.device)
             with torch.no_grad():
                 runner.forward_layers(cache, runner.embed(ids[:n]), torch.arange(n, device=runner.device))
-                positions = torch.arange(s, n, device=runner.device)
-                mask = window_mask(w, w, runner.device)  # (w, 2w): hide the old rows [s, n)
-                hidden = runner.embed(ids[s:n])  # (w, d)
-                inputs = [hidden]  # inputs[l]: the exact input of layer l for the window (masked pass)
-                for layer in range(L):
-                    hidden = runner.forward_layers(cache, hidden, positions, layer, layer + 1, mask=mask)
-                    inputs.append(hidden)
-                cache.rollback(n)
-            self.items.append((cache, n, inputs, positions, mask, ids[s + 1:n + 1]))
+            self.windows.append(verified_window(runner, cache, n, s, ids[s:n], ids[s + 1:n + 1], "exact",
+                                                layer_inputs=True))
 
-    @torch.no_grad()
     def agreement(self, plan: LayerPlan) -> tuple[list[list[bool]], list[list[float]]]:
         """Per calibration item: does the plan's argmax equal the full model's token, and its top-1 prob."""
-        r = self.runner
-        agree, top1 = [], []
-        E = plan.exact_prefix
-        for cache, n, inputs, positions, _, target in self.items:
-            mask = self._draft_mask(len(positions))  # (w, 2w)
-            hidden = r.forward_layers(cache, inputs[E], positions, E, r.num_layers, plan=plan, mask=mask)  # (w, d)
-            cache.rollback(n)
-            p, arg = torch.softmax(r.logits(hidden), -1).max(-1)  # (w,), (w,)
-            agree.append((arg == target).tolist())  # [i]: the draft predicts continuation token i
-            top1.append(p.tolist())
-        return agree, top1
-
-    def _draft_mask(self, w: int) -> torch.Tensor:
-        """(w, 2w): window token i sees the exact rows of the window tokens before it and its own draft row."""
-        if w not in self.draft_masks:
-            device = self.runner.device
-            earlier = torch.ones(w, w, dtype=torch.bool, device=device).tril(-1)  # exact rows [s, s + i)
-            own = torch.eye(w, dtype=torch.bool, device=device)  # the draft-mode row it writes itself
-            self.draft_masks[w] = torch.cat([earlier, own], dim=1)
-        return self.draft_masks[w]
+        scored = [agreement(self.runner, window, plan) for window in self.windows]
+        return [agree.tolist() for agree, _ in scored], [top1.tolist() for _, top1 in scored]
 
     def __call__(self, plan: LayerPlan) -> tuple[float, dict]:
         agree, top1 = self.agreement(plan)

@@ -1,6 +1,20 @@
-"""SWIFT's scoring of sublayer skip plans: agreement with verified tokens over a window, in draft mode."""
+"""Agreement of sublayer skip plans with verified tokens: how often a plan's draft argmax equals the token the
+full model chose, scored by re-running a window of verified tokens under the plan in one masked forward.
+
+One scorer, two views of the KV a re-run window token attends to (``kv``), because the two optimisers
+model two different drafts:
+
+- ``"draft"`` (SWIFT's matchness, Xia et al. 2025): the window is re-run as one draft-mode chain. Each
+  token sees the context before the window (exact) and the draft-mode rows of the window tokens before
+  it; the window's old (exact) rows are hidden. What ``swift`` optimises online.
+- ``"exact"`` (the model objective of ``layerskip search``): each token sees the exact rows of the
+  window tokens before it and only its own draft-mode row, as the first draft after a verification
+  does; the search replays chain drafting over these per-position outcomes.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -8,35 +22,81 @@ from torch import Tensor
 from infer.drafters.base import DecodeState
 from infer.plan import LayerPlan
 
+KV_VIEWS = ("draft", "exact")
 
-def window_mask(w: int, hidden: int, device) -> Tensor:
-    """(w, hidden + w) mask: w re-run tokens skip the ``hidden`` slots before them and see each other causally."""
-    hide = torch.zeros(w, hidden, dtype=torch.bool, device=device)
-    causal = torch.ones(w, w, dtype=torch.bool, device=device).tril()
-    return torch.cat([hide, causal], dim=1)
+
+def window_mask(w: int, hidden: int, device, kv: str = "draft") -> Tensor:
+    """(w, hidden + w) mask of w window tokens appended after a cache whose last ``hidden`` rows (>= w) start
+    with the window's own old rows: 'draft' hides those rows and lets the new rows see each other causally;
+    'exact' lets window token i see the old rows of the i window tokens before it and its own new row."""
+    if kv == "draft":
+        old = torch.zeros(w, hidden, dtype=torch.bool, device=device)
+        new = torch.ones(w, w, dtype=torch.bool, device=device).tril()
+    elif kv == "exact":
+        old = torch.ones(w, hidden, dtype=torch.bool, device=device).tril(-1)  # exact rows [start, start + i)
+        new = torch.eye(w, dtype=torch.bool, device=device)  # the draft-mode row it writes itself
+    else:
+        raise ValueError(f"kv must be one of {KV_VIEWS}, got {kv!r}")
+    return torch.cat([old, new], dim=1)
+
+
+@dataclass
+class Window:
+    """Verified tokens [start, end) of a cache holding n rows, ready to be scored under plans."""
+
+    cache: object
+    """The KV cache (rolled back to ``n`` rows after every plan)."""
+    n: int
+    """Rows of the cache that stay."""
+    positions: Tensor
+    """(w,) positions of the window tokens."""
+    target: Tensor
+    """(w,) the verified token that follows each window token."""
+    mask: Tensor
+    """(w, n - start + w) attention mask of the chosen KV view."""
+    inputs: list[Tensor]
+    """inputs[l]: (w, d) exact input of layer l; only the embeddings unless the layer inputs were kept."""
 
 
 @torch.no_grad()
+def verified_window(runner, cache, n: int, start: int, tokens: Tensor, target: Tensor, kv: str,
+                    layer_inputs: bool = False) -> Window:
+    """A window over ``tokens`` (w,) at positions [start, start + w) (start + w <= n), each to predict ``target``.
+
+    ``layer_inputs`` runs the full model over the window once and keeps every layer's exact input,
+    so that scoring a plan starts at its first skipped layer (worth it when many plans are scored).
+    """
+    w = len(tokens)
+    positions = torch.arange(start, start + w, device=runner.device)
+    inputs = [runner.embed(tokens)]  # (w, d)
+    if layer_inputs:
+        exact = window_mask(w, n - start, runner.device, "draft")  # the full model in draft view is exact
+        for layer in range(runner.num_layers):
+            inputs.append(runner.forward_layers(cache, inputs[-1], positions, layer, layer + 1, mask=exact))
+        cache.rollback(n)
+    return Window(cache, n, positions, target, window_mask(w, n - start, runner.device, kv), inputs)
+
+
+@torch.no_grad()
+def agreement(runner, window: Window, plan: LayerPlan) -> tuple[Tensor, Tensor]:
+    """(agree (w,) bool, top1 (w,)): does the plan's draft argmax equal the verified token; its top-1 probability."""
+    first = min(plan.exact_prefix, len(window.inputs) - 1)  # layers before it skip nothing: their output is exact
+    hidden = runner.forward_layers(window.cache, window.inputs[first], window.positions, first, runner.num_layers,
+                                   plan=plan, mask=window.mask)  # (w, d)
+    window.cache.rollback(window.n)
+    logits = runner.logits(hidden)  # (w, V)
+    return logits.argmax(-1) == window.target, torch.softmax(logits, -1).amax(-1)
+
+
 def matchness_span(state: DecodeState, plans: list[LayerPlan], start: int, end: int) -> list[float]:
-    """Fraction of positions in [start, end) where each plan's argmax equals the next verified token.
+    """SWIFT's matchness: fraction of positions in [start, end) where each plan's argmax (draft view) equals the
+    next verified token.
 
     ``tokens[start..end]`` (end <= n = cache length; tokens[n] is the pending token, itself the full
-    model's choice) are re-run in draft mode at their own positions, appended after the cache and
-    masked from their old rows [start, n); the cache is rolled back afterwards.
+    model's choice) are re-run at their own positions after the cache; the cache is rolled back afterwards.
     """
-    runner, cache, n = state.runner, state.cache, state.n
-    w = end - start
-    if w < 1 or start < 1 or end > n:
+    if end - start < 1 or start < 1 or end > state.n:
         return [0.0 for _ in plans]
-    ids = state.ids(start, end)  # (w,)
-    target = state.ids(start + 1, end + 1)  # (w,)
-    positions = torch.arange(start, end, device=runner.device)
-    mask = window_mask(w, n - start, runner.device)  # (w, n - start + w)
-    embedded = runner.embed(ids)  # (w, d)
-    scores = []
-    for plan in plans:
-        hidden = runner.forward_layers(cache, embedded, positions, 0, runner.num_layers, plan=plan, mask=mask)
-        agree = runner.logits(hidden).argmax(-1) == target  # (w,)
-        scores.append(float(agree.float().mean()))
-        cache.rollback(n)
-    return scores
+    window = verified_window(state.runner, state.cache, state.n, start, state.ids(start, end),
+                             state.ids(start + 1, end + 1), "draft")
+    return [float(agreement(state.runner, window, plan)[0].float().mean()) for plan in plans]

@@ -9,7 +9,7 @@ from lossless_stats import P_THRESHOLD, sampling_pvalue
 
 from infer.drafters import build_drafter
 from infer.drafters.base import DecodeState
-from infer.drafters.skipping import matchness_span
+from infer.drafters.skipping import agreement, matchness_span, verified_window, window_mask
 from infer.drafters.swift import LayerSetSearch, SwiftDrafter
 from infer.engine import Engine, GenerationConfig
 from infer.plan import LayerPlan, PlanFile
@@ -113,6 +113,25 @@ def test_matchness_of_the_full_plan_is_one(runner):
                                    state.n - 32, state.n)
     assert full == 1.0 and skipped < 1.0
     assert cache.lengths == [state.n] * runner.num_layers  # scoring leaves the cache as it was
+
+
+def test_one_scorer_two_kv_views(runner):
+    """SWIFT's draft view and the search's exact view agree on a window's first token and differ after it."""
+    state = engine_state(runner, PROMPTS[0])
+    start, end = state.n - 16, state.n
+    plan = LayerPlan(6, frozenset({1, 2, 3}), frozenset({2, 4}))
+    scores = {}
+    for kv in ("draft", "exact"):
+        window = verified_window(runner, state.cache, state.n, start, state.ids(start, end),
+                                 state.ids(start + 1, end + 1), kv)
+        scores[kv] = agreement(runner, window, plan)
+        assert state.cache.lengths == [state.n] * runner.num_layers
+    (agree_d, top1_d), (_, top1_e) = scores["draft"], scores["exact"]
+    assert float(agree_d.float().mean()) == matchness_span(state, [plan], start, end)[0]
+    assert float(top1_d[0]) == pytest.approx(float(top1_e[0]), abs=1e-6)  # nothing before it in the window
+    assert (top1_d[1:] - top1_e[1:]).abs().max() > 1e-3  # later tokens see draft-mode vs exact rows
+    with pytest.raises(ValueError, match="kv must be"):
+        window_mask(2, 2, "cpu", "sideways")
 
 
 def planted_model():
