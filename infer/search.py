@@ -1,6 +1,7 @@
 """Offline search of a sublayer skip plan for Self-SD (Zhang et al., ACL 2024, §3.2), with optuna.
 
-The search space is the 2L binary choices "skip attention / MLP of layer l". Two objectives:
+The search space is the 2L binary choices "skip attention / MLP of layer l" (``infer.plan.PlanSpace``,
+shared with SWIFT's online optimiser). Two objectives:
 
 - ``speed``: measured end-to-end speed of self-speculative greedy decoding (the ``self_sd``
   drafter with its adaptive threshold) on a few calibration prompts. What Self-SD optimises
@@ -9,8 +10,9 @@ The search space is the 2L binary choices "skip attention / MLP of layer l". Two
 - ``model`` (alias ``acceptance``): a noise-free expected speed-up. The full model's greedy
   continuation of each calibration prompt is computed once; each plan is then run once,
   teacher-forced, over those continuations (one masked parallel forward per prompt) giving
-  per-position agreement with the full model and the draft's top-1 probability. Each position
-  is drafted as a real draft is after a verification: it attends to the full model's exact KV of
+  per-position agreement with the full model and the draft's top-1 probability (the scorer of
+  ``infer.drafters.skipping`` in its 'exact' KV view). Each position is drafted as a real draft
+  is after a verification: it attends to the full model's exact KV of
   every earlier (verified) token and to its own draft-mode KV (a draft deeper in a chain would
   also see the chain's earlier draft-mode rows; the replay ignores that). A replay of
   chain drafting over these vectors (draft k, stop below a confidence gamma, accept the
@@ -18,7 +20,7 @@ The search space is the 2L binary choices "skip attention / MLP of layer l". Two
   c the draft forward cost and v(T) the cost of verifying T tokens, both relative to one full
   single-token forward and either measured once before the search (``cost='measured'``) or
   counted in weights read (``cost='weights'``, fully deterministic). The value is the best
-  expected speed-up over a small (k, gamma) grid.
+  expected speed-up (``infer.plan.cycle_speedup``) over a small (k, gamma) grid.
 
 With ``skip_ratio`` the plan skips exactly round(ratio·2L) sublayers: the sampler still proposes
 2L yes/no choices, and a deterministic repair adds skips (inner deep layers first) or drops them
@@ -114,11 +116,6 @@ class SearchConfig:
     def study_settings(self) -> dict:
         """What must not change when a study is resumed."""
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("trials", "timeout", "seed")}
-
-
-# --------------------------------------------------------------------------- plans
-def plan_key(plan: LayerPlan) -> str:
-    return json.dumps(plan.to_dict(), sort_keys=True)
 
 
 # --------------------------------------------------------------------------- the optuna loop
@@ -236,12 +233,12 @@ def run_search(evaluate: Evaluate, space: PlanSpace, cfg: SearchConfig, study, o
 
     complete = optuna.trial.TrialState.COMPLETE
     done = [t for t in study.trials if t.state == complete]
-    known: dict[str, tuple[float, dict]] = {}
+    known: dict[LayerPlan, tuple[float, dict]] = {}
     history: list[float] = []
     best = float("-inf")
     for t in done:
         if "plan" in t.user_attrs and not t.user_attrs.get("repeat"):
-            known[plan_key(LayerPlan.from_dict(t.user_attrs["plan"]))] = (t.value, dict(t.user_attrs))
+            known[LayerPlan.from_dict(t.user_attrs["plan"])] = (t.value, dict(t.user_attrs))
             best = max(best, t.value)
             history.append(best)
     warm = space.uniform_plans() if cfg.warm_start else []
@@ -252,13 +249,12 @@ def run_search(evaluate: Evaluate, space: PlanSpace, cfg: SearchConfig, study, o
     study.sampler = _sampler(cfg.sampler, cfg.seed + len(study.trials), len(warm) + 10, deterministic)
 
     def objective(trial) -> float:
-        plan = space.suggest(trial)
-        key = plan_key(plan)
-        if key in known:
+        plan = space.suggest(trial)  # a frozen LayerPlan: repeated proposals hit the same key
+        if plan in known:
             trial.set_user_attr("repeat", True)
         else:
-            known[key] = evaluate(plan)
-        value, metrics = known[key]
+            known[plan] = evaluate(plan)
+        value, metrics = known[plan]
         for name, v in metrics.items():
             if name not in ("plan", "warm_start", "repeat"):
                 trial.set_user_attr(name, v)
