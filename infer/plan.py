@@ -61,11 +61,6 @@ class LayerPlan:
         return cls(len(attn_skip), frozenset(i for i, s in enumerate(attn_skip) if s),
                    frozenset(i for i, s in enumerate(mlp_skip) if s))
 
-    def to_mask(self) -> tuple[list[bool], list[bool]]:
-        """Two per-layer boolean lists (True = skip), attention first."""
-        return ([i in self.skip_attn for i in range(self.num_layers)],
-                [i in self.skip_mlp for i in range(self.num_layers)])
-
     @property
     def num_skipped(self) -> int:
         return len(self.skip_attn) + len(self.skip_mlp)
