@@ -42,10 +42,11 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import GenerationConfig, LlamaConfig
 
 from core.cli import check_output_dir, run_main
 from core.device import resolve_device
+from core.seeded_models import random_model, tiny_model
 from infer.bench import git_commit
 from infer.drafters import build_drafter
 from infer.engine import Engine
@@ -128,37 +129,6 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: 
     return statistics.median(times)
 
 
-def random_model(config, device: torch.device, dtype: torch.dtype, seed: int = 0, cls=LlamaForCausalLM):
-    """A seeded random-init model built directly on ``device`` in ``dtype`` (no CPU copy of large weights)."""
-    torch.manual_seed(seed)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = cls(config)
-    finally:
-        torch.set_default_dtype(default)
-    return model.eval()
-
-
-def tiny_test_model(kind: str, device: torch.device, seed: int):
-    """The test suite's kind of tiny model: seeded, weights x4 (peaked logits, few near-ties), Qwen2 with biases."""
-    common = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-                  pad_token_id=2, tie_word_embeddings=False)
-    config = Qwen2Config(**common) if kind == "qwen2" else LlamaConfig(**common)
-    model = random_model(config, device, torch.float32, seed, Qwen2ForCausalLM if kind == "qwen2" else LlamaForCausalLM)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(4.0)
-        if kind == "qwen2":
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0.0, 0.1)
-    return model
-
-
 def prompt_ids(vocab: int, length: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (length,), generator=g).tolist()
@@ -176,7 +146,7 @@ def parity(device: torch.device) -> dict[str, float]:
     out = {}
     for kind, seed in (("llama", 0), ("qwen2", 1)):
         for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
-            model = tiny_test_model(kind, device, seed).to(dtype)
+            model = tiny_model(kind, seed, device=device).to(dtype)
             runner = Runner.from_model(model, dtype)
             ids = torch.tensor(prompt_ids(320, 16, seed), device=device)  # (T,)
             with torch.no_grad():
@@ -207,7 +177,7 @@ def greedy_identity(device: torch.device, new_tokens: int, notes: list[str]) -> 
     gen = OurGenerationConfig(max_new_tokens=new_tokens, stop_at_eos=False)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         for kind, seed in (("llama", 0), ("qwen2", 1)):
-            runner = Runner.from_model(tiny_test_model(kind, device, seed), torch.float32)
+            runner = Runner.from_model(tiny_model(kind, seed, device=device), torch.float32)
             prompts = [prompt_ids(320, n, seed + n) for n in (5, 9, 14)]
             plain = Engine(runner, build_drafter("autoregressive", runner))
             refs = [plain.generate(p, gen).tokens for p in prompts]

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from tokenizers import Tokenizer, decoders, models
 from tokenizers.pre_tokenizers import ByteLevel
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast
+
+from core.seeded_models import tiny_model
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
@@ -16,28 +17,9 @@ CHAT_TEMPLATE = (
 BYTE_VOCAB = 259  # <unk>, <s>, </s> + 256 byte symbols
 
 
-def tiny_config(kind: str = "llama", vocab_size: int = 320, layers: int = 4, **overrides):
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=False)
-    common.update(overrides)
-    return (Qwen2Config if kind == "qwen2" else LlamaConfig)(**common)
-
-
 def make_model(kind: str = "llama", seed: int = 0, vocab_size: int = 320, layers: int = 4, **overrides):
     """A seeded random model in fp32 eval mode; Qwen2 gets non-zero qkv biases."""
-    torch.manual_seed(seed)
-    config = tiny_config(kind, vocab_size, layers, **overrides)
-    model = (Qwen2ForCausalLM if kind == "qwen2" else LlamaForCausalLM)(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():  # larger weights than the 0.02 init: peaked, less tie-prone logits
-            if p.dim() == 2:
-                p.mul_(4.0)
-        if kind == "qwen2":
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0.0, 0.1)
-    return model
+    return tiny_model(kind, seed, vocab_size, layers, **overrides)
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:

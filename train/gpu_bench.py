@@ -32,7 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import LlamaConfig
 
+from core.seeded_models import random_model as seeded_random_model
 from train.config import EarlyExitConfig, LayerDropoutConfig
 
 BEGIN, END = "<!-- gpu_check:train:begin -->", "<!-- gpu_check:train:end -->"
@@ -103,11 +105,8 @@ def peak_flops(device: torch.device) -> float | None:
 
 def random_model(config: dict, device: torch.device, seed: int = 0):
     """A random-init Llama with SDPA attention, fp32 weights (the master copy AdamW updates)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**config, attn_implementation="sdpa", use_cache=False))
-    return model.to(device)
+    return seeded_random_model(LlamaConfig(**config, attn_implementation="sdpa", use_cache=False), device,
+                               torch.float32, seed).train()
 
 
 def sync(device: torch.device) -> None:
