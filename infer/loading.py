@@ -6,6 +6,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from transformers import AutoTokenizer, GenerationConfig
+
 from core.device import parse_dtype, resolve_device
 from core.errors import UserError
 from core.models import resolve_model
@@ -37,8 +40,6 @@ class LoadedModel:
 
 
 def set_threads(threads: int | None) -> None:
-    import torch
-
     if threads is not None:
         if threads < 1:
             raise UserError(f"--threads must be >= 1, got {threads}")
@@ -50,8 +51,6 @@ def eos_ids(path: Path, tokenizer) -> tuple[int, ...]:
     """End-of-sequence ids from the generation config and the tokenizer."""
     ids: set[int] = set()
     try:
-        from transformers import GenerationConfig
-
         eos = GenerationConfig.from_pretrained(path).eos_token_id
         ids.update([eos] if isinstance(eos, int) else list(eos or []))
     except OSError:
@@ -66,8 +65,6 @@ def load_model(model: str, dtype: str = "fp32", device: str = "cpu", executor: s
 
     ``device`` and ``dtype`` take the CLI names (``auto`` = CUDA + bf16 when available, else CPU + fp32).
     """
-    from transformers import AutoTokenizer
-
     path = resolve_model(model)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)

@@ -18,6 +18,7 @@ Prompt prefill always runs eagerly.
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -25,11 +26,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import Tensor
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from core.device import EXECUTOR_CHOICES, parse_dtype
 from core.errors import UserError
 from core.models import SUPPORTED_MODEL_TYPES
+from infer import kernels
 from infer.graphs import StaticExecutor
 from infer.plan import LayerPlan
 
@@ -193,8 +197,6 @@ def _load_kernel(dtype: torch.dtype, device: torch.device, kernel: str):
         raise UserError(f"unknown matmul kernel {kernel!r}; use 'auto' or 'torch'")
     if kernel == "torch" or dtype != torch.float32 or device.type != "cpu":
         return None
-    from infer import kernels
-
     return kernels.load()
 
 
@@ -206,8 +208,6 @@ def _strip_prefix(state: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 def _load_safetensors_dir(path: Path) -> dict[str, Tensor]:
-    from safetensors.torch import load_file
-
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     state: dict[str, Tensor] = {}
     for f in files:
@@ -239,15 +239,11 @@ class Runner:
     def from_pretrained(cls, path: str | os.PathLike, dtype: str | torch.dtype = torch.float32,
                         device: str | torch.device = "cpu", kernel: str = "auto", executor: str = "auto") -> Runner:
         """Load from a local HF folder (safetensors read directly; .bin through transformers)."""
-        from transformers import AutoConfig
-
         path = Path(path)
         config = AutoConfig.from_pretrained(path)
         if glob.glob(os.path.join(path, "*.safetensors")):
             state = _load_safetensors_dir(path)
         else:
-            from transformers import AutoModelForCausalLM
-
             state = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
         return cls(config, state, parse_dtype(dtype), device, kernel, executor)
 
@@ -339,6 +335,7 @@ class Runner:
             return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
         if rope_type == "dynamic":
             raise UserError("dynamic RoPE scaling is not supported by the runner")
+        # transformers-internal (its module moves between releases): imported only for scaled RoPE variants
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config)
@@ -523,8 +520,6 @@ def ints_to_device(values: list[int], device: torch.device) -> Tensor:
 
 def _fingerprint(state: dict[str, Tensor]) -> str:
     """A short digest of a few weights (before any dtype cast), so plans can tell checkpoints apart."""
-    import hashlib
-
     digest = hashlib.sha256()
     for name in ("layers.0.self_attn.q_proj.weight", "norm.weight"):
         if name in state:

@@ -23,9 +23,11 @@ import os
 import shutil
 from pathlib import Path
 
+import yaml
+
 from core.errors import UserError
 from core.packages import ensure_writable_dir, normal_permissions
-from train.config import TrainConfig, dump_config
+from train.config import TrainConfig, dump_config, to_dict
 
 STATE_FILE = "trainer_state.json"
 PREFIX = "step-"
@@ -108,10 +110,6 @@ def config_differences(saved: dict, current: dict, defaults: dict | None = None)
 
 
 def _check_same_run(ckpt: Path, cfg: TrainConfig) -> None:
-    import yaml
-
-    from train.config import to_dict
-
     try:
         saved = yaml.safe_load((ckpt / "config.yaml").read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError):
@@ -204,7 +202,7 @@ def save_checkpoint(accelerator, cfg: TrainConfig, step: int, state: dict) -> Pa
 
 def export_final(accelerator, lm, tokenizer, cfg: TrainConfig, out_dir: str | Path) -> Path:
     """Save a plain HF folder (config + safetensors + tokenizer), LoRA adapters merged into the weights."""
-    from train.model import plain_model
+    from train.model import plain_model  # torch-heavy: only when exporting
 
     out_dir = Path(out_dir)
     state = None

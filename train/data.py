@@ -37,6 +37,7 @@ import torch
 
 from core.errors import UserError
 from core.packages import cache_root
+from core.prompts import BUILTIN_SETS, load_prompts
 from train.config import DataConfig, SourceConfig
 
 CACHE_VERSION = 1
@@ -153,8 +154,6 @@ def read_source(src: SourceConfig, task: str) -> list[Document]:
             docs = [Document(str(i), prompt=str(p), response=str(r))
                     for i, (p, r) in enumerate(zip(ds[src.prompt_field], ds[src.response_field], strict=True))]
     elif src.type == "prompt_set":
-        from core.prompts import load_prompts
-
         items = load_prompts(src.path)
         docs = [Document(it.id, prompt=it.prompt, response=it.reference) for it in items]
         if any(not d.response for d in docs):
@@ -418,8 +417,6 @@ def _source_fingerprint(src: SourceConfig) -> dict:
     stats = [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
     spec["files"] = hashlib.sha256(json.dumps(stats).encode()).hexdigest()
     if src.type == "prompt_set":
-        from core.prompts import BUILTIN_SETS
-
         spec["package"] = repr(BUILTIN_SETS.get(src.path)) if src.path in BUILTIN_SETS else repr(stats)
     return spec
 

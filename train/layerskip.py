@@ -17,6 +17,7 @@ metrics), checkpoint (save/resume/export), tracking (metrics.jsonl + wandb).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import os
 import sys
@@ -24,9 +25,18 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import yaml
+from tqdm.auto import tqdm
+
+from core.cli import run_main
 from core.errors import UserError
 from core.packages import cache_root
+from train.checkpoint import clear_run, export_final, prepare_run_folder, read_state, save_checkpoint
 from train.config import TrainConfig, describe, dump_config, load_config, to_dict
+from train.tracking import Tracker, truncate_metrics
+
+# torch, accelerate and the modules that import them (train.data, train.model, train.exit_eval) are
+# imported inside the functions that use them, so --help, --help-config and a bad recipe answer at once.
 
 PROG = "layerskip-train"
 
@@ -81,8 +91,6 @@ def check_token_cache(cfg: TrainConfig) -> None:
 
 def param_digest(model) -> str:
     """sha256 of every parameter's bytes: equal on all ranks iff DDP kept the replicas identical."""
-    import hashlib
-
     h = hashlib.sha256()
     for name, p in sorted(model.named_parameters()):
         h.update(name.encode())
@@ -178,13 +186,10 @@ def run_training(cfg: TrainConfig, on_step: Callable[[int], None] | None = None,
     ``overwrite`` deletes a previous run's files from ``checkpoint.output_dir`` first; without it a
     folder holding another run is refused unless this run resumes it.
     """
-    import torch
-    from tqdm.auto import tqdm
+    import torch  # torch-heavy modules load here (see the note at the imports)
 
-    from train.checkpoint import clear_run, export_final, prepare_run_folder, read_state, save_checkpoint
     from train.data import BatchOrder, build_dataset
     from train.model import LayerSkipLM, add_lora, load_model
-    from train.tracking import Tracker, truncate_metrics
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -318,27 +323,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_intermixed_args(argv)  # overrides may come before or after the flags
-    try:
-        if args.help_config:
-            print("\n".join(describe()))
-            return 0
-        if args.config is None and not args.overrides:
-            raise UserError("give a recipe: --config recipes/<name>.yaml (see --help-config for every key)")
-        overrides = list(args.overrides) + (["checkpoint.resume=auto"] if args.resume else [])
-        cfg = load_config(args.config, overrides)  # strict: fails here, before any model is loaded
-        if args.print_config:
-            import yaml
+    return run_main(PROG, lambda: _run(args))
 
-            print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
-            return 0
-        run_training(cfg, overwrite=args.overwrite)
+
+def _run(args: argparse.Namespace) -> int:
+    if args.help_config:
+        print("\n".join(describe()))
         return 0
-    except UserError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+    if args.config is None and not args.overrides:
+        raise UserError("give a recipe: --config recipes/<name>.yaml (see --help-config for every key)")
+    overrides = list(args.overrides) + (["checkpoint.resume=auto"] if args.resume else [])
+    cfg = load_config(args.config, overrides)  # strict: fails here, before any model is loaded
+    if args.print_config:
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+        return 0
+    run_training(cfg, overwrite=args.overwrite)
+    return 0
 
 
 if __name__ == "__main__":

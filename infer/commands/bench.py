@@ -8,9 +8,18 @@ import sys
 from pathlib import Path
 
 from core.cli import check_output_dir, split_named
-from core.device import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP, EXECUTOR_CHOICES, EXECUTOR_HELP
+from core.device import (
+    DEVICE_HELP,
+    DTYPE_CHOICES,
+    DTYPE_HELP,
+    EXECUTOR_CHOICES,
+    EXECUTOR_HELP,
+    parse_dtype,
+    resolve_device,
+)
 from core.errors import UserError
 from core.prompts import CHAT_MODES
+from infer.bench import BenchConfig, bugs, markdown_table, parse_methods, run_bench, sweep_methods, write_outputs
 
 
 def _ints(text: str) -> list[int]:
@@ -67,9 +76,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
-    from core.device import parse_dtype, resolve_device
-    from infer.bench import BenchConfig, parse_methods, sweep_methods
-
     if args.temperature is not None and not args.sample:
         raise UserError("--temperature needs --sample")
     check_output_dir(args.out, "--out")  # results.json, .csv, .md and plots go there
@@ -97,7 +103,6 @@ def config_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from infer.bench import bugs, markdown_table, run_bench, write_outputs
 
     cfg = config_from_args(args)
     command = "layerskip " + " ".join(shlex.quote(a) for a in sys.argv[1:])

@@ -20,9 +20,13 @@ import math
 import sys
 from pathlib import Path
 
-from core.cli import check_output_dir, check_output_file
-from core.device import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP
+from core.cli import check_output_dir, check_output_file, run_main
+from core.device import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP, dtype_name, parse_dtype, resolve_device
 from core.errors import UserError
+from core.models import resolve_model
+from core.prompts import load_prompts
+from infer.plots import exit_quality
+from train.config import EarlyExitConfig, LayerDropoutConfig, load_config
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -80,8 +84,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def held_out_examples(source: str, tokenizer, n: int, max_tokens: int):
     """Examples (loss on every token) from the back of a prompt source: prompt + reference, cut to max_tokens."""
-    from core.prompts import load_prompts
-    from train.data import Examples
+    from train.data import Examples  # torch-heavy (as every train.* and transformers import here)
 
     seqs = []
     for item in load_prompts(source, n, from_end=True):
@@ -94,7 +97,6 @@ def held_out_examples(source: str, tokenizer, n: int, max_tokens: int):
 
 
 def _recipe_examples(args: argparse.Namespace, tokenizer, path: Path):
-    from train.config import load_config
     from train.data import build_dataset
 
     cfg = load_config(args.config, args.overrides)
@@ -110,10 +112,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     from transformers import AutoConfig, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from core.device import dtype_name, parse_dtype, resolve_device
-    from core.models import resolve_model
     from infer.loading import set_threads
-    from train.config import EarlyExitConfig, LayerDropoutConfig
     from train.exit_eval import exit_metrics
     from train.model import LayerSkipLM, load_model
 
@@ -149,8 +148,6 @@ def format_table(result: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from infer.plots import exit_quality
-
     result = evaluate(args)
     print(format_table(result))
     text = json.dumps(result, indent=2) + "\n"
@@ -167,8 +164,6 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python scripts/eval_exits.py ...``: the same command outside the ``layerskip`` entry point."""
-    from core.cli import run_main
-
     parser = argparse.ArgumentParser(prog="eval_exits", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     args = parser.parse_args(argv)

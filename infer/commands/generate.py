@@ -16,6 +16,8 @@ from core.cli import check_output_file
 from core.device import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP, EXECUTOR_CHOICES, EXECUTOR_HELP, dtype_name
 from core.errors import UserError
 from core.options import add_flag
+from core.prompts import PromptItem, read_prompts_file
+from infer.bench import tokens_per_verify
 
 EXACTNESS = "greedy output is identical to plain decoding in fp32; in bf16/fp16 a near-tie can flip"
 
@@ -45,6 +47,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def add_drafter_args(p: argparse.ArgumentParser) -> None:
     """--drafter and one flag group per drafter; options several drafters share get a group of their own."""
+    # infer.drafters, infer.engine and infer.loading import torch: loaded inside the functions that
+    # need them, so --help and argument errors answer without it
     from infer.drafters import DRAFTERS, all_options
 
     p.add_argument("--drafter", default="autoregressive",
@@ -106,8 +110,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _prompts(args: argparse.Namespace):
-    from core.prompts import PromptItem, read_prompts_file
-
     if args.prompts_file is not None:
         if not args.prompts_file.is_file():
             raise UserError(f"prompts file {args.prompts_file} does not exist")
@@ -210,8 +212,6 @@ def finish_drafter(drafter) -> None:
 
 def stream_summary(results) -> dict:
     """Totals over a stream of prompts: speed, acceptance, optimisation share, matchness trajectory."""
-    from infer.bench import tokens_per_verify
-
     stats = [r.stats for r in results]
     wall = sum(s.wall_time for s in stats)
     drafted = sum(s.drafted for s in stats)

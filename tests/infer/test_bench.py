@@ -150,7 +150,7 @@ def test_expected_speedup_formulas():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--drafters", "early_exit:E=x"], "E='x' of drafter 'early_exit': expected an integer"),
+    (["--drafters", "early_exit:E=x"], "option E of drafter 'early_exit': expected an integer, got 'x'"),
     (["--drafters", "nope"], "unknown drafter"),
     (["--drafters", ","], "has an empty entry"),
     (["--drafters", "autoregressive,,early_exit"], "has an empty entry"),

@@ -126,7 +126,7 @@ def test_prompt_set_source_needs_the_package(monkeypatch):
     import core.prompts as prompts
 
     items = [prompts.PromptItem(str(i), f"question {i}", f"answer {i}", "gsm8k") for i in range(10)]
-    monkeypatch.setattr(prompts, "load_prompts", lambda name, *a, **k: items)
+    monkeypatch.setattr(data, "load_prompts", lambda name, *a, **k: items)
     docs = read_source(SourceConfig(type="prompt_set", path="gsm8k"), "sft")
     assert [(d.prompt, d.response) for d in docs[:2]] == [("question 0", "answer 0"), ("question 1", "answer 1")]
     train, val = data.split_documents(docs, 0.2)
