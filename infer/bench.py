@@ -14,6 +14,9 @@ one draft-verify cycle produces M tokens and costs k̄·c + v full-forward equiv
 the mean number of draft forwards per cycle, c the cost of one draft forward relative to one
 full single-token forward, and v the cost of the verification forward (≈ 1 when memory-bound).
 The expected speed-up over autoregressive decoding is M / (k̄·c + v).
+
+torch, transformers, the engine and the drafters are imported inside the functions that run models:
+the commands import this module to parse and check their arguments before any of that loads.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import dataclasses
 import json
 import platform
 import statistics
+import subprocess
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -339,10 +343,8 @@ def _model_label(arg: str, path: Path) -> str:
 
 def _engine_for(method: Method, model, label: str):
     """A fresh engine; '{model}' in an option value becomes the model's label (per-model plan files)."""
-    from infer.commands.generate import build_engine
-
     options = {k: v.replace("{model}", label) for k, v in method.opts.items()}
-    return build_engine(model, method.name, options)
+    return model.engine(method.name, options)
 
 
 def _run_task(cfg: BenchConfig, model, peer, label: str, task: str, prompts: list[Prompt],
@@ -528,7 +530,6 @@ def machine_info(cfg: BenchConfig) -> dict:
 
 def git_commit() -> str | None:
     """The toolkit's commit (with '+dirty' for local changes), when it runs from a git checkout."""
-    import subprocess
 
     root = Path(__file__).resolve().parent.parent
     try:

@@ -137,6 +137,11 @@ class Engine:
                             f"autoregressive drafter, not {getattr(self.drafter, 'name', '?')!r}")
         return exit_layer
 
+    @property
+    def exit_layer(self) -> int | None:
+        """The lossy target's exit layer E (None: the full model is the target)."""
+        return None if self.depth == self.runner.num_layers else self.depth
+
     # ----------------------------------------------------------------- public
     def generate(self, prompt_ids: Sequence[int] | Tensor, config: GenerationConfig | None = None,
                  generator: torch.Generator | None = None) -> GenerationResult:

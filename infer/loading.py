@@ -12,6 +12,8 @@ from transformers import AutoTokenizer, GenerationConfig
 from core.device import parse_dtype, resolve_device
 from core.errors import UserError
 from core.models import resolve_model
+from infer.drafters import build_drafter
+from infer.engine import Engine
 from infer.runner import Runner
 
 
@@ -37,6 +39,15 @@ class LoadedModel:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def engine(self, drafter: str, options: dict | None = None) -> Engine:
+        """An Engine with drafter ``drafter``; ``autoregressive`` with ``exit_layer=E < L`` is lossy early
+        exit (the target is layers [0, E) + final norm + LM head)."""
+        built = build_drafter(drafter, self.runner, options or {})
+        exit_layer = getattr(built.config, "exit_layer", None) if built.name == "autoregressive" else None
+        if exit_layer == self.runner.num_layers:
+            exit_layer = None  # E = L is the full model
+        return Engine(self.runner, built, self.eos_token_ids, self.decode, exit_layer=exit_layer)
 
 
 def set_threads(threads: int | None) -> None:

@@ -40,9 +40,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from core.errors import UserError
+from infer.drafters import build_drafter
+from infer.drafters.self_sd import SelfSDConfig, SelfSDDrafter
 from infer.drafters.skipping import agreement, verified_window
+from infer.engine import Engine, GenerationConfig
 from infer.plan import CostModel, LayerPlan, PlanFile, PlanSpace, cycle_speedup, weights_cost
 from infer.runner import Runner
 
@@ -144,6 +148,9 @@ class SearchResult:
 Evaluate = Callable[[LayerPlan], tuple[float, dict]]
 
 
+# optuna is optional (an extra) and slow to import: it is imported inside the functions that optimise.
+
+
 def _sampler(name: str, seed: int, startup: int, deterministic: bool):
     import optuna
 
@@ -229,7 +236,6 @@ def run_search(evaluate: Evaluate, space: PlanSpace, cfg: SearchConfig, study, o
     once they converge). ``on_best(result)`` is called whenever the best value improves.
     """
     import optuna
-    from tqdm.auto import tqdm
 
     complete = optuna.trial.TrialState.COMPLETE
     done = [t for t in study.trials if t.state == complete]
@@ -438,9 +444,6 @@ class SpeedObjective:
 
     def __init__(self, runner: Runner, prompts: list[list[int]], max_new_tokens: int, num_draft: int,
                  reference: str = "interleaved"):
-        from infer.drafters import build_drafter
-        from infer.engine import Engine, GenerationConfig
-
         self.runner, self.prompts, self.num_draft, self.reference = runner, prompts, num_draft, reference
         self.gen = GenerationConfig(max_new_tokens=max_new_tokens, stop_at_eos=False)
         self.baseline_engine = Engine(runner, build_drafter("autoregressive", runner))
@@ -452,9 +455,6 @@ class SpeedObjective:
         return sum(r.stats.new_tokens for r in results) / sum(r.stats.wall_time for r in results)
 
     def __call__(self, plan: LayerPlan) -> tuple[float, dict]:
-        from infer.drafters.self_sd import SelfSDConfig, SelfSDDrafter
-        from infer.engine import Engine
-
         # a new engine per plan: a live engine's drafter is never swapped
         engine = Engine(self.runner, SelfSDDrafter(self.runner, SelfSDConfig(plan=plan, num_draft=self.num_draft)))
         results, ar_tokens, ar_wall = [], 0, 0.0
@@ -482,9 +482,6 @@ def study_path_for(out: Path) -> Path:
 
 def calibration_set(runner: Runner, prompts: list[list[int]], max_new_tokens: int) -> list[Calibration]:
     """The full model's greedy continuations of the calibration prompts (EOS ignored)."""
-    from infer.drafters import build_drafter
-    from infer.engine import Engine, GenerationConfig
-
     engine = Engine(runner, build_drafter("autoregressive", runner))
     gen = GenerationConfig(max_new_tokens=max_new_tokens, stop_at_eos=False)
     return [Calibration(list(p), engine.generate(p, gen).tokens) for p in prompts]

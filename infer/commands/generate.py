@@ -130,27 +130,9 @@ def _stats_line(name: str, stats) -> str:
     return line
 
 
-def exit_layer_of(drafter) -> int | None:
-    """The lossy exit layer E of an autoregressive drafter (None = the full model)."""
-    exit_layer = getattr(drafter.config, "exit_layer", None) if drafter.name == "autoregressive" else None
-    return None if exit_layer is None or exit_layer == drafter.num_layers else exit_layer
-
-
-def build_engine(model, name: str, options: dict):
-    """An Engine for drafter ``name``; ``autoregressive`` with ``exit_layer=E < L`` decodes with layers [0, E)."""
-    from infer.drafters import build_drafter
-    from infer.engine import Engine
-
-    drafter = build_drafter(name, model.runner, options)
-    exit_layer = exit_layer_of(drafter)
-    if exit_layer is None:
-        return Engine(model.runner, drafter, model.eos_token_ids, model.decode)
-    return Engine(model.runner, drafter, model.eos_token_ids, model.decode, exit_layer=exit_layer)
-
-
 def _notes(args: argparse.Namespace, engine, dtype: str, greedy: bool) -> None:
     """Say once on stderr when the output is not the full model's plain greedy decoding."""
-    lossy = exit_layer_of(engine.drafter)
+    lossy = engine.exit_layer
     if lossy is not None:
         print(f"layerskip: note: lossy early exit: the output is exit layer {lossy}'s (layers [0, {lossy}) + "
               f"norm + head), not the {engine.runner.num_layers}-layer model's", file=sys.stderr)
@@ -176,14 +158,14 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(args.model, args.dtype, args.device, args.executor)
     device, dtype = str(model.runner.device), dtype_name(model.runner.dtype)
     encoded = [model.encode(item.prompt, args.chat) for item in prompts]
-    engine = build_engine(model, args.drafter, options)
-    lossy = exit_layer_of(engine.drafter) is not None
+    engine = model.engine(args.drafter, options)
+    lossy = engine.exit_layer is not None
     _notes(args, engine, dtype, gen.sampling.greedy)
     results = []
     for item, ids in zip(prompts, encoded, strict=True):
         if not args.stream and results:
             finish_drafter(engine.drafter)
-            engine = build_engine(model, args.drafter, options)  # independent prompts: fresh drafter state
+            engine = model.engine(args.drafter, options)  # independent prompts: fresh drafter state
         result = engine.generate(ids, gen)
         results.append(result)
         if args.json:
