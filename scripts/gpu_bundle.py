@@ -17,18 +17,14 @@ the model, copies the prompt files into the cache and installs the wheels that a
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-if __name__ == "__main__" and not __package__:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import argparse
 import importlib.metadata
 import json
 import shutil
 import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 from core.errors import UserError
 from core.models import DEFAULT_MODEL_GGUF

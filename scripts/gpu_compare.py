@@ -4,6 +4,9 @@
     python scripts/gpu_compare.py --bundle runs/gpu-bundle      # same, after unpacking scripts/gpu_bundle.py's files
     python scripts/gpu_compare.py --dry-run --out /tmp/gpu-dry  # the same pipeline on CPU with tiny settings
 
+Where the toolkit is not pip-installed (a GPU image with its own torch), run it from the checkout's
+root as ``PYTHONPATH=. python scripts/gpu_compare.py ...`` (the same holds for gpu_check and gpu_bundle).
+
 Steps (each records its command and wall time; a step whose output exists in --out is reused):
   1. train recipes/gpu-smollm2-code.yaml (the default model on the deduplicated stdlib, packages held out);
   2. before/after quality of base and trained: per-exit loss and agreement with the final layer on the
@@ -25,12 +28,6 @@ run stopped midway continues where it stopped when started again with the same -
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-if __name__ == "__main__" and not __package__:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import argparse
 import json
 import os
@@ -38,8 +35,10 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from core.errors import UserError
 
@@ -492,7 +491,9 @@ def _num_layers(model: Path) -> int:
 def run_compare(args, s: Settings) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, WANDB_MODE=os.environ.get("WANDB_MODE", "disabled"))
+    # the steps' commands find this checkout's packages even where it is not pip-installed (a GPU image)
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, WANDB_MODE=os.environ.get("WANDB_MODE", "disabled"), PYTHONPATH=path)
     p = Pipeline(out, s, env, quiet=args.quiet)
     t_start = time.perf_counter()
     if args.bundle:
