@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from core.models import default_model_dir, is_model_dir
+from infer.drafters import gate
 from tiny_models import make_model, save_tiny
 
 
@@ -15,6 +16,12 @@ from tiny_models import make_model, save_tiny
 def _deterministic_threads():
     torch.set_num_threads(1)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _private_gate_memory(tmp_path, monkeypatch):
+    """Each test starts with no remembered fallback-gate state and never writes the user's cache."""
+    monkeypatch.setattr(gate, "cache_root", lambda: tmp_path / "toolkit-cache")
 
 
 @pytest.fixture(scope="session")

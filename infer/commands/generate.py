@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     results = []
     for item, ids in zip(prompts, encoded, strict=True):
         if not args.stream and results:
-            finish_drafter(engine.drafter)
+            engine.drafter.finish()
             engine = model.engine(args.drafter, options)  # independent prompts: fresh drafter state
         result = engine.generate(ids, gen)
         results.append(result)
@@ -179,17 +179,10 @@ def run(args: argparse.Namespace) -> int:
                 print(f"### {item.id}")
             print(result.text, flush=True)
             print(_stats_line(args.drafter, result.stats), file=sys.stderr, flush=True)
-    finish_drafter(engine.drafter)  # after the output is printed: --save-plan, the gate's memory
+    engine.drafter.finish()  # after the output is printed: --save-plan, the gate's memory
     if args.stream:
         _stream_summary(args, results)
     return 0
-
-
-def finish_drafter(drafter) -> None:
-    """Tell a drafter that it decodes no more (drafters without a ``finish`` hook have nothing to save)."""
-    finish = getattr(drafter, "finish", None)
-    if finish is not None:
-        finish()
 
 
 def stream_summary(results) -> dict:

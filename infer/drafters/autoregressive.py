@@ -45,6 +45,9 @@ class AutoregressiveDrafter:
     def update(self, state: DecodeState, outcome: VerifyOutcome) -> None:
         pass
 
+    def finish(self) -> None:
+        """Nothing to save."""
+
     def stats(self) -> dict:
         E = self.config.exit_layer
         return {} if E is None or E == self.num_layers else {"exit_layer": E, "lossy": True}

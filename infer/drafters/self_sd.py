@@ -147,6 +147,9 @@ class SelfSDDrafter:
     def update(self, state: DecodeState, outcome: VerifyOutcome) -> None:
         self.threshold.update(outcome.accepted, outcome.drafted)
 
+    def finish(self) -> None:
+        """Nothing to save: the plan is fixed."""
+
     def stats(self) -> dict:
         return {"draft_forwards": self.forwards, "confidence": round(self.threshold.value, 4),
                 "threshold_updates": self.threshold.updates, "skip_ratio": self.plan.skip_ratio,

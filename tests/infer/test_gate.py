@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from infer.drafters import build_drafter
+from infer.drafters import build_drafter, gate
 from infer.engine import Engine, GenerationConfig
 from infer.runner import Runner
 from tiny_models import make_model
@@ -20,7 +20,7 @@ def runner():
 
 @pytest.fixture(autouse=True)
 def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("LAYERSKIP_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(gate, "cache_root", lambda: tmp_path / "cache")  # the toolkit cache, for gate memory
     return tmp_path / "cache"
 
 
