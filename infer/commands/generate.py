@@ -111,8 +111,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _prompts(args: argparse.Namespace):
     if args.prompts_file is not None:
-        if not args.prompts_file.is_file():
-            raise UserError(f"prompts file {args.prompts_file} does not exist")
         items = read_prompts_file(args.prompts_file)
     else:
         items = [PromptItem("0", args.prompt)]

@@ -136,3 +136,8 @@ def test_train_subcommand_is_train_layerskip(capsys, tmp_path):
     assert e.value.code == 0 and "--config" in capsys.readouterr().out
     code, _, err = run_cli(capsys, "train", "--config", str(tmp_path / "missing.yaml"))
     assert code == 2 and "missing.yaml" in err and "Traceback" not in err
+
+
+def test_prompts_file_that_is_a_directory_is_named_as_such(capsys, tiny_model_dir, tmp_path):
+    code, out, err = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--prompts-file", str(tmp_path))
+    assert code == 2 and out == "" and "is a directory" in err and len(err.strip().splitlines()) == 1

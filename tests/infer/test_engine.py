@@ -1,14 +1,13 @@
 """Greedy losslessness, stop conditions, cache rollback, KV reuse, tree verification."""
 
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 from infer.drafters import build_drafter
-from infer.drafters.base import Draft
 from infer.engine import Engine, GenerationConfig
 from infer.runner import Runner
+from stub_drafters import ScriptedDrafter
 from tiny_models import make_model
 
 PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 250, 17], [42] * 12 + [7, 8]]
@@ -201,26 +200,6 @@ def test_verification_reuses_draft_kv(runner, E, k):
     assert runner.counters.lm_head_tokens == k + (k + 1)
 
 
-@dataclass
-class ScriptedDrafter:
-    """Proposes a fixed tree once (tests of tree verification)."""
-
-    tokens: list[int]
-    parents: list[int] | None
-    name = "scripted"
-    lookahead = 32
-
-    def start(self, state):
-        pass
-
-    def propose(self, state):
-        return Draft(torch.tensor(self.tokens), parents=self.parents)
-
-    def update(self, state, outcome):
-        pass
-
-    def stats(self):
-        return {}
 
 
 def _one_verify(runner, drafter, prompt):

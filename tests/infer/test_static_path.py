@@ -2,18 +2,17 @@
 mask, row buckets) equals the eager path: token for token for every drafter, and cache for cache after
 a padded verification and its rollback."""
 
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 from core.errors import UserError
 from infer.drafters import build_drafter
-from infer.drafters.base import Draft
 from infer.engine import Engine, GenerationConfig
 from infer.graphs import bucket, window_mask
 from infer.plan import LayerPlan, PlanFile
 from infer.runner import Runner
+from stub_drafters import ScriptedDrafter
 from tiny_models import make_model
 
 PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 250, 17], [42] * 12 + [7, 8]]
@@ -92,26 +91,6 @@ def test_static_executor_runs_the_decoding_forwards(static):
     assert any(k.start == 3 and k.end == L and k.logits and k.rows == 4 for k in spans)  # verification of 4
 
 
-@dataclass
-class ScriptedDrafter:
-    """Proposes a fixed chain or tree (tests of one verification)."""
-
-    tokens: list[int]
-    parents: list[int] | None
-    name = "scripted"
-    lookahead = 32
-
-    def start(self, state):
-        pass
-
-    def propose(self, state):
-        return Draft(torch.tensor(self.tokens), parents=self.parents)
-
-    def update(self, state, outcome):
-        pass
-
-    def stats(self):
-        return {}
 
 
 def _verify_once(runner, tokens, parents, prompt):

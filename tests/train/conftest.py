@@ -7,10 +7,19 @@ from pathlib import Path
 
 import pytest
 
+from accel_state import fresh_state
 from train.config import load_config
 from train.data import stdlib_dir
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """Reset accelerate's singletons around a test that runs training in this process."""
+    fresh_state()
+    yield
+    fresh_state()
 
 
 @pytest.fixture(autouse=True)

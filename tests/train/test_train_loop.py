@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 
+from accel_state import fresh_state
 from infer.runner import Runner
 from train.checkpoint import list_checkpoints
 from train.layerskip import lr_factor, run_training
@@ -19,19 +20,7 @@ from train.layerskip import lr_factor, run_training
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _fresh_state() -> None:
-    """Each run builds its own Accelerator; accelerate keeps process-wide singletons between them."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    _fresh_state()
-    yield
-    _fresh_state()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 
 def read_metrics(out_dir: Path) -> list[dict]:
@@ -119,12 +108,12 @@ def test_killed_and_resumed_run_equals_uninterrupted_run(tiny_recipe, tied_model
             raise Killed
 
     cfg = tiny_recipe(*common, output="killed")
-    _fresh_state()
+    fresh_state()
     with pytest.raises(Killed):
         run_training(cfg, on_step=kill_after_5)
     out = Path(cfg.checkpoint.output_dir)
     assert list_checkpoints(out)[-1].name == "step-000004"
-    _fresh_state()
+    fresh_state()
     resumed = run_training(tiny_recipe(*common, "checkpoint.resume=auto", output="killed"))
     assert resumed["step"] == 6 and resumed["tokens"] == whole["tokens"]
     state = resumed["accelerator"].unwrap_model(resumed["model"]).state_dict()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from accel_state import fresh_state
 from train import layerskip
 from train.checkpoint import STATE_FILE, list_checkpoints, save_checkpoint
 from train.config import dump_config
@@ -16,19 +17,7 @@ from train.config import dump_config
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _fresh_state() -> None:
-    """Each run builds its own Accelerator; accelerate keeps process-wide singletons between them."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state():
-    _fresh_state()
-    yield
-    _fresh_state()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 
 @pytest.fixture
@@ -42,7 +31,7 @@ def recipe(tiny_recipe, tmp_path) -> Path:
 
 
 def _main(capsys, *argv: str) -> tuple[int, str]:
-    _fresh_state()
+    fresh_state()
     code = layerskip.main(list(argv))
     return code, capsys.readouterr().err
 
