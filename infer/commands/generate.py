@@ -90,7 +90,8 @@ def generation_config(args: argparse.Namespace):
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text with a drafter (lossless: same output as plain decoding)",
+    p = sub.add_parser("generate", help="generate text with a drafter (lossless: identical to plain decoding "
+                       "in fp32; in bf16/fp16 a near-tie can flip)",
                        description="Generate with the draft-verify engine. Greedy output is token-for-token the "
                        "autoregressive output: identical in fp32; in bf16/fp16 a near-tie can flip. Sampling "
                        "follows the same distribution. '--drafter autoregressive --exit-layer E' is lossy early "
