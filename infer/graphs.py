@@ -40,16 +40,19 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 from weakref import WeakKeyDictionary
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from infer.plan import LayerPlan
-    from infer.runner import KVCache, Runner
+from infer.plan import LayerPlan
+
+Runner = Any
+"""``infer.runner.Runner`` (not imported: the runner imports this module for its executor)."""
+KVCache = Any
+"""``infer.runner.KVCache``, likewise."""
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
 """Row counts a static forward is padded up to; larger calls run eagerly."""

@@ -17,12 +17,9 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from core.errors import UserError
-
-if TYPE_CHECKING:  # infer.runner imports this module
-    from infer.runner import Runner
 
 
 @dataclass(frozen=True)
@@ -312,12 +309,23 @@ def cycle_speedup(tokens_per_cycle: float, draft_forwards: float, draft_cost: fl
     return tokens_per_cycle / (draft_forwards * draft_cost + verify_cost)
 
 
-def weights_cost(runner: Runner, max_tokens: int) -> CostModel:
+class ArchNumbers(Protocol):
+    """The architecture numbers the weight-read cost model needs (``Runner.spec`` has them)."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+
+
+def weights_cost(s: ArchNumbers, max_tokens: int) -> CostModel:
     """Memory-bound costs: proportional to the weights each part reads; verification costs one forward.
 
     Attention reads its q, k, v and o projections, the MLP 3·d·I, the LM head V·d.
     """
-    s = runner.spec
     attn = s.hidden_size * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim + s.num_heads * s.head_dim * s.hidden_size
     mlp = 3 * s.hidden_size * s.intermediate_size
     head = s.vocab_size * s.hidden_size

@@ -497,7 +497,7 @@ def build_objective(runner: Runner, prompts: list[list[int]], cfg: SearchConfig)
         context = max(prompts, key=len)
         cost = measure_cost(runner, context, cfg.num_draft + 1)
     else:
-        cost = weights_cost(runner, cfg.num_draft + 1)
+        cost = weights_cost(runner.spec, cfg.num_draft + 1)
     return ModelObjective(runner, calibration, cost, cfg.num_draft), {"cost_model": cost.to_dict()}
 
 

@@ -143,7 +143,7 @@ def calibration(runner):
 
 def test_teacher_forced_agreement_is_a_draft_on_exact_kv(runner, calibration):
     """Each position is scored as a real draft after a verification: exact KV for every earlier token."""
-    objective = ModelObjective(runner, calibration, weights_cost(runner, 5), 4)
+    objective = ModelObjective(runner, calibration, weights_cost(runner.spec, 5), 4)
     rng = random.Random(0)
     plans = [LayerPlan.full(6), LayerPlan(6, frozenset({0})), LayerPlan(6, frozenset({1, 2, 4}), frozenset({3}))] + [
         LayerPlan.from_mask([rng.random() < 0.3 for _ in range(6)], [rng.random() < 0.3 for _ in range(6)])
@@ -166,7 +166,7 @@ def test_teacher_forced_agreement_is_a_draft_on_exact_kv(runner, calibration):
 
 
 def test_model_objective_values(runner, calibration):
-    objective = ModelObjective(runner, calibration, weights_cost(runner, 5), 4)
+    objective = ModelObjective(runner, calibration, weights_cost(runner.spec, 5), 4)
     value, metrics = objective(LayerPlan.full(6))  # exact but as costly as the model: no gain
     assert value == pytest.approx(1.0) and metrics["acceptance_rate"] == 1.0 and metrics["matchness"] == 1.0
     value, metrics = objective(LayerPlan(6, frozenset(range(6)), frozenset(range(6))))
