@@ -19,6 +19,7 @@ import struct
 import sys
 import zipfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from core.errors import UserError
@@ -44,6 +45,45 @@ COMPLETE_FILE = ".layerskip-complete.json"
 """Completion marker of a converted model folder: every file's size and sha256, written last."""
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 """HF ``model_type`` values of the Llama family that the runner and the trainer handle."""
+
+
+@dataclass
+class ModelSpec:
+    """The architecture numbers the runner needs, read from a HF config."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    name: str = ""
+
+    @classmethod
+    def from_config(cls, config) -> ModelSpec:
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise UserError(f"model type {config.model_type!r} is not supported; the runner handles "
+                            f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama-family) checkpoints")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise UserError(f"activation {config.hidden_act!r} is not supported (Llama-family models use silu)")
+        heads = config.num_attention_heads
+        return cls(
+            model_type=config.model_type,
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size,
+            rms_norm_eps=config.rms_norm_eps,
+            max_position_embeddings=config.max_position_embeddings,
+            name=getattr(config, "_name_or_path", "") or "",
+        )
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 """A folder holding none of these has no tokenizer that transformers could load."""
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

@@ -17,9 +17,9 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from core.errors import UserError
+from core.models import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -309,19 +309,7 @@ def cycle_speedup(tokens_per_cycle: float, draft_forwards: float, draft_cost: fl
     return tokens_per_cycle / (draft_forwards * draft_cost + verify_cost)
 
 
-class ArchNumbers(Protocol):
-    """The architecture numbers the weight-read cost model needs (``Runner.spec`` has them)."""
-
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-
-
-def weights_cost(s: ArchNumbers, max_tokens: int) -> CostModel:
+def weights_cost(s: ModelSpec, max_tokens: int) -> CostModel:
     """Memory-bound costs: proportional to the weights each part reads; verification costs one forward.
 
     Attention reads its q, k, v and o projections, the MLP 3·d·I, the LM head V·d.
