@@ -123,7 +123,6 @@ class Engine:
         self.eos = frozenset(int(t) for t in eos_token_ids)
         self.decode = decode
         self.depth = self._target_depth(exit_layer)
-        self._cache = None
 
     def _target_depth(self, exit_layer: int | None) -> int:
         L = self.runner.num_layers
@@ -160,9 +159,9 @@ class Engine:
         if config.stop_strings and self.decode is None:
             raise UserError("stop strings need a tokenizer to decode the output")
         stats = GenerationStats(prompt_tokens=len(prompt))
-        state = DecodeState(self.runner, self._cache_for(len(prompt) + config.max_new_tokens),
-                            config.sampling, generator or config.sampling.generator(self.runner.device),
-                            tokens=list(prompt), prompt_len=len(prompt))
+        cache = self.runner.take_cache(self.cache_length(len(prompt), config.max_new_tokens))
+        generator = generator or config.sampling.generator(self.runner.device)
+        state = DecodeState(self.runner, cache, config.sampling, generator, tokens=list(prompt), prompt_len=len(prompt))
         t_start = time.perf_counter()
         first = self._prefill(state)
         stats.prefill_time = time.perf_counter() - t_start
@@ -201,6 +200,9 @@ class Engine:
         if not gen.done:
             raise ValueError("the generation is still running; call step() until done")
         out, finish = self._truncate(gen.tokens, gen.finish_reason, gen.config)
+        if gen.state.cache is not None:  # back to the runner's pool for the next generation
+            self.runner.release_cache(gen.state.cache)
+            gen.state.cache = None
         stats = gen.stats
         stats.wall_time = time.perf_counter() - gen.started
         stats.new_tokens = len(out)
@@ -221,25 +223,46 @@ class Engine:
                             f"exceeds the model's context of {limit} tokens; shorten the prompt or "
                             "lower --max-new-tokens")
 
-    def _cache_for(self, length: int):
-        # slack for the static executor, whose padded rows write up to BUCKETS[-1] - 1 slots past the real ones
-        capacity = length + self.drafter.lookahead + 2 + BUCKETS[-1]
-        if self._cache is None or self._cache.capacity < capacity:
-            self._cache = self.runner.new_cache(max(capacity, 256))
-        self._cache.reset()
-        return self._cache
+    def cache_length(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Cache positions a generation needs: prompt, new tokens, the drafter's lookahead, and slack for the
+        static executor, whose padded rows write up to ``BUCKETS[-1] - 1`` slots past the real ones."""
+        return prompt_len + max_new_tokens + self.drafter.lookahead + 2 + BUCKETS[-1]
 
     def _prefill(self, state: DecodeState) -> int:
         """Run the prompt through the target; the token it predicts becomes the pending token."""
-        ids = state.ids(0, state.prompt_len)  # (P,)
-        hidden = self.runner.forward_layers(state.cache, self.runner.embed(ids),
-                                            torch.arange(state.prompt_len, device=self.runner.device),
-                                            0, self.depth, bulk=True)  # (P, d)
-        logits = self.runner.logits(hidden[-1:])  # (1, V)
-        first = int(select(logits, state.sampling, state.generator)[0])
+        first = int(select(self._prefill_logits(state), state.sampling, state.generator)[0])  # the prefill's sync
         state.tokens.append(first)
-        state.n = state.prompt_len
         return first
+
+    def _prefill_logits(self, state: DecodeState) -> Tensor:
+        """Run the prompt through the target (state.n = prompt length); returns the last row's logits (1, V)."""
+        runner = self.runner
+        ids = runner.to_device(state.tokens[:state.prompt_len])  # (P,)
+        positions = torch.arange(state.prompt_len, device=runner.device)  # (P,)
+        hidden = runner.forward_layers(state.cache, runner.embed(ids), positions, 0, self.depth, bulk=True)  # (P, d)
+        state.n = state.prompt_len
+        return runner.logits(hidden[-1:])  # (1, V)
+
+    @torch.no_grad()
+    def target_logits(self, prompt_ids: Sequence[int], tokens: Sequence[int],
+                      config: GenerationConfig | None = None) -> Tensor:
+        """(V,) fp32 logits of the target after ``prompt_ids + tokens``, computed exactly as plain decoding with
+        this engine and ``config`` computes them: the prompt prefilled in one forward, then one token per
+        forward through the runner's executor, in a pooled cache of the same capacity. In bf16 this is what
+        tells a tie flip from a bug: recomputing on another path (eager instead of static/graphs, another
+        capacity) can move a logit by more than the tie bound."""
+        config = config or GenerationConfig()
+        runner, prompt = self.runner, [int(t) for t in prompt_ids]
+        cache = runner.take_cache(self.cache_length(len(prompt), config.max_new_tokens))
+        state = DecodeState(runner, cache, config.sampling, torch.Generator(), tokens=prompt, prompt_len=len(prompt))
+        try:
+            logits = self._prefill_logits(state)  # (1, V)
+            for i, token in enumerate(tokens):
+                hidden = runner.embed(runner.to_device([int(token)]))  # (1, d)
+                logits = runner.span(cache, hidden, [len(prompt) + i], 0, self.depth, logits=True).logits  # (1, V)
+        finally:
+            runner.release_cache(cache)
+        return logits[0]
 
     def _verify(self, state: DecodeState, draft: Draft | None) -> VerifyOutcome:
         """One forward of the target over the pending token and the draft tree.

@@ -39,6 +39,7 @@ but a noticeable share of a captured one on a small model.
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 from weakref import WeakKeyDictionary
@@ -131,8 +132,9 @@ class StaticSpan:
     def compute(self, cache: KVCache) -> tuple[Tensor, Tensor, Tensor | None]:
         return static_forward(self.runner, cache, self.hidden, self.meta, self.key, self.plan)
 
-    def capture(self, cache: KVCache) -> None:
-        """Warm up on a side stream, then record the forward (PyTorch's documented recipe)."""
+    def capture(self, cache: KVCache, pool) -> None:
+        """Warm up on a side stream, then record the forward into the executor's shared memory pool
+        (PyTorch's documented recipe). The caller has made the runner's device current."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -140,16 +142,17 @@ class StaticSpan:
                 self.compute(cache)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=pool):
             self.outputs = self.compute(cache)
         self.graph = graph
 
-    def run(self, cache: KVCache, capture: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+    def run(self, cache: KVCache, executor: StaticExecutor) -> tuple[Tensor, Tensor, Tensor | None]:
         self.uses += 1
-        if not capture:
+        if not executor.capture:
             return self.compute(cache)
         if self.graph is None and self.uses >= CAPTURE_AFTER:
-            self.capture(cache)
+            self.capture(cache, executor.graph_pool())
+            executor.captures += 1
         if self.graph is None:
             return self.compute(cache)
         self.graph.replay()
@@ -159,14 +162,27 @@ class StaticSpan:
 
 
 class StaticExecutor:
-    """Runs ``Runner.span`` calls as static-shape forwards, captured as CUDA graphs when ``capture``."""
+    """Runs ``Runner.span`` calls as static-shape forwards, captured as CUDA graphs when ``capture``.
+
+    ``builds`` counts the static forwards set up and ``captures`` the graphs recorded: both should stop
+    growing once every shape a workload uses has been seen (the runner's pooled caches keep them).
+    """
 
     def __init__(self, runner: Runner, capture: bool, buckets: tuple[int, ...] = BUCKETS):
         self.runner, self.capture, self.buckets = runner, capture, buckets
         self._spans: WeakKeyDictionary = WeakKeyDictionary()  # cache -> OrderedDict[SpanKey, StaticSpan]
+        self._pool = None
+        self.builds = self.captures = 0
 
     def clear(self) -> None:
         self._spans = WeakKeyDictionary()
+
+    def graph_pool(self):
+        """One CUDA-graph memory pool shared by every graph of this runner (they replay one at a time, and each
+        graph's outputs stay allocated, so a later capture reuses only memory no live graph reads)."""
+        if self._pool is None and self.runner.device.type == "cuda":
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
 
     def span(self, cache: KVCache, hidden: Tensor, positions: list[int], start: int, split: int, end: int,
              plan: LayerPlan | None, mask: Tensor | None,
@@ -194,7 +210,8 @@ class StaticExecutor:
         entry.meta.copy_(meta, non_blocking=True)
         entry.hidden[:T].copy_(hidden)
         try:
-            exact, out, head = entry.run(cache, self.capture)
+            with _on_device(self.runner.device, self.capture):
+                exact, out, head = entry.run(cache, self)
         except RuntimeError as e:
             if not self.capture:
                 raise
@@ -208,6 +225,7 @@ class StaticExecutor:
         entry = spans.get(key)
         if entry is None:
             entry = spans[key] = StaticSpan(self.runner, key, plan)
+            self.builds += 1
             while len(spans) > MAX_SPANS:
                 spans.popitem(last=False)
         spans.move_to_end(key)
@@ -229,6 +247,12 @@ class StaticExecutor:
             counters.layer_tokens[i] += T
         if logits:
             counters.lm_head_tokens += T
+
+
+def _on_device(device: torch.device, capture: bool):
+    """Make ``device`` the current CUDA device while capturing or replaying (streams, pools and graphs follow the
+    current device, not a tensor's: without this a runner on cuda:1 would capture on cuda:0's streams)."""
+    return torch.cuda.device(device) if capture and device.type == "cuda" else nullcontext()
 
 
 def static_forward(runner: Runner, cache: KVCache, hidden: Tensor, meta: Tensor, key: SpanKey,
@@ -281,8 +305,25 @@ def _attention(runner: Runner, cache: KVCache, i: int, hidden: Tensor, cos: Tens
     q, k, v = runner.qkv_rope(i, hidden, cos, sin)  # (Hq, rows, D), (Hkv, rows, D), (Hkv, rows, D)
     cache.k[i].index_copy_(1, write, k)  # into (Hkv, C, D)
     cache.v[i].index_copy_(1, write, v)
-    out = F.scaled_dot_product_attention(
-        q[None], cache.k[i][None], cache.v[i][None], attn_mask=visible,
-        enable_gqa=s.num_heads != s.num_kv_heads)  # (1, Hq, rows, D)
-    out = out[0].transpose(0, 1).reshape(rows, s.num_heads * s.head_dim)  # (rows, Hq D)
+    out = grouped_attention(q, cache.k[i], cache.v[i], visible)  # (Hq, rows, D)
+    out = out.transpose(0, 1).reshape(rows, s.num_heads * s.head_dim)  # (rows, Hq D)
     return hidden + runner.layers[i].o(out)
+
+
+def grouped_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor) -> Tensor:
+    """Masked attention of q (Hq, T, D) over k, v (Hkv, C, D) with Hq = G Hkv; ``visible`` (T, C) bool.
+
+    SDPA with a mask *and* ``enable_gqa`` can use neither the flash nor the memory-efficient CUDA kernel and
+    falls back to the math kernel (which upcasts and repeats K/V over the whole cache). Instead the G query
+    heads that share a KV head are folded into the row dimension, (Hkv, G T, D) against (Hkv, C, D): plain
+    multi-head attention with the mask repeated per group, which the memory-efficient kernel takes (its mask
+    rows need C to be a multiple of 8-16: pooled caches are powers of two). Query head h uses KV head h // G,
+    as in transformers' ``repeat_kv``.
+    """
+    Hq, T, D = q.shape
+    Hkv = k.shape[0]
+    G = Hq // Hkv
+    folded = q.reshape(Hkv, G * T, D)  # (Hkv, G T, D): head h = j G + g -> KV head j, rows g T .. g T + T - 1
+    mask = visible if G == 1 else visible.repeat(G, 1)  # (G T, C)
+    out = F.scaled_dot_product_attention(folded[None], k[None], v[None], attn_mask=mask)  # (1, Hkv, G T, D)
+    return out[0].reshape(Hq, T, D)  # (Hq, T, D)

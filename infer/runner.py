@@ -41,6 +41,18 @@ EXECUTORS = EXECUTOR_CHOICES
 """How ``Runner.span`` runs decoding forwards: auto = graphs on CUDA, eager elsewhere."""
 EXECUTOR_ENV = "LAYERSKIP_EXECUTOR"
 """Environment variable read when the executor is 'auto' (e.g. ``eager`` turns CUDA graphs off)."""
+MIN_CAPACITY = 256
+"""Smallest KV-cache capacity the runner's cache pool hands out."""
+
+
+def capacity_bucket(length: int) -> int:
+    """Capacity of the pooled cache for ``length`` positions: the next power of two, at least ``MIN_CAPACITY``.
+
+    Few distinct capacities mean few static forwards (and CUDA graphs) per runner: a longer prompt reuses
+    the same cache and graphs unless it crosses a power of two. Powers of two are multiples of 64, so the
+    memory-efficient attention kernel needs no padded copy of the attention mask.
+    """
+    return max(MIN_CAPACITY, 1 << max(0, length - 1).bit_length())
 
 
 class Linear:
@@ -191,8 +203,10 @@ class Runner:
         self.embed_w, self.final_norm, self.lm_head, self.layers = self._take_weights(state)
         self.inv_freq, self.rope_scale = self._rope_inv_freq(config)
         self._cos = self._sin = torch.empty(0)
-        self.counters = RunnerCounters([0] * self.spec.num_layers)
         self.static: StaticExecutor | None = None
+        self._ensure_rope(self.spec.max_position_embeddings)  # once: captured graphs read these tables
+        self.counters = RunnerCounters([0] * self.spec.num_layers)
+        self._free_caches: dict[int, list[KVCache]] = {}
         self.set_executor(executor)
 
     # ----------------------------------------------------------------- loading
@@ -206,7 +220,7 @@ class Runner:
             state = _load_safetensors_dir(path)
         else:
             state = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
-        return cls(config, state, parse_dtype(dtype), device, kernel, executor)
+        return cls(config, state, parse_dtype(dtype, device), device, kernel, executor)
 
     @classmethod
     def from_model(cls, model, dtype: torch.dtype | None = None, kernel: str = "auto",
@@ -304,11 +318,32 @@ class Runner:
 
     # ----------------------------------------------------------------- caches
     def new_cache(self, capacity: int) -> KVCache:
-        """A cache for ``capacity`` positions; also makes sure the RoPE table covers them."""
+        """A new cache of exactly ``capacity`` positions (decoding takes pooled ones: ``take_cache``)."""
         self._ensure_rope(capacity)
         return KVCache(self.spec, capacity, self.dtype, self.device)
 
+    def take_cache(self, length: int) -> KVCache:
+        """An empty cache for at least ``length`` positions, from the runner's pool (``capacity_bucket`` sizes).
+
+        The engine takes one per generation and gives it back with ``release_cache`` when the generation
+        ends, so the next generation (another prompt, another bench repeat, a fresh engine) decodes in
+        the same cache, and the static forwards and CUDA graphs kept per cache are built once.
+        """
+        capacity = capacity_bucket(length)
+        free = self._free_caches.get(capacity, [])
+        cache = free.pop() if free else self.new_cache(capacity)
+        cache.reset()
+        return cache
+
+    def release_cache(self, cache: KVCache) -> None:
+        """Give a cache from ``take_cache`` back to the pool (its contents are dropped on the next take)."""
+        free = self._free_caches.setdefault(cache.capacity, [])
+        if all(c is not cache for c in free):
+            free.append(cache)
+
     def _ensure_rope(self, n: int) -> None:
+        """RoPE tables for positions [0, n): built for the model's whole context at construction, so they never
+        grow while graphs that read them exist (growing drops every static forward)."""
         if self._cos.shape[0] >= n:
             return
         pos = torch.arange(n, dtype=torch.float)

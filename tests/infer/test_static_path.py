@@ -85,7 +85,7 @@ def test_static_equals_eager_when_sampling(eager, static):
 def test_static_executor_runs_the_decoding_forwards(static):
     engine = Engine(static, build_drafter("early_exit", static, {"exit_layer": 3, "num_draft": 3}))
     res = engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=12))
-    spans = list(static.static._spans[engine._cache])  # static forwards are kept per cache
+    spans = [k for table in static.static._spans.values() for k in table]  # kept per (pooled) cache
     assert res.stats.verify_calls > 0
     assert any(k.start == 0 and k.end == 3 and k.logits and k.rows == 1 for k in spans)  # draft steps
     assert any(k.start == 3 and k.end == L and k.logits and k.rows == 4 for k in spans)  # verification of 4
@@ -162,7 +162,7 @@ def test_executor_option_errors(model, monkeypatch):
     assert Runner.from_model(model).executor == "eager"  # CPU default: the eager path stays
 
 
-def _fake_capture(self, cache):
+def _fake_capture(self, cache, pool=None):
     """Stands in for CUDA-graph capture on CPU: replay recomputes into the same output buffers."""
     self.outputs = self.compute(cache)
     span = self
@@ -189,7 +189,7 @@ def test_replayed_forwards_hand_out_copies(model, eager, monkeypatch):
         for prompt in PROMPTS:
             got = engine.generate(prompt, GenerationConfig(max_new_tokens=32)).tokens
             assert got == _run(eager, name, options, prompt).tokens, (name, prompt)
-        spans += list(replayed.static._spans[engine._cache].values())
+        spans += [s for table in replayed.static._spans.values() for s in table.values()]
     assert any(s.graph is not None for s in spans)  # captured on second use, then replayed
     assert all(s.graph is None for s in spans if s.uses < 2)
 
@@ -197,7 +197,7 @@ def test_replayed_forwards_hand_out_copies(model, eager, monkeypatch):
 def test_failed_capture_warns_once_and_falls_back_to_eager(model, eager, monkeypatch):
     from infer.graphs import StaticExecutor, StaticSpan
 
-    def broken(self, cache):
+    def broken(self, cache, pool=None):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(StaticSpan, "capture", broken)

@@ -1,0 +1,158 @@
+"""Count host syncs: the points where Python waits for the device (or would, on a GPU).
+
+A CUDA graph saves launch overhead only while the CPU runs ahead of the GPU; every read of a device
+value on the host (``.item()``, ``int(t)``, ``bool(t)``, ``.tolist()``, indexing with a 0-dim tensor,
+a device-to-host copy) drains the GPU's queue first, and so does a blocking copy from pageable host
+memory to the device (``torch.tensor(list, device="cuda")``). :class:`SyncCounter` records them with a
+function mode (Python-level reads, tensors built from host data on the device) and a dispatch mode
+(``aten._local_scalar_dense`` and device-to-host / blocking host-to-device copies), so the same count
+comes out on a CPU, where nothing actually waits, as on a GPU:
+
+- ``reads``: a device value read on the host (counted once per read, whatever ops it dispatches);
+- ``h2d``: a host-to-device copy that blocks, i.e. a tensor built from host data directly on the
+  counted device (``torch.tensor(values, device=d)``; on CUDA pageable memory forces a sync), or a
+  ``.to(cuda)`` copy that is not ``non_blocking`` from pinned memory.
+
+Copies that the runner makes through pinned memory (``infer.runner.ints_to_device``) are not syncs
+and are not counted. ``section(name)`` attributes what happens inside it to ``name``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from contextlib import contextmanager
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+READS = frozenset({"tolist", "numpy", "item", "__bool__", "__int__", "__float__", "__index__"})
+"""Tensor methods that read a device value on the host."""
+FACTORIES = frozenset({"tensor", "as_tensor"})
+"""Functions that build a tensor from host data (a blocking copy when given a device)."""
+
+
+class _Functions(TorchFunctionMode):
+    def __init__(self, counter: SyncCounter):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        c = self.counter
+        if c.inside == 0:
+            if name in READS and args and isinstance(args[0], torch.Tensor) and args[0].device.type != "meta":
+                c.add("reads")
+            elif name in FACTORIES and kwargs.get("device") is not None \
+                    and torch.device(kwargs["device"]).type == c.device_type:
+                c.add("h2d")
+        c.inside += name in READS or name in FACTORIES
+        try:
+            return func(*args, **kwargs)
+        finally:
+            c.inside -= name in READS or name in FACTORIES
+
+
+class _Dispatch(TorchDispatchMode):
+    def __init__(self, counter: SyncCounter):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        c = self.counter
+        if c.inside == 0:
+            if func is torch.ops.aten._local_scalar_dense.default:
+                c.add("reads")
+            elif func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
+                src = args[1] if func is torch.ops.aten.copy_.default else args[0]
+                dst = args[0].device if func is torch.ops.aten.copy_.default else kwargs.get("device", src.device)
+                dst = torch.device(dst)
+                if src.device.type != "cpu" and dst.type == "cpu":
+                    c.add("reads")  # device-to-host
+                elif src.device.type == "cpu" and dst.type != "cpu" and not (
+                        kwargs.get("non_blocking", False) and src.is_pinned()):
+                    c.add("h2d")
+        return func(*args, **kwargs)
+
+
+class SyncCounter:
+    """``with SyncCounter(device) as syncs: ...`` counts the host syncs of the code inside.
+
+    ``device``: the device the model runs on (factory calls that build tensors there are counted).
+    """
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device_type = torch.device(device).type
+        self.counts: Counter[str] = Counter()
+        self.by_section: dict[str, Counter[str]] = {}
+        self.inside = 0
+        self._section: str | None = None
+        self._modes = (_Functions(self), _Dispatch(self))
+
+    def add(self, kind: str) -> None:
+        self.counts[kind] += 1
+        if self._section is not None:
+            self.by_section.setdefault(self._section, Counter())[kind] += 1
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def section_total(self, name: str) -> int:
+        return sum(self.by_section.get(name, Counter()).values())
+
+    @contextmanager
+    def section(self, name: str):
+        """Attribute the syncs inside to ``name`` (sections do not nest)."""
+        previous, self._section = self._section, name
+        try:
+            yield self
+        finally:
+            self._section = previous
+
+    def __enter__(self) -> SyncCounter:
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+
+
+def measure_decode(engine, prompt_ids: list[int], config) -> dict:
+    """Host syncs of one ``engine.generate``: per draft-verify cycle (propose + verify + accept), per token,
+    in the drafter's ``update`` (e.g. SWIFT's optimiser; reported apart) and in the prefill.
+
+    Returns ``{"per_cycle", "per_token", "draft_steps_per_cycle", "update_per_cycle", "prefill", "cycles",
+    "tokens", "reads", "h2d"}``.
+    """
+    counter = SyncCounter(engine.runner.device)
+    drafter = engine.drafter
+    update = drafter.update
+
+    def counted_update(state, outcome):
+        with counter.section("update"):
+            return update(state, outcome)
+
+    drafter.update = counted_update  # an instance attribute shadowing the method, removed below
+    try:
+        with counter:
+            with counter.section("prefill"):
+                gen = engine.start(prompt_ids, config)
+            while not gen.done:
+                with counter.section("cycle"):
+                    engine.step(gen)
+            result = engine.finish(gen)
+    finally:
+        del drafter.update
+    cycles = max(1, result.stats.verify_calls)
+    forwards = float(result.stats.drafter.get("draft_forwards", 0))
+    cycle = counter.section_total("cycle")
+    return {"per_cycle": cycle / cycles, "per_token": cycle / max(1, result.stats.new_tokens - 1),
+            "draft_steps_per_cycle": forwards / cycles,
+            "update_per_cycle": counter.section_total("update") / cycles,
+            "prefill": counter.section_total("prefill"), "cycles": result.stats.verify_calls,
+            "tokens": result.stats.new_tokens, "reads": counter.counts["reads"], "h2d": counter.counts["h2d"]}
