@@ -11,8 +11,14 @@ generation (the paper's §3.3 "adaptive draft-exiting"; defaults from its refere
              gamma - eps   otherwise                             (drafts are good: draft more)
     gamma <- b2 * gamma + (1 - b2) * g'
 
-with alpha = 0.9, eps = 0.01, b1 = 0.5, b2 = 0.9, gamma_0 = 0.8 and at most 12 drafts. As in the
+with alpha = 0.9, eps = 0.01, b1 = 0.5, b2 = 0.9, gamma_0 = 0.6 and at most 12 drafts. As in the
 reference code, the token whose confidence falls below gamma is still proposed and ends the chain.
+
+What lives how long follows the reference's evaluations (``evaluate_sum.ipynb``, ``evaluate_code.ipynb``): gamma
+starts at 0.6 in their adaptive runs and is handed from one prompt to the next (each call starts from the previous
+call's final ``th_stop_draft``), while the smoothed acceptance ``acc`` is a local of ``decoding.py``'s generate
+function and restarts at 0 on every prompt. Here one drafter instance is one such run: ``start`` resets ``acc``
+and keeps gamma (``carry_confidence=false`` restarts gamma from ``confidence`` on every prompt instead).
 Like the reference (``decoding.py``), the middle case looks only at the chain's length: a chain
 that drafted all k tokens keeps gamma even when its last token fell below gamma, and a chain
 cut short by the token budget lowers it like one stopped by gamma. The confidence is the draft's
@@ -44,8 +50,12 @@ class SelfSDConfig:
     this model, or a ``LayerPlan`` object (what the search evaluates)."""
     num_draft: int = 12
     """k: most tokens drafted per verification (Self-SD evaluates with 12)."""
-    confidence: float = 0.8
-    """Stop drafting when the draft's top-1 probability falls below this (Self-SD's initial threshold gamma)."""
+    confidence: float = 0.6
+    """Stop drafting when the draft's top-1 probability falls below this (Self-SD's initial threshold gamma; 0.6 as
+    the reference's adaptive evaluation runs start)."""
+    carry_confidence: bool = True
+    """Keep the adapted threshold from one generate call to the next, as the reference's evaluations do (only the
+    smoothed acceptance restarts per prompt); off = gamma restarts from ``confidence`` on every prompt."""
     adapt_confidence: bool = True
     """Adapt the confidence threshold after every verification (Self-SD §3.3); off = fixed threshold."""
     target_acceptance: float = 0.9
@@ -84,6 +94,16 @@ class AdaptiveThreshold:
         self.value = config.confidence
         self.acceptance = 0.0  # smoothed acceptance rate; the reference code starts it at 0
         self.updates = 0
+        self.start_value = self.value
+
+    def new_prompt(self) -> None:
+        """A new generate call: the smoothed acceptance and the update count restart; gamma is kept unless
+        ``carry_confidence`` is off (the reference passes the previous prompt's final gamma on)."""
+        self.acceptance = 0.0
+        self.updates = 0
+        if not self.config.carry_confidence:
+            self.value = self.config.confidence
+        self.start_value = self.value
 
     def update(self, accepted: int, drafted: int) -> None:
         c = self.config
@@ -134,7 +154,7 @@ class SelfSDDrafter:
         return self.config.num_draft + 1
 
     def start(self, state: DecodeState) -> None:
-        self.threshold = AdaptiveThreshold(self.config)  # per generate call, as in the reference code
+        self.threshold.new_prompt()
         self.forwards = 0
 
     def propose(self, state: DecodeState) -> Draft | None:
@@ -152,6 +172,7 @@ class SelfSDDrafter:
 
     def stats(self) -> dict:
         return {"draft_forwards": self.forwards, "confidence": round(self.threshold.value, 4),
+                "confidence_start": round(self.threshold.start_value, 4),
                 "threshold_updates": self.threshold.updates, "skip_ratio": self.plan.skip_ratio,
                 "exact_layers": self.forward.exact_layers}
 

@@ -217,7 +217,7 @@ def test_draft_step_is_exactly_the_plan(runner, plan):
 
 # --------------------------------------------------------------------------- adaptive threshold
 def test_threshold_rule_follows_self_sd():
-    t = AdaptiveThreshold(SelfSDConfig(plan=LayerPlan.full(L)))
+    t = AdaptiveThreshold(SelfSDConfig(plan=LayerPlan.full(L), confidence=0.8))
     t.update(accepted=0, drafted=4)  # acc 0 < 0.9: raise by eps, smoothed
     assert t.acceptance == 0.0 and t.value == pytest.approx(0.9 * 0.8 + 0.1 * 0.81)
     for _ in range(10):
@@ -274,6 +274,39 @@ def test_threshold_adapts_during_generation_and_stats_are_per_call(runner):
     assert again["draft_forwards"] < s["draft_forwards"]  # counters restart with each generate call
     fixed = generate(runner, drafter(runner, bad, confidence=0.2, adapt_confidence=False), max_new_tokens=40)
     assert fixed.stats.drafter["confidence"] == 0.2
+
+
+def test_threshold_starts_at_0_6_and_carries_across_prompts_as_the_reference_evaluations_do():
+    """evaluate_sum/evaluate_code.ipynb start adaptive runs at 0.6 and pass each prompt's final gamma to the next;
+    the smoothed acceptance is local to decoding.py's generate call, so it restarts at 0 on every prompt."""
+    cfg = SelfSDConfig(plan=LayerPlan.full(L))
+    assert (cfg.confidence, cfg.carry_confidence) == (0.6, True)
+    t = AdaptiveThreshold(cfg)
+    for accepted in (0, 1, 0):
+        t.update(accepted, 4)
+    assert t.value != 0.6 and t.acceptance > 0
+    adapted = t.value
+    t.new_prompt()
+    assert t.value == adapted and t.acceptance == 0.0 and t.updates == 0
+    fresh = AdaptiveThreshold(SelfSDConfig(plan=LayerPlan.full(L), carry_confidence=False))
+    fresh.update(0, 4)
+    fresh.new_prompt()
+    assert fresh.value == 0.6 and fresh.acceptance == 0.0
+
+
+def test_one_drafter_carries_gamma_from_prompt_to_prompt(runner):
+    plan = random_plans(L, 1, seed=5)[0]
+    d = drafter(runner, plan, num_draft=6)
+    finals, starts = [], []
+    for prompt in PROMPTS:
+        res = generate(runner, d, prompt, max_new_tokens=24)
+        assert res.tokens == generate(runner, prompt=prompt, max_new_tokens=24).tokens
+        starts.append(res.stats.drafter["confidence_start"])
+        finals.append(res.stats.drafter["confidence"])
+    assert starts[0] == 0.6 and starts[1:] == finals[:-1] and finals[0] != 0.6
+    per_prompt = drafter(runner, plan, num_draft=6, carry_confidence=False)
+    starts = [generate(runner, per_prompt, p, max_new_tokens=24).stats.drafter["confidence_start"] for p in PROMPTS]
+    assert starts == [0.6] * len(PROMPTS)
 
 
 # --------------------------------------------------------------------------- plan files and options
