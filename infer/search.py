@@ -4,7 +4,8 @@ The search space is the 2L binary choices "skip attention / MLP of layer l" (``i
 shared with SWIFT's online optimiser). Two objectives:
 
 - ``speed``: measured end-to-end speed of self-speculative greedy decoding (the ``self_sd``
-  drafter with its adaptive threshold) on a few calibration prompts. What Self-SD optimises
+  drafter as the reference search runs it: k = 8, adaptive threshold from 0.8 on every prompt)
+  on a few calibration prompts. What Self-SD optimises
   (as tokens/s); by default the value is the speed-up over autoregressive decoding of the same
   prompt timed just before, which cancels most of a shared machine's drift. Every trial decodes.
 - ``model`` (alias ``acceptance``): a noise-free expected speed-up. The full model's greedy
@@ -55,6 +56,12 @@ SAMPLERS = ("tpe", "gp")
 COSTS = ("measured", "weights")
 SPEED_REFERENCES = ("interleaved", "once")
 DEFAULT_NEW_TOKENS = {"model": 64, "speed": 32}
+DEFAULT_NUM_DRAFT = {"model": 12, "speed": 8}
+"""k per objective: the model objective replays up to Self-SD's evaluation k (12); the speed objective decodes as the
+reference search does (``searching.py`` calls ``decoding.py``'s generate with its defaults: k = 8)."""
+SPEED_SEARCH_CONFIDENCE = 0.8
+"""The speed objective's threshold: ``decoding.py``'s default initial gamma, adaptive, restarted on every prompt
+(the reference search passes no threshold, so each calibration prompt starts from it)."""
 K_GRID = (1, 2, 3, 4, 6, 8, 12, 16)
 GAMMA_GRID = (0.0, 0.5, 0.7, 0.8, 0.9)
 
@@ -81,8 +88,9 @@ class SearchConfig:
     """Calibration prompts, taken from the front of the data set."""
     max_new_tokens: int | None = None
     """Tokens per calibration prompt (default 64 for 'model', 32 for 'speed' as in Self-SD)."""
-    num_draft: int = 12
-    """Most drafts per verification: the drafter's k for 'speed', the largest k replayed for 'model'."""
+    num_draft: int | None = None
+    """Most drafts per verification: the drafter's k for 'speed' (default 8, the reference search's), the largest k
+    replayed for 'model' (default 12, Self-SD's evaluation k)."""
     cost: str = "measured"
     """'model' objective: draft/verify costs 'measured' once before the search, or counted in 'weights' read."""
     warm_start: bool = True
@@ -114,6 +122,8 @@ class SearchConfig:
             self.max_new_tokens = DEFAULT_NEW_TOKENS[self.objective]
         if self.max_new_tokens < 4:
             raise UserError(f"--max-new-tokens must be >= 4, got {self.max_new_tokens}")
+        if self.num_draft is None:
+            self.num_draft = DEFAULT_NUM_DRAFT[self.objective]
         if self.num_draft < 1:
             raise UserError(f"--num-draft must be >= 1, got {self.num_draft}")
 
@@ -450,13 +460,18 @@ class SpeedObjective:
         self.baseline_engine.generate(prompts[0], GenerationConfig(max_new_tokens=4, stop_at_eos=False))  # warm-up
         self.baseline = self._tokens_per_second(self.baseline_engine)
 
+    def drafter_config(self, plan: LayerPlan) -> SelfSDConfig:
+        """``decoding.py``'s defaults as ``searching.py`` uses them: k, gamma_0 = 0.8 adaptive, from 0.8 per prompt."""
+        return SelfSDConfig(plan=plan, num_draft=self.num_draft, confidence=SPEED_SEARCH_CONFIDENCE,
+                            carry_confidence=False)
+
     def _tokens_per_second(self, engine) -> float:
         results = [engine.generate(ids, self.gen) for ids in self.prompts]
         return sum(r.stats.new_tokens for r in results) / sum(r.stats.wall_time for r in results)
 
     def __call__(self, plan: LayerPlan) -> tuple[float, dict]:
-        # a new engine per plan: a live engine's drafter is never swapped
-        engine = Engine(self.runner, SelfSDDrafter(self.runner, SelfSDConfig(plan=plan, num_draft=self.num_draft)))
+        # a new engine per plan (a live engine's drafter is never swapped), drafting as the reference search does
+        engine = Engine(self.runner, SelfSDDrafter(self.runner, self.drafter_config(plan)))
         results, ar_tokens, ar_wall = [], 0, 0.0
         for ids in self.prompts:
             if self.reference == "interleaved":

@@ -254,6 +254,29 @@ def test_speed_objective(runner, tmp_path, reference):
     assert plan_file.search["autoregressive_tokens_per_second_at_start"] > 0
 
 
+def test_speed_objective_drafts_as_the_reference_search(runner, monkeypatch):
+    """searching.py decodes with decoding.py's defaults: k = 8 and gamma from 0.8 (adaptive) on every prompt."""
+    import infer.search as search_module
+
+    assert SearchConfig(objective="speed").num_draft == 8 and SearchConfig(objective="model").num_draft == 12
+    assert SearchConfig(objective="speed", num_draft=5).num_draft == 5
+    built = []
+    drafter_class = search_module.SelfSDDrafter
+
+    def record(runner, config):
+        built.append(config)
+        return drafter_class(runner, config)
+
+    monkeypatch.setattr(search_module, "SelfSDDrafter", record)
+    cfg = SearchConfig(objective="speed", trials=1, n_prompts=2, max_new_tokens=8, warm_start=False)
+    objective, _ = search_module.build_objective(runner, PROMPTS[:2], cfg)
+    value, metrics = objective(LayerPlan(6, frozenset({2})))
+    assert value > 0 and len(built) == 1
+    config = built[0]
+    assert (config.num_draft, config.confidence, config.adapt_confidence, config.carry_confidence) == (
+        8, 0.8, True, False)
+
+
 def test_config_aliases_and_defaults():
     assert SearchConfig(objective="acceptance").objective == "model"
     assert SearchConfig(objective="model").max_new_tokens == 64
