@@ -6,9 +6,9 @@ import argparse
 import sys
 
 from core.cli import run_main
-from infer.commands import bench, eval_exits, fetch_model, generate, plan, search, train
+from infer.commands import bench, draft_vocab, eval_exits, fetch_model, generate, plan, search, train
 
-COMMANDS = (fetch_model, generate, search, plan, bench, eval_exits, train)
+COMMANDS = (fetch_model, generate, search, plan, draft_vocab, bench, eval_exits, train)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,161 @@
+"""``layerskip draft-vocab``: choose the N token ids a reduced-vocabulary draft head scores.
+
+Counts token frequencies on calibration data (the front of each set: the model's own greedy generations,
+or the texts), keeps the special tokens plus the most frequent ids, writes them as a vocabulary file tied
+to the model, and reports the coverage (share of held-out target tokens inside the subset) on the model's
+greedy generations for the end of each set, which calibration leaves alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from core.cli import check_output_file
+from core.device import dtype_name
+from core.errors import UserError
+from core.prompts import PromptItem, load_prompts
+from infer.commands.generate import add_model_args
+
+STDLIB = "stdlib"
+"""--data name of the Python standard library's source (path-hash order, as the CPU training recipe reads it)."""
+TEXT_CHARS = 2000
+"""Characters kept of each standard-library file (as ``core.prompts`` keeps of each file of a text folder)."""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("draft-vocab", help="choose the token ids of a reduced-vocabulary draft head (lossless: "
+                       "verification keeps the full head)",
+                       description="Count token frequencies on calibration data from the front of each set "
+                       "(--mode generate: the model's own greedy generations, generated tokens only, with the "
+                       "texts' counts breaking ties; --mode text: the texts' tokens), keep the special tokens plus "
+                       "the most frequent ids (--size in all) and write them to --out, tied to the model. Coverage "
+                       "is measured on the model's greedy generations for the last --heldout prompts of each set.")
+    add_model_args(p)
+    p.add_argument("--data", required=True,
+                   help="comma-separated calibration sets: humaneval, gsm8k, stdlib (the Python standard library's "
+                   "source, as the CPU training recipe reads it), .jsonl files with 'prompt' fields, or folders "
+                   "of text files")
+    p.add_argument("--size", type=int, required=True, help="token ids to keep (special tokens included), e.g. 8192")
+    p.add_argument("--mode", default="generate", choices=["generate", "text"],
+                   help="count the model's own greedy generations (default) or the calibration texts")
+    p.add_argument("--n", type=int, default=32, help="calibration items per set, from its front (default 32)")
+    p.add_argument("--text-n", type=int, default=None,
+                   help="--mode generate: items per set whose text is counted to break ties (default --n)")
+    p.add_argument("--max-new-tokens", type=int, default=128,
+                   help="tokens generated per prompt, for counting and for held-out coverage (default 128)")
+    p.add_argument("--heldout", type=int, default=8,
+                   help="prompts per set, from its end, whose generations measure coverage (default 8; 0 = none)")
+    p.add_argument("--report-sizes", default="",
+                   help="also report the held-out coverage of these sizes, e.g. 1024,4096,16384")
+    p.add_argument("--chat", default="auto", choices=["auto", "always", "never"],
+                   help="chat template: auto = for gsm8k only (as `layerskip bench` does)")
+    p.add_argument("--out", type=Path, required=True, help="vocabulary file to write (.json)")
+    p.add_argument("--counts-out", type=Path, default=None,
+                   help="also write the token counts (.json; the format of the bundled counts)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=run)
+
+
+def parse_sizes(text: str) -> list[int]:
+    """'1024,4096' -> [1024, 4096] (blank = none)."""
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--report-sizes {text!r}: give comma-separated sizes, e.g. 1024,4096") from None
+    if any(s < 1 for s in sizes):
+        raise UserError(f"--report-sizes {text!r}: sizes must be >= 1")
+    return sizes
+
+
+def stdlib_items() -> list[PromptItem]:
+    """The standard library's source files in the training data's order (its back is the training hold-out)."""
+    # train.data imports torch and numpy; loaded only when the stdlib is asked for
+    from train.config import SourceConfig
+    from train.data import read_source
+
+    docs = read_source(SourceConfig(type=STDLIB), "pretrain")
+    return [PromptItem(d.id, d.text[:TEXT_CHARS], "", STDLIB) for d in docs]
+
+
+def split_set(name: str, items: list[PromptItem], n: int, text_n: int,
+              heldout: int) -> tuple[list[PromptItem], list[PromptItem], list[PromptItem]]:
+    """(calibration prompts, calibration texts, held-out prompts): the front for calibration, the end held out."""
+    front = items[:len(items) - heldout]
+    if not front:
+        raise UserError(f"{name} has {len(items)} items, all taken by --heldout {heldout}; lower --heldout")
+    if max(n, text_n) > len(front):
+        print(f"layerskip: note: {name} has {len(front)} items before its {heldout} held-out ones; "
+              f"calibrating on those", file=sys.stderr)
+    return front[:n], front[:text_n], items[len(items) - heldout:]
+
+
+def load_sets(names: list[str], n: int, text_n: int, heldout: int):
+    """Calibration prompts, calibration texts and held-out prompts over all the sets, in order."""
+    calib, texts, held = [], [], []
+    for name in names:
+        items = stdlib_items() if name == STDLIB else load_prompts(name)
+        c, t, h = split_set(name, items, n, text_n, heldout)
+        calib, texts, held = calib + c, texts + t, held + h
+    return calib, texts, held
+
+
+def coverage_line(size: int, vocab_size: int, report: dict) -> str:
+    parts = ", ".join(f"{task} {r['coverage']:.3f} ({r['tokens']} tokens)" for task, r in report.items())
+    return f"  N={size} ({size / vocab_size:.1%} of the LM head): {parts}"
+
+
+def run(args: argparse.Namespace) -> int:
+    # torch and transformers load only once the arguments are known to be good
+    from infer.draft_vocab import count_tokens, coverage_report, encode_prompts, heldout_tokens, special_ids
+    from infer.loading import load_model, set_threads
+
+    # Everything that can be checked without the model is checked first.
+    names = [d.strip() for d in args.data.split(",") if d.strip()]
+    if not names:
+        raise UserError("--data is empty: give one or more sets, e.g. humaneval,gsm8k")
+    if args.n < 1 or args.max_new_tokens < 1 or args.heldout < 0 or args.size < 1:
+        raise UserError("--size, --n and --max-new-tokens must be >= 1, --heldout >= 0")
+    if args.text_n is not None and (args.mode == "text" or args.text_n < 1):
+        raise UserError("--text-n applies to --mode generate only and must be >= 1")
+    sizes = parse_sizes(args.report_sizes)
+    for flag, path in (("--out", args.out), ("--counts-out", args.counts_out)):
+        if path is not None:
+            if path.suffix != ".json":
+                raise UserError(f"{flag} {path} should be a .json file")
+            check_output_file(path, flag)
+    text_n = args.n if args.text_n is None else args.text_n
+    calib, texts, held = load_sets(names, args.n, text_n, args.heldout)
+    set_threads(args.threads)
+
+    model = load_model(args.model, args.dtype, args.device, args.executor)
+    vocab_size, special = model.runner.spec.vocab_size, special_ids(model.tokenizer, model.eos_token_ids)
+    for s in [args.size, *sizes]:
+        if not len(special) < s <= vocab_size:
+            raise UserError(f"size {s} is out of range: {args.model} has {vocab_size} token ids, {len(special)} of "
+                            f"them special tokens that every subset keeps; give {len(special) + 1}..{vocab_size}")
+    if args.mode == "generate" or held:
+        encode_prompts(model, (calib if args.mode == "generate" else []) + held, args.max_new_tokens, args.chat)
+    source = {"data": names, "calibration": "front", "dtype": dtype_name(model.runner.dtype)}
+    counts = count_tokens(model, calib, args.mode, max_new_tokens=args.max_new_tokens, chat=args.chat,
+                          text_items=texts, progress=not args.quiet, source=source)
+    vocab = counts.top(args.size)
+    what = "generated" if args.mode == "generate" else "text"
+    print(f"draft vocabulary: {vocab.size} of {vocab_size} ids ({vocab.head_share:.1%} of the LM head), from "
+          f"{counts.tokens} {what} tokens of {len(calib)} calibration items ({', '.join(names)}); counting took "
+          f"{counts.source['wall_time_s']}s", file=sys.stderr)
+    if held:
+        tokens = heldout_tokens(model, held, args.max_new_tokens, args.chat, progress=not args.quiet)
+        vocab = replace(vocab, source=vocab.source | {"heldout": len(held)}, coverage=coverage_report(vocab, tokens))
+        print(f"held-out coverage (the model's greedy generations on the last {args.heldout} prompts of each set):",
+              file=sys.stderr)
+        for size in sorted({args.size, *sizes}):
+            report = vocab.coverage if size == args.size else coverage_report(counts.top(size), tokens)
+            print(coverage_line(size, vocab_size, report), file=sys.stderr)
+    if args.counts_out is not None:
+        counts.save(args.counts_out)
+    vocab.save(args.out)
+    print(args.out)
+    return 0

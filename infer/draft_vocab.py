@@ -1,0 +1,426 @@
+"""Reduced-vocabulary draft heads: which N token ids a drafter's LM head scores, chosen by token frequency.
+
+A draft step that scores only N of the V token ids reads N/V of the LM head (on the default model the
+head is 21% of the weights). Verification always uses the full head, so greedy output is unchanged and
+sampling stays exact: the draft distribution is zero outside the subset and the residual at a rejection
+covers the rest. Following VocabTrim (Goel et al. 2025), the subset is the N most frequent tokens of
+calibration data, best counted on the target model's own greedy generations.
+
+- ``TokenCounts``: per-token counts of calibration data (``count_tokens``) and their provenance; a
+  counts file ships for the default model (``bundled_counts``), so ``--draft-vocab N`` needs no run.
+- ``DraftVocab``: the chosen sorted ids, saved as a JSON file tied to its model like plan files are.
+- ``coverage``: the share of target tokens inside a subset; ``heldout_tokens`` generates them.
+- ``resolve_draft_vocab``: ``--draft-vocab N`` (top N of the bundled counts) or a path to a file.
+- ``subset_rows`` / ``to_full_ids`` / ``to_full_probs``: the tensor side of a subset head.
+
+Which model a file fits: its architecture numbers and vocabulary size, and the tokenizer's fingerprint
+(a digest of its id -> token table); the weight fingerprint is checked instead when no tokenizer is at
+hand. A LayerSkip-finetuned checkpoint of a model thus keeps using that model's counts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from core.errors import UserError
+from core.prompts import PromptItem, use_chat_template
+
+COUNTS_FORMAT = "layerskip-token-counts/1"
+VOCAB_FORMAT = "layerskip-draft-vocab/1"
+MODES = ("text", "generate")
+"""What is counted: ``text`` = the calibration texts' tokens; ``generate`` = the model's own greedy output."""
+ARCH_KEYS = ("model_type", "num_layers", "hidden_size", "vocab_size")
+"""Identity keys (``Runner.identity()``) a counts or vocabulary file must match, besides the tokenizer."""
+BUNDLED_DIR = Path(__file__).parent / "data" / "draft_vocab"
+"""Counts files shipped with the package (package data), one per model; read by ``--draft-vocab N``."""
+MAKE_ONE = "make one for this model with `layerskip draft-vocab`"
+
+
+# --------------------------------------------------------------------------- model identity
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short digest of the tokenizer's id -> token table: two tokenizers agree on every id iff it matches."""
+    table = sorted((int(i), str(t)) for t, i in tokenizer.get_vocab().items())
+    return hashlib.sha256(json.dumps(table, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def model_record(identity: dict, tokenizer) -> dict:
+    """What a file records about its model: ``Runner.identity()`` plus the tokenizer fingerprint."""
+    return dict(identity) | {"tokenizer": tokenizer_fingerprint(tokenizer)}
+
+
+def identity_of(model) -> dict:
+    """``Runner.identity()`` of a runner, or the identity dict itself."""
+    return model.identity() if hasattr(model, "identity") else dict(model)
+
+
+def check_model(recorded: dict, model, tokenizer=None, path: str = "the file") -> None:
+    """Refuse a file made for another model: the architecture numbers and the tokenizer must match (the
+    weight fingerprint instead of the tokenizer when ``tokenizer`` is None)."""
+    mine = identity_of(model)
+    keys = list(ARCH_KEYS)
+    if tokenizer is not None:
+        mine = mine | {"tokenizer": tokenizer_fingerprint(tokenizer)}
+        keys.append("tokenizer")
+    else:
+        keys.append("weight_fingerprint")
+    diff = [f"{k}: file has {recorded.get(k)}, model has {mine.get(k)}" for k in keys if recorded.get(k) != mine.get(k)]
+    if diff:
+        raise UserError(f"{path} was made for another model ({', '.join(diff)}); {MAKE_ONE}")
+
+
+def special_ids(tokenizer, eos_ids: Iterable[int] = ()) -> tuple[int, ...]:
+    """Ids every subset keeps: the tokenizer's special tokens (BOS, EOS, chat markers) and the model's EOS ids."""
+    ids = {int(i) for i in tokenizer.all_special_ids} | {int(i) for i in eos_ids}
+    for name in ("bos_token_id", "eos_token_id"):
+        if getattr(tokenizer, name, None) is not None:
+            ids.add(int(getattr(tokenizer, name)))
+    return tuple(sorted(ids))
+
+
+# --------------------------------------------------------------------------- files
+def _write_json(path, text: str) -> None:
+    """Write atomically (a temporary file renamed into place)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _read_json(path, fmt: str, what: str) -> dict:
+    """The JSON object of a file of format ``fmt``; a missing, unreadable or foreign file is one UserError."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise UserError(f"{what} {path} does not exist ({MAKE_ONE})")
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise UserError(f"cannot read {what} {path}: {e.strerror}") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is not a valid {what}: not JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise UserError(f"{path} is not a valid {what}: it holds a JSON {type(d).__name__}, not an object")
+    if d.get("format") != fmt:
+        raise UserError(f"{path} is not a valid {what}: format is {d.get('format')!r}, expected {fmt!r}")
+    return d
+
+
+def _token_ids(values, vocab_size: int, what: str) -> list[int]:
+    """Check a JSON list of token ids: integers in [0, vocab_size), no repeats."""
+    if not isinstance(values, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+        raise ValueError(f"{what} must be a list of integer token ids")
+    bad = [v for v in values if not 0 <= v < vocab_size]
+    if bad:
+        raise ValueError(f"{what} has ids {bad[:3]} outside [0, {vocab_size})")
+    if len(set(values)) != len(values):
+        raise ValueError(f"{what} repeats ids")
+    return values
+
+
+def _vocab_size(d: dict) -> int:
+    model = d.get("model")
+    if not isinstance(model, dict):
+        raise ValueError(f"'model' must be an object, got {type(model).__name__}")
+    v = model.get("vocab_size")
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"model.vocab_size must be a positive integer, got {v!r}")
+    return v
+
+
+# --------------------------------------------------------------------------- the subset
+@dataclass(frozen=True)
+class DraftVocab:
+    """The token ids a draft head scores (sorted, unique), with where they came from and the model they fit."""
+
+    ids: tuple[int, ...]
+    """Sorted unique token ids: row i of the subset head is row ``ids[i]`` of the full head."""
+    model: dict
+    """The model the ids were chosen for (``model_record``: identity and tokenizer fingerprint)."""
+    source: dict = field(default_factory=dict)
+    """Provenance of the counts: data, mode, token count, selection rule."""
+    coverage: dict = field(default_factory=dict)
+    """Held-out coverage measured when the file was made: task -> {'coverage', 'tokens'} (may be empty)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ids", tuple(sorted({int(i) for i in self.ids})))
+
+    @property
+    def size(self) -> int:
+        return len(self.ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model["vocab_size"])
+
+    @property
+    def head_share(self) -> float:
+        """Share of the LM head's rows (and weight) the subset keeps: N / V."""
+        return self.size / self.vocab_size
+
+    def ids_tensor(self, device: str | torch.device = "cpu") -> Tensor:
+        """(N,) long tensor of the ids on ``device``, for ``subset_rows`` and ``to_full_ids``."""
+        return torch.tensor(self.ids, dtype=torch.long, device=device)  # (N,)
+
+    def to_dict(self) -> dict:
+        return {"format": VOCAB_FORMAT, "size": self.size, "head_share": round(self.head_share, 4),
+                "model": self.model, "source": self.source, "coverage": self.coverage, "ids": list(self.ids)}
+
+    def save(self, path) -> None:
+        """Write atomically; the id list stays on one line."""
+        d = self.to_dict()
+        ids = d.pop("ids")
+        text = json.dumps(d, indent=2)
+        _write_json(path, text[:-2] + f',\n  "ids": {json.dumps(ids, separators=(",", ":"))}\n}}\n')
+
+    @classmethod
+    def load(cls, path) -> DraftVocab:
+        """Read and validate a vocabulary file; anything wrong is one UserError naming the file."""
+        d = _read_json(path, VOCAB_FORMAT, "draft vocabulary file")
+        try:
+            ids = _token_ids(d.get("ids"), _vocab_size(d), "'ids'")
+            if not ids:
+                raise ValueError("'ids' is empty")
+            for key in ("source", "coverage"):
+                if not isinstance(d.get(key, {}), dict):
+                    raise ValueError(f"{key!r} must be an object")
+            return cls(tuple(ids), d["model"], d.get("source", {}), d.get("coverage", {}))
+        except ValueError as e:
+            raise UserError(f"{Path(path).expanduser()} is not a valid draft vocabulary file: {e}") from None
+
+
+# --------------------------------------------------------------------------- counts
+@dataclass
+class TokenCounts:
+    """How often each token id occurred in calibration data; the ranking that ``top`` cuts."""
+
+    counts: dict[int, int]
+    """Token id -> occurrences in what ``source['mode']`` counts (generated tokens, or text tokens)."""
+    backoff: dict[int, int]
+    """Token id -> occurrences in calibration text: breaks ties of ``counts`` (empty in text mode)."""
+    special: tuple[int, ...]
+    """Ids every subset keeps whatever their counts (BOS, EOS, the tokenizer's special tokens)."""
+    model: dict
+    """The model counted (``model_record``: identity and tokenizer fingerprint)."""
+    source: dict = field(default_factory=dict)
+    """Provenance: data sets and items, mode, tokens counted, generation length, chat, dtype, wall time."""
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model["vocab_size"])
+
+    @property
+    def tokens(self) -> int:
+        """Tokens counted (the primary counts)."""
+        return sum(self.counts.values())
+
+    def ranking(self) -> list[int]:
+        """Every id of the vocabulary, most frequent first: by count, then back-off count, then smaller id."""
+        seen = set(self.counts) | set(self.backoff)
+        listed = sorted(seen, key=lambda i: (-self.counts.get(i, 0), -self.backoff.get(i, 0), i))
+        return listed + [i for i in range(self.vocab_size) if i not in seen]
+
+    def top(self, n: int) -> DraftVocab:
+        """The special ids plus the most frequent other ids, ``n`` in all."""
+        if isinstance(n, bool) or not isinstance(n, int) or not len(self.special) < n <= self.vocab_size:
+            raise UserError(f"draft vocabulary size {n!r} must be an integer in ({len(self.special)}, "
+                            f"{self.vocab_size}]: more than the model's {len(self.special)} special tokens, "
+                            "at most its vocabulary")
+        chosen = set(self.special)
+        for i in self.ranking():
+            if len(chosen) == n:
+                break
+            chosen.add(i)
+        source = self.source | {"counted_tokens": self.tokens,
+                                "selection": f"special ids + top {n - len(self.special)} by count "
+                                             "(ties: back-off count, then smaller id)"}
+        return DraftVocab(tuple(chosen), self.model, source)
+
+    def to_dict(self) -> dict:
+        rows = [[i, self.counts.get(i, 0), self.backoff.get(i, 0)] for i in self.ranking()
+                if i in self.counts or i in self.backoff]
+        return {"format": COUNTS_FORMAT, "model": self.model, "source": self.source,
+                "special_ids": list(self.special), "tokens": self.tokens,
+                "columns": ["id", "count", "backoff"], "counts": rows}
+
+    def save(self, path) -> None:
+        """Write atomically, one [id, count, backoff] row per line, most frequent first."""
+        d = self.to_dict()
+        rows = d.pop("counts")
+        head = json.dumps(d, indent=2)[:-2]
+        body = ",\n".join(json.dumps(r, separators=(",", ":")) for r in rows)
+        _write_json(path, f'{head},\n  "counts": [\n{body}\n]\n}}\n')
+
+    @classmethod
+    def load(cls, path) -> TokenCounts:
+        """Read and validate a counts file; anything wrong is one UserError naming the file."""
+        d = _read_json(path, COUNTS_FORMAT, "token counts file")
+        try:
+            vocab = _vocab_size(d)
+            rows = d.get("counts")
+            if not isinstance(rows, list) or any(not isinstance(r, list) or len(r) != 3 for r in rows):
+                raise ValueError("'counts' must be a list of [id, count, backoff] rows")
+            _token_ids([r[0] for r in rows], vocab, "'counts' ids")
+            if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for r in rows for c in r[1:]):
+                raise ValueError("counts must be non-negative integers")
+            special = _token_ids(d.get("special_ids"), vocab, "'special_ids'")
+            if not isinstance(d.get("source", {}), dict):
+                raise ValueError("'source' must be an object")
+            return cls({r[0]: r[1] for r in rows if r[1]}, {r[0]: r[2] for r in rows if r[2]}, tuple(special),
+                       d["model"], d.get("source", {}))
+        except ValueError as e:
+            raise UserError(f"{Path(path).expanduser()} is not a valid token counts file: {e}") from None
+
+
+def text_tokens(item: PromptItem, tokenizer) -> list[int]:
+    """Token ids of an item's text: the prompt, then its reference answer where the set has one."""
+    text = item.prompt + ("\n" + item.reference if item.reference else "")
+    return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
+def encode_prompts(model, items: Sequence[PromptItem], max_new_tokens: int, chat: str = "auto") -> list[list[int]]:
+    """Token ids of the items' prompts (chat template per ``core.prompts``' task policy); refuses, naming them, the
+    prompts that leave no room for ``max_new_tokens`` in the model's context."""
+    prompts = [model.encode(item.prompt, use_chat_template(item.task, chat)) for item in items]
+    limit = model.runner.spec.max_position_embeddings
+    long = [f"{item.task}/{item.id}" for item, ids in zip(items, prompts, strict=True)
+            if len(ids) + max_new_tokens > limit]
+    if long:
+        raise UserError(f"prompts {', '.join(long[:5])}{' ...' if len(long) > 5 else ''} leave no room for "
+                        f"{max_new_tokens} new tokens in the model's context of {limit}; lower --max-new-tokens "
+                        "or use shorter prompts")
+    return prompts
+
+
+def greedy_generations(model, items: Sequence[PromptItem], max_new_tokens: int, chat: str = "auto",
+                       progress: bool = False, desc: str = "generating") -> list[list[int]]:
+    """The model's own greedy output for each item (prompt excluded; cut at EOS), plain autoregressive decoding.
+
+    ``model`` is an ``infer.loading.LoadedModel``; ``chat`` is the task policy of ``core.prompts``
+    (``auto``: the chat template for question-answer sets such as gsm8k).
+    """
+    # infer.engine imports the runner and drafters, which may themselves use this module: imported here
+    # so that they can import draft_vocab without an import cycle
+    from infer.engine import GenerationConfig
+
+    prompts = encode_prompts(model, items, max_new_tokens, chat)
+    config = GenerationConfig(max_new_tokens=max_new_tokens)
+    engine = model.engine("autoregressive")
+    out = []
+    for ids in tqdm(prompts, desc=desc, disable=not progress, unit="prompt"):
+        out.append(engine.generate(ids, config).tokens)
+    engine.drafter.finish()
+    return out
+
+
+def count_tokens(model, items: Sequence[PromptItem], mode: str = "generate", *, max_new_tokens: int = 128,
+                 chat: str = "auto", text_items: Sequence[PromptItem] | None = None, progress: bool = False,
+                 source: dict | None = None) -> TokenCounts:
+    """Count token frequencies on calibration items (``model``: an ``infer.loading.LoadedModel``).
+
+    ``generate``: the model's greedy generations on the items' prompts, the generated tokens only (a drafter
+    predicts continuations, never prompt tokens; VocabTrim found the target's own output a better guide
+    than raw text), with the tokens of ``text_items`` (default: the items) as the tie-breaking back-off.
+    ``text``: the tokens of the items' texts (prompt and reference answer). ``source`` adds provenance.
+    """
+    if mode not in MODES:
+        raise UserError(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
+    start = time.perf_counter()
+    texts = items if mode == "text" or text_items is None else text_items
+    text_counts = Counter(t for item in texts for t in text_tokens(item, model.tokenizer))
+    info = {"mode": mode, "items": len(items), "text_items": len(texts), "text_tokens": sum(text_counts.values())}
+    if mode == "text":
+        counts, backoff = text_counts, Counter()
+    else:
+        outputs = greedy_generations(model, items, max_new_tokens, chat, progress, "counting")
+        counts, backoff = Counter(t for out in outputs for t in out), text_counts
+        info |= {"max_new_tokens": max_new_tokens, "chat": chat, "generated_tokens": sum(counts.values())}
+    info["wall_time_s"] = round(time.perf_counter() - start, 1)
+    return TokenCounts(dict(counts), dict(backoff), special_ids(model.tokenizer, model.eos_token_ids),
+                       model_record(model.runner.identity(), model.tokenizer), (source or {}) | info)
+
+
+# --------------------------------------------------------------------------- coverage
+def coverage(vocab: DraftVocab | Iterable[int], token_ids: Iterable[int]) -> float:
+    """Share of ``token_ids`` (the tokens a drafter must predict) that lie inside the subset."""
+    inside = set(vocab.ids if isinstance(vocab, DraftVocab) else vocab)
+    tokens = list(token_ids)
+    if not tokens:
+        raise ValueError("coverage of no tokens is undefined")
+    return sum(t in inside for t in tokens) / len(tokens)
+
+
+def heldout_tokens(model, items: Sequence[PromptItem], max_new_tokens: int = 128, chat: str = "auto",
+                   progress: bool = False) -> dict[str, list[int]]:
+    """Held-out target tokens per task: the model's greedy generations on ``items`` (take them from the END
+    of each set, which calibration leaves alone), since those are the tokens a drafter must predict."""
+    outputs = greedy_generations(model, items, max_new_tokens, chat, progress, "held-out")
+    by_task: dict[str, list[int]] = {}
+    for item, out in zip(items, outputs, strict=True):
+        by_task.setdefault(item.task, []).extend(out)
+    return by_task
+
+
+def coverage_report(vocab: DraftVocab | Iterable[int], tokens_by_task: dict[str, list[int]]) -> dict:
+    """task -> {'coverage', 'tokens'} for each task with tokens, plus 'all' over them together."""
+    groups = {task: toks for task, toks in tokens_by_task.items() if toks}
+    if len(groups) > 1:
+        groups["all"] = [t for toks in groups.values() for t in toks]
+    return {task: {"coverage": round(coverage(vocab, toks), 4), "tokens": len(toks)} for task, toks in groups.items()}
+
+
+# --------------------------------------------------------------------------- resolving --draft-vocab
+def bundled_counts(model, tokenizer=None, directory: Path = BUNDLED_DIR) -> TokenCounts:
+    """The shipped counts file that fits ``model`` (a runner or its identity; see ``check_model``)."""
+    for path in sorted(Path(directory).glob("*.json")):
+        counts = TokenCounts.load(path)
+        try:
+            check_model(counts.model, model, tokenizer, str(path))
+        except UserError:
+            continue
+        return counts
+    identity = identity_of(model)
+    raise UserError(f"no bundled token counts for this model ({identity.get('model_type')}, "
+                    f"{identity.get('num_layers')} layers, vocabulary {identity.get('vocab_size')}); give a "
+                    f"vocabulary file instead: {MAKE_ONE}")
+
+
+def resolve_draft_vocab(spec: int | str | os.PathLike, model, tokenizer=None,
+                        directory: Path = BUNDLED_DIR) -> DraftVocab:
+    """``--draft-vocab`` / ``draft_vocab=``: an integer N (the top N of the bundled counts for this model) or
+    the path of a vocabulary file made by `layerskip draft-vocab`; either is checked against ``model``."""
+    text = str(spec).strip() if not isinstance(spec, int) else ""
+    if isinstance(spec, int) or text.isdigit():
+        return bundled_counts(model, tokenizer, directory).top(int(spec))
+    if not text:
+        raise UserError("--draft-vocab is empty: give a size such as 8192 or a file made by `layerskip draft-vocab`")
+    vocab = DraftVocab.load(text)
+    check_model(vocab.model, model, tokenizer, text)
+    return vocab
+
+
+# --------------------------------------------------------------------------- tensors of a subset head
+def subset_rows(weight: Tensor, ids: Tensor) -> Tensor:
+    """The subset head: rows ``ids`` of the full head weight, (V, d), (N,) -> (N, d) (a copy, gathered once)."""
+    return weight.index_select(0, ids.to(weight.device))  # (N, d)
+
+
+def to_full_ids(sub_index: Tensor, ids: Tensor) -> Tensor:
+    """Positions in the subset (e.g. a subset head's argmax), any shape (...,), -> full-vocabulary ids (...,)."""
+    return ids[sub_index]  # (...,)
+
+
+def to_full_probs(sub_probs: Tensor, ids: Tensor, vocab_size: int) -> Tensor:
+    """A draft distribution over the subset, (..., N), as one over the whole vocabulary, (..., V): zero outside."""
+    full = sub_probs.new_zeros(*sub_probs.shape[:-1], vocab_size)  # (..., V)
+    return full.index_copy_(-1, ids.to(sub_probs.device), sub_probs)  # (..., V)
