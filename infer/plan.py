@@ -3,8 +3,8 @@
 One home for what `layerskip search` (Self-SD's offline search) and SWIFT's online optimiser share:
 
 - ``LayerPlan`` and plan files (``PlanFile``);
-- the search space (``PlanSpace``: one optuna encoding of the 2L skip choices) and uniform plans
-  (``uniform_plan``: skips spread evenly over the inner layers);
+- the search space (``PlanSpace``: one optuna encoding of the 2L skip choices), uniform plans
+  (``uniform_plan``: skips spread evenly over the inner layers) and SWIFT's odd-layer start (``odd_inner_plan``);
 - one cost model of draft-verify decoding (``CostModel``, ``iid_tokens_per_cycle``,
   ``cycle_speedup``, ``weights_cost``), used by the search, SWIFT's fallback prediction and the bench.
 
@@ -181,6 +181,13 @@ def uniform_plan(num_layers: int, n_skip: int, kinds: tuple[str, ...] = ("attn",
     chosen = [slots[j] for j in _spread(len(slots), min(n_skip, len(slots)))]
     return LayerPlan(num_layers, frozenset(i for kind, i in chosen if kind == "attn"),
                      frozenset(i for kind, i in chosen if kind == "mlp"))
+
+
+def odd_inner_plan(num_layers: int) -> LayerPlan:
+    """Attention and MLP of every odd layer 1, 3, 5, ... below L-1: SWIFT's starting plan (its evaluation code
+    initialises the skip set to ``range(1, L - 1, 2)`` for both sublayer kinds, whatever the skip ratio)."""
+    odd = frozenset(range(1, num_layers - 1, 2))
+    return LayerPlan(num_layers, odd, odd)
 
 
 class PlanSpace:

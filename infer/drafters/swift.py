@@ -4,23 +4,29 @@ The skip set is optimised *during* generation from the tokens the full model alr
 produced: each candidate set of skipped attention/MLP sublayers is scored by one parallel
 draft-mode forward over a window of verified context (matchness = fraction of positions where
 the draft's argmax equals the full model's token). Candidates come from random search and,
-every ``bo_interval`` steps, from Bayesian optimisation (optuna TPE) fitted to every scored
-candidate. Drafting is confidence-aware and verified as a dynamic top-k token tree.
+every ``bo_interval`` steps, from Bayesian optimisation fitted to every scored candidate (optuna
+TPE when optuna is installed, random search otherwise; with ``paper=true`` the reference's
+GP-UCB, ``infer.gp_ucb``). Drafting is confidence-aware and verified as a dynamic top-k token tree.
 
 Beyond the paper: the drafter measures its own tokens/s in drafting and in plain decoding and
 falls back to plain steps while drafting does not pay, re-checking later; optimisation time is
 capped at a fraction of decoding time (a larger share while drafting pays than while it does
 not), so ``swift`` stays close to ``autoregressive`` on models without exploitable redundancy.
 
-``paper=true`` turns all of that off and runs exactly the paper's settings: no fallback, no
-optimisation budget (an optimisation step after every verification until a stop criterion),
-and the paper's tree widths at every depth with no cap on the number of tree nodes.
+``paper=true`` turns all of that off and runs SWIFT as its released code does: no fallback, no
+optimisation budget (an optimisation step after every verification until a stop criterion), the
+paper's tree widths at every depth with no cap on the number of tree nodes, a GP-UCB Bayesian step
+whose continuous suggestion keeps its top-n sublayers, one global best matchness (never rescored), the
+window of each prompt's first γ+1 generated tokens scored on the prompt's KV only, the odd inner
+layers as the starting plan, and the released evaluation script's window (50) and match threshold
+(0.93) unless they are set.
 """
 
 from __future__ import annotations
 
 import random
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -30,11 +36,26 @@ from infer.drafters.base import DecodeState, Draft, VerifyOutcome
 from infer.drafters.chain import ChainResult, PlanForward, draft_chain
 from infer.drafters.gate import FallbackGate, GateMemory, Rate
 from infer.drafters.skipping import matchness_span
-from infer.plan import LayerPlan, PlanFile, PlanSpace, cycle_speedup, iid_tokens_per_cycle, inner_layers, uniform_plan
+from infer.gp_ucb import GPUCB
+from infer.plan import (
+    LayerPlan,
+    PlanFile,
+    PlanSpace,
+    cycle_speedup,
+    iid_tokens_per_cycle,
+    inner_layers,
+    odd_inner_plan,
+    uniform_plan,
+)
 
 GREEDY_WIDTHS = (3, 5, 8, 10)  # candidates per depth for top-1 prob > 0.95, > 0.8, > 0.5, else (paper)
 SAMPLING_WIDTHS = (1, 3, 5, 10)
 WIDTH_THRESHOLDS = (0.95, 0.8, 0.5)
+DEFAULT_WINDOW = 32  # inference_swift.py's --context-window default
+DEFAULT_MATCH = 0.95  # inference_swift.py's --max-score default
+SCRIPT_WINDOW = 50  # what eval_llama.sh, the released evaluation script, passes (paper=true)
+SCRIPT_MATCH = 0.93
+BAYES = ("tpe", "gp_ucb")
 
 
 @dataclass
@@ -43,16 +64,18 @@ class SwiftConfig:
 
     skip_ratio: float = 0.45
     """Fraction of the 2(L-2) sublayers of layers 1..L-2 that a candidate skips (first and last layer kept)."""
-    context_window: int = 32
-    """γ: verified tokens of the current prompt used to score candidates (and needed before optimising)."""
+    context_window: int | None = None
+    """γ: verified tokens of the current prompt used to score candidates (and needed before optimising); default 32
+    (inference_swift.py's default), 50 with paper=true (what the released eval_llama.sh passes)."""
     bo_interval: int = 25
     """β: every β-th optimisation step proposes by Bayesian optimisation instead of random search."""
     max_opt_steps: int = 1000
     """Stop optimising after this many scored candidates."""
     patience: int = 300
     """Stop optimising after this many candidates without improvement."""
-    match_threshold: float = 0.95
-    """Stop optimising once the best candidate's matchness exceeds this."""
+    match_threshold: float | None = None
+    """Stop optimising once the best candidate's matchness exceeds this; default 0.95 (inference_swift.py's default),
+    0.93 with paper=true (what the released eval_llama.sh passes)."""
     confidence: float = 0.8
     """Stop drafting when the draft's top-1 probability falls below this."""
     num_draft: int = 25
@@ -76,15 +99,21 @@ class SwiftConfig:
     save_plan: str | None = None
     """Write the best plan found to this JSON file (self_sd-compatible) when decoding is finished."""
     opt_seed: int = 0
-    """Seed of the random search and the optuna sampler."""
+    """Seed of the random search and of the Bayesian step (optuna's TPE, or GP-UCB with paper=true)."""
     remember: bool = True
     """With adaptive: keep what the gate measured (plain and drafting speed, draft and verification rates, its mode
     and back-off) in the toolkit cache across commands, per model, device, dtype, threads and these settings."""
     paper: bool = False
-    """Exactly the paper's SWIFT: no fallback, no optimisation budget, the paper's tree widths with no node cap
-    (overrides adaptive, opt-budget, fallback-opt-budget and max-tree-nodes)."""
+    """SWIFT as its released code runs: no fallback, no optimisation budget, the paper's tree widths with no node
+    cap, GP-UCB, one global best matchness, the window of each prompt's first γ+1 tokens, the odd inner layers to
+    start (overrides adaptive, opt-budget, fallback-opt-budget and max-tree-nodes; context-window and
+    match-threshold default to the released script's 50 and 0.93)."""
 
     def __post_init__(self) -> None:
+        if self.context_window is None:
+            self.context_window = SCRIPT_WINDOW if self.paper else DEFAULT_WINDOW
+        if self.match_threshold is None:
+            self.match_threshold = SCRIPT_MATCH if self.paper else DEFAULT_MATCH
         checks = [
             (0.0 < self.skip_ratio < 1.0, f"skip-ratio must be in (0, 1), got {self.skip_ratio}"),
             (self.context_window >= 2, f"context-window must be >= 2, got {self.context_window}"),
@@ -104,50 +133,110 @@ class SwiftConfig:
 
 # --------------------------------------------------------------------------- layer-set search
 class LayerSetSearch:
-    """SWIFT's online optimiser: random search + periodic Bayesian optimisation over skip sets of a fixed size.
+    """SWIFT's online optimiser: random search + a Bayesian step every ``bo_interval`` steps, over skip sets of a
+    fixed size.
 
     The search space is `layerskip search`'s (``PlanSpace``) restricted to the attention and MLP
     sublayers of layers 1..L-2 (the first and last layer always run, as in the paper), with exactly
-    ``num_skip`` skips. Random candidates are told to optuna as completed trials, so its TPE sampler,
-    asked every ``bo_interval`` steps, fits every scored candidate.
+    ``num_skip`` skips. The Bayesian step (``bayes``) is
+
+    - ``'tpe'``: optuna's TPE sampler fitted to every scored candidate (random ones are told to it as
+      completed trials); its yes/no proposal is repaired to ``num_skip`` skips (deep layers first).
+      optuna is optional and imported at the first Bayesian step; without it every step is random
+      search, said once (a warning, and ``method`` in the drafter's stats);
+    - ``'gp_ucb'`` (``paper=true``): the reference's Gaussian-process UCB (``infer.gp_ucb``) over one value
+      in [0, 1] per sublayer; the ``num_skip`` largest values are the skip set. Random candidates are
+      registered as their 0/1 vectors, Bayesian ones as the continuous point they came from (as the
+      reference registers them). Needs no optuna.
     """
 
-    def __init__(self, num_layers: int, skip_ratio: float, bo_interval: int, seed: int):
-        import optuna  # optional and slow to import
-
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
+    def __init__(self, num_layers: int, skip_ratio: float, bo_interval: int, seed: int, bayes: str = "tpe"):
+        if bayes not in BAYES:
+            raise ValueError(f"bayes must be one of {BAYES}, got {bayes!r}")
         slots = 2 * len(inner_layers(num_layers))
         self.space = PlanSpace(num_layers, keep_ends=True, n_skip=max(1, int(slots * skip_ratio)))
         self.num_skip = self.space.n_skip
-        self.bo_interval = bo_interval
+        self.bo_interval, self.seed, self.bayes = bo_interval, seed, bayes
         self.rng = random.Random(seed)
-        self.dists = self.space.distributions()
-        self.study = optuna.create_study(direction="maximize", sampler=optuna.samplers.TPESampler(seed=seed))
+        self.scored: list[tuple[LayerPlan, float]] = []
+        self.gp = GPUCB(len(self.space.names), seed) if bayes == "gp_ucb" else None
+        self.study = None  # optuna's, built at the first Bayesian step
+        self._dists: dict = {}
+        self.unavailable = ""  # why the Bayesian step is random search, once known
         self.steps = 0
         self.since_improved = 0
 
+    @property
+    def method(self) -> str:
+        """What proposes candidates: 'tpe' or 'gp_ucb' (each with random search), or 'random' and why."""
+        return f"random ({self.unavailable})" if self.unavailable else self.bayes
+
     def uniform_plan(self) -> LayerPlan:
-        """The starting plan: ``num_skip`` sublayers spread evenly over layers 1..L-2."""
+        """The default starting plan: ``num_skip`` sublayers spread evenly over layers 1..L-2."""
         return uniform_plan(self.space.num_layers, self.num_skip)
 
     def propose(self):
-        """Next candidate: (plan, optuna trial or None)."""
+        """Next candidate: (plan, proposal), proposal = the optuna trial or the GP's continuous point, or None
+        for a random candidate."""
         self.steps += 1
-        if self.steps % self.bo_interval == 0 and len(self.study.trials) >= 2:
-            trial = self.study.ask(self.dists)
-            return self.space.decode(trial.params), trial
+        if self.steps % self.bo_interval == 0:
+            if self.gp is not None and self.scored:
+                point = self.gp.suggest()  # (D,) in [0, 1]
+                return self.top_n(point), point
+            study = self._tpe_study() if self.gp is None and len(self.scored) >= 2 else None
+            if study is not None:
+                trial = study.ask(self._dists)
+                return self.space.decode(trial.params), trial
         chosen = set(self.rng.sample(self.space.names, self.num_skip))
         return self.space.decode({name: name in chosen for name in self.space.names}), None
 
-    def record(self, plan: LayerPlan, trial, score: float) -> None:
-        """Tell the optimiser a scored candidate (random ones become completed trials)."""
-        import optuna  # optional and slow to import
+    def record(self, plan: LayerPlan, proposal, score: float) -> None:
+        """Tell the optimiser a scored candidate."""
+        self.scored.append((plan, score))
+        if self.gp is not None:
+            self.gp.observe(self.vector(plan) if proposal is None else proposal, score)
+        elif proposal is not None:
+            self.study.tell(proposal, score)
+        elif self.study is not None:
+            self._add_trial(plan, score)
 
-        if trial is not None:
-            self.study.tell(trial, score)
-        else:
-            self.study.add_trial(optuna.trial.create_trial(params=self.space.params(plan), distributions=self.dists,
-                                                           value=score))
+    def vector(self, plan: LayerPlan) -> torch.Tensor:
+        """(D,) the plan as 0/1 per sublayer, in ``space.names`` order (attention of layers 1..L-2, then MLP)."""
+        params = self.space.params(plan)
+        return torch.tensor([float(params[name]) for name in self.space.names], dtype=torch.float64)
+
+    def top_n(self, point: torch.Tensor) -> LayerPlan:
+        """The plan skipping the ``num_skip`` sublayers with the largest values of ``point`` (D,); ties go to the
+        earlier name (a stable sort, as the reference's ``sorted``)."""
+        order = torch.argsort(point, descending=True, stable=True)[:self.num_skip].tolist()
+        chosen = {self.space.names[i] for i in order}
+        return self.space.decode({name: name in chosen for name in self.space.names})
+
+    def _tpe_study(self):
+        """optuna's study, built (with every candidate scored so far) at the first Bayesian step; None without
+        optuna."""
+        if self.study is None and not self.unavailable:
+            try:
+                import optuna  # optional and slow to import: only the Bayesian step needs it
+            except ImportError:
+                self.unavailable = "optuna not installed"
+                warnings.warn("optuna is not installed: swift's Bayesian step falls back to random search "
+                              "(pip install optuna, or swift:paper=true for the GP-UCB step, which needs none)",
+                              RuntimeWarning, stacklevel=3)
+                return None
+            optuna.logging.set_verbosity(optuna.logging.WARNING)
+            self._dists = self.space.distributions()
+            self.study = optuna.create_study(direction="maximize",
+                                              sampler=optuna.samplers.TPESampler(seed=self.seed))
+            for plan, score in self.scored:
+                self._add_trial(plan, score)
+        return self.study
+
+    def _add_trial(self, plan: LayerPlan, score: float) -> None:
+        import optuna  # already imported by _tpe_study
+
+        self.study.add_trial(optuna.trial.create_trial(params=self.space.params(plan),
+                                                        distributions=self._dists, value=score))
 
 
 # --------------------------------------------------------------------------- the drafter
@@ -166,13 +255,15 @@ class SwiftDrafter:
         self.runner = runner
         if runner.num_layers < 3:
             raise UserError("swift needs a model with at least 3 layers (the first and last always run)")
-        self.search = LayerSetSearch(runner.num_layers, cfg.skip_ratio, cfg.bo_interval, cfg.opt_seed)
-        self.best = self.search.uniform_plan()
+        self.search = LayerSetSearch(runner.num_layers, cfg.skip_ratio, cfg.bo_interval, cfg.opt_seed,
+                                     bayes="gp_ucb" if cfg.paper else "tpe")
+        # the reference starts from the odd inner layers (whatever the skip ratio); ours from a uniform plan
+        self.best = odd_inner_plan(runner.num_layers) if cfg.paper else self.search.uniform_plan()
         if cfg.plan:
             plan_file = PlanFile.load(cfg.plan)
             plan_file.check_model(runner.identity(), cfg.plan)
             self.best = plan_file.plan
-        self.best_score = -1.0
+        self.best_score = -1.0  # best matchness found; < 0 = not scored yet
         self.optimising = cfg.max_opt_steps > 0
         self.stop_reason = ""
         self._forward: PlanForward | None = None
@@ -180,9 +271,12 @@ class SwiftDrafter:
         self.gate = FallbackGate(cfg.recheck_interval, enabled=self.fallback)
         self.draft_forward, self.verify = Rate(), Rate()  # forwards per second, verifications per second
         self.score_at_probe = -1.0
-        self.opt_time_total = 0.0
+        self.opt_time_total = 0.0  # over every command that shared the remembered state
         self.decode_time = 0.0
+        self.own_opt_time = self.own_decode_time = 0.0  # this drafter's own (never restored)
+        self.opt_step = Rate()  # seconds per scored candidate (its ``seconds``; remembered)
         self.trajectory: list[tuple[int, float]] = []
+        self.window: tuple[int, int] | None = None
         self._reset_prompt_stats()
         self.memory = GateMemory.for_drafter(runner, self.name, cfg) if self.fallback and cfg.remember else None
         if self.memory is not None:
@@ -240,16 +334,20 @@ class SwiftDrafter:
         if self._cycle_start is not None:
             seconds = time.perf_counter() - self._cycle_start
             self.decode_time += seconds
+            self.own_decode_time += seconds
             self.gate.record(len(outcome.tokens), seconds, drafted=outcome.draft is not None)
             if outcome.draft is not None:
                 self.verify.add(1, seconds - self._draft_seconds)
         self._choose_mode()
-        if self.optimising and self._within_budget():
+        if self.optimising and self._window_ready(state) and self._within_budget():
             t0 = time.perf_counter()
-            self._optimise_step(state)
+            scored = self._optimise_step(state)
             spent = time.perf_counter() - t0
             self.opt_time += spent
             self.opt_time_total += spent
+            self.own_opt_time += spent
+            if scored:
+                self.opt_step.add(1, spent / scored)
 
     def finish(self) -> None:
         """Decoding is over: write --save-plan (once) and keep the gate's measurements for the next command."""
@@ -258,7 +356,7 @@ class SwiftDrafter:
         if self.memory is not None:
             self.memory.save({"gate": self.gate.to_dict(), "draft_forward": self.draft_forward.to_dict(),
                               "verify": self.verify.to_dict(), "opt_time": self.opt_time_total,
-                              "decode_time": self.decode_time})
+                              "decode_time": self.decode_time, "opt_step": self.opt_step.to_dict()})
 
     def _restore(self, saved: dict) -> None:
         """Continue from what an earlier command measured (nothing when ``saved`` is empty or unusable)."""
@@ -268,6 +366,8 @@ class SwiftDrafter:
                 self.draft_forward.load(saved["draft_forward"])
                 self.verify.load(saved["verify"])
                 self.opt_time_total, self.decode_time = float(saved["opt_time"]), float(saved["decode_time"])
+            if "opt_step" in saved:
+                self.opt_step.load(saved["opt_step"])
         except (KeyError, TypeError, ValueError):
             self.gate = FallbackGate(self.config.recheck_interval, enabled=self.fallback)
 
@@ -277,6 +377,8 @@ class SwiftDrafter:
                 "plan": self.best.describe(), "mode": self.mode, "optimising": self.optimising,
                 "stop_reason": self.stop_reason, "tps_plain": self.plain.value, "tps_draft": self.drafting.value,
                 "predicted_speedup": self.predicted_speedup(self.best_score),
+                "opt_step_time": self.opt_step.seconds if self.opt_step.cycles else None,
+                "bayes": self.search.method, "window": self.window,
                 "matchness_trajectory": self.trajectory[self._traj_mark:]}
 
     # -------------------------------------------------------------- tree building
@@ -324,55 +426,97 @@ class SwiftDrafter:
 
     # -------------------------------------------------------------- optimisation
     def _within_budget(self) -> bool:
-        """Optimisation may use at most a budgeted share of this drafter's own decode + optimisation time."""
+        """Would one more optimisation step keep optimisation within its share of decode + optimisation time?
+
+        The step's cost is what steps measured so far took (remembered across commands; 0 before any).
+        While drafting pays or is being assessed the share is ``opt_budget`` of the time of every command
+        that shared the remembered state. In the fallback it is ``fallback_opt_budget`` of this drafter's
+        own time only: a step the prompt's own plain decoding cannot pay for is not taken up front, and a
+        long prompt or a stream still earns steps (whose better plan can bring an early probe).
+        """
         if self.config.paper:
             return True
-        budget = self.config.opt_budget if self.mode == "draft" or self.drafting.cycles < self.PROBE \
-            else self.config.fallback_opt_budget
-        return self.opt_time_total <= budget * (self.decode_time + self.opt_time_total)
+        step = self.opt_step.seconds if self.opt_step.cycles else 0.0
+        if self.mode == "draft" or self.drafting.cycles < self.PROBE:
+            share, spent, decoded = self.config.opt_budget, self.opt_time_total, self.decode_time
+        else:
+            share, spent, decoded = self.config.fallback_opt_budget, self.own_opt_time, self.own_decode_time
+        return spent + step <= share * (decoded + spent + step)
 
-    def _optimise_step(self, state: DecodeState) -> None:
-        gamma = self.config.context_window
+    def _window_ready(self, state: DecodeState) -> bool:
+        """Whether this prompt has the γ verified tokens the optimiser scores candidates on."""
+        return self.window is not None or state.n - state.prompt_len >= self.config.context_window
+
+    def _optimise_step(self, state: DecodeState) -> int:
+        """Score one candidate on this prompt's window (the incumbent too when the window is new, outside paper
+        mode); returns the number of plans scored."""
+        scored = 0
         if self.window is None:
-            if state.n - state.prompt_len < gamma:
-                return  # context accumulation: draft with the current plan until γ verified tokens exist
-            self.window = (state.n - gamma, state.n)
-            # the window changed: rescore the incumbent on it so comparisons are like for like
-            self.best_score = matchness_span(state, [self.best], *self.window)[0]
-        plan, trial = self.search.propose()
+            if not self._window_ready(state):
+                return 0  # context accumulation: draft with the current plan until γ verified tokens exist
+            self.window = self._new_window(state)
+            if not self.config.paper:
+                # the window changed: rescore the incumbent on it so comparisons are like for like
+                self.best_score = matchness_span(state, [self.best], *self.window)[0]
+                scored += 1
+        plan, proposal = self.search.propose()
         score = matchness_span(state, [plan], *self.window)[0]
-        self.search.record(plan, trial, score)
+        self.search.record(plan, proposal, score)
         self.opt_steps += 1
-        if score > self.best_score:
+        # paper mode keeps the reference's one global best score, which starts at 0 and is never rescored
+        if score > (max(self.best_score, 0.0) if self.config.paper else self.best_score):
             self.best, self.best_score = plan, score
             self.search.since_improved = 0
         else:
             self.search.since_improved += 1
         self.trajectory.append((self.search.steps, self.best_score))
         self._maybe_stop()
+        return scored + 1
+
+    def _new_window(self, state: DecodeState) -> tuple[int, int]:
+        """[start, end): the tokens re-run to score a plan (each predicts the next verified token).
+
+        Ours: the latest γ verified tokens. Paper mode: the prompt's first γ+1 generated tokens (the
+        first γ re-run, each predicting the next), whose draft-mode rows see only the prompt's KV, as the
+        reference's ``swift_optimization`` scores them on a copy of the prompt's prefilled cache.
+        """
+        gamma = self.config.context_window
+        if self.config.paper:
+            return state.prompt_len, state.prompt_len + gamma
+        return state.n - gamma, state.n
 
     def _maybe_stop(self) -> None:
+        """The stop criteria; paper mode compares strictly, as the reference does (score > threshold, more than
+        patience steps without improvement, more than max-opt-steps steps)."""
         cfg = self.config
-        if self.best_score >= cfg.match_threshold:
-            self.stop_reason = f"matchness {self.best_score:.2f} >= {cfg.match_threshold}"
-        elif self.search.since_improved >= cfg.patience:
-            self.stop_reason = f"no improvement in {cfg.patience} steps"
-        elif self.search.steps >= cfg.max_opt_steps:
-            self.stop_reason = f"{cfg.max_opt_steps} steps"
+        strict = cfg.paper
+        over = (lambda value, limit: value > limit) if strict else (lambda value, limit: value >= limit)
+        if over(self.best_score, cfg.match_threshold):
+            self.stop_reason = f"matchness {self.best_score:.2f} {'>' if strict else '>='} {cfg.match_threshold}"
+        elif over(self.search.since_improved, cfg.patience):
+            self.stop_reason = f"no improvement in {self.search.since_improved} steps"
+        elif over(self.search.steps, cfg.max_opt_steps):
+            self.stop_reason = f"{self.search.steps} steps"
         self.optimising = not self.stop_reason
 
     # -------------------------------------------------------------- fallback
     def _choose_mode(self) -> None:
         """Draft while it is measurably faster than plain decoding; otherwise decode plainly and re-check,
-        sooner when the optimiser has found a plan the cost model expects to pay."""
+        sooner when the optimiser has found a plan the cost model expects to pay.
+
+        The cost model is evaluated only when the gate will read it: at a periodic re-check, or when the
+        best matchness has gained ``REPROBE_GAIN`` since the last probe (an early probe if it predicts >= 1).
+        """
         if not self.fallback:
             return
         predicted = None
         early = False
         if self.mode == "plain":
             self.plain_steps += 1
-            predicted = self.predicted_speedup(self.best_score)
-            early = self.best_score >= self.score_at_probe + self.REPROBE_GAIN and (predicted or 0.0) >= 1.0
+            gained = self.best_score >= self.score_at_probe + self.REPROBE_GAIN
+            if gained or self.gate.mode_cycles + 1 >= self.gate.recheck:
+                predicted = self.predicted_speedup(self.best_score)
+                early = gained and (predicted or 0.0) >= 1.0
         if self.gate.decide(predicted, early_probe=early):
             self.score_at_probe = self.best_score
 
@@ -405,3 +549,4 @@ class SwiftDrafter:
         self.opt_steps = 0
         self.plain_steps = 0
         self._traj_mark = len(self.trajectory)
+

@@ -2,6 +2,7 @@
 
 import random
 import time
+import warnings
 
 import pytest
 import torch
@@ -290,3 +291,162 @@ def test_old_option_names_still_work_with_a_warning(runner):
     assert (drafter.config.num_draft, drafter.config.adaptive, drafter.config.context_window) == (3, False, 9)
     assert build_drafter("self_sd", runner, {"gamma": "0.5", "plan": LayerPlan(6, frozenset({2}))}).config.confidence \
         == 0.5  # gamma is Self-SD's threshold; for swift it is only a deprecated name
+
+
+# --------------------------------------------------------------------------- paper mode follows the reference code
+PAPER = {"paper": "true", "context_window": "8", "confidence": "0.3", "num_draft": "4", "bo_interval": "3"}
+
+
+def test_paper_mode_defaults_are_the_released_scripts_unless_set(runner):
+    """eval_llama.sh passes --context-window 50 --max-score 0.93; inference_swift.py's defaults are 32 / 0.95."""
+    paper = SwiftDrafter.Config(paper=True)
+    assert (paper.context_window, paper.match_threshold) == (50, 0.93)
+    assert (SwiftDrafter.Config().context_window, SwiftDrafter.Config().match_threshold) == (32, 0.95)
+    explicit = build_drafter("swift", runner, {"paper": "true", "context_window": "32", "match_threshold": "0.95"})
+    assert (explicit.config.context_window, explicit.config.match_threshold) == (32, 0.95)
+
+
+def test_paper_mode_starts_from_the_odd_inner_layers(runner):
+    """inference_swift.py initialises attention and MLP skips to range(1, L - 1, 2), whatever the skip ratio."""
+    drafter = build_drafter("swift", runner, {"paper": "true"})
+    assert drafter.best == LayerPlan(6, frozenset({1, 3}), frozenset({1, 3}))
+    assert build_drafter("swift", runner).best == drafter.search.uniform_plan()
+
+
+def test_gp_ucb_search_keeps_the_top_n_of_its_continuous_suggestion():
+    search = LayerSetSearch(num_layers=10, skip_ratio=0.45, bo_interval=3, seed=0, bayes="gp_ucb")
+    kinds = []
+    for _ in range(9):
+        plan, point = search.propose()
+        assert plan.num_skipped == search.num_skip and not ({0, 9} & (plan.skip_attn | plan.skip_mlp))
+        if point is not None:  # a continuous point: its num_skip largest values are the skipped sublayers
+            assert point.shape == (16,) and 0 <= float(point.min()) <= float(point.max()) <= 1
+            assert plan == search.top_n(point)
+            top = set(torch.argsort(point, descending=True)[:search.num_skip].tolist())
+            assert torch.equal(search.vector(plan).nonzero().flatten(), torch.tensor(sorted(top)))
+        search.record(plan, point, random.random())
+        kinds.append(point is not None)
+        registered = search.gp.xs[-1]  # random candidates as their 0/1 vector, Bayesian ones as the point itself
+        assert torch.equal(registered, point if point is not None else search.vector(plan))
+    assert kinds == [False, False, True] * 3 and search.method == "gp_ucb" and search.study is None
+
+
+def test_paper_mode_scores_each_prompts_first_generated_tokens_on_the_prompts_kv(runner, monkeypatch):
+    """The reference re-runs the first γ+1 generated tokens on a copy of the prompt's prefilled cache."""
+    from infer.drafters import swift
+
+    windows = []
+    span = swift.matchness_span
+
+    def spy(state, plans, start, end):
+        scores = span(state, plans, start, end)
+        windows.append((state.prompt_len, start, end, plans[0], scores[0], list(state.tokens)))
+        return scores
+
+    monkeypatch.setattr(swift, "matchness_span", spy)
+    drafter = build_drafter("swift", runner, PAPER)
+    engine = Engine(runner, drafter)
+    for prompt in PROMPTS[:2]:
+        assert engine.generate(prompt, GenerationConfig(max_new_tokens=40)).tokens == reference(runner, prompt, 40)
+    assert windows and len(windows) == drafter.search.steps  # one plan per step: the incumbent is never rescored
+    assert all((start, end) == (prompt_len, prompt_len + 8) for prompt_len, start, end, *_ in windows)
+    prompt_len, start, end, plan, score, tokens = windows[-1]
+    cache = runner.new_cache(128)
+    runner.forward(cache, torch.tensor(tokens[:prompt_len]))  # the prompt's KV and nothing else
+    ids = torch.tensor(tokens[start:end])
+    hidden = runner.forward_layers(cache, runner.embed(ids), torch.arange(start, end), plan=plan)
+    agree = runner.logits(hidden).argmax(-1) == torch.tensor(tokens[start + 1:end + 1])
+    assert score == pytest.approx(float(agree.float().mean()))
+
+
+def test_paper_mode_keeps_one_global_best_score(runner):
+    """statistics['origin_score'] starts at 0 and only grows: a new prompt's window does not rescore the best plan."""
+    drafter = build_drafter("swift", runner, PAPER | {"max_opt_steps": "1000", "patience": "1000"})
+    engine = Engine(runner, drafter)
+    for prompt in PROMPTS:
+        assert engine.generate(prompt, GenerationConfig(max_new_tokens=40)).tokens == reference(runner, prompt, 40)
+    traj = [score for _, score in drafter.trajectory]
+    assert len(traj) == drafter.search.steps >= 25 and traj == sorted(traj)
+    assert len(drafter.search.gp.xs) == drafter.search.steps  # every candidate went to the GP
+    assert drafter.stats()["bayes"] == "gp_ucb"
+
+
+def test_paper_mode_stops_as_the_reference_compares(runner):
+    """The reference stops when score > max_score and after more than max-tolerance / max-opt iterations."""
+    for paper, stops in ((True, False), (False, True)):
+        drafter = build_drafter("swift", runner, {"paper": str(paper).lower(), "match_threshold": "0.5",
+                                                  "patience": "5", "max_opt_steps": "9"})
+        drafter.best_score = 0.5
+        drafter._maybe_stop()
+        assert drafter.optimising != stops
+        drafter.best_score, drafter.search.since_improved = 0.1, 5
+        drafter._maybe_stop()
+        assert drafter.optimising != stops
+        drafter.search.since_improved, drafter.search.steps = 0, 9
+        drafter._maybe_stop()
+        assert drafter.optimising != stops
+
+
+# --------------------------------------------------------------------------- optuna is optional
+@pytest.mark.parametrize("paper", [False, True])
+def test_swift_runs_without_optuna(runner, monkeypatch, paper):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "optuna", None)  # `import optuna` raises ImportError
+    options = EAGER | {"bo_interval": 2, "adaptive": False, "confidence": 0.3} | ({"paper": True} if paper else {})
+    drafter = build_drafter("swift", runner, options)
+    engine = Engine(runner, drafter)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for prompt in PROMPTS[:2]:
+            res = engine.generate(prompt, GenerationConfig(max_new_tokens=48))
+            assert res.tokens == reference(runner, prompt)
+    assert drafter.search.steps >= 4 and res.stats.drafted > 0
+    notes = [w for w in caught if "optuna is not installed" in str(w.message)]
+    if paper:
+        assert drafter.stats()["bayes"] == "gp_ucb" and len(drafter.search.gp.xs) == drafter.search.steps
+        assert not notes
+    else:
+        assert drafter.stats()["bayes"] == "random (optuna not installed)" and len(notes) == 1
+
+
+# --------------------------------------------------------------------------- plain mode costs what plain decoding costs
+def remembered_plain(runner, **options):
+    """A swift drafter whose remembered gate says 'plain' (drafting measured slower) and whose optimisation steps
+    were measured at 0.5 s each, over 1000 s of earlier decoding with 1 s of optimisation (well within 3 %)."""
+    from infer.drafters.gate import GateMemory
+
+    cfg = SwiftDrafter.Config(context_window=8, recheck_interval=10_000, **options)
+    plain = {"tokens": 1.0, "seconds": 0.01, "cycles": 50}
+    drafting = {"tokens": 1.0, "seconds": 0.05, "cycles": SwiftDrafter.PROBE}
+    GateMemory.for_drafter(runner, "swift", cfg).save({
+        "gate": {"mode": "plain", "mode_cycles": 0, "recheck": 10_000, "plain": plain, "drafting": drafting},
+        "draft_forward": {"tokens": 1.0, "seconds": 0.006, "cycles": 6}, "verify": drafting,
+        "opt_time": 1.0, "decode_time": 1000.0, "opt_step": {"tokens": 1.0, "seconds": 0.5, "cycles": 3}})
+    return SwiftDrafter(runner, cfg)
+
+
+def test_remembered_plain_mode_takes_no_optimisation_step_the_prompt_cannot_pay_for(runner, monkeypatch):
+    drafter = remembered_plain(runner)
+    assert drafter.mode == "plain"
+    calls = []
+    predicted = drafter.predicted_speedup
+    monkeypatch.setattr(drafter, "predicted_speedup", lambda m: calls.append(m) or predicted(m))
+    res = Engine(runner, drafter).generate(PROMPTS[0], GenerationConfig(max_new_tokens=48))
+    assert res.tokens == reference(runner, PROMPTS[0])
+    s = res.stats.drafter
+    assert res.stats.drafted == 0 and s["plain_steps"] == res.stats.verify_calls - 1 and s["mode"] == "plain"
+    assert s["opt_steps"] == 0 and s["opt_time"] == 0.0  # a 0.5 s step is far over 3 % of this prompt's own time
+    assert calls == [-1.0]  # once, for stats(): not per plain step (the gate reads it only at a re-check)
+    assert s["predicted_speedup"] is None and s["opt_step_time"] == 0.5
+
+
+def test_remembered_plain_mode_still_optimises_once_its_own_time_pays_for_it(runner):
+    drafter = remembered_plain(runner)
+    drafter.own_decode_time = 100.0  # as after a long prompt or a stream: 3 % of it pays for a 0.5 s step
+    res = Engine(runner, drafter).generate(PROMPTS[0], GenerationConfig(max_new_tokens=48))
+    assert res.tokens == reference(runner, PROMPTS[0])
+    assert res.stats.drafter["opt_steps"] >= 1 and drafter.best_score >= 0
+    drafter.finish()
+    reloaded = SwiftDrafter(runner, drafter.config)
+    assert reloaded.opt_step.cycles == drafter.opt_step.cycles > 3  # the step cost is remembered with the gate
