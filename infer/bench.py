@@ -357,7 +357,7 @@ def _run_task(cfg: BenchConfig, model, peer, label: str, task: str, prompts: lis
     sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed)
     gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, sampling=sampling, stop_at_eos=cfg.stop_at_eos)
     if cfg.warmup:
-        _warmup(cfg, model, peer, prompts[0].ids, label)
+        _warmup(cfg, model, peer, [p.ids for p in prompts], gen, label)
     reference: dict[str, list[int]] = {}
     records = []
     bar = tqdm(total=cfg.repeats * len(prompts) * len(cfg.methods), desc=f"{label}/{task}", disable=not progress,
@@ -412,15 +412,15 @@ def _record(model: str, task: str, method: Method, pid: str, repeat: int, result
                   int(extra.get("draft_forwards", 0)), None, extra, lossy=bool(extra.get("lossy", False)))
 
 
-def _warmup(cfg: BenchConfig, model, peer, ids: list[int], label: str) -> None:
-    from infer.engine import GenerationConfig
-
+def _warmup(cfg: BenchConfig, model, peer, prompts: list[list[int]], gen, label: str) -> None:
+    """Untimed runs before timing: a short one per peer; per drafter ``Engine.warm_up`` over the task's prompts,
+    so that on the static/graphs executors every static forward and CUDA graph is built before the clock runs."""
     short = dataclasses.replace(cfg, max_new_tokens=4)
     for method in cfg.methods:
         if method.is_peer:
-            peer.generate(method, ids, short, model.eos_token_ids)
+            peer.generate(method, prompts[0], short, model.eos_token_ids)
         else:
-            _engine_for(method, model, label).generate(ids, GenerationConfig(max_new_tokens=4, stop_at_eos=False))
+            _engine_for(method, model, label).warm_up(prompts, gen)
 
 
 # --------------------------------------------------------------------------- summarising

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -16,7 +17,7 @@ from torch import Tensor
 from core.errors import UserError
 from infer.drafters.base import DecodeState, Draft, Drafter, VerifyOutcome
 from infer.graphs import BUCKETS
-from infer.runner import Runner
+from infer.runner import Runner, capacity_bucket
 from infer.sampling import SamplingConfig, TreeShape, greedy_accept, probs_from_logits, sampling_accept, select
 
 
@@ -151,17 +152,21 @@ class Engine:
         return self.finish(gen)
 
     def start(self, prompt_ids: Sequence[int] | Tensor, config: GenerationConfig | None = None,
-              generator: torch.Generator | None = None) -> Generation:
-        """Check and prefill a prompt; the returned generation holds its first token."""
+              generator: torch.Generator | None = None, reserve: int | None = None) -> Generation:
+        """Check and prefill a prompt; the returned generation holds its first token.
+
+        ``reserve``: cache positions to take from the runner's pool (default ``cache_length`` of this prompt and
+        ``config``); ``warm_up`` uses it to run short generations in the cache a longer one will use."""
         config = config or GenerationConfig()
         prompt = [int(t) for t in (prompt_ids.tolist() if isinstance(prompt_ids, Tensor) else prompt_ids)]
         self._check_prompt(prompt, config)
         if config.stop_strings and self.decode is None:
             raise UserError("stop strings need a tokenizer to decode the output")
         stats = GenerationStats(prompt_tokens=len(prompt))
-        cache = self.runner.take_cache(self.cache_length(len(prompt), config.max_new_tokens))
+        cache = self.runner.take_cache(max(reserve or 0, self.cache_length(len(prompt), config.max_new_tokens)))
         generator = generator or config.sampling.generator(self.runner.device)
-        state = DecodeState(self.runner, cache, config.sampling, generator, tokens=list(prompt), prompt_len=len(prompt))
+        state = DecodeState(self.runner, cache, config.sampling, generator, tokens=list(prompt), prompt_len=len(prompt),
+                            eos=self.eos if config.stop_at_eos else frozenset())
         t_start = time.perf_counter()
         first = self._prefill(state)
         stats.prefill_time = time.perf_counter() - t_start
@@ -222,6 +227,36 @@ class Engine:
             raise UserError(f"prompt ({len(prompt)} tokens) + max-new-tokens ({config.max_new_tokens}) "
                             f"exceeds the model's context of {limit} tokens; shorten the prompt or "
                             "lower --max-new-tokens")
+
+    def warm_up(self, prompts: Sequence[Sequence[int]], config: GenerationConfig | None = None) -> None:
+        """Untimed generations that set up what timed generations of ``prompts`` with ``config`` will use.
+
+        On the static/graphs executors, static forwards (and CUDA graphs) are built per pooled cache and per
+        shape, on first use: so for each cache capacity the prompts need, the longest prompt there runs once at
+        full length (the steady-state shapes) and then in short generations whose first step verifies 1, 2, 4,
+        8, ... rows (the shapes of a generation's last steps, where the token budget cuts the draft). After that
+        a timed run builds nothing, except SWIFT's drafting forward for a plan first found in it. On the eager
+        executor one short generation loads what needs loading (kernels, allocator).
+        """
+        config = dataclasses.replace(config or GenerationConfig(), stop_at_eos=False)
+        if self.runner.static is None:
+            self.generate(prompts[0], dataclasses.replace(config, max_new_tokens=min(4, config.max_new_tokens)))
+            return
+        longest: dict[int, Sequence[int]] = {}
+        for prompt in prompts:
+            need = self.cache_length(len(prompt), config.max_new_tokens)
+            cap = capacity_bucket(need)
+            if len(prompt) > len(longest.get(cap, ())):
+                longest[cap] = prompt
+        for cap, prompt in sorted(longest.items()):
+            self.generate(prompt, config)
+            for m in sorted({2, 3, 5, 9, 17, 33}):  # the first step verifies min(k + 1, m - 1) rows
+                if m <= min(config.max_new_tokens, self.drafter.lookahead + 1):
+                    short = dataclasses.replace(config, max_new_tokens=m)
+                    gen = self.start(prompt, short, reserve=cap)
+                    while not gen.done:
+                        self.step(gen)
+                    self.finish(gen)
 
     def cache_length(self, prompt_len: int, max_new_tokens: int) -> int:
         """Cache positions a generation needs: prompt, new tokens, the drafter's lookahead, and slack for the

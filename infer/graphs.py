@@ -59,8 +59,12 @@ BUCKETS = (1, 2, 4, 8, 16, 32)
 """Row counts a static forward is padded up to; larger calls run eagerly."""
 MAX_SPANS = 48
 """Static forwards (and graphs) kept per cache, least recently used dropped first."""
-CAPTURE_AFTER = 2
-"""A forward shape is captured on its second use (the first runs uncaptured)."""
+EXTRA_BUCKETS = (1, 2, 4, 8, 16, 32)
+"""Window columns before the new rows (a tree verification's already-computed prefix) are padded up to one of
+these (the added columns are visible context either way), so trees of varying depth share static forwards."""
+CAPTURE_AFTER = 1
+"""A forward shape is captured on its first use. (Candidate plans that SWIFT's optimiser scores never come here:
+they run eagerly; only the plans it drafts with do.)"""
 
 
 @dataclass(frozen=True)
@@ -194,11 +198,10 @@ class StaticExecutor:
         if rows is None or extra < 0:
             return None
         ran = self._layers_run(start, split, end, plan)
-        window_starts = [0] * self.runner.num_layers
-        for i in ran["attn"]:
-            window_starts[i] = cache.lengths[i] - extra  # window = the last extra + T slots
-            if window_starts[i] < 0 or window_starts[i] + extra + rows > cache.capacity:
-                return None  # the padded rows would not fit: let the eager path raise or run
+        extra, mask = self._pad_window(cache, ran["attn"], extra, mask, rows)
+        window_starts = self._window_starts(cache, ran["attn"], extra, rows)
+        if window_starts is None:
+            return None  # the padded rows would not fit: let the eager path raise or run
         groups = tuple(next(j for j in ran["attn"] if window_starts[j] == window_starts[i]) for i in ran["attn"])
         key = SpanKey(rows, extra, start, split, end, plan_key(plan) if split < end else None, logits, groups)
         entry = self._entry(cache, key, plan if split < end else None)
@@ -219,6 +222,26 @@ class StaticExecutor:
             return None
         self._account(cache, ran, T, logits)
         return exact[:T], out[:T], None if head is None else head[:T]
+
+    def _pad_window(self, cache: KVCache, attn: list[int], extra: int, mask: Tensor | None,
+                    rows: int) -> tuple[int, Tensor | None]:
+        """Widen a window of ``extra`` earlier columns to its ``EXTRA_BUCKETS`` size, where the cache allows: the
+        added columns are slots before the window, visible either way. Returns (extra, mask (T, extra + T))."""
+        padded = bucket(extra, EXTRA_BUCKETS) if extra else None
+        if padded is None or padded == extra or self._window_starts(cache, attn, padded, rows) is None:
+            return extra, mask
+        T = mask.shape[0]
+        return padded, torch.cat([torch.ones(T, padded - extra, dtype=torch.bool), mask.cpu()], 1)  # (T, padded + T)
+
+    def _window_starts(self, cache: KVCache, attn: list[int], extra: int, rows: int) -> list[int] | None:
+        """Each attention layer's window start (the last ``extra`` slots before the new rows), or None when the
+        window would start before slot 0 or the padded rows would run past the capacity."""
+        starts = [0] * self.runner.num_layers
+        for i in attn:
+            starts[i] = cache.lengths[i] - extra
+            if starts[i] < 0 or starts[i] + extra + rows > cache.capacity:
+                return None
+        return starts
 
     def _entry(self, cache: KVCache, key: SpanKey, plan: LayerPlan | None) -> StaticSpan:
         spans = self._spans.setdefault(cache, OrderedDict())

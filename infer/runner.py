@@ -125,8 +125,8 @@ class KVCache:
         """Move the rows at slots ``src`` to slots ``dst`` in every layer (tree path compaction)."""
         if src == dst:
             return
-        s = torch.tensor(src, device=self.k.device)
-        d = torch.tensor(dst, device=self.k.device)
+        s = ints_to_device(src, self.k.device)  # (n,), pinned copies: no host sync
+        d = ints_to_device(dst, self.k.device)  # (n,)
         self.k[:, :, d] = self.k[:, :, s]  # gather first, then scatter: safe for overlaps
         self.v[:, :, d] = self.v[:, :, s]
 

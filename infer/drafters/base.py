@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import Tensor
 
+from infer.runner import ints_to_device
+
 if TYPE_CHECKING:
     from infer.runner import KVCache, Runner
     from infer.sampling import SamplingConfig
@@ -76,13 +78,16 @@ class DecodeState:
     """tokens[:n] are in the cache (all layers); tokens[n] is the pending token."""
     budget: int = 0
     """How many more tokens may be appended (accepted drafts + bonus) before max_new_tokens."""
+    eos: frozenset[int] = frozenset()
+    """Token ids that end the generation (empty when it does not stop at EOS): a draft chain stops after one."""
 
     @property
     def pending(self) -> int:
         return self.tokens[self.n]
 
     def ids(self, start: int, end: int) -> Tensor:
-        return torch.tensor(self.tokens[start:end], dtype=torch.long, device=self.runner.device)
+        """tokens[start:end] as a (end - start,) long tensor on the runner's device (a pinned copy: no host sync)."""
+        return ints_to_device(self.tokens[start:end], self.runner.device)
 
 
 class Drafter(Protocol):

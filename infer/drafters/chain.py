@@ -48,52 +48,83 @@ class ChainResult:
     draft: Draft
     """The proposed chain (possibly empty, still carrying the exact hidden states it computed)."""
     dists: list[Tensor] = field(default_factory=list)
-    """(1, V) distribution each drafted position was chosen from (softmax, or the sampling q)."""
+    """(1, V) distribution each drafted position was chosen from (softmax, or the sampling q); kept only when
+    asked for (``keep_dists``) or when sampling."""
     confidence: list[float] = field(default_factory=list)
-    """Draft confidence at every forward (including the one that stopped the chain): the draft's softmax
-    probability of the token it chose there (the top-1 probability when greedy, the sampled token's when
-    sampling, as SWIFT's and Self-SD's code do)."""
+    """Draft confidence at every forward (including the one that stopped the chain), read on the host only when
+    a threshold needed it: the draft's softmax probability of the token it chose there (the top-1 probability
+    when greedy, the sampled token's when sampling, as SWIFT's and Self-SD's code do). Empty otherwise."""
     forwards: int = 0
     stopped: bool = False
     """The last forward fell below the confidence threshold (rather than the length cap ending the chain)."""
+    eos: bool = False
+    """The chain ended because it drafted an end-of-sequence token (proposed as its last token)."""
 
 
 def draft_chain(state: DecodeState, forward, max_draft: int, confidence: float = 0.0,
-                keep_last: bool = False) -> ChainResult:
-    """Draft up to ``max_draft`` tokens after the pending one; stop early below ``confidence``.
+                keep_last: bool = False, keep_dists: bool = False) -> ChainResult:
+    """Draft up to ``max_draft`` tokens after the pending one; stop early below ``confidence`` or at EOS.
 
     A token whose draft probability (of the token chosen: the argmax when greedy, the sampled one
     when sampling) is under ``confidence`` ends the chain; it is proposed only with ``keep_last``
     (Self-SD proposes it; SWIFT verifies that last, uncertain position with many candidates).
     Greedy decoding proposes the argmax; sampling draws from the processed draft distribution q.
+
+    Host syncs: a chain with a confidence threshold must read each step's confidence to decide whether to
+    go on; it reads the drafted token in the same transfer and stops after an EOS (``state.eos``), as LayerSkip's
+    and Self-SD's code do (one sync per draft step). A chain without a threshold reads nothing while it
+    drafts (no sync at all): it cannot see an EOS early, so it drafts its k tokens and the engine cuts the
+    output at the first accepted EOS, the same output as a chain that stopped there (the drafts after it
+    are wasted work on the step that ends the generation, never a different result).
     """
     runner = state.runner
     greedy = state.sampling.greedy
+    read = confidence > 0  # the host needs each step's confidence now
+    keep_dists = keep_dists or not greedy  # sampling: q is what verification accepts against
     k = min(max_draft, state.budget - 1)
     token = ints_to_device([state.pending], runner.device)  # (1,), via pinned memory on CUDA: no host sync
     hiddens, tokens, dists, conf = [], [], [], []
-    stop = False
+    stop = at_eos = False
     for i in range(max(k, 0)):
         exact, logits = forward(state.cache, token, state.n + i)  # (1, d), (1, V)
         hiddens.append(exact)
-        soft = torch.softmax(logits, -1)  # (1, V)
-        q = soft if greedy else probs_from_logits(logits, state.sampling)  # (1, V)
-        token = logits.argmax(-1) if greedy else sample(q, state.generator)  # (1,)
-        p_token = soft[0, token[0]]  # () on the device
-        # reading it on the host syncs the GPU: only when a threshold needs the value now
-        conf.append(float(p_token) if confidence > 0 else p_token)
-        stop = confidence > 0 and conf[-1] < confidence
+        token, q, p_token = _next_token(logits, state, need_p=read, keep_dists=keep_dists)
+        if read:
+            p_host, token_host = torch.cat([p_token.double(), token.double()]).tolist()  # the step's one sync
+            conf.append(p_host)
+            stop = p_host < confidence
+            at_eos = int(token_host) in state.eos
         if stop and not keep_last:
             break
         tokens.append(token)
-        dists.append(q)
-        if stop:
+        if keep_dists:
+            dists.append(q)
+        if stop or at_eos:
             break
-    if confidence <= 0 and conf:
-        conf = torch.stack(conf).tolist()  # one host sync per chain instead of one per token
     if not hiddens:
         return ChainResult(Draft(torch.empty(0, dtype=torch.long)))
     draft = Draft(tokens=torch.cat(tokens) if tokens else torch.empty(0, dtype=torch.long, device=runner.device),
                   q=None if greedy or not dists else torch.cat(dists), exact_layers=forward.exact_layers,
                   hidden=torch.cat(hiddens))
-    return ChainResult(draft, dists, conf, len(hiddens), stop)
+    return ChainResult(draft, dists, conf, len(hiddens), stop, at_eos and not stop)
+
+
+def _next_token(logits: Tensor, state: DecodeState, need_p: bool,
+                keep_dists: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """(token (1,), q (1, V) or None, draft probability of the token (1,) or None), all on the device.
+
+    Greedy takes the argmax of the logits (no softmax unless its probability or distribution is needed);
+    sampling draws from the processed distribution q, and the confidence is the raw softmax probability of
+    the drawn token.
+    """
+    if state.sampling.greedy:
+        token = logits.argmax(-1)  # (1,)
+        if not (need_p or keep_dists):
+            return token, None, None
+        soft = torch.softmax(logits, -1)  # (1, V)
+        p = soft.gather(-1, token[:, None])[:, 0] if need_p else None  # (1,)
+        return token, soft if keep_dists else None, p
+    q = probs_from_logits(logits, state.sampling)  # (1, V)
+    token = sample(q, state.generator)  # (1,)
+    p = torch.softmax(logits, -1).gather(-1, token[:, None])[:, 0] if need_p else None  # (1,)
+    return token, q, p

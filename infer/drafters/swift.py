@@ -47,6 +47,7 @@ from infer.plan import (
     odd_inner_plan,
     uniform_plan,
 )
+from infer.runner import ints_to_device
 
 GREEDY_WIDTHS = (3, 5, 8, 10)  # candidates per depth for top-1 prob > 0.95, > 0.8, > 0.5, else (paper)
 SAMPLING_WIDTHS = (1, 3, 5, 10)
@@ -322,7 +323,8 @@ class SwiftDrafter:
         self._draft_seconds = 0.0
         if self.mode == "plain":
             return None
-        chain = draft_chain(state, self.forward, self.config.num_draft, self.config.confidence, keep_last=True)
+        chain = draft_chain(state, self.forward, self.config.num_draft, self.config.confidence, keep_last=True,
+                            keep_dists=self.config.tree)
         self.forwards += chain.forwards
         if not chain.forwards:
             return None
@@ -383,46 +385,43 @@ class SwiftDrafter:
 
     # -------------------------------------------------------------- tree building
     def _tree(self, chain: ChainResult, state: DecodeState) -> Draft:
-        """Chain nodes first (positions 1..m), then siblings of each chain node, shallow depths first."""
+        """Chain nodes first (positions 1..m), then siblings of each chain node, shallow depths first.
+
+        Candidates for every depth are chosen on the device at once and read in one transfer (with the
+        chain's confidences when the chain did not read them): one host sync per tree, not several per depth.
+        """
         draft = chain.draft
         m = draft.size
+        room = self.tree_nodes - m
+        if m == 0 or room <= 0:
+            return draft
         greedy = state.sampling.greedy
         widths = GREEDY_WIDTHS if greedy else SAMPLING_WIDTHS
-        room = self.tree_nodes - m
+        dists = torch.cat(chain.dists[:m])  # (m, V)
+        n_max = min(max(widths) - 1, room, dists.shape[1] - 1)
+        candidates = _candidates(dists, draft.tokens, n_max, greedy, state.generator)  # (m, n_max), -1 = none
+        if len(chain.confidence) >= m:
+            rows, conf = candidates.tolist(), chain.confidence[:m]  # the tree's one sync
+        else:  # the chain read nothing: its confidences come along in the same transfer
+            p1 = dists.gather(-1, draft.tokens[:, None])  # (m, 1)
+            host = torch.cat([candidates.double(), p1.double()], 1).tolist()  # the tree's one sync
+            rows, conf = [[int(c) for c in r[:-1]] for r in host], [r[-1] for r in host]
         extra_tok, extra_parent = [], []
         for depth in range(m):
-            if room <= 0:
-                break
-            p1 = chain.confidence[depth]  # top-1 when greedy, the sampled token's probability when sampling
-            width = next((w for t, w in zip(WIDTH_THRESHOLDS, widths, strict=False) if p1 > t), widths[-1])
-            dist = chain.dists[depth][0]  # (V,)
-            chosen = int(draft.tokens[depth])
-            n_sib = min(width - 1, room)
-            siblings = self._siblings(dist, chosen, n_sib, greedy, state.generator)
+            width = next((w for t, w in zip(WIDTH_THRESHOLDS, widths, strict=False) if conf[depth] > t), widths[-1])
+            siblings = [c for c in rows[depth] if c >= 0][:min(width - 1, room)]
             room -= len(siblings)
             extra_tok += siblings
             extra_parent += [depth] * len(siblings)  # depth d's siblings hang off chain position d
+            if room <= 0:
+                break
         if not extra_tok:
             return draft
-        tokens = torch.cat([draft.tokens, torch.tensor(extra_tok, dtype=torch.long, device=draft.tokens.device)])
+        tokens = torch.cat([draft.tokens, ints_to_device(extra_tok, draft.tokens.device)])  # pinned copy: no sync
         # a sibling was drawn from the same distribution as the chain node at its depth
-        q = None if draft.q is None else draft.q[list(range(m)) + extra_parent]
+        q = None if draft.q is None else draft.q.index_select(0, ints_to_device(list(range(m)) + extra_parent,
+                                                                                 draft.q.device))
         return Draft(tokens, list(range(m)) + extra_parent, q, draft.exact_layers, draft.hidden)
-
-    @staticmethod
-    def _siblings(dist: torch.Tensor, chosen: int, n: int, greedy: bool, generator) -> list[int]:
-        """Up to n more candidates at one depth: next-most-likely (greedy) or drawn without replacement."""
-        if n <= 0:
-            return []
-        rest = dist.clone()
-        rest[chosen] = 0.0
-        available = int((rest > 0).sum())
-        n = min(n, available)
-        if n <= 0:
-            return []
-        if greedy:
-            return torch.topk(rest, n).indices.tolist()
-        return torch.multinomial(rest / rest.sum(), n, replacement=False, generator=generator).tolist()
 
     # -------------------------------------------------------------- optimisation
     def _within_budget(self) -> bool:
@@ -550,3 +549,20 @@ class SwiftDrafter:
         self.plain_steps = 0
         self._traj_mark = len(self.trajectory)
 
+
+def _candidates(dists: torch.Tensor, chosen: torch.Tensor, n: int, greedy: bool, generator) -> torch.Tensor:
+    """(m, n) more candidates per depth besides ``chosen`` (m,), in order, -1 where a depth has fewer.
+
+    Greedy: the next most likely tokens of each row of ``dists`` (m, V). Sampling: an ordered draw without
+    replacement from each row with the chosen token removed, by the Gumbel-top-k trick (top-n of
+    log p + Gumbel noise is distributed as n sequential draws without replacement), so all depths are
+    drawn at once.
+    """
+    rest = dists.scatter(1, chosen[:, None], 0.0)  # (m, V)
+    if greedy:
+        values, index = torch.topk(rest, n, dim=-1)  # (m, n)
+        return torch.where(values > 0, index, -1)
+    u = torch.rand(rest.shape, generator=generator, device=rest.device).clamp_min(1e-20)  # (m, V)
+    keys = rest.log() - (-u.log()).log()  # (m, V): -inf where rest is 0
+    values, index = torch.topk(keys, n, dim=-1)  # (m, n)
+    return torch.where(values > float("-inf"), index, -1)

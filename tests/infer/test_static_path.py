@@ -228,3 +228,99 @@ def test_layers_at_different_lengths(model, eager):
     (key,) = list(static.static._spans[caches[0]])
     assert key.groups == (0, 0) + (2,) * (L - 2)  # two masks per forward, not one per layer
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
+
+
+def _bench_like(runner, prompts, drafter="early_exit", options=None, repeats=2):
+    """What `layerskip bench` does: a thrown-away warm-up engine (``Engine.warm_up`` over the task's prompts),
+    then a fresh engine per repeat over every prompt. Returns the executor's (builds, captures) after the warm-up
+    and after each timed generation."""
+    options = {"exit_layer": 3, "num_draft": 4} if options is None else options
+    config = GenerationConfig(max_new_tokens=16, stop_at_eos=False)
+    Engine(runner, build_drafter(drafter, runner, options)).warm_up(prompts, config)
+    counts = [(runner.static.builds, runner.static.captures)]
+    for _ in range(repeats):
+        engine = Engine(runner, build_drafter(drafter, runner, options))
+        for prompt in prompts:
+            engine.generate(prompt, config)
+            counts.append((runner.static.builds, runner.static.captures))
+    return counts
+
+
+LONG = [[(7 * i) % 300 + 3 for i in range(230)], [(11 * i) % 300 + 3 for i in range(300)]]
+
+
+def test_static_forwards_are_built_once_across_repeats_and_prompt_lengths(model):
+    """Caches are the runner's (pooled by power-of-two capacity) and the warm-up covers every shape, so fresh
+    engines, bench repeats and prompts of other lengths build nothing in timed runs."""
+    runner = Runner.from_model(model, executor="static")
+    counts = _bench_like(runner, [PROMPTS[0], PROMPTS[2]] + LONG)  # 5, 14, 230 and 300 tokens: 256 and 512 slots
+    assert counts[0][0] > 0 and counts == [counts[0]] * len(counts)
+    assert sorted(runner._free_caches) == [256, 512] and all(len(v) == 1 for v in runner._free_caches.values())
+
+
+def test_a_longer_prompt_reuses_the_cache_and_its_forwards(model):
+    """No warm-up at all: a second, longer prompt in the same capacity bucket builds nothing new."""
+    runner = Runner.from_model(model, executor="static")
+    engine = Engine(runner, build_drafter("autoregressive", runner))
+    config = GenerationConfig(max_new_tokens=8, stop_at_eos=False)
+    engine.generate(LONG[0], config)
+    built = runner.static.builds
+    engine.generate(LONG[1], config)  # 70 tokens longer: the cache stays, and so do the static forwards
+    assert runner.static.builds == built
+
+
+@pytest.mark.parametrize("drafter,options", [
+    ("early_exit", {"exit_layer": 3, "num_draft": 4}),
+    ("early_exit", {"exit_layer": 2, "num_draft": 8, "confidence": 0.2}),
+    ("autoregressive", {}),
+])
+def test_graphs_are_captured_before_the_timed_runs(model, monkeypatch, drafter, options):
+    """With CUDA-graph semantics (stand-in capture on CPU): every capture happens in the warm-up."""
+    from infer.graphs import StaticExecutor, StaticSpan
+
+    monkeypatch.setattr(StaticSpan, "capture", _fake_capture)
+    runner = Runner.from_model(model, executor="eager")
+    runner.static = StaticExecutor(runner, capture=True)
+    counts = _bench_like(runner, PROMPTS + LONG[:1], drafter, options)
+    assert counts[0][1] > 0 and counts == [counts[0]] * len(counts)
+
+
+def test_grouped_attention_equals_sdpa_with_gqa():
+    """Folding the query groups into rows (no enable_gqa, so CUDA's memory-efficient kernel takes the masked
+    call) gives the grouped-query attention of SDPA with ``enable_gqa``."""
+    from infer.graphs import grouped_attention
+
+    g = torch.Generator().manual_seed(0)
+    for Hq, Hkv in ((4, 2), (9, 3), (4, 4)):
+        q = torch.randn(Hq, 5, 16, generator=g)  # (Hq, T, D)
+        k, v = torch.randn(2, Hkv, 64, 16, generator=g)  # (Hkv, C, D) each
+        visible = torch.rand(5, 64, generator=g) > 0.3  # (T, C)
+        visible[:, 0] = True
+        ref = torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=visible,
+                                                               enable_gqa=Hq != Hkv)[0]  # (Hq, T, D)
+        torch.testing.assert_close(grouped_attention(q, k, v, visible), ref, atol=1e-6, rtol=1e-5)
+
+
+def test_static_attention_calls_sdpa_without_gqa_and_with_an_aligned_mask(model):
+    """What selects the kernel on CUDA, checked where it is decided: every masked SDPA call of a static forward
+    has as many query as KV heads (no enable_gqa) and a mask whose width is a multiple of 64 (pooled caches)."""
+    from torch.overrides import TorchFunctionMode
+
+    calls = []
+
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.nn.functional.scaled_dot_product_attention:
+                calls.append((args[0].shape[1], args[1].shape[1], kwargs.get("enable_gqa", False),
+                              kwargs["attn_mask"].shape[-1]))
+            return func(*args, **kwargs)
+
+    runner = Runner.from_model(model, executor="static")
+    assert runner.spec.num_heads != runner.spec.num_kv_heads  # a grouped-KV model
+    engine = Engine(runner, build_drafter("early_exit", runner, {"exit_layer": 3, "num_draft": 4}))
+    gen = engine.start(PROMPTS[0], GenerationConfig(max_new_tokens=8))  # the prompt prefill runs eagerly
+    with Spy():
+        while not gen.done:
+            engine.step(gen)
+    assert calls and all(hq == hkv and not gqa and width % 64 == 0 for hq, hkv, gqa, width in calls)
