@@ -96,3 +96,24 @@ def test_executor_flag_static_equals_eager_and_graphs_need_cuda(capsys, tiny_mod
         code, out, err = run_cli(capsys, *args, "--executor", "graphs")
         assert code == 2 and out == "" and "CUDA graphs need a CUDA device" in err
         assert len(err.strip().splitlines()) == 1
+
+
+def test_auto_dtype_follows_the_requested_device_not_the_machine(tiny_model_dir, monkeypatch):
+    """dtype 'auto' on an explicit CPU runner is fp32 even where CUDA exists (it used to resolve against CUDA)."""
+    from infer.runner import Runner
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    runner = Runner.from_pretrained(tiny_model_dir, dtype="auto", device="cpu")
+    assert runner.dtype == torch.float32
+
+
+def test_graph_capture_and_replay_run_on_the_runners_device():
+    """Streams, graph pools and graphs follow the current CUDA device, not a tensor's: capture and replay of a
+    runner on cuda:1 happen inside torch.cuda.device(cuda:1) (built here without entering it: no GPU needed)."""
+    from contextlib import nullcontext
+
+    from infer.graphs import _on_device
+
+    context = _on_device(torch.device("cuda:1"), capture=True)
+    assert isinstance(context, torch.cuda.device) and context.idx == 1
+    assert isinstance(_on_device(torch.device("cpu"), capture=False), nullcontext)
