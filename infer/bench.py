@@ -352,6 +352,7 @@ def _run_task(cfg: BenchConfig, model, peer, label: str, task: str, prompts: lis
     from tqdm.auto import tqdm
 
     from infer.engine import GenerationConfig
+    from infer.exactness import DivergenceJudge
     from infer.sampling import SamplingConfig
 
     sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed)
@@ -359,6 +360,7 @@ def _run_task(cfg: BenchConfig, model, peer, label: str, task: str, prompts: lis
     if cfg.warmup:
         _warmup(cfg, model, peer, [p.ids for p in prompts], gen, label)
     reference: dict[str, list[int]] = {}
+    judge = DivergenceJudge(model.runner, gen)  # the references' config; spread measured on first need
     records = []
     bar = tqdm(total=cfg.repeats * len(prompts) * len(cfg.methods), desc=f"{label}/{task}", disable=not progress,
                leave=False)
@@ -377,7 +379,7 @@ def _run_task(cfg: BenchConfig, model, peer, label: str, task: str, prompts: lis
                 if method.name == BASELINE and not method.options and repeat == 0:
                     reference[prompt.id] = tokens
                 if repeat == 0:
-                    _judge(rec, tokens, reference.get(prompt.id), prompt, model, sampling.greedy)
+                    _judge(rec, tokens, reference.get(prompt.id), prompt, model, sampling.greedy, judge)
                 records.append(rec)
                 bar.update()
     bar.close()
@@ -385,8 +387,9 @@ def _run_task(cfg: BenchConfig, model, peer, label: str, task: str, prompts: lis
 
 
 def _judge(rec: Record, tokens: list[int], reference: list[int] | None, prompt: Prompt, model,
-           greedy: bool) -> None:
-    """Exactness (classified at the first divergence), lossy agreement and answer accuracy of one output."""
+           greedy: bool, judge) -> None:
+    """Exactness (classified at the first divergence by ``judge``, an ``infer.exactness.DivergenceJudge``), lossy
+    agreement and answer accuracy of one output."""
     answer = final_number(prompt.reference) if "####" in prompt.reference else None
     if answer is not None:
         eos = next((i for i, t in enumerate(tokens) if t in model.eos_token_ids), len(tokens))
@@ -398,9 +401,7 @@ def _judge(rec: Record, tokens: list[int], reference: list[int] | None, prompt: 
         return
     rec.exact = tokens == reference
     if not rec.exact:
-        from infer.exactness import classify_divergence
-
-        found = classify_divergence(model.runner, prompt.ids, reference, tokens)
+        found = judge.classify(prompt.ids, reference, tokens)
         rec.divergence = asdict(found) if found is not None else None
 
 

@@ -1,11 +1,21 @@
-"""The tie-flip classifier: constructed logits rows, and a divergence planted in a tiny model's output."""
+"""The tie-flip classifier: constructed logits rows, divergences planted in a tiny model's output (recomputed on
+the executor that ran), and the one-row vs many-row spread the tie bound is based on."""
 
 import pytest
 import torch
 
 from infer.drafters import build_drafter
 from infer.engine import Engine, GenerationConfig
-from infer.exactness import ULPS, classify_divergence, classify_logits, first_divergence, ulp
+from infer.exactness import (
+    ULPS,
+    DivergenceJudge,
+    classify_divergence,
+    classify_logits,
+    first_divergence,
+    measure_spread,
+    tie_bound,
+    ulp,
+)
 from infer.runner import Runner
 from tiny_models import make_model
 
@@ -33,32 +43,123 @@ def _row(values: dict[int, float], vocab: int = 16) -> torch.Tensor:
 
 def test_bf16_near_tie_is_a_tie_flip():
     # 20 and 20 - 1 bf16 ulp (0.125 at this magnitude): one rounding apart
-    margin, resolution, tie = classify_logits(_row({3: 20.0, 7: 19.875}), 3, 7, torch.bfloat16)
-    assert margin == pytest.approx(0.125) and resolution == pytest.approx(ULPS * 0.125)
-    assert tie
+    margin, bound, tie, reason = classify_logits(_row({3: 20.0, 7: 19.875}), 3, 7, torch.bfloat16)
+    assert margin == pytest.approx(0.125) and bound == pytest.approx(ULPS * 0.125)
+    assert tie and reason == ""
 
 
 def test_real_mismatch_is_not_a_tie_flip():
-    margin, resolution, tie = classify_logits(_row({3: 20.0, 7: 17.0}), 3, 7, torch.bfloat16)
-    assert margin == pytest.approx(3.0) and not tie
+    margin, bound, tie, reason = classify_logits(_row({3: 20.0, 7: 17.0}), 3, 7, torch.bfloat16)
+    assert margin == pytest.approx(3.0) and not tie and "exceeds the tie bound" in reason
     # the same 0.125 gap that is a tie in bf16 is a real mismatch in fp32
-    margin, resolution, tie = classify_logits(_row({3: 20.0, 7: 19.875}), 3, 7, torch.float32)
-    assert resolution < 1e-4 and not tie
+    margin, bound, tie, _ = classify_logits(_row({3: 20.0, 7: 19.875}), 3, 7, torch.float32)
+    assert bound < 1e-4 and not tie
+
+
+def test_negative_margin_is_the_reference_disagreeing_with_itself():
+    # the recomputed row prefers the other run's token by a hair: the reference output is not its own argmax
+    margin, bound, tie, reason = classify_logits(_row({3: 19.875, 7: 20.0}), 3, 7, torch.bfloat16)
+    assert margin == pytest.approx(-0.125) and abs(margin) <= bound
+    assert not tie and "reference disagrees with itself" in reason
+
+
+def test_a_third_token_winning_is_the_reference_disagreeing_with_itself():
+    margin, _, tie, reason = classify_logits(_row({3: 20.0, 7: 19.875, 5: 25.0}), 3, 7, torch.bfloat16)
+    assert margin > 0 and not tie and "pick token 5" in reason
+
+
+def test_the_bound_is_twice_the_measured_spread_with_an_ulp_floor():
+    assert tie_bound(0.25, 20.0, torch.bfloat16) == 0.5
+    assert tie_bound(0.0, 20.0, torch.bfloat16) == ULPS * 0.125
+    row = _row({3: 20.0, 7: 19.0})  # margin 1.0
+    assert classify_logits(row, 3, 7, torch.bfloat16, spread=0.5)[2]
+    assert not classify_logits(row, 3, 7, torch.bfloat16, spread=0.49)[2]
+
+
+def _runner_up(row: torch.Tensor, token: int) -> int:
+    """The best token of a logits row (V,) other than ``token`` (exact ties included)."""
+    others = row.clone()
+    others[token] = -float("inf")
+    return int(others.argmax())
+
+
+def _plant(runner: Runner, prompt: list[int], ref: list[int], pos: int) -> list[int]:
+    """ref with the token at ``pos`` replaced by the target's runner-up there (as plain decoding computes it)."""
+    engine = Engine(runner, build_drafter("autoregressive", runner))
+    row = engine.target_logits(prompt, ref[:pos], GEN)  # (V,)
+    return ref[:pos] + [_runner_up(row, ref[pos])] + ref[pos + 1:]
+
+
+GEN = GenerationConfig(max_new_tokens=12, stop_at_eos=False)
 
 
 def test_classify_divergence_on_a_tiny_model():
     runner = Runner.from_model(make_model("llama", seed=0, layers=4))
     prompt = [5, 6, 7, 8, 9]
     engine = Engine(runner, build_drafter("autoregressive", runner))
-    ref = engine.generate(prompt, GenerationConfig(max_new_tokens=12)).tokens
-    assert classify_divergence(runner, prompt, ref, list(ref)) is None
+    ref = engine.generate(prompt, GEN).tokens
+    assert classify_divergence(runner, prompt, ref, list(ref), GEN) is None
     pos = 6
     full = runner.forward(runner.new_cache(32), torch.tensor(prompt + ref[:pos]))[-1]  # (V,)
-    second = int(full.topk(2).indices[1])
-    out = ref[:pos] + [second] + ref[pos + 1:]
-    div = classify_divergence(runner, prompt, ref, out)
-    assert (div.position, div.ref_token, div.out_token) == (pos, ref[pos], second)
-    assert div.margin == pytest.approx(float(full[ref[pos]] - full[second]), abs=1e-4)
+    out = _plant(runner, prompt, ref, pos)
+    div = classify_divergence(runner, prompt, ref, out, GEN)
+    assert (div.position, div.ref_token, div.out_token) == (pos, ref[pos], out[pos])
+    assert div.margin == pytest.approx(float(full[ref[pos]] - full[out[pos]]), abs=1e-4)
     assert div.margin > 0 and not div.tie_flip  # fp32: a different token is a bug, never a tie
-    short = classify_divergence(runner, prompt, ref, ref[:4])
+    short = classify_divergence(runner, prompt, ref, ref[:4], GEN)
     assert short.position == 4 and short.out_token == -1 and not short.tie_flip
+
+
+def test_a_corrupted_reference_is_a_bug_not_a_tie_flip():
+    """The reference's token replaced by the runner-up: the margin is negative, however small."""
+    runner = Runner.from_model(make_model("llama", seed=0, layers=4))
+    prompt = [5, 6, 7, 8, 9]
+    ref = Engine(runner, build_drafter("autoregressive", runner)).generate(prompt, GEN).tokens
+    for pos in (2, 6):
+        corrupted = _plant(runner, prompt, ref, pos)
+        div = classify_divergence(runner, prompt, corrupted, ref, GEN, spread=100.0)  # even a huge bound
+        assert div.margin < 0 and not div.tie_flip and "reference disagrees with itself" in div.reason
+
+
+def test_bf16_margins_are_those_of_the_static_path_that_ran():
+    """Reference and run on the static executor in bf16: every planted divergence is judged on the reference's own
+    row (the eager path differs from it by up to ~0.02 here), so its margin is exactly that row's and >= 0."""
+    model = make_model("llama", seed=0, layers=4)
+    runner = Runner.from_model(model, torch.bfloat16, executor="static")
+    prompt = [5, 6, 7, 8, 9]
+    gen = GenerationConfig(max_new_tokens=16, stop_at_eos=False)
+    ref = Engine(runner, build_drafter("autoregressive", runner)).generate(prompt, gen).tokens
+    own = Engine(runner, build_drafter("autoregressive", runner))
+    for pos in range(len(ref)):
+        row = own.target_logits(prompt, ref[:pos], gen)  # (V,) as the reference run computed it
+        assert int(row.argmax()) == ref[pos]
+        second = _runner_up(row, ref[pos])
+        out = ref[:pos] + [second] + ref[pos + 1:]
+        div = classify_divergence(runner, prompt, ref, out, gen)
+        assert div.margin == float(row[ref[pos]] - row[second]) and div.margin >= 0, pos
+        assert div.tie_flip == (div.margin <= div.resolution) and (div.reason == "") == div.tie_flip
+
+
+def test_spread_of_one_row_vs_many_rows():
+    model = make_model("llama", seed=0, layers=4)
+    fp32 = measure_spread(Runner.from_model(model, executor="static"), sizes=(2, 3, 8))
+    assert set(fp32["per_size"]) == {2, 3, 8} and fp32["executor"] == "static" and fp32["dtype"] == "float32"
+    assert 0.0 <= fp32["max_abs"] < 1e-4 and fp32["prompts"] == 3
+    bf16 = measure_spread(Runner.from_model(model, torch.bfloat16, executor="eager"), sizes=(2, 8))
+    assert bf16["max_abs"] == max(bf16["per_size"].values()) and 0.0 < bf16["max_abs"] < 0.5
+
+
+def test_judge_measures_the_spread_once_and_only_when_needed(monkeypatch):
+    from infer import exactness
+
+    runner = Runner.from_model(make_model("llama", seed=0, layers=4))
+    calls = []
+    monkeypatch.setattr(exactness, "measure_spread", lambda r: calls.append(r) or {"max_abs": 0.125})
+    judge = DivergenceJudge(runner, GEN)
+    prompt = [5, 6, 7, 8, 9]
+    ref = Engine(runner, build_drafter("autoregressive", runner)).generate(prompt, GEN).tokens
+    assert judge.classify(prompt, ref, list(ref)) is None and not calls
+    for pos in (3, 5):
+        div = judge.classify(prompt, ref, _plant(runner, prompt, ref, pos))
+        assert div.resolution >= 0.25
+    assert len(calls) == 1 and judge.spread == 0.125
