@@ -272,9 +272,8 @@ class SwiftDrafter:
         self.gate = FallbackGate(cfg.recheck_interval, enabled=self.fallback)
         self.draft_forward, self.verify = Rate(), Rate()  # forwards per second, verifications per second
         self.score_at_probe = -1.0
-        self.opt_time_total = 0.0  # over every command that shared the remembered state
+        self.opt_time_total = 0.0  # this drafter's own, over every prompt it decoded (never restored)
         self.decode_time = 0.0
-        self.own_opt_time = self.own_decode_time = 0.0  # this drafter's own (never restored)
         self.opt_step = Rate()  # seconds per scored candidate (its ``seconds``; remembered)
         self.trajectory: list[tuple[int, float]] = []
         self.window: tuple[int, int] | None = None
@@ -336,7 +335,6 @@ class SwiftDrafter:
         if self._cycle_start is not None:
             seconds = time.perf_counter() - self._cycle_start
             self.decode_time += seconds
-            self.own_decode_time += seconds
             self.gate.record(len(outcome.tokens), seconds, drafted=outcome.draft is not None)
             if outcome.draft is not None:
                 self.verify.add(1, seconds - self._draft_seconds)
@@ -347,7 +345,6 @@ class SwiftDrafter:
             spent = time.perf_counter() - t0
             self.opt_time += spent
             self.opt_time_total += spent
-            self.own_opt_time += spent
             if scored:
                 self.opt_step.add(1, spent / scored)
 
@@ -357,8 +354,7 @@ class SwiftDrafter:
             self.save(self.config.save_plan)
         if self.memory is not None:
             self.memory.save({"gate": self.gate.to_dict(), "draft_forward": self.draft_forward.to_dict(),
-                              "verify": self.verify.to_dict(), "opt_time": self.opt_time_total,
-                              "decode_time": self.decode_time, "opt_step": self.opt_step.to_dict()})
+                              "verify": self.verify.to_dict(), "opt_step": self.opt_step.to_dict()})
 
     def _restore(self, saved: dict) -> None:
         """Continue from what an earlier command measured (nothing when ``saved`` is empty or unusable)."""
@@ -367,7 +363,6 @@ class SwiftDrafter:
             if "draft_forward" in saved:
                 self.draft_forward.load(saved["draft_forward"])
                 self.verify.load(saved["verify"])
-                self.opt_time_total, self.decode_time = float(saved["opt_time"]), float(saved["decode_time"])
             if "opt_step" in saved:
                 self.opt_step.load(saved["opt_step"])
         except (KeyError, TypeError, ValueError):
@@ -427,20 +422,19 @@ class SwiftDrafter:
     def _within_budget(self) -> bool:
         """Would one more optimisation step keep optimisation within its share of decode + optimisation time?
 
-        The step's cost is what steps measured so far took (remembered across commands; 0 before any).
-        While drafting pays or is being assessed the share is ``opt_budget`` of the time of every command
-        that shared the remembered state. In the fallback it is ``fallback_opt_budget`` of this drafter's
-        own time only: a step the prompt's own plain decoding cannot pay for is not taken up front, and a
-        long prompt or a stream still earns steps (whose better plan can bring an early probe).
+        The share is ``opt_budget`` while drafting pays or is being assessed and ``fallback_opt_budget`` in
+        the fallback, of this drafter's own time: what earlier commands decoded is not credit, since the
+        plan they found is not kept. The step's cost is what steps measured so far took (remembered across
+        commands; 0 before any), so a step the prompt's own decoding cannot pay for is not taken up front,
+        while a long prompt or a stream still earns steps (whose better plan can bring an early probe).
         """
         if self.config.paper:
             return True
         step = self.opt_step.seconds if self.opt_step.cycles else 0.0
-        if self.mode == "draft" or self.drafting.cycles < self.PROBE:
-            share, spent, decoded = self.config.opt_budget, self.opt_time_total, self.decode_time
-        else:
-            share, spent, decoded = self.config.fallback_opt_budget, self.own_opt_time, self.own_decode_time
-        return spent + step <= share * (decoded + spent + step)
+        share = self.config.opt_budget if self.mode == "draft" or self.drafting.cycles < self.PROBE \
+            else self.config.fallback_opt_budget
+        spent = self.opt_time_total
+        return spent + step <= share * (self.decode_time + spent + step)
 
     def _window_ready(self, state: DecodeState) -> bool:
         """Whether this prompt has the γ verified tokens the optimiser scores candidates on."""

@@ -413,7 +413,8 @@ def test_swift_runs_without_optuna(runner, monkeypatch, paper):
 # --------------------------------------------------------------------------- plain mode costs what plain decoding costs
 def remembered_plain(runner, **options):
     """A swift drafter whose remembered gate says 'plain' (drafting measured slower) and whose optimisation steps
-    were measured at 0.5 s each, over 1000 s of earlier decoding with 1 s of optimisation (well within 3 %)."""
+    were measured at 0.5 s each; its file also holds 1000 s of earlier decoding with 1 s of optimisation, which an
+    earlier budget counted as credit."""
     from infer.drafters.gate import GateMemory
 
     cfg = SwiftDrafter.Config(context_window=8, recheck_interval=10_000, **options)
@@ -443,7 +444,7 @@ def test_remembered_plain_mode_takes_no_optimisation_step_the_prompt_cannot_pay_
 
 def test_remembered_plain_mode_still_optimises_once_its_own_time_pays_for_it(runner):
     drafter = remembered_plain(runner)
-    drafter.own_decode_time = 100.0  # as after a long prompt or a stream: 3 % of it pays for a 0.5 s step
+    drafter.decode_time = 100.0  # as after a long prompt or a stream: 3 % of it pays for a 0.5 s step
     res = Engine(runner, drafter).generate(PROMPTS[0], GenerationConfig(max_new_tokens=48))
     assert res.tokens == reference(runner, PROMPTS[0])
     assert res.stats.drafter["opt_steps"] >= 1 and drafter.best_score >= 0
