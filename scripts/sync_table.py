@@ -1,0 +1,91 @@
+"""Host syncs per draft-verify cycle of each drafter, counted by ``infer.syncs`` (the same counts on CPU and GPU).
+
+    python scripts/sync_table.py                                   # default model, static executor, greedy
+    python scripts/sync_table.py --device cuda --executor graphs   # on a GPU
+
+Every read of a device value on the host drains the GPU's queue, which is what CUDA graphs exist to avoid.
+This decodes one prompt with each drafter and prints syncs per cycle (propose + verify + accept), per
+token, draft forwards per cycle and the syncs of the drafter's ``update`` (SWIFT's optimiser) apart, with
+the budget each drafter is held to: 1 for a chain that does not stop on confidence, one more per draft step
+for one that does, and one more for SWIFT's tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from core.cli import check_output_file, run_main
+from infer.commands.generate import add_model_args
+
+PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
+DRAFTERS = ("autoregressive,early_exit:E=24:k=4,early_exit:E=24:k=4:confidence=0.3,"
+            "self_sd:plan=plans/smollm2-135m-humaneval-speed.json,swift:adaptive=false:remember=false")
+
+
+def budget(drafter, result: dict) -> float:
+    """The most syncs per cycle a drafter may make (greedy, static executor)."""
+    if not getattr(drafter.config, "confidence", 0.0):  # a chain that does not stop on confidence
+        return 1.0
+    tree = drafter.name == "swift" and drafter.config.tree
+    return result["draft_steps_per_cycle"] + (2.0 if tree else 1.0)
+
+
+def measure(args: argparse.Namespace) -> list[dict]:
+    # torch and the engine load only after argument parsing (so --help answers at once)
+    from infer.drafters import parse_spec
+    from infer.engine import GenerationConfig
+    from infer.loading import load_model, set_threads
+    from infer.syncs import measure_decode
+
+    specs = [s.strip() for s in args.drafters.split(",") if s.strip()]
+    parsed = [parse_spec(s) for s in specs]  # bad specs fail before the model loads
+    set_threads(args.threads)
+    model = load_model(args.model, args.dtype, args.device, args.executor)
+    prompt = model.encode(args.prompt)
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_at_eos=False)
+    rows = []
+    for spec, (name, options) in zip(specs, parsed, strict=True):
+        engine = model.engine(name, options)
+        result = measure_decode(engine, prompt, config)
+        rows.append({"drafter": spec, **result, "budget": budget(engine.drafter, result),
+                     "executor": model.runner.executor, "device": str(model.runner.device)})
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| drafter | syncs/cycle | budget | syncs/token | draft steps/cycle | update syncs/cycle |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        ok = "" if r["per_cycle"] <= r["budget"] + 1e-9 else " (over)"
+        lines.append(f"| `{r['drafter']}` | {r['per_cycle']:.2f}{ok} | {r['budget']:.2f} | {r['per_token']:.2f} | "
+                     f"{r['draft_steps_per_cycle']:.2f} | {r['update_per_cycle']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_args(p, threads=1)
+    p.set_defaults(executor="static")
+    p.add_argument("--drafters", default=DRAFTERS, help=f"comma-separated drafter specs (default {DRAFTERS})")
+    p.add_argument("--prompt", default=PROMPT, help="the prompt text")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    args = p.parse_args(argv)
+
+    def run() -> int:
+        if args.json is not None:
+            check_output_file(args.json, "--json")
+        rows = measure(args)
+        print(table(rows))
+        if args.json is not None:
+            args.json.write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
+        return 0 if all(r["per_cycle"] <= r["budget"] + 1e-9 for r in rows) else 1
+
+    return run_main("sync_table", run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
