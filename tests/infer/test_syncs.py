@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from tiny_models import make_model
 
 from infer.drafters import build_drafter
 from infer.drafters.base import DecodeState
@@ -12,6 +11,7 @@ from infer.plan import LayerPlan, PlanFile
 from infer.runner import Runner, ints_to_device
 from infer.sampling import SamplingConfig
 from infer.syncs import SyncCounter, measure_decode
+from tiny_models import make_model
 
 L = 8
 PROMPT = [17, 240, 5, 99, 123, 61, 7, 300, 42, 11, 18, 77]
