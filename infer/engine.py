@@ -18,7 +18,16 @@ from core.errors import UserError
 from infer.drafters.base import DecodeState, Draft, Drafter, VerifyOutcome
 from infer.graphs import BUCKETS
 from infer.runner import Runner, capacity_bucket
-from infer.sampling import SamplingConfig, TreeShape, greedy_accept, probs_from_logits, sampling_accept, select
+from infer.sampling import (
+    SamplingConfig,
+    TreeShape,
+    chain_accept,
+    chain_accept_draws,
+    greedy_accept,
+    probs_from_logits,
+    sampling_accept,
+    select,
+)
 
 
 @dataclass(frozen=True)
@@ -302,7 +311,8 @@ class Engine:
     def _verify(self, state: DecodeState, draft: Draft | None) -> VerifyOutcome:
         """One forward of the target over the pending token and the draft tree.
 
-        Greedy decoding reads the device once (drafted tokens and target argmax together).
+        Greedy decoding reads the device once (drafted tokens and target argmax together), and so does
+        sampling over a chain (every draw made on the device first); sampling over a tree reads per node.
         """
         runner, cache, n = self.runner, state.cache, state.n
         if draft is not None and draft.size == 0 and draft.hidden is None:
@@ -330,11 +340,16 @@ class Engine:
             host = torch.cat([ids, logits.argmax(-1)]).tolist()  # the one host sync of the step
             tokens, argmax = host[:T], host[T:]
             path, bonus = greedy_accept(tree, tokens, argmax)
-        else:
-            tokens = ids.tolist()
+        elif tree.is_chain:
             p = probs_from_logits(logits, state.sampling)  # (T, V)
             q = draft.q if draft is not None else None
-            path, bonus = sampling_accept(tree, tokens, p, q, state.generator)
+            host = chain_accept_draws(ids, p, q, state.generator).tolist()  # the one host sync of the step
+            tokens = host[:T]
+            path, bonus = chain_accept(T, host)
+        else:  # trees: recursive rejection over siblings, node by node
+            tokens = ids.tolist()
+            p = probs_from_logits(logits, state.sampling)  # (T, V)
+            path, bonus = sampling_accept(tree, tokens, p, draft.q, state.generator)
         self._commit_path(cache, n, path)
         state.n = n + len(path)
         return VerifyOutcome(draft, path, [tokens[i] for i in path[1:]] + [bonus], n, argmax)

@@ -180,3 +180,43 @@ def sampling_accept(tree: TreeShape, tokens: list[int], p: Tensor, q: Tensor | N
             bonus = int(torch.multinomial(residual, 1, generator=generator))
             return path, bonus
         path.append(accepted)
+
+
+def chain_accept_draws(ids: Tensor, p: Tensor, q: Tensor | None, generator: torch.Generator) -> Tensor:
+    """Every random draw of speculative sampling over a chain, made on the device at once: (3T - 1,) long.
+
+    ``ids`` (T,): the pending token then the m = T - 1 drafted tokens x_1..x_m; ``p`` (T, V) the target's
+    probabilities at each position; ``q`` (m, V) the draft distribution x_i was drawn from (None: a
+    deterministic draft, one-hot q). Returns ``[ids (T), accept_i (m), residual_i (m), bonus (1)]`` where
+    accept_i is 1 iff u_i < p_{i-1}(x_i) / q_{i-1}(x_i) with u_i uniform, residual_i is drawn from
+    norm(max(p_{i-1} - q_{i-1}, 0)) (what replaces x_i if it is the first rejection) and bonus from p_m (the
+    extra token when all m are accepted). The draws are independent, so using the first rejection's residual
+    is exactly the sequential algorithm's distribution; reading the result is the step's one host sync.
+    """
+    m = ids.shape[0] - 1
+    draws = []
+    if m:
+        x = ids[1:]  # (m,)
+        px = p[:m].gather(1, x[:, None])[:, 0]  # (m,)
+        if q is None:
+            ratio = px  # q(x) = 1
+            residual = p[:m].scatter(1, x[:, None], 0.0)  # (m, V): p without x
+        else:
+            ratio = px / q.gather(1, x[:, None])[:, 0].clamp_min(1e-20)  # (m,)
+            residual = (p[:m] - q).clamp_min(0.0)  # (m, V)
+        empty = residual.sum(-1, keepdim=True) <= 0  # (m, 1): p covered by q (not for a valid q); guard anyway
+        residual = torch.where(empty, p[:m], residual)  # (m, V)
+        u = torch.rand(m, generator=generator, device=p.device)  # (m,)
+        draws += [(u < ratio).long(), torch.multinomial(residual, 1, generator=generator)[:, 0]]
+    bonus = torch.multinomial(p[m:], 1, generator=generator)[:, 0]  # (1,)
+    return torch.cat([ids, *draws, bonus])  # (3T - 2 + 1,)
+
+
+def chain_accept(T: int, host: list[int]) -> tuple[list[int], int]:
+    """(path, bonus) from the host copy of ``chain_accept_draws``: accept up to the first rejection."""
+    m = T - 1
+    accept, residual, bonus = host[T:T + m], host[T + m:T + 2 * m], host[-1]
+    first = next((i for i, a in enumerate(accept) if not a), None)
+    if first is None:
+        return list(range(T)), bonus
+    return list(range(first + 1)), residual[first]

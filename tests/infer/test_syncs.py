@@ -66,6 +66,13 @@ def test_greedy_sync_budgets(runner, tmp_path):
     assert swift["update_per_cycle"] > 0  # the optimiser reads its scores (reported apart)
 
 
+def test_sampled_chain_verification_reads_once(runner):
+    """Speculative sampling over a chain: all acceptance draws, residuals and the bonus in one transfer."""
+    sampling = SamplingConfig(temperature=1.0, seed=0)
+    for name, options in (("autoregressive", {}), ("early_exit", {"exit_layer": L // 2, "num_draft": 4})):
+        assert _measure(runner, name, options, sampling)["per_cycle"] == 1.0
+
+
 def test_tree_costs_one_read_whatever_its_depth(runner):
     """SWIFT's siblings for all depths come from one batched top-k, read in one transfer."""
     drafter = build_drafter("swift", runner, {"context_window": 4, "remember": False, "adaptive": False,
