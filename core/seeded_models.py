@@ -1,14 +1,26 @@
-"""Seeded random-init Llama-family models: tiny ones for exactness checks, real shapes for speed.
+"""Seeded random-init Llama-family models and a byte-level tokenizer, all built in code (no download).
 
 The test suite and ``scripts/gpu_check.py`` check exactness on the same tiny models (weights scaled
 x4 so logits are peaked and near-ties rare; Qwen2 with non-zero q/k/v biases), and the GPU checks
 time random-init models of real shapes (speed does not depend on the weights' values).
+:func:`byte_tokenizer` is a real fast tokenizer (259 ids: three specials and the 256 bytes), so a
+machine with no model cache and no network can still save, train and reload a checkpoint end to end.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from tokenizers import Tokenizer, decoders, models
+from tokenizers.pre_tokenizers import ByteLevel
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+"""The byte tokenizer's chat template: ``<|role|>content</s>`` per message."""
+BYTE_VOCAB = 259
+"""Ids of :func:`byte_tokenizer`: <unk>, <s>, </s> + 256 byte symbols."""
 
 
 def tiny_config(kind: str = "llama", vocab_size: int = 320, layers: int = 4, **overrides):
@@ -47,3 +59,16 @@ def tiny_model(kind: str = "llama", seed: int = 0, vocab_size: int = 320, layers
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0.0, 0.1)
     return model
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A real fast tokenizer (byte-level, no merges, ``BYTE_VOCAB`` ids) whose ids fit a tiny model's vocabulary."""
+    alphabet = sorted(ByteLevel.alphabet())
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {c: i + 3 for i, c in enumerate(alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", pad_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast

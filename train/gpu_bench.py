@@ -1,6 +1,6 @@
 """Training speed and memory of LayerSkip on one device, and an end-to-end train -> save -> decode check.
 
-    python -m train.gpu_bench --device cuda --tokenizer-dir <default model folder> [--json out.json]
+    python -m train.gpu_bench --device cuda [--tokenizer-dir <model folder>] [--json out.json]
     python -m train.gpu_bench --device cpu --tiny            # seconds; what CI runs
 
 :func:`train_check` times :class:`train.model.LayerSkipLM` steps driven directly (forward, backward,
@@ -13,8 +13,10 @@ Then it trains a random-init 135M-shape model for 12 steps with ``train/layerski
 and loads the saved checkpoint with :class:`infer.runner.Runner` on the same device to decode a few
 tokens. :func:`update_training_doc` writes the result table into docs/TRAINING.md.
 
-Importing this module needs only torch, transformers and the standard library; the training loop
-and the runner are imported inside the functions that use them.
+The end-to-end run needs nothing from a model cache or the network: without ``--tokenizer-dir`` its
+tokenizer is ``core.seeded_models.byte_tokenizer`` (built in code) and its data the Python standard
+library's source files. Importing this module needs only torch, transformers, tokenizers and the
+standard library; the training loop and the runner are imported inside the functions that use them.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig
 
+from core.seeded_models import byte_tokenizer
 from core.seeded_models import random_model as seeded_random_model
 from train.config import EarlyExitConfig, LayerDropoutConfig
 
@@ -171,11 +174,12 @@ def bench_shape(shape: Shape, device: torch.device, repeats: int = 3) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-def make_random_checkpoint(folder: Path, config: dict, tokenizer_dir: str) -> Path:
-    """A random-init model of ``config``'s shape with the tokenizer of ``tokenizer_dir``, as a HF folder."""
+def make_random_checkpoint(folder: Path, config: dict, tokenizer_dir: str | None = None) -> Path:
+    """A random-init model of ``config``'s shape with the tokenizer of ``tokenizer_dir`` (None: the byte-level
+    tokenizer built in code), as a HF folder."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir) if tokenizer_dir else byte_tokenizer()
     cfg = dict(config, vocab_size=max(config["vocab_size"], len(tokenizer)))
     model = random_model(cfg, torch.device("cpu"))
     eos = tokenizer.eos_token_id
@@ -204,12 +208,11 @@ def hf_decode(model_dir: Path, device: torch.device, dtype: torch.dtype, prompt:
 
 def end_to_end(device: torch.device, tiny: bool, tokenizer_dir: str | None, workdir: Path,
                decode: Decode = hf_decode) -> dict:
-    """Train 12 steps with train/layerskip.py, reload the final checkpoint with ``decode`` and decode 6 tokens."""
-    from core.models import resolve_model
+    """Train 12 steps with train/layerskip.py, reload the final checkpoint with ``decode`` and decode 6 tokens
+    (``tokenizer_dir`` None: the byte-level tokenizer, so no model cache or network is needed)."""
     from train.layerskip import main as train_main
 
-    tok_dir = tokenizer_dir or str(resolve_model("default"))
-    start = make_random_checkpoint(workdir / "init", TINY if tiny else SMOLLM2_135M, tok_dir)
+    start = make_random_checkpoint(workdir / "init", TINY if tiny else SMOLLM2_135M, tokenizer_dir)
     block, micro = (32, 2) if tiny else (1024, 8)
     bf16 = device.type == "cuda"
     argv = [f"model.name_or_path={start}", "data.sources=[{type: stdlib, max_documents: 40}]",
@@ -321,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU, seconds)")
-    parser.add_argument("--tokenizer-dir", help="tokenizer of the e2e run (default: the default model's)")
+    parser.add_argument("--tokenizer-dir", help="a model folder whose tokenizer the e2e run uses (default: a "
+                        "byte-level tokenizer built in code)")
     parser.add_argument("--json", help="write the result here")
     parser.add_argument("--doc", help="also write the table into this Markdown file (e.g. docs/TRAINING.md)")
     args = parser.parse_args(argv)

@@ -1,4 +1,5 @@
-"""train.gpu_bench on tiny CPU shapes: the result's keys, the e2e train -> save -> runner decode, the doc table."""
+"""train.gpu_bench on tiny CPU shapes: the result's keys, the e2e train -> save -> runner decode (with no model cache:
+a byte-level tokenizer built in code), the doc table."""
 
 from __future__ import annotations
 
@@ -7,16 +8,39 @@ import subprocess
 import sys
 
 import pytest
+from transformers import AutoTokenizer
 
-from train.gpu_bench import BEGIN, END, NOT_RUN, step_flops, train_check, update_training_doc, variants
+import core.models
+from core.seeded_models import BYTE_VOCAB
+from train.gpu_bench import (
+    BEGIN,
+    END,
+    NOT_RUN,
+    TINY,
+    make_random_checkpoint,
+    step_flops,
+    train_check,
+    update_training_doc,
+    variants,
+)
 
 FIELDS = ("plain_tok_s", "dropout_rel", "dropout05_rel", "dropout_batch_rel", "exits_rel", "dropout_exits_rel",
           "rotational_rel", "plain_peak_gb", "exits_peak_gb", "mfu")
 
 
+def _no_model_lookup(*args, **kwargs):
+    raise AssertionError("the end-to-end check looked for a model (a download on a fresh machine)")
+
+
 @pytest.fixture(scope="module")
-def tiny_result(tiny_model_dir):
-    return train_check("cpu", tiny=True, tokenizer_dir=str(tiny_model_dir))
+def tiny_result(tmp_path_factory):
+    """No --tokenizer-dir, an empty toolkit cache, HF offline, and fetching a model (default or hub) an error."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LAYERSKIP_CACHE", str(tmp_path_factory.mktemp("empty-cache")))
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setattr(core.models, "fetch_default_model", _no_model_lookup)
+        mp.setattr(core.models, "_from_hub", _no_model_lookup)
+        return train_check("cpu", tiny=True)
 
 
 def test_tiny_train_check_reports_every_field_and_e2e(tiny_result):
@@ -30,6 +54,17 @@ def test_tiny_train_check_reports_every_field_and_e2e(tiny_result):
     assert tiny_result["e2e_ok"] is True, e2e
     assert len(e2e["decoded"]) == 6 and all(math.isfinite(x) for x in e2e["losses"])
     assert "model.safetensors" in e2e["final_dir_files"]
+
+
+def test_checkpoint_tokenizer_is_the_given_one_or_the_byte_tokenizer(tiny_model_dir, tmp_path):
+    given = make_random_checkpoint(tmp_path / "given", dict(TINY, vocab_size=600), str(tiny_model_dir))
+    assert AutoTokenizer.from_pretrained(given).get_vocab() == AutoTokenizer.from_pretrained(tiny_model_dir).get_vocab()
+    built = make_random_checkpoint(tmp_path / "built", dict(TINY, vocab_size=8))
+    tok = AutoTokenizer.from_pretrained(built)
+    assert len(tok) == BYTE_VOCAB and tok.decode(tok("héllo")["input_ids"]) == "héllo"
+    assert AutoTokenizer.from_pretrained(built).eos_token == "</s>"
+    config = (built / "config.json").read_text()
+    assert f'"vocab_size": {BYTE_VOCAB}' in config  # grown to the tokenizer
 
 
 def test_doc_table_between_markers(tiny_result, tmp_path):
