@@ -10,14 +10,19 @@ nothing is recomputed in the backward:
 - :class:`FusedHeadCE` (a ``torch.autograd.Function``) takes the normed hidden states of every exit,
   the LM-head weight and the per-exit weights; its forward returns the weighted total loss and keeps
   ``d total / d x_E`` (the size of the hidden states) and one fp32 ``d total / d W`` (the size of the
-  head) shared by all exits; its backward only scales them by the incoming gradient.
+  head) shared by all exits; its backward only scales them by the incoming gradient. The head weight
+  is cast to the compute dtype once per forward, and each chunk's head gradient (in the compute
+  dtype) is added in place into the fp32 accumulator, so no (V, d) temporary is made per chunk
+  beyond the product itself.
 - :func:`checkpointed_head_ce` is the fallback for heads that are not a plain ``nn.Linear`` (a LoRA- or
   DeepSpeed-ZeRO-3-wrapped head, whose weight is not a usable tensor outside its own forward): each
   chunk runs through the modules under activation checkpointing, so its logits are recomputed in
   the backward instead of being kept.
 
 Both equal ``F.cross_entropy(..., ignore_index=-100)`` (the mean over non-ignored targets, NaN when
-there are none) and its gradients; ``tests/train/test_train_losses.py`` checks that in fp32.
+there are none) and its gradients: ``tests/train/test_train_fast_forward.py`` checks that in fp32 and under
+bf16 autocast, and ``tests/train/test_train_losses.py`` the one cast per forward, the allocations per
+chunk and the bf16 head gradient's accumulation order.
 """
 
 from __future__ import annotations
@@ -55,9 +60,9 @@ def _chunk_ce_and_grad(x: Tensor, weight: Tensor, targets: Tensor, scale: Tensor
                        cdtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
     """Sum of CE over one chunk and, when ``scale`` is given, ``scale * d CE_sum / d logits``.
 
-    x (n, d) normed hidden; weight (V, d); targets (n,) with -100 for ignored rows.
+    x (n, d) normed hidden; weight (V, d) already in ``cdtype``; targets (n,) with -100 for ignored rows.
     """
-    logits = (x.to(cdtype) @ weight.to(cdtype).t()).float()  # (n, V)
+    logits = (x.to(cdtype) @ weight.t()).float()  # (n, V)
     valid = targets != IGNORE  # (n,)
     safe = targets.clamp_min(0).unsqueeze(1)  # (n, 1)
     lse = torch.logsumexp(logits, dim=-1)  # (n,)
@@ -69,6 +74,20 @@ def _chunk_ce_and_grad(x: Tensor, weight: Tensor, targets: Tensor, scale: Tensor
     grad.scatter_add_(1, safe, torch.full_like(picked, -1.0).unsqueeze(1))  # (n, V): softmax - onehot
     grad.mul_((valid * scale).unsqueeze(1))  # (n, V): ignored rows get no gradient
     return ce_sum, grad
+
+
+def _accumulate(acc: Tensor | None, gt: Tensor, xc: Tensor) -> Tensor:
+    """acc + gt @ xc in fp32 without a (V, d) fp32 temporary: gt (V, n) and xc (n, d) in the compute dtype.
+
+    The first chunk's product becomes the accumulator; later ones are added in place, in fp32 with ``addmm_``
+    and otherwise as the compute-dtype product upcast element by element inside ``add_`` (the same sum as
+    adding ``product.float()``).
+    """
+    if acc is None:
+        return (gt @ xc).float()  # (V, d)
+    if gt.dtype == torch.float32:
+        return acc.addmm_(gt, xc)  # (V, d)
+    return acc.add_(gt @ xc)  # (V, d) fp32 += (V, d) compute dtype
 
 
 class FusedHeadCE(torch.autograd.Function):
@@ -89,6 +108,7 @@ class FusedHeadCE(torch.autograd.Function):
         grad_w = None  # (V, d) fp32, from the first chunk's product on (no zero fill)
         grad_xs, losses = [], []
         with torch.autocast(kind, enabled=False):  # dtypes are chosen explicitly above
+            w = weight.to(cdtype)  # (V, d): cast once per forward, not per chunk
             for w_e, x, targets in zip(exit_weights, xs, targets_list, strict=True):
                 count = (targets != IGNORE).sum()  # () on the device: no host sync
                 scale = (w_e / count.float()) if need_grad else None  # ()
@@ -96,17 +116,13 @@ class FusedHeadCE(torch.autograd.Function):
                 ce_sum = x.new_zeros((), dtype=torch.float32)
                 for s in range(0, x.shape[0], chunk):
                     xc, tc = x[s:s + chunk], targets[s:s + chunk]  # (n, d), (n,)
-                    part, grad = _chunk_ce_and_grad(xc, weight, tc, scale, cdtype)
+                    part, grad = _chunk_ce_and_grad(xc, w, tc, scale, cdtype)
                     ce_sum = ce_sum + part
                     if grad is not None:
                         g = grad.to(cdtype)  # (n, V)
-                        grad_x[s:s + chunk] = (g @ weight.to(cdtype)).to(x.dtype)  # (n, d)
-                        if need_w and grad_w is None:
-                            grad_w = (g.t() @ xc.to(cdtype)).float()  # (V, d)
-                        elif need_w and cdtype == torch.float32:
-                            grad_w.addmm_(g.t(), xc)  # (V, d), accumulated in place
-                        elif need_w:
-                            grad_w.add_((g.t() @ xc.to(cdtype)).float())  # (V, d)
+                        grad_x[s:s + chunk] = (g @ w).to(x.dtype)  # (n, d)
+                        if need_w:
+                            grad_w = _accumulate(grad_w, g.t(), xc.to(cdtype))  # (V, d) fp32
                 losses.append(ce_sum / count)
                 grad_xs.append(grad_x)
         per_exit = torch.stack(losses)  # (n_exits,)
