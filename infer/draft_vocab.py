@@ -11,7 +11,7 @@ calibration data, best counted on the target model's own greedy generations.
 - ``DraftVocab``: the chosen sorted ids, saved as a JSON file tied to its model like plan files are.
 - ``coverage``: the share of target tokens inside a subset; ``heldout_tokens`` generates them.
 - ``resolve_draft_vocab``: ``--draft-vocab N`` (top N of the bundled counts) or a path to a file.
-- ``subset_rows`` / ``to_full_ids`` / ``to_full_probs``: the tensor side of a subset head.
+- ``subset_rows``: the subset head's weight (``infer.runner.DraftHead`` scores with it).
 
 Which model a file fits: its architecture numbers and vocabulary size, and the tokenizer's fingerprint
 (a digest of its id -> token table); the weight fingerprint is checked instead when no tokenizer is at
@@ -169,7 +169,7 @@ class DraftVocab:
         return self.size / self.vocab_size
 
     def ids_tensor(self, device: str | torch.device = "cpu") -> Tensor:
-        """(N,) long tensor of the ids on ``device``, for ``subset_rows`` and ``to_full_ids``."""
+        """(N,) long tensor of the ids on ``device``."""
         return torch.tensor(self.ids, dtype=torch.long, device=device)  # (N,)
 
     def to_dict(self) -> dict:
@@ -413,14 +413,3 @@ def resolve_draft_vocab(spec: int | str | os.PathLike, model, tokenizer=None,
 def subset_rows(weight: Tensor, ids: Tensor) -> Tensor:
     """The subset head: rows ``ids`` of the full head weight, (V, d), (N,) -> (N, d) (a copy, gathered once)."""
     return weight.index_select(0, ids.to(weight.device))  # (N, d)
-
-
-def to_full_ids(sub_index: Tensor, ids: Tensor) -> Tensor:
-    """Positions in the subset (e.g. a subset head's argmax), any shape (...,), -> full-vocabulary ids (...,)."""
-    return ids[sub_index]  # (...,)
-
-
-def to_full_probs(sub_probs: Tensor, ids: Tensor, vocab_size: int) -> Tensor:
-    """A draft distribution over the subset, (..., N), as one over the whole vocabulary, (..., V): zero outside."""
-    full = sub_probs.new_zeros(*sub_probs.shape[:-1], vocab_size)  # (..., V)
-    return full.index_copy_(-1, ids.to(sub_probs.device), sub_probs)  # (..., V)

@@ -85,6 +85,8 @@ class SpanKey:
     """(skipped attention layers, skipped MLP layers) of the plan, sorted; None = no plan."""
     logits: bool
     """Whether the final norm and LM head run."""
+    vocab: str | None = None
+    """Key of the reduced-vocabulary draft head scoring the logits (None: the full LM head)."""
     groups: tuple[int, ...] = ()
     """For each attention layer run, in order, the first of them with the same window start: layers of a
     group share one attention mask (computed once per forward, not once per layer)."""
@@ -122,9 +124,9 @@ def window_mask(rows: int, T: int, extra: int, mask: Tensor | None) -> Tensor:
 class StaticSpan:
     """One static forward: its input buffers, and on CUDA its captured graph and output buffers."""
 
-    def __init__(self, runner: Runner, key: SpanKey, plan: LayerPlan | None):
+    def __init__(self, runner: Runner, key: SpanKey, plan: LayerPlan | None, vocab=None):
         # no reference to the cache: the executor's table is keyed by it weakly (a graph dies with its cache)
-        self.runner, self.key, self.plan = runner, key, plan
+        self.runner, self.key, self.plan, self.vocab = runner, key, plan, vocab
         d, L = runner.spec.hidden_size, runner.num_layers
         W = key.extra + key.rows
         self.hidden = torch.zeros(key.rows, d, dtype=runner.dtype, device=runner.device)  # (rows, d)
@@ -134,7 +136,7 @@ class StaticSpan:
         self.outputs: tuple[Tensor, Tensor, Tensor | None] | None = None
 
     def compute(self, cache: KVCache) -> tuple[Tensor, Tensor, Tensor | None]:
-        return static_forward(self.runner, cache, self.hidden, self.meta, self.key, self.plan)
+        return static_forward(self.runner, cache, self.hidden, self.meta, self.key, self.plan, self.vocab)
 
     def capture(self, cache: KVCache, pool) -> None:
         """Warm up on a side stream, then record the forward into the executor's shared memory pool
@@ -189,8 +191,8 @@ class StaticExecutor:
         return self._pool
 
     def span(self, cache: KVCache, hidden: Tensor, positions: list[int], start: int, split: int, end: int,
-             plan: LayerPlan | None, mask: Tensor | None,
-             logits: bool) -> tuple[Tensor, Tensor, Tensor | None] | None:
+             plan: LayerPlan | None, mask: Tensor | None, logits: bool,
+             vocab=None) -> tuple[Tensor, Tensor, Tensor | None] | None:
         """The static forward of ``Runner.span``; None when the call does not fit (run it eagerly)."""
         T = hidden.shape[0]
         rows = bucket(T, self.buckets)
@@ -203,8 +205,10 @@ class StaticExecutor:
         if window_starts is None:
             return None  # the padded rows would not fit: let the eager path raise or run
         groups = tuple(next(j for j in ran["attn"] if window_starts[j] == window_starts[i]) for i in ran["attn"])
-        key = SpanKey(rows, extra, start, split, end, plan_key(plan) if split < end else None, logits, groups)
-        entry = self._entry(cache, key, plan if split < end else None)
+        vocab = vocab if logits else None
+        key = SpanKey(rows, extra, start, split, end, plan_key(plan) if split < end else None, logits,
+                      None if vocab is None else vocab.key, groups)
+        entry = self._entry(cache, key, plan if split < end else None, vocab)
         pos = list(positions) + [positions[-1]] * (rows - T)
         meta = torch.cat([torch.tensor(pos + window_starts, dtype=torch.long),
                           window_mask(rows, T, extra, mask).flatten()])  # (rows + L + rows * W,)
@@ -243,11 +247,11 @@ class StaticExecutor:
                 return None
         return starts
 
-    def _entry(self, cache: KVCache, key: SpanKey, plan: LayerPlan | None) -> StaticSpan:
+    def _entry(self, cache: KVCache, key: SpanKey, plan: LayerPlan | None, vocab=None) -> StaticSpan:
         spans = self._spans.setdefault(cache, OrderedDict())
         entry = spans.get(key)
         if entry is None:
-            entry = spans[key] = StaticSpan(self.runner, key, plan)
+            entry = spans[key] = StaticSpan(self.runner, key, plan, vocab)
             self.builds += 1
             while len(spans) > MAX_SPANS:
                 spans.popitem(last=False)
@@ -279,7 +283,7 @@ def _on_device(device: torch.device, capture: bool):
 
 
 def static_forward(runner: Runner, cache: KVCache, hidden: Tensor, meta: Tensor, key: SpanKey,
-                   plan: LayerPlan | None) -> tuple[Tensor, Tensor, Tensor | None]:
+                   plan: LayerPlan | None, vocab=None) -> tuple[Tensor, Tensor, Tensor | None]:
     """The padded forward itself: only device tensors and Python constants, so it can be captured."""
     rows, L = key.rows, runner.num_layers
     W = key.extra + rows
@@ -309,7 +313,7 @@ def static_forward(runner: Runner, cache: KVCache, hidden: Tensor, meta: Tensor,
             hidden = runner._mlp(runner.layers[i], hidden)
     if key.split >= key.end:
         exact = hidden
-    return exact, hidden, runner.head(hidden) if key.logits else None
+    return exact, hidden, runner.head(hidden, vocab) if key.logits else None
 
 
 def _visible(window_start: Tensor, window: Tensor, slots: Tensor) -> Tensor:

@@ -12,7 +12,8 @@ from transformers import AutoTokenizer, GenerationConfig
 from core.device import parse_dtype, resolve_device
 from core.errors import UserError
 from core.models import resolve_model
-from infer.drafters import build_drafter
+from infer.draft_vocab import DraftVocab, resolve_draft_vocab
+from infer.drafters import build_config, build_drafter
 from infer.engine import Engine
 from infer.runner import Runner
 
@@ -42,8 +43,14 @@ class LoadedModel:
 
     def engine(self, drafter: str, options: dict | None = None) -> Engine:
         """An Engine with drafter ``drafter``; ``autoregressive`` with ``exit_layer=E < L`` is lossy early
-        exit (the target is layers [0, E) + final norm + LM head)."""
-        built = build_drafter(drafter, self.runner, options or {})
+        exit (the target is layers [0, E) + final norm + LM head). A ``draft_vocab`` size or file is resolved
+        with this model's tokenizer (so a finetuned checkpoint uses its base model's counts)."""
+        options = dict(options or {})
+        spec = options.get("draft_vocab")
+        if spec is not None and not isinstance(spec, DraftVocab):
+            build_config(drafter, options)  # a bad option is reported as such before the vocabulary is read
+            options["draft_vocab"] = resolve_draft_vocab(spec, self.runner, self.tokenizer)
+        built = build_drafter(drafter, self.runner, options)
         exit_layer = getattr(built.config, "exit_layer", None) if built.name == "autoregressive" else None
         if exit_layer == self.runner.num_layers:
             exit_layer = None  # E = L is the full model

@@ -34,6 +34,7 @@ from core.device import EXECUTOR_CHOICES, parse_dtype
 from core.errors import UserError
 from core.models import ModelSpec
 from infer import kernels
+from infer.draft_vocab import subset_rows
 from infer.graphs import StaticExecutor
 from infer.plan import LayerPlan
 
@@ -131,6 +132,32 @@ class KVCache:
         self.v[:, :, d] = self.v[:, :, s]
 
 
+class DraftHead:
+    """The LM head restricted to N token ids (a reduced-vocabulary draft head), built once per runner and ids.
+
+    Its weight is a gathered copy of the N rows of the shared head (the model's own head, tied or not, is
+    untouched); ``logits`` scores only those N ids and returns them at their places in the full vocabulary,
+    with -inf elsewhere, so everything downstream (argmax, softmax, sampling, token trees) sees a proper
+    draft distribution that is zero outside the subset. Verification never uses it.
+    """
+
+    def __init__(self, runner: Runner, ids: Tensor):
+        self.ids = ids.to(runner.device, torch.long)  # (N,) sorted, unique
+        self.key = hashlib.sha256(self.ids.cpu().numpy().tobytes()).hexdigest()[:16]
+        self.vocab_size = runner.spec.vocab_size
+        self.linear = Linear(subset_rows(runner.lm_head.weight, self.ids), None, runner.kernel)  # (N, d)
+
+    @property
+    def size(self) -> int:
+        return int(self.ids.shape[0])
+
+    def logits(self, normed: Tensor) -> Tensor:
+        """(T, d) final-normed hidden -> (T, V) fp32 logits, -inf outside the subset."""
+        sub = self.linear(normed).float()  # (T, N)
+        full = sub.new_full((sub.shape[0], self.vocab_size), float("-inf"))  # (T, V)
+        return full.index_copy_(1, self.ids, sub)
+
+
 @dataclass
 class SpanOutput:
     """What ``Runner.span`` returns for the T tokens of one call."""
@@ -207,6 +234,7 @@ class Runner:
         self._ensure_rope(self.spec.max_position_embeddings)  # once: captured graphs read these tables
         self.counters = RunnerCounters([0] * self.spec.num_layers)
         self._free_caches: dict[int, list[KVCache]] = {}
+        self._draft_heads: dict[str, DraftHead] = {}
         self.set_executor(executor)
 
     # ----------------------------------------------------------------- loading
@@ -365,41 +393,55 @@ class Runner:
     def embed(self, ids: Tensor) -> Tensor:
         return F.embedding(ids, self.embed_w)  # (T,) -> (T, d)
 
-    def logits(self, hidden: Tensor) -> Tensor:
-        """Final norm + LM head, returned in fp32."""
+    def logits(self, hidden: Tensor, vocab: DraftHead | None = None) -> Tensor:
+        """Final norm + LM head (or a reduced-vocabulary draft head), returned in fp32 (T, V)."""
         self.counters.lm_head_tokens += hidden.shape[0]
-        return self.head(hidden)
+        return self.head(hidden, vocab)
 
-    def head(self, hidden: Tensor) -> Tensor:
-        """Final norm + LM head in fp32, without counting (the static executor counts on the host)."""
+    def head(self, hidden: Tensor, vocab: DraftHead | None = None) -> Tensor:
+        """Final norm + LM head in fp32, without counting (the static executor counts on the host); with
+        ``vocab``, only its N rows of the head run and the other logits are -inf."""
         h = _rms_norm(hidden, self.final_norm, self.spec.rms_norm_eps)  # (T, d)
-        return self.lm_head(h).float()  # (T, V)
+        return self.lm_head(h).float() if vocab is None else vocab.logits(h)  # (T, V)
+
+    def draft_head(self, ids: Tensor | list[int]) -> DraftHead:
+        """The draft head over token ``ids`` (N,), built on first use and kept for the runner's lifetime."""
+        ids = torch.as_tensor(ids, dtype=torch.long).cpu()  # (N,)
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size:
+            raise UserError(f"a draft vocabulary needs token ids in [0, {self.spec.vocab_size}), got "
+                            f"{ids.numel()} ids")
+        ids = ids.unique(sorted=True)
+        key = hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16]
+        if key not in self._draft_heads:
+            self._draft_heads[key] = DraftHead(self, ids)
+        return self._draft_heads[key]
 
     def span(self, cache: KVCache, hidden: Tensor, positions: list[int], start: int, end: int, *,
              exact_until: int | None = None, plan: LayerPlan | None = None, mask: Tensor | None = None,
-             logits: bool = False) -> SpanOutput:
+             logits: bool = False, vocab: DraftHead | None = None) -> SpanOutput:
         """A decoding forward: layers ``[start, exact_until)`` exactly, then ``[exact_until, end)`` under ``plan``.
 
         ``hidden`` (T, d) enters layer ``start`` at RoPE ``positions`` (T host ints); ``mask`` (T, W)
         bool as in ``forward_layers`` (None = causal new tokens). Returns the stream at
         ``exact_until`` (default ``end``), after ``end``, and the logits when ``logits``. Runs on the
         static executor when one is set and the call fits it, else eagerly; both write the same
-        cache rows and lengths.
+        cache rows and lengths. ``vocab``: score the logits with that reduced-vocabulary draft head.
         """
         split = end if exact_until is None else exact_until
         if self.static is not None:
-            out = self.static.span(cache, hidden, positions, start, split, end, plan, mask, logits)
+            out = self.static.span(cache, hidden, positions, start, split, end, plan, mask, logits, vocab)
             if out is not None:
                 return SpanOutput(*out)
-        return self._span_eager(cache, hidden, positions, start, split, end, plan, mask, logits)
+        return self._span_eager(cache, hidden, positions, start, split, end, plan, mask, logits, vocab)
 
     def _span_eager(self, cache: KVCache, hidden: Tensor, positions: list[int], start: int, split: int,
-                    end: int, plan: LayerPlan | None, mask: Tensor | None, logits: bool) -> SpanOutput:
-        pos = torch.tensor(positions, device=self.device)  # (T,)
+                    end: int, plan: LayerPlan | None, mask: Tensor | None, logits: bool,
+                    vocab: DraftHead | None = None) -> SpanOutput:
+        pos = self.to_device(positions)  # (T,)
         mask = None if mask is None else mask.to(self.device)  # (T, W)
         exact = self.forward_layers(cache, hidden, pos, start, split, mask=mask)  # (T, d)
         out = exact if split >= end else self.forward_layers(cache, exact, pos, split, end, plan=plan, mask=mask)
-        return SpanOutput(exact, out, self.logits(out) if logits else None)
+        return SpanOutput(exact, out, self.logits(out, vocab) if logits else None)
 
     def to_device(self, values: list[int]) -> Tensor:
         """Host ints as a device long tensor; on CUDA through pinned memory, so no host sync."""

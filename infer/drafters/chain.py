@@ -8,39 +8,73 @@ The chain loop around it handles greedy/sampled proposals and confidence-based s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from core.errors import UserError
+from infer.draft_vocab import DraftVocab, resolve_draft_vocab
 from infer.drafters.base import DecodeState, Draft
 from infer.plan import LayerPlan
-from infer.runner import KVCache, Runner, ints_to_device
+from infer.runner import DraftHead, KVCache, Runner, ints_to_device
 from infer.sampling import probs_from_logits, sample
 
 
 class EarlyExitForward:
-    """Layers [0, E) then the final norm and LM head (LayerSkip); all of it is exact."""
+    """Layers [0, E) then the final norm and LM head (LayerSkip); all of it is exact.
 
-    def __init__(self, runner: Runner, exit_layer: int):
-        self.runner, self.exact_layers = runner, exit_layer
+    ``vocab``: a reduced-vocabulary draft head (logits -inf outside its ids)."""
+
+    def __init__(self, runner: Runner, exit_layer: int, vocab: DraftHead | None = None):
+        self.runner, self.exact_layers, self.vocab = runner, exit_layer, vocab
 
     def __call__(self, cache: KVCache, token: Tensor, position: int) -> tuple[Tensor, Tensor]:
         r = self.runner
-        out = r.span(cache, r.embed(token), [position], 0, self.exact_layers, logits=True)
+        out = r.span(cache, r.embed(token), [position], 0, self.exact_layers, logits=True, vocab=self.vocab)
         return out.hidden, out.logits  # (1, d), (1, V)
 
 
 class PlanForward:
-    """All layers under a sublayer skip plan; the layers before the first layer with a skip are exact."""
+    """All layers under a sublayer skip plan; the layers before the first layer with a skip are exact.
 
-    def __init__(self, runner: Runner, plan: LayerPlan):
-        self.runner, self.plan, self.exact_layers = runner, plan, plan.exact_prefix
+    ``vocab``: a reduced-vocabulary draft head (logits -inf outside its ids)."""
+
+    def __init__(self, runner: Runner, plan: LayerPlan, vocab: DraftHead | None = None):
+        self.runner, self.plan, self.exact_layers, self.vocab = runner, plan, plan.exact_prefix, vocab
 
     def __call__(self, cache: KVCache, token: Tensor, position: int) -> tuple[Tensor, Tensor]:
         r = self.runner
         out = r.span(cache, r.embed(token), [position], 0, r.num_layers, exact_until=self.exact_layers,
-                     plan=self.plan, logits=True)
+                     plan=self.plan, logits=True, vocab=self.vocab)
         return out.exact, out.logits  # (1, d), (1, V)
+
+
+def check_draft_vocab(spec) -> None:
+    """Refuse a ``draft_vocab`` option that is neither a size, a file nor a vocabulary, before any model loads."""
+    if spec is None or isinstance(spec, DraftVocab):
+        return
+    text = str(spec).strip()
+    if text.isdigit():
+        if int(text) < 1:
+            raise UserError(f"draft-vocab must be a size >= 1 or a file, got {text!r}")
+    elif not text or not Path(text).expanduser().is_file():
+        raise UserError(f"draft-vocab {text!r} is neither a size (e.g. 8192) nor an existing file; make a file "
+                        "with `layerskip draft-vocab`")
+
+
+def draft_head_for(runner: Runner, spec) -> DraftHead | None:
+    """The runner's draft head for a ``draft_vocab`` option (a size, a file or a ``DraftVocab``; None: none).
+
+    A size or file is checked against the runner's weights here; ``LoadedModel.engine`` resolves them with
+    the tokenizer first, which also accepts finetuned checkpoints of the model the counts were made for."""
+    if spec is None:
+        return None
+    vocab = spec if isinstance(spec, DraftVocab) else resolve_draft_vocab(spec, runner)
+    if vocab.vocab_size != runner.spec.vocab_size:
+        raise UserError(f"the draft vocabulary is for a {vocab.vocab_size}-token vocabulary; the model has "
+                        f"{runner.spec.vocab_size}")
+    return runner.draft_head(vocab.ids)
 
 
 @dataclass

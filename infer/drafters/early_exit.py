@@ -11,8 +11,9 @@ import time
 from dataclasses import dataclass
 
 from core.errors import UserError
+from infer.draft_vocab import DraftVocab
 from infer.drafters.base import DecodeState, Draft, VerifyOutcome
-from infer.drafters.chain import EarlyExitForward, draft_chain
+from infer.drafters.chain import EarlyExitForward, check_draft_vocab, draft_chain, draft_head_for
 from infer.drafters.gate import FallbackGate, GateMemory
 
 
@@ -35,8 +36,13 @@ class EarlyExitDrafterConfig:
     remember: bool = True
     """With adaptive: keep what the gate measured (plain and drafting speed, its mode and back-off) in the toolkit
     cache across commands, per model, device, dtype, threads and these settings (saved by ``finish``)."""
+    draft_vocab: str | DraftVocab | None = None
+    """Reduced-vocabulary draft head: N (the N most frequent tokens of the counts shipped for this model) or a file
+    made by `layerskip draft-vocab`; drafts score only those tokens, verification always the full head (output
+    unchanged). None = the full head."""
 
     def __post_init__(self) -> None:
+        check_draft_vocab(self.draft_vocab)
         if self.num_draft < 1:
             raise UserError(f"num-draft must be >= 1, got {self.num_draft}")
         if self.recheck_interval < 1:
@@ -56,7 +62,8 @@ class EarlyExitDrafter:
         if not 1 <= self.config.exit_layer <= L:
             raise UserError(f"exit layer {self.config.exit_layer} is out of range: the model has {L} "
                             f"layers, so use 1 <= --exit-layer <= {L}")
-        self.forward = EarlyExitForward(runner, self.config.exit_layer)
+        self.vocab = draft_head_for(runner, self.config.draft_vocab)  # (N,) ids and their head rows, or None
+        self.forward = EarlyExitForward(runner, self.config.exit_layer, self.vocab)
         self.gate = FallbackGate(self.config.recheck_interval, enabled=self.config.adaptive)
         self.memory = None
         if self.config.adaptive and self.config.remember:
@@ -99,7 +106,8 @@ class EarlyExitDrafter:
             self.memory.save({"gate": self.gate.to_dict()})
 
     def stats(self) -> dict:
-        out = {"draft_forwards": self.forwards, "plain_steps": self.plain_steps}
+        out = {"draft_forwards": self.forwards, "plain_steps": self.plain_steps,
+               "draft_vocab": None if self.vocab is None else self.vocab.size}
         if self.config.adaptive:
             out |= {"mode": self.gate.mode, "tps_plain": self.gate.plain.value, "tps_draft": self.gate.drafting.value}
         return out

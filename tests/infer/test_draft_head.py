@@ -1,0 +1,103 @@
+"""Reduced-vocabulary draft heads: drafts score N token ids, verification the full head; still lossless."""
+
+import pytest
+import torch
+from lossless_stats import P_THRESHOLD, sampling_pvalue
+
+from core.errors import UserError
+from infer.draft_vocab import DraftVocab
+from infer.drafters import build_drafter
+from infer.engine import Engine, GenerationConfig
+from infer.runner import Runner
+from infer.sampling import SamplingConfig
+from tiny_models import make_model
+
+L = 6
+PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 250, 17], [42] * 12 + [7, 8]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model("llama", seed=0, layers=L)
+
+
+@pytest.fixture(scope="module", params=["eager", "static"])
+def runner(model, request):
+    return Runner.from_model(model, executor=request.param)
+
+
+def _vocab(runner, ids) -> DraftVocab:
+    return DraftVocab(ids=sorted(set(ids)), model=runner.identity())
+
+
+def _ar(runner, prompt, n=32):
+    return Engine(runner, build_drafter("autoregressive", runner)).generate(prompt, GenerationConfig(max_new_tokens=n))
+
+
+def test_draft_head_scores_only_its_ids(runner):
+    """Logits equal the full head's on the subset and are -inf elsewhere; the gathered rows are built once."""
+    ids = [0, 2, 7, 100, 319]
+    head = runner.draft_head(ids)
+    assert runner.draft_head(list(reversed(ids))) is head and head.size == 5
+    hidden = torch.randn(3, runner.spec.hidden_size)
+    full, sub = runner.head(hidden), runner.head(hidden, head)  # (3, V) each
+    torch.testing.assert_close(sub[:, ids], full[:, ids], atol=1e-5, rtol=0)
+    outside = torch.ones(runner.spec.vocab_size, dtype=torch.bool)
+    outside[ids] = False
+    assert torch.isinf(sub[:, outside]).all() and (sub[:, outside] < 0).all()
+
+
+@pytest.mark.parametrize("exit_layer", range(1, L + 1))
+def test_greedy_early_exit_with_a_subset_equals_autoregressive(runner, exit_layer):
+    """For every exit layer, with a subset that leaves out some of the tokens the model will choose."""
+    for prompt in PROMPTS:
+        ref = _ar(runner, prompt).tokens
+        vocab = _vocab(runner, (set(range(0, 320, 2)) | set(ref)) - {ref[1]})  # even ids, the output but one
+        assert ref[1] not in vocab.ids  # the subset misses a token the target picks
+        options = {"exit_layer": exit_layer, "num_draft": 4, "draft_vocab": vocab}
+        engine = Engine(runner, build_drafter("early_exit", runner, options))
+        out = engine.generate(prompt, GenerationConfig(max_new_tokens=32))
+        assert out.tokens == ref, (exit_layer, prompt)
+        assert out.stats.drafter["draft_vocab"] == vocab.size
+
+
+def test_a_subset_head_drafts_only_subset_tokens(model):
+    """At E = L the draft is the full model restricted to the subset: drafts inside the subset are accepted,
+    drafts can never be outside it."""
+    runner = Runner.from_model(model)
+    ref = _ar(runner, PROMPTS[0], 24).tokens
+    vocab = _vocab(runner, ref)  # exactly the tokens of the output: every draft is right
+    engine = Engine(runner, build_drafter("early_exit", runner, {"exit_layer": L, "num_draft": 4,
+                                                                  "draft_vocab": vocab}))
+    gen = engine.start(PROMPTS[0], GenerationConfig(max_new_tokens=24))
+    while not gen.done:
+        outcome = engine.step(gen)
+        if outcome.draft is not None:
+            assert set(outcome.draft.tokens.tolist()) <= set(vocab.ids)
+    assert engine.finish(gen).stats.acceptance_rate == 1.0
+
+
+@pytest.mark.slow
+def test_sampling_with_a_subset_that_excludes_likely_tokens_matches_target():
+    """The draft distribution is zero outside the subset; the residual at rejection covers the rest exactly."""
+    model = make_model("llama", seed=7, vocab_size=5, layers=2)
+    runner = Runner.from_model(model)
+    with torch.no_grad():
+        likely = int(model(torch.tensor([[1, 2, 3]])).logits[0, -1].argmax())
+    vocab = _vocab(runner, [t for t in range(5) if t != likely])  # the target's favourite first token is out
+    engine = Engine(runner, build_drafter("early_exit", runner, {"exit_layer": 1, "num_draft": 3,
+                                                                  "draft_vocab": vocab}))
+    pvalue, totals = sampling_pvalue(engine, model, [1, 2, 3], SamplingConfig(temperature=1.0), samples=6000,
+                                     seed=4321)
+    assert 0.1 < totals["accepted"] / totals["drafted"] < 0.95  # drafts are used and sometimes rejected
+    assert pvalue > P_THRESHOLD
+
+
+def test_bad_draft_vocab_options_are_one_line_errors(model, tmp_path):
+    runner = Runner.from_model(model)
+    with pytest.raises(UserError, match="neither a size"):
+        build_drafter("early_exit", runner, {"draft_vocab": str(tmp_path / "missing.json")})
+    with pytest.raises(UserError, match="size >= 1"):
+        build_drafter("early_exit", runner, {"draft_vocab": "0"})
+    with pytest.raises(UserError, match="bundled|draft-vocab"):
+        build_drafter("early_exit", runner, {"exit_layer": 2, "draft_vocab": "64"})  # no counts for the tiny model
