@@ -1,8 +1,8 @@
 """One command, one run on a GPU machine: exactness, host syncs, forward costs, decoding speed against `transformers`,
 training.
 
-    python scripts/gpu_check.py                                   # a GPU machine: the full run (< 5 min, one H200)
-    python scripts/gpu_check.py --device cpu --out /tmp/gpu-check # tiny shapes, a few tokens, about a minute (CI)
+    python scripts/gpu_check.py                                   # a GPU machine: the full run (aim: < 5 min)
+    python scripts/gpu_check.py --device cpu --out /tmp/gpu-check # tiny shapes, a few tokens, seconds (CI)
 
 Parts, in order (each writes its numbers into the result, and ``OUT/gpu/latest.json`` is rewritten after each
 part, so a run cut short still leaves what it measured; a part that raises is recorded under ``errors`` and the
@@ -17,7 +17,9 @@ run goes on):
    mismatch fails; one seeded sampled generation per drafter, which must complete.
 2. syncs: host syncs per draft-verify cycle of every drafter (``infer.syncs.measure_decode``) on a tiny
    model in fp32, with the targets they are held to (reported, never failing the run).
-3. shapes: random-init SmolLM2-135M, Llama-3.2-1B-like and Llama-2-7B-like models in bf16
+3. train: ``train.gpu_bench.train_check`` (training step speed/memory and an end-to-end
+   train -> save -> decode check, with a byte-level tokenizer built in code unless ``--tokenizer-dir``).
+4. shapes: random-init SmolLM2-135M, Llama-3.2-1B-like and Llama-2-7B-like models in bf16
    (``--tiny``: 4-layer stand-ins of each): ms per full one-token forward; v(T) = cost of
    verifying T tokens / one token, T = 1..32; c(E) = cost of a draft step through layers [0, E) +
    norm + head / one full forward, E = L/4, L/2, 3L/4; our autoregressive and ``early_exit``
@@ -25,9 +27,7 @@ run goes on):
    forwards built and CUDA graphs captured in warm-up and in timed runs (timed runs must capture
    none); the bf16 spread at that shape; the peers ``hf_generate`` (dynamic cache), ``hf_early_exit``
    (transformers' assistant at E = L/4) and ``hf_static`` (static cache; compiled by transformers on
-   CUDA), each skipped with a note once the run has used its time budget.
-4. train: ``train.gpu_bench.train_check`` (training step speed/memory and an end-to-end
-   train -> save -> decode check, with a byte-level tokenizer built in code unless ``--tokenizer-dir``).
+   CUDA), each skipped with a note once the run has used its time budget (``--time-budget``).
 
 It writes ``OUT/gpu/latest.json`` and the table between ``<!-- gpu_check:begin -->`` and
 ``<!-- gpu_check:end -->`` in ``OUT/GPU.md`` (``OUT`` = docs/ by default), and the training table
@@ -77,6 +77,10 @@ SWIFT_TREES = {"context_window": 4, "tree": True, "adaptive": False, "remember":
 """SWIFT settings that verify token trees from the first cycles (no fallback gate, nothing remembered)."""
 SAMPLING = SamplingConfig(temperature=0.8, top_p=0.95, seed=0)
 """The seeded sampled generation each drafter must complete."""
+FULL_BUDGET_S = 360.0
+"""Default time budget of a full (GPU) run: no transformers peer starts after it. A GPU session allows 10 minutes
+per command; the last peer to start (the static cache, which transformers compiles, estimated 30-90 s on an H200)
+then still ends well inside them."""
 
 
 @dataclass(frozen=True)
@@ -138,7 +142,7 @@ class Settings:
         if tiny:
             return cls(True, 8, 8, 1, (1, 2, 4, 8), (2, 3, 4, 8), (9,), budget_s or 0.0)
         return cls(False, 32, 64, 3, tuple(range(1, 33)), tuple(range(2, 33)), (5, 9, 14),
-                   420.0 if budget_s is None else budget_s)
+                   FULL_BUDGET_S if budget_s is None else budget_s)
 
 
 @dataclass
@@ -235,6 +239,13 @@ def tiny_runner(kind: str, seed: int, device: torch.device, dtype: torch.dtype, 
     return Runner.from_model(tiny_model(kind, seed, device=device), dtype, executor=executor)
 
 
+def note_fallback(run: Run, runner: Runner, where: str) -> None:
+    """Note a runner that left the check's executor (a CUDA graph capture failed: it decodes eagerly since)."""
+    if runner.executor != run.executor:
+        run.notes.append(f"{where}: the runner fell back from {run.executor} to {runner.executor} (a CUDA graph "
+                         "capture failed; see the warning on stderr)")
+
+
 # --------------------------------------------------------------------------- 1. exactness
 def parity(device: torch.device) -> dict[str, float]:
     """Max |runner logits - transformers logits| over a 16-token prompt, per tiny model and dtype."""
@@ -264,6 +275,8 @@ def spreads(run: Run) -> dict[str, dict]:
                 found = measure_spread(runner, prompts, s.spread_sizes)
                 found["per_size"] = {str(T): v for T, v in found["per_size"].items()}
                 out[f"{kind}/{found['dtype']}/{executor}"] = found
+                if executor == run.executor:
+                    note_fallback(run, runner, f"spread ({kind}, {found['dtype']})")
     return out
 
 
@@ -328,6 +341,7 @@ def greedy_identity(run: Run, new_tokens: int, spread: dict[str, dict]) -> dict:
                                             "failures": failures, "divergences": wrong, **counts}
                 totals = {"mismatches": totals["mismatches"] + len(wrong), "tie_flips": totals["tie_flips"] + flips,
                           "failures": totals["failures"] + failures, "runs": totals["runs"] + len(prompts)}
+            note_fallback(run, runner, f"greedy identity ({kind})")
             del runner
             free(run.device)
     return {"greedy_fp32_mismatches": totals["mismatches"], "greedy_fp32_tie_flips": totals["tie_flips"],
@@ -352,6 +366,7 @@ def sampled(run: Run, new_tokens: int) -> dict[str, dict]:
                 out[name] = {"tokens": len(tokens), "ok": len(tokens) == new_tokens, **counts}
             except Exception as e:  # recorded, and fails the run
                 out[name] = {"ok": False, "error": error_text(e)}
+    note_fallback(run, runner, "sampling")
     return out
 
 
@@ -392,6 +407,7 @@ def syncs(run: Run, new_tokens: int) -> dict:
             if key in SYNC_TARGETS:
                 rule, check = SYNC_TARGETS[key]
                 targets[key] = {"target": rule, "met": bool(check(out[key]))}
+    note_fallback(run, runner, "syncs")
     return {"syncs": out, "sync_targets": targets}
 
 
@@ -481,9 +497,9 @@ def peers(model, prompt: list[int], run: Run) -> dict:
         try:
             seconds = timed(call, device, settings.repeats, warmup=2 if kwargs.get("cache_implementation") else 1)
             out[key] = settings.new_tokens / seconds
-        except Exception as e:  # a peer that transformers cannot run here must not hide the others
+        except Exception as e:  # a peer that transformers cannot run here (or out of memory) must not hide the others
             run.notes.append(f"{model.config.num_hidden_layers}-layer shape: {key} failed ({error_text(e)})")
-            free(device)
+        free(device)
     return out
 
 
@@ -505,6 +521,8 @@ def measure_shape(shape: Shape, run: Run) -> dict:
     tally = GraphTally()
     result |= forward_costs(runner, settings, device, tally)
     result |= ours(runner, prompt, settings, tally)
+    note_fallback(run, runner, shape.name)
+    result["executor_after"] = runner.executor
     result["static"] = asdict(tally)
     result["captures_in_timed"] = tally.timed_captures
     result["builds_in_timed"] = tally.timed_builds
@@ -663,7 +681,7 @@ def part(name: str, fn: Callable[[], dict], result: dict, save: Callable[[dict],
     except Exception as e:  # one part's failure must not lose the others' numbers
         result.setdefault("errors", {})[name] = error_text(e)
         print(f"gpu_check: part {name} failed:\n{traceback.format_exc()}", file=sys.stderr)
-        free(run.device)
+    free(run.device)  # after the except clause: the exception's frames (and their tensors) are gone by now
     result.setdefault("part_seconds", {})[name] = time.perf_counter() - t0
     result["seconds"] = run.elapsed()
     save(result)
@@ -672,7 +690,7 @@ def part(name: str, fn: Callable[[], dict], result: dict, save: Callable[[dict],
 def parity_part(run: Run) -> dict:
     par = parity(run.device)
     return {"parity_max_abs": max(v for k, v in par.items() if k.endswith("fp32")), "parity": par,
-            "spread": spreads(run)}
+            "tf32": torch.backends.cuda.matmul.allow_tf32, "spread": spreads(run)}
 
 
 def shapes_part(run: Run, names: list[str] | None) -> dict:
@@ -682,9 +700,9 @@ def shapes_part(run: Run, names: list[str] | None) -> dict:
             continue
         try:
             shapes[shape.name] = measure_shape(shape, run)
-        except Exception as e:  # out of memory, a capture that failed, ...: the next shape still runs
+        except Exception as e:  # out of memory, ...: the next shape still runs
             shapes[shape.name] = {"error": error_text(e)}
-            free(run.device)
+        free(run.device)
     return {"shapes": shapes}
 
 
@@ -713,9 +731,9 @@ def check(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
              into="exact")
     part("sampling", lambda: {"sampling": sampled(run, new_tokens)}, result, save, run, into="exact")
     part("syncs", lambda: syncs(run, 32 if tiny else 64), result, save, run)
-    part("shapes", lambda: shapes_part(run, args.shapes), result, save, run)
-    if not args.skip_train:
+    if not args.skip_train:  # before the shapes: it decides the exit code, their peers only inform
         part("train", lambda: training(run, args.tokenizer_dir, args.out), result, save, run)
+    part("shapes", lambda: shapes_part(run, args.shapes), result, save, run)
     result["complete"] = True
     result["failures"] = failures(result)
     return result
@@ -753,8 +771,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer-dir", default=None, help="training end-to-end check: a model folder whose tokenizer "
                    "to use (default: a byte-level tokenizer built in code, so no model cache is needed)")
     p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
-                   help="skip the remaining transformers peers once the run has taken this long (default: 420 on a "
-                   "GPU, none with tiny shapes; 0 = none)")
+                   help=f"start no transformers peer once the run has taken this long (default: {FULL_BUDGET_S:.0f} "
+                   "on a GPU, none with tiny shapes; 0 = none)")
     args = p.parse_args(argv)
     args.argv = argv
     return run_main("gpu_check", lambda: run_check(args))
