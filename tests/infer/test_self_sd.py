@@ -147,7 +147,7 @@ def _verify_after(runner, monkeypatch, plan, corrupt=None, broken_rollback=False
     captured = []
     logits = runner.logits
     with monkeypatch.context() as m:
-        m.setattr(runner, "logits", lambda hidden: captured.append(logits(hidden)) or captured[-1])
+        m.setattr(runner, "logits", lambda hidden, *rest: captured.append(logits(hidden, *rest)) or captured[-1])
         if broken_rollback:  # an engine that forgot to drop the draft's rows would attend to them
             m.setattr(state.cache, "rollback", lambda length, start=0, end=None: None)
         outcome = engine._verify(state, draft)
