@@ -121,9 +121,15 @@ def check_layers(methods: list[Method], num_layers: int, model: str) -> None:
                             f"1 <= E <= {num_layers}")
 
 
-def sweep_methods(exits: list[int], ks: list[int]) -> list[Method]:
-    """The LayerSkip E x k grid of early-exit drafters."""
-    return [Method(f"early_exit:E={e}:k={k}", "early_exit", (("E", str(e)), ("k", str(k)))) for e in exits for k in ks]
+def sweep_methods(exits: list[int], ks: list[int], vocabs: list[int] | None = None) -> list[Method]:
+    """The LayerSkip E x k grid of early-exit drafters, times draft-vocabulary sizes N (0 = the full head)."""
+    methods = []
+    for n in vocabs or [0]:
+        extra = (("draft_vocab", str(n)),) if n else ()
+        tail = f":draft_vocab={n}" if n else ""
+        methods += [Method(f"early_exit:E={e}:k={k}{tail}", "early_exit", (("E", str(e)), ("k", str(k))) + extra)
+                    for e in exits for k in ks]
+    return methods
 
 
 @dataclass

@@ -70,6 +70,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "best setting per task")
     p.add_argument("--exits", type=_ints, default=[4, 8, 12, 16, 20, 24], help="exit layers for --sweep")
     p.add_argument("--ks", type=_ints, default=[2, 4, 6], help="draft lengths for --sweep")
+    p.add_argument("--vocabs", type=_ints, default=[0], help="draft-vocabulary sizes for --sweep (top N of the counts "
+                   "shipped for the model; 0 = the full head), e.g. 0,4096,8192")
     p.add_argument("--out", type=Path, required=True, help="output folder (created; not an existing file)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
@@ -87,8 +89,10 @@ def config_from_args(args: argparse.Namespace):
     peers = "" if args.peers == "none" else args.peers
     methods = parse_methods(args.drafters, peers)
     if args.sweep:
+        if any(n < 0 for n in args.vocabs):
+            raise UserError(f"--vocabs {args.vocabs}: sizes must be >= 0 (0 = the full head)")
         known = {m.label for m in methods}
-        grid = [m for m in sweep_methods(args.exits, args.ks) if m.label not in known]
+        grid = [m for m in sweep_methods(args.exits, args.ks, args.vocabs) if m.label not in known]
         methods += grid
         if args.peers is None:  # the HF early-exit peer at the sweep's exits too
             methods += [m for m in parse_methods("", ",".join(f"hf_early_exit:E={e}" for e in args.exits))
