@@ -35,8 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.errors import UserError
+from infer.draft_vocab import DraftVocab
 from infer.drafters.base import DecodeState, Draft, VerifyOutcome
-from infer.drafters.chain import PlanForward, draft_chain
+from infer.drafters.chain import PlanForward, check_draft_vocab, draft_chain, draft_head_for
 from infer.plan import LayerPlan, PlanFile
 from infer.runner import Runner
 
@@ -66,8 +67,13 @@ class SelfSDConfig:
     """beta1: smoothing of the acceptance rate that drives the adjustments."""
     confidence_momentum: float = 0.9
     """beta2: smoothing of the threshold itself."""
+    draft_vocab: str | DraftVocab | None = None
+    """Reduced-vocabulary draft head: N (the N most frequent tokens of the counts shipped for this model) or a file
+    made by `layerskip draft-vocab`; drafts score only those tokens, verification always the full head (output
+    unchanged). None = the full head."""
 
     def __post_init__(self) -> None:
+        check_draft_vocab(self.draft_vocab)
         if self.plan is None or self.plan == "":
             raise UserError("the self_sd drafter needs a plan: --plan PLAN.json (or self_sd:plan=PLAN.json); "
                             "make one with `layerskip search` or `layerskip plan import`")
@@ -145,7 +151,8 @@ class SelfSDDrafter:
         if plan.num_layers != runner.num_layers:
             raise UserError(f"the plan is for {plan.num_layers} layers; the model has {runner.num_layers}")
         self.plan = plan
-        self.forward = PlanForward(runner, plan)
+        self.vocab = draft_head_for(runner, config.draft_vocab)  # a reduced-vocabulary draft head, or None
+        self.forward = PlanForward(runner, plan, self.vocab)
         self.threshold = AdaptiveThreshold(config)
         self.forwards = 0
 
@@ -174,5 +181,6 @@ class SelfSDDrafter:
         return {"draft_forwards": self.forwards, "confidence": round(self.threshold.value, 4),
                 "confidence_start": round(self.threshold.start_value, 4),
                 "threshold_updates": self.threshold.updates, "skip_ratio": self.plan.skip_ratio,
-                "exact_layers": self.forward.exact_layers}
+                "exact_layers": self.forward.exact_layers,
+                "draft_vocab": None if self.vocab is None else self.vocab.size}
 

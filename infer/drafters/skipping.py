@@ -78,19 +78,20 @@ def verified_window(runner, cache, n: int, start: int, tokens: Tensor, target: T
 
 
 @torch.no_grad()
-def agreement(runner, window: Window, plan: LayerPlan) -> tuple[Tensor, Tensor]:
-    """(agree (w,) bool, top1 (w,)): does the plan's draft argmax equal the verified token; its top-1 probability."""
+def agreement(runner, window: Window, plan: LayerPlan, vocab=None) -> tuple[Tensor, Tensor]:
+    """(agree (w,) bool, top1 (w,)): does the plan's draft argmax equal the verified token; its top-1 probability.
+    ``vocab``: the reduced-vocabulary draft head the plan drafts with (``infer.runner.DraftHead``), if any."""
     first = min(plan.exact_prefix, len(window.inputs) - 1)  # layers before it skip nothing: their output is exact
     hidden = runner.forward_layers(window.cache, window.inputs[first], window.positions, first, runner.num_layers,
                                    plan=plan, mask=window.mask)  # (w, d)
     window.cache.rollback(window.n)
-    logits = runner.logits(hidden)  # (w, V)
+    logits = runner.logits(hidden, vocab)  # (w, V)
     return logits.argmax(-1) == window.target, torch.softmax(logits, -1).amax(-1)
 
 
-def matchness_span(state: DecodeState, plans: list[LayerPlan], start: int, end: int) -> list[float]:
+def matchness_span(state: DecodeState, plans: list[LayerPlan], start: int, end: int, vocab=None) -> list[float]:
     """SWIFT's matchness: fraction of positions in [start, end) where each plan's argmax (draft view) equals the
-    next verified token.
+    next verified token (``vocab``: scored with that reduced-vocabulary draft head, as the drafts are).
 
     ``tokens[start..end]`` (end <= n = cache length; tokens[n] is the pending token, itself the full
     model's choice) are re-run at their own positions after the cache; the cache is rolled back afterwards.
@@ -99,4 +100,4 @@ def matchness_span(state: DecodeState, plans: list[LayerPlan], start: int, end: 
         return [0.0 for _ in plans]
     window = verified_window(state.runner, state.cache, state.n, start, state.ids(start, end),
                              state.ids(start + 1, end + 1), "draft")
-    return [float(agreement(state.runner, window, plan)[0].float().mean()) for plan in plans]
+    return [float(agreement(state.runner, window, plan, vocab)[0].float().mean()) for plan in plans]

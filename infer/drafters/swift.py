@@ -32,8 +32,9 @@ from dataclasses import dataclass
 import torch
 
 from core.errors import UserError
+from infer.draft_vocab import DraftVocab
 from infer.drafters.base import DecodeState, Draft, VerifyOutcome
-from infer.drafters.chain import ChainResult, PlanForward, draft_chain
+from infer.drafters.chain import ChainResult, PlanForward, check_draft_vocab, draft_chain, draft_head_for
 from infer.drafters.gate import FallbackGate, GateMemory, Rate
 from infer.drafters.skipping import matchness_span
 from infer.gp_ucb import GPUCB
@@ -109,8 +110,13 @@ class SwiftConfig:
     cap, GP-UCB, one global best matchness, the window of each prompt's first γ+1 tokens, the odd inner layers to
     start (overrides adaptive, opt-budget, fallback-opt-budget and max-tree-nodes; context-window and
     match-threshold default to the released script's 50 and 0.93)."""
+    draft_vocab: str | DraftVocab | None = None
+    """Reduced-vocabulary draft head: N (the N most frequent tokens of the counts shipped for this model) or a file
+    made by `layerskip draft-vocab`; drafts score only those tokens, verification always the full head (output
+    unchanged). None = the full head."""
 
     def __post_init__(self) -> None:
+        check_draft_vocab(self.draft_vocab)
         if self.context_window is None:
             self.context_window = SCRIPT_WINDOW if self.paper else DEFAULT_WINDOW
         if self.match_threshold is None:
@@ -254,6 +260,7 @@ class SwiftDrafter:
     def __init__(self, runner, config: SwiftConfig | None = None):
         self.config = cfg = config or SwiftConfig()
         self.runner = runner
+        self.vocab = draft_head_for(runner, cfg.draft_vocab)  # a reduced-vocabulary draft head, or None
         if runner.num_layers < 3:
             raise UserError("swift needs a model with at least 3 layers (the first and last always run)")
         self.search = LayerSetSearch(runner.num_layers, cfg.skip_ratio, cfg.bo_interval, cfg.opt_seed,
@@ -299,7 +306,7 @@ class SwiftDrafter:
     def forward(self) -> PlanForward:
         """The draft forward of the current best plan, so drafting always uses the optimised plan."""
         if self._forward is None or self._forward.plan != self.best:
-            self._forward = PlanForward(self.runner, self.best)
+            self._forward = PlanForward(self.runner, self.best, self.vocab)
         return self._forward
 
     @property
@@ -376,6 +383,7 @@ class SwiftDrafter:
                 "predicted_speedup": self.predicted_speedup(self.best_score),
                 "opt_step_time": self.opt_step.seconds if self.opt_step.cycles else None,
                 "bayes": self.search.method, "window": self.window,
+                "draft_vocab": None if self.vocab is None else self.vocab.size,
                 "matchness_trajectory": self.trajectory[self._traj_mark:]}
 
     # -------------------------------------------------------------- tree building
@@ -450,10 +458,10 @@ class SwiftDrafter:
             self.window = self._new_window(state)
             if not self.config.paper:
                 # the window changed: rescore the incumbent on it so comparisons are like for like
-                self.best_score = matchness_span(state, [self.best], *self.window)[0]
+                self.best_score = matchness_span(state, [self.best], *self.window, vocab=self.vocab)[0]
                 scored += 1
         plan, proposal = self.search.propose()
-        score = matchness_span(state, [plan], *self.window)[0]
+        score = matchness_span(state, [plan], *self.window, vocab=self.vocab)[0]
         self.search.record(plan, proposal, score)
         self.opt_steps += 1
         # paper mode keeps the reference's one global best score, which starts at 0 and is never rescored

@@ -101,3 +101,21 @@ def test_bad_draft_vocab_options_are_one_line_errors(model, tmp_path):
         build_drafter("early_exit", runner, {"draft_vocab": "0"})
     with pytest.raises(UserError, match="bundled|draft-vocab"):
         build_drafter("early_exit", runner, {"exit_layer": 2, "draft_vocab": "64"})  # no counts for the tiny model
+
+
+def test_self_sd_and_swift_with_a_subset_equal_autoregressive(runner, tmp_path):
+    """Every drafter takes a draft vocabulary; greedy output stays the plain output (trees included)."""
+    from infer.plan import LayerPlan, PlanFile
+
+    plan = tmp_path / f"plan-{runner.executor}.json"
+    PlanFile(LayerPlan(L, frozenset({2, 4}), frozenset({3})), runner.identity(), task="test").save(plan)
+    for prompt in PROMPTS:
+        ref = _ar(runner, prompt).tokens
+        vocab = _vocab(runner, (set(range(0, 320, 2)) | set(ref)) - {ref[1]})
+        for name, options in (("self_sd", {"plan": str(plan)}),
+                              ("swift", {"plan": str(plan), "adaptive": False, "context_window": 8,
+                                         "remember": False, "opt_budget": 0.95})):
+            drafter = build_drafter(name, runner, options | {"draft_vocab": vocab})
+            out = Engine(runner, drafter).generate(prompt, GenerationConfig(max_new_tokens=32))
+            assert out.tokens == ref, (name, prompt)
+            assert out.stats.drafted > 0 and out.stats.drafter["draft_vocab"] == vocab.size
