@@ -35,8 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--n", type=int, default=8, help="calibration prompts (default 8)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="tokens per calibration prompt (default 64 for model, 32 for speed)")
-    p.add_argument("--num-draft", type=int, default=12,
-                   help="most drafts per verification (the drafter's k; the largest k the model objective replays)")
+    p.add_argument("--num-draft", type=int, default=None,
+                   help="most drafts per verification (the drafter's k; the largest k the model objective replays; "
+                   "default 12 for model, 8 for speed, as Self-SD's search code drafts)")
     p.add_argument("--cost", default="measured", help="model objective: draft/verify costs 'measured' once before "
                    "the search (default) or counted in 'weights' read (deterministic)")
     p.add_argument("--speed-reference", default="interleaved",

@@ -58,8 +58,11 @@ class Option:
             return f"deprecated: use --{self.deprecated_for.replace('_', '-')}"
         texts = set(self.docs.values())
         doc = texts.pop() if len(texts) == 1 else " ".join(f"{d}: {t}" for d, t in self.docs.items())
-        defaults = ", ".join(f"{d} {v!r}" for d, v in self.defaults.items()) if len(self.defaults) > 1 \
-            else f"{next(iter(self.defaults.values()))!r}"
+        shown = {d: v for d, v in self.defaults.items() if v is not None}  # None: the doc says what applies
+        if not shown:
+            return doc
+        defaults = ", ".join(f"{d} {v!r}" for d, v in shown.items()) if len(self.defaults) > 1 \
+            else f"{next(iter(shown.values()))!r}"
         return f"{doc} (default {defaults})"
 
 
