@@ -142,6 +142,17 @@ def test_markdown_reports_timed_captures_and_failures():
     assert text.count("FAILED:") == 3
 
 
+def test_over_the_time_budget_only_the_compiled_peer_is_skipped():
+    gpu_check = load_script()
+    from core.seeded_models import tiny_model
+
+    settings = gpu_check.Settings.for_run(True, budget_s=1e-9)
+    run = gpu_check.Run(torch.device("cpu"), settings, started=0.0)  # long over budget
+    out = gpu_check.peers(tiny_model("llama", 0), gpu_check.prompt_ids(320, 8, 0), run)
+    assert set(out) == {"hf_dynamic_tok_s", "hf_early_exit_tok_s"} and all(v > 0 for v in out.values())
+    assert len(run.notes) == 1 and "hf_static_tok_s skipped" in run.notes[0]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_gpu_check_cuda_without_a_gpu(tmp_path, capsys):
     assert load_script().main(["--device", "cuda", "--out", str(tmp_path)]) == 2
