@@ -591,7 +591,14 @@ def _num(d: dict, key: str, spec: str = ".0f") -> str:
     return "–" if d.get(key) is None else format(d[key], spec)
 
 
-def exact_lines(ex: dict) -> list[str]:
+def sizes_text(sizes: list[int]) -> str:
+    """'2..32' for a contiguous range, else the sizes listed."""
+    if len(sizes) > 2 and sizes == list(range(sizes[0], sizes[-1] + 1)):
+        return f"{sizes[0]}..{sizes[-1]}"
+    return ", ".join(str(T) for T in sizes)
+
+
+def exact_lines(ex: dict, spread_sizes: list[int]) -> list[str]:
     lines = []
     if "parity_max_abs" in ex:
         lines.append(f"Exactness: runner vs transformers logits max |diff| {ex['parity_max_abs']:.2e} (fp32).")
@@ -605,7 +612,7 @@ def exact_lines(ex: dict) -> list[str]:
         done = [n for n, s in sampling.items() if s.get("ok")]
         lines.append(f"Sampled generations completed: {len(done)} of {len(sampling)} ({', '.join(done) or 'none'}).")
     if ex.get("spread"):
-        lines += ["", "One-row vs many-row spread (max |logit difference|, T = 2..32):", "",
+        lines += ["", f"One-row vs many-row spread (max |logit difference|, T = {sizes_text(spread_sizes)}):", "",
                   "| model/dtype/executor | spread |", "|---|---:|"]
         lines += [f"| {k} | {v['max_abs']:.3g} |" for k, v in ex["spread"].items()]
     return lines
@@ -654,7 +661,7 @@ def markdown(result: dict) -> str:
              f"commit {result['commit']}; {result['date']}{' (tiny shapes)' if result['tiny'] else ''}; "
              f"{result.get('seconds', 0):.0f} s.", "", f"```\n{result['command']}\n```", ""]
     if "exact" in result:
-        lines += exact_lines(result["exact"])
+        lines += exact_lines(result["exact"], result.get("settings", {}).get("spread_sizes", []))
     lines += sync_lines(result)
     lines += shape_lines(result.get("shapes", {}))
     for note in result["notes"]:
