@@ -120,7 +120,7 @@ def test_bench_tie_flips_are_reported_not_failed(tiny_model_dir, prompts_file, t
     from infer import exactness
 
     monkeypatch.setitem(DRAFTERS, "faulty", FaultyDrafter)
-    monkeypatch.setattr(exactness, "classify_divergence", lambda runner, prompt, ref, out: exactness.Divergence(
+    monkeypatch.setattr(exactness, "classify_divergence", lambda runner, prompt, ref, out, *rest: exactness.Divergence(
         exactness.first_divergence(ref, out), 0, 1, 0.01, 0.5, True))
     out = tmp_path / "out"
     assert bench(tiny_model_dir, prompts_file, out, "faulty:exit_layer=2:num_draft=4", "--peers", "none") == 0
