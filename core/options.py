@@ -188,6 +188,8 @@ def add_flag(group: argparse._ActionsContainer, name: str, tp: Any, help: str) -
     flag = "--" + name.replace("_", "-")
     if tp is bool:
         group.add_argument(flag, dest=name, default=None, action=argparse.BooleanOptionalAction, help=help)
+    elif typing.get_origin(tp) is Literal:
+        group.add_argument(flag, dest=name, default=None, choices=list(typing.get_args(tp)), help=help)
     else:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         shown = "str" if str in args else type_name(tp)  # a union given on the command line is text
@@ -196,22 +198,36 @@ def add_flag(group: argparse._ActionsContainer, name: str, tp: Any, help: str) -
 
 
 def add_dataclass_flags(group: argparse._ActionsContainer, cls: type, skip: tuple[str, ...] = (),
-                        seen: set[str] | None = None, suffix: str = "") -> list[str]:
+                        seen: set[str] | None = None, suffix: str = "", defaults: Any = None) -> list[str]:
     """One ``--field-name`` flag per field of ``cls`` (default None = the dataclass default applies).
 
     Fields in ``skip`` and flags already in ``seen`` (a flag shared by several configs is added once)
-    are left out; ``suffix`` is appended to each help text. Returns the destinations added.
+    are left out; ``suffix`` is appended to each help text; ``defaults`` (an instance of ``cls``) gives the
+    defaults a command uses instead of the class's (shown in the help; ``from_args`` applies them). Returns
+    the destinations added.
     """
     docs, field_types, added = field_docs(cls), hints(cls), []
     for f in dataclasses.fields(cls):
         if f.name in skip or (seen is not None and f.name in seen):
             continue
-        default = f.default if f.default is not dataclasses.MISSING else None
-        add_flag(group, f.name, field_types[f.name], f"{docs.get(f.name, '')} (default {default!r}){suffix}")
+        if defaults is not None:
+            default = getattr(defaults, f.name)
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else None
+        shown = "" if default is None and "None" in docs.get(f.name, "") else f" (default {default!r})"
+        add_flag(group, f.name, field_types[f.name], f"{docs.get(f.name, '')}{shown}{suffix}")
         added.append(f.name)
         if seen is not None:
             seen.add(f.name)
     return added
+
+
+def from_args(cls: type, args: argparse.Namespace, defaults: Any = None, skip: tuple[str, ...] = ()):
+    """An instance of dataclass ``cls`` from flags made by ``add_dataclass_flags``: the flags given on the command
+    line over ``defaults`` (an instance; default: the class defaults). ``__post_init__`` checks the result."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+             if f.name not in skip and getattr(args, f.name, None) is not None}
+    return dataclasses.replace(defaults, **given) if defaults is not None else cls(**given)
 
 
 def _flag_parser(tp: Any, flag: str):

@@ -31,12 +31,17 @@ import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from core.cli import split_named
 from core.device import dtype_name
 from core.errors import UserError
 from core.prompts import final_number, load_prompts, task_name, use_chat_template
+from core.settings import RunSettings
 from infer.plan import cycle_speedup
+
+if TYPE_CHECKING:
+    from infer.sampling import SamplingConfig
 
 PEERS = ("hf_generate", "hf_static", "hf_early_exit", "prompt_lookup")
 PEER_OPTIONS = {"hf_early_exit": ("E", "k"), "prompt_lookup": ("k",)}
@@ -54,6 +59,8 @@ class Method:
     """Drafter name or peer name."""
     options: tuple[tuple[str, str], ...] = ()
     """Drafter/peer options as (key, value) strings."""
+    target_exit: int | None = None
+    """Lossy early exit of plain decoding (``autoregressive:target_exit=E``): the generation's target exit."""
 
     @property
     def is_peer(self) -> bool:
@@ -73,10 +80,11 @@ def parse_methods(drafters: str, peers: str | None) -> list[Method]:
         raise UserError(f"--drafters {drafters!r} has an empty entry; give comma-separated drafter specs such as "
                         "autoregressive,early_exit:E=8:k=6")
     for spec in [s for s in drafters.split(",") if s.strip()]:
-        name, opts = parse_spec(spec, validate="{model}" not in spec)  # per-model values are checked at load
-        methods.append(Method(spec.strip(), name, tuple(opts.items())))
+        parsed = parse_spec(spec, validate="{model}" not in spec)  # per-model values are checked at load
+        methods.append(Method(spec.strip(), parsed.drafter, tuple(parsed.options.items()), parsed.target_exit))
     # The baseline runs first on every prompt: the others are judged against its output right away.
-    methods = [Method(BASELINE, BASELINE)] + [m for m in methods if not (m.name == BASELINE and not m.options)]
+    methods = [Method(BASELINE, BASELINE)] + [m for m in methods
+                                               if not (m.name == BASELINE and not m.options and m.target_exit is None)]
     exits = sorted({int(m.opts.get("E", m.opts.get("exit_layer", 0))) for m in methods if m.name == "early_exit"})
     peer_specs = "hf_generate,prompt_lookup" + "".join(f",hf_early_exit:E={e}" for e in exits) if peers is None \
         else peers
@@ -148,28 +156,17 @@ class BenchConfig:
     """Tokens generated per prompt."""
     repeats: int = 3
     """Timed repeats; tokens/s is the median over repeats."""
-    threads: int = 1
-    """torch threads (1 gives the most repeatable CPU numbers)."""
-    dtype: str = "auto"
-    """Weights/compute dtype: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16."""
-    device: str = "auto"
-    """auto (CUDA when available), cpu, cuda or cuda:N; our drafters and the peers run there."""
-    executor: str = "auto"
-    """How our runner's decoding forwards run: auto (CUDA graphs on CUDA, eager elsewhere), eager, static, graphs."""
-    temperature: float = 0.0
-    """0 = greedy (exactness is checked); > 0 samples."""
-    top_k: int = 0
-    """Sampling top-k (0 = off)."""
-    top_p: float = 1.0
-    """Sampling top-p (1 = off)."""
-    seed: int = 0
-    """Sampling seed."""
+    run: RunSettings = field(default_factory=lambda: RunSettings(threads=1))
+    """Device, dtype, executor and threads every method (peers included) runs with (1 thread by default: the most
+    repeatable CPU numbers)."""
+    sampling: SamplingConfig | None = None
+    """Greedy (temperature 0: exactness is checked) or sampling settings, the same for every method (None: greedy)."""
     chat: str = "auto"
     """'auto' (chat template for gsm8k only), 'always' or 'never'."""
     stop_at_eos: bool = False
     """Stop at EOS; off by default so every method generates exactly max_new_tokens."""
     warmup: bool = True
-    """One short untimed run per method before timing."""
+    """Untimed runs per method before timing (``Engine.warm_up``: also builds every static forward and graph)."""
 
     def __post_init__(self) -> None:
         if self.n < 1 or self.max_new_tokens < 1 or self.repeats < 1:
@@ -178,6 +175,17 @@ class BenchConfig:
             raise UserError("--chat must be auto, always or never")
         if not self.models or not self.data:
             raise UserError("give at least one --model and one --data source")
+        if self.sampling is None:
+            from infer.sampling import SamplingConfig  # torch-heavy: see the module docstring
+
+            self.sampling = SamplingConfig()
+
+    def generation(self, method: Method):
+        """The GenerationConfig of ``method`` (its lossy ``target_exit``, if any, on top of the shared settings)."""
+        from infer.engine import GenerationConfig
+
+        return GenerationConfig(max_new_tokens=self.max_new_tokens, sampling=self.sampling,
+                                stop_at_eos=self.stop_at_eos, target_exit=method.target_exit)
 
 
 # --------------------------------------------------------------------------- records
@@ -292,10 +300,11 @@ class _Peer:
             kwargs["prompt_lookup_num_tokens"] = int(method.opts.get("k", 10))
         elif method.name == "hf_static":  # a fixed-size cache; on CUDA generate() compiles the forward
             kwargs["cache_implementation"] = "static"
-        sampling = cfg.temperature > 0
+        s = cfg.sampling
+        sampling = not s.greedy
         gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, do_sample=sampling,
-                               temperature=cfg.temperature if sampling else None,
-                               top_k=cfg.top_k or None, top_p=cfg.top_p if sampling else None,
+                               temperature=s.temperature if sampling else None,
+                               top_k=s.top_k or None, top_p=s.top_p if sampling else None,
                                eos_token_id=list(eos) if cfg.stop_at_eos and eos else None,
                                pad_token_id=eos[0] if eos else 0, **kwargs)
         # generate() falls back to the model's own generation_config.eos_token_id when ours is None;
@@ -314,14 +323,14 @@ class _Peer:
 
 def run_bench(cfg: BenchConfig, progress: bool = True) -> list[Record]:
     """Run every method on every prompt, ``cfg.repeats`` times, interleaved; return raw records."""
-    from infer.loading import load_model, set_threads
+    from infer.loading import load_model
 
-    set_threads(cfg.threads)
+    run = cfg.run.resolve()
     tasks = {task_name(src): load_prompts(src, cfg.n, from_end=True) for src in cfg.data}
     records: list[Record] = []
     for model_arg in cfg.models:
         label, source = split_named(model_arg)
-        model = load_model(source, cfg.dtype, cfg.device, cfg.executor)
+        model = load_model(source, device=run.device, dtype=run.dtype, executor=run.executor, threads=run.threads)
         check_layers(cfg.methods, model.runner.num_layers, source)
         peer = _Peer(model.path, model.runner.dtype, model.runner.device) \
             if any(m.is_peer for m in cfg.methods) else None
@@ -357,14 +366,12 @@ def _run_task(cfg: BenchConfig, model, peer, label: str, task: str, prompts: lis
               progress: bool) -> list[Record]:
     from tqdm.auto import tqdm
 
-    from infer.engine import GenerationConfig
     from infer.exactness import DivergenceJudge
-    from infer.sampling import SamplingConfig
 
-    sampling = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed)
-    gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, sampling=sampling, stop_at_eos=cfg.stop_at_eos)
+    greedy = cfg.sampling.greedy
+    gen = cfg.generation(Method(BASELINE, BASELINE))  # the reference's (full model) settings
     if cfg.warmup:
-        _warmup(cfg, model, peer, [p.ids for p in prompts], gen, label)
+        _warmup(cfg, model, peer, [p.ids for p in prompts], label)
     reference: dict[str, list[int]] = {}
     judge = DivergenceJudge(model.runner, gen)  # the references' config; spread measured on first need
     records = []
@@ -372,6 +379,7 @@ def _run_task(cfg: BenchConfig, model, peer, label: str, task: str, prompts: lis
                leave=False)
     for repeat in range(cfg.repeats):
         engines = {m.label: _engine_for(m, model, label) for m in cfg.methods if not m.is_peer}  # fresh streams
+        configs = {m.label: cfg.generation(m) for m in cfg.methods if not m.is_peer}
         for prompt in prompts:
             for method in cfg.methods:
                 bar.set_postfix_str(method.label)
@@ -379,15 +387,17 @@ def _run_task(cfg: BenchConfig, model, peer, label: str, task: str, prompts: lis
                     tokens, wall = peer.generate(method, prompt.ids, cfg, model.eos_token_ids)
                     rec = Record(label, task, method.label, prompt.id, repeat, len(tokens), wall)
                 else:
-                    result = engines[method.label].generate(prompt.ids, gen)
+                    result = engines[method.label].generate(prompt.ids, configs[method.label])
                     tokens = result.tokens
                     rec = _record(label, task, method, prompt.id, repeat, result)
-                if method.name == BASELINE and not method.options and repeat == 0:
+                if method.label == BASELINE and repeat == 0:
                     reference[prompt.id] = tokens
                 if repeat == 0:
-                    _judge(rec, tokens, reference.get(prompt.id), prompt, model, sampling.greedy, judge)
+                    _judge(rec, tokens, reference.get(prompt.id), prompt, model, greedy, judge)
                 records.append(rec)
                 bar.update()
+        for engine in engines.values():
+            engine.close()  # each drafter's finish(): SWIFT's save_plan, the adaptive gate's memory
     bar.close()
     return records
 
@@ -416,10 +426,10 @@ def _record(model: str, task: str, method: Method, pid: str, repeat: int, result
     extra = dict(s.drafter)
     return Record(model, task, method.label, pid, repeat, s.new_tokens, s.wall_time, s.verify_calls, s.drafted,
                   s.accepted, s.draft_time, s.verify_time, s.update_time, float(extra.get("opt_time", 0.0)),
-                  int(extra.get("draft_forwards", 0)), None, extra, lossy=bool(extra.get("lossy", False)))
+                  int(extra.get("draft_forwards", 0)), None, extra, lossy=s.lossy)
 
 
-def _warmup(cfg: BenchConfig, model, peer, prompts: list[list[int]], gen, label: str) -> None:
+def _warmup(cfg: BenchConfig, model, peer, prompts: list[list[int]], label: str) -> None:
     """Untimed runs before timing: a short one per peer; per drafter ``Engine.warm_up`` over the task's prompts,
     so that on the static/graphs executors every static forward and CUDA graph is built before the clock runs."""
     short = dataclasses.replace(cfg, max_new_tokens=4)
@@ -427,7 +437,8 @@ def _warmup(cfg: BenchConfig, model, peer, prompts: list[list[int]], gen, label:
         if method.is_peer:
             peer.generate(method, prompts[0], short, model.eos_token_ids)
         else:
-            _engine_for(method, model, label).warm_up(prompts, gen)
+            with _engine_for(method, model, label) as engine:
+                engine.warm_up(prompts, cfg.generation(method))
 
 
 # --------------------------------------------------------------------------- summarising
@@ -519,20 +530,18 @@ def machine_info(cfg: BenchConfig) -> dict:
     import torch
     import transformers
 
-    from core.device import parse_dtype, resolve_device
-
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    device = resolve_device(cfg.device)
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    run = cfg.run.resolve()
+    gpu = torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else None
     return {"cpu": cpu, "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "threads": cfg.threads, "git": git_commit(),
-            "date": time.strftime("%Y-%m-%d %H:%M"), "device": str(device), "gpu": gpu,
-            "dtype": dtype_name(parse_dtype(cfg.dtype, device)), "executor": cfg.executor}
+            "transformers": transformers.__version__, "threads": cfg.run.threads, "git": git_commit(),
+            "date": time.strftime("%Y-%m-%d %H:%M"), "device": str(run.device), "gpu": gpu,
+            "dtype": dtype_name(run.dtype), "executor": cfg.run.executor}
 
 
 def git_commit() -> str | None:
@@ -622,10 +631,10 @@ def write_outputs(cfg: BenchConfig, records: list[Record], out_dir: Path, comman
     figures = plots.write_all(rows, records, out_dir)
     lines = ["# Benchmark results\n", f"`{command}`\n",
              f"Machine: {meta['gpu'] or meta['cpu']} ({meta['device']}); torch {meta['torch']}, transformers "
-             f"{meta['transformers']}, {cfg.threads} thread(s), {meta['dtype']}; {meta['date']}. "
+             f"{meta['transformers']}, {cfg.run.threads} thread(s), {meta['dtype']}; {meta['date']}. "
              f"{cfg.n} prompts per task (held-out end of "
              f"each set), {cfg.max_new_tokens} new tokens, median tokens/s of {cfg.repeats} repeats; "
-             f"{'greedy' if cfg.temperature == 0 else f'sampling T={cfg.temperature}'}.\n",
+             f"{'greedy' if cfg.sampling.greedy else f'sampling T={cfg.sampling.temperature}'}.\n",
              "α = accepted/drafted, M = tokens per verification, k̄ = draft forwards per verification, "
              "c = draft forward cost / full forward cost, expected = M / (k̄·c + v). exact: greedy output equals "
              "autoregressive (identical in fp32; in bf16/fp16 a near-tie can flip: a *tie flip* is a first "

@@ -9,9 +9,9 @@ calibration data, best counted on the target model's own greedy generations.
 - ``TokenCounts``: per-token counts of calibration data (``count_tokens``) and their provenance; a
   counts file ships for the default model (``bundled_counts``), so ``--draft-vocab N`` needs no run.
 - ``DraftVocab``: the chosen sorted ids, saved as a JSON file tied to its model like plan files are.
-- ``coverage``: the share of target tokens inside a subset; ``heldout_tokens`` generates them.
+- ``coverage``: the share of target tokens inside a subset (``infer.vocab_counting`` counts tokens on
+  calibration data and generates the held-out ones).
 - ``resolve_draft_vocab``: ``--draft-vocab N`` (top N of the bundled counts) or a path to a file.
-- ``subset_rows``: the subset head's weight (``infer.runner.DraftHead`` scores with it).
 
 Which model a file fits: its architecture numbers and vocabulary size, and the tokenizer's fingerprint
 (a digest of its id -> token table); the weight fingerprint is checked instead when no tokenizer is at
@@ -23,18 +23,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
-from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from core.errors import UserError
-from core.prompts import PromptItem, use_chat_template
 
 COUNTS_FORMAT = "layerskip-token-counts/1"
 VOCAB_FORMAT = "layerskip-draft-vocab/1"
@@ -282,74 +278,6 @@ class TokenCounts:
             raise UserError(f"{Path(path).expanduser()} is not a valid token counts file: {e}") from None
 
 
-def text_tokens(item: PromptItem, tokenizer) -> list[int]:
-    """Token ids of an item's text: the prompt, then its reference answer where the set has one."""
-    text = item.prompt + ("\n" + item.reference if item.reference else "")
-    return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
-
-
-def encode_prompts(model, items: Sequence[PromptItem], max_new_tokens: int, chat: str = "auto") -> list[list[int]]:
-    """Token ids of the items' prompts (chat template per ``core.prompts``' task policy); refuses, naming them, the
-    prompts that leave no room for ``max_new_tokens`` in the model's context."""
-    prompts = [model.encode(item.prompt, use_chat_template(item.task, chat)) for item in items]
-    limit = model.runner.spec.max_position_embeddings
-    long = [f"{item.task}/{item.id}" for item, ids in zip(items, prompts, strict=True)
-            if len(ids) + max_new_tokens > limit]
-    if long:
-        raise UserError(f"prompts {', '.join(long[:5])}{' ...' if len(long) > 5 else ''} leave no room for "
-                        f"{max_new_tokens} new tokens in the model's context of {limit}; lower --max-new-tokens "
-                        "or use shorter prompts")
-    return prompts
-
-
-def greedy_generations(model, items: Sequence[PromptItem], max_new_tokens: int, chat: str = "auto",
-                       progress: bool = False, desc: str = "generating") -> list[list[int]]:
-    """The model's own greedy output for each item (prompt excluded; cut at EOS), plain autoregressive decoding.
-
-    ``model`` is an ``infer.loading.LoadedModel``; ``chat`` is the task policy of ``core.prompts``
-    (``auto``: the chat template for question-answer sets such as gsm8k).
-    """
-    # infer.engine imports the runner and drafters, which may themselves use this module: imported here
-    # so that they can import draft_vocab without an import cycle
-    from infer.engine import GenerationConfig
-
-    prompts = encode_prompts(model, items, max_new_tokens, chat)
-    config = GenerationConfig(max_new_tokens=max_new_tokens)
-    engine = model.engine("autoregressive")
-    out = []
-    for ids in tqdm(prompts, desc=desc, disable=not progress, unit="prompt"):
-        out.append(engine.generate(ids, config).tokens)
-    engine.drafter.finish()
-    return out
-
-
-def count_tokens(model, items: Sequence[PromptItem], mode: str = "generate", *, max_new_tokens: int = 128,
-                 chat: str = "auto", text_items: Sequence[PromptItem] | None = None, progress: bool = False,
-                 source: dict | None = None) -> TokenCounts:
-    """Count token frequencies on calibration items (``model``: an ``infer.loading.LoadedModel``).
-
-    ``generate``: the model's greedy generations on the items' prompts, the generated tokens only (a drafter
-    predicts continuations, never prompt tokens; VocabTrim found the target's own output a better guide
-    than raw text), with the tokens of ``text_items`` (default: the items) as the tie-breaking back-off.
-    ``text``: the tokens of the items' texts (prompt and reference answer). ``source`` adds provenance.
-    """
-    if mode not in MODES:
-        raise UserError(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
-    start = time.perf_counter()
-    texts = items if mode == "text" or text_items is None else text_items
-    text_counts = Counter(t for item in texts for t in text_tokens(item, model.tokenizer))
-    info = {"mode": mode, "items": len(items), "text_items": len(texts), "text_tokens": sum(text_counts.values())}
-    if mode == "text":
-        counts, backoff = text_counts, Counter()
-    else:
-        outputs = greedy_generations(model, items, max_new_tokens, chat, progress, "counting")
-        counts, backoff = Counter(t for out in outputs for t in out), text_counts
-        info |= {"max_new_tokens": max_new_tokens, "chat": chat, "generated_tokens": sum(counts.values())}
-    info["wall_time_s"] = round(time.perf_counter() - start, 1)
-    return TokenCounts(dict(counts), dict(backoff), special_ids(model.tokenizer, model.eos_token_ids),
-                       model_record(model.runner.identity(), model.tokenizer), (source or {}) | info)
-
-
 # --------------------------------------------------------------------------- coverage
 def coverage(vocab: DraftVocab | Iterable[int], token_ids: Iterable[int]) -> float:
     """Share of ``token_ids`` (the tokens a drafter must predict) that lie inside the subset."""
@@ -358,17 +286,6 @@ def coverage(vocab: DraftVocab | Iterable[int], token_ids: Iterable[int]) -> flo
     if not tokens:
         raise ValueError("coverage of no tokens is undefined")
     return sum(t in inside for t in tokens) / len(tokens)
-
-
-def heldout_tokens(model, items: Sequence[PromptItem], max_new_tokens: int = 128, chat: str = "auto",
-                   progress: bool = False) -> dict[str, list[int]]:
-    """Held-out target tokens per task: the model's greedy generations on ``items`` (take them from the END
-    of each set, which calibration leaves alone), since those are the tokens a drafter must predict."""
-    outputs = greedy_generations(model, items, max_new_tokens, chat, progress, "held-out")
-    by_task: dict[str, list[int]] = {}
-    for item, out in zip(items, outputs, strict=True):
-        by_task.setdefault(item.task, []).extend(out)
-    return by_task
 
 
 def coverage_report(vocab: DraftVocab | Iterable[int], tokens_by_task: dict[str, list[int]]) -> dict:
@@ -407,9 +324,3 @@ def resolve_draft_vocab(spec: int | str | os.PathLike, model, tokenizer=None,
     vocab = DraftVocab.load(text)
     check_model(vocab.model, model, tokenizer, text)
     return vocab
-
-
-# --------------------------------------------------------------------------- tensors of a subset head
-def subset_rows(weight: Tensor, ids: Tensor) -> Tensor:
-    """The subset head: rows ``ids`` of the full head weight, (V, d), (N,) -> (N, d) (a copy, gathered once)."""
-    return weight.index_select(0, ids.to(weight.device))  # (N, d)

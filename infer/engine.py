@@ -42,10 +42,16 @@ class GenerationConfig:
     """Stop once the decoded output contains any of these (kept in the output)."""
     stop_at_eos: bool = True
     """Stop at the model's end-of-sequence token(s)."""
+    target_exit: int | None = None
+    """Lossy early exit (the LayerSkip paper's "EE" rows): the target itself is layers [0, E) + final norm + LM head,
+    so the output is that exit's, not the model's; only plain decoding (the autoregressive drafter) takes it.
+    None (or E = the model's layer count) is the full model."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise UserError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.target_exit is not None and self.target_exit < 1:
+            raise UserError(f"target-exit must be >= 1 (a layer count), got {self.target_exit}")
 
 
 @dataclass
@@ -62,7 +68,14 @@ class GenerationStats:
     draft_time: float = 0.0
     verify_time: float = 0.0
     update_time: float = 0.0
+    target_exit: int | None = None
+    """Lossy early exit: the target's layer count E when it was not the full model (None: lossless)."""
     drafter: dict = field(default_factory=dict)
+
+    @property
+    def lossy(self) -> bool:
+        """The output is a lossy early exit's, not the full model's."""
+        return self.target_exit is not None
 
     @property
     def acceptance_rate(self) -> float:
@@ -82,7 +95,7 @@ class GenerationStats:
     def to_dict(self) -> dict:
         d = asdict(self)
         d.update(acceptance_rate=self.acceptance_rate, tokens_per_verify=self.tokens_per_verify,
-                 tokens_per_second=self.tokens_per_second)
+                 tokens_per_second=self.tokens_per_second, lossy=self.lossy)
         return d
 
 
@@ -121,35 +134,47 @@ class Generation:
 class Engine:
     """Runs one drafter against the full model; output is identical to plain decoding.
 
-    With ``exit_layer`` E the *target* itself is lossy: layers [0, E) + final norm + LM head
-    (prefill and verification run only those layers); only the autoregressive drafter may be
-    combined with it, and E = L is exactly the plain model.
+    ``GenerationConfig.target_exit`` E makes the *target* itself lossy: layers [0, E) + final norm + LM head
+    (prefill and verification run only those layers); only a drafter that does not draft (autoregressive)
+    may be combined with it, and E = L is exactly the plain model.
+
+    An engine owns its drafter's life: ``close()`` (or leaving a ``with`` block) calls the drafter's
+    ``finish`` once, which saves what it learned (SWIFT's ``save_plan``, the adaptive gate's memory).
     """
 
     def __init__(self, runner: Runner, drafter: Drafter, eos_token_ids: Sequence[int] = (),
-                 decode: Callable[[list[int]], str] | None = None, exit_layer: int | None = None):
+                 decode: Callable[[list[int]], str] | None = None):
         self.runner = runner
         self.drafter = drafter
         self.eos = frozenset(int(t) for t in eos_token_ids)
         self.decode = decode
-        self.depth = self._target_depth(exit_layer)
+        self.closed = False
 
-    def _target_depth(self, exit_layer: int | None) -> int:
-        L = self.runner.num_layers
-        if exit_layer is None:
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Decoding with this engine is over: the drafter's ``finish`` runs (once, however often this is called)."""
+        if not self.closed:
+            self.closed = True
+            finish = getattr(self.drafter, "finish", None)  # optional in the protocol
+            if finish is not None:
+                finish()
+
+    def target_depth(self, config: GenerationConfig) -> int:
+        """Layers of the target under ``config``: the model's, or a lossy ``target_exit``."""
+        L, E = self.runner.num_layers, config.target_exit
+        if E is None or E == L:
             return L
-        if not 1 <= exit_layer <= L:
-            raise UserError(f"target exit layer {exit_layer} is out of range: the model has {L} layers, "
-                            f"so use 1 <= exit layer <= {L}")
-        if getattr(self.drafter, "name", "") != "autoregressive":
-            raise UserError(f"an early-exit target (exit layer {exit_layer}) works only with the "
-                            f"autoregressive drafter, not {getattr(self.drafter, 'name', '?')!r}")
-        return exit_layer
-
-    @property
-    def exit_layer(self) -> int | None:
-        """The lossy target's exit layer E (None: the full model is the target)."""
-        return None if self.depth == self.runner.num_layers else self.depth
+        if not 1 <= E <= L:
+            raise UserError(f"target exit {E} is out of range: the model has {L} layers, so use 1 <= E <= {L}")
+        if getattr(self.drafter, "drafts", True):
+            raise UserError(f"a lossy early-exit target (target exit {E}) works only with plain decoding (the "
+                            f"autoregressive drafter), not {getattr(self.drafter, 'name', '?')!r}")
+        return E
 
     # ----------------------------------------------------------------- public
     def generate(self, prompt_ids: Sequence[int] | Tensor, config: GenerationConfig | None = None,
@@ -169,13 +194,16 @@ class Engine:
         config = config or GenerationConfig()
         prompt = [int(t) for t in (prompt_ids.tolist() if isinstance(prompt_ids, Tensor) else prompt_ids)]
         self._check_prompt(prompt, config)
+        if self.closed:
+            raise ValueError("the engine is closed (its drafter has finished); build a new one")
         if config.stop_strings and self.decode is None:
             raise UserError("stop strings need a tokenizer to decode the output")
         stats = GenerationStats(prompt_tokens=len(prompt))
         cache = self.runner.take_cache(max(reserve or 0, self.cache_length(len(prompt), config.max_new_tokens)))
         generator = generator or config.sampling.generator(self.runner.device)
         state = DecodeState(self.runner, cache, config.sampling, generator, tokens=list(prompt), prompt_len=len(prompt),
-                            eos=self.eos if config.stop_at_eos else frozenset())
+                            eos=self.eos if config.stop_at_eos else frozenset(), depth=self.target_depth(config))
+        stats.target_exit = None if state.depth == self.runner.num_layers else state.depth
         t_start = time.perf_counter()
         first = self._prefill(state)
         stats.prefill_time = time.perf_counter() - t_start
@@ -283,7 +311,7 @@ class Engine:
         runner = self.runner
         ids = runner.to_device(state.tokens[:state.prompt_len])  # (P,)
         positions = torch.arange(state.prompt_len, device=runner.device)  # (P,)
-        hidden = runner.forward_layers(state.cache, runner.embed(ids), positions, 0, self.depth, bulk=True)  # (P, d)
+        hidden = runner.forward_layers(state.cache, runner.embed(ids), positions, 0, state.depth, bulk=True)  # (P, d)
         state.n = state.prompt_len
         return runner.logits(hidden[-1:])  # (1, V)
 
@@ -298,12 +326,13 @@ class Engine:
         config = config or GenerationConfig()
         runner, prompt = self.runner, [int(t) for t in prompt_ids]
         cache = runner.take_cache(self.cache_length(len(prompt), config.max_new_tokens))
-        state = DecodeState(runner, cache, config.sampling, torch.Generator(), tokens=prompt, prompt_len=len(prompt))
+        state = DecodeState(runner, cache, config.sampling, torch.Generator(), tokens=prompt, prompt_len=len(prompt),
+                            depth=self.target_depth(config))
         try:
             logits = self._prefill_logits(state)  # (1, V)
             for i, token in enumerate(tokens):
                 hidden = runner.embed(runner.to_device([int(token)]))  # (1, d)
-                logits = runner.span(cache, hidden, [len(prompt) + i], 0, self.depth, logits=True).logits  # (1, V)
+                logits = runner.span(cache, hidden, [len(prompt) + i], 0, state.depth, logits=True).logits  # (1, V)
         finally:
             runner.release_cache(cache)
         return logits[0]
@@ -332,7 +361,7 @@ class Engine:
                                    f"expected {n + h}")
         cache.rollback(n, start=E)  # drop whatever the draft wrote in layers >= E
         hidden = self._hidden_at(E, h, draft, ids, positions, mask, state)  # (T, d)
-        logits = runner.span(cache, hidden, positions, E, self.depth, mask=mask, logits=True).logits  # (T, V)
+        logits = runner.span(cache, hidden, positions, E, state.depth, mask=mask, logits=True).logits  # (T, V)
 
         argmax: list[int] = []
         T = len(positions)

@@ -1,29 +1,49 @@
-"""Load a model folder as (runner, tokenizer) and turn prompts into token ids."""
+"""Load a model as (runner, tokenizer), build engines on it, turn text into token ids and back.
+
+The public entry point of the Python API (see the README's "Python API"):
+
+    model = load_model("default")                          # a folder, a hub id, "default" ...
+    model = load_model(hf_model, tokenizer=hf_tokenizer)   # ... or a transformers model already in memory
+    result = model.generate("def fib(n):", "early_exit", GenerationConfig(max_new_tokens=32), exit_layer=24)
+    with model.engine("swift") as engine: ...              # one drafter over many prompts; finish() on exit
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel
 
-from core.device import parse_dtype, resolve_device
 from core.errors import UserError
 from core.models import resolve_model
+from core.settings import ModelSettings, Resolved, RunSettings
 from infer.draft_vocab import DraftVocab, resolve_draft_vocab
-from infer.drafters import build_config, build_drafter
-from infer.engine import Engine
+from infer.drafters import Spec, build_config, build_drafter, parse_spec
+from infer.engine import Engine, GenerationResult
+from infer.engine import GenerationConfig as DecodeConfig
 from infer.runner import Runner
 
 
 @dataclass
 class LoadedModel:
-    path: Path
+    """A model ready to decode: the runner over its weights, its tokenizer and end-of-sequence ids."""
+
+    path: Path | None
+    """The model folder (None for a model given as an object)."""
     runner: Runner
+    """The lean forward over the model's weights (``infer.runner``)."""
     tokenizer: object
+    """The Hugging Face tokenizer."""
     eos_token_ids: tuple[int, ...]
+    """Token ids that end a generation."""
+
+    @property
+    def name(self) -> str:
+        return str(self.path) if self.path is not None else getattr(self.runner.config, "name_or_path", "") or "model"
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
         """Token ids of ``prompt``; with ``chat`` it is wrapped as one user turn of the chat template."""
@@ -31,7 +51,7 @@ class LoadedModel:
             raise UserError("the prompt is empty; give some text")
         if chat:
             if not getattr(self.tokenizer, "chat_template", None):
-                raise UserError(f"{self.path} has no chat template; drop --chat")
+                raise UserError(f"{self.name} has no chat template; drop --chat")
             ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                                      add_generation_prompt=True, tokenize=True)
             ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
@@ -41,53 +61,80 @@ class LoadedModel:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def engine(self, drafter: str, options: dict | None = None) -> Engine:
-        """An Engine with drafter ``drafter``; ``autoregressive`` with ``exit_layer=E < L`` is lossy early
-        exit (the target is layers [0, E) + final norm + LM head). A ``draft_vocab`` size or file is resolved
-        with this model's tokenizer (so a finetuned checkpoint uses its base model's counts)."""
-        options = dict(options or {})
+    def engine(self, drafter: str = "autoregressive", options: dict | None = None, **more) -> Engine:
+        """An Engine with drafter ``drafter`` and its ``options`` (a dict and/or keywords: ``exit_layer=24``).
+
+        A ``draft_vocab`` size or file is resolved with this model's tokenizer (so a finetuned checkpoint
+        uses its base model's counts). Use it as a context manager, or call ``close()``, when done: that runs
+        the drafter's ``finish`` (saves a plan or the adaptive gate's memory)."""
+        options = dict(options or {}) | more
         spec = options.get("draft_vocab")
         if spec is not None and not isinstance(spec, DraftVocab):
             build_config(drafter, options)  # a bad option is reported as such before the vocabulary is read
             options["draft_vocab"] = resolve_draft_vocab(spec, self.runner, self.tokenizer)
-        built = build_drafter(drafter, self.runner, options)
-        exit_layer = getattr(built.config, "exit_layer", None) if built.name == "autoregressive" else None
-        if exit_layer == self.runner.num_layers:
-            exit_layer = None  # E = L is the full model
-        return Engine(self.runner, built, self.eos_token_ids, self.decode, exit_layer=exit_layer)
+        return Engine(self.runner, build_drafter(drafter, self.runner, options), self.eos_token_ids, self.decode)
+
+    def method(self, spec: str | Spec, config: DecodeConfig | None = None) -> tuple[Engine, DecodeConfig]:
+        """The engine and generation config of a method spec (``'early_exit:E=24:k=4'``,
+        ``'autoregressive:target_exit=8'``): the drafter's options build the drafter, ``target_exit`` goes to
+        ``config`` (default: ``GenerationConfig()``)."""
+        spec = parse_spec(spec) if isinstance(spec, str) else spec
+        config = dataclasses.replace(config or DecodeConfig(), target_exit=spec.target_exit)
+        return self.engine(spec.drafter, spec.options), config
+
+    def generate(self, prompt: str, drafter: str = "autoregressive", config: DecodeConfig | None = None, *,
+                 chat: bool = False, **options) -> GenerationResult:
+        """Generate from text with a fresh drafter (``options`` are its options); ``.text``, ``.tokens``, ``.stats``.
+
+        For several prompts with one drafter (e.g. SWIFT keeps its plan), use ``engine()``."""
+        with self.engine(drafter, options) as engine:
+            return engine.generate(self.encode(prompt, chat), config)
 
 
-def set_threads(threads: int | None) -> None:
-    if threads is not None:
-        if threads < 1:
-            raise UserError(f"--threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-
-
-def eos_ids(path: Path, tokenizer) -> tuple[int, ...]:
-    """End-of-sequence ids from the generation config and the tokenizer."""
+def eos_ids(path: Path | None, tokenizer, model_config=None) -> tuple[int, ...]:
+    """End-of-sequence ids from the generation config (of the folder, or of the model object) and the tokenizer."""
     ids: set[int] = set()
     try:
-        eos = GenerationConfig.from_pretrained(path).eos_token_id
+        eos = (GenerationConfig.from_pretrained(path) if path is not None else model_config).eos_token_id
         ids.update([eos] if isinstance(eos, int) else list(eos or []))
-    except OSError:
+    except (OSError, AttributeError):
         pass
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return tuple(sorted(ids))
 
 
-def load_model(model: str, dtype: str = "fp32", device: str = "cpu", executor: str = "auto") -> LoadedModel:
-    """Resolve ``model`` (folder or 'default'), load the runner and tokenizer.
+def load_model(model: str | os.PathLike | PreTrainedModel = "default", tokenizer=None, *,
+               device: str | torch.device = "auto", dtype: str | torch.dtype = "auto", executor: str = "auto",
+               threads: int | None = None) -> LoadedModel:
+    """Load a model to decode with.
 
-    ``device`` and ``dtype`` take the CLI names (``auto`` = CUDA + bf16 when available, else CPU + fp32).
+    ``model``: a local Hugging Face folder, a hub id (org/name), ``"default"`` (SmolLM2-135M-Instruct, fetched
+    once), or a ``transformers`` model object already in memory (then ``tokenizer`` is required; its weights
+    are copied into the runner's fused layout). ``device`` / ``dtype`` take names (``auto`` = CUDA + bf16 when
+    available, else CPU + fp32) or torch objects; ``executor`` and ``threads`` as in ``core.settings``.
     """
-    path = resolve_model(model)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for a malformed tokenizer.json
-        raise UserError(f"could not load a tokenizer from {path}: {type(e).__name__}: {e}") from None
-    dev = resolve_device(device)
-    runner = Runner.from_pretrained(path, dtype=parse_dtype(dtype, dev), device=dev, executor=executor)
+    run = RunSettings(device, dtype, executor, threads).resolve()
+    return _load(model, tokenizer, run)
+
+
+def load_from_settings(settings: ModelSettings, resolved: Resolved | None = None) -> LoadedModel:
+    """``load_model`` from command-line settings (``resolved``: the settings already resolved by the caller)."""
+    return _load(settings.model, None, resolved or settings.resolve())
+
+
+def _load(model, tokenizer, run: Resolved) -> LoadedModel:
+    run.apply_threads()
+    if isinstance(model, PreTrainedModel):
+        if tokenizer is None:
+            raise UserError("a model given as an object needs its tokenizer: load_model(model, tokenizer)")
+        runner = Runner.from_model(model, run.dtype, device=run.device, executor=run.executor)
+        return LoadedModel(None, runner, tokenizer, eos_ids(None, tokenizer, model.generation_config))
+    path = resolve_model(str(model))
+    if tokenizer is None:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for a malformed tokenizer.json
+            raise UserError(f"could not load a tokenizer from {path}: {type(e).__name__}: {e}") from None
+    runner = Runner.from_pretrained(path, dtype=run.dtype, device=run.device, executor=run.executor)
     return LoadedModel(path, runner, tokenizer, eos_ids(path, tokenizer))

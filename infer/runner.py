@@ -34,7 +34,6 @@ from core.device import EXECUTOR_CHOICES, parse_dtype
 from core.errors import UserError
 from core.models import ModelSpec
 from infer import kernels
-from infer.draft_vocab import subset_rows
 from infer.graphs import StaticExecutor
 from infer.plan import LayerPlan
 
@@ -145,7 +144,7 @@ class DraftHead:
         self.ids = ids.to(runner.device, torch.long)  # (N,) sorted, unique
         self.key = hashlib.sha256(self.ids.cpu().numpy().tobytes()).hexdigest()[:16]
         self.vocab_size = runner.spec.vocab_size
-        self.linear = Linear(subset_rows(runner.lm_head.weight, self.ids), None, runner.kernel)  # (N, d)
+        self.linear = Linear(runner.lm_head.weight.index_select(0, self.ids), None, runner.kernel)  # (N, d): a copy
 
     @property
     def size(self) -> int:
@@ -251,12 +250,13 @@ class Runner:
         return cls(config, state, parse_dtype(dtype, device), device, kernel, executor)
 
     @classmethod
-    def from_model(cls, model, dtype: torch.dtype | None = None, kernel: str = "auto",
-                   executor: str = "auto") -> Runner:
-        """Wrap an instantiated HF model (its weights are copied into fused tensors)."""
+    def from_model(cls, model, dtype: torch.dtype | None = None, kernel: str = "auto", executor: str = "auto",
+                   device: str | torch.device | None = None) -> Runner:
+        """Wrap an instantiated HF model (its weights are copied into fused tensors; by default in the model's own
+        dtype, on its own device)."""
         state = {k: v.detach() for k, v in model.state_dict().items()}
-        dtype = dtype or next(model.parameters()).dtype
-        return cls(model.config, state, dtype, next(model.parameters()).device, kernel, executor)
+        first = next(model.parameters())
+        return cls(model.config, state, dtype or first.dtype, device or first.device, kernel, executor)
 
     # ----------------------------------------------------------------- executor
     def set_executor(self, executor: str = "auto") -> None:

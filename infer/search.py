@@ -471,13 +471,13 @@ class SpeedObjective:
 
     def __call__(self, plan: LayerPlan) -> tuple[float, dict]:
         # a new engine per plan (a live engine's drafter is never swapped), drafting as the reference search does
-        engine = Engine(self.runner, SelfSDDrafter(self.runner, self.drafter_config(plan)))
         results, ar_tokens, ar_wall = [], 0, 0.0
-        for ids in self.prompts:
-            if self.reference == "interleaved":
-                ar = self.baseline_engine.generate(ids, self.gen).stats
-                ar_tokens, ar_wall = ar_tokens + ar.new_tokens, ar_wall + ar.wall_time
-            results.append(engine.generate(ids, self.gen))
+        with Engine(self.runner, SelfSDDrafter(self.runner, self.drafter_config(plan))) as engine:
+            for ids in self.prompts:
+                if self.reference == "interleaved":
+                    ar = self.baseline_engine.generate(ids, self.gen).stats
+                    ar_tokens, ar_wall = ar_tokens + ar.new_tokens, ar_wall + ar.wall_time
+                results.append(engine.generate(ids, self.gen))
         tps = sum(r.stats.new_tokens for r in results) / sum(r.stats.wall_time for r in results)
         baseline = ar_tokens / ar_wall if self.reference == "interleaved" else self.baseline
         drafted = sum(r.stats.drafted for r in results)
@@ -497,9 +497,9 @@ def study_path_for(out: Path) -> Path:
 
 def calibration_set(runner: Runner, prompts: list[list[int]], max_new_tokens: int) -> list[Calibration]:
     """The full model's greedy continuations of the calibration prompts (EOS ignored)."""
-    engine = Engine(runner, build_drafter("autoregressive", runner))
     gen = GenerationConfig(max_new_tokens=max_new_tokens, stop_at_eos=False)
-    return [Calibration(list(p), engine.generate(p, gen).tokens) for p in prompts]
+    with Engine(runner, build_drafter("autoregressive", runner)) as engine:
+        return [Calibration(list(p), engine.generate(p, gen).tokens) for p in prompts]
 
 
 def build_objective(runner: Runner, prompts: list[list[int]], cfg: SearchConfig) -> tuple[Evaluate, dict]:

@@ -22,22 +22,25 @@ import time
 from pathlib import Path
 
 from core.cli import check_output_dir, run_main
-from core.device import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP
 from core.prompts import load_prompts, task_name, use_chat_template
+from core.settings import ModelSettings
 from infer.bench import BASELINE
 from infer.drafters import parse_spec
 from infer.engine import GenerationConfig
-from infer.loading import load_model, set_threads
+from infer.loading import load_from_settings
+from layerskip_cli.args import add_model_flags, model_settings
+
+SETTINGS = ModelSettings(threads=1)
+"""This script's defaults: one thread."""
 
 
 def decode_once(model, spec: str, ids: list[int], gen: GenerationConfig) -> tuple[list[int], float]:
     """One prompt with a fresh drafter, then its finish() hook (what a `layerskip generate` call does)."""
-    name, options = parse_spec(spec)
-    engine = model.engine(name, options)
-    t0 = time.perf_counter()
-    result = engine.generate(ids, gen)
-    wall = time.perf_counter() - t0
-    engine.drafter.finish()
+    engine, config = model.method(spec, gen)
+    with engine:
+        t0 = time.perf_counter()
+        result = engine.generate(ids, config)
+        wall = time.perf_counter() - t0
     return result.tokens, wall
 
 
@@ -47,8 +50,8 @@ def run(args: argparse.Namespace) -> int:
         parse_spec(spec)  # bad specs are refused before the model loads
     if args.out:
         check_output_dir(args.out, "--out")
-    set_threads(args.threads)
-    model = load_model(args.model, args.dtype, args.device)
+    settings = model_settings(args, SETTINGS)
+    model = load_from_settings(settings)
     prompts = []
     for source in [s.strip() for s in args.data.split(",") if s.strip()]:
         chat = use_chat_template(task_name(source))
@@ -94,7 +97,7 @@ def summarise(specs, walls, tokens, exact, n_prompts) -> list[dict]:
 
 def markdown(rows: list[dict], args: argparse.Namespace) -> str:
     lines = [f"{len(rows)} methods, {args.n} prompts per task of {args.data}, {args.max_new_tokens} tokens each, "
-             f"{args.repeats} repeats, {args.threads} thread(s); a fresh drafter per prompt", "",
+             f"{args.repeats} repeats, {args.threads or SETTINGS.threads} thread(s); a fresh drafter per prompt", "",
              "| method | tok/s | vs autoregressive (median) | per repeat | greedy exact |", "|---|---:|---:|---|---:|"]
     for r in rows:
         per = ", ".join(f"{x:.2f}" for x in r["vs_ar_per_repeat"])
@@ -104,16 +107,13 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="default")
+    add_model_flags(p, SETTINGS)
     p.add_argument("--drafters", default="swift,early_exit:E=8:k=4:adaptive=true",
                    help="drafter specs compared with autoregressive (comma-separated)")
     p.add_argument("--data", default="humaneval,gsm8k", help="prompt sources (held-out end of each)")
     p.add_argument("--n", type=int, default=4, help="prompts per source")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--device", default="auto", help=f"{DEVICE_HELP} (default auto)")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=f"{DTYPE_HELP} (default auto)")
     p.add_argument("--out", type=Path, default=None, help="folder for independent.json")
     args = p.parse_args(argv)
     return run_main("bench_independent", lambda: run(args))

@@ -20,11 +20,15 @@ from pathlib import Path
 import torch
 
 from core.cli import check_output_file, run_main
-from core.device import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP, dtype_name, parse_dtype, resolve_device
+from core.device import dtype_name
 from core.errors import UserError
 from core.models import resolve_model
-from infer.loading import set_threads
+from core.settings import ModelSettings
 from infer.runner import Runner
+from layerskip_cli.args import add_model_flags, model_settings
+
+SETTINGS = ModelSettings(threads=1)
+"""This script's defaults: one thread."""
 
 
 def _sync(device: torch.device) -> None:
@@ -32,11 +36,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(model: str, sizes: list[int], repeats: int, context: int, device: str = "cpu",
-            dtype: str = "fp32") -> dict:
+def measure(model: str, sizes: list[int], repeats: int, context: int, device: torch.device,
+            dt: torch.dtype) -> dict:
     path = resolve_model(model)
-    dev = resolve_device(device)
-    dt = parse_dtype(dtype, dev)
+    dev = device
     runners = {name: Runner.from_pretrained(path, dtype=dt, device=dev, kernel=k)
                for name, k in (("kernel", "auto"), ("torch", "torch"))}
     if runners["kernel"].kernel is None:
@@ -76,30 +79,28 @@ def run(args: argparse.Namespace) -> int:
     sizes = _sizes(args.sizes)
     if args.out:
         check_output_file(args.out, "--out")
-    dev = resolve_device(args.device)  # a missing GPU is refused before the model loads
-    set_threads(args.threads)
-    result = measure(args.model, sizes, args.repeats, args.context, str(dev), args.dtype)
+    settings = model_settings(args, SETTINGS)
+    run = settings.resolve()  # a missing GPU is refused before the model loads
+    run.apply_threads()
+    result = measure(settings.model, sizes, args.repeats, args.context, run.device, run.dtype)
     print("| T | " + " | ".join(f"{k} ms | {k} v(T)" for k in result) + " |")
     print("|---|" + "---|---|" * len(result))
     for T in sizes:
         print(f"| {T} | " + " | ".join(f"{result[k][T]['ms']:.1f} | {result[k][T]['v']:.2f}" for k in result) + " |")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"threads": args.threads, "context": args.context, "device": str(dev),
-                "dtype": dtype_name(parse_dtype(args.dtype, dev))}
+        meta = {"threads": settings.threads, "context": args.context, "device": str(run.device),
+                "dtype": dtype_name(run.dtype)}
         args.out.write_text(json.dumps(meta | {"result": result}, indent=1))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="default")
+    add_model_flags(p, SETTINGS, skip=("executor",))  # both runners here run eagerly: the kernel is what varies
     p.add_argument("--sizes", default="1,2,3,4,5,6,8,12,16,32")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--context", type=int, default=200, help="tokens already in the cache")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--device", default="auto", help=f"{DEVICE_HELP} (default auto)")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=f"{DTYPE_HELP} (default auto)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     return run_main("bench_verify_cost", lambda: run(args))

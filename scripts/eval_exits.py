@@ -3,12 +3,12 @@
     python scripts/eval_exits.py --model default --config recipes/cpu-demo-stdlib.yaml --out runs/exits_base
     python scripts/eval_exits.py --model runs/cpu-demo/final --data gsm8k --out runs/exits_trained
 
-Same options and code as ``layerskip eval-exits`` (infer/commands/eval_exits.py).
+Same options and code as ``layerskip eval-exits`` (layerskip_cli/commands/eval_exits.py).
 """
 
 import sys
 
-from infer.commands.eval_exits import main
+from layerskip_cli.commands.eval_exits import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -335,7 +335,7 @@ def greedy_identity(run: Run, new_tokens: int, spread: dict[str, dict]) -> dict:
                     tokens, c = decode_counting(engine, p, gen)
                     outs.append(tokens)
                     counts = {k: counts[k] + c[k] for k in counts}
-                engine.drafter.finish()
+                engine.close()
                 wrong = [asdict(judge.classify(p, ref, out))
                          for p, ref, out in zip(prompts, refs, outs, strict=True) if out != ref]
                 flips = sum(d["tie_flip"] for d in wrong)
@@ -365,7 +365,7 @@ def sampled(run: Run, new_tokens: int) -> dict[str, dict]:
             try:
                 engine = Engine(runner, build_drafter(name, runner, options))
                 tokens, counts = decode_counting(engine, prompt_ids(320, 9, 3), gen)
-                engine.drafter.finish()
+                engine.close()
                 out[name] = {"tokens": len(tokens), "ok": len(tokens) == new_tokens, **counts}
             except Exception as e:  # recorded, and fails the run
                 out[name] = {"ok": False, "error": error_text(e)}
@@ -401,7 +401,7 @@ def syncs(run: Run, new_tokens: int) -> dict:
                 engine = Engine(runner, build_drafter(name, runner, options))
                 engine.warm_up([prompt], gen)
                 m = measure_decode(engine, prompt, gen)
-                engine.drafter.finish()
+                engine.close()
             except Exception as e:  # a drafter that cannot be measured here must not hide the others
                 run.notes.append(f"syncs: {key} not measured ({error_text(e)})")
                 continue

@@ -201,7 +201,7 @@ def python(*args: str) -> list[str]:
 
 
 def layerskip(*args: str) -> list[str]:
-    return [sys.executable, "-m", "infer.cli", *args]
+    return [sys.executable, "-m", "layerskip_cli", *args]
 
 
 def device_flags(p: Pipeline, argv: list[str], what: str) -> list[str]:

@@ -25,13 +25,18 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from core.cli import run_main, split_named
-from core.device import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP, EXECUTOR_CHOICES, EXECUTOR_HELP, dtype_name
+from core.device import dtype_name
 from core.prompts import load_prompts, use_chat_template
+from core.settings import RunSettings
 from infer.bench import BASELINE, tokens_per_verify
-from infer.drafters import build_drafter, parse_spec
-from infer.engine import Engine, GenerationConfig
-from infer.loading import load_model, set_threads
+from infer.drafters import parse_spec
+from infer.engine import GenerationConfig
+from infer.loading import load_model
 from infer.plots import plot_matchness
+from layerskip_cli.args import add_run_flags, run_settings
+
+RUN = RunSettings(threads=1)
+"""This script's defaults: one thread."""
 
 
 def interleaved(sources: list[str], n: int) -> list[tuple[str, str, str]]:
@@ -47,20 +52,18 @@ def run_streams(model, specs: list[str], prompts: list[tuple[str, str, list[int]
                 bar) -> dict[str, list[dict]]:
     """One stream per drafter spec (one engine, one drafter state each); prompt by prompt, the
     drafters take turns, so a change in machine load hits all of them alike."""
-    engines = {}
-    for spec in specs:
-        name, options = parse_spec(spec)
-        engines[spec] = Engine(model.runner, build_drafter(name, model.runner, options), model.eos_token_ids,
-                               model.decode)
+    methods = {spec: model.method(spec, gen) for spec in specs}  # (engine, its generation config) per spec
     rows: dict[str, list[dict]] = {spec: [] for spec in specs}
     for task, pid, ids in prompts:
-        for spec, engine in engines.items():
-            r = engine.generate(ids, gen)
+        for spec, (engine, config) in methods.items():
+            r = engine.generate(ids, config)
             s = r.stats
             rows[spec].append({"task": task, "id": pid, "tokens": r.tokens, "stats": s, "new_tokens": s.new_tokens,
                                "wall": s.wall_time, "verify_calls": s.verify_calls, "drafted": s.drafted,
                                "accepted": s.accepted, "drafter": dict(s.drafter)})
             bar.update()
+    for engine, _ in methods.values():
+        engine.close()  # the drafters' finish(): save_plan, the gate's memory
     return rows
 
 
@@ -121,6 +124,9 @@ def markdown(results: dict) -> str:
     for label, res in results.items():
         for method, st in res["final_state"].items():
             same, total = res["exact"][method]
+            if st.get("skip_ratio") is None:  # not a plan-searching drafter (e.g. lossy plain decoding)
+                lines.append(f"- **{label}**, `{method}`: exact {same}/{total}")
+                continue
             pred = f"{st['predicted_speedup']:.2f}x" if st["predicted_speedup"] is not None else "n/a"
             lines.append(f"- **{label}**, `{method}`: exact {same}/{total}; final plan skips "
                          f"{st['skip_ratio']:.0%} of sublayers, best matchness {st['best_matchness']:.2f}, "
@@ -139,25 +145,24 @@ def _run(argv: list[str] | None) -> int:
     p.add_argument("--n", type=int, default=3, help="prompts per task")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--device", default="auto", help=f"where to run: {DEVICE_HELP} (default auto)")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=f"{DTYPE_HELP} (default auto)")
-    p.add_argument("--executor", default="auto", choices=EXECUTOR_CHOICES, help=EXECUTOR_HELP)
+    add_run_flags(p, RUN)
     p.add_argument("--drafters", default="swift,swift:paper=true",
                    help="drafter specs run as streams next to autoregressive (default: ours, and exactly the "
                    "paper's settings: no fallback, no optimisation budget, uncapped tree widths)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
-    set_threads(args.threads)
+    run = run_settings(args, RUN).resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens)
     items = interleaved(args.data.split(","), args.n)
     specs = [BASELINE] + [d for d in args.drafters.split(",") if d]
+    for spec in specs:
+        parse_spec(spec)  # bad specs fail before any model loads
     results = {}
     for spec in args.model:
         label, source = split_named(spec)
         label = label or source
-        model = load_model(source, args.dtype, args.device, args.executor)
+        model = load_model(source, device=run.device, dtype=run.dtype, executor=run.executor, threads=run.threads)
         prompts = [(task, pid, model.encode(text, chat=use_chat_template(task))) for task, pid, text in items]
         runs: dict[str, list[list[dict]]] = defaultdict(list)
         with tqdm(total=len(specs) * args.repeats * len(prompts), desc=label) as bar:

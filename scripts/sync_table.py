@@ -18,7 +18,11 @@ import sys
 from pathlib import Path
 
 from core.cli import check_output_file, run_main
-from infer.commands.generate import add_model_args
+from core.settings import ModelSettings
+from layerskip_cli.args import add_model_flags, model_settings
+
+SETTINGS = ModelSettings(threads=1, executor="static")
+"""This script's defaults: one thread, the static executor (what CUDA graphs capture)."""
 
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 DRAFTERS = ("autoregressive,early_exit:E=24:k=4,early_exit:E=24:k=4:confidence=0.3,"
@@ -37,19 +41,19 @@ def measure(args: argparse.Namespace) -> list[dict]:
     # torch and the engine load only after argument parsing (so --help answers at once)
     from infer.drafters import parse_spec
     from infer.engine import GenerationConfig
-    from infer.loading import load_model, set_threads
+    from infer.loading import load_from_settings
     from infer.syncs import measure_decode
 
     specs = [s.strip() for s in args.drafters.split(",") if s.strip()]
     parsed = [parse_spec(s) for s in specs]  # bad specs fail before the model loads
-    set_threads(args.threads)
-    model = load_model(args.model, args.dtype, args.device, args.executor)
+    model = load_from_settings(model_settings(args, SETTINGS))
     prompt = model.encode(args.prompt)
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_at_eos=False)
+    base = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_at_eos=False)
     rows = []
-    for spec, (name, options) in zip(specs, parsed, strict=True):
-        engine = model.engine(name, options)
-        result = measure_decode(engine, prompt, config)
+    for spec, parsed_spec in zip(specs, parsed, strict=True):
+        engine, config = model.method(parsed_spec, base)
+        with engine:
+            result = measure_decode(engine, prompt, config)
         rows.append({"drafter": spec, **result, "budget": budget(engine.drafter, result),
                      "executor": model.runner.executor, "device": str(model.runner.device)})
     return rows
@@ -67,8 +71,7 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_args(p, threads=1)
-    p.set_defaults(executor="static")
+    add_model_flags(p, SETTINGS)
     p.add_argument("--drafters", default=DRAFTERS, help=f"comma-separated drafter specs (default {DRAFTERS})")
     p.add_argument("--prompt", default=PROMPT, help="the prompt text")
     p.add_argument("--max-new-tokens", type=int, default=64)

@@ -98,6 +98,9 @@ def build_config(name: str, options: dict) -> object:
     for key, value in options.items():
         if value is None:
             continue
+        if name == "autoregressive" and key in LEGACY_TARGET_EXIT:
+            raise UserError("lossy early exit is a generation setting now: GenerationConfig(target_exit=E), "
+                            "`--target-exit E` or the spec autoregressive:target_exit=E")
         field = aliases.get(key, key)
         if field not in fields:
             valid = ", ".join(sorted(fields | set(aliases))) or "none"
@@ -114,20 +117,47 @@ def build_drafter(name: str, runner, options: dict | None = None):
     return drafter_class(name)(runner, config)
 
 
-def parse_spec(spec: str, validate: bool = True) -> tuple[str, dict[str, str]]:
-    """``'early_exit:E=8:k=6'`` -> ``('early_exit', {'E': '8', 'k': '6'})``; ``validate`` builds the config now."""
+LEGACY_TARGET_EXIT = ("E", "exit_layer")
+"""Options of ``autoregressive`` that meant its lossy target exit before ``target_exit`` (accepted with a warning)."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A method as users write it, ``drafter:key=value:...``: the drafter with its options, and ``target_exit=E``
+    (plain decoding of a lossy early-exit target), which belongs to the generation, not the drafter."""
+
+    drafter: str
+    """Drafter name."""
+    options: dict
+    """The drafter's options as typed (field names or aliases -> text)."""
+    target_exit: int | None = None
+    """``GenerationConfig.target_exit`` for this method (None: the full model)."""
+
+
+def parse_spec(spec: str, validate: bool = True) -> Spec:
+    """``'early_exit:E=8:k=6'`` -> ``Spec('early_exit', {'E': '8', 'k': '6'})``; ``validate`` builds the config now.
+
+    ``target_exit=E`` goes to the generation; ``autoregressive:E=8`` (its old spelling) too, with a warning.
+    """
     name, *parts = spec.strip().split(":")
     drafter_class(name)
-    options = {}
+    options, target = {}, None
     for part in parts:
         key, sep, value = part.partition("=")
         if not sep or not key:
             raise UserError(f"bad drafter spec {spec!r}: options look like name:key=value:key=value")
+        if key == "target_exit" or (name == "autoregressive" and key in LEGACY_TARGET_EXIT):
+            if key != "target_exit":
+                warnings.warn(f"{spec!r}: the lossy exit of plain decoding is now spelled "
+                              f"{name}:target_exit={value} (the old {key}= is accepted for one release)",
+                              FutureWarning, stacklevel=2)
+            target = from_text(value, int, f"{spec!r}: target_exit")
+            continue
         options[key] = value
     if validate:
         build_config(name, options)  # before any model is loaded
-    return name, options
+    return Spec(name, options, target)
 
 
-__all__ = ["DRAFTERS", "DecodeState", "Draft", "Drafter", "Option", "VerifyOutcome", "all_options", "build_config",
-           "build_drafter", "drafter_class", "parse_spec"]
+__all__ = ["DRAFTERS", "DecodeState", "Draft", "Drafter", "Option", "Spec", "VerifyOutcome", "all_options",
+           "build_config", "build_drafter", "drafter_class", "parse_spec"]

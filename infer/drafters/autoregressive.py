@@ -1,40 +1,31 @@
 """No draft: every step is one full forward (the baseline, on the same runner and loop).
 
-With ``exit_layer=E`` it is lossy early-exit decoding (the LayerSkip paper's "EE" rows): every
-token comes from layers [0, E) + final norm + LM head, so the output is the exit layer's, not the
-model's; ``E = L`` (the model's layer count) is plain decoding again.
+Lossy early-exit decoding (the LayerSkip paper's "EE" rows) is plain decoding of a truncated target:
+``GenerationConfig(target_exit=E)`` (``--target-exit E``), which only this drafter takes. The old
+spelling, this drafter's ``exit_layer`` option (``autoregressive:E=8``, ``--drafter autoregressive
+--exit-layer 8``), still works for one release with a warning: spec and flag parsing map it there.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.errors import UserError
 from infer.drafters.base import DecodeState, Draft, VerifyOutcome
 
 
 @dataclass
 class AutoregressiveConfig:
-    """Settings of plain decoding."""
-
-    exit_layer: int | None = None
-    """E: lossy early exit, decode with layers [0, E) + final norm + LM head only; the output is the exit
-    layer's (default: all layers, exact)."""
+    """Settings of plain decoding (none)."""
 
 
 class AutoregressiveDrafter:
     name = "autoregressive"
     Config = AutoregressiveConfig
-    aliases = {"E": "exit_layer"}
+    drafts = False
     lookahead = 0
 
     def __init__(self, runner, config: AutoregressiveConfig | None = None):
         self.config = config or AutoregressiveConfig()
-        self.num_layers = runner.num_layers
-        E = self.config.exit_layer
-        if E is not None and not 1 <= E <= self.num_layers:
-            raise UserError(f"exit layer {E} is out of range: the model has {self.num_layers} layers, so use "
-                            f"1 <= --exit-layer <= {self.num_layers}")
 
     def start(self, state: DecodeState) -> None:
         pass
@@ -49,5 +40,4 @@ class AutoregressiveDrafter:
         """Nothing to save."""
 
     def stats(self) -> dict:
-        E = self.config.exit_layer
-        return {} if E is None or E == self.num_layers else {"exit_layer": E, "lossy": True}
+        return {}

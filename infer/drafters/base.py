@@ -80,6 +80,12 @@ class DecodeState:
     """How many more tokens may be appended (accepted drafts + bonus) before max_new_tokens."""
     eos: frozenset[int] = frozenset()
     """Token ids that end the generation (empty when it does not stop at EOS): a draft chain stops after one."""
+    depth: int | None = None
+    """Layers of the target (the model's count, or a lossy target exit's; None: the model's count)."""
+
+    def __post_init__(self) -> None:
+        if self.depth is None:
+            self.depth = getattr(self.runner, "num_layers", None)  # stand-in runners of unit tests may have none
 
     @property
     def pending(self) -> int:
@@ -98,6 +104,9 @@ class Drafter(Protocol):
     """
 
     name: str
+    drafts: bool
+    """False for a drafter that never proposes (plain decoding): only such a drafter may decode a lossy target.
+    Optional: drafters without it are taken to draft."""
 
     @property
     def lookahead(self) -> int:

@@ -55,7 +55,7 @@ def test_missing_shard_is_refused(tiny_dir, tmp_path):
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "infer.cli", *args], capture_output=True, text=True, cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "layerskip_cli", *args], capture_output=True, text=True, cwd=REPO,
                           env={**os.environ, **(env or {})}, timeout=300)
 
 

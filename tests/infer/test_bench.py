@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
-from infer.cli import main
 from infer.drafters import DRAFTERS
 from infer.drafters.early_exit import EarlyExitDrafter
 from infer.plan import cycle_speedup, iid_tokens_per_cycle
+from layerskip_cli.main import main
 
 
 @pytest.fixture

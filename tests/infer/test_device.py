@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from infer.cli import main
+from layerskip_cli.main import main
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 
@@ -51,7 +51,7 @@ def test_bench_records_device_and_dtype(tiny_model_dir, tmp_path, capsys):
     assert code == 0, capsys.readouterr().err
     payload = json.loads((out / "results.json").read_text())
     assert payload["meta"]["device"] == "cpu" and payload["meta"]["dtype"] == "fp32"
-    assert payload["config"]["device"] == "cpu"
+    assert payload["config"]["run"]["device"] == "cpu"
     assert "(cpu)" in (out / "results.md").read_text()
 
 

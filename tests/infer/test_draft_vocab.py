@@ -4,31 +4,26 @@ import json
 from collections import Counter
 
 import pytest
-import torch
 
 from core.errors import UserError
 from core.prompts import PromptItem
-from infer.cli import main
 from infer.draft_vocab import (
     BUNDLED_DIR,
     DraftVocab,
     TokenCounts,
     bundled_counts,
     check_model,
-    count_tokens,
     coverage,
     coverage_report,
-    greedy_generations,
-    heldout_tokens,
     model_record,
     resolve_draft_vocab,
     special_ids,
-    subset_rows,
-    text_tokens,
     tokenizer_fingerprint,
 )
 from infer.engine import GenerationConfig
 from infer.loading import load_model
+from infer.vocab_counting import count_tokens, greedy_generations, heldout_tokens, text_tokens
+from layerskip_cli.main import main
 from tiny_models import byte_tokenizer, save_tiny
 
 ITEMS = [PromptItem("0", "def add(a, b):", "    return a + b", "calib"),
@@ -233,13 +228,6 @@ def test_bundled_counts_fit_the_default_model(default_model_path):
 
 
 # --------------------------------------------------------------------------- tensors
-def test_subset_rows_gathers_the_head_rows():
-    weight = torch.randn(50, 8, generator=torch.Generator().manual_seed(0))  # (V, d)
-    ids = torch.tensor([2, 5, 7, 11, 40])  # (N,)
-    rows = subset_rows(weight, ids)  # (N, d)
-    assert rows.shape == (5, 8) and torch.equal(rows[1], weight[5])
-
-
 # --------------------------------------------------------------------------- the command
 @pytest.fixture()
 def prompts_file(tmp_path):
@@ -313,7 +301,7 @@ def test_command_module_keeps_torch_out_until_run():
     import subprocess
     import sys
 
-    code = ("import argparse, sys\nfrom infer.commands import draft_vocab\n"
+    code = ("import argparse, sys\nfrom layerskip_cli.commands import draft_vocab\n"
             "draft_vocab.register(argparse.ArgumentParser().add_subparsers())\nprint('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

@@ -238,19 +238,21 @@ def test_planted_sibling_is_accepted_and_kv_compacted(runner):
 
 def test_early_exit_target_at_full_depth_is_the_plain_model(runner):
     L = runner.num_layers
-    engine = Engine(runner, build_drafter("autoregressive", runner), exit_layer=L)
+    engine = Engine(runner, build_drafter("autoregressive", runner))
     for prompt in PROMPTS:
-        assert engine.generate(prompt, GenerationConfig(max_new_tokens=20)).tokens == generate(
-            runner, prompt=prompt, max_new_tokens=20).tokens
+        out = engine.generate(prompt, GenerationConfig(max_new_tokens=20, target_exit=L))
+        assert out.tokens == generate(runner, prompt=prompt, max_new_tokens=20).tokens and not out.stats.lossy
 
 
 @pytest.mark.parametrize("E", [1, 3])
 def test_early_exit_target_runs_only_its_layers(runner, E):
-    """exit_layer E: greedy decoding of layers [0, E) + final norm + LM head, deeper layers never run."""
+    """target_exit E: greedy decoding of layers [0, E) + final norm + LM head, deeper layers never run."""
     prompt = PROMPTS[0]
-    engine = Engine(runner, build_drafter("autoregressive", runner), exit_layer=E)
+    engine = Engine(runner, build_drafter("autoregressive", runner))
     runner.counters.reset()
-    got = engine.generate(prompt, GenerationConfig(max_new_tokens=12)).tokens
+    result = engine.generate(prompt, GenerationConfig(max_new_tokens=12, target_exit=E))
+    got = result.tokens
+    assert result.stats.lossy and result.stats.target_exit == E
     assert runner.counters.layer_tokens[E:] == [0] * (runner.num_layers - E)
     ids, expect = list(prompt), []
     for _ in range(12):  # reference: recompute the shallow model on the whole sequence each time
@@ -266,11 +268,16 @@ def test_early_exit_target_errors(runner):
     from core.errors import UserError
 
     L = runner.num_layers
-    for bad in (0, L + 1):
-        with pytest.raises(UserError, match="out of range"):
-            Engine(runner, build_drafter("autoregressive", runner), exit_layer=bad)
+    with pytest.raises(UserError, match=">= 1"):
+        GenerationConfig(target_exit=0)
+    with pytest.raises(UserError, match="out of range"):
+        Engine(runner, build_drafter("autoregressive", runner)).generate(PROMPTS[0],
+                                                                         GenerationConfig(target_exit=L + 1))
     with pytest.raises(UserError, match="autoregressive"):
-        Engine(runner, build_drafter("early_exit", runner, {"exit_layer": 2}), exit_layer=3)
+        Engine(runner, build_drafter("early_exit", runner, {"exit_layer": 2})).generate(
+            PROMPTS[0], GenerationConfig(target_exit=3))
+    with pytest.raises(UserError, match="target_exit"):  # the drafter option it replaced says where it went
+        build_drafter("autoregressive", runner, {"exit_layer": 3})
 
 
 def test_prompt_errors(runner):

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from infer.cli import main
 from infer.loading import load_model
+from layerskip_cli.main import main
 
 REPO = Path(__file__).resolve().parents[2]
 TEXTS = [{"prompt": "def add(a, b):\n", "reference": "    return a + b\n"},

@@ -1,12 +1,14 @@
-"""Lossy early-exit decoding: `generate --drafter autoregressive --exit-layer E` and bench `autoregressive:E=N`."""
+"""Lossy early-exit decoding: `generate --target-exit E` and bench `autoregressive:target_exit=N` (old spellings:
+`--drafter autoregressive --exit-layer E`, `autoregressive:E=N`), honoured by every way of building an engine."""
 
 import json
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from infer.cli import main
 from infer.loading import load_model
+from layerskip_cli.main import main
 
 
 def run_cli(capsys, *argv):
@@ -22,32 +24,79 @@ def generate(capsys, model_dir, *extra):
     return json.loads(out), err
 
 
+def truncated_reference(model_dir, E: int, n: int = 12) -> list[int]:
+    """transformers' greedy output of the model cut to its first E layers."""
+    truncated = AutoModelForCausalLM.from_pretrained(model_dir, num_hidden_layers=E).eval()
+    ids = torch.tensor([load_model(str(model_dir)).encode("def add(a, b):")])
+    with torch.no_grad():
+        return truncated.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
+
+
 def test_exit_at_the_last_layer_is_plain_decoding(capsys, tiny_model_dir):
     plain, _ = generate(capsys, tiny_model_dir)
-    full, err = generate(capsys, tiny_model_dir, "--exit-layer", "4")  # the tiny model has 4 layers
+    full, err = generate(capsys, tiny_model_dir, "--target-exit", "4")  # the tiny model has 4 layers
     assert full["tokens"] == plain["tokens"]
     assert full["stats"]["lossy"] is False and "lossy" not in err
 
 
-def test_early_exit_decodes_with_the_first_layers_only(capsys, tiny_model_dir):
+@pytest.mark.parametrize("flags", [["--target-exit", "2"], ["--exit-layer", "2"]])  # new and old spelling
+def test_early_exit_decodes_with_the_first_layers_only(capsys, tiny_model_dir, flags):
     """E < L: the output is a truncated model's greedy output (checked against transformers with E layers)."""
-    out, err = generate(capsys, tiny_model_dir, "--exit-layer", "2")
-    assert out["stats"]["lossy"] is True
+    out, err = generate(capsys, tiny_model_dir, *flags)
+    assert out["stats"]["lossy"] is True and out["stats"]["target_exit"] == 2
     assert "lossy early exit" in err and "exit layer 2" in err
-    truncated = AutoModelForCausalLM.from_pretrained(tiny_model_dir, num_hidden_layers=2).eval()
-    ids = torch.tensor([load_model(str(tiny_model_dir)).encode("def add(a, b):")])
-    with torch.no_grad():
-        ref = truncated.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
-    assert out["tokens"] == ref
+    assert out["tokens"] == truncated_reference(tiny_model_dir, 2)
     plain, _ = generate(capsys, tiny_model_dir)
     assert out["tokens"] != plain["tokens"]  # a real model's exit 2 of 4 is not the full model
 
 
-def test_exit_layer_only_for_autoregressive_and_in_range(capsys, tiny_model_dir):
-    for extra, message in ((["--exit-layer", "0"], "out of range"), (["--exit-layer", "5"], "out of range")):
+def test_target_exit_in_range_and_only_for_plain_decoding(capsys, tiny_model_dir):
+    for extra, message in ((["--target-exit", "0"], ">= 1"), (["--target-exit", "5"], "out of range"),
+                           (["--exit-layer", "5"], "out of range"),
+                           (["--target-exit", "2", "--drafter", "early_exit", "--exit-layer", "1"], "autoregressive")):
         code, _, err = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--prompt", "hi", *extra)
-        assert code == 2 and message in err
+        assert code == 2 and message in err, (extra, err)
+
+
+def test_every_engine_builder_honours_the_target_exit(tiny_model_dir, tmp_path, capsys):
+    """The lossy target is the generation's: every path from a method spec to an engine decodes at depth E (the
+    stats say lossy only when it really is): LoadedModel.method, bench, swift_stream, bench_independent."""
+    import importlib.util
+    from pathlib import Path
+
+    from infer.engine import GenerationConfig
+
+    ref = truncated_reference(tiny_model_dir, 2, 8)
+    model = load_model(str(tiny_model_dir))
+    engine, config = model.method("autoregressive:target_exit=2", GenerationConfig(max_new_tokens=8,
+                                                                                    stop_at_eos=False))
+    assert engine.generate(model.encode("def add(a, b):"), config).tokens == ref
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n')
+    scripts = Path(__file__).resolve().parents[2] / "scripts"
+
+    def script(name):
+        spec = importlib.util.spec_from_file_location(name, scripts / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    common = ["--data", str(prompts), "--n", "1", "--max-new-tokens", "8", "--repeats", "1", "--device", "cpu"]
+    assert main(["bench", "--model", str(tiny_model_dir), "--drafters", "autoregressive:target_exit=2", "--peers",
+                 "none", "--quiet", "--out", str(tmp_path / "b"), *common]) == 0
+    records = json.loads((tmp_path / "b" / "results.json").read_text())["records"]
+    lossy = [r for r in records if r["method"] == "autoregressive:target_exit=2"]
+    assert lossy and all(r["lossy"] and r["agree_total"] < 8 for r in lossy)
+    assert script("swift_stream").main(["--model", str(tiny_model_dir), "--drafters", "autoregressive:target_exit=2",
+                                        "--out", str(tmp_path / "s"), *common]) == 0
+    stream = json.loads((tmp_path / "s" / "stream.json").read_text())
+    assert stream[str(tiny_model_dir)]["exact"]["autoregressive:target_exit=2"][0] == 0  # not the full model
+    assert script("bench_independent").main(["--model", str(tiny_model_dir), "--drafters",
+                                             "autoregressive:target_exit=2", "--out", str(tmp_path / "i"),
+                                             *common]) == 0
+    rows = {r["method"]: r for r in json.loads((tmp_path / "i" / "independent.json").read_text())["rows"]}
+    assert rows["autoregressive:target_exit=2"]["exact"] == "0/1"
 
 
 def test_bench_reports_quality_next_to_speed(tiny_model_dir, tmp_path, capsys):
@@ -57,12 +106,12 @@ def test_bench_reports_quality_next_to_speed(tiny_model_dir, tmp_path, capsys):
             {"prompt": "What is 4 * 4?", "reference": "#### 16"}]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
-    code = main(["bench", "--model", str(tiny_model_dir), "--drafters", "autoregressive,autoregressive:E=2",
+    code = main(["bench", "--model", str(tiny_model_dir), "--drafters", "autoregressive,autoregressive:target_exit=2",
                  "--peers", "none", "--data", str(data), "--n", "2", "--max-new-tokens", "8", "--repeats", "1",
                  "--out", str(out), "--quiet", "--device", "cpu"])
     assert code == 0, capsys.readouterr().err
     summary = {r["method"]: r for r in json.loads((out / "results.json").read_text())["summary"]}
-    lossy, ar = summary["autoregressive:E=2"], summary["autoregressive"]
+    lossy, ar = summary["autoregressive:target_exit=2"], summary["autoregressive"]
     assert lossy["lossy"] is True and ar["lossy"] is False
     assert 0.0 <= lossy["prefix_agreement"] <= lossy["agreement"] < 1.0
     assert ar["agreement"] is None and ar["mismatches"] == 0
@@ -79,5 +128,6 @@ def test_lossy_method_is_never_recommended():
         return Summary("m", "t", method, 1, 8, tps, [tps], None, None, None, None, None, None, None, None, None, 0,
                        lossy=lossy)
 
-    rows = [row("autoregressive", 10.0), row("autoregressive:E=2", 30.0, lossy=True), row("hf_generate", 50.0)]
+    rows = [row("autoregressive", 10.0), row("autoregressive:target_exit=2", 30.0, lossy=True),
+            row("hf_generate", 50.0)]
     assert recommend(rows) == {("m", "t"): "autoregressive"}

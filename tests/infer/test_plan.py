@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from infer.cli import main
 from infer.drafters.swift import LayerSetSearch
 from infer.plan import LayerPlan, PlanFile, PlanSpace, uniform_plan
+from layerskip_cli.main import main
 
 
 def run(capsys, *argv):

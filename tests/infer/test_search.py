@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from core.errors import UserError
-from infer.cli import main
 from infer.drafters.chain import PlanForward
 from infer.plan import LayerPlan, PlanFile, PlanSpace
 from infer.runner import Runner
@@ -24,6 +23,7 @@ from infer.search import (
     search_plan,
     weights_cost,
 )
+from layerskip_cli.main import main
 from tiny_models import make_model
 
 PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 250, 17], [42] * 12 + [7, 8]]

@@ -8,7 +8,6 @@ import torch
 from lossless_stats import P_THRESHOLD, sampling_pvalue
 
 from core.errors import UserError
-from infer.cli import main
 from infer.drafters import build_drafter, parse_spec
 from infer.drafters.base import DecodeState, Draft, VerifyOutcome
 from infer.drafters.chain import PlanForward
@@ -17,6 +16,7 @@ from infer.engine import Engine, GenerationConfig
 from infer.plan import LayerPlan, PlanFile
 from infer.runner import Runner
 from infer.sampling import SamplingConfig
+from layerskip_cli.main import main
 from tiny_models import make_model
 
 PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 250, 17], [42] * 12 + [7, 8]]
@@ -333,8 +333,8 @@ def test_plan_for_another_model_is_refused(tmp_path, runner):
 
 def test_options_in_specs_and_flags(tmp_path, runner):
     path = save_plan(tmp_path / "p.json", runner, LayerPlan(L, frozenset({2})))
-    name, opts = parse_spec(f"self_sd:plan={path}:k=4:confidence=0.5:adapt_confidence=false")
-    d = build_drafter(name, runner, opts)
+    spec = parse_spec(f"self_sd:plan={path}:k=4:confidence=0.5:adapt_confidence=false")
+    d = build_drafter(spec.drafter, runner, spec.options)
     assert (d.config.num_draft, d.config.confidence, d.config.adapt_confidence) == (4, 0.5, False)
     with pytest.raises(UserError, match="needs a plan"):
         parse_spec("self_sd")

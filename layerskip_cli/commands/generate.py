@@ -8,85 +8,55 @@ greedy choice may differ (``layerskip bench`` classifies every such mismatch).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+import warnings
 from pathlib import Path
 
 from core.cli import check_output_file
-from core.device import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP, EXECUTOR_CHOICES, EXECUTOR_HELP, dtype_name
+from core.device import dtype_name
 from core.errors import UserError
-from core.options import add_flag
+from core.options import add_dataclass_flags, from_args
 from core.prompts import PromptItem, read_prompts_file
 from infer.bench import tokens_per_verify
-
-EXACTNESS = "greedy output is identical to plain decoding in fp32; in bf16/fp16 a near-tie can flip"
-
-
-def add_model_args(p: argparse.ArgumentParser, threads: int | None = None) -> None:
-    """--model, --device, --dtype and --threads (``threads``: the default thread count; None = torch's choice)."""
-    p.add_argument("--model", default="default",
-                   help="a local Hugging Face model folder, or 'default' (SmolLM2-135M-Instruct, fetched on first use)")
-    p.add_argument("--device", default="auto", help=f"where to run: {DEVICE_HELP} (default auto)")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help=f"weights/compute dtype: {DTYPE_HELP} (default auto; {EXACTNESS})")
-    p.add_argument("--executor", default="auto", choices=EXECUTOR_CHOICES, help=EXECUTOR_HELP)
-    p.add_argument("--threads", type=int, default=threads,
-                   help=f"torch CPU threads (default: {threads if threads else 'torch' + chr(39) + 's choice'})")
+from layerskip_cli.args import (
+    add_drafter_flags,
+    add_model_flags,
+    add_sampling_flags,
+    drafter_options,
+    model_settings,
+    sampling_config,
+)
 
 
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=128, help="generate at most this many tokens")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1.0 = off)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed")
-    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="stop once the output contains TEXT (repeatable; not empty)")
-    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+def add_generation_flags(p: argparse.ArgumentParser) -> None:
+    """--max-new-tokens and --target-exit (``GenerationConfig``), --stop, --ignore-eos, and the sampling flags."""
+    from infer.engine import GenerationConfig  # torch-heavy: imported when the parser is built
+
+    group = p.add_argument_group("generation")
+    add_dataclass_flags(group, GenerationConfig, skip=("sampling", "stop_strings", "stop_at_eos"))
+    group.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                       help="stop once the output contains TEXT (repeatable; not empty)")
+    group.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    add_sampling_flags(p)
 
 
-def add_drafter_args(p: argparse.ArgumentParser) -> None:
-    """--drafter and one flag group per drafter; options several drafters share get a group of their own."""
-    # infer.drafters, infer.engine and infer.loading import torch: loaded inside the functions that
-    # need them, so --help and argument errors answer without it
-    from infer.drafters import DRAFTERS, all_options
-
-    p.add_argument("--drafter", default="autoregressive",
-                   help=f"one of: {', '.join(DRAFTERS)} (default autoregressive)")
-    options = all_options()
-    current = [o for o in options.values() if not o.deprecated_for]
-    shared = [o for o in current if len(o.owners) > 1]
-    group = p.add_argument_group("options of several drafters (same meaning in each; defaults per drafter)")
-    for o in shared:
-        add_flag(group, o.field, o.type, f"{o.help()} [{', '.join(o.owners)}]")
-    for name in DRAFTERS:
-        own = [o for o in current if o.owners == [name]]
-        if own:
-            group = p.add_argument_group(f"{name} options")
-            for o in own:
-                add_flag(group, o.field, o.type, o.help())
-    old = [o for o in options.values() if o.deprecated_for]
-    if old:
-        group = p.add_argument_group("deprecated option names (accepted for one release)")
-        for o in old:
-            add_flag(group, o.field, o.type, o.help())
-
-
-def drafter_options(args: argparse.Namespace) -> dict:
-    from infer.drafters import all_options
-
-    return {f: getattr(args, f) for f in all_options() if getattr(args, f, None) is not None}
-
-
-def generation_config(args: argparse.Namespace):
+def generation_config(args: argparse.Namespace, options: dict | None = None):
+    """The GenerationConfig of the flags; ``--drafter autoregressive --exit-layer E`` (the old spelling of
+    ``--target-exit E``) is taken from ``options`` with a warning."""
     from infer.engine import GenerationConfig
-    from infer.sampling import SamplingConfig
 
     if any(not s for s in args.stop):
         raise UserError("--stop needs a non-empty text (an empty stop string would end every output at once)")
-    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    return GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, stop_strings=tuple(args.stop),
-                            stop_at_eos=not args.ignore_eos)
+    target = args.target_exit
+    if options is not None and args.drafter == "autoregressive" and "exit_layer" in options:
+        warnings.warn("--drafter autoregressive --exit-layer E is now --target-exit E (the old spelling is accepted "
+                      "for one release)", FutureWarning, stacklevel=2)
+        target = target if target is not None else options.pop("exit_layer")
+    fields = from_args(GenerationConfig, args, GenerationConfig(), skip=("sampling", "stop_strings", "stop_at_eos"))
+    return dataclasses.replace(fields, sampling=sampling_config(args), stop_strings=tuple(args.stop),
+                               stop_at_eos=not args.ignore_eos, target_exit=target)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -94,9 +64,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "in fp32; in bf16/fp16 a near-tie can flip)",
                        description="Generate with the draft-verify engine. Greedy output is token-for-token the "
                        "autoregressive output: identical in fp32; in bf16/fp16 a near-tie can flip. Sampling "
-                       "follows the same distribution. '--drafter autoregressive --exit-layer E' is lossy early "
-                       "exit: it decodes with layers [0, E) only, so the output is the exit layer's.")
-    add_model_args(p)
+                       "follows the same distribution. '--target-exit E' is lossy early exit: plain decoding with "
+                       "layers [0, E) only, so the output is the exit layer's.")
+    add_model_flags(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompts-file", type=Path, help="a .jsonl file with a 'prompt' field per line")
@@ -105,8 +75,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stream", action="store_true",
                    help="treat the prompts as one input stream: the drafter keeps its state (e.g. SWIFT's plan and "
                    "optimiser) across prompts; reports per-prompt statistics and a stream summary")
-    add_sampling_args(p)
-    add_drafter_args(p)
+    add_generation_flags(p)
+    add_drafter_flags(p)
     p.set_defaults(func=run)
 
 
@@ -129,47 +99,46 @@ def _stats_line(name: str, stats) -> str:
     return line
 
 
-def _notes(args: argparse.Namespace, engine, dtype: str, greedy: bool) -> None:
+def _notes(args: argparse.Namespace, engine, dtype: str, gen) -> None:
     """Say once on stderr when the output is not the full model's plain greedy decoding."""
-    lossy = engine.exit_layer
-    if lossy is not None:
-        print(f"layerskip: note: lossy early exit: the output is exit layer {lossy}'s (layers [0, {lossy}) + "
+    depth = engine.target_depth(gen)
+    if depth != engine.runner.num_layers:
+        print(f"layerskip: note: lossy early exit: the output is exit layer {depth}'s (layers [0, {depth}) + "
               f"norm + head), not the {engine.runner.num_layers}-layer model's", file=sys.stderr)
-    elif greedy and dtype != "fp32" and args.drafter != "autoregressive":
+    elif gen.sampling.greedy and dtype != "fp32" and args.drafter != "autoregressive":
         print(f"layerskip: note: in {dtype}, greedy output may differ from plain decoding where two tokens "
               "nearly tie (a near-tie can flip; identical in fp32)", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
     from infer.drafters import build_config, drafter_class
-    from infer.loading import load_model, set_threads
+    from infer.loading import load_from_settings
 
     # Everything that can be checked without the model is checked first.
     drafter_class(args.drafter)
     options = drafter_options(args)
+    gen = generation_config(args, options)
     config = build_config(args.drafter, options)
     if getattr(config, "save_plan", None):
         check_output_file(config.save_plan, "--save-plan")
-    gen = generation_config(args)
     prompts = _prompts(args)
-    set_threads(args.threads)
+    settings = model_settings(args)
+    resolved = settings.resolve()  # a missing GPU is refused before the model loads
 
-    model = load_model(args.model, args.dtype, args.device, args.executor)
+    model = load_from_settings(settings, resolved)
     device, dtype = str(model.runner.device), dtype_name(model.runner.dtype)
     encoded = [model.encode(item.prompt, args.chat) for item in prompts]
     engine = model.engine(args.drafter, options)
-    lossy = engine.exit_layer is not None
-    _notes(args, engine, dtype, gen.sampling.greedy)
+    _notes(args, engine, dtype, gen)
     results = []
     for item, ids in zip(prompts, encoded, strict=True):
         if not args.stream and results:
-            engine.drafter.finish()
+            engine.close()
             engine = model.engine(args.drafter, options)  # independent prompts: fresh drafter state
         result = engine.generate(ids, gen)
         results.append(result)
         if args.json:
-            stats = result.stats.to_dict() | {"device": device, "dtype": dtype, "lossy": lossy,
-                                              "executor": model.runner.executor}
+            stats = result.stats.to_dict() | {"device": device, "dtype": dtype, "executor": model.runner.executor}
             print(json.dumps({"id": item.id, "prompt": item.prompt, "drafter": args.drafter, "tokens": result.tokens,
                               "text": result.text, "finish_reason": result.finish_reason,
                               "stats": stats}), flush=True)
@@ -178,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"### {item.id}")
             print(result.text, flush=True)
             print(_stats_line(args.drafter, result.stats), file=sys.stderr, flush=True)
-    engine.drafter.finish()  # after the output is printed: --save-plan, the gate's memory
+    engine.close()  # after the output is printed: --save-plan, the gate's memory
     if args.stream:
         _stream_summary(args, results)
     return 0

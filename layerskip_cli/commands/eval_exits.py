@@ -21,11 +21,12 @@ import sys
 from pathlib import Path
 
 from core.cli import check_output_dir, check_output_file, run_main
-from core.device import DEVICE_HELP, DTYPE_CHOICES, DTYPE_HELP, dtype_name, parse_dtype, resolve_device
+from core.device import dtype_name
 from core.errors import UserError
 from core.models import resolve_model
 from core.prompts import load_prompts
 from infer.plots import exit_quality
+from layerskip_cli.args import add_model_flags, model_settings
 from train.config import EarlyExitConfig, LayerDropoutConfig, load_config
 
 
@@ -37,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default", help="a local Hugging Face model folder, or 'default'")
+    add_model_flags(p, skip=("executor",))  # the exits are evaluated with transformers' layers, not the runner
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", help="held-out text: humaneval, gsm8k (prompt + reference, from the end of the set), "
                      "a .jsonl file with 'prompt' (and optional 'reference') fields, or a folder of text files")
@@ -48,9 +49,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="held-out examples to evaluate (default 32)")
     p.add_argument("--max-tokens", type=int, default=512, help="--data: cut each text to this many tokens")
     p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--device", default="auto", help=f"{DEVICE_HELP} (default auto)")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=f"{DTYPE_HELP} (default auto)")
     p.add_argument("--out", type=Path, default=None, help="folder for exits.json and exits.png")
     p.add_argument("--json", type=Path, default=None, help="also write the metrics to this JSON file")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="--config: overrides of the recipe")
@@ -112,16 +110,16 @@ def evaluate(args: argparse.Namespace) -> dict:
     from transformers import AutoConfig, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from infer.loading import set_threads
     from train.exit_eval import exit_metrics
     from train.model import LayerSkipLM, load_model
 
     # Everything that can be checked without the weights is checked first.
     _check_args(args)
-    set_threads(args.threads)
-    device = resolve_device(args.device)
-    dtype = parse_dtype(args.dtype, device)
-    path = resolve_model(args.model)
+    settings = model_settings(args)
+    resolved = settings.resolve()
+    resolved.apply_threads()
+    device, dtype = resolved.device, resolved.dtype
+    path = resolve_model(settings.model)
     exits = parse_exits(args.exits, AutoConfig.from_pretrained(path).num_hidden_layers)
     tokenizer = AutoTokenizer.from_pretrained(path)
     examples = (held_out_examples(args.data, tokenizer, args.n, args.max_tokens) if args.data

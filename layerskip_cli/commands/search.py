@@ -10,7 +10,8 @@ from core.cli import check_output_file
 from core.device import dtype_name
 from core.errors import UserError
 from core.prompts import load_prompts, task_name, use_chat_template
-from infer.commands.generate import add_model_args
+from core.settings import ModelSettings
+from layerskip_cli.args import add_model_flags, model_settings
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -18,7 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Bayesian optimisation (optuna) over the 2L sublayer skip choices on calibration "
                        "prompts from the front of a data set; the best plan is written atomically to --out with the "
                        "model's identity, and the study is kept beside it so an interrupted search resumes.")
-    add_model_args(p, threads=1)  # one thread by default, as the benchmark measures
+    add_model_flags(p, ModelSettings(threads=1))  # one thread by default, as the benchmark measures
     p.add_argument("--data", required=True, help="calibration prompts: humaneval, gsm8k, a .jsonl file with 'prompt' "
                    "fields, or a folder of text files (items are taken from the front of the set)")
     p.add_argument("--out", type=Path, required=True, help="plan file to write, e.g. plans/smollm2-135m-humaneval.json")
@@ -55,7 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # torch, transformers and optuna load only once the arguments are known to be good
-    from infer.loading import load_model, set_threads
+    from infer.loading import load_from_settings
     from infer.search import SearchConfig, search_plan, study_path_for
 
     # Everything that can be checked without the model is checked first.
@@ -71,9 +72,10 @@ def run(args: argparse.Namespace) -> int:
     items = load_prompts(args.data, cfg.n_prompts)
     if len(items) < cfg.n_prompts:
         print(f"layerskip: note: {args.data} has only {len(items)} prompts", file=sys.stderr)
-    set_threads(args.threads)
+    settings = model_settings(args, ModelSettings(threads=1))
+    resolved = settings.resolve()
 
-    model = load_model(args.model, args.dtype, args.device, args.executor)
+    model = load_from_settings(settings, resolved)
     task = task_name(args.data)
     chat = use_chat_template(task, args.chat)
     prompts = [model.encode(item.prompt, chat) for item in items]
@@ -83,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     if too_long:
         raise UserError(f"calibration prompts {too_long} are too long for the model's context of {limit} tokens")
     study = args.study or study_path_for(args.out)
-    extra = {"data": args.data, "chat": chat, "threads": args.threads, "device": str(model.runner.device),
+    extra = {"data": args.data, "chat": chat, "threads": settings.threads, "device": str(model.runner.device),
              "dtype": dtype_name(model.runner.dtype),
              "prompt_ids": [it.id for it in items]}
     result, plan_file = search_plan(model.runner, prompts, cfg, args.out, task, study, fresh=args.fresh,

@@ -3,23 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
 from pathlib import Path
 
 from core.cli import check_output_dir, split_named
-from core.device import (
-    DEVICE_HELP,
-    DTYPE_CHOICES,
-    DTYPE_HELP,
-    EXECUTOR_CHOICES,
-    EXECUTOR_HELP,
-    parse_dtype,
-    resolve_device,
-)
 from core.errors import UserError
 from core.prompts import CHAT_MODES
+from core.settings import RunSettings
 from infer.bench import BenchConfig, bugs, markdown_table, parse_methods, run_bench, sweep_methods, write_outputs
+from layerskip_cli.args import add_run_flags, add_sampling_flags, run_settings, sampling_config
+
+RUN = RunSettings(threads=1)
+"""bench's defaults: one thread (the most repeatable CPU numbers)."""
 
 
 def _ints(text: str) -> list[int]:
@@ -37,14 +34,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Time every method on the same held-out prompts (interleaved, median of repeats), "
                        "check greedy exactness against autoregressive (identical in fp32; in bf16/fp16 a near-tie can "
                        "flip: such tie flips are reported, any other mismatch makes the bench exit 1 after writing its "
-                       "results), and write results.json/.csv/.md and plots. 'autoregressive:E=8' is lossy early "
-                       "exit, reported with its agreement with the full model and its GSM8K answer accuracy.")
+                       "results), and write results.json/.csv/.md and plots. 'autoregressive:target_exit=8' is lossy "
+                       "early exit, reported with its agreement with the full model and its GSM8K answer accuracy.")
     p.add_argument("--model", action="append", dest="models", default=None,
                    help="model folder or 'default', optionally NAME=PATH (repeatable: e.g. base=default "
                    "trained=runs/cpu-demo/final); '{model}' in a drafter option becomes NAME")
     p.add_argument("--drafters", default="autoregressive,early_exit:E=8:k=6",
                    help="comma-separated drafter specs, e.g. autoregressive,early_exit:E=8:k=6,self_sd:plan=P,swift; "
-                   "autoregressive:E=8 = lossy early exit (layers [0, 8) only)")
+                   "autoregressive:target_exit=8 = lossy early exit (layers [0, 8) only)")
     p.add_argument("--peers", default=None,
                    help="transformers peers: hf_generate, hf_static (static cache; compiled on CUDA), "
                    "hf_early_exit:E=8, prompt_lookup (default: hf_generate, prompt_lookup and hf_early_exit at each "
@@ -54,15 +51,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--n", type=int, default=8, help="prompts per task (from the end of each set: held out)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--device", default="auto", help=f"where every method runs: {DEVICE_HELP} (default auto)")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=f"{DTYPE_HELP} (default auto)")
-    p.add_argument("--executor", default="auto", choices=EXECUTOR_CHOICES, help=EXECUTOR_HELP)
-    p.add_argument("--sample", action="store_true", help="sample instead of greedy (exactness then not checked)")
-    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 1.0 with --sample)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    add_run_flags(p, RUN)  # every method, peers included, runs with these
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy (exactness then not checked); "
+                   "--temperature defaults to 1.0 then")
+    add_sampling_flags(p, _sampling_defaults())
     p.add_argument("--chat", default="auto", choices=CHAT_MODES,
                    help="chat template: auto = for gsm8k only")
     p.add_argument("--stop-at-eos", action="store_true", help="stop at EOS (default: exactly max-new-tokens each)")
@@ -77,11 +69,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _sampling_defaults():
+    from infer.sampling import SamplingConfig  # torch-heavy: imported when the parser is built
+
+    return SamplingConfig(seed=0)
+
+
 def config_from_args(args: argparse.Namespace):
     if args.temperature is not None and not args.sample:
         raise UserError("--temperature needs --sample")
     check_output_dir(args.out, "--out")  # results.json, .csv, .md and plots go there
-    parse_dtype(args.dtype, resolve_device(args.device))  # a missing GPU is refused before anything loads
+    run = run_settings(args, RUN)
+    run.resolve()  # a missing GPU is refused before anything loads
+    sampling = sampling_config(args, _sampling_defaults())
+    if args.sample and args.temperature is None:
+        sampling = dataclasses.replace(sampling, temperature=1.0)
     labels = [split_named(m)[0] or split_named(m)[1] for m in args.models or ["default"]]
     if len(set(labels)) != len(labels):
         raise UserError(f"--model given twice with the same name ({', '.join(labels)}); label them as NAME=PATH, "
@@ -99,11 +101,8 @@ def config_from_args(args: argparse.Namespace):
                         if m.is_peer and m.label not in known]
     return BenchConfig(models=args.models or ["default"], methods=methods,
                        data=[d.strip() for d in args.data.split(",") if d.strip()], n=args.n,
-                       max_new_tokens=args.max_new_tokens, repeats=args.repeats, threads=args.threads,
-                       dtype=args.dtype, device=args.device, executor=args.executor,
-                       temperature=(args.temperature or 1.0) if args.sample else 0.0,
-                       top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=args.chat,
-                       stop_at_eos=args.stop_at_eos)
+                       max_new_tokens=args.max_new_tokens, repeats=args.repeats, run=run, sampling=sampling,
+                       chat=args.chat, stop_at_eos=args.stop_at_eos)
 
 
 def run(args: argparse.Namespace) -> int:

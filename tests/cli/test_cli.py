@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from infer.cli import main
+from layerskip_cli.main import main
 
 
 def run_cli(capsys, *argv):
@@ -48,7 +48,7 @@ def test_generate_chat_and_sampling(capsys, tiny_model_dir):
     (["--drafter", "early_exit", "--exit-layer", "9"], "exit layer 9 is out of range"),
     (["--drafter", "early_exit", "--exit-layer", "0"], "exit layer 0 is out of range"),
     (["--num-draft", "2"], "does not apply to drafter 'autoregressive'"),
-    (["--exit-layer", "5"], "exit layer 5 is out of range"),
+    (["--exit-layer", "5"], "target exit 5 is out of range"),  # the old spelling of --target-exit 5
     (["--stop", ""], "--stop needs a non-empty text"),
     (["--device", "cuda:x"], "bad device"),
     (["--prompt", "   "], "is empty"),
@@ -83,7 +83,7 @@ def test_not_a_model_folder(capsys, tmp_path):
 
 def test_console_script_subprocess(tiny_model_dir):
     """The installed entry point: errors exit non-zero with one line and no traceback."""
-    proc = subprocess.run([sys.executable, "-m", "infer.cli", "generate", "--model", str(tiny_model_dir),
+    proc = subprocess.run([sys.executable, "-m", "layerskip_cli", "generate", "--model", str(tiny_model_dir),
                            "--prompt", "hi", "--drafter", "early_exit", "--exit-layer", "99"],
                           capture_output=True, text=True)
     assert proc.returncode == 2

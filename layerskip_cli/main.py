@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from core.cli import run_main
-from infer.commands import bench, draft_vocab, eval_exits, fetch_model, generate, plan, search, train
+from layerskip_cli.commands import bench, draft_vocab, eval_exits, fetch_model, generate, plan, search, train
 
 COMMANDS = (fetch_model, generate, search, plan, draft_vocab, bench, eval_exits, train)
 

@@ -17,7 +17,7 @@ from core.cli import check_output_file
 from core.device import dtype_name
 from core.errors import UserError
 from core.prompts import PromptItem, load_prompts
-from infer.commands.generate import add_model_args
+from layerskip_cli.args import add_model_flags, model_settings
 
 STDLIB = "stdlib"
 """--data name of the Python standard library's source (path-hash order, as the CPU training recipe reads it)."""
@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "texts' counts breaking ties; --mode text: the texts' tokens), keep the special tokens plus "
                        "the most frequent ids (--size in all) and write them to --out, tied to the model. Coverage "
                        "is measured on the model's greedy generations for the last --heldout prompts of each set.")
-    add_model_args(p)
+    add_model_flags(p)
     p.add_argument("--data", required=True,
                    help="comma-separated calibration sets: humaneval, gsm8k, stdlib (the Python standard library's "
                    "source, as the CPU training recipe reads it), .jsonl files with 'prompt' fields, or folders "
@@ -109,8 +109,9 @@ def coverage_line(size: int, vocab_size: int, report: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     # torch and transformers load only once the arguments are known to be good
-    from infer.draft_vocab import count_tokens, coverage_report, encode_prompts, heldout_tokens, special_ids
-    from infer.loading import load_model, set_threads
+    from infer.draft_vocab import coverage_report, special_ids
+    from infer.loading import load_from_settings
+    from infer.vocab_counting import count_tokens, encode_prompts, heldout_tokens
 
     # Everything that can be checked without the model is checked first.
     names = [d.strip() for d in args.data.split(",") if d.strip()]
@@ -128,9 +129,10 @@ def run(args: argparse.Namespace) -> int:
             check_output_file(path, flag)
     text_n = args.n if args.text_n is None else args.text_n
     calib, texts, held = load_sets(names, args.n, text_n, args.heldout)
-    set_threads(args.threads)
+    settings = model_settings(args)
+    resolved = settings.resolve()
 
-    model = load_model(args.model, args.dtype, args.device, args.executor)
+    model = load_from_settings(settings, resolved)
     vocab_size, special = model.runner.spec.vocab_size, special_ids(model.tokenizer, model.eos_token_ids)
     for s in [args.size, *sizes]:
         if not len(special) < s <= vocab_size:
