@@ -288,9 +288,11 @@ class CostModel:
     source: str = "weights"
     """'measured' (timed before the search) or 'weights' (weights read)."""
 
-    def draft(self, plan: LayerPlan) -> float:
+    def draft(self, plan: LayerPlan, head_share: float = 1.0) -> float:
+        """One draft forward under ``plan``; ``head_share``: the share of the LM head a reduced draft vocabulary
+        scores (its ``base`` is taken as the head's)."""
         L = plan.num_layers
-        return self.base + (L - len(plan.skip_attn)) * self.attn + (L - len(plan.skip_mlp)) * self.mlp
+        return self.base * head_share + (L - len(plan.skip_attn)) * self.attn + (L - len(plan.skip_mlp)) * self.mlp
 
     def verify_cost(self, tokens: int) -> float:
         return self.verify[min(tokens, len(self.verify)) - 1]

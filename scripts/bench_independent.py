@@ -7,9 +7,12 @@
 drafter keeps in the toolkit cache through ``finish()`` (the fallback gate's measurements of
 `swift` and `early_exit --adaptive`). This script measures that case: per prompt, every method in
 turn (interleaved, so machine drift hits all alike) with a fresh engine, ``finish()`` after each
-prompt; one untimed warm-up prompt per method first (kernels, and the gate memory a previous
-command would have left). Reported per method: tokens/s over all prompts (median over repeats),
-the ratio to `autoregressive` measured in the same run, and greedy exactness.
+prompt. Only plain decoding warms up (kernels, allocator): the drafters start from whatever their
+memory holds, so with an empty toolkit cache (``LAYERSKIP_CACHE=$(mktemp -d)``, with
+``LAYERSKIP_MODEL_DIR`` pointing at the model) the first prompt is a cold start and counts like any
+other. Reported per method: tokens/s over all prompts (median over repeats), the ratio to
+`autoregressive` measured in the same run, per-prompt ratios (median over repeats), what the drafter
+decided (plain steps, its last mode, its cost model's predicted speed-up) and greedy exactness.
 """
 
 from __future__ import annotations
@@ -34,14 +37,15 @@ SETTINGS = ModelSettings(threads=1)
 """This script's defaults: one thread."""
 
 
-def decode_once(model, spec: str, ids: list[int], gen: GenerationConfig) -> tuple[list[int], float]:
-    """One prompt with a fresh drafter, then its finish() hook (what a `layerskip generate` call does)."""
+def decode_once(model, spec: str, ids: list[int], gen: GenerationConfig):
+    """One prompt with a fresh drafter, then its finish() hook (what a `layerskip generate` call does):
+    (tokens, seconds, drafter stats)."""
     engine, config = model.method(spec, gen)
     with engine:
         t0 = time.perf_counter()
         result = engine.generate(ids, config)
         wall = time.perf_counter() - t0
-    return result.tokens, wall
+    return result.tokens, wall, result.stats
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,50 +62,77 @@ def run(args: argparse.Namespace) -> int:
         prompts += [(f"{task_name(source)}/{it.id}", model.encode(it.prompt, chat))
                     for it in load_prompts(source, args.n, from_end=True)]
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_at_eos=False)
-    for spec in specs:  # warm-up: kernels, caches, and the gate memory an earlier command leaves
-        decode_once(model, spec, prompts[0][1], GenerationConfig(max_new_tokens=16, stop_at_eos=False))
-    walls = {spec: [0.0] * args.repeats for spec in specs}
-    tokens = {spec: 0 for spec in specs}
-    exact = {spec: 0 for spec in specs}
+    decode_once(model, BASELINE, prompts[0][1], GenerationConfig(max_new_tokens=16, stop_at_eos=False))  # kernels
+    runs = {spec: [] for spec in specs}  # spec -> [{prompt, repeat, tokens, wall, stats}]
+    ref: dict[str, list[int]] = {}
     for repeat in range(args.repeats):
         for pid, ids in prompts:
-            ref = None
             for spec in specs:
-                out, wall = decode_once(model, spec, ids, gen)
-                walls[spec][repeat] += wall
-                if repeat == 0:
-                    tokens[spec] += len(out)
-                    ref = out if spec == BASELINE else ref
-                    exact[spec] += out == ref
+                out, wall, stats = decode_once(model, spec, ids, gen)
+                if spec == BASELINE and repeat == 0:
+                    ref[pid] = out
+                runs[spec].append({"prompt": pid, "repeat": repeat, "tokens": len(out), "wall": wall,
+                                   "exact": out == ref.get(pid) if repeat == 0 else None,
+                                   "plain_steps": stats.drafter.get("plain_steps"), "mode": stats.drafter.get("mode"),
+                                   "predicted_speedup": stats.drafter.get("predicted_speedup"),
+                                   "verify_calls": stats.verify_calls, "drafted": stats.drafted,
+                                   "accepted": stats.accepted})
             print(f"repeat {repeat + 1}/{args.repeats} {pid} done", file=sys.stderr)
-    rows = summarise(specs, walls, tokens, exact, len(prompts))
+    rows = summarise(specs, runs, [pid for pid, _ in prompts], args.repeats)
     print(markdown(rows, args))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "independent.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)},
-                                                                "rows": rows}, indent=1) + "\n")
+                                                                "rows": rows, "runs": runs}, indent=1) + "\n")
     return 0
 
 
-def summarise(specs, walls, tokens, exact, n_prompts) -> list[dict]:
-    """tokens/s per repeat (all prompts), their median, and the per-repeat ratio to autoregressive."""
-    base = [tokens[BASELINE] / w for w in walls[BASELINE]]
+def summarise(specs: list[str], runs: dict[str, list[dict]], prompt_ids: list[str], repeats: int) -> list[dict]:
+    """Per method: tokens/s per repeat (all prompts), their median, the per-repeat ratio to autoregressive, and each
+    prompt's ratio (the median over repeats of its tokens/s over autoregressive's on the same prompt and repeat)."""
+    def cell(spec: str, pid: str, repeat: int) -> dict:
+        return next(r for r in runs[spec] if r["prompt"] == pid and r["repeat"] == repeat)
+
+    def tps(spec: str, repeat: int) -> float:
+        rs = [r for r in runs[spec] if r["repeat"] == repeat]
+        return sum(r["tokens"] for r in rs) / sum(r["wall"] for r in rs)
+
     rows = []
     for spec in specs:
-        tps = [tokens[spec] / w for w in walls[spec]]
-        ratios = [t / b for t, b in zip(tps, base, strict=True)]
-        rows.append({"method": spec, "tok_s": statistics.median(tps), "vs_ar": statistics.median(ratios),
-                     "vs_ar_per_repeat": ratios, "exact": f"{exact[spec]}/{n_prompts}"})
+        per_repeat = [tps(spec, k) for k in range(repeats)]
+        ratios = [t / tps(BASELINE, k) for k, t in enumerate(per_repeat)]
+        per_prompt = {}
+        for pid in prompt_ids:
+            r = [(cell(spec, pid, k)["tokens"] / cell(spec, pid, k)["wall"])
+                 / (cell(BASELINE, pid, k)["tokens"] / cell(BASELINE, pid, k)["wall"]) for k in range(repeats)]
+            per_prompt[pid] = statistics.median(r)
+        first = [r for r in runs[spec] if r["repeat"] == 0]
+        rows.append({"method": spec, "tok_s": statistics.median(per_repeat), "vs_ar": statistics.median(ratios),
+                     "vs_ar_per_repeat": ratios, "vs_ar_per_prompt": per_prompt,
+                     "exact": f"{sum(bool(r['exact']) for r in first)}/{len(first)}",
+                     "plain_steps": sum(r["plain_steps"] or 0 for r in runs[spec]),
+                     "verify_calls": sum(r["verify_calls"] for r in runs[spec]),
+                     "drafted": sum(r["drafted"] for r in runs[spec]),
+                     "predicted_speedup": [r["predicted_speedup"] for r in first]})
     return rows
 
 
 def markdown(rows: list[dict], args: argparse.Namespace) -> str:
+    prompts = list(rows[0]["vs_ar_per_prompt"])
     lines = [f"{len(rows)} methods, {args.n} prompts per task of {args.data}, {args.max_new_tokens} tokens each, "
              f"{args.repeats} repeats, {args.threads or SETTINGS.threads} thread(s); a fresh drafter per prompt", "",
-             "| method | tok/s | vs autoregressive (median) | per repeat | greedy exact |", "|---|---:|---:|---|---:|"]
+             "| method | tok/s | vs autoregressive (median) | per repeat | min / max per prompt | plain steps | "
+             "drafted | greedy exact |", "|---|---:|---:|---|---|---:|---:|---:|"]
     for r in rows:
         per = ", ".join(f"{x:.2f}" for x in r["vs_ar_per_repeat"])
-        lines.append(f"| `{r['method']}` | {r['tok_s']:.2f} | {r['vs_ar']:.3f}x | {per} | {r['exact']} |")
+        pp = r["vs_ar_per_prompt"].values()
+        lines.append(f"| `{r['method']}` | {r['tok_s']:.2f} | {r['vs_ar']:.3f}x | {per} | {min(pp):.2f} / "
+                     f"{max(pp):.2f} | {r['plain_steps']}/{r['verify_calls']} | {r['drafted']} | {r['exact']} |")
+    lines += ["", "Per prompt (tokens/s over autoregressive on the same prompt, median over repeats):", "",
+              "| prompt | " + " | ".join(f"`{r['method']}`" for r in rows[1:]) + " |",
+              "|---|" + "---:|" * (len(rows) - 1)]
+    for pid in prompts:
+        lines.append(f"| {pid} | " + " | ".join(f"{r['vs_ar_per_prompt'][pid]:.2f}x" for r in rows[1:]) + " |")
     return "\n".join(lines)
 
 

@@ -415,31 +415,41 @@ def syncs(run: Run, new_tokens: int) -> dict:
 
 
 # --------------------------------------------------------------------------- 3. shapes
+DRAFT_VOCAB = 8192
+"""Token ids of the reduced-vocabulary draft head whose c(E) is measured beside the full head's."""
+
+
 def forward_costs(runner: Runner, settings: Settings, device: torch.device, tally: GraphTally) -> dict:
-    """ms of a one-token full forward, v(T) for T in ``verify_sizes``, c(E) at E = L/4, L/2, 3L/4, in a pooled
-    cache (the capacity the decoding below uses, so its static forwards and graphs serve both)."""
+    """ms of a one-token full forward, v(T) for T in ``verify_sizes``, c(E) at E = L/4, L/2, 3L/4 with the full LM
+    head and with a ``DRAFT_VOCAB``-token draft head (``c_vocab``; random ids: speed does not depend on which), in
+    a pooled cache (the capacity the decoding below uses, so its static forwards and graphs serve both)."""
     L, P = runner.num_layers, settings.prompt_len
     cache = runner.take_cache(P + max(settings.verify_sizes) + 8)
     context = torch.tensor(prompt_ids(runner.spec.vocab_size, P, 0), device=device)  # (P,)
     runner.forward(cache, context)
     repeats = 3 if settings.tiny else 10
 
-    def span(T: int, end: int) -> Callable[[], object]:
+    V = runner.spec.vocab_size
+    head = runner.draft_head(torch.randperm(V, generator=torch.Generator().manual_seed(0))[:min(DRAFT_VOCAB, V // 4)])
+
+    def span(T: int, end: int, vocab=None) -> Callable[[], object]:
         ids = torch.arange(10, 10 + T, device=device)  # (T,)
 
         def step():
             cache.rollback(P)
-            return runner.span(cache, runner.embed(ids), list(range(P, P + T)), 0, end, logits=True)
+            return runner.span(cache, runner.embed(ids), list(range(P, P + T)), 0, end, logits=True, vocab=vocab)
         return step
 
     try:
         full = {T: timed(span(T, L), device, repeats, runner=runner, tally=tally) for T in settings.verify_sizes}
         exits = sorted({max(1, round(L * f)) for f in (0.25, 0.5, 0.75)})
         draft = {E: timed(span(1, E), device, repeats, runner=runner, tally=tally) for E in exits}
+        small = {E: timed(span(1, E, head), device, repeats, runner=runner, tally=tally) for E in exits}
     finally:
         runner.release_cache(cache)
     return {"ms_forward": 1000 * full[1], "v": {str(T): t / full[1] for T, t in full.items()},
-            "c": {str(E): t / full[1] for E, t in draft.items()}}
+            "c": {str(E): t / full[1] for E, t in draft.items()},
+            "c_vocab": {str(E): t / full[1] for E, t in small.items()}, "draft_vocab": head.size}
 
 
 def ours(runner: Runner, prompt: list[int], settings: Settings, tally: GraphTally) -> dict:
@@ -634,18 +644,20 @@ def sync_lines(result: dict) -> list[str]:
 
 
 def shape_lines(shapes: dict) -> list[str]:
-    lines = ["", "| shape | ms/forward | v(2) | v(8) | v(32) | c(L/4) | ours AR tok/s | ours early exit tok/s | "
-             "HF dynamic | HF static | HF early exit | AR / HF static |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["", "| shape | ms/forward | v(2) | v(8) | v(32) | c(L/4) | c(L/4), 8K draft vocab | ours AR tok/s | "
+             "ours early exit tok/s | HF dynamic | HF static | HF early exit | AR / HF static |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     notes = []
     for name, s in shapes.items():
         if "error" in s:
-            lines.append(f"| {name} | failed: {s['error']} |" + " |" * 10)
+            lines.append(f"| {name} | failed: {s['error']} |" + " |" * 11)
             continue
         c = s["c"][min(s["c"], key=int)]
+        c_vocab = s.get("c_vocab", {}).get(min(s["c"], key=int))
         ratio = s["ours_ar_tok_s"] / s["hf_static_tok_s"] if s.get("hf_static_tok_s") else None
         lines.append(f"| {name} | {s['ms_forward']:.2f} | {_num(s['v'], '2', '.2f')} | {_num(s['v'], '8', '.2f')} | "
-                     f"{_num(s['v'], '32', '.2f')} | {c:.2f} | {_num(s, 'ours_ar_tok_s')} | "
+                     f"{_num(s['v'], '32', '.2f')} | {c:.2f} | {'–' if c_vocab is None else f'{c_vocab:.2f}'} | "
+                     f"{_num(s, 'ours_ar_tok_s')} | "
                      f"{_num(s, 'ours_early_exit_tok_s')} | {_num(s, 'hf_dynamic_tok_s')} | "
                      f"{_num(s, 'hf_static_tok_s')} | {_num(s, 'hf_early_exit_tok_s')} | "
                      f"{'–' if ratio is None else f'{ratio:.2f}x'} |")

@@ -60,7 +60,8 @@ class FallbackGate:
     Plain steps are timed first (``WARM_PLAIN``), then drafting is probed for ``PROBE`` cycles and
     kept while its tokens/s beats plain steps by ``MARGIN``. Otherwise plain steps resume and drafting
     is probed again after ``recheck`` plain steps, doubling after every failed probe (up to
-    ``BACKOFF`` times the interval), unless the caller's cost model predicts less than ``HOPELESS``.
+    ``BACKOFF`` times the interval). No probe, the first included, starts while the caller's cost model
+    predicts less than ``HOPELESS`` (a caller without one passes None: probes follow the schedule).
     A caller whose drafter improves while plain (SWIFT's optimiser) can ask for an early probe.
     """
 
@@ -87,8 +88,10 @@ class FallbackGate:
             return False
         self.mode_cycles += 1
         if self.mode == "plain":
-            periodic = self.mode_cycles >= self.recheck and (predicted is None or predicted >= self.HOPELESS)
-            due = self.drafting.cycles == 0 or periodic or (early_probe and self.mode_cycles >= self.WARM_PLAIN)
+            hopeful = predicted is None or predicted >= self.HOPELESS
+            periodic = self.mode_cycles >= self.recheck and hopeful
+            first = self.drafting.cycles == 0 and hopeful
+            due = first or periodic or (early_probe and self.mode_cycles >= self.WARM_PLAIN)
             if self.plain.cycles >= self.WARM_PLAIN and due:
                 self._switch("draft")
                 return True

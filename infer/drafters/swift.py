@@ -47,6 +47,7 @@ from infer.plan import (
     inner_layers,
     odd_inner_plan,
     uniform_plan,
+    weights_cost,
 )
 from infer.runner import ints_to_device
 
@@ -361,7 +362,9 @@ class SwiftDrafter:
             self.save(self.config.save_plan)
         if self.memory is not None:
             self.memory.save({"gate": self.gate.to_dict(), "draft_forward": self.draft_forward.to_dict(),
-                              "verify": self.verify.to_dict(), "opt_step": self.opt_step.to_dict()})
+                              "verify": self.verify.to_dict(), "opt_step": self.opt_step.to_dict(),
+                              "plan": {"attn": sorted(self.best.skip_attn), "mlp": sorted(self.best.skip_mlp)},
+                              "score": self.best_score})
 
     def _restore(self, saved: dict) -> None:
         """Continue from what an earlier command measured (nothing when ``saved`` is empty or unusable)."""
@@ -372,6 +375,12 @@ class SwiftDrafter:
                 self.verify.load(saved["verify"])
             if "opt_step" in saved:
                 self.opt_step.load(saved["opt_step"])
+            if "plan" in saved and not self.config.plan:  # an explicit --plan wins over what was remembered
+                L = self.runner.num_layers
+                plan = LayerPlan(L, frozenset(saved["plan"]["attn"]), frozenset(saved["plan"]["mlp"]))
+                if all(0 <= i < L for i in plan.skip_attn | plan.skip_mlp):
+                    self.best, self.best_score = plan, float(saved["score"])
+                    self.score_at_probe = self.best_score
         except (KeyError, TypeError, ValueError):
             self.gate = FallbackGate(self.config.recheck_interval, enabled=self.fallback)
 
@@ -505,8 +514,11 @@ class SwiftDrafter:
         """Draft while it is measurably faster than plain decoding; otherwise decode plainly and re-check,
         sooner when the optimiser has found a plan the cost model expects to pay.
 
-        The cost model is evaluated only when the gate will read it: at a periodic re-check, or when the
-        best matchness has gained ``REPROBE_GAIN`` since the last probe (an early probe if it predicts >= 1).
+        The cost model is evaluated only when the gate will read it: at a periodic re-check, before the first
+        probe, or when the best matchness has gained ``REPROBE_GAIN`` since the last probe (an early probe if
+        it predicts >= 1). Before drafting was ever timed it is an optimistic bound (``predicted_speedup``), and
+        before any plan was scored nothing is known, so the first probe waits for a score: a plan that cannot
+        pay is never drafted with, and a cold start costs what plain decoding costs.
         """
         if not self.fallback:
             return
@@ -515,8 +527,11 @@ class SwiftDrafter:
         if self.mode == "plain":
             self.plain_steps += 1
             gained = self.best_score >= self.score_at_probe + self.REPROBE_GAIN
-            if gained or self.gate.mode_cycles + 1 >= self.gate.recheck:
+            first = self.gate.drafting.cycles == 0
+            if first or gained or self.gate.mode_cycles + 1 >= self.gate.recheck:
                 predicted = self.predicted_speedup(self.best_score)
+                if predicted is None and first and self.optimising:
+                    predicted = 0.0  # no plan scored yet (the optimiser will score one): wait for it
                 early = gained and (predicted or 0.0) >= 1.0
         if self.gate.decide(predicted, early_probe=early):
             self.score_at_probe = self.best_score
@@ -526,12 +541,20 @@ class SwiftDrafter:
 
         a = matchness (per-token acceptance), M(a, k) = (1 - a^(k+1)) / (1 - a) tokens per chain of k drafts
         (Leviathan et al. 2023), c and v the measured draft-forward and verification times over a plain step.
+        Before any draft was timed: an optimistic bound with c = the share of the weights the plan's draft
+        reads (a draft cannot cost less than reading them where decoding is memory-bound) and v = 1 (a
+        verification costs at least a plain step). None when the plan has no score yet. Without a score and
+        while optimising, the first probe waits for one; with optimisation off it follows the gate's schedule.
         """
-        if matchness < 0 or not (self.plain.value and self.draft_forward.value and self.verify.value):
+        if matchness < 0:
             return None
-        step = 1.0 / self.plain.value
-        c = 1.0 / self.draft_forward.value / step
-        v = 1.0 / self.verify.value / step
+        if self.plain.value and self.draft_forward.value and self.verify.value:
+            step = 1.0 / self.plain.value
+            c = 1.0 / self.draft_forward.value / step
+            v = 1.0 / self.verify.value / step
+        else:
+            head_share = 1.0 if self.vocab is None else self.vocab.size / self.runner.spec.vocab_size
+            c, v = weights_cost(self.runner.spec, 1).draft(self.best, head_share), 1.0
         a = min(matchness, 0.999)
         return max(cycle_speedup(iid_tokens_per_cycle(a, k), k, c, v) for k in range(1, self.config.num_draft + 1))
 

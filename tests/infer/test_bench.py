@@ -234,3 +234,18 @@ def test_baseline_runs_first_whatever_the_order(tiny_model_dir, prompts_file, tm
     assert row["exact_mismatches"] == 0 and row["mismatches"] == 0
     judged = [r for r in payload["records"] if r["method"] != "autoregressive" and r["repeat"] == 0]
     assert judged and all(r["exact"] is True for r in judged)
+
+
+def test_bench_runs_each_drafters_finish_once_per_engine(tiny_model_dir, prompts_file, tmp_path, monkeypatch):
+    """Whoever runs a drafter to the end calls finish() once: bench does too, so swift:save_plan=P writes P."""
+    from infer.drafters.swift import SwiftDrafter
+
+    plan = tmp_path / "swift-plan.json"
+    calls = []
+    original = SwiftDrafter.finish
+    monkeypatch.setattr(SwiftDrafter, "finish", lambda self: (calls.append(id(self)), original(self))[1])
+    code = bench(tiny_model_dir, prompts_file, tmp_path / "out", f"swift:save_plan={plan}:context_window=4",
+                 "--peers", "none")
+    assert code == 0 and plan.is_file()
+    assert json.loads(plan.read_text())["source"] == "swift"
+    assert len(calls) == len(set(calls)) == 3  # the warm-up engine and one engine per repeat, each finished once

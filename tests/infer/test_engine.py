@@ -300,3 +300,33 @@ def test_early_exit_lossless_on_default_model(default_model_path):
     for E, k in [(8, 4), (24, 6), (30, 3)]:
         drafter = build_drafter("early_exit", model.runner, {"exit_layer": E, "num_draft": k})
         assert Engine(model.runner, drafter).generate(prompt, cfg).tokens == ref, (E, k)
+
+
+def test_engine_close_finishes_the_drafter_once(runner):
+    """The engine owns its drafter's life: close() (or leaving a with block) calls finish() exactly once, and a
+    closed engine refuses to start another generation; drafters without finish() are fine."""
+    from infer.drafters.autoregressive import AutoregressiveDrafter
+
+    class Counting(AutoregressiveDrafter):
+        finished = 0
+
+        def finish(self):
+            self.finished += 1
+
+    drafter = Counting(runner)
+    with Engine(runner, drafter) as engine:
+        engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=4))
+    engine.close()
+    assert drafter.finished == 1 and engine.closed
+    with pytest.raises(ValueError, match="closed"):
+        engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=4))
+
+    class Bare:
+        name, lookahead = "bare", 0
+
+        def start(self, state): ...
+        def propose(self, state): return None
+        def update(self, state, outcome): ...
+        def stats(self): return {}
+
+    Engine(runner, Bare()).close()  # finish is optional in the protocol

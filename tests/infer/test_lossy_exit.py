@@ -62,10 +62,8 @@ def test_target_exit_in_range_and_only_for_plain_decoding(capsys, tiny_model_dir
 def test_every_engine_builder_honours_the_target_exit(tiny_model_dir, tmp_path, capsys):
     """The lossy target is the generation's: every path from a method spec to an engine decodes at depth E (the
     stats say lossy only when it really is): LoadedModel.method, bench, swift_stream, bench_independent."""
-    import importlib.util
-    from pathlib import Path
-
     from infer.engine import GenerationConfig
+    from script_modules import load_script as script
 
     ref = truncated_reference(tiny_model_dir, 2, 8)
     model = load_model(str(tiny_model_dir))
@@ -74,14 +72,6 @@ def test_every_engine_builder_honours_the_target_exit(tiny_model_dir, tmp_path, 
     assert engine.generate(model.encode("def add(a, b):"), config).tokens == ref
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "def add(a, b):"}\n')
-    scripts = Path(__file__).resolve().parents[2] / "scripts"
-
-    def script(name):
-        spec = importlib.util.spec_from_file_location(name, scripts / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-
     common = ["--data", str(prompts), "--n", "1", "--max-new-tokens", "8", "--repeats", "1", "--device", "cpu"]
     assert main(["bench", "--model", str(tiny_model_dir), "--drafters", "autoregressive:target_exit=2", "--peers",
                  "none", "--quiet", "--out", str(tmp_path / "b"), *common]) == 0

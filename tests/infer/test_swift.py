@@ -10,6 +10,7 @@ from lossless_stats import P_THRESHOLD, sampling_pvalue
 
 from infer.drafters import build_drafter
 from infer.drafters.base import DecodeState
+from infer.drafters.gate import FallbackGate
 from infer.drafters.skipping import agreement, matchness_span, verified_window, window_mask
 from infer.drafters.swift import LayerSetSearch, SwiftDrafter
 from infer.engine import Engine, GenerationConfig
@@ -222,14 +223,56 @@ def test_plan_for_another_model_is_refused(runner, tmp_path):
 
 
 def test_cost_model_prediction(runner):
-    drafter = SwiftDrafter(runner, SwiftDrafter.Config(num_draft=4))
-    assert drafter.predicted_speedup(0.8) is None  # nothing measured yet
+    from infer.plan import weights_cost
+
+    drafter = SwiftDrafter(runner, SwiftDrafter.Config(num_draft=4, remember=False))
+    assert drafter.predicted_speedup(-1.0) is None  # no score yet
+    c = weights_cost(runner.spec, 1).draft(drafter.best)  # nothing timed yet: the optimistic bound (v = 1)
+    bound = max((1 - 0.8 ** (k + 1)) / 0.2 / (k * c + 1) for k in range(1, 5))
+    assert drafter.predicted_speedup(0.8) == pytest.approx(bound)
     drafter.plain.add(1, 0.1)  # 10 tokens/s plain
     drafter.draft_forward.add(4, 0.1)  # c = 0.025 s / 0.1 s = 0.25
     drafter.verify.add(1, 0.1)  # v = 1
     expected = max((1 - 0.8 ** (k + 1)) / 0.2 / (k * 0.25 + 1) for k in range(1, 5))  # Leviathan et al. Thm 3.8
     assert drafter.predicted_speedup(0.8) == pytest.approx(expected)
     assert drafter.predicted_speedup(0.0) == pytest.approx(1 / 1.25)  # k = 1 is best when nothing is accepted
+
+
+def test_cold_start_drafts_only_after_a_score_that_can_pay(runner, monkeypatch):
+    """A fresh SWIFT (nothing remembered) takes plain steps until the optimiser has scored a plan, and probes
+    drafting only if the optimistic bound of the cost model allows it: a plan that cannot pay is never drafted."""
+    drafter = build_drafter("swift", runner, {"remember": False, "context_window": 4, "opt_budget": 0.95,
+                                              "fallback_opt_budget": 0.95})
+    engine = Engine(runner, drafter)
+    gen = engine.start(PROMPTS[0], GenerationConfig(max_new_tokens=40))
+    drafts_before_score = 0
+    while not gen.done:
+        scored = drafter.best_score >= 0
+        outcome = engine.step(gen)
+        drafts_before_score += outcome.draft is not None and not scored
+    assert drafts_before_score == 0 and drafter.best_score >= 0
+    hopeless = drafter.predicted_speedup(drafter.best_score) < FallbackGate.HOPELESS
+    assert (drafter.drafting.cycles == 0) == hopeless  # probed exactly when the bound allowed it
+    monkeypatch.setattr(SwiftDrafter, "predicted_speedup", lambda self, a: None if a < 0 else 2.0)
+    hopeful = build_drafter("swift", runner, {"remember": False, "context_window": 4, "opt_budget": 0.95,
+                                              "fallback_opt_budget": 0.95})
+    Engine(runner, hopeful).generate(PROMPTS[0], GenerationConfig(max_new_tokens=40))
+    assert hopeful.drafting.cycles > 0  # a plan the bound says can pay is probed
+
+
+def test_remembered_plan_and_score_spare_fresh_drafters_the_probe(runner, tmp_path, monkeypatch):
+    """The gate memory keeps the best plan and its matchness too: a fresh drafter on the next prompt knows its plan
+    cannot pay and does not probe it again (it used to, on every prompt, a fresh drafter having no score)."""
+    monkeypatch.setenv("LAYERSKIP_CACHE", str(tmp_path))
+    options = {"context_window": 4, "fallback_opt_budget": 0.95, "opt_budget": 0.95}
+    first = build_drafter("swift", runner, options)
+    with Engine(runner, first) as engine:
+        engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=40))
+    second = build_drafter("swift", runner, options)
+    assert second.best == first.best and second.best_score == first.best_score >= 0
+    if first.predicted_speedup(first.best_score) < FallbackGate.HOPELESS:
+        Engine(runner, second).generate(PROMPTS[1], GenerationConfig(max_new_tokens=40))
+        assert second.drafting.cycles == 0
 
 
 def test_paper_mode_has_no_budget_no_cap_and_no_fallback(runner):

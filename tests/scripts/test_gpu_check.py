@@ -2,7 +2,6 @@
 network, none of optuna, datasets, wandb, gguf or deepspeed importable; the documented JSON schema and the GPU.md
 block."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 from core.packages import cache_root
+from script_modules import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_check.py"
@@ -43,14 +43,6 @@ try:
 finally:
     assert not [m for m in ABSENT if m in sys.modules], "a hidden package was imported"
 """
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +120,7 @@ def test_shapes_count_builds_and_captures(offline_run):
 
 
 def test_markdown_reports_timed_captures_and_failures():
-    gpu_check = load_script()
+    gpu_check = load_script("gpu_check")
     shape = {"ms_forward": 1.0, "v": {"1": 1.0}, "c": {"1": 0.3}, "ours_ar_tok_s": 100.0, "captures_in_timed": 2,
              "builds_in_timed": 1}
     result = {"device": "x", "torch": "t", "transformers": "h", "commit": "c", "date": "d", "tiny": False,
@@ -143,7 +135,7 @@ def test_markdown_reports_timed_captures_and_failures():
 
 
 def test_over_the_time_budget_only_the_compiled_peer_is_skipped():
-    gpu_check = load_script()
+    gpu_check = load_script("gpu_check")
     from core.seeded_models import tiny_model
 
     settings = gpu_check.Settings.for_run(True, budget_s=1e-9)
@@ -155,6 +147,6 @@ def test_over_the_time_budget_only_the_compiled_peer_is_skipped():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_gpu_check_cuda_without_a_gpu(tmp_path, capsys):
-    assert load_script().main(["--device", "cuda", "--out", str(tmp_path)]) == 2
+    assert load_script("gpu_check").main(["--device", "cuda", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "CUDA is not available" in err and len(err.strip().splitlines()) == 1

@@ -3,7 +3,6 @@ pipeline in --dry-run on a tiny model and a synthetic code tree (CPU)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -13,21 +12,14 @@ import torch
 
 from core.errors import UserError
 from core.packages import sha256_of
+from script_modules import load_script
 from tiny_models import save_tiny
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-gc = _load("gpu_compare")
-gb = _load("gpu_bundle")
+gc = load_script("gpu_compare")
+gb = load_script("gpu_bundle")
 
 
 def test_answer_number_takes_the_last_number():

@@ -1,24 +1,16 @@
 """scripts/sync_table.py: host syncs per cycle of each drafter on the static executor, within their budgets."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "sync_table.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("sync_table", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from script_modules import load_script
 
 
 def test_sync_table_on_a_tiny_model(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "syncs.json"
-    code = _load().main(["--model", str(tiny_model_dir), "--device", "cpu", "--max-new-tokens", "24", "--json",
-                         str(out), "--drafters", "autoregressive,early_exit:E=2:k=3,early_exit:E=2:k=3:confidence=0.1,"
-                         "swift:context_window=4:adaptive=false:remember=false"])
+    code = load_script("sync_table").main([
+        "--model", str(tiny_model_dir), "--device", "cpu", "--max-new-tokens", "24", "--json", str(out),
+        "--drafters", "autoregressive,early_exit:E=2:k=3,early_exit:E=2:k=3:confidence=0.1,"
+        "swift:context_window=4:adaptive=false:remember=false"])
     assert code == 0, capsys.readouterr().err
     rows = {r["drafter"]: r for r in json.loads(out.read_text())}
     assert rows["early_exit:E=2:k=3"]["per_cycle"] == 1.0 and rows["early_exit:E=2:k=3"]["executor"] == "static"
@@ -27,5 +19,5 @@ def test_sync_table_on_a_tiny_model(tiny_model_dir, tmp_path, capsys):
 
 
 def test_bad_spec_is_refused_before_loading(capsys):
-    assert _load().main(["--model", "/nonexistent", "--drafters", "nope"]) == 2
+    assert load_script("sync_table").main(["--model", "/nonexistent", "--drafters", "nope"]) == 2
     assert "unknown drafter" in capsys.readouterr().err

@@ -1,0 +1,75 @@
+"""docs/ARCHITECTURE.md matches the code: every module it names exists, every package module is named, and no
+library imports a layer above it (infer never imports train or the command line; core imports neither)."""
+
+import ast
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("core", "infer", "train", "layerskip_cli")
+DOC = REPO / "docs" / "ARCHITECTURE.md"
+
+
+def package_modules() -> set[str]:
+    """Every module file of the packages, as a repository path (package faces and the kernel folder's
+    __init__.py are named by their folder)."""
+    out = set()
+    for package in PACKAGES:
+        for path in (REPO / package).rglob("*.py"):
+            rel = path.relative_to(REPO).as_posix()
+            if path.name == "__init__.py":
+                if path.parent.name == "kernels":
+                    out.add(rel.removesuffix("__init__.py"))
+                continue
+            out.add(rel)
+    return out
+
+
+def named_paths(text: str) -> set[str]:
+    """Paths in backticks, plus the files a `folder/` row lists by their bare names in the same cell."""
+    names = set(re.findall(r"`([\w/.]+)`", text))
+    for row in text.splitlines():
+        folders = re.findall(r"`((?:core|infer|train|layerskip_cli|scripts)/[\w/]+/)`", row)
+        for folder in folders:
+            names |= {folder + bare for bare in re.findall(r"`(\w+\.py)`", row)}
+    return {n for n in names if n.split("/")[0] in PACKAGES + ("scripts",) or n.startswith("scripts/")}
+
+
+def test_every_named_module_exists():
+    text = DOC.read_text(encoding="utf-8")
+    missing = sorted(p for p in named_paths(text) if not (REPO / p).exists())
+    assert not missing, f"docs/ARCHITECTURE.md names what does not exist: {missing}"
+
+
+def test_every_package_module_is_named():
+    text = DOC.read_text(encoding="utf-8")
+    named = named_paths(text)
+    layerskip_cli_commands = {f"layerskip_cli/commands/{bare}" for bare in re.findall(r"`(\w+\.py)`", text)}
+    scripts = {f"scripts/{bare}" for bare in re.findall(r"`(\w+\.(?:py|sh))`", text.split("## `scripts/`")[1])}
+    unnamed = sorted(package_modules() - named - layerskip_cli_commands)
+    assert not unnamed, f"modules docs/ARCHITECTURE.md does not name: {unnamed}"
+    on_disk = {p.relative_to(REPO).as_posix() for p in (REPO / "scripts").iterdir() if p.suffix in (".py", ".sh")}
+    assert on_disk <= scripts, f"scripts docs/ARCHITECTURE.md does not name: {sorted(on_disk - scripts)}"
+
+
+def imported_packages(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def test_layers_import_only_downwards():
+    above = {"core": {"infer", "train", "layerskip_cli"}, "infer": {"train", "layerskip_cli"},
+             "train": {"infer", "layerskip_cli"}}
+    wrong = []
+    for package, forbidden in above.items():
+        for path in (REPO / package).rglob("*.py"):
+            bad = imported_packages(path) & forbidden
+            if bad:
+                wrong.append(f"{path.relative_to(REPO)} imports {sorted(bad)}")
+    assert not wrong, wrong
