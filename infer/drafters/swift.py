@@ -439,8 +439,9 @@ class SwiftDrafter:
     def _within_budget(self) -> bool:
         """Would one more optimisation step keep optimisation within its share of decode + optimisation time?
 
-        The share is ``opt_budget`` while drafting pays or is being assessed and ``fallback_opt_budget`` in
-        the fallback, of this drafter's own time: what earlier commands decoded is not credit, since the
+        The share is ``opt_budget`` while drafting (paying, or being probed) and ``fallback_opt_budget`` while
+        taking plain steps (the fallback, and before the first probe, which waits for a scored plan), of this
+        drafter's own time: what earlier commands decoded is not credit, since the
         plan they found is not kept. The step's cost is what steps measured so far took (remembered across
         commands; 0 before any), so a step the prompt's own decoding cannot pay for is not taken up front,
         while a long prompt or a stream still earns steps (whose better plan can bring an early probe).
@@ -448,8 +449,7 @@ class SwiftDrafter:
         if self.config.paper:
             return True
         step = self.opt_step.seconds if self.opt_step.cycles else 0.0
-        share = self.config.opt_budget if self.mode == "draft" or self.drafting.cycles < self.PROBE \
-            else self.config.fallback_opt_budget
+        share = self.config.opt_budget if self.mode == "draft" else self.config.fallback_opt_budget
         spent = self.opt_time_total
         return spent + step <= share * (self.decode_time + spent + step)
 

@@ -494,3 +494,14 @@ def test_remembered_plain_mode_still_optimises_once_its_own_time_pays_for_it(run
     drafter.finish()
     reloaded = SwiftDrafter(runner, drafter.config)
     assert reloaded.opt_step.cycles == drafter.opt_step.cycles > 3  # the step cost is remembered with the gate
+
+
+def test_plain_steps_before_the_first_probe_get_the_fallback_budget(runner):
+    """Waiting for a scored plan is plain decoding: optimisation may take the fallback share (3 %), not the 25 % of
+    an assessment that has not started (a fresh drafter otherwise spent a quarter of a short prompt optimising)."""
+    drafter = build_drafter("swift", runner, {"remember": False})
+    assert drafter.mode == "plain" and drafter.gate.drafting.cycles == 0
+    drafter.decode_time, drafter.opt_time_total = 1.0, 0.1  # 9 % of the time spent optimising
+    assert not drafter._within_budget()
+    drafter.gate._switch("draft")  # a probe: the assessment's share applies
+    assert drafter._within_budget()
