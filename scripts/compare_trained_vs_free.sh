@@ -15,6 +15,10 @@
 #   7. SWIFT over one stream that alternates HumanEval and GSM8K prompts, base and trained
 #   8. the early-exit E x k sweep on HumanEval, base and trained
 #   9. v(T): cost of verifying T tokens, with and without the small-matmul kernel
+#  10. long held-out prompts (stdlib files of 300-400 tokens); reduced draft vocabularies (c and acceptance with
+#      and without, base and trained, and a sweep of N); plain decoding vs transformers on long prompts
+#  11. a fresh drafter per prompt (SWIFT, adaptive early exit) on the long prompts from a cold cache, and on
+#      HumanEval/GSM8K
 # Knobs (environment): OUT, THREADS, N, TOKENS, REPEATS, TRIALS, TRAINED.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -63,4 +67,22 @@ step "$OUT/sweep/results.json" "$BIN/layerskip" bench --model base=default --mod
   --data humaneval --n 3 --max-new-tokens 64 --repeats 1 --threads "$THREADS" --quiet --out "$OUT/sweep"
 step "$OUT/verify_cost.json" "$BIN/python" scripts/bench_verify_cost.py --threads "$THREADS" \
   --out "$OUT/verify_cost.json"
+step "$OUT/long_prompts.jsonl" "$BIN/python" scripts/long_prompts.py --out "$OUT/long_prompts.jsonl"
+step "$OUT/draft_vocab/results.json" "$BIN/layerskip" bench --model base=default --model "trained=$TRAINED" \
+  --drafters "autoregressive,early_exit:E=24:k=4,early_exit:E=24:k=4:draft_vocab=8192,early_exit:E=24:k=4:draft_vocab=4096,self_sd:plan=$OUT/plans/{model}.json,self_sd:plan=$OUT/plans/{model}.json:draft_vocab=8192" \
+  --peers none --data "$OUT/long_prompts.jsonl,humaneval" --n 4 --max-new-tokens "$TOKENS" --repeats "$REPEATS" \
+  --threads "$THREADS" --device cpu --quiet --out "$OUT/draft_vocab"
+step "$OUT/draft_vocab_sweep/results.json" "$BIN/layerskip" bench --model "trained=$TRAINED" --drafters autoregressive \
+  --peers none --sweep --exits 16,24 --ks 4,6 --vocabs 0,2048,4096,8192,16384 --data "$OUT/long_prompts.jsonl" --n 4 \
+  --max-new-tokens 96 --repeats 1 --threads "$THREADS" --device cpu --quiet --out "$OUT/draft_vocab_sweep"
+step "$OUT/ar_vs_hf_long/results.json" "$BIN/layerskip" bench --model default --drafters autoregressive \
+  --peers hf_generate --data "$OUT/long_prompts.jsonl" --n 8 --max-new-tokens 64 --repeats 3 --threads "$THREADS" \
+  --device cpu --quiet --out "$OUT/ar_vs_hf_long"
+cold=$(mktemp -d)
+step "$OUT/independent_long/independent.json" env LAYERSKIP_CACHE="$cold" \
+  LAYERSKIP_MODEL_DIR="$("$BIN/python" -c 'from core.models import default_model_dir; print(default_model_dir())')" \
+  "$BIN/python" scripts/bench_independent.py --data "$OUT/long_prompts.jsonl" --n 8 --max-new-tokens 96 \
+  --repeats 2 --threads "$THREADS" --device cpu --out "$OUT/independent_long"
+step "$OUT/independent/independent.json" "$BIN/python" scripts/bench_independent.py --data humaneval,gsm8k --n 4 \
+  --max-new-tokens 96 --repeats 3 --threads "$THREADS" --device cpu --out "$OUT/independent"
 run "$BIN/python" scripts/write_results.py --runs "$OUT" --out docs/RESULTS.md

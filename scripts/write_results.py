@@ -46,7 +46,7 @@ def _bench_section(run: Path, title: str, img_dir: Path, old: str, name: str) ->
         out.append("Fastest of ours per model and task: " +
                    "; ".join(f"{b['model']}/{b['task']}: `{b['method']}`" for b in best) + "\n")
     for png in sorted(run.glob("*.png")):
-        if png.name.startswith("sweep_") and name != "sweep":
+        if png.name.startswith("sweep_") and not name.endswith("sweep"):
             continue  # E x k heatmaps only mean something for a sweep
         target = img_dir / f"{name}_{png.name}"
         shutil.copyfile(png, target)
@@ -124,6 +124,28 @@ def _swift_stream(run: Path, img_dir: Path, old: str) -> list[str]:
     return lines + [_notes(old, "swift_stream")]
 
 
+def _independent(run: Path, title: str, old: str, name: str) -> list[str]:
+    """A fresh drafter per prompt (scripts/bench_independent.py): the ratios to autoregressive, per prompt too."""
+    path = run / "independent.json"
+    if not path.is_file():
+        return []
+    payload = json.loads(path.read_text())
+    args, rows = payload["args"], payload["rows"]
+    lines = [f"## {title}\n", f"```\npython scripts/bench_independent.py --data {args['data']} --n {args['n']} "
+             f"--max-new-tokens {args['max_new_tokens']} --repeats {args['repeats']} --threads 1 --device cpu\n```\n"]
+    head = ["method", "tok/s", "vs autoregressive (median)", "per repeat", "min / max per prompt", "plain steps",
+            "greedy exact"]
+    body = [[f"`{r['method']}`", f"{r['tok_s']:.2f}", f"{r['vs_ar']:.3f}x",
+             ", ".join(f"{x:.2f}" for x in r["vs_ar_per_repeat"]),
+             f"{min(r['vs_ar_per_prompt'].values()):.2f} / {max(r['vs_ar_per_prompt'].values()):.2f}",
+             f"{r['plain_steps']}/{r['verify_calls']}", r["exact"]] for r in rows]
+    lines += _table(head, body) + [""]
+    prompts = list(rows[0]["vs_ar_per_prompt"])
+    lines += _table(["prompt"] + [f"`{r['method']}`" for r in rows[1:]],
+                    [[p] + [f"{r['vs_ar_per_prompt'][p]:.2f}x" for r in rows[1:]] for p in prompts], sep="---:")
+    return lines + ["", _notes(old, name)]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=Path, default=Path("runs/compare"))
@@ -148,6 +170,16 @@ def main() -> None:
     page += _swift_stream(args.runs / "swift_stream", img, old)
     page += _exit_eval(args.runs, img, old)
     page += _verify_cost(args.runs / "verify_cost.json", old)
+    page += _bench_section(args.runs / "draft_vocab", "Reduced draft vocabulary: cost and acceptance, base and "
+                           "trained", img, old, "draft_vocab")
+    page += _bench_section(args.runs / "draft_vocab_sweep", "Draft vocabulary size x exit x k, trained model", img,
+                           old, "draft_vocab_sweep")
+    page += _bench_section(args.runs / "ar_vs_hf_long", "Plain decoding vs transformers on long prompts", img, old,
+                           "ar_vs_hf_long")
+    page += _independent(args.runs / "independent_long", "A fresh drafter per long prompt, from a cold cache", old,
+                         "independent_long")
+    page += _independent(args.runs / "independent", "A fresh drafter per prompt, HumanEval and GSM8K", old,
+                         "independent")
     page += ["## Where self-speculation pays: CPU vs GPU, untrained vs trained\n", _notes(old, "where_it_pays")]
     gpu = GPU_SECTION.search(old)
     if gpu:
