@@ -130,11 +130,13 @@ def check_layers(methods: list[Method], num_layers: int, model: str) -> None:
 
 
 def sweep_methods(exits: list[int], ks: list[int], vocabs: list[int] | None = None) -> list[Method]:
-    """The LayerSkip E x k grid of early-exit drafters, times draft-vocabulary sizes N (0 = the full head)."""
+    """The LayerSkip E x k grid of early-exit drafters, times draft-vocabulary sizes N (0 = the full head; none given:
+    the drafters' default)."""
     methods = []
-    for n in vocabs or [0]:
-        extra = (("draft_vocab", str(n)),) if n else ()
-        tail = f":draft_vocab={n}" if n else ""
+    for n in vocabs or [None]:
+        value = None if n is None else str(n) if n else "off"
+        extra = (("draft_vocab", value),) if value else ()
+        tail = f":draft_vocab={value}" if value else ""
         methods += [Method(f"early_exit:E={e}:k={k}{tail}", "early_exit", (("E", str(e)), ("k", str(k))) + extra)
                     for e in exits for k in ks]
     return methods

@@ -21,7 +21,7 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel
 from core.errors import UserError
 from core.models import resolve_model
 from core.settings import ModelSettings, Resolved, RunSettings
-from infer.draft_vocab import DraftVocab, resolve_draft_vocab
+from infer.draft_vocab import DraftVocab, resolve_draft_vocab_option
 from infer.drafters import Spec, build_config, build_drafter, parse_spec
 from infer.engine import Engine, GenerationResult
 from infer.engine import GenerationConfig as DecodeConfig
@@ -68,10 +68,10 @@ class LoadedModel:
         uses its base model's counts). Use it as a context manager, or call ``close()``, when done: that runs
         the drafter's ``finish`` (saves a plan or the adaptive gate's memory)."""
         options = dict(options or {}) | more
-        spec = options.get("draft_vocab")
-        if spec is not None and not isinstance(spec, DraftVocab):
-            build_config(drafter, options)  # a bad option is reported as such before the vocabulary is read
-            options["draft_vocab"] = resolve_draft_vocab(spec, self.runner, self.tokenizer)
+        config = build_config(drafter, options)  # a bad option is reported as such before a vocabulary is read
+        spec = getattr(config, "draft_vocab", None)
+        if spec is not None and not isinstance(spec, DraftVocab):  # 'auto' (the default), a size or a file
+            options["draft_vocab"] = resolve_draft_vocab_option(spec, self.runner, self.tokenizer) or "off"
         return Engine(self.runner, build_drafter(drafter, self.runner, options), self.eos_token_ids, self.decode)
 
     def method(self, spec: str | Spec, config: DecodeConfig | None = None) -> tuple[Engine, DecodeConfig]:

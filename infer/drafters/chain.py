@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from core.errors import UserError
-from infer.draft_vocab import DraftVocab, resolve_draft_vocab
+from infer.draft_vocab import AUTO, OFF, DraftVocab, resolve_draft_vocab_option
 from infer.drafters.base import DecodeState, Draft
 from infer.plan import LayerPlan
 from infer.runner import DraftHead, KVCache, Runner, ints_to_device
@@ -51,26 +51,29 @@ class PlanForward:
 
 
 def check_draft_vocab(spec) -> None:
-    """Refuse a ``draft_vocab`` option that is neither a size, a file nor a vocabulary, before any model loads."""
+    """Refuse a ``draft_vocab`` option that is neither a size, a file, 'auto', 'off' nor a vocabulary, before any
+    model loads."""
     if spec is None or isinstance(spec, DraftVocab):
         return
     text = str(spec).strip()
+    if text.lower() in (AUTO, *OFF):
+        return
     if text.isdigit():
         if int(text) < 1:
             raise UserError(f"draft-vocab must be a size >= 1 or a file, got {text!r}")
     elif not text or not Path(text).expanduser().is_file():
-        raise UserError(f"draft-vocab {text!r} is neither a size (e.g. 8192) nor an existing file; make a file "
-                        "with `layerskip draft-vocab`")
+        raise UserError(f"draft-vocab {text!r} is neither a size (e.g. 8192), 'auto', 'off' nor an existing file; "
+                        "make a file with `layerskip draft-vocab`")
 
 
 def draft_head_for(runner: Runner, spec) -> DraftHead | None:
-    """The runner's draft head for a ``draft_vocab`` option (a size, a file or a ``DraftVocab``; None: none).
+    """The runner's draft head for a ``draft_vocab`` option (``infer.draft_vocab.resolve_draft_vocab_option``).
 
-    A size or file is checked against the runner's weights here; ``LoadedModel.engine`` resolves them with
-    the tokenizer first, which also accepts finetuned checkpoints of the model the counts were made for."""
-    if spec is None:
+    A size, file or 'auto' is checked against the runner's weights here; ``LoadedModel.engine`` resolves them
+    with the tokenizer first, which also accepts finetuned checkpoints of the model the counts were made for."""
+    vocab = resolve_draft_vocab_option(spec, runner)
+    if vocab is None:
         return None
-    vocab = spec if isinstance(spec, DraftVocab) else resolve_draft_vocab(spec, runner)
     if vocab.vocab_size != runner.spec.vocab_size:
         raise UserError(f"the draft vocabulary is for a {vocab.vocab_size}-token vocabulary; the model has "
                         f"{runner.spec.vocab_size}")

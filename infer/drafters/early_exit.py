@@ -36,10 +36,10 @@ class EarlyExitDrafterConfig:
     remember: bool = True
     """With adaptive: keep what the gate measured (plain and drafting speed, its mode and back-off) in the toolkit
     cache across commands, per model, device, dtype, threads and these settings (saved by ``finish``)."""
-    draft_vocab: str | DraftVocab | None = None
-    """Reduced-vocabulary draft head: N (the N most frequent tokens of the counts shipped for this model) or a file
-    made by `layerskip draft-vocab`; drafts score only those tokens, verification always the full head (output
-    unchanged). None = the full head."""
+    draft_vocab: str | DraftVocab | None = "auto"
+    """Reduced-vocabulary draft head: drafts score only these token ids, verification always the full head (output
+    unchanged). auto: the 8192 most frequent of the counts shipped for this model, if there are some, else the full
+    head; N: the N most frequent; a file made by `layerskip draft-vocab`; off: the full head."""
 
     def __post_init__(self) -> None:
         check_draft_vocab(self.draft_vocab)

@@ -111,10 +111,10 @@ class SwiftConfig:
     cap, GP-UCB, one global best matchness, the window of each prompt's first γ+1 tokens, the odd inner layers to
     start (overrides adaptive, opt-budget, fallback-opt-budget and max-tree-nodes; context-window and
     match-threshold default to the released script's 50 and 0.93)."""
-    draft_vocab: str | DraftVocab | None = None
-    """Reduced-vocabulary draft head: N (the N most frequent tokens of the counts shipped for this model) or a file
-    made by `layerskip draft-vocab`; drafts score only those tokens, verification always the full head (output
-    unchanged). None = the full head."""
+    draft_vocab: str | DraftVocab | None = "auto"
+    """Reduced-vocabulary draft head: drafts score only these token ids, verification always the full head (output
+    unchanged). auto: the 8192 most frequent of the counts shipped for this model, if there are some, else the full
+    head; N: the N most frequent; a file made by `layerskip draft-vocab`; off: the full head."""
 
     def __post_init__(self) -> None:
         check_draft_vocab(self.draft_vocab)

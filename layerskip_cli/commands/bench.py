@@ -62,8 +62,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "best setting per task")
     p.add_argument("--exits", type=_ints, default=[4, 8, 12, 16, 20, 24], help="exit layers for --sweep")
     p.add_argument("--ks", type=_ints, default=[2, 4, 6], help="draft lengths for --sweep")
-    p.add_argument("--vocabs", type=_ints, default=[0], help="draft-vocabulary sizes for --sweep (top N of the counts "
-                   "shipped for the model; 0 = the full head), e.g. 0,4096,8192")
+    p.add_argument("--vocabs", type=_ints, default=None, help="draft-vocabulary sizes for --sweep (top N of the counts "
+                   "shipped for the model; 0 = the full head), e.g. 0,4096,8192 (default: the drafters' default, auto)")
     p.add_argument("--out", type=Path, required=True, help="output folder (created; not an existing file)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
@@ -91,7 +91,7 @@ def config_from_args(args: argparse.Namespace):
     peers = "" if args.peers == "none" else args.peers
     methods = parse_methods(args.drafters, peers)
     if args.sweep:
-        if any(n < 0 for n in args.vocabs):
+        if any(n < 0 for n in args.vocabs or []):
             raise UserError(f"--vocabs {args.vocabs}: sizes must be >= 0 (0 = the full head)")
         known = {m.label for m in methods}
         grid = [m for m in sweep_methods(args.exits, args.ks, args.vocabs) if m.label not in known]

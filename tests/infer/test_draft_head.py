@@ -119,3 +119,26 @@ def test_self_sd_and_swift_with_a_subset_equal_autoregressive(runner, tmp_path):
             out = Engine(runner, drafter).generate(prompt, GenerationConfig(max_new_tokens=32))
             assert out.tokens == ref, (name, prompt)
             assert out.stats.drafted > 0 and out.stats.drafter["draft_vocab"] == vocab.size
+
+
+def test_auto_is_the_full_head_where_no_counts_ship(model):
+    """The default, draft_vocab=auto, needs counts made for the model: the tiny model has none (full head)."""
+    runner = Runner.from_model(model)
+    for name, options in (("early_exit", {"exit_layer": 2}), ("swift", {"remember": False})):
+        drafter = build_drafter(name, runner, options)
+        assert drafter.config.draft_vocab == "auto" and drafter.vocab is None
+        assert drafter.stats()["draft_vocab"] is None
+    assert build_drafter("early_exit", runner, {"exit_layer": 2, "draft_vocab": "off"}).vocab is None
+
+
+@pytest.mark.real_model
+def test_auto_takes_the_shipped_counts_on_the_default_model(default_model_path):
+    """On the default model (and, through its tokenizer, checkpoints trained from it) auto is the top 8192 ids."""
+    from infer.loading import load_model
+
+    model = load_model(str(default_model_path), device="cpu")
+    with model.engine("early_exit", exit_layer=24) as engine:
+        assert engine.drafter.vocab.size == 8192
+    with model.engine("early_exit", exit_layer=24, draft_vocab="off") as engine:
+        assert engine.drafter.vocab is None
+    assert build_drafter("early_exit", model.runner, {"exit_layer": 24}).vocab.size == 8192  # weights match too
