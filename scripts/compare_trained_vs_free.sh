@@ -69,12 +69,16 @@ step "$OUT/verify_cost.json" "$BIN/python" scripts/bench_verify_cost.py --thread
   --out "$OUT/verify_cost.json"
 step "$OUT/long_prompts.jsonl" "$BIN/python" scripts/long_prompts.py --out "$OUT/long_prompts.jsonl"
 step "$OUT/draft_vocab/results.json" "$BIN/layerskip" bench --model base=default --model "trained=$TRAINED" \
-  --drafters "autoregressive,early_exit:E=24:k=4,early_exit:E=24:k=4:draft_vocab=8192,early_exit:E=24:k=4:draft_vocab=4096,self_sd:plan=$OUT/plans/{model}.json,self_sd:plan=$OUT/plans/{model}.json:draft_vocab=8192" \
+  --drafters "autoregressive,early_exit:E=24:k=4:draft_vocab=off,early_exit:E=24:k=4:draft_vocab=8192,early_exit:E=24:k=4:draft_vocab=4096,self_sd:plan=$OUT/plans/{model}.json:draft_vocab=off,self_sd:plan=$OUT/plans/{model}.json:draft_vocab=8192" \
   --peers none --data "$OUT/long_prompts.jsonl,humaneval" --n 4 --max-new-tokens "$TOKENS" --repeats "$REPEATS" \
   --threads "$THREADS" --device cpu --quiet --out "$OUT/draft_vocab"
 step "$OUT/draft_vocab_sweep/results.json" "$BIN/layerskip" bench --model "trained=$TRAINED" --drafters autoregressive \
   --peers none --sweep --exits 16,24 --ks 4,6 --vocabs 0,2048,4096,8192,16384 --data "$OUT/long_prompts.jsonl" --n 4 \
   --max-new-tokens 96 --repeats 1 --threads "$THREADS" --device cpu --quiet --out "$OUT/draft_vocab_sweep"
+step "$OUT/draft_vocab_confidence/results.json" "$BIN/layerskip" bench --model "trained=$TRAINED" \
+  --drafters "autoregressive,early_exit:E=24:k=8:confidence=0.7:draft_vocab=off,early_exit:E=24:k=8:confidence=0.7:draft_vocab=8192,early_exit:E=24:k=8:confidence=0.7:draft_vocab=4096,self_sd:plan=$OUT/plans/trained.json:draft_vocab=4096,self_sd:plan=$OUT/plans/trained.json:draft_vocab=4096:num_draft=8:adapt_confidence=false:confidence=0.7" \
+  --peers none --data "$OUT/long_prompts.jsonl,humaneval" --n 4 --max-new-tokens "$TOKENS" --repeats "$REPEATS" \
+  --threads "$THREADS" --device cpu --quiet --out "$OUT/draft_vocab_confidence"
 step "$OUT/ar_vs_hf_long/results.json" "$BIN/layerskip" bench --model default --drafters autoregressive \
   --peers hf_generate --data "$OUT/long_prompts.jsonl" --n 8 --max-new-tokens 64 --repeats 3 --threads "$THREADS" \
   --device cpu --quiet --out "$OUT/ar_vs_hf_long"

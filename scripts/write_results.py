@@ -174,6 +174,8 @@ def main() -> None:
                            "trained", img, old, "draft_vocab")
     page += _bench_section(args.runs / "draft_vocab_sweep", "Draft vocabulary size x exit x k, trained model", img,
                            old, "draft_vocab_sweep")
+    page += _bench_section(args.runs / "draft_vocab_confidence", "Trained early exit with a confidence stop and a "
+                           "reduced draft vocabulary", img, old, "draft_vocab_confidence")
     page += _bench_section(args.runs / "ar_vs_hf_long", "Plain decoding vs transformers on long prompts", img, old,
                            "ar_vs_hf_long")
     page += _independent(args.runs / "independent_long", "A fresh drafter per long prompt, from a cold cache", old,
