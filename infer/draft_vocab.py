@@ -334,6 +334,22 @@ def resolve_draft_vocab(spec: int | str | os.PathLike, model, tokenizer=None,
     return vocab
 
 
+def check_draft_vocab_option(spec) -> None:
+    """Refuse a ``draft_vocab`` option that is neither a size, a file, 'auto', 'off' nor a vocabulary, before any
+    model loads."""
+    if spec is None or isinstance(spec, DraftVocab):
+        return
+    text = str(spec).strip()
+    if text.lower() in (AUTO, *OFF):
+        return
+    if text.isdigit():
+        if int(text) < 1:
+            raise UserError(f"draft-vocab must be a size >= 1 or a file, got {text!r}")
+    elif not text or not Path(text).expanduser().is_file():
+        raise UserError(f"draft-vocab {text!r} is neither a size (e.g. 8192), 'auto', 'off' nor an existing file; "
+                        "make a file with `layerskip draft-vocab`")
+
+
 def resolve_draft_vocab_option(spec, model, tokenizer=None, directory: Path = BUNDLED_DIR) -> DraftVocab | None:
     """A drafter's ``draft_vocab`` option: None or 'off'/'none' (the full head), 'auto' (the top ``AUTO_SIZE`` of
     the shipped counts when some fit ``model``, else the full head), a ``DraftVocab``, a size or a file."""

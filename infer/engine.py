@@ -178,9 +178,9 @@ class Engine:
 
     # ----------------------------------------------------------------- public
     def generate(self, prompt_ids: Sequence[int] | Tensor, config: GenerationConfig | None = None,
-                 generator: torch.Generator | None = None) -> GenerationResult:
-        """Prefill, then propose-verify-accept cycles until a stop condition."""
-        gen = self.start(prompt_ids, config, generator)
+                 generator: torch.Generator | None = None, reserve: int | None = None) -> GenerationResult:
+        """Prefill, then propose-verify-accept cycles until a stop condition (``reserve``: see ``start``)."""
+        gen = self.start(prompt_ids, config, generator, reserve)
         while not gen.done:
             self.step(gen)
         return self.finish(gen)
@@ -289,11 +289,7 @@ class Engine:
             self.generate(prompt, config)
             for m in sorted({2, 3, 5, 9, 17, 33}):  # the first step verifies min(k + 1, m - 1) rows
                 if m <= min(config.max_new_tokens, self.drafter.lookahead + 1):
-                    short = dataclasses.replace(config, max_new_tokens=m)
-                    gen = self.start(prompt, short, reserve=cap)
-                    while not gen.done:
-                        self.step(gen)
-                    self.finish(gen)
+                    self.generate(prompt, dataclasses.replace(config, max_new_tokens=m), reserve=cap)
 
     def cache_length(self, prompt_len: int, max_new_tokens: int) -> int:
         """Cache positions a generation needs: prompt, new tokens, the drafter's lookahead, and slack for the

@@ -200,8 +200,7 @@ class StaticExecutor:
         if rows is None or extra < 0:
             return None
         ran = self._layers_run(start, split, end, plan)
-        extra, mask = self._pad_window(cache, ran["attn"], extra, mask, rows)
-        window_starts = self._window_starts(cache, ran["attn"], extra, rows)
+        extra, mask, window_starts = self._window(cache, ran["attn"], extra, mask, rows)
         if window_starts is None:
             return None  # the padded rows would not fit: let the eager path raise or run
         groups = tuple(next(j for j in ran["attn"] if window_starts[j] == window_starts[i]) for i in ran["attn"])
@@ -227,15 +226,19 @@ class StaticExecutor:
         self._account(cache, ran, T, logits)
         return exact[:T], out[:T], None if head is None else head[:T]
 
-    def _pad_window(self, cache: KVCache, attn: list[int], extra: int, mask: Tensor | None,
-                    rows: int) -> tuple[int, Tensor | None]:
-        """Widen a window of ``extra`` earlier columns to its ``EXTRA_BUCKETS`` size, where the cache allows: the
-        added columns are slots before the window, visible either way. Returns (extra, mask (T, extra + T))."""
+    def _window(self, cache: KVCache, attn: list[int], extra: int, mask: Tensor | None,
+                rows: int) -> tuple[int, Tensor | None, list[int] | None]:
+        """(extra, mask (T, extra + T), window starts): a window of ``extra`` earlier columns widened to its
+        ``EXTRA_BUCKETS`` size where the cache allows (the added columns are slots before the window, visible
+        either way), with each layer's window start; starts None when even the unpadded window does not fit."""
         padded = bucket(extra, EXTRA_BUCKETS) if extra else None
-        if padded is None or padded == extra or self._window_starts(cache, attn, padded, rows) is None:
-            return extra, mask
-        T = mask.shape[0]
-        return padded, torch.cat([torch.ones(T, padded - extra, dtype=torch.bool), mask.cpu()], 1)  # (T, padded + T)
+        if padded is not None and padded != extra:
+            starts = self._window_starts(cache, attn, padded, rows)
+            if starts is not None:
+                T = mask.shape[0]
+                pad = torch.ones(T, padded - extra, dtype=torch.bool)  # (T, padded - extra)
+                return padded, torch.cat([pad, mask.cpu()], 1), starts  # mask (T, padded + T)
+        return extra, mask, self._window_starts(cache, attn, extra, rows)
 
     def _window_starts(self, cache: KVCache, attn: list[int], extra: int, rows: int) -> list[int] | None:
         """Each attention layer's window start (the last ``extra`` slots before the new rows), or None when the

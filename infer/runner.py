@@ -140,9 +140,9 @@ class DraftHead:
     draft distribution that is zero outside the subset. Verification never uses it.
     """
 
-    def __init__(self, runner: Runner, ids: Tensor):
+    def __init__(self, runner: Runner, ids: Tensor, key: str):
         self.ids = ids.to(runner.device, torch.long)  # (N,) sorted, unique
-        self.key = hashlib.sha256(self.ids.cpu().numpy().tobytes()).hexdigest()[:16]
+        self.key = key  # identifies the ids (static forwards are keyed by it)
         self.vocab_size = runner.spec.vocab_size
         self.linear = Linear(runner.lm_head.weight.index_select(0, self.ids), None, runner.kernel)  # (N, d): a copy
 
@@ -413,7 +413,7 @@ class Runner:
         ids = ids.unique(sorted=True)
         key = hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16]
         if key not in self._draft_heads:
-            self._draft_heads[key] = DraftHead(self, ids)
+            self._draft_heads[key] = DraftHead(self, ids, key)
         return self._draft_heads[key]
 
     def span(self, cache: KVCache, hidden: Tensor, positions: list[int], start: int, end: int, *,

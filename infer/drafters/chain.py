@@ -8,13 +8,12 @@ The chain loop around it handles greedy/sampled proposals and confidence-based s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from core.errors import UserError
-from infer.draft_vocab import AUTO, OFF, DraftVocab, resolve_draft_vocab_option
+from infer.draft_vocab import resolve_draft_vocab_option
 from infer.drafters.base import DecodeState, Draft
 from infer.plan import LayerPlan
 from infer.runner import DraftHead, KVCache, Runner, ints_to_device
@@ -48,22 +47,6 @@ class PlanForward:
         out = r.span(cache, r.embed(token), [position], 0, r.num_layers, exact_until=self.exact_layers,
                      plan=self.plan, logits=True, vocab=self.vocab)
         return out.exact, out.logits  # (1, d), (1, V)
-
-
-def check_draft_vocab(spec) -> None:
-    """Refuse a ``draft_vocab`` option that is neither a size, a file, 'auto', 'off' nor a vocabulary, before any
-    model loads."""
-    if spec is None or isinstance(spec, DraftVocab):
-        return
-    text = str(spec).strip()
-    if text.lower() in (AUTO, *OFF):
-        return
-    if text.isdigit():
-        if int(text) < 1:
-            raise UserError(f"draft-vocab must be a size >= 1 or a file, got {text!r}")
-    elif not text or not Path(text).expanduser().is_file():
-        raise UserError(f"draft-vocab {text!r} is neither a size (e.g. 8192), 'auto', 'off' nor an existing file; "
-                        "make a file with `layerskip draft-vocab`")
 
 
 def draft_head_for(runner: Runner, spec) -> DraftHead | None:

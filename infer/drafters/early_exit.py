@@ -11,9 +11,9 @@ import time
 from dataclasses import dataclass
 
 from core.errors import UserError
-from infer.draft_vocab import DraftVocab
+from infer.draft_vocab import DraftVocab, check_draft_vocab_option
 from infer.drafters.base import DecodeState, Draft, VerifyOutcome
-from infer.drafters.chain import EarlyExitForward, check_draft_vocab, draft_chain, draft_head_for
+from infer.drafters.chain import EarlyExitForward, draft_chain, draft_head_for
 from infer.drafters.gate import FallbackGate, GateMemory
 
 
@@ -42,7 +42,7 @@ class EarlyExitDrafterConfig:
     head; N: the N most frequent; a file made by `layerskip draft-vocab`; off: the full head."""
 
     def __post_init__(self) -> None:
-        check_draft_vocab(self.draft_vocab)
+        check_draft_vocab_option(self.draft_vocab)
         if self.num_draft < 1:
             raise UserError(f"num-draft must be >= 1, got {self.num_draft}")
         if self.recheck_interval < 1:

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.errors import UserError
-from infer.draft_vocab import DraftVocab
+from infer.draft_vocab import DraftVocab, check_draft_vocab_option
 from infer.drafters.base import DecodeState, Draft, VerifyOutcome
-from infer.drafters.chain import PlanForward, check_draft_vocab, draft_chain, draft_head_for
+from infer.drafters.chain import PlanForward, draft_chain, draft_head_for
 from infer.plan import LayerPlan, PlanFile
 from infer.runner import Runner
 
@@ -73,7 +73,7 @@ class SelfSDConfig:
     head; N: the N most frequent; a file made by `layerskip draft-vocab`; off: the full head."""
 
     def __post_init__(self) -> None:
-        check_draft_vocab(self.draft_vocab)
+        check_draft_vocab_option(self.draft_vocab)
         if self.plan is None or self.plan == "":
             raise UserError("the self_sd drafter needs a plan: --plan PLAN.json (or self_sd:plan=PLAN.json); "
                             "make one with `layerskip search` or `layerskip plan import`")

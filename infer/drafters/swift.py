@@ -32,9 +32,9 @@ from dataclasses import dataclass
 import torch
 
 from core.errors import UserError
-from infer.draft_vocab import DraftVocab
+from infer.draft_vocab import DraftVocab, check_draft_vocab_option
 from infer.drafters.base import DecodeState, Draft, VerifyOutcome
-from infer.drafters.chain import ChainResult, PlanForward, check_draft_vocab, draft_chain, draft_head_for
+from infer.drafters.chain import ChainResult, PlanForward, draft_chain, draft_head_for
 from infer.drafters.gate import FallbackGate, GateMemory, Rate
 from infer.drafters.skipping import matchness_span
 from infer.gp_ucb import GPUCB
@@ -117,7 +117,7 @@ class SwiftConfig:
     head; N: the N most frequent; a file made by `layerskip draft-vocab`; off: the full head."""
 
     def __post_init__(self) -> None:
-        check_draft_vocab(self.draft_vocab)
+        check_draft_vocab_option(self.draft_vocab)
         if self.context_window is None:
             self.context_window = SCRIPT_WINDOW if self.paper else DEFAULT_WINDOW
         if self.match_threshold is None:
