@@ -9,7 +9,7 @@ calibration data, best counted on the target model's own greedy generations.
 - ``TokenCounts``: per-token counts of calibration data (``count_tokens``) and their provenance; a
   counts file ships for the default model (``bundled_counts``), so ``--draft-vocab N`` needs no run.
 - ``DraftVocab``: the chosen sorted ids, saved as a JSON file tied to its model like plan files are.
-- ``coverage``: the share of target tokens inside a subset (``infer.vocab_counting`` counts tokens on
+- ``coverage``: the share of target tokens inside a subset (``infer.measure.vocab_counting`` counts tokens on
   calibration data and generates the held-out ones).
 - ``resolve_draft_vocab``: ``--draft-vocab N`` (top N of the bundled counts) or a path to a file.
 
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from core.errors import UserError
+from layerskip_core.errors import UserError
 
 COUNTS_FORMAT = "layerskip-token-counts/1"
 VOCAB_FORMAT = "layerskip-draft-vocab/1"

@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor
 
-from core.errors import UserError
 from infer.drafters.base import DecodeState, Draft, Drafter, VerifyOutcome
 from infer.graphs import BUCKETS
 from infer.runner import Runner, capacity_bucket
@@ -28,6 +27,7 @@ from infer.sampling import (
     sampling_accept,
     select,
 )
+from layerskip_core.errors import UserError
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from core.errors import UserError
+from layerskip_core.errors import UserError
 
 SQRT5 = math.sqrt(5.0)
 

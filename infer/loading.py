@@ -18,14 +18,14 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel
 
-from core.errors import UserError
-from core.models import resolve_model
-from core.settings import ModelSettings, Resolved, RunSettings
 from infer.draft_vocab import DraftVocab, resolve_draft_vocab_option
 from infer.drafters import Spec, build_config, build_drafter, parse_spec
 from infer.engine import Engine, GenerationResult
 from infer.engine import GenerationConfig as DecodeConfig
 from infer.runner import Runner
+from layerskip_core.errors import UserError
+from layerskip_core.models import resolve_model
+from layerskip_core.settings import ModelSettings, Resolved, RunSettings
 
 
 @dataclass
@@ -112,7 +112,7 @@ def load_model(model: str | os.PathLike | PreTrainedModel = "default", tokenizer
     ``model``: a local Hugging Face folder, a hub id (org/name), ``"default"`` (SmolLM2-135M-Instruct, fetched
     once), or a ``transformers`` model object already in memory (then ``tokenizer`` is required; its weights
     are copied into the runner's fused layout). ``device`` / ``dtype`` take names (``auto`` = CUDA + bf16 when
-    available, else CPU + fp32) or torch objects; ``executor`` and ``threads`` as in ``core.settings``.
+    available, else CPU + fp32) or torch objects; ``executor`` and ``threads`` as in ``layerskip_core.settings``.
     """
     run = RunSettings(device, dtype, executor, threads).resolve()
     return _load(model, tokenizer, run)

@@ -18,8 +18,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.errors import UserError
-from core.models import ModelSpec
+from layerskip_core.errors import UserError
+from layerskip_core.models import ModelSpec
 
 
 @dataclass(frozen=True)

@@ -30,12 +30,12 @@ from safetensors.torch import load_file
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from core.device import EXECUTOR_CHOICES, parse_dtype
-from core.errors import UserError
-from core.models import ModelSpec
 from infer import kernels
 from infer.graphs import StaticExecutor
 from infer.plan import LayerPlan
+from layerskip_core.device import EXECUTOR_CHOICES, parse_dtype
+from layerskip_core.errors import UserError
+from layerskip_core.models import ModelSpec
 
 EXECUTORS = EXECUTOR_CHOICES
 """How ``Runner.span`` runs decoding forwards: auto = graphs on CUDA, eager elsewhere."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from core.errors import UserError
+from layerskip_core.errors import UserError
 
 
 @dataclass(frozen=True)

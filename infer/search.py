@@ -43,13 +43,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from core.errors import UserError
 from infer.drafters import build_drafter
 from infer.drafters.self_sd import SelfSDConfig, SelfSDDrafter
 from infer.drafters.skipping import agreement, verified_window
 from infer.engine import Engine, GenerationConfig
 from infer.plan import CostModel, LayerPlan, PlanFile, PlanSpace, cycle_speedup, weights_cost
 from infer.runner import Runner
+from layerskip_core.errors import UserError
 
 OBJECTIVES = {"model": "model", "acceptance": "model", "speed": "speed"}
 SAMPLERS = ("tpe", "gp")

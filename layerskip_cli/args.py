@@ -1,6 +1,6 @@
 """Command-line flags made from the settings dataclasses, for every command and script (one home per setting).
 
-``add_model_flags`` / ``model_settings`` (``core.settings.ModelSettings``: --model, --device, --dtype, --executor,
+``add_model_flags`` / ``model_settings`` (``ModelSettings``: --model, --device, --dtype, --executor,
 --threads), ``add_run_flags`` / ``run_settings`` (the same without --model, for commands that take several),
 ``add_sampling_flags`` / ``sampling_config`` (``infer.sampling.SamplingConfig``) and the drafter flags
 (one group per drafter, built from each drafter's config). A command passes its own defaults as an instance
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 
-from core.options import add_dataclass_flags, add_flag, from_args
-from core.settings import ModelSettings, RunSettings
+from layerskip_core.options import add_dataclass_flags, add_flag, from_args
+from layerskip_core.settings import ModelSettings, RunSettings
 
 
 def add_model_flags(p: argparse.ArgumentParser, defaults: ModelSettings | None = None,

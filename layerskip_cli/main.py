@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from core.cli import run_main
 from layerskip_cli.commands import bench, draft_vocab, eval_exits, fetch_model, generate, plan, search, train
+from layerskip_core.cli import run_main
 
 COMMANDS = (fetch_model, generate, search, plan, draft_vocab, bench, eval_exits, train)
 

@@ -24,14 +24,14 @@ import sys
 import time
 from pathlib import Path
 
-from core.cli import check_output_dir, run_main
-from core.prompts import load_prompts, task_name, use_chat_template
-from core.settings import ModelSettings
-from infer.bench import BASELINE
 from infer.drafters import parse_spec
 from infer.engine import GenerationConfig
 from infer.loading import load_from_settings
+from infer.measure.bench import BASELINE
 from layerskip_cli.args import add_model_flags, model_settings
+from layerskip_core.cli import check_output_dir, run_main
+from layerskip_core.prompts import load_prompts, task_name, use_chat_template
+from layerskip_core.settings import ModelSettings
 
 SETTINGS = ModelSettings(threads=1)
 """This script's defaults: one thread."""

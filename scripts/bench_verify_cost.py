@@ -19,13 +19,13 @@ from pathlib import Path
 
 import torch
 
-from core.cli import check_output_file, run_main
-from core.device import dtype_name
-from core.errors import UserError
-from core.models import resolve_model
-from core.settings import ModelSettings
 from infer.runner import Runner
 from layerskip_cli.args import add_model_flags, model_settings
+from layerskip_core.cli import check_output_file, run_main
+from layerskip_core.device import dtype_name
+from layerskip_core.errors import UserError
+from layerskip_core.models import resolve_model
+from layerskip_core.settings import ModelSettings
 
 SETTINGS = ModelSettings(threads=1)
 """This script's defaults: one thread."""

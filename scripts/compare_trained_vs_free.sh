@@ -84,7 +84,7 @@ step "$OUT/ar_vs_hf_long/results.json" "$BIN/layerskip" bench --model default --
   --device cpu --quiet --out "$OUT/ar_vs_hf_long"
 cold=$(mktemp -d)
 step "$OUT/independent_long/independent.json" env LAYERSKIP_CACHE="$cold" \
-  LAYERSKIP_MODEL_DIR="$("$BIN/python" -c 'from core.models import default_model_dir; print(default_model_dir())')" \
+  LAYERSKIP_MODEL_DIR="$("$BIN/python" -c 'from layerskip_core.models import default_model_dir; print(default_model_dir())')" \
   "$BIN/python" scripts/bench_independent.py --data "$OUT/long_prompts.jsonl" --n 8 --max-new-tokens 96 \
   --repeats 2 --threads "$THREADS" --device cpu --out "$OUT/independent_long"
 step "$OUT/independent/independent.json" "$BIN/python" scripts/bench_independent.py --data humaneval,gsm8k --n 4 \

@@ -26,10 +26,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from core.errors import UserError
-from core.models import DEFAULT_MODEL_GGUF
-from core.packages import cache_root, fetch_packaged_file, sha256_of
-from core.prompts import BUILTIN_SETS
+from layerskip_core.errors import UserError
+from layerskip_core.models import DEFAULT_MODEL_GGUF
+from layerskip_core.packages import cache_root, fetch_packaged_file, sha256_of
+from layerskip_core.prompts import BUILTIN_SETS
 
 WHEELS = ("optuna", "sqlalchemy", "alembic", "mako", "colorlog", "gguf")
 """Distributions carried as wheels: optuna (Self-SD search, SWIFT), its pure-Python dependencies, gguf."""

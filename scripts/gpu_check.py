@@ -10,14 +10,14 @@ run goes on):
 
 1. exact: logits of our runner vs `transformers` on two tiny seeded models (Llama, Qwen2) in fp32
    and bf16 (``parity_max_abs`` is the fp32 maximum); the one-row vs many-row logit spread of those
-   models on the device (fp32 and bf16, the check's executor and eager: ``infer.exactness.measure_spread``);
+   models on the device (fp32 and bf16, the check's executor and eager: ``infer.measure.exactness.measure_spread``);
    greedy output of every drafter vs ``autoregressive`` on the device in fp32 (SWIFT with token trees),
    each mismatch classified on the path that ran with the device's measured fp32 spread: on CUDA only
    mismatches beyond a tie flip fail (cuBLAS is not batch-invariant, fp32 included), on a CPU every
    mismatch fails; one seeded sampled generation per drafter, which must complete.
-2. syncs: host syncs per draft-verify cycle of every drafter (``infer.syncs.measure_decode``) on a tiny
+2. syncs: host syncs per draft-verify cycle of every drafter (``infer.measure.syncs.measure_decode``) on a tiny
    model in fp32, with the targets they are held to (reported, never failing the run).
-3. train: ``train.gpu_bench.train_check`` (training step speed/memory and an end-to-end
+3. train: ``train_bench.train_check`` (training step speed/memory and an end-to-end
    train -> save -> decode check, with a byte-level tokenizer built in code unless ``--tokenizer-dir``).
 4. shapes: random-init SmolLM2-135M, Llama-3.2-1B-like and Llama-2-7B-like models in bf16
    (``--tiny``: 4-layer stand-ins of each): ms per full one-token forward; v(T) = cost of
@@ -56,18 +56,18 @@ import torch
 import transformers
 from transformers import GenerationConfig, LlamaConfig
 
-from core.cli import check_output_dir, run_main
-from core.device import resolve_device
-from core.seeded_models import random_model, tiny_model
-from infer.bench import git_commit
 from infer.drafters import build_drafter
 from infer.engine import Engine
 from infer.engine import GenerationConfig as OurGenerationConfig
-from infer.exactness import DivergenceJudge, measure_spread, spread_prompts
+from infer.measure.bench import git_commit
+from infer.measure.exactness import DivergenceJudge, measure_spread, spread_prompts
+from infer.measure.seeded_models import random_model, tiny_model
+from infer.measure.syncs import measure_decode
 from infer.plan import LayerPlan, PlanFile
 from infer.runner import Runner
 from infer.sampling import SamplingConfig, TreeShape
-from infer.syncs import measure_decode
+from layerskip_core.cli import check_output_dir, run_main
+from layerskip_core.device import resolve_device
 
 BEGIN, END = "<!-- gpu_check:begin -->", "<!-- gpu_check:end -->"
 REPO = Path(__file__).resolve().parent.parent
@@ -568,7 +568,7 @@ def runner_decode(model_dir: Path, device: torch.device, dtype: torch.dtype, pro
 
 def training(run: Run, tokenizer_dir: str | None, out: Path) -> dict:
     try:
-        from train.gpu_bench import train_check, update_training_doc
+        from train_bench import train_check, update_training_doc
     except ImportError as e:
         run.notes.append(f"training part skipped: {e}")
         return {}

@@ -40,7 +40,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from core.errors import UserError
+from layerskip_core.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = "recipes/gpu-smollm2-code.yaml"
@@ -227,7 +227,7 @@ def _find(bundle: Path, name: str) -> Path | None:
 
 def unpack_bundle(bundle: Path, cache: Path, p: Pipeline) -> None:
     """Model halves -> one verified GGUF in the cache, prompt sets into the cache, wheels installed."""
-    from core.packages import sha256_of
+    from layerskip_core.packages import sha256_of
 
     manifest_path = _find(bundle, "manifest.json")
     if manifest_path is None:
@@ -322,8 +322,8 @@ def quality(model_path: Path, s: Settings) -> dict:
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from core.device import parse_dtype, resolve_device
-    from core.prompts import load_prompts
+    from layerskip_core.device import parse_dtype, resolve_device
+    from layerskip_core.prompts import load_prompts
 
     device = resolve_device(s.device)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=parse_dtype(s.dtype, device)).to(device).eval()
@@ -474,7 +474,7 @@ def _git_commit() -> str:
 def _device_name(s: Settings) -> str:
     import torch
 
-    from core.device import resolve_device
+    from layerskip_core.device import resolve_device
 
     device = resolve_device(s.device)
     if device.type == "cuda":
@@ -497,11 +497,11 @@ def run_compare(args, s: Settings) -> dict:
     p = Pipeline(out, s, env, quiet=args.quiet)
     t_start = time.perf_counter()
     if args.bundle:
-        from core.packages import cache_root
+        from layerskip_core.packages import cache_root
 
         cache = Path(env.get("LAYERSKIP_CACHE") or cache_root())
         p.timed("unpack_bundle", unpack_bundle, Path(args.bundle), cache, p)
-    from core.models import resolve_model
+    from layerskip_core.models import resolve_model
 
     base_path = p.timed("resolve_model", resolve_model, args.model)
     layers = _num_layers(base_path)

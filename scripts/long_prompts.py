@@ -17,8 +17,8 @@ import json
 import sys
 from pathlib import Path
 
-from core.cli import check_output_file, run_main
-from core.errors import UserError
+from layerskip_core.cli import check_output_file, run_main
+from layerskip_core.errors import UserError
 
 
 def cut(text: str, tokenizer, low: int, high: int) -> str | None:
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     # the training data reader and the tokenizer are torch/transformers-heavy: loaded after the argument checks
     from transformers import AutoTokenizer
 
-    from core.models import resolve_model
+    from layerskip_core.models import resolve_model
     from train.config import SourceConfig
     from train.data import read_source
 

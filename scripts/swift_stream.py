@@ -24,16 +24,16 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from core.cli import run_main, split_named
-from core.device import dtype_name
-from core.prompts import load_prompts, use_chat_template
-from core.settings import RunSettings
-from infer.bench import BASELINE, tokens_per_verify
 from infer.drafters import parse_spec
 from infer.engine import GenerationConfig
 from infer.loading import load_model
-from infer.plots import plot_matchness
+from infer.measure.bench import BASELINE, tokens_per_verify
+from infer.measure.plots import plot_matchness
 from layerskip_cli.args import add_run_flags, run_settings
+from layerskip_core.cli import run_main, split_named
+from layerskip_core.device import dtype_name
+from layerskip_core.prompts import load_prompts, use_chat_template
+from layerskip_core.settings import RunSettings
 
 RUN = RunSettings(threads=1)
 """This script's defaults: one thread."""

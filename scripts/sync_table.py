@@ -1,4 +1,4 @@
-"""Host syncs per draft-verify cycle of each drafter, counted by ``infer.syncs`` (the same counts on CPU and GPU).
+"""Host syncs per draft-verify cycle of each drafter, counted by ``infer.measure.syncs`` (same counts on CPU and GPU).
 
     python scripts/sync_table.py                                   # default model, static executor, greedy
     python scripts/sync_table.py --device cuda --executor graphs   # on a GPU
@@ -17,9 +17,9 @@ import json
 import sys
 from pathlib import Path
 
-from core.cli import check_output_file, run_main
-from core.settings import ModelSettings
 from layerskip_cli.args import add_model_flags, model_settings
+from layerskip_core.cli import check_output_file, run_main
+from layerskip_core.settings import ModelSettings
 
 SETTINGS = ModelSettings(threads=1, executor="static")
 """This script's defaults: one thread, the static executor (what CUDA graphs capture)."""
@@ -42,7 +42,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
     from infer.drafters import parse_spec
     from infer.engine import GenerationConfig
     from infer.loading import load_from_settings
-    from infer.syncs import measure_decode
+    from infer.measure.syncs import measure_decode
 
     specs = [s.strip() for s in args.drafters.split(",") if s.strip()]
     parsed = [parse_spec(s) for s in specs]  # bad specs fail before the model loads

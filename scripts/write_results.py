@@ -26,7 +26,7 @@ def _notes(old: str, name: str) -> str:
 
 
 def _bench_section(run: Path, title: str, img_dir: Path, old: str, name: str) -> list[str]:
-    from infer.bench import Summary, markdown_table
+    from infer.measure.bench import Summary, markdown_table
 
     path = run / "results.json"
     if not path.is_file():
@@ -80,7 +80,7 @@ def _verify_cost(path: Path, old: str) -> list[str]:
 
 def _exit_eval(runs: Path, img_dir: Path, old: str) -> list[str]:
     """Per-exit loss / agreement with the final layer, one column pair per evaluated model, and a plot."""
-    from infer.plots import exit_quality
+    from infer.measure.plots import exit_quality
 
     files = sorted(runs.glob("exits_*.json")) + sorted(runs.glob("exits_*/exits.json"))
     evals = {(f.stem if f.name != "exits.json" else f.parent.name).removeprefix("exits_"): json.loads(f.read_text())

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from core.models import default_model_dir, is_model_dir
 from infer.drafters import gate
+from layerskip_core.models import default_model_dir, is_model_dir
 from tiny_models import make_model, save_tiny
 
 

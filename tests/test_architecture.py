@@ -1,12 +1,12 @@
 """docs/ARCHITECTURE.md matches the code: every module it names exists, every package module is named, and no
-library imports a layer above it (infer never imports train or the command line; core imports neither)."""
+library imports a layer above it (infer never imports train or the command line; layerskip_core imports neither)."""
 
 import ast
 import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("core", "infer", "train", "layerskip_cli")
+PACKAGES = ("layerskip_core", "infer", "train", "layerskip_cli")
 DOC = REPO / "docs" / "ARCHITECTURE.md"
 
 
@@ -29,7 +29,7 @@ def named_paths(text: str) -> set[str]:
     """Paths in backticks, plus the files a `folder/` row lists by their bare names in the same cell."""
     names = set(re.findall(r"`([\w/.]+)`", text))
     for row in text.splitlines():
-        folders = re.findall(r"`((?:core|infer|train|layerskip_cli|scripts)/[\w/]+/)`", row)
+        folders = re.findall(r"`((?:layerskip_core|infer|train|layerskip_cli|scripts)/[\w/]+/)`", row)
         for folder in folders:
             names |= {folder + bare for bare in re.findall(r"`(\w+\.py)`", row)}
     return {n for n in names if n.split("/")[0] in PACKAGES + ("scripts",) or n.startswith("scripts/")}
@@ -64,7 +64,7 @@ def imported_packages(path: Path) -> set[str]:
 
 
 def test_layers_import_only_downwards():
-    above = {"core": {"infer", "train", "layerskip_cli"}, "infer": {"train", "layerskip_cli"},
+    above = {"layerskip_core": {"infer", "train", "layerskip_cli"}, "infer": {"train", "layerskip_cli"},
              "train": {"infer", "layerskip_cli"}}
     wrong = []
     for package, forbidden in above.items():
@@ -73,3 +73,17 @@ def test_layers_import_only_downwards():
             if bad:
                 wrong.append(f"{path.relative_to(REPO)} imports {sorted(bad)}")
     assert not wrong, wrong
+
+
+def test_the_engine_does_not_import_its_measuring_tools():
+    wrong = []
+    for path in (REPO / "infer").rglob("*.py"):
+        if "measure" in path.relative_to(REPO / "infer").parts:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(n.startswith("infer.measure") for n in names):
+                wrong.append(str(path.relative_to(REPO)))
+    assert not wrong, f"engine modules import infer.measure: {wrong}"

@@ -1,6 +1,6 @@
 """Tiny seeded fp32 models and a byte-level tokenizer for fast, exact unit tests.
 
-The builders live in ``core.seeded_models`` (``scripts/gpu_check.py`` uses them too); this module keeps the
+The builders live in ``infer.measure.seeded_models`` (``scripts/gpu_check.py`` uses them too); this module keeps the
 tests' names for them.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from core.seeded_models import BYTE_VOCAB, CHAT_TEMPLATE, byte_tokenizer, tiny_model
+from infer.measure.seeded_models import BYTE_VOCAB, CHAT_TEMPLATE, byte_tokenizer, tiny_model
 
 __all__ = ["BYTE_VOCAB", "CHAT_TEMPLATE", "byte_tokenizer", "make_model", "save_tiny"]
 

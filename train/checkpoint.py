@@ -25,8 +25,8 @@ from pathlib import Path
 
 import yaml
 
-from core.errors import UserError
-from core.packages import ensure_writable_dir, normal_permissions
+from layerskip_core.errors import UserError
+from layerskip_core.packages import ensure_writable_dir, normal_permissions
 from train.config import TrainConfig, dump_config, to_dict
 
 STATE_FILE = "trainer_state.json"

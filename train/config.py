@@ -18,9 +18,9 @@ from typing import Any, Literal
 
 import yaml
 
-from core import options
-from core.errors import UserError
-from core.options import field_docs, hints, strip_optional, type_name
+from layerskip_core import options
+from layerskip_core.errors import UserError
+from layerskip_core.options import field_docs, hints, strip_optional, type_name
 
 # --------------------------------------------------------------------------------------------
 # Sections (each checks its own invariants in __post_init__)
@@ -57,7 +57,7 @@ class SourceConfig:
     ``stdlib``: the Python standard library of the running interpreter (found with ``sysconfig``).
     ``text``: text files through ``datasets`` (``load_dataset("text", sample_by=...)``).
     ``jsonl``: JSON-lines files through ``datasets`` (``load_dataset("json")``).
-    ``prompt_set``: a prompt set of ``core.prompts`` (``gsm8k``, ``humaneval``), prompt + reference."""
+    ``prompt_set``: a prompt set of ``layerskip_core.prompts`` (``gsm8k``, ``humaneval``), prompt + reference."""
     path: str = ""
     """Folder, file or glob (``files``, ``text``, ``jsonl``), or the set name (``prompt_set``).
     Unused for ``stdlib``."""

@@ -7,7 +7,7 @@
   where it has one; labels are -100 on the prompt, so the loss is on the response only.
 
 Every source has a deterministic document order; the back ``val_fraction`` of each source is
-held out for validation (the same convention as ``core.prompts``: train from the front,
+held out for validation (the same convention as ``layerskip_core.prompts``: train from the front,
 evaluate from the back), or, with ``holdout_packages``, whole top-level packages are. A source
 can first drop duplicate and near-duplicate documents (``dedup``), so held-out text has no
 near-copy in the training text. The tokenised result is cached under ``$LAYERSKIP_CACHE/tokens``,
@@ -35,9 +35,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core.errors import UserError
-from core.packages import cache_root
-from core.prompts import BUILTIN_SETS, load_prompts
+from layerskip_core.errors import UserError
+from layerskip_core.packages import cache_root
+from layerskip_core.prompts import BUILTIN_SETS, load_prompts
 from train.config import DataConfig, SourceConfig
 
 CACHE_VERSION = 1

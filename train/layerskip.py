@@ -28,9 +28,9 @@ from pathlib import Path
 import yaml
 from tqdm.auto import tqdm
 
-from core.cli import run_main
-from core.errors import UserError
-from core.packages import cache_root
+from layerskip_core.cli import run_main
+from layerskip_core.errors import UserError
+from layerskip_core.packages import cache_root
 from train.checkpoint import clear_run, export_final, prepare_run_folder, read_state, save_checkpoint
 from train.config import TrainConfig, describe, dump_config, load_config, to_dict
 from train.tracking import Tracker, truncate_metrics

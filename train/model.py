@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from core.device import parse_dtype
-from core.errors import UserError
-from core.models import SUPPORTED_MODEL_TYPES, is_model_dir, resolve_model
+from layerskip_core.device import parse_dtype
+from layerskip_core.errors import UserError
+from layerskip_core.models import SUPPORTED_MODEL_TYPES, is_model_dir, resolve_model
 from train.config import EarlyExitConfig, LayerDropoutConfig
 from train.data import IGNORE
 from train.losses import checkpointed_head_ce, default_chunk, fused_head_ce, is_plain_head

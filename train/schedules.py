@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor
 
-from core.errors import UserError
+from layerskip_core.errors import UserError
 from train.config import EarlyExitConfig, LayerDropoutConfig
 
 # --------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from core.errors import UserError
+from layerskip_core.errors import UserError
 
 
 def _flatten(record: dict, prefix: str = "") -> dict[str, float]:

@@ -11,13 +11,13 @@ import dataclasses
 import warnings
 from dataclasses import dataclass
 
-from core.errors import UserError
-from core.options import field_docs, from_text, hints
 from infer.drafters.autoregressive import AutoregressiveDrafter
 from infer.drafters.base import DecodeState, Draft, Drafter, VerifyOutcome
 from infer.drafters.early_exit import EarlyExitDrafter
 from infer.drafters.self_sd import SelfSDDrafter
 from infer.drafters.swift import SwiftDrafter
+from layerskip_core.errors import UserError
+from layerskip_core.options import field_docs, from_text, hints
 
 DRAFTERS: dict[str, type] = {
     AutoregressiveDrafter.name: AutoregressiveDrafter,

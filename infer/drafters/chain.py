@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from core.errors import UserError
 from infer.draft_vocab import resolve_draft_vocab_option
 from infer.drafters.base import DecodeState, Draft
 from infer.plan import LayerPlan
 from infer.runner import DraftHead, KVCache, Runner, ints_to_device
 from infer.sampling import probs_from_logits, sample
+from layerskip_core.errors import UserError
 
 
 class EarlyExitForward:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from core.errors import UserError
 from infer.draft_vocab import DraftVocab, check_draft_vocab_option
 from infer.drafters.base import DecodeState, Draft, VerifyOutcome
 from infer.drafters.chain import EarlyExitForward, draft_chain, draft_head_for
 from infer.drafters.gate import FallbackGate, GateMemory
+from layerskip_core.errors import UserError
 
 
 @dataclass

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from core.packages import cache_root
+from layerskip_core.packages import cache_root
 
 MEMORY_FORMAT = "layerskip-gate/1"
 

@@ -34,12 +34,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.errors import UserError
 from infer.draft_vocab import DraftVocab, check_draft_vocab_option
 from infer.drafters.base import DecodeState, Draft, VerifyOutcome
 from infer.drafters.chain import PlanForward, draft_chain, draft_head_for
 from infer.plan import LayerPlan, PlanFile
 from infer.runner import Runner
+from layerskip_core.errors import UserError
 
 
 @dataclass

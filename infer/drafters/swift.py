@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import torch
 
-from core.errors import UserError
 from infer.draft_vocab import DraftVocab, check_draft_vocab_option
 from infer.drafters.base import DecodeState, Draft, VerifyOutcome
 from infer.drafters.chain import ChainResult, PlanForward, draft_chain, draft_head_for
@@ -50,6 +49,7 @@ from infer.plan import (
     weights_cost,
 )
 from infer.runner import ints_to_device
+from layerskip_core.errors import UserError
 
 GREEDY_WIDTHS = (3, 5, 8, 10)  # candidates per depth for top-1 prob > 0.95, > 0.8, > 0.5, else (paper)
 SAMPLING_WIDTHS = (1, 3, 5, 10)

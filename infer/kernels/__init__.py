@@ -21,7 +21,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from core.packages import cache_root
+from layerskip_core.packages import cache_root
 
 _SOURCE = Path(__file__).with_name("small_matmul.cpp")
 NAME = "layerskip_small_matmul"

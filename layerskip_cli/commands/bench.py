@@ -8,12 +8,20 @@ import shlex
 import sys
 from pathlib import Path
 
-from core.cli import check_output_dir, split_named
-from core.errors import UserError
-from core.prompts import CHAT_MODES
-from core.settings import RunSettings
-from infer.bench import BenchConfig, bugs, markdown_table, parse_methods, run_bench, sweep_methods, write_outputs
+from infer.measure.bench import (
+    BenchConfig,
+    bugs,
+    markdown_table,
+    parse_methods,
+    run_bench,
+    sweep_methods,
+    write_outputs,
+)
 from layerskip_cli.args import add_run_flags, add_sampling_flags, run_settings, sampling_config
+from layerskip_core.cli import check_output_dir, split_named
+from layerskip_core.errors import UserError
+from layerskip_core.prompts import CHAT_MODES
+from layerskip_core.settings import RunSettings
 
 RUN = RunSettings(threads=1)
 """bench's defaults: one thread (the most repeatable CPU numbers)."""

@@ -13,16 +13,16 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from core.cli import check_output_file
-from core.device import dtype_name
-from core.errors import UserError
-from core.prompts import PromptItem, load_prompts
 from layerskip_cli.args import add_model_flags, model_settings
+from layerskip_core.cli import check_output_file
+from layerskip_core.device import dtype_name
+from layerskip_core.errors import UserError
+from layerskip_core.prompts import PromptItem, load_prompts
 
 STDLIB = "stdlib"
 """--data name of the Python standard library's source (path-hash order, as the CPU training recipe reads it)."""
 TEXT_CHARS = 2000
-"""Characters kept of each standard-library file (as ``core.prompts`` keeps of each file of a text folder)."""
+"""Characters kept of each standard-library file (as ``layerskip_core.prompts`` keeps of each file of a text folder)."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     # torch and transformers load only once the arguments are known to be good
     from infer.draft_vocab import coverage_report, special_ids
     from infer.loading import load_from_settings
-    from infer.vocab_counting import count_tokens, encode_prompts, heldout_tokens
+    from infer.measure.vocab_counting import count_tokens, encode_prompts, heldout_tokens
 
     # Everything that can be checked without the model is checked first.
     names = [d.strip() for d in args.data.split(",") if d.strip()]

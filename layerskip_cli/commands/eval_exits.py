@@ -20,13 +20,13 @@ import math
 import sys
 from pathlib import Path
 
-from core.cli import check_output_dir, check_output_file, run_main
-from core.device import dtype_name
-from core.errors import UserError
-from core.models import resolve_model
-from core.prompts import load_prompts
-from infer.plots import exit_quality
+from infer.measure.plots import exit_quality
 from layerskip_cli.args import add_model_flags, model_settings
+from layerskip_core.cli import check_output_dir, check_output_file, run_main
+from layerskip_core.device import dtype_name
+from layerskip_core.errors import UserError
+from layerskip_core.models import resolve_model
+from layerskip_core.prompts import load_prompts
 from train.config import EarlyExitConfig, LayerDropoutConfig, load_config
 
 

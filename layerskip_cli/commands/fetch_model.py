@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from core.models import fetch_default_model
+from layerskip_core.models import fetch_default_model
 
 
 def register(sub: argparse._SubParsersAction) -> None:

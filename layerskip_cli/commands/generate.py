@@ -14,12 +14,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from core.cli import check_output_file
-from core.device import dtype_name
-from core.errors import UserError
-from core.options import add_dataclass_flags, from_args
-from core.prompts import PromptItem, read_prompts_file
-from infer.bench import tokens_per_verify
+from infer.measure.bench import tokens_per_verify
 from layerskip_cli.args import (
     add_drafter_flags,
     add_model_flags,
@@ -28,6 +23,11 @@ from layerskip_cli.args import (
     model_settings,
     sampling_config,
 )
+from layerskip_core.cli import check_output_file
+from layerskip_core.device import dtype_name
+from layerskip_core.errors import UserError
+from layerskip_core.options import add_dataclass_flags, from_args
+from layerskip_core.prompts import PromptItem, read_prompts_file
 
 
 def add_generation_flags(p: argparse.ArgumentParser) -> None:

@@ -7,9 +7,9 @@ import json
 import sys
 from pathlib import Path
 
-from core.cli import check_output_file
-from core.errors import UserError
 from infer.plan import LayerPlan, PlanFile
+from layerskip_core.cli import check_output_file
+from layerskip_core.errors import UserError
 
 ATTN_KEYS = ("attention", "attn", "skip_attn", "attn_skip_layer_id_set")
 MLP_KEYS = ("mlp", "skip_mlp", "mlp_skip_layer_id_set")

@@ -6,12 +6,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from core.cli import check_output_file
-from core.device import dtype_name
-from core.errors import UserError
-from core.prompts import load_prompts, task_name, use_chat_template
-from core.settings import ModelSettings
 from layerskip_cli.args import add_model_flags, model_settings
+from layerskip_core.cli import check_output_file
+from layerskip_core.device import dtype_name
+from layerskip_core.errors import UserError
+from layerskip_core.prompts import load_prompts, task_name, use_chat_template
+from layerskip_core.settings import ModelSettings
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -4,12 +4,12 @@ import pytest
 import torch
 from lossless_stats import P_THRESHOLD, sampling_pvalue
 
-from core.errors import UserError
 from infer.draft_vocab import DraftVocab
 from infer.drafters import build_drafter
 from infer.engine import Engine, GenerationConfig
 from infer.runner import Runner
 from infer.sampling import SamplingConfig
+from layerskip_core.errors import UserError
 from tiny_models import make_model
 
 L = 6

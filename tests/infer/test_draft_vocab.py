@@ -5,8 +5,6 @@ from collections import Counter
 
 import pytest
 
-from core.errors import UserError
-from core.prompts import PromptItem
 from infer.draft_vocab import (
     BUNDLED_DIR,
     DraftVocab,
@@ -22,8 +20,10 @@ from infer.draft_vocab import (
 )
 from infer.engine import GenerationConfig
 from infer.loading import load_model
-from infer.vocab_counting import count_tokens, greedy_generations, heldout_tokens, text_tokens
+from infer.measure.vocab_counting import count_tokens, greedy_generations, heldout_tokens, text_tokens
 from layerskip_cli.main import main
+from layerskip_core.errors import UserError
+from layerskip_core.prompts import PromptItem
 from tiny_models import byte_tokenizer, save_tiny
 
 ITEMS = [PromptItem("0", "def add(a, b):", "    return a + b", "calib"),

@@ -265,7 +265,7 @@ def test_early_exit_target_runs_only_its_layers(runner, E):
 
 
 def test_early_exit_target_errors(runner):
-    from core.errors import UserError
+    from layerskip_core.errors import UserError
 
     L = runner.num_layers
     with pytest.raises(UserError, match=">= 1"):
@@ -281,7 +281,7 @@ def test_early_exit_target_errors(runner):
 
 
 def test_prompt_errors(runner):
-    from core.errors import UserError
+    from layerskip_core.errors import UserError
 
     with pytest.raises(UserError, match="empty"):
         generate(runner, prompt=[])

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from core.errors import UserError
 from infer.gp_ucb import GPUCB, GPUCBConfig, matern52
+from layerskip_core.errors import UserError
 
 
 def scored(dim: int, count: int, f, seed: int = 0) -> GPUCB:

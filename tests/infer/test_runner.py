@@ -106,7 +106,7 @@ def test_mask_over_appended_positions(tiny_llama):
 def test_unsupported_model_type_is_refused():
     from transformers import GPT2Config
 
-    from core.errors import UserError
+    from layerskip_core.errors import UserError
 
     with pytest.raises(UserError, match="not supported"):
         Runner(GPT2Config(), {})

@@ -8,7 +8,6 @@ import optuna
 import pytest
 import torch
 
-from core.errors import UserError
 from infer.drafters.chain import PlanForward
 from infer.plan import LayerPlan, PlanFile, PlanSpace
 from infer.runner import Runner
@@ -24,6 +23,7 @@ from infer.search import (
     weights_cost,
 )
 from layerskip_cli.main import main
+from layerskip_core.errors import UserError
 from tiny_models import make_model
 
 PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 250, 17], [42] * 12 + [7, 8]]

@@ -7,7 +7,6 @@ import pytest
 import torch
 from lossless_stats import P_THRESHOLD, sampling_pvalue
 
-from core.errors import UserError
 from infer.drafters import build_drafter, parse_spec
 from infer.drafters.base import DecodeState, Draft, VerifyOutcome
 from infer.drafters.chain import PlanForward
@@ -17,6 +16,7 @@ from infer.plan import LayerPlan, PlanFile
 from infer.runner import Runner
 from infer.sampling import SamplingConfig
 from layerskip_cli.main import main
+from layerskip_core.errors import UserError
 from tiny_models import make_model
 
 PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 250, 17], [42] * 12 + [7, 8]]

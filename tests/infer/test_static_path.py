@@ -6,12 +6,12 @@ a padded verification and its rollback."""
 import pytest
 import torch
 
-from core.errors import UserError
 from infer.drafters import build_drafter
 from infer.engine import Engine, GenerationConfig
 from infer.graphs import bucket, window_mask
 from infer.plan import LayerPlan, PlanFile
 from infer.runner import Runner
+from layerskip_core.errors import UserError
 from stub_drafters import ScriptedDrafter
 from tiny_models import make_model
 

@@ -214,7 +214,7 @@ def test_plan_saved_by_swift_loads_back(runner, tmp_path):
 
 
 def test_plan_for_another_model_is_refused(runner, tmp_path):
-    from core.errors import UserError
+    from layerskip_core.errors import UserError
 
     other = Runner.from_model(make_model("llama", seed=5, layers=6))
     path = random_plan_file(other, tmp_path, 0)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.packages import cache_root
+from layerskip_core.packages import cache_root
 from script_modules import load_script
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,7 +52,7 @@ def offline_run(tmp_path_factory):
     (out / "GPU.md").write_text("# GPU\n\nintro kept\n\n<!-- gpu_check:begin -->\nold\n<!-- gpu_check:end -->\n"
                                 "\nafter kept\n")
     env = dict(os.environ, LAYERSKIP_CACHE=str(tmp_path_factory.mktemp("empty-cache")), HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(REPO),
+               TRANSFORMERS_OFFLINE="1", PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "scripts")]),
                # the compiled CPU kernel is a build product, not a model: reuse it rather than rebuild it
                TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR") or str(cache_root() / "kernels"))
     proc = subprocess.run([sys.executable, "-c", WRAPPER, "--device", "cpu", "--out", str(out)], cwd=REPO, env=env,
@@ -136,7 +136,7 @@ def test_markdown_reports_timed_captures_and_failures():
 
 def test_over_the_time_budget_only_the_compiled_peer_is_skipped():
     gpu_check = load_script("gpu_check")
-    from core.seeded_models import tiny_model
+    from infer.measure.seeded_models import tiny_model
 
     settings = gpu_check.Settings.for_run(True, budget_s=1e-9)
     run = gpu_check.Run(torch.device("cpu"), settings, started=0.0)  # long over budget

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.errors import UserError
-from core.packages import sha256_of
+from layerskip_core.errors import UserError
+from layerskip_core.packages import sha256_of
 from script_modules import load_script
 from tiny_models import save_tiny
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import train.model
-from core.errors import UserError
+from layerskip_core.errors import UserError
 from train import layerskip
 from train.config import TrainConfig, build, describe, dump_config, field_docs, load_config
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import train.data as data
-from core.errors import UserError
+from layerskip_core.errors import UserError
 from tiny_models import byte_tokenizer
 from train.config import DataConfig, SourceConfig
 from train.data import IGNORE, BatchOrder, Document, Examples, build_dataset, encode_pair, pack_blocks, read_source
@@ -123,14 +123,14 @@ def test_sft_batches_are_right_padded(tmp_path, tok, monkeypatch):
 
 
 def test_prompt_set_source_needs_the_package(monkeypatch):
-    import core.prompts as prompts
+    import layerskip_core.prompts as prompts
 
     items = [prompts.PromptItem(str(i), f"question {i}", f"answer {i}", "gsm8k") for i in range(10)]
     monkeypatch.setattr(data, "load_prompts", lambda name, *a, **k: items)
     docs = read_source(SourceConfig(type="prompt_set", path="gsm8k"), "sft")
     assert [(d.prompt, d.response) for d in docs[:2]] == [("question 0", "answer 0"), ("question 1", "answer 1")]
     train, val = data.split_documents(docs, 0.2)
-    assert [d.id for d in val] == ["8", "9"]  # held out: the back, as core.prompts(..., from_end=True) reads it
+    assert [d.id for d in val] == ["8", "9"]  # held out: the back, as prompts.load(from_end=True)
 
 
 def test_batch_order_is_a_pure_function_of_step():

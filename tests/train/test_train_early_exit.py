@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from core.errors import UserError
+from layerskip_core.errors import UserError
 from tiny_models import make_model
 from train.config import EarlyExitConfig, LayerDropoutConfig
 from train.model import IGNORE, LayerSkipLM, causal_lm_loss

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from core.errors import UserError
+from layerskip_core.errors import UserError
 from tiny_models import make_model
 from train.config import EarlyExitConfig, LayerDropoutConfig
 from train.model import LayerSkipLM

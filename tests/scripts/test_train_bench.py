@@ -1,4 +1,4 @@
-"""train.gpu_bench on tiny CPU shapes: the result's keys, the e2e train -> save -> runner decode (with no model cache:
+"""train_bench on tiny CPU shapes: the result's keys, the e2e train -> save -> runner decode (with no model cache:
 a byte-level tokenizer built in code), the doc table."""
 
 from __future__ import annotations
@@ -8,11 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from transformers import AutoTokenizer
-
-import core.models
-from core.seeded_models import BYTE_VOCAB
-from train.gpu_bench import (
+from train_bench import (
     BEGIN,
     END,
     NOT_RUN,
@@ -23,6 +19,11 @@ from train.gpu_bench import (
     update_training_doc,
     variants,
 )
+from transformers import AutoTokenizer
+
+import layerskip_core.models
+from infer.measure.seeded_models import BYTE_VOCAB
+from script_modules import SCRIPTS
 
 FIELDS = ("plain_tok_s", "dropout_rel", "dropout05_rel", "dropout_batch_rel", "exits_rel", "dropout_exits_rel",
           "rotational_rel", "plain_peak_gb", "exits_peak_gb", "mfu")
@@ -38,8 +39,8 @@ def tiny_result(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LAYERSKIP_CACHE", str(tmp_path_factory.mktemp("empty-cache")))
         mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setattr(core.models, "fetch_default_model", _no_model_lookup)
-        mp.setattr(core.models, "_from_hub", _no_model_lookup)
+        mp.setattr(layerskip_core.models, "fetch_default_model", _no_model_lookup)
+        mp.setattr(layerskip_core.models, "_from_hub", _no_model_lookup)
         return train_check("cpu", tiny=True)
 
 
@@ -95,6 +96,7 @@ def test_variants_and_flops():
 
 
 def test_import_needs_no_optional_packages():
-    code = ("import sys, train.gpu_bench; bad = [m for m in ('infer', 'train.layerskip', 'deepspeed', 'wandb', "
+    code = ("import sys, train_bench; bad = [m for m in ('infer.runner', 'infer.engine', 'train.layerskip', "
+            "'deepspeed', 'wandb', "
             "'datasets', 'matplotlib', 'optuna') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
-    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=SCRIPTS)

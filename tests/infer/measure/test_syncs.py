@@ -7,10 +7,10 @@ from infer.drafters import build_drafter
 from infer.drafters.base import DecodeState
 from infer.drafters.chain import draft_chain
 from infer.engine import Engine, GenerationConfig
+from infer.measure.syncs import SyncCounter, measure_decode
 from infer.plan import LayerPlan, PlanFile
 from infer.runner import Runner, ints_to_device
 from infer.sampling import SamplingConfig
-from infer.syncs import SyncCounter, measure_decode
 from tiny_models import make_model
 
 L = 8

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import yaml
 
-from core.errors import UserError
+from layerskip_core.errors import UserError
 
 
 def field_docs(cls: type) -> dict[str, str]:

@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from core.errors import UserError
+from layerskip_core.errors import UserError
 
 
 def run_main(prog: str, body: Callable[[], int | None]) -> int:

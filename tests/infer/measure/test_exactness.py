@@ -6,7 +6,7 @@ import torch
 
 from infer.drafters import build_drafter
 from infer.engine import Engine, GenerationConfig
-from infer.exactness import (
+from infer.measure.exactness import (
     ULPS,
     DivergenceJudge,
     classify_divergence,
@@ -150,7 +150,7 @@ def test_spread_of_one_row_vs_many_rows():
 
 
 def test_judge_measures_the_spread_once_and_only_when_needed(monkeypatch):
-    from infer import exactness
+    from infer.measure import exactness
 
     runner = Runner.from_model(make_model("llama", seed=0, layers=4))
     calls = []

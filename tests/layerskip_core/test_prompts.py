@@ -6,8 +6,8 @@ import gzip
 
 import pytest
 
-from core.errors import UserError
-from core.prompts import load_prompts, read_prompts_file
+from layerskip_core.errors import UserError
+from layerskip_core.prompts import load_prompts, read_prompts_file
 
 
 def test_non_utf8_bytes_name_the_line(tmp_path):

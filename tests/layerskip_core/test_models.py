@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from core import models
-from core.errors import UserError
-from core.models import fetch_default_model, resolve_model
+from layerskip_core import models
+from layerskip_core.errors import UserError
+from layerskip_core.models import fetch_default_model, resolve_model
 from tiny_models import save_tiny
 
 REPO = Path(__file__).resolve().parents[2]

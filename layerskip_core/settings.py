@@ -1,6 +1,6 @@
 """Which model, where and how it runs: one home for ``--model/--device/--dtype/--executor/--threads``.
 
-Every command and script that loads a model takes its flags from these dataclasses (``core.options``
+Every command and script that loads a model takes its flags from these dataclasses (``layerskip_core.options``
 turns the fields into flags, with the docstrings below as help) and resolves them once, at the command
 line's edge, into a concrete torch device and dtype (:meth:`RunSettings.resolve`); the library then
 receives those, never the names again. torch is imported inside ``resolve`` only, so ``--help`` and
@@ -13,8 +13,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from core.device import parse_dtype, resolve_device
-from core.errors import UserError
+from layerskip_core.device import parse_dtype, resolve_device
+from layerskip_core.errors import UserError
 
 if TYPE_CHECKING:
     import torch

@@ -117,7 +117,7 @@ def test_bench_reports_exactness_mismatches(tiny_model_dir, prompts_file, tmp_pa
 
 def test_bench_tie_flips_are_reported_not_failed(tiny_model_dir, prompts_file, tmp_path, monkeypatch):
     """A mismatch the classifier calls a near-tie goes to the tie_flips column and the bench still exits 0."""
-    from infer import exactness
+    from infer.measure import exactness
 
     monkeypatch.setitem(DRAFTERS, "faulty", FaultyDrafter)
     monkeypatch.setattr(exactness, "classify_divergence", lambda runner, prompt, ref, out, *rest: exactness.Divergence(
@@ -200,8 +200,8 @@ def test_speedup_plot_facets_by_model(tmp_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from infer import plots
-    from infer.bench import Summary
+    from infer.measure import plots
+    from infer.measure.bench import Summary
 
     def row(model, method, speedup):
         return Summary(model, "humaneval", method, 1, 8, 10.0, [10.0], speedup, None, None, None, None, None, None,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from core.errors import UserError
+from layerskip_core.errors import UserError
 
 if TYPE_CHECKING:
     import torch

@@ -8,8 +8,8 @@ from typing import Literal
 
 import pytest
 
-from core.errors import UserError
-from core.options import add_dataclass_flags, build, field_docs, from_text, type_name
+from layerskip_core.errors import UserError
+from layerskip_core.options import add_dataclass_flags, build, field_docs, from_text, type_name
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Training speed and memory of LayerSkip on one device, and an end-to-end train -> save -> decode check.
 
-    python -m train.gpu_bench --device cuda [--tokenizer-dir <model folder>] [--json out.json]
-    python -m train.gpu_bench --device cpu --tiny            # seconds; what CI runs
+    python scripts/train_bench.py --device cuda [--tokenizer-dir <model folder>] [--json out.json]
+    python scripts/train_bench.py --device cpu --tiny            # seconds; what CI runs
 
 :func:`train_check` times :class:`train.model.LayerSkipLM` steps driven directly (forward, backward,
 AdamW on fp32 master weights, bf16 autocast on CUDA; random-init weights; median of 3 steps after a
@@ -14,7 +14,7 @@ and loads the saved checkpoint with :class:`infer.runner.Runner` on the same dev
 tokens. :func:`update_training_doc` writes the result table into docs/TRAINING.md.
 
 The end-to-end run needs nothing from a model cache or the network: without ``--tokenizer-dir`` its
-tokenizer is ``core.seeded_models.byte_tokenizer`` (built in code) and its data the Python standard
+tokenizer is ``infer.measure.seeded_models.byte_tokenizer`` (built in code) and its data the Python standard
 library's source files. Importing this module needs only torch, transformers, tokenizers and the
 standard library; the training loop and the runner are imported inside the functions that use them.
 """
@@ -36,8 +36,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig
 
-from core.seeded_models import byte_tokenizer
-from core.seeded_models import random_model as seeded_random_model
+from infer.measure.seeded_models import byte_tokenizer
+from infer.measure.seeded_models import random_model as seeded_random_model
 from train.config import EarlyExitConfig, LayerDropoutConfig
 
 BEGIN, END = "<!-- gpu_check:train:begin -->", "<!-- gpu_check:train:end -->"
@@ -291,7 +291,7 @@ def training_table(result: dict) -> str:
     meta = result.get("train_meta", {})
     lines = [f"Measured on {meta.get('device', '?')} ({meta.get('date', '?')}; torch {meta.get('torch', '?')}, "
              f"transformers {meta.get('transformers', '?')}; {meta.get('precision', '?')}; "
-             f"{meta.get('timing', '?')}) by `train.gpu_bench.train_check`. Ratios are tokens/s relative to plain.",
+             f"{meta.get('timing', '?')}) by `train_bench.train_check`. Ratios are tokens/s relative to plain.",
              "",
              "| shape, batch | plain tok/s (MFU) | dropout 0.2 | dropout 0.5 | dropout 0.2, batch | 3 exits "
              "| dropout + exits | exits, rotational R=2 | peak GB plain → exits |",

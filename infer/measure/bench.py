@@ -33,12 +33,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from core.cli import split_named
-from core.device import dtype_name
-from core.errors import UserError
-from core.prompts import final_number, load_prompts, task_name, use_chat_template
-from core.settings import RunSettings
 from infer.plan import cycle_speedup
+from layerskip_core.cli import split_named
+from layerskip_core.device import dtype_name
+from layerskip_core.errors import UserError
+from layerskip_core.prompts import final_number, load_prompts, task_name, use_chat_template
+from layerskip_core.settings import RunSettings
 
 if TYPE_CHECKING:
     from infer.sampling import SamplingConfig
@@ -269,7 +269,7 @@ def tokens_per_verify(stats) -> float | None:
 
 def token_agreement(reference: list[int], out: list[int]) -> tuple[int, int]:
     """(positions equal before the first divergence, positions equal overall) of ``out`` against ``reference``."""
-    from infer.exactness import first_divergence
+    from infer.measure.exactness import first_divergence
 
     first = first_divergence(reference, out)
     return (len(reference) if first is None else first), sum(a == b for a, b in zip(reference, out, strict=False))
@@ -368,7 +368,7 @@ def _run_task(cfg: BenchConfig, model, peer, label: str, task: str, prompts: lis
               progress: bool) -> list[Record]:
     from tqdm.auto import tqdm
 
-    from infer.exactness import DivergenceJudge
+    from infer.measure.exactness import DivergenceJudge
 
     greedy = cfg.sampling.greedy
     gen = cfg.generation(Method(BASELINE, BASELINE))  # the reference's (full model) settings
@@ -406,7 +406,7 @@ def _run_task(cfg: BenchConfig, model, peer, label: str, task: str, prompts: lis
 
 def _judge(rec: Record, tokens: list[int], reference: list[int] | None, prompt: Prompt, model,
            greedy: bool, judge) -> None:
-    """Exactness (classified at the first divergence by ``judge``, an ``infer.exactness.DivergenceJudge``), lossy
+    """Exactness (classified at the first divergence by ``judge``, an ``exactness.DivergenceJudge``), lossy
     agreement and answer accuracy of one output."""
     answer = final_number(prompt.reference) if "####" in prompt.reference else None
     if answer is not None:
@@ -613,7 +613,7 @@ def bugs(rows: list[Summary]) -> list[Summary]:
 
 def write_outputs(cfg: BenchConfig, records: list[Record], out_dir: Path, command: str) -> list[Summary]:
     """results.json, results.csv, results.md and plots under ``out_dir``."""
-    from infer import plots
+    from infer.measure import plots
 
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = summarize(records)
