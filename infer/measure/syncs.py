@@ -66,15 +66,24 @@ class _Dispatch(TorchDispatchMode):
             if func is torch.ops.aten._local_scalar_dense.default:
                 c.add("reads")
             elif func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
-                src = args[1] if func is torch.ops.aten.copy_.default else args[0]
-                dst = args[0].device if func is torch.ops.aten.copy_.default else kwargs.get("device", src.device)
-                dst = torch.device(dst)
+                src, dst, non_blocking = copy_ends(func, args, kwargs)
                 if src.device.type != "cpu" and dst.type == "cpu":
                     c.add("reads")  # device-to-host
-                elif src.device.type == "cpu" and dst.type != "cpu" and not (
-                        kwargs.get("non_blocking", False) and src.is_pinned()):
+                elif src.device.type == "cpu" and dst.type != "cpu" and not (non_blocking and src.is_pinned()):
                     c.add("h2d")
         return func(*args, **kwargs)
+
+
+def copy_ends(func, args, kwargs) -> tuple[torch.Tensor, torch.device, bool]:
+    """(source tensor, destination device, non_blocking) of an ``aten.copy_`` or ``aten._to_copy`` call.
+
+    aten passes ``copy_``'s ``non_blocking`` as its third positional argument (``[dst, src, True]``) and
+    ``_to_copy``'s as a keyword; either may also come the other way, so both places are read.
+    """
+    if func is torch.ops.aten.copy_.default:
+        positional = bool(args[2]) if len(args) > 2 else False
+        return args[1], args[0].device, bool(kwargs.get("non_blocking", positional))
+    return args[0], torch.device(kwargs.get("device", args[0].device)), bool(kwargs.get("non_blocking", False))
 
 
 class SyncCounter:

@@ -120,3 +120,23 @@ def test_greedy_output_unchanged_when_the_draft_meets_eos(runner):
     for options in ({"exit_layer": 4, "num_draft": 4}, {"exit_layer": 4, "num_draft": 4, "confidence": 0.01}):
         got = Engine(runner, build_drafter("early_exit", runner, options), eos_token_ids=eos).generate(PROMPT, config)
         assert got.tokens == ref.tokens and got.finish_reason == ref.finish_reason == "eos"
+
+
+def test_pinned_non_blocking_copy_is_not_a_sync_in_either_call_shape(monkeypatch):
+    """aten gives ``copy_`` its ``non_blocking`` positionally (``[dst, src, True]``) and ``_to_copy`` as a keyword.
+
+    A CPU has no pinned memory and no second device, so the copy goes to the meta device and ``is_pinned`` is
+    faked: what a static forward's pinned index copies look like to the counter on CUDA.
+    """
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+    src, dst = torch.ones(3, dtype=torch.long), torch.empty(3, dtype=torch.long, device="meta")
+    with SyncCounter("meta") as syncs:
+        torch.ops.aten.copy_.default(dst, src, True)  # the exact positional shape aten dispatches
+        dst.copy_(src, non_blocking=True)
+        src.to("meta", non_blocking=True)
+    assert syncs.total == 0, syncs.counts
+    with SyncCounter("meta") as syncs:
+        torch.ops.aten.copy_.default(dst, src, False)
+        dst.copy_(src)
+        src.to("meta")
+    assert syncs.counts["h2d"] == 3, syncs.counts  # blocking copies still count
