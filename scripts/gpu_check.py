@@ -60,7 +60,13 @@ from infer.drafters import build_drafter
 from infer.engine import Engine
 from infer.engine import GenerationConfig as OurGenerationConfig
 from infer.measure.bench import git_commit
-from infer.measure.exactness import DivergenceJudge, measure_spread, spread_prompts
+from infer.measure.exactness import (
+    DivergenceJudge,
+    decode_verified,
+    measure_rounding,
+    measure_spread,
+    spread_prompts,
+)
 from infer.measure.seeded_models import random_model, tiny_model
 from infer.measure.syncs import measure_decode
 from infer.plan import LayerPlan, PlanFile
@@ -296,31 +302,36 @@ def drafter_specs(runner: Runner, folder: Path) -> dict[str, dict]:
     }
 
 
-def decode_counting(engine: Engine, prompt: list[int], gen: OurGenerationConfig,
-                    generator: torch.Generator | None = None) -> tuple[list[int], dict]:
-    """Tokens of one generation and its verifications: how many, how many verified a tree (not a chain), and how
-    many accepted a path that is not a prefix of the draft (its KV rows were compacted)."""
-    g = engine.start(prompt, gen, generator)
-    counts = {"verifications": 0, "trees": 0, "compactions": 0}
-    while not g.done:
-        outcome = engine.step(g)
-        counts["verifications"] += 1
+def outcome_counts(outcomes: list) -> dict[str, int]:
+    """Verifications of one generation: how many, how many verified a tree (not a chain), and how many accepted a
+    path that is not a prefix of the draft (its KV rows were compacted)."""
+    counts = {"verifications": len(outcomes), "trees": 0, "compactions": 0}
+    for outcome in outcomes:
         parents = outcome.draft.parents if outcome.draft is not None else None
         counts["trees"] += parents is not None and not TreeShape(parents).is_chain
         counts["compactions"] += outcome.path != list(range(len(outcome.path)))
-    return engine.finish(g).tokens, counts
+    return counts
 
 
-def greedy_identity(run: Run, new_tokens: int, spread: dict[str, dict]) -> dict:
-    """Every drafter's fp32 greedy output vs autoregressive on the device, each mismatch classified with the measured
-    ``spread`` of its model (measured on the first mismatch where ``spread`` lacks it)."""
+def decode_counting(engine: Engine, prompt: list[int], gen: OurGenerationConfig,
+                    generator: torch.Generator | None = None) -> tuple[list[int], dict]:
+    """Tokens of one generation and its ``outcome_counts``."""
+    tokens, _, outcomes = decode_verified(engine, prompt, gen, generator)
+    return tokens, outcome_counts(outcomes)
+
+
+def greedy_identity(run: Run, new_tokens: int) -> dict:
+    """Every drafter's fp32 greedy output vs autoregressive on the device, each mismatch classified with the drafter's
+    own verification argmax and the rounding of the one-row path against an fp32 full-sequence recomputation
+    (``infer.measure.exactness``; recorded per model)."""
     detail: dict[str, dict] = {}
     totals = {"mismatches": 0, "tie_flips": 0, "failures": 0, "runs": 0}
     gen = OurGenerationConfig(max_new_tokens=new_tokens, stop_at_eos=False)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         for kind, seed in TINY_MODELS:
             runner = tiny_runner(kind, seed, run.device, torch.float32, run.executor)
-            judge = DivergenceJudge(runner, gen, spread.get(f"{kind}/float32/{run.executor}", {}).get("max_abs"))
+            rounding = measure_rounding(runner, prompts=spread_prompts(320, run.settings.spread_prompt_lengths, seed))
+            judge = DivergenceJudge(runner, gen, rounding["max_abs"])
             prompts = [prompt_ids(320, n, seed + n) for n in (5, 9, 14)]
             plain = Engine(runner, build_drafter("autoregressive", runner))
             refs = [plain.generate(p, gen).tokens for p in prompts]
@@ -332,16 +343,17 @@ def greedy_identity(run: Run, new_tokens: int, spread: dict[str, dict]) -> dict:
                     continue
                 outs, counts = [], {"verifications": 0, "trees": 0, "compactions": 0}
                 for p in prompts:
-                    tokens, c = decode_counting(engine, p, gen)
-                    outs.append(tokens)
-                    counts = {k: counts[k] + c[k] for k in counts}
+                    tokens, verified, outcomes = decode_verified(engine, p, gen)
+                    outs.append((tokens, verified))
+                    counts = {k: counts[k] + c for k, c in outcome_counts(outcomes).items()}
                 engine.close()
-                wrong = [asdict(judge.classify(p, ref, out))
-                         for p, ref, out in zip(prompts, refs, outs, strict=True) if out != ref]
+                wrong = [asdict(judge.classify(p, ref, out, verified))
+                         for p, ref, (out, verified) in zip(prompts, refs, outs, strict=True) if out != ref]
                 flips = sum(d["tie_flip"] for d in wrong)
                 failures = len(wrong) - flips if run.device.type == "cuda" else len(wrong)
-                detail[f"{kind}/{name}"] = {"runs": len(prompts), "mismatches": len(wrong), "tie_flips": flips,
-                                            "failures": failures, "divergences": wrong, **counts}
+                detail[f"{kind}/{name}"] = {"rounding": rounding["max_abs"], "runs": len(prompts),
+                                            "mismatches": len(wrong), "tie_flips": flips, "failures": failures,
+                                            "divergences": wrong, **counts}
                 totals = {"mismatches": totals["mismatches"] + len(wrong), "tie_flips": totals["tie_flips"] + flips,
                           "failures": totals["failures"] + failures, "runs": totals["runs"] + len(prompts)}
             note_fallback(run, runner, f"greedy identity ({kind})")
@@ -749,8 +761,7 @@ def check(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
     if importlib.util.find_spec("optuna") is None:
         run.notes.append("optuna not installed: swift's Bayesian step is random search")
     part("parity", lambda: parity_part(run), result, save, run, into="exact")
-    part("greedy", lambda: greedy_identity(run, new_tokens, result.get("exact", {}).get("spread", {})), result, save,
-         run, into="exact")
+    part("greedy", lambda: greedy_identity(run, new_tokens), result, save, run, into="exact")
     part("sampling", lambda: {"sampling": sampled(run, new_tokens)}, result, save, run, into="exact")
     part("syncs", lambda: syncs(run, 32 if tiny else 64), result, save, run)
     if not args.skip_train:  # before the shapes: it decides the exit code, their peers only inform

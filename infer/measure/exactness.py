@@ -10,21 +10,25 @@ on the tests' tiny models; 5e-5 in fp32 and 0.9-1.2 in bf16 on SmolLM2-135M-Inst
 
 The rule, at the first position where the outputs differ:
 
-1. Recompute the target's logits exactly as the reference run computed them: the same executor
+1. The run being judged must have emitted what its own verification chose there: greedy decoding
+   emits the verification's argmax, so an emitted token that is not it (an acceptance bug emitting
+   the target's runner-up, say) is a bug, whatever the margin. ``decode_verified`` records that
+   argmax per output token through the engine's public ``start``/``step``; peers (transformers)
+   expose none and are judged by the rules below alone.
+2. Recompute the target's logits exactly as the reference run computed them: the same executor
    (eager, static or CUDA graphs), the same pooled cache capacity (the same ``GenerationConfig``),
    the prompt prefilled in one forward, then one token per forward (``Engine.target_logits``).
-   The row is then the reference's own row, not an approximation of it: recomputing on another
-   path (eager instead of static) can move a bf16 logit by more than any tie bound.
-2. If that row does not pick the reference's token (another token has the larger logit), the
-   reference disagrees with itself: a bug (non-deterministic kernels, or state leaking between
-   runs), whatever the margin.
-3. Otherwise the margin ``logit(ref_token) - logit(out_token)`` is >= 0, and the difference is a
-   tie flip when the margin is at most the *tie bound*: how far the other run's verification can
-   have moved the margin. Each logit of a row computed inside a T-row forward differs from the same
-   row computed alone by at most the *spread* (measured by :func:`measure_spread` for a runner on
-   its executor and dtype), so the margin between two tokens moves by at most twice the spread.
-   The bound is ``max(2 * spread, ULPS ulps)``: the ulp floor covers the rounding of the two logits
-   themselves where the spread measures 0.
+   If that row does not pick the reference's token, the reference disagrees with itself: a bug.
+3. Otherwise the margin ``logit(ref_token) - logit(out_token)`` (>= 0) is a tie flip when it is at
+   most the *tie bound* ``max(4 * rounding, ULPS ulps)``. ``rounding`` is measured by
+   :func:`measure_rounding` on a path independent of the verification being judged: the one-row
+   incremental path (what plain decoding runs) against an fp32 recomputation of the same positions
+   (one full-sequence forward of fp32 weights). Each logit of either run lies within ``rounding`` of
+   the exact value (measured for the one-row path; assumed, not measured, for the many-row
+   verification, which uses the same dtype and kernels), the exact margin lies between the two
+   runs' opposite margins, so the reference's margin is at most ``2 * rounding + 2 * rounding``.
+   A broken many-row path cannot widen this bound, as the one-row vs many-row ``measure_spread``
+   (kept as a diagnostic) would.
 """
 
 from __future__ import annotations
@@ -83,20 +87,24 @@ def ulp(value: float, dtype: torch.dtype) -> float:
     return eps * 2.0 ** (exponent - 1)
 
 
-def tie_bound(spread: float, magnitude: float, dtype: torch.dtype) -> float:
-    """Largest margin called a tie: twice the measured one-row vs many-row ``spread`` (each of the two
-    logits can move by it), at least ``ULPS`` ulps of ``dtype`` at the logits' ``magnitude``."""
-    return max(2.0 * spread, ULPS * ulp(magnitude, dtype))
+def tie_bound(rounding: float, magnitude: float, dtype: torch.dtype) -> float:
+    """Largest margin called a tie: four times the measured per-logit ``rounding`` (two logits, two runs), at
+    least ``ULPS`` ulps of ``dtype`` at the logits' ``magnitude``."""
+    return max(4.0 * rounding, ULPS * ulp(magnitude, dtype))
 
 
 def classify_logits(logits_row: Tensor, ref_token: int, out_token: int, dtype: torch.dtype,
-                    spread: float = 0.0) -> tuple[float, float, bool, str]:
-    """(margin, bound, tie_flip, reason) for the reference's own logits row (V,) at a divergent position."""
+                    rounding: float = 0.0, verified: int | None = None) -> tuple[float, float, bool, str]:
+    """(margin, bound, tie_flip, reason) for the reference's own logits row (V,) at a divergent position;
+    ``verified``: the judged run's own verification argmax there (None: not known, a peer)."""
     row = logits_row.float().reshape(-1)  # (V,)
     a, b = float(row[ref_token]), float(row[out_token])
     margin = a - b
-    bound = tie_bound(spread, max(abs(a), abs(b)), dtype)
+    bound = tie_bound(rounding, max(abs(a), abs(b)), dtype)
     winner = int(row.argmax())
+    if verified is not None and verified != out_token:
+        return margin, bound, False, (f"the run emitted token {out_token} where its own verification chose "
+                                      f"{verified}: an acceptance bug")
     if margin < 0 or winner != ref_token:
         return margin, bound, False, (f"reference disagrees with itself: its recomputed logits pick token {winner}, "
                                       f"not its output {ref_token}")
@@ -105,19 +113,36 @@ def classify_logits(logits_row: Tensor, ref_token: int, out_token: int, dtype: t
     return margin, bound, True, ""
 
 
+def decode_verified(engine: Engine, prompt_ids: Sequence[int], config: GenerationConfig,
+                    generator: torch.Generator | None = None) -> tuple[list[int], list[int], list]:
+    """(tokens, verified, outcomes) of one greedy generation: ``verified[i]`` is the argmax the run's own
+    verification (or prefill, for the first token) chose for output token ``i``; ``outcomes`` are the
+    engine's ``VerifyOutcome`` per cycle."""
+    gen = engine.start(prompt_ids, config, generator)
+    verified, outcomes = list(gen.tokens), []
+    while not gen.done:
+        outcome = engine.step(gen)
+        outcomes.append(outcome)
+        verified += [outcome.target_argmax[p] for p in outcome.path] if outcome.target_argmax else outcome.tokens
+    tokens = engine.finish(gen).tokens
+    return tokens, verified[:len(tokens)], outcomes
+
+
 def reference_engine(runner) -> Engine:
     """The engine plain decoding runs with: the autoregressive drafter on ``runner`` (its executor, its cache pool)."""
     return Engine(runner, build_drafter("autoregressive", runner))
 
 
 def classify_divergence(runner, prompt_ids: Sequence[int], ref: list[int], out: list[int],
-                        config: GenerationConfig | None = None, spread: float = 0.0) -> Divergence | None:
+                        config: GenerationConfig | None = None, rounding: float = 0.0,
+                        verified: Sequence[int] | None = None) -> Divergence | None:
     """Classify the first difference of ``out`` from the autoregressive ``ref``; None when they agree.
 
     ``config`` must be the ``GenerationConfig`` the reference was generated with (it sets the pooled
-    cache's capacity, hence the static forwards that ran); ``spread`` is :func:`measure_spread`'s
-    ``max_abs`` for this runner (0: only the ulp floor). A length difference (one output ended first) is
-    never a tie flip.
+    cache's capacity, hence the static forwards that ran); ``rounding`` is :func:`measure_rounding`'s
+    ``max_abs`` for this runner (0: only the ulp floor); ``verified``: the judged run's own verification
+    argmax per output token (:func:`decode_verified`; None for a peer). A length difference (one output
+    ended first) is never a tie flip.
     """
     pos = first_divergence(ref, out)
     if pos is None:
@@ -126,7 +151,8 @@ def classify_divergence(runner, prompt_ids: Sequence[int], ref: list[int], out: 
         return Divergence(pos, ref[pos] if pos < len(ref) else -1, out[pos] if pos < len(out) else -1,
                           math.inf, 0.0, False, "one output ended first")
     row = reference_engine(runner).target_logits(list(prompt_ids), list(ref[:pos]), config)  # (V,)
-    margin, bound, tie, reason = classify_logits(row, ref[pos], out[pos], runner.dtype, spread)
+    own = None if verified is None else int(verified[pos])
+    margin, bound, tie, reason = classify_logits(row, ref[pos], out[pos], runner.dtype, rounding, own)
     return Divergence(pos, ref[pos], out[pos], margin, bound, tie, reason)
 
 
@@ -190,24 +216,79 @@ def measure_spread(runner, prompts: Sequence[Sequence[int]] | None = None,
             "dtype": str(runner.dtype).removeprefix("torch."), "prompts": len(prompts)}
 
 
+@torch.no_grad()
+def chain_rounding(runner, reference, prompt_ids: Sequence[int], n: int) -> float:
+    """Max |logit difference| between ``runner``'s one-row incremental path (the prompt prefilled, then one token
+    per forward, as plain decoding runs) and one full-sequence forward of the fp32 ``reference`` over the same
+    positions (the target's greedy chain after the prompt, n + 1 rows)."""
+    engine = reference_engine(runner)
+    prompt, P, L = [int(t) for t in prompt_ids], len(prompt_ids), runner.num_layers
+    cache = runner.take_cache(engine.cache_length(P, n))
+    try:
+        hidden = runner.forward_layers(cache, runner.embed(runner.to_device(prompt)),
+                                       torch.arange(P, device=runner.device), bulk=True)  # (P, d)
+        rows = [runner.logits(hidden[-1:])]  # [(1, V)]
+        chain = [int(rows[0][0].argmax())]
+        for i in range(n):
+            one = runner.embed(runner.to_device(chain[i:i + 1]))  # (1, d)
+            rows.append(runner.span(cache, one, [P + i], 0, L, logits=True).logits)  # (1, V)
+            chain.append(int(rows[-1][0].argmax()))
+    finally:
+        runner.release_cache(cache)
+    ids = torch.tensor(prompt + chain[:n], device=reference.device)  # (P + n,)
+    exact = reference.forward(reference.new_cache(P + n + 1), ids)[P - 1:].float()  # (n + 1, V)
+    return float((torch.cat(rows).float().to(exact.device) - exact).abs().max())
+
+
+def measure_rounding(runner, reference=None, prompts: Sequence[Sequence[int]] | None = None, n: int = 16) -> dict:
+    """Per-logit rounding of ``runner``'s one-row path against an fp32 recomputation, over ``prompts`` (default
+    :func:`spread_prompts`) and ``n`` greedy tokens each: the tie bound's input, measured on a path independent of
+    any many-row verification.
+
+    ``reference``: an fp32 runner of the same weights (as ``runner`` rounds them: build it from the model cast to
+    ``runner``'s dtype); default ``runner`` itself when it is fp32 (its full-sequence prefill path). Returns
+    ``{"max_abs", "executor", "dtype", "prompts", "tokens", "path"}``.
+    """
+    if reference is None:
+        if runner.dtype != torch.float32:
+            raise ValueError(f"measuring the rounding of a {runner.dtype} runner needs an fp32 reference runner")
+        reference = runner
+    if reference.dtype != torch.float32:
+        raise ValueError(f"the reference runner must be fp32, not {reference.dtype}")
+    prompts = spread_prompts(runner.spec.vocab_size) if prompts is None else prompts
+    worst = max((chain_rounding(runner, reference, p, n) for p in prompts), default=0.0)
+    return {"max_abs": worst, "executor": runner.executor, "dtype": str(runner.dtype).removeprefix("torch."),
+            "prompts": len(prompts), "tokens": n, "path": "one-row incremental vs fp32 full-sequence recomputation"}
+
+
 class DivergenceJudge:
     """Classifies one runner's divergences from its plain-decoding references, all generated with ``config``.
 
-    ``spread`` (a measured ``max_abs``): given, or measured by :func:`measure_spread` on the first divergence
-    that needs it (once; seconds on a GPU, a minute or two for a 135M model on a CPU).
+    The tie bound's ``rounding``: given, or measured on the first divergence that needs it (once) by
+    :func:`measure_rounding` against ``reference`` (an fp32 runner of the same weights; the runner itself when it
+    is fp32). A non-fp32 runner without a reference falls back to the one-row vs many-row :func:`measure_spread`,
+    a bound measured through the verification path it vouches for (``bound_source`` says which was used).
     """
 
-    def __init__(self, runner, config: GenerationConfig | None = None, spread: float | None = None):
-        self.runner, self.config = runner, config
-        self._spread = spread
+    def __init__(self, runner, config: GenerationConfig | None = None, rounding: float | None = None,
+                 reference=None):
+        self.runner, self.config, self.reference = runner, config, reference
+        self._rounding = rounding
+        self.bound_source = "given" if rounding is not None else None
 
     @property
-    def spread(self) -> float:
-        if self._spread is None:
-            self._spread = measure_spread(self.runner)["max_abs"]
-        return self._spread
+    def rounding(self) -> float:
+        if self._rounding is None:
+            if self.reference is None and self.runner.dtype != torch.float32:
+                self._rounding, self.bound_source = measure_spread(self.runner)["max_abs"], "many-row spread"
+            else:
+                self._rounding = measure_rounding(self.runner, self.reference)["max_abs"]
+                self.bound_source = "fp32 recomputation"
+        return self._rounding
 
-    def classify(self, prompt_ids: Sequence[int], ref: list[int], out: list[int]) -> Divergence | None:
+    def classify(self, prompt_ids: Sequence[int], ref: list[int], out: list[int],
+                 verified: Sequence[int] | None = None) -> Divergence | None:
+        """``verified``: the judged run's own verification argmax per output token (None for a peer)."""
         if first_divergence(ref, out) is None:
             return None
-        return classify_divergence(self.runner, prompt_ids, ref, out, self.config, self.spread)
+        return classify_divergence(self.runner, prompt_ids, ref, out, self.config, self.rounding, verified)

@@ -1,5 +1,6 @@
 """The tie-flip classifier: constructed logits rows, divergences planted in a tiny model's output (recomputed on
-the executor that ran), and the one-row vs many-row spread the tie bound is based on."""
+the executor that ran), the run's own verification argmax, and the fp32-recomputation rounding the tie bound is
+based on."""
 
 import pytest
 import torch
@@ -11,7 +12,9 @@ from infer.measure.exactness import (
     DivergenceJudge,
     classify_divergence,
     classify_logits,
+    decode_verified,
     first_divergence,
+    measure_rounding,
     measure_spread,
     tie_bound,
     ulp,
@@ -68,12 +71,19 @@ def test_a_third_token_winning_is_the_reference_disagreeing_with_itself():
     assert margin > 0 and not tie and "pick token 5" in reason
 
 
-def test_the_bound_is_twice_the_measured_spread_with_an_ulp_floor():
-    assert tie_bound(0.25, 20.0, torch.bfloat16) == 0.5
+def test_the_bound_is_four_times_the_measured_rounding_with_an_ulp_floor():
+    assert tie_bound(0.25, 20.0, torch.bfloat16) == 1.0
     assert tie_bound(0.0, 20.0, torch.bfloat16) == ULPS * 0.125
     row = _row({3: 20.0, 7: 19.0})  # margin 1.0
-    assert classify_logits(row, 3, 7, torch.bfloat16, spread=0.5)[2]
-    assert not classify_logits(row, 3, 7, torch.bfloat16, spread=0.49)[2]
+    assert classify_logits(row, 3, 7, torch.bfloat16, rounding=0.25)[2]
+    assert not classify_logits(row, 3, 7, torch.bfloat16, rounding=0.24)[2]
+
+
+def test_an_emitted_token_its_own_verification_did_not_choose_is_a_bug_however_small_the_margin():
+    row = _row({3: 20.0, 7: 19.875})  # a bf16 near-tie
+    assert classify_logits(row, 3, 7, torch.bfloat16, verified=7)[2]  # the verification chose 7: a tie flip
+    margin, _, tie, reason = classify_logits(row, 3, 7, torch.bfloat16, rounding=10.0, verified=3)
+    assert margin == pytest.approx(0.125) and not tie and "acceptance bug" in reason
 
 
 def _runner_up(row: torch.Tensor, token: int) -> int:
@@ -117,7 +127,7 @@ def test_a_corrupted_reference_is_a_bug_not_a_tie_flip():
     ref = Engine(runner, build_drafter("autoregressive", runner)).generate(prompt, GEN).tokens
     for pos in (2, 6):
         corrupted = _plant(runner, prompt, ref, pos)
-        div = classify_divergence(runner, prompt, corrupted, ref, GEN, spread=100.0)  # even a huge bound
+        div = classify_divergence(runner, prompt, corrupted, ref, GEN, rounding=100.0)  # even a huge bound
         assert div.margin < 0 and not div.tie_flip and "reference disagrees with itself" in div.reason
 
 
@@ -149,17 +159,70 @@ def test_spread_of_one_row_vs_many_rows():
     assert bf16["max_abs"] == max(bf16["per_size"].values()) and 0.0 < bf16["max_abs"] < 0.5
 
 
-def test_judge_measures_the_spread_once_and_only_when_needed(monkeypatch):
+def test_judge_measures_the_rounding_once_and_only_when_needed(monkeypatch):
     from infer.measure import exactness
 
     runner = Runner.from_model(make_model("llama", seed=0, layers=4))
     calls = []
-    monkeypatch.setattr(exactness, "measure_spread", lambda r: calls.append(r) or {"max_abs": 0.125})
+    monkeypatch.setattr(exactness, "measure_rounding", lambda r, ref: calls.append(r) or {"max_abs": 0.125})
     judge = DivergenceJudge(runner, GEN)
     prompt = [5, 6, 7, 8, 9]
     ref = Engine(runner, build_drafter("autoregressive", runner)).generate(prompt, GEN).tokens
     assert judge.classify(prompt, ref, list(ref)) is None and not calls
     for pos in (3, 5):
         div = judge.classify(prompt, ref, _plant(runner, prompt, ref, pos))
-        assert div.resolution >= 0.25
-    assert len(calls) == 1 and judge.spread == 0.125
+        assert div.resolution >= 0.5
+    assert len(calls) == 1 and judge.rounding == 0.125 and judge.bound_source == "fp32 recomputation"
+
+
+def test_rounding_is_measured_against_an_fp32_recomputation_not_the_many_row_path(monkeypatch):
+    """fp32: the one-row path and a full-sequence fp32 forward agree to ~1e-6; bf16 weights upcast to fp32 give the
+    bf16 runner's own rounding. Breaking the many-row verification path leaves the bound unchanged."""
+    model = make_model("llama", seed=0, layers=4)
+    fp32 = measure_rounding(Runner.from_model(model, executor="static"), n=8)
+    assert 0.0 <= fp32["max_abs"] < 1e-4 and fp32["prompts"] == 3 and "fp32" in fp32["path"]
+    bf16_model = make_model("llama", seed=0, layers=4).to(torch.bfloat16)
+    runner = Runner.from_model(bf16_model, torch.bfloat16, executor="eager")
+    reference = Runner.from_model(bf16_model, torch.float32)
+    bf16 = measure_rounding(runner, reference, n=8)
+    assert 0.0 < bf16["max_abs"] < 0.5 and bf16["dtype"] == "bfloat16"
+    with pytest.raises(ValueError, match="fp32 reference"):
+        measure_rounding(runner)
+    span = Runner.span
+
+    def broken(self, cache, hidden, positions, *args, **kwargs):  # a many-row path that rounds badly
+        out = span(self, cache, hidden, positions, *args, **kwargs)
+        if len(positions) > 1 and out.logits is not None:
+            out.logits = out.logits + 5.0 * torch.randn_like(out.logits)
+        return out
+    monkeypatch.setattr(Runner, "span", broken)
+    assert measure_rounding(runner, reference, n=8)["max_abs"] == bf16["max_abs"]
+    assert measure_spread(runner, sizes=(2, 4))["max_abs"] > 1.0  # the old bound would have widened
+
+
+def test_a_runner_up_emitted_by_an_acceptance_bug_is_a_bug(monkeypatch):
+    """An early exit whose acceptance emits the target's runner-up at one position: even with a bound wide enough
+    to call the margin a tie, the run's own verification chose the reference's token there, so it is a bug."""
+    import infer.engine as engine_module
+
+    runner = Runner.from_model(make_model("llama", seed=0, layers=4))
+    prompt = [5, 6, 7, 8, 9]
+    ref = Engine(runner, build_drafter("autoregressive", runner)).generate(prompt, GEN).tokens
+    pos = 6
+    planted = _plant(runner, prompt, ref, pos)
+    accept = engine_module.greedy_accept
+    emitted = []
+
+    def buggy(tree, tokens, argmax):  # emits the runner-up as the token at output position ``pos``
+        path, bonus = accept(tree, tokens, argmax)
+        if len(emitted) <= pos < len(emitted) + len(path):  # accept up to just before pos, then the runner-up
+            path, bonus = path[:pos - len(emitted) + 1], planted[pos]
+        emitted.extend([0] * len(path))
+        return path, bonus
+    monkeypatch.setattr(engine_module, "greedy_accept", buggy)
+    engine = Engine(runner, build_drafter("early_exit", runner, {"exit_layer": 2, "num_draft": 3}))
+    emitted.append(0)  # the prefill's token
+    out, verified, _ = decode_verified(engine, prompt, GEN)
+    assert out[pos] == planted[pos] != ref[pos] and verified[pos] == ref[pos]
+    div = DivergenceJudge(runner, GEN, rounding=100.0).classify(prompt, ref, out, verified)
+    assert div.position == pos and not div.tie_flip and "acceptance bug" in div.reason
