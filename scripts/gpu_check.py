@@ -1,20 +1,25 @@
 """One command, one run on a GPU machine: exactness, host syncs, forward costs, decoding speed against `transformers`,
 training.
 
-    python scripts/gpu_check.py                                   # a GPU machine: the full run (aim: < 5 min)
-    python scripts/gpu_check.py --device cpu --out /tmp/gpu-check # tiny shapes, a few tokens, seconds (CI)
+    python3 scripts/gpu_check.py                                  # a GPU machine: the full run (<= 400 s budget)
+    python3 scripts/gpu_check.py --device cpu                     # tiny shapes, a few tokens, seconds (CI)
 
-Parts, in order (each writes its numbers into the result, and ``OUT/gpu/latest.json`` is rewritten after each
-part, so a run cut short still leaves what it measured; a part that raises is recorded under ``errors`` and the
-run goes on):
+Runs from a bare checkout (importing ``lease`` puts the checkout on ``sys.path``). Results go to ``--out``, else
+``$OUT`` (the folder that comes back from a device lease), else ``runs/gpu/``: ``gpu_check.json``, rewritten after
+every part and every shape (a command killed during the 7B compile keeps the smaller shapes), ``GPU.md`` (the result
+block) and ``TRAINING.md`` (the training table). ``--budget-s`` is the run's own wall budget: nothing new starts
+after it, so it ends with results. A missing optional package (``lease.OPTIONAL``) is a note, not a failure.
+
+Parts, in order (a part that raises is recorded under ``errors`` and the run goes on):
 
 1. exact: logits of our runner vs `transformers` on two tiny seeded models (Llama, Qwen2) in fp32
    and bf16 (``parity_max_abs`` is the fp32 maximum); the one-row vs many-row logit spread of those
    models on the device (fp32 and bf16, the check's executor and eager: ``infer.measure.exactness.measure_spread``);
    greedy output of every drafter vs ``autoregressive`` on the device in fp32 (SWIFT with token trees),
-   each mismatch classified on the path that ran with the device's measured fp32 spread: on CUDA only
-   mismatches beyond a tie flip fail (cuBLAS is not batch-invariant, fp32 included), on a CPU every
-   mismatch fails; one seeded sampled generation per drafter, which must complete.
+   each mismatch classified with the drafter's own verification argmax and the fp32 runner's measured
+   rounding (``infer.measure.exactness``): on CUDA only mismatches beyond a tie flip fail (cuBLAS is not
+   batch-invariant, fp32 included), on a CPU every mismatch fails; one seeded sampled generation per
+   drafter, which must complete.
 2. syncs: host syncs per draft-verify cycle of every drafter (``infer.measure.syncs.measure_decode``) on a tiny
    model in fp32, with the targets they are held to (reported, never failing the run).
 3. train: ``train_bench.train_check`` (training step speed/memory and an end-to-end
@@ -22,17 +27,17 @@ run goes on):
 4. shapes: random-init SmolLM2-135M, Llama-3.2-1B-like and Llama-2-7B-like models in bf16
    (``--tiny``: 4-layer stand-ins of each): ms per full one-token forward; v(T) = cost of
    verifying T tokens / one token, T = 1..32; c(E) = cost of a draft step through layers [0, E) +
-   norm + head / one full forward, E = L/4, L/2, 3L/4; our autoregressive and ``early_exit``
-   (E = L/4, k = 4) tokens/s with the early exit's draft and verify step times, and the static
-   forwards built and CUDA graphs captured in warm-up and in timed runs (timed runs must capture
-   none); the bf16 spread at that shape; the peers ``hf_generate`` (dynamic cache), ``hf_early_exit``
-   (transformers' assistant at E = L/4) and ``hf_static`` (static cache; compiled by transformers on
-   CUDA; not started once the run has used its time budget, ``--time-budget``: skipped with a note).
+   norm + head / one full forward, E = L/4, L/2, 3L/4; CUDA kernels per forward and the attention
+   kernels' names (torch's profiler); our autoregressive and ``early_exit`` (E = L/4, k = 4) tokens/s
+   with the early exit's draft and verify step times (CUDA events), and the static forwards built and
+   CUDA graphs captured in warm-up and in timed runs (timed runs must capture none); the bf16 spread at
+   that shape; our peak memory with the transformers model off the device; the peers ``hf_generate``
+   (dynamic cache), ``hf_early_exit`` (transformers' assistant at E = L/4) and ``hf_static`` (static
+   cache; compiled by transformers on CUDA, its compiles inside the timed runs counted; not started
+   within ``COMPILE_RESERVE_S`` of the budget: skipped with a note).
 
-It writes ``OUT/gpu/latest.json`` and the table between ``<!-- gpu_check:begin -->`` and
-``<!-- gpu_check:end -->`` in ``OUT/GPU.md`` (``OUT`` = docs/ by default), and the training table
-into ``OUT/TRAINING.md``. Only torch, transformers, accelerate, peft, tokenizers, safetensors, numpy,
-pyyaml and tqdm are needed: no model cache, no network, none of optuna, datasets, wandb, gguf or deepspeed.
+Only torch, transformers, tokenizers, safetensors, numpy, pyyaml and tqdm are needed: no model cache, no network;
+accelerate, peft, optuna, datasets, wandb, gguf and deepspeed are optional.
 """
 
 from __future__ import annotations
@@ -40,7 +45,6 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
-import json
 import re
 import shlex
 import statistics
@@ -52,6 +56,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import lease  # first: puts the checkout on sys.path (a bare checkout on a GPU image)
 import torch
 import transformers
 from transformers import GenerationConfig, LlamaConfig
@@ -59,7 +64,6 @@ from transformers import GenerationConfig, LlamaConfig
 from infer.drafters import build_drafter
 from infer.engine import Engine
 from infer.engine import GenerationConfig as OurGenerationConfig
-from infer.measure.bench import git_commit
 from infer.measure.exactness import (
     DivergenceJudge,
     decode_verified,
@@ -76,19 +80,22 @@ from layerskip_core.cli import check_output_dir, run_main
 from layerskip_core.device import resolve_device
 
 BEGIN, END = "<!-- gpu_check:begin -->", "<!-- gpu_check:end -->"
-REPO = Path(__file__).resolve().parent.parent
+RESULT_FILE = "gpu_check.json"
+"""The result, rewritten after every part and every shape."""
 TINY_MODELS = (("llama", 0), ("qwen2", 1))
 """The tiny seeded models of the exactness part: (kind, seed)."""
 SWIFT_TREES = {"context_window": 4, "tree": True, "adaptive": False, "remember": False}
 """SWIFT settings that verify token trees from the first cycles (no fallback gate, nothing remembered)."""
 SAMPLING = SamplingConfig(temperature=0.8, top_p=0.95, seed=0)
 """The seeded sampled generation each drafter must complete."""
-FULL_BUDGET_S = 240.0
-"""Default time budget of a full (GPU) run: no ``hf_static`` peer (the one transformers compiles) starts after it.
-Estimated on an H200 (not yet measured): parts 1-3 and our decoding at the three shapes about 2.5 minutes, the
-dynamic-cache and assistant peers about 30 s, each static-cache compile 30-90 s; with this budget the run should
-end in 4-5 minutes (at worst about 6, a compile started just before the budget), inside a GPU session's 10 minutes
-per command with room for a rerun."""
+FULL_BUDGET_S = 400.0
+"""Default wall budget of a full (GPU) run: no part, shape or peer starts after it, and no ``hf_static`` peer (the one
+transformers compiles) starts within ``COMPILE_RESERVE_S`` of it. Estimated on an H200 (not yet measured): parts 1-3
+and our decoding at the three shapes about 2.5 minutes, the dynamic-cache and assistant peers about 30 s, each
+static-cache compile 30-90 s; a piece started just before the budget can overrun it by its own length (a 7B compile:
+about 90 s), so the command line's ``timeout`` is set 2 minutes above it (docs/GPU.md)."""
+COMPILE_RESERVE_S = 90.0
+"""Seconds of budget an ``hf_static`` peer (a torch.compile) needs left to start."""
 
 
 @dataclass(frozen=True)
@@ -143,7 +150,7 @@ class Settings:
     spread_prompt_lengths: tuple[int, ...]
     """Lengths of the seeded prompts the spread is measured after."""
     budget_s: float
-    """Seconds after which no ``hf_static`` peer starts (0 = no budget)."""
+    """Wall budget in seconds: nothing new starts after it (0 = no budget)."""
 
     @classmethod
     def for_run(cls, tiny: bool, budget_s: float | None = None) -> Settings:
@@ -174,8 +181,9 @@ class Run:
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
 
-    def over_budget(self) -> bool:
-        return self.settings.budget_s > 0 and self.elapsed() > self.settings.budget_s
+    def over_budget(self, reserve: float = 0.0) -> bool:
+        """Whether fewer than ``reserve`` seconds of the wall budget are left."""
+        return lease.Budget(self.settings.budget_s, self.started).over(reserve)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -457,11 +465,14 @@ def forward_costs(runner: Runner, settings: Settings, device: torch.device, tall
         exits = sorted({max(1, round(L * f)) for f in (0.25, 0.5, 0.75)})
         draft = {E: timed(span(1, E), device, repeats, runner=runner, tally=tally) for E in exits}
         small = {E: timed(span(1, E, head), device, repeats, runner=runner, tally=tally) for E in exits}
+        kernels = lease.kernel_profile(span(1, L), device)  # after the timings: on the forward they captured
     finally:
         runner.release_cache(cache)
+    per_layer = None if kernels["kernels_per_forward"] is None else kernels["kernels_per_forward"] / L
     return {"ms_forward": 1000 * full[1], "v": {str(T): t / full[1] for T, t in full.items()},
             "c": {str(E): t / full[1] for E, t in draft.items()},
-            "c_vocab": {str(E): t / full[1] for E, t in small.items()}, "draft_vocab": head.size}
+            "c_vocab": {str(E): t / full[1] for E, t in small.items()}, "draft_vocab": head.size,
+            **kernels, "kernels_per_layer": per_layer}
 
 
 def ours(runner: Runner, prompt: list[int], settings: Settings, tally: GraphTally) -> dict:
@@ -480,13 +491,28 @@ def ours(runner: Runner, prompt: list[int], settings: Settings, tally: GraphTall
         tally.add(before, warm, graph_counts(runner))
         out[f"{key}_tok_s"] = statistics.median(r.stats.tokens_per_second for r in results)
         if name == "early_exit":
+            out |= step_times(engine, prompt, gen)
             s = results[-1].stats
-            forwards = int(s.drafter.get("draft_forwards", 0)) or max(1, s.drafted)
-            out["ours_early_exit_draft_ms"] = 1000 * s.draft_time / forwards
-            out["ours_early_exit_verify_ms"] = 1000 * s.verify_time / max(1, s.verify_calls)
             out["ours_early_exit_acceptance"] = s.acceptance_rate
             out["early_exit_E"] = E
     return out
+
+
+def step_times(engine: Engine, prompt: list[int], gen: OurGenerationConfig) -> dict:
+    """ms per draft forward and per verification of one more generation, from CUDA events on CUDA (a synchronised
+    timer; the engine's own split is taken without a device sync) and perf_counter elsewhere."""
+    clock = lease.StepClock(engine.runner.device)
+    engine.drafter.propose = clock.timed("draft", engine.drafter.propose)  # instance attributes, removed below
+    engine.step = clock.timed("step", engine.step)
+    try:
+        s = engine.generate(prompt, gen).stats
+    finally:
+        del engine.drafter.propose, engine.step
+    forwards = int(s.drafter.get("draft_forwards", 0)) or max(1, s.drafted)
+    draft = clock.seconds("draft")
+    return {"ours_early_exit_draft_ms": 1000 * draft / forwards,
+            "ours_early_exit_verify_ms": 1000 * (clock.seconds("step") - draft) / max(1, s.verify_calls),
+            "step_timer": "cuda events" if clock.cuda else "perf_counter"}
 
 
 def peer_variants(exit_layer: int) -> dict[str, dict]:
@@ -510,9 +536,10 @@ def peers(model, prompt: list[int], run: Run) -> dict:
     model.generation_config.eos_token_id = None  # random weights: run to max_new_tokens like ours
     out = {}
     for key, kwargs in peer_variants(max(1, model.config.num_hidden_layers // 4)).items():
-        if kwargs.get("cache_implementation") == "static" and run.over_budget():
-            run.notes.append(f"{model.config.num_hidden_layers}-layer shape: {key} skipped (over the "
-                             f"{settings.budget_s:.0f} s time budget at {run.elapsed():.0f} s)")
+        reserve = COMPILE_RESERVE_S if kwargs.get("cache_implementation") == "static" else 0.0
+        if run.over_budget(reserve):
+            run.notes.append(f"{model.config.num_hidden_layers}-layer shape: {key} skipped (under {reserve:.0f} s "
+                             f"left of the {settings.budget_s:.0f} s budget at {run.elapsed():.0f} s)")
             continue
         gen = GenerationConfig(max_new_tokens=settings.new_tokens, min_new_tokens=settings.new_tokens,
                                do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
@@ -521,8 +548,12 @@ def peers(model, prompt: list[int], run: Run) -> dict:
             with torch.no_grad():
                 return model.generate(x, attention_mask=mask, generation_config=gen)[0].tolist()
         try:
-            seconds = timed(call, device, settings.repeats, warmup=2 if kwargs.get("cache_implementation") else 1)
+            for _ in range(2 if kwargs.get("cache_implementation") else 1):  # warm-up: the full prompt and length
+                call()
+            compiles = lease.compile_count()
+            seconds = timed(call, device, settings.repeats, warmup=0)
             out[key] = settings.new_tokens / seconds
+            out[key.replace("_tok_s", "_compiles_in_timed")] = lease.compile_count() - compiles
         except Exception as e:  # a peer that transformers cannot run here (or out of memory) must not hide the others
             run.notes.append(f"{model.config.num_hidden_layers}-layer shape: {key} failed ({error_text(e)})")
         free(device)
@@ -534,14 +565,17 @@ def peak_gb(device: torch.device) -> float | None:
 
 
 def measure_shape(shape: Shape, run: Run) -> dict:
+    """One shape: our forward costs and decoding with the transformers model moved off the device (``peak_gb_ours``
+    is ours alone), then the peers on the same model moved back (``peak_gb_peers``)."""
     settings, device = run.settings, run.device
     if settings.tiny:
         shape = shape.tiny()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = random_model(shape.config(), device, dtype)
     runner = Runner.from_model(model, dtype, executor=run.executor)
+    model.to("cpu")  # our peak memory without the peer's weights
+    free(device)
+    reset_peak(device)
     prompt = prompt_ids(shape.vocab, settings.prompt_len, 1)
     result = {"layers": shape.layers, "dtype": str(dtype).removeprefix("torch."), "executor": runner.executor}
     tally = GraphTally()
@@ -553,17 +587,24 @@ def measure_shape(shape: Shape, run: Run) -> dict:
     result["captures_in_timed"] = tally.timed_captures
     result["builds_in_timed"] = tally.timed_builds
     if runner.dtype != torch.bfloat16:  # the CPU's shapes run in fp32: the spread is measured in bf16 either way
-        runner = Runner.from_model(model, torch.bfloat16, executor=run.executor)
+        runner = Runner.from_model(model, torch.bfloat16, executor=run.executor, device=device)
     prompts = spread_prompts(shape.vocab, settings.spread_prompt_lengths)
     result["spread_bf16"] = measure_spread(runner, prompts, settings.spread_sizes)["max_abs"]
     result["peak_gb_ours"] = peak_gb(device)
     del runner
     free(device)
+    model.to(device)
+    reset_peak(device)
     result |= peers(model, prompt, run)
-    result["peak_gb"] = peak_gb(device)
+    result["peak_gb_peers"] = peak_gb(device)
     del model
     free(device)
     return result
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 # --------------------------------------------------------------------------- 4. training
@@ -709,13 +750,22 @@ def part(name: str, fn: Callable[[], dict], result: dict, save: Callable[[dict],
          into: str | None = None) -> None:
     """Run one part: its numbers merge into ``result`` (or its ``into`` section; an exception is recorded under
     ``errors``), its seconds into ``part_seconds``, and the result is saved so far."""
+    if run.over_budget():
+        run.notes.append(f"part {name} skipped: the {run.settings.budget_s:.0f} s budget was spent "
+                         f"({run.elapsed():.0f} s)")
+        save(result)
+        return
     t0 = time.perf_counter()
     try:
         found = fn()
         (result.setdefault(into, {}) if into else result).update(found)
     except Exception as e:  # one part's failure must not lose the others' numbers
-        result.setdefault("errors", {})[name] = error_text(e)
-        print(f"gpu_check: part {name} failed:\n{traceback.format_exc()}", file=sys.stderr)
+        missing = lease.optional_missing(e)
+        if missing:  # an optional package this image lacks: a note, not a failure
+            run.notes.append(f"part {name} skipped: {missing} is not installed")
+        else:
+            result.setdefault("errors", {})[name] = error_text(e)
+            print(f"gpu_check: part {name} failed:\n{traceback.format_exc()}", file=sys.stderr)
     free(run.device)  # after the except clause: the exception's frames (and their tensors) are gone by now
     result.setdefault("part_seconds", {})[name] = time.perf_counter() - t0
     result["seconds"] = run.elapsed()
@@ -728,16 +778,23 @@ def parity_part(run: Run) -> dict:
             "tf32": torch.backends.cuda.matmul.allow_tf32, "spread": spreads(run)}
 
 
-def shapes_part(run: Run, names: list[str] | None) -> dict:
-    shapes = {}
+def shapes_part(run: Run, names: list[str] | None, result: dict, save: Callable[[dict], None]) -> dict:
+    """Every shape in turn, ``result`` saved after each (a timeout in the 7B compile keeps the smaller shapes); a
+    shape is not started once the budget is spent."""
+    shapes = result.setdefault("shapes", {})
     for shape in SHAPES:
         if names and shape.name not in names:
+            continue
+        if run.over_budget():
+            run.notes.append(f"shape {shape.name} skipped: the {run.settings.budget_s:.0f} s budget was spent")
             continue
         try:
             shapes[shape.name] = measure_shape(shape, run)
         except Exception as e:  # out of memory, ...: the next shape still runs
             shapes[shape.name] = {"error": error_text(e)}
         free(run.device)
+        result["seconds"] = run.elapsed()
+        save(result)
     return {"shapes": shapes}
 
 
@@ -746,10 +803,10 @@ def check(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
     tiny = args.tiny or device.type == "cpu"
     if device.type == "cpu":
         torch.set_num_threads(1)  # tiny ops gain nothing from threads, and on a busy machine their spin-waits stall
-    run = Run(device, Settings.for_run(tiny, args.time_budget))
+    run = Run(device, Settings.for_run(tiny, args.budget_s))
     settings = run.settings
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "transformers": transformers.__version__, "commit": git_commit() or "?",
+              "torch": torch.__version__, "transformers": transformers.__version__, "commit": lease.commit(),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "command": "python scripts/gpu_check.py " + " ".join(shlex.quote(a) for a in args.argv),
               "tiny": tiny, "executor": run.executor, "threads": torch.get_num_threads(),
@@ -766,19 +823,20 @@ def check(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
     part("syncs", lambda: syncs(run, 32 if tiny else 64), result, save, run)
     if not args.skip_train:  # before the shapes: it decides the exit code, their peers only inform
         part("train", lambda: training(run, args.tokenizer_dir, args.out), result, save, run)
-    part("shapes", lambda: shapes_part(run, args.shapes), result, save, run)
+    part("shapes", lambda: shapes_part(run, args.shapes, result, save), result, save, run)
     result["complete"] = True
     result["failures"] = failures(result)
     return result
 
 
 def run_check(args: argparse.Namespace) -> int:
-    check_output_dir(args.out, "--out")  # gpu/latest.json, GPU.md and TRAINING.md go there
-    (args.out / "gpu").mkdir(parents=True, exist_ok=True)
-    latest = args.out / "gpu" / "latest.json"
+    args.out = lease.out_dir(args.out)
+    check_output_dir(args.out, "--out")  # gpu_check.json, GPU.md and TRAINING.md go there
+    args.out.mkdir(parents=True, exist_ok=True)
+    latest = args.out / RESULT_FILE
 
     def save(result: dict) -> None:
-        latest.write_text(json.dumps(result, indent=1) + "\n")
+        lease.write_json(latest, result)
 
     result = check(args, save)
     save(result)
@@ -796,16 +854,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     p.add_argument("--tiny", action="store_true", help="4-layer stand-ins and a few tokens (implied on a CPU)")
-    p.add_argument("--out", type=Path, default=REPO / "docs", help="docs folder: writes gpu/latest.json, GPU.md and "
-                   "the TRAINING.md table (default: the repository's docs/)")
+    p.add_argument("--out", type=Path, default=None, help=f"folder for {RESULT_FILE}, GPU.md (the result block) and "
+                   "TRAINING.md (the training table) (default: $OUT when set, else runs/gpu/)")
     p.add_argument("--shapes", type=lambda s: [x.strip() for x in s.split(",") if x.strip()], default=None,
                    help=f"only these shapes (comma-separated): {', '.join(s.name for s in SHAPES)}")
     p.add_argument("--skip-train", action="store_true", help="skip the training part")
     p.add_argument("--tokenizer-dir", default=None, help="training end-to-end check: a model folder whose tokenizer "
                    "to use (default: a byte-level tokenizer built in code, so no model cache is needed)")
-    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
-                   help="start no hf_static peer (compiled by transformers on CUDA) once the run has taken this long "
-                   f"(default: {FULL_BUDGET_S:.0f} on a GPU, none with tiny shapes; 0 = none)")
+    p.add_argument("--budget-s", type=float, default=None, metavar="SECONDS",
+                   help="wall budget: no part, shape or peer starts after it, no hf_static peer (a torch.compile) "
+                   f"within {COMPILE_RESERVE_S:.0f} s of it (default: {FULL_BUDGET_S:.0f} on a GPU, none with tiny "
+                   "shapes; 0 = none)")
     args = p.parse_args(argv)
     args.argv = argv
     return run_main("gpu_check", lambda: run_check(args))
