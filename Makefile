@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint fetch-model compare clean
+.PHONY: setup demo test lint fetch-model compare lease clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,11 @@ test: fetch-model
 # Training-free vs trained drafting, measured side by side; writes docs/RESULTS.md (hours on a CPU).
 compare: fetch-model
 	BIN=$(BIN) bash scripts/compare_trained_vs_free.sh
+
+# The folders one GPU lease carries (docs/GPU.md, "The lease sequence"): runs/lease/meta, runs/lease/a, runs/lease/b.
+lease: fetch-model
+	rm -rf runs/lease
+	$(BIN)/python scripts/gpu_bundle.py
 
 lint: setup
 	$(BIN)/ruff check .
