@@ -61,22 +61,23 @@ def test_command_two_leaves_the_first_lease_comparison(lease_rehearsal):
     assert c["settings"]["tasks"] == ["code_heldout"] and c["settings"]["search"] is False
 
 
+def _row(method: str, vs_ar: float, tok_s: float) -> dict:
+    return {"model": "base", "task": "code_heldout", "method": method, "vs_ar": vs_ar, "tok_s": tok_s, "alpha": None,
+            "mismatches": 0, "tie_flips": 0}
+
+
 def test_a_later_stage_carries_the_previous_rows_over(tmp_path):
     previous = {"command": "scripts/gpu_compare.py --form first", "quality": {"base": {"exits": {}}},
-                "rows": [{"model": "base", "task": "code_heldout", "method": "autoregressive", "vs_ar": 1.0},
-                         {"model": "base", "task": "code_heldout", "method": "early_exit:E=12:k=3", "vs_ar": 1.2}]}
-    report = gc.Report(tmp_path, {"form": "full", "dry_run": True, "command": "c", "device": "cpu", "commit": "x",
-                                  "date": "d", "recipe": gc.RECIPE, "settings": {"dtype": "fp32", "prompts": 1,
-                                                                                 "max_new_tokens": 4, "repeats": 1}},
-                       previous)
+                "rows": [_row("autoregressive", 1.0, 5.0), _row("early_exit:E=12:k=3", 1.2, 6.0)]}
+    head = {"form": "full", "dry_run": True, "command": "c", "device": "cpu", "commit": "x", "date": "d",
+            "recipe": gc.RECIPE, "settings": {"dtype": "fp32", "prompts": 1, "max_new_tokens": 4, "repeats": 1}}
+    report = gc.Report(tmp_path, head, previous)
     pipeline = gc.Pipeline(tmp_path / "run", gc.dry_settings(), env={}, quiet=True)
-    fresh = [{"model": "base", "task": "code_heldout", "method": "autoregressive", "vs_ar": 1.0, "tok_s": 9.0,
-              "alpha": None, "mismatches": 0, "tie_flips": 0}]
-    report.save(pipeline, fresh, {}, 1.0)
+    report.save(pipeline, [_row("autoregressive", 1.0, 9.0)], {}, 1.0)
     saved = json.loads((tmp_path / "compare.json").read_text())
     assert [r["method"] for r in saved["rows"]] == ["early_exit:E=12:k=3", "autoregressive"]
     assert saved["rows"][1]["tok_s"] == 9.0 and saved["stage_of"] == previous["command"]
-    assert saved["quality"] == previous["quality"]
+    assert saved["quality"] == previous["quality"] and (tmp_path / "gpu_section.md").is_file()
 
 
 def test_a_spent_budget_stops_the_next_step_and_keeps_the_results(tmp_path):
