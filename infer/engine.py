@@ -99,6 +99,12 @@ class GenerationStats:
         return d
 
 
+def tokens_per_verify(stats: Sequence[GenerationStats]) -> float | None:
+    """M over many generations (the prefill token excluded); None when none verified anything."""
+    calls = sum(s.verify_calls for s in stats)
+    return sum(s.new_tokens - 1 for s in stats) / calls if calls else None
+
+
 @dataclass
 class GenerationResult:
     tokens: list[int]

@@ -27,7 +27,7 @@ from pathlib import Path
 from infer.drafters import parse_spec
 from infer.engine import GenerationConfig
 from infer.loading import load_from_settings
-from infer.measure.bench import BASELINE
+from infer.measure.methods import BASELINE
 from layerskip_cli.args import add_model_flags, model_settings
 from layerskip_core.cli import check_output_dir, run_main
 from layerskip_core.prompts import load_prompts, task_name, use_chat_template

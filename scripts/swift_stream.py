@@ -25,9 +25,9 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from infer.drafters import parse_spec
-from infer.engine import GenerationConfig
+from infer.engine import GenerationConfig, tokens_per_verify
 from infer.loading import load_model
-from infer.measure.bench import BASELINE, tokens_per_verify
+from infer.measure.methods import BASELINE
 from infer.measure.plots import plot_matchness
 from layerskip_cli.args import add_run_flags, run_settings
 from layerskip_core.cli import run_main, split_named
@@ -84,7 +84,7 @@ def summarise(runs: dict[str, list[list[dict]]]) -> dict:
             per_method[method] = {
                 "tokens_per_second": statistics.median(tps), "tokens_per_second_repeats": tps,
                 "acceptance_rate": sum(r["accepted"] for r in rs) / drafted if drafted else 0.0,
-                "tokens_per_verify": tokens_per_verify(r["stats"] for r in rs) or 1.0,
+                "tokens_per_verify": tokens_per_verify([r["stats"] for r in rs]) or 1.0,
                 "opt_time_share": sum(float(r["drafter"].get("opt_time", 0.0)) for r in rs) / wall,
                 "plain_step_share": sum(int(r["drafter"].get("plain_steps", 0)) for r in rs) / calls,
                 "opt_steps": sum(int(r["drafter"].get("opt_steps", 0)) for r in rs) / len(repeats)}

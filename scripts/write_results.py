@@ -26,7 +26,7 @@ def _notes(old: str, name: str) -> str:
 
 
 def _bench_section(run: Path, title: str, img_dir: Path, old: str, name: str) -> list[str]:
-    from infer.measure.bench import Summary, markdown_table
+    from infer.measure.report import Summary, markdown_table
 
     path = run / "results.json"
     if not path.is_file():

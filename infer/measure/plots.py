@@ -164,8 +164,8 @@ def matchness_over_time(records, path: Path) -> Path | None:
     """SWIFT's best-plan matchness along each stream (drafter stats carry 'matchness_trajectory')."""
     series = defaultdict(list)
     for r in records:
-        if r.repeat == 0 and r.drafter_stats.get("matchness_trajectory"):
-            series[f"{r.model} · {r.task} · {r.method}"].extend(r.drafter_stats["matchness_trajectory"])
+        if r.repeat == 0 and r.stats.drafter.get("matchness_trajectory"):
+            series[f"{r.model} · {r.task} · {r.method}"].extend(r.stats.drafter["matchness_trajectory"])
     return plot_matchness(series, path, "SWIFT layer-set optimisation")
 
 

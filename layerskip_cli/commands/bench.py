@@ -8,15 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from infer.measure.bench import (
-    BenchConfig,
-    bugs,
-    markdown_table,
-    parse_methods,
-    run_bench,
-    sweep_methods,
-    write_outputs,
-)
+from infer.measure.methods import BenchConfig, parse_methods, sweep_methods
 from layerskip_cli.args import add_run_flags, add_sampling_flags, run_settings, sampling_config
 from layerskip_core.cli import check_output_dir, split_named
 from layerskip_core.errors import UserError
@@ -114,6 +106,8 @@ def config_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    from infer.measure.bench import run_bench  # torch-heavy: imported when the command runs
+    from infer.measure.report import bugs, markdown_table, write_outputs
 
     cfg = config_from_args(args)
     command = "layerskip " + " ".join(shlex.quote(a) for a in sys.argv[1:])

@@ -14,7 +14,6 @@ import sys
 import warnings
 from pathlib import Path
 
-from infer.measure.bench import tokens_per_verify
 from layerskip_cli.args import (
     add_drafter_flags,
     add_model_flags,
@@ -155,6 +154,8 @@ def run(args: argparse.Namespace) -> int:
 
 def stream_summary(results) -> dict:
     """Totals over a stream of prompts: speed, acceptance, optimisation share, matchness trajectory."""
+    from infer.engine import tokens_per_verify  # torch-heavy: see the module docstring
+
     stats = [r.stats for r in results]
     wall = sum(s.wall_time for s in stats)
     drafted = sum(s.drafted for s in stats)

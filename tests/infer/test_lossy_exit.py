@@ -112,7 +112,7 @@ def test_bench_reports_quality_next_to_speed(tiny_model_dir, tmp_path, capsys):
 
 
 def test_lossy_method_is_never_recommended():
-    from infer.measure.bench import Summary, recommend
+    from infer.measure.report import Summary, recommend
 
     def row(method, tps, lossy=False):
         return Summary("m", "t", method, 1, 8, tps, [tps], None, None, None, None, None, None, None, None, None, 0,

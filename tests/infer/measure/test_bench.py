@@ -201,7 +201,7 @@ def test_speedup_plot_facets_by_model(tmp_path):
     import matplotlib.pyplot as plt
 
     from infer.measure import plots
-    from infer.measure.bench import Summary
+    from infer.measure.report import Summary
 
     def row(model, method, speedup):
         return Summary(model, "humaneval", method, 1, 8, 10.0, [10.0], speedup, None, None, None, None, None, None,

@@ -1,0 +1,245 @@
+"""Summaries of ``layerskip bench``'s records and its outputs: per (model, task, method) speed, acceptance, the
+draft-verify cost model, exactness and quality; the recommendation; results.json, .csv, .md and plots.
+
+Cost model (LayerSkip, Elhoushi et al. 2024, §4; speculative decoding, Leviathan et al. 2023): one draft-verify
+cycle produces M tokens and costs k̄·c + v full-forward equivalents (k̄ draft forwards per cycle, c one draft
+forward's cost and v the verification's, both relative to one full single-token forward), so the expected speed-up
+over autoregressive decoding is M / (k̄·c + v).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from infer.engine import tokens_per_verify
+from infer.measure.methods import BASELINE, PEERS
+from infer.measure.provenance import machine_info
+from infer.plan import cycle_speedup
+
+if TYPE_CHECKING:
+    from infer.measure.bench import Record
+    from infer.measure.methods import BenchConfig
+
+
+@dataclass
+class Summary:
+    """Aggregate over the prompts and repeats of one (model, task, method)."""
+
+    model: str
+    task: str
+    method: str
+    prompts: int
+    new_tokens: int
+    tokens_per_second: float
+    tps_per_repeat: list[float]
+    speedup_vs_autoregressive: float | None
+    speedup_vs_hf_generate: float | None
+    acceptance_rate: float | None
+    tokens_per_verify: float | None
+    mean_draft_forwards: float | None
+    draft_cost_ratio: float | None
+    verify_cost_ratio: float | None
+    expected_speedup: float | None
+    opt_time_share: float | None
+    exact_mismatches: int | None
+    """Prompts whose greedy output differs from autoregressive (None when sampling or lossy)."""
+    tie_flips: int | None = None
+    """Mismatches at a near-tie: the target's margin within the dtype's resolution (bf16/fp16)."""
+    mismatches: int | None = None
+    """Mismatches that are not tie flips: bugs (the bench exits non-zero)."""
+    lossy: bool = False
+    """Lossy early exit: quality below, not exactness."""
+    agreement: float | None = None
+    """Fraction of positions equal to the full model's greedy output (lossy methods)."""
+    prefix_agreement: float | None = None
+    """Fraction of positions equal up to the first divergence (lossy methods)."""
+    answer_accuracy: float | None = None
+    """Fraction of prompts whose final number is the reference answer (GSM8K)."""
+
+
+
+def summarize(records: list[Record]) -> list[Summary]:
+    """One row per (model, task, method), with speed-ups against autoregressive and hf_generate on the same task."""
+    groups: dict[tuple[str, str, str], list[Record]] = defaultdict(list)
+    for r in records:
+        groups[(r.model, r.task, r.method)].append(r)
+    base = {}
+    rows = []
+    for (model, task, method), recs in groups.items():
+        rows.append(_summarize_group(model, task, method, recs))
+        if method in (BASELINE, "hf_generate"):
+            base[(model, task, method)] = rows[-1]
+    ar_step = {key[:2]: _step_time(groups[key]) for key in groups if key[2] == BASELINE}
+    for row in rows:
+        ar = base.get((row.model, row.task, BASELINE))
+        hf = base.get((row.model, row.task, "hf_generate"))
+        row.speedup_vs_autoregressive = row.tokens_per_second / ar.tokens_per_second if ar else None
+        row.speedup_vs_hf_generate = row.tokens_per_second / hf.tokens_per_second if hf else None
+        _cost_model(row, groups[(row.model, row.task, row.method)], ar_step.get((row.model, row.task)))
+    return rows
+
+
+def _step_time(recs: list[Record]) -> float | None:
+    calls = sum(r.stats.verify_calls for r in recs)
+    return sum(r.stats.verify_time for r in recs) / calls if calls else None
+
+
+def _drafter_total(recs: list[Record], key: str) -> float:
+    """Sum of a drafter-reported counter (e.g. 'opt_time', 'draft_forwards') over ``recs``."""
+    return sum(float(r.stats.drafter.get(key, 0)) for r in recs)
+
+
+def _summarize_group(model: str, task: str, method: str, recs: list[Record]) -> Summary:
+    by_repeat: dict[int, list[Record]] = defaultdict(list)
+    for r in recs:
+        by_repeat[r.repeat].append(r)
+    tps = [sum(r.stats.new_tokens for r in rs) / sum(r.stats.wall_time for r in rs)
+           for _, rs in sorted(by_repeat.items())]
+    ours = any(r.stats.verify_calls for r in recs)
+    drafted = sum(r.stats.drafted for r in recs)
+    first = [r for r in recs if r.repeat == 0]
+    wrong = [r for r in first if r.exact is False]
+    flips = sum(1 for r in wrong if (r.divergence or {}).get("tie_flip"))
+    judged = any(r.exact is not None for r in first)
+    compared = [r for r in first if r.agree_total is not None]
+    n_cmp = sum(r.stats.new_tokens for r in compared)
+    answered = [r.answer_correct for r in first if r.answer_correct is not None]
+    wall = sum(r.stats.wall_time for r in recs)
+    return Summary(
+        model=model, task=task, method=method, prompts=len(first), new_tokens=sum(r.stats.new_tokens for r in first),
+        tokens_per_second=statistics.median(tps), tps_per_repeat=tps, speedup_vs_autoregressive=None,
+        speedup_vs_hf_generate=None,
+        acceptance_rate=sum(r.stats.accepted for r in recs) / drafted if drafted else None,
+        tokens_per_verify=tokens_per_verify([r.stats for r in recs]) if ours else None,
+        mean_draft_forwards=None, draft_cost_ratio=None, verify_cost_ratio=None, expected_speedup=None,
+        opt_time_share=(_drafter_total(recs, "opt_time") / wall) if ours and wall else None,
+        exact_mismatches=len(wrong) if judged else None,
+        tie_flips=flips if judged else None, mismatches=len(wrong) - flips if judged else None,
+        lossy=any(r.lossy for r in first),
+        agreement=sum(r.agree_total for r in compared) / n_cmp if n_cmp else None,
+        prefix_agreement=sum(r.agree_prefix for r in compared) / n_cmp if n_cmp else None,
+        answer_accuracy=sum(answered) / len(answered) if answered else None,
+    )
+
+
+def _cost_model(row: Summary, recs: list[Record], ar_step: float | None) -> None:
+    """Fill k̄, c, v and the expected speed-up M / (k̄ c + v) from measured times."""
+    calls = sum(r.stats.verify_calls for r in recs)
+    forwards = int(_drafter_total(recs, "draft_forwards"))
+    if not calls or not ar_step or row.tokens_per_verify is None:
+        return
+    row.mean_draft_forwards = forwards / calls
+    row.verify_cost_ratio = sum(r.stats.verify_time for r in recs) / calls / ar_step
+    if forwards:
+        row.draft_cost_ratio = sum(r.stats.draft_time for r in recs) / forwards / ar_step
+    c = row.draft_cost_ratio or 0.0
+    row.expected_speedup = cycle_speedup(row.tokens_per_verify, row.mean_draft_forwards, c, row.verify_cost_ratio)
+
+
+def recommend(rows: list[Summary]) -> dict[tuple[str, str], str]:
+    """Fastest of our lossless methods per (model, task) (what a user should run; lossy early exit excluded)."""
+    best: dict[tuple[str, str], Summary] = {}
+    for row in rows:
+        if row.method.split(":")[0] in PEERS or row.lossy:
+            continue
+        key = (row.model, row.task)
+        if key not in best or row.tokens_per_second > best[key].tokens_per_second:
+            best[key] = row
+    return {k: v.method for k, v in best.items()}
+
+
+
+def _fmt(x, spec: str = ".2f", suffix: str = "") -> str:
+    return "–" if x is None else format(x, spec) + suffix
+
+
+def _exact_cell(r: Summary) -> str:
+    """yes / n tie flip(s) / **n mismatched** (bugs), 'lossy' for early-exit decoding, n/a when sampling."""
+    if r.lossy:
+        return "lossy"
+    if r.exact_mismatches is None:
+        return "n/a"
+    bugs = r.exact_mismatches if r.mismatches is None else r.mismatches
+    cells = [f"{r.tie_flips} tie flip{'s' if r.tie_flips != 1 else ''}"] if r.tie_flips else []
+    cells += [f"**{bugs} mismatched**"] if bugs else []
+    return ", ".join(cells) or "yes"
+
+
+def markdown_table(rows: list[Summary]) -> str:
+    """Per task: one row per (model, method); quality columns appear when some row has them."""
+    out = []
+    for task in dict.fromkeys(r.task for r in rows):
+        task_rows = [r for r in rows if r.task == task]
+        agree = any(r.agreement is not None for r in task_rows)
+        acc = any(r.answer_accuracy is not None for r in task_rows)
+        head = ["model", "method", "tok/s", "vs AR", "vs HF generate", "α", "M", "k̄", "c", "expected", "opt share",
+                "exact"] + (["agree (prefix)"] if agree else []) + (["answer acc"] if acc else [])
+        out.append(f"\n#### {task}\n")
+        out.append("| " + " | ".join(head) + " |")
+        out.append("|" + "---|" * len(head))
+        for r in task_rows:
+            cells = [r.model, r.method, f"{r.tokens_per_second:.1f}", _fmt(r.speedup_vs_autoregressive, suffix="x"),
+                     _fmt(r.speedup_vs_hf_generate, suffix="x"), _fmt(r.acceptance_rate), _fmt(r.tokens_per_verify),
+                     _fmt(r.mean_draft_forwards), _fmt(r.draft_cost_ratio), _fmt(r.expected_speedup, suffix="x"),
+                     _fmt(r.opt_time_share, ".1%"), _exact_cell(r)]
+            if agree:
+                cells.append("–" if r.agreement is None else f"{r.agreement:.2f} ({r.prefix_agreement:.2f})")
+            if acc:
+                cells.append(_fmt(r.answer_accuracy))
+            out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def bugs(rows: list[Summary]) -> list[Summary]:
+    """Rows of our drafters with greedy mismatches that are not tie flips (lossy early exit excluded).
+
+    A transformers peer's mismatches are reported in its row but fail nothing: it runs other kernels,
+    so in bf16/fp16 its rounding (not only ours) differs from our plain decoding's.
+    """
+    return [r for r in rows if not r.lossy and r.method.split(":")[0] not in PEERS
+            and (r.exact_mismatches if r.mismatches is None else r.mismatches)]
+
+
+def write_outputs(cfg: BenchConfig, records: list[Record], out_dir: Path, command: str) -> list[Summary]:
+    """results.json, results.csv, results.md and plots under ``out_dir``."""
+    from infer.measure import plots
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = summarize(records)
+    meta = machine_info(cfg.run) | {"command": command}
+    config = asdict(cfg) | {"methods": [m.label for m in cfg.methods]}
+    best = recommend(rows)
+    payload = {"meta": meta, "config": config, "summary": [asdict(r) for r in rows],
+               "recommended": [{"model": m, "task": t, "method": v} for (m, t), v in best.items()],
+               "records": [r.to_dict() for r in records]}
+    (out_dir / "results.json").write_text(json.dumps(payload, indent=1) + "\n")
+    with open(out_dir / "results.csv", "w", newline="") as f:
+        fields = [k for k in asdict(rows[0]) if k != "tps_per_repeat"] if rows else []
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        for r in rows:
+            writer.writerow(asdict(r))
+    figures = plots.write_all(rows, records, out_dir)
+    lines = ["# Benchmark results\n", f"`{command}`\n",
+             f"Machine: {meta['gpu'] or meta['cpu']} ({meta['device']}); torch {meta['torch']}, transformers "
+             f"{meta['transformers']}, {cfg.run.threads} thread(s), {meta['dtype']}; {meta['date']}. "
+             f"{cfg.n} prompts per task (held-out end of "
+             f"each set), {cfg.max_new_tokens} new tokens, median tokens/s of {cfg.repeats} repeats; "
+             f"{'greedy' if cfg.sampling.greedy else f'sampling T={cfg.sampling.temperature}'}.\n",
+             "α = accepted/drafted, M = tokens per verification, k̄ = draft forwards per verification, "
+             "c = draft forward cost / full forward cost, expected = M / (k̄·c + v). exact: greedy output equals "
+             "autoregressive (identical in fp32; in bf16/fp16 a near-tie can flip: a *tie flip* is a first "
+             "divergence where the full model's margin between the two tokens is within the dtype's resolution; "
+             "anything else is counted as mismatched, a bug). agree: lossy early exit's tokens equal to the full "
+             "model's, overall (before the first divergence); answer acc: final number equals the reference's.\n",
+             markdown_table(rows), "\n**Recommended (fastest of ours) per model and task:** " +
+             "; ".join(f"{m}/{t}: `{v}`" for (m, t), v in best.items()) + "\n"]
+    lines += [f"\n![{p.stem}]({p.name})\n" for p in figures]
+    (out_dir / "results.md").write_text("\n".join(lines))
+    return rows
