@@ -29,6 +29,7 @@ _EXPORTS = {
     "parse_spec": "infer.drafters",
     "Runner": "infer.runner",
     "DraftVocab": "infer.draft_vocab",
+    "hf_generate": "infer.hf_decoding",
 }
 """Public name -> the module that defines it."""
 

@@ -32,3 +32,14 @@ def test_api_names_are_exported():
     for name in re.findall(r"`(\w+)`", (REPO / "README.md").read_text().split("Exported from `infer`:")[1]
                            .split("\n\n")[0]):
         assert hasattr(infer, name), name
+
+
+@pytest.mark.real_model
+def test_readme_transformers_block_runs(default_model_path):
+    """The README's block for transformers' generate: greedy equals plain generate, sampling returns stats."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    section = text.split("## Inside transformers' `generate`", 1)[1].split("\n## ", 1)[0]
+    [block] = re.findall(r"```python\n(.*?)```", section, re.S)
+    proc = subprocess.run([sys.executable, "-c", block], cwd=default_model_path, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
