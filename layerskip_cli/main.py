@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from layerskip_cli.commands import bench, draft_vocab, eval_exits, fetch_model, generate, plan, search, train
+from layerskip_cli.commands import bench, draft_vocab, eval_exits, export, fetch_model, generate, plan, search, train
 from layerskip_core.cli import run_main
 
-COMMANDS = (fetch_model, generate, search, plan, draft_vocab, bench, eval_exits, train)
+COMMANDS = (fetch_model, generate, search, plan, draft_vocab, bench, eval_exits, train, export)
 
 
 def build_parser() -> argparse.ArgumentParser:

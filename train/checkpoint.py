@@ -28,6 +28,7 @@ import yaml
 from layerskip_core.errors import UserError
 from layerskip_core.packages import ensure_writable_dir, normal_permissions
 from train.config import TrainConfig, dump_config, to_dict
+from train.console import quiet_tied_weight_save
 
 STATE_FILE = "trainer_state.json"
 PREFIX = "step-"
@@ -184,7 +185,8 @@ def save_checkpoint(accelerator, cfg: TrainConfig, step: int, state: dict) -> Pa
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
+    with quiet_tied_weight_save():
+        accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         dump_config(cfg, tmp / "config.yaml")

@@ -23,11 +23,13 @@ from train.model import LayerSkipLM, next_token_targets
 @torch.no_grad()
 def exit_metrics(lm: LayerSkipLM, examples: Examples, exits: list[int], batch_size: int, pad_id: int,
                  device: torch.device | str = "cpu", indices: list[int] | None = None,
-                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, dict[int, float]]:
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 on_batch: Callable[[int], object] | None = None) -> dict[str, dict[int, float]]:
     """Token-weighted per-exit ``loss``, ``agreement`` and ``accuracy`` over ``examples`` (or ``indices``).
 
     ``exits`` may include L (the final layer; its agreement is 1 by definition). ``reduce`` sums the
     (4, n_exits) statistics across processes (``accelerator.reduce``) when each evaluates a shard.
+    ``on_batch(n)`` is called after each batch of n examples (a progress bar's ``update``).
     """
     was_training = lm.training
     lm.eval()
@@ -51,6 +53,8 @@ def exit_metrics(lm: LayerSkipLM, examples: Examples, exits: list[int], batch_si
             stats[1, j] += ((top == final_top) & valid).sum().cpu()
             stats[2, j] += ((top == targets) & valid).sum().cpu()
             stats[3, j] += valid.sum().cpu()
+        if on_batch is not None:
+            on_batch(ids.shape[0])
     if reduce is not None:
         stats = reduce(stats.to(device)).cpu()
     lm.train(was_training)

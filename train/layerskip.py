@@ -22,6 +22,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from layerskip_core.errors import UserError
 from layerskip_core.packages import cache_root
 from train.checkpoint import clear_run, export_final, prepare_run_folder, read_state, save_checkpoint
 from train.config import TrainConfig, describe, dump_config, load_config, to_dict
+from train.console import check_launch, eval_summary, interrupt_on_sigterm, launcher_command, resume_hint
 from train.tracking import Tracker, truncate_metrics
 
 # torch, accelerate and the modules that import them (train.data, train.model, train.exit_eval) are
@@ -64,6 +66,8 @@ def make_accelerator(cfg: TrainConfig):
         precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
     # Layer dropout leaves whole layers unused on some steps: DDP must be told to look for them.
     ddp = DistributedDataParallelKwargs(find_unused_parameters=cfg.layer_dropout.p_max > 0)
+    # ... and on a step where dropout skipped nothing, DDP warns about that flag on every rank: expected here.
+    warnings.filterwarnings("ignore", message=".*find_unused_parameters=True was specified", category=UserWarning)
     accelerator = Accelerator(mixed_precision=precision, gradient_accumulation_steps=cfg.optim.grad_accum_steps,
                               kwargs_handlers=[ddp])
     if accelerator.num_processes != launched:
@@ -167,12 +171,19 @@ def evaluate(accelerator, lm, dataset, cfg: TrainConfig, pad_id: int) -> dict | 
     model = accelerator.unwrap_model(lm)
     shard = list(range(accelerator.process_index, n, accelerator.num_processes))
     exits = sorted(set(model.exits) | {model.num_layers})
+    bar = tqdm(total=len(shard), desc="eval", leave=False, dynamic_ncols=True,
+               disable=not (accelerator.is_main_process and cfg.logging.progress))
     with accelerator.autocast():
         m = exit_metrics(model, dataset.val, exits, cfg.optim.micro_batch_size, pad_id, accelerator.device,
-                         indices=shard, reduce=accelerator.reduce if accelerator.num_processes > 1 else None)
-    return {"split": "val", "exit_loss": {str(e): v for e, v in m["loss"].items()},
-            "exit_agreement": {str(e): v for e, v in m["agreement"].items()},
-            "exit_accuracy": {str(e): v for e, v in m["accuracy"].items()}, "tokens": m["tokens"][model.num_layers]}
+                         indices=shard, reduce=accelerator.reduce if accelerator.num_processes > 1 else None,
+                         on_batch=bar.update)
+    bar.close()
+    record = {"split": "val", "exit_loss": {str(e): v for e, v in m["loss"].items()},
+              "exit_agreement": {str(e): v for e, v in m["agreement"].items()},
+              "exit_accuracy": {str(e): v for e, v in m["accuracy"].items()}, "tokens": m["tokens"][model.num_layers]}
+    if accelerator.is_main_process:
+        tqdm.write(f"{PROG}: {eval_summary(record)}", file=sys.stderr)
+    return record
 
 
 # --------------------------------------------------------------------------------------------
@@ -308,8 +319,8 @@ def run_training(cfg: TrainConfig, on_step: Callable[[int], None] | None = None,
 # --------------------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="train/layerskip.py", description=__doc__.split("\n\n")[0],
+def build_parser(prog: str = "train/layerskip.py") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="recipe YAML (recipes/*.yaml)")
     parser.add_argument("--resume", action="store_true", help="same as checkpoint.resume=auto")
@@ -321,12 +332,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_intermixed_args(argv)  # overrides may come before or after the flags
-    return run_main(PROG, lambda: _run(args))
+def main(argv: list[str] | None = None, prog: str = "train/layerskip.py") -> int:
+    """Train from the command line ``argv``; ``prog`` is how --help names the command."""
+    args = build_parser(prog).parse_intermixed_args(argv)  # overrides may come before or after the flags
+    return run_main(PROG, lambda: _run(args, sys.argv[1:] if argv is None else list(argv)))
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.help_config:
         print("\n".join(describe()))
         return 0
@@ -337,7 +349,13 @@ def _run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0
-    run_training(cfg, overwrite=args.overwrite)
+    check_launch(os.environ, launcher_command(), has_gpu=lambda: __import__("torch").cuda.is_available())
+    interrupt_on_sigterm()
+    try:
+        run_training(cfg, overwrite=args.overwrite)
+    except KeyboardInterrupt:
+        log(resume_hint(argv, cfg.checkpoint.output_dir))
+        raise
     return 0
 
 

@@ -20,6 +20,7 @@ has label -100). Position ids are therefore ``arange(T)`` for every row, and the
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -312,7 +313,9 @@ def add_lora(model: nn.Module, r: int, alpha: float, dropout: float, target_modu
         raise UserError(f"lora.target_modules {missing} are not module names of this model")
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
                         bias="none", task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    with warnings.catch_warnings():  # peft asks transformers 5 a deprecated question; nothing for the user to do
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(model, config)
 
 
 def plain_model(model: nn.Module) -> nn.Module:

@@ -19,7 +19,7 @@ def main(argv: list[str]) -> int:
     # Lazy: the training stack (peft, accelerate, datasets readers) is needed only by this command.
     from train.layerskip import main as train_main
 
-    return train_main(argv)
+    return train_main(argv, prog="layerskip train")
 
 
 def run(args: argparse.Namespace) -> int:
