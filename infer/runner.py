@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import Tensor
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from infer import kernels
 from infer.graphs import StaticExecutor
@@ -241,6 +240,8 @@ class Runner:
     def from_pretrained(cls, path: str | os.PathLike, dtype: str | torch.dtype = torch.float32,
                         device: str | torch.device = "cpu", kernel: str = "auto", executor: str = "auto") -> Runner:
         """Load from a local HF folder (safetensors read directly; .bin through transformers)."""
+        from transformers import AutoConfig, AutoModelForCausalLM  # here: a --help that imports drafters stays fast
+
         path = Path(path)
         config = AutoConfig.from_pretrained(path)
         if glob.glob(os.path.join(path, "*.safetensors")):

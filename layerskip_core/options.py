@@ -26,7 +26,17 @@ from layerskip_core.errors import UserError
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings of a dataclass: the string literal right after each field (whitespace folded)."""
+    """Attribute docstrings of a dataclass and of the dataclasses it extends (a subclass's doc wins)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            docs.update(own_field_docs(klass))
+    return docs
+
+
+def own_field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings of the fields ``cls`` itself declares: the string literal right after each field
+    (whitespace folded)."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError):  # classes built at run time have no source
