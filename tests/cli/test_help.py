@@ -24,5 +24,5 @@ def test_generate_help_skips_transformers_and_documents_device():
     proc = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, cwd=REPO, timeout=300)
     imported, _, text = proc.stdout.partition("\n")
     assert imported == "False", "generate --help imported transformers"
-    device = text.split("--device STR", 1)[1].split("--dtype", 1)[0]
+    device = text.split("\n  --device STR", 1)[1].split("--dtype", 1)[0]
     assert "Where to run" in device  # an inherited settings field keeps its doc
