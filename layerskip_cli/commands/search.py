@@ -88,6 +88,9 @@ def run(args: argparse.Namespace) -> int:
     extra = {"data": args.data, "chat": chat, "threads": settings.threads, "device": str(model.runner.device),
              "dtype": dtype_name(model.runner.dtype),
              "prompt_ids": [it.id for it in items]}
+    if not args.quiet:  # the calibration runs before the trials' progress bar appears
+        print(f"layerskip: calibrating on {len(prompts)} prompts (the full model's outputs and the cost of a draft), "
+              "then the trials", file=sys.stderr, flush=True)
     result, plan_file = search_plan(model.runner, prompts, cfg, args.out, task, study, fresh=args.fresh,
                                     progress=not args.quiet, extra=extra)
     m = result.attrs
