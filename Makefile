@@ -5,15 +5,35 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
 STAMP := $(VENV)/.installed
+# Which torch: cpu = the CPU build pinned in constraints.txt (the default, what CI runs);
+# cu126, cu128, ... = that CUDA build of the same version from download.pytorch.org;
+# keep = the torch the Python running make already has (a GPU image's): the venv sees its site-packages.
+TORCH ?= cpu
+TORCH_VERSION := $(shell sed -n 's/^torch==//p' constraints.txt)
+TORCH_INDEX ?= https://download.pytorch.org/whl/$(TORCH)
+OTHERS := $(VENV)/constraints-without-torch.txt
 
 .PHONY: setup demo test lint fetch-model compare lease clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
+ifeq ($(TORCH),cpu)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
+else
+ifeq ($(TORCH),keep)
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(BIN)/python -c "import torch; print('using torch', torch.__version__, 'CUDA', torch.version.cuda)"
+else
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "torch==$(TORCH_VERSION)" --index-url $(TORCH_INDEX)
+endif
+	grep -v '^torch==' constraints.txt > $(OTHERS)
+	$(BIN)/pip install -q -c $(OTHERS) -e ".[dev]"
+endif
 	touch $(STAMP)
 
 fetch-model: setup

@@ -1,0 +1,41 @@
+"""The Makefile's setup paths (dry runs: what this machine allows without a GPU or a network)."""
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no make")
+
+
+def dry_run(*variables: str) -> list[str]:
+    proc = subprocess.run(["make", "-n", "-B", "setup", "VENV=/tmp/dry-venv", *variables], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.splitlines()
+
+
+def test_cpu_setup_installs_everything_from_the_constraints():
+    lines = dry_run()
+    assert any(re.search(r'pip install -q -c constraints.txt -e "\.\[dev\]"', line) for line in lines)
+    assert not any("download.pytorch.org" in line for line in lines)
+
+
+def test_cuda_setup_takes_the_pinned_torch_version_from_the_cuda_index_and_the_rest_from_the_constraints():
+    pinned = re.search(r"^torch==(\S+)$", (REPO / "constraints.txt").read_text(), re.M).group(1)
+    lines = dry_run("TORCH=cu128")
+    torch_line = next(line for line in lines if "--index-url" in line)
+    assert f'"torch=={pinned}"' in torch_line and torch_line.endswith("https://download.pytorch.org/whl/cu128")
+    rest = lines[lines.index(torch_line) + 1:]
+    assert any("grep -v '^torch==' constraints.txt" in line for line in rest)
+    assert any('-c /tmp/dry-venv/constraints-without-torch.txt -e ".[dev]"' in line for line in rest)
+
+
+def test_keep_setup_uses_the_torch_already_installed():
+    lines = dry_run("TORCH=keep")
+    assert lines[0].endswith("-m venv --system-site-packages /tmp/dry-venv")
+    assert not any("torch==" in line and "pip install" in line for line in lines)
+    assert any("constraints-without-torch.txt -e" in line for line in lines)
