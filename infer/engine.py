@@ -166,9 +166,7 @@ class Engine:
         """Decoding with this engine is over: the drafter's ``finish`` runs (once, however often this is called)."""
         if not self.closed:
             self.closed = True
-            finish = getattr(self.drafter, "finish", None)  # optional in the protocol
-            if finish is not None:
-                finish()
+            self.drafter.finish()
 
     def target_depth(self, config: GenerationConfig) -> int:
         """Layers of the target under ``config``: the model's, or a lossy ``target_exit``."""
@@ -177,9 +175,9 @@ class Engine:
             return L
         if not 1 <= E <= L:
             raise UserError(f"target exit {E} is out of range: the model has {L} layers, so use 1 <= E <= {L}")
-        if getattr(self.drafter, "drafts", True):
+        if self.drafter.drafts:
             raise UserError(f"a lossy early-exit target (target exit {E}) works only with plain decoding (the "
-                            f"autoregressive drafter), not {getattr(self.drafter, 'name', '?')!r}")
+                            f"autoregressive drafter), not {self.drafter.name!r}")
         return E
 
     # ----------------------------------------------------------------- public

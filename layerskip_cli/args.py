@@ -59,8 +59,7 @@ def add_drafter_flags(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--drafter", default="autoregressive",
                    help=f"one of: {', '.join(DRAFTERS)} (default autoregressive)")
-    options = all_options()
-    current = [o for o in options.values() if not o.deprecated_for]
+    current = list(all_options().values())
     shared = [o for o in current if len(o.owners) > 1]
     group = p.add_argument_group("options of several drafters (same meaning in each; defaults per drafter)")
     for o in shared:
@@ -71,11 +70,6 @@ def add_drafter_flags(p: argparse.ArgumentParser) -> None:
             group = p.add_argument_group(f"{name} options")
             for o in own:
                 add_flag(group, o.field, o.type, o.help())
-    old = [o for o in options.values() if o.deprecated_for]
-    if old:
-        group = p.add_argument_group("deprecated option names (accepted for one release)")
-        for o in old:
-            add_flag(group, o.field, o.type, o.help())
 
 
 def drafter_options(args: argparse.Namespace) -> dict:

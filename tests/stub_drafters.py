@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.drafters.base import Draft
+from infer.drafters.base import Draft, Drafter
 
 
 @dataclass
-class ScriptedDrafter:
+class ScriptedDrafter(Drafter):
     """Proposes a fixed chain (``parents`` None) or tree at every step."""
 
     tokens: list[int]
@@ -18,17 +18,5 @@ class ScriptedDrafter:
     name = "scripted"
     lookahead = 32
 
-    def start(self, state):
-        pass
-
     def propose(self, state):
         return Draft(torch.tensor(self.tokens), parents=self.parents)
-
-    def update(self, state, outcome):
-        pass
-
-    def stats(self):
-        return {}
-
-    def finish(self):
-        pass

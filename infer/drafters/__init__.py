@@ -1,25 +1,24 @@
-"""Drafters behind one protocol, looked up by name.
+"""Drafters (subclasses of ``base.Drafter``), looked up by name.
 
 Each drafter class has a ``name``, a ``Config`` dataclass (one docstring per field) and an
-optional ``aliases`` map of short option names used in compact specs such as
-``early_exit:E=8:k=6``.
+``aliases`` map of short option names used in compact specs such as ``early_exit:E=8:k=6``.
+One spelling per option: a name that was renamed is refused with the one to use (``RENAMED``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass
 
 from infer.drafters.autoregressive import AutoregressiveDrafter
-from infer.drafters.base import DecodeState, Draft, Drafter, VerifyOutcome
+from infer.drafters.base import DecodeState, Draft, Drafter, DraftVocabOption, VerifyOutcome
 from infer.drafters.early_exit import EarlyExitDrafter
 from infer.drafters.self_sd import SelfSDDrafter
 from infer.drafters.swift import SwiftDrafter
 from layerskip_core.errors import UserError
 from layerskip_core.options import field_docs, from_text, hints
 
-DRAFTERS: dict[str, type] = {
+DRAFTERS: dict[str, type[Drafter]] = {
     AutoregressiveDrafter.name: AutoregressiveDrafter,
     EarlyExitDrafter.name: EarlyExitDrafter,
     SelfSDDrafter.name: SelfSDDrafter,
@@ -27,7 +26,14 @@ DRAFTERS: dict[str, type] = {
 }
 
 
-def drafter_class(name: str) -> type:
+RENAMED: dict[tuple[str, str], str] = {
+    ("autoregressive", "E"): "target_exit", ("autoregressive", "exit_layer"): "target_exit",
+    ("swift", "max_draft"): "num_draft", ("swift", "fallback"): "adaptive", ("swift", "gamma"): "context_window",
+}
+"""(drafter, an option name it no longer takes) -> the one spelling to use (named in the refusal)."""
+
+
+def drafter_class(name: str) -> type[Drafter]:
     if name not in DRAFTERS:
         raise UserError(f"unknown drafter {name!r}; choose one of: {', '.join(DRAFTERS)}")
     return DRAFTERS[name]
@@ -45,8 +51,6 @@ class Option:
     """Docstring of the field per drafter that takes it."""
     defaults: dict[str, object]
     """Default of the field per drafter that takes it."""
-    deprecated_for: str | None = None
-    """For an old name kept one release: the field it now maps to."""
 
     @property
     def owners(self) -> list[str]:
@@ -54,8 +58,6 @@ class Option:
 
     def help(self) -> str:
         """The doc (once when every drafter words it alike) and each drafter's default."""
-        if self.deprecated_for:
-            return f"deprecated: use --{self.deprecated_for.replace('_', '-')}"
         texts = set(self.docs.values())
         doc = texts.pop() if len(texts) == 1 else " ".join(f"{d}: {t}" for d, t in self.docs.items())
         shown = {d: v for d, v in self.defaults.items() if v is not None}  # None: the doc says what applies
@@ -75,50 +77,45 @@ def all_options() -> dict[str, Option]:
             opt = found.setdefault(f.name, Option(f.name, types[f.name], {}, {}))
             opt.docs[name] = docs.get(f.name, "")
             opt.defaults[name] = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-    aliases = {a for c in DRAFTERS.values() for a in getattr(c, "aliases", {})}
-    for name, cls in DRAFTERS.items():  # old names, still accepted for one release
-        for old, new in getattr(cls, "deprecated", {}).items():
-            if old not in found and old not in aliases:
-                found[old] = Option(old, found[new].type, {name: ""}, {name: None}, deprecated_for=new)
     return found
 
 
-def build_config(name: str, options: dict) -> object:
-    """A drafter's Config from ``options`` (field names or aliases; None values ignored)."""
+def build_config(name: str, options: dict | object) -> object:
+    """A drafter's Config from ``options`` (field names or aliases -> values or text; None values ignored); a
+    Config already built is returned as it is (so it is built and checked once)."""
     cls = drafter_class(name)
-    aliases = dict(getattr(cls, "aliases", {}))
-    for old, new in getattr(cls, "deprecated", {}).items():
-        if old in options and options[old] is not None:
-            warnings.warn(f"option {old!r} of drafter {name!r} is deprecated and will be removed in the next "
-                          f"release; use {new!r}", FutureWarning, stacklevel=2)
-            aliases[old] = new
+    if isinstance(options, cls.Config):
+        return options
+    if not isinstance(options, dict):
+        raise UserError(f"drafter {name!r} takes its options as a dict or a {cls.Config.__name__}, "
+                        f"not a {type(options).__name__}")
     types = hints(cls.Config)
-    fields = set(types)
     kwargs = {}
     for key, value in options.items():
         if value is None:
             continue
-        if name == "autoregressive" and key in LEGACY_TARGET_EXIT:
-            raise UserError("lossy early exit is a generation setting now: GenerationConfig(target_exit=E), "
-                            "`--target-exit E` or the spec autoregressive:target_exit=E")
-        field = aliases.get(key, key)
-        if field not in fields:
-            valid = ", ".join(sorted(fields | set(aliases))) or "none"
-            raise UserError(f"option {key!r} does not apply to drafter {name!r} (its options: {valid})")
+        field = cls.aliases.get(key, key)
+        if field not in types:
+            raise UserError(_not_an_option(name, key, sorted(set(types) | set(cls.aliases))))
         if isinstance(value, str):
             value = from_text(value, types[field], f"option {key} of drafter {name!r}")
         kwargs[field] = value
     return cls.Config(**kwargs)
 
 
-def build_drafter(name: str, runner, options: dict | None = None):
-    """Instantiate drafter ``name`` on ``runner`` with ``options`` (see ``build_config``)."""
-    config = build_config(name, options or {})
-    return drafter_class(name)(runner, config)
+def _not_an_option(name: str, key: str, valid: list[str]) -> str:
+    renamed = RENAMED.get((name, key))
+    if renamed == "target_exit":
+        return (f"option {key!r} of drafter {name!r} is spelled target_exit: lossy early exit is a generation "
+                "setting, GenerationConfig(target_exit=E), `--target-exit E` or the spec autoregressive:target_exit=E")
+    if renamed is not None:
+        return f"option {key!r} of drafter {name!r} is spelled {renamed!r} (--{renamed.replace('_', '-')})"
+    return f"option {key!r} does not apply to drafter {name!r} (its options: {', '.join(valid) or 'none'})"
 
 
-LEGACY_TARGET_EXIT = ("E", "exit_layer")
-"""Options of ``autoregressive`` that meant its lossy target exit before ``target_exit`` (accepted with a warning)."""
+def build_drafter(name: str, runner, options: dict | object | None = None) -> Drafter:
+    """Instantiate drafter ``name`` on ``runner`` with ``options`` (a dict or its Config; see ``build_config``)."""
+    return drafter_class(name)(runner, build_config(name, options or {}))
 
 
 @dataclass(frozen=True)
@@ -137,7 +134,7 @@ class Spec:
 def parse_spec(spec: str, validate: bool = True) -> Spec:
     """``'early_exit:E=8:k=6'`` -> ``Spec('early_exit', {'E': '8', 'k': '6'})``; ``validate`` builds the config now.
 
-    ``target_exit=E`` goes to the generation; ``autoregressive:E=8`` (its old spelling) too, with a warning.
+    ``target_exit=E`` goes to the generation.
     """
     name, *parts = spec.strip().split(":")
     drafter_class(name)
@@ -146,11 +143,7 @@ def parse_spec(spec: str, validate: bool = True) -> Spec:
         key, sep, value = part.partition("=")
         if not sep or not key:
             raise UserError(f"bad drafter spec {spec!r}: options look like name:key=value:key=value")
-        if key == "target_exit" or (name == "autoregressive" and key in LEGACY_TARGET_EXIT):
-            if key != "target_exit":
-                warnings.warn(f"{spec!r}: the lossy exit of plain decoding is now spelled "
-                              f"{name}:target_exit={value} (the old {key}= is accepted for one release)",
-                              FutureWarning, stacklevel=2)
+        if key == "target_exit":
             target = from_text(value, int, f"{spec!r}: target_exit")
             continue
         options[key] = value
@@ -159,5 +152,5 @@ def parse_spec(spec: str, validate: bool = True) -> Spec:
     return Spec(name, options, target)
 
 
-__all__ = ["DRAFTERS", "DecodeState", "Draft", "Drafter", "Option", "Spec", "VerifyOutcome", "all_options",
-           "build_config", "build_drafter", "drafter_class", "parse_spec"]
+__all__ = ["DRAFTERS", "RENAMED", "DecodeState", "Draft", "DraftVocabOption", "Drafter", "Option", "Spec",
+           "VerifyOutcome", "all_options", "build_config", "build_drafter", "drafter_class", "parse_spec"]

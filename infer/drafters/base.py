@@ -1,13 +1,14 @@
-"""The drafter protocol: what every drafter gives the engine and gets back from it."""
+"""The drafter base class: what every drafter gives the engine and gets back from it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor
 
+from infer.draft_vocab import AUTO, DraftVocab, check_draft_vocab_option
 from infer.runner import ints_to_device
 
 if TYPE_CHECKING:
@@ -96,35 +97,52 @@ class DecodeState:
         return ints_to_device(self.tokens[start:end], self.runner.device)
 
 
-class Drafter(Protocol):
-    """One way to propose tokens; the engine verifies them losslessly.
+@dataclass
+class DraftVocabOption:
+    """The option of every drafter that drafts with the LM head (its Config subclasses this)."""
+
+    draft_vocab: str | DraftVocab | None = AUTO
+    """Reduced-vocabulary draft head: drafts score only these token ids, verification always the full head (output
+    unchanged). auto: the most frequent ids (infer.draft_vocab.AUTO_SIZE of them) of the counts shipped for this
+    model, if there are some, else the full head; N: the N most frequent; a file made by `layerskip draft-vocab`;
+    off: the full head."""
+
+    def __post_init__(self) -> None:
+        check_draft_vocab_option(self.draft_vocab)
+
+
+class Drafter:
+    """One way to propose tokens; the engine verifies them losslessly (the model: transformers'
+    ``CandidateGenerator``). Subclasses set ``name`` and ``Config`` and override ``propose``; the other
+    methods default to doing nothing.
 
     A drafter may write anything into the cache beyond ``state.n`` in layers >= its
     ``Draft.exact_layers``: verification rolls those layers back before it writes.
     """
 
-    name: str
-    drafts: bool
-    """False for a drafter that never proposes (plain decoding): only such a drafter may decode a lossy target.
-    Optional: drafters without it are taken to draft."""
-
-    @property
-    def lookahead(self) -> int:
-        """Most cache slots past the pending token one ``propose``/``update`` may write."""
-        ...
+    name: ClassVar[str] = ""
+    Config: ClassVar[type] = object
+    """The drafter's options: a dataclass with one docstring per field."""
+    aliases: ClassVar[dict[str, str]] = {}
+    """Short option names of compact specs (``early_exit:E=8:k=6``) -> Config fields."""
+    drafts: ClassVar[bool] = True
+    """False for a drafter that never proposes (plain decoding): only such a drafter may decode a lossy target."""
+    lookahead: int = 0
+    """Most cache slots past the pending token one ``propose``/``update`` may write (a property where it varies)."""
 
     def start(self, state: DecodeState) -> None:
         """A new sequence has been prefilled (state.n = prompt length)."""
 
     def propose(self, state: DecodeState) -> Draft | None:
         """Draft tokens after the pending one, or None for a plain autoregressive step."""
+        raise NotImplementedError
 
     def update(self, state: DecodeState, outcome: VerifyOutcome) -> None:
         """Learn from a verification (the cache now holds state.n exact rows)."""
 
     def stats(self) -> dict:
         """Drafter-specific statistics for the result (e.g. optimisation time); no side effects."""
+        return {}
 
     def finish(self) -> None:
-        """Decoding with this drafter is over (called once by its owner): save plans or learned state.
-        Optional: callers skip drafters that have no ``finish``."""
+        """Decoding with this drafter is over (called once by its owner): save plans or learned state."""

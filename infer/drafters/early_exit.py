@@ -10,15 +10,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from infer.draft_vocab import DraftVocab, check_draft_vocab_option
-from infer.drafters.base import DecodeState, Draft, VerifyOutcome
+from infer.drafters.base import DecodeState, Draft, Drafter, DraftVocabOption, VerifyOutcome
 from infer.drafters.chain import EarlyExitForward, draft_chain, draft_head_for
 from infer.drafters.gate import FallbackGate, GateMemory
 from layerskip_core.errors import UserError
 
 
 @dataclass
-class EarlyExitDrafterConfig:
+class EarlyExitDrafterConfig(DraftVocabOption):
     """Settings of the early-exit drafter."""
 
     exit_layer: int = 8
@@ -36,13 +35,9 @@ class EarlyExitDrafterConfig:
     remember: bool = True
     """With adaptive: keep what the gate measured (plain and drafting speed, its mode and back-off) in the toolkit
     cache across commands, per model, device, dtype, threads and these settings (saved by ``finish``)."""
-    draft_vocab: str | DraftVocab | None = "auto"
-    """Reduced-vocabulary draft head: drafts score only these token ids, verification always the full head (output
-    unchanged). auto: the 8192 most frequent of the counts shipped for this model, if there are some, else the full
-    head; N: the N most frequent; a file made by `layerskip draft-vocab`; off: the full head."""
 
     def __post_init__(self) -> None:
-        check_draft_vocab_option(self.draft_vocab)
+        super().__post_init__()
         if self.num_draft < 1:
             raise UserError(f"num-draft must be >= 1, got {self.num_draft}")
         if self.recheck_interval < 1:
@@ -51,7 +46,7 @@ class EarlyExitDrafterConfig:
             raise UserError(f"confidence must be in [0, 1), got {self.confidence}")
 
 
-class EarlyExitDrafter:
+class EarlyExitDrafter(Drafter):
     name = "early_exit"
     Config = EarlyExitDrafterConfig
     aliases = {"E": "exit_layer", "k": "num_draft"}

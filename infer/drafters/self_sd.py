@@ -34,8 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from infer.draft_vocab import DraftVocab, check_draft_vocab_option
-from infer.drafters.base import DecodeState, Draft, VerifyOutcome
+from infer.drafters.base import DecodeState, Draft, Drafter, DraftVocabOption, VerifyOutcome
 from infer.drafters.chain import PlanForward, draft_chain, draft_head_for
 from infer.plan import LayerPlan, PlanFile
 from infer.runner import Runner
@@ -43,7 +42,7 @@ from layerskip_core.errors import UserError
 
 
 @dataclass
-class SelfSDConfig:
+class SelfSDConfig(DraftVocabOption):
     """Settings of the Self-SD drafter."""
 
     plan: str | LayerPlan | None = None
@@ -67,13 +66,9 @@ class SelfSDConfig:
     """beta1: smoothing of the acceptance rate that drives the adjustments."""
     confidence_momentum: float = 0.9
     """beta2: smoothing of the threshold itself."""
-    draft_vocab: str | DraftVocab | None = "auto"
-    """Reduced-vocabulary draft head: drafts score only these token ids, verification always the full head (output
-    unchanged). auto: the 8192 most frequent of the counts shipped for this model, if there are some, else the full
-    head; N: the N most frequent; a file made by `layerskip draft-vocab`; off: the full head."""
 
     def __post_init__(self) -> None:
-        check_draft_vocab_option(self.draft_vocab)
+        super().__post_init__()
         if self.plan is None or self.plan == "":
             raise UserError("the self_sd drafter needs a plan: --plan PLAN.json (or self_sd:plan=PLAN.json); "
                             "make one with `layerskip search` or `layerskip plan import`")
@@ -136,7 +131,7 @@ def load_plan(path: str | Path, runner: Runner) -> PlanFile:
     return plan_file
 
 
-class SelfSDDrafter:
+class SelfSDDrafter(Drafter):
     """Drafts with a fixed sublayer skip plan, stopping at an adaptive confidence threshold."""
 
     name = "self_sd"

@@ -31,8 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.draft_vocab import DraftVocab, check_draft_vocab_option
-from infer.drafters.base import DecodeState, Draft, VerifyOutcome
+from infer.drafters.base import DecodeState, Draft, Drafter, DraftVocabOption, VerifyOutcome
 from infer.drafters.chain import ChainResult, PlanForward, draft_chain, draft_head_for
 from infer.drafters.gate import FallbackGate, GateMemory, Rate
 from infer.drafters.skipping import matchness_span
@@ -62,7 +61,7 @@ BAYES = ("tpe", "gp_ucb")
 
 
 @dataclass
-class SwiftConfig:
+class SwiftConfig(DraftVocabOption):
     """Settings of the SWIFT drafter (paper defaults where the paper has one)."""
 
     skip_ratio: float = 0.45
@@ -82,7 +81,7 @@ class SwiftConfig:
     confidence: float = 0.8
     """Stop drafting when the draft's top-1 probability falls below this."""
     num_draft: int = 25
-    """k: most draft forwards (chain depth) per verification (was ``max_draft``)."""
+    """k: most draft forwards (chain depth) per verification."""
     tree: bool = True
     """Verify a dynamic top-k tree (candidates per depth from the draft's confidence); off = chain only."""
     max_tree_nodes: int = 12
@@ -111,13 +110,9 @@ class SwiftConfig:
     cap, GP-UCB, one global best matchness, the window of each prompt's first γ+1 tokens, the odd inner layers to
     start (overrides adaptive, opt-budget, fallback-opt-budget and max-tree-nodes; context-window and
     match-threshold default to the released script's 50 and 0.93)."""
-    draft_vocab: str | DraftVocab | None = "auto"
-    """Reduced-vocabulary draft head: drafts score only these token ids, verification always the full head (output
-    unchanged). auto: the 8192 most frequent of the counts shipped for this model, if there are some, else the full
-    head; N: the N most frequent; a file made by `layerskip draft-vocab`; off: the full head."""
 
     def __post_init__(self) -> None:
-        check_draft_vocab_option(self.draft_vocab)
+        super().__post_init__()
         if self.context_window is None:
             self.context_window = SCRIPT_WINDOW if self.paper else DEFAULT_WINDOW
         if self.match_threshold is None:
@@ -248,12 +243,10 @@ class LayerSetSearch:
 
 
 # --------------------------------------------------------------------------- the drafter
-class SwiftDrafter:
+class SwiftDrafter(Drafter):
     name = "swift"
     Config = SwiftConfig
     aliases = {"r": "skip_ratio", "k": "num_draft", "beta": "bo_interval"}
-    deprecated = {"max_draft": "num_draft", "fallback": "adaptive", "gamma": "context_window"}
-    """Old option names still accepted (with a warning) for one release; ``gamma`` means Self-SD's threshold."""
 
     PROBE = FallbackGate.PROBE  # drafting cycles measured before drafting is judged
     REPROBE_GAIN = 0.05  # matchness gain since the last probe that triggers an early re-check

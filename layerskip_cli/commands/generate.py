@@ -11,7 +11,6 @@ import argparse
 import dataclasses
 import json
 import sys
-import warnings
 from pathlib import Path
 
 from layerskip_cli.args import (
@@ -41,21 +40,15 @@ def add_generation_flags(p: argparse.ArgumentParser) -> None:
     add_sampling_flags(p)
 
 
-def generation_config(args: argparse.Namespace, options: dict | None = None):
-    """The GenerationConfig of the flags; ``--drafter autoregressive --exit-layer E`` (the old spelling of
-    ``--target-exit E``) is taken from ``options`` with a warning."""
+def generation_config(args: argparse.Namespace):
+    """The GenerationConfig of the flags."""
     from infer.engine import GenerationConfig
 
     if any(not s for s in args.stop):
         raise UserError("--stop needs a non-empty text (an empty stop string would end every output at once)")
-    target = args.target_exit
-    if options is not None and args.drafter == "autoregressive" and "exit_layer" in options:
-        warnings.warn("--drafter autoregressive --exit-layer E is now --target-exit E (the old spelling is accepted "
-                      "for one release)", FutureWarning, stacklevel=2)
-        target = target if target is not None else options.pop("exit_layer")
     fields = from_args(GenerationConfig, args, GenerationConfig(), skip=("sampling", "stop_strings", "stop_at_eos"))
     return dataclasses.replace(fields, sampling=sampling_config(args), stop_strings=tuple(args.stop),
-                               stop_at_eos=not args.ignore_eos, target_exit=target)
+                               stop_at_eos=not args.ignore_eos)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -116,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     # Everything that can be checked without the model is checked first.
     drafter_class(args.drafter)
     options = drafter_options(args)
-    gen = generation_config(args, options)
+    gen = generation_config(args)
     config = build_config(args.drafter, options)
     if getattr(config, "save_plan", None):
         check_output_file(config.save_plan, "--save-plan")

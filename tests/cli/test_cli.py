@@ -48,7 +48,7 @@ def test_generate_chat_and_sampling(capsys, tiny_model_dir):
     (["--drafter", "early_exit", "--exit-layer", "9"], "exit layer 9 is out of range"),
     (["--drafter", "early_exit", "--exit-layer", "0"], "exit layer 0 is out of range"),
     (["--num-draft", "2"], "does not apply to drafter 'autoregressive'"),
-    (["--exit-layer", "5"], "target exit 5 is out of range"),  # the old spelling of --target-exit 5
+    (["--exit-layer", "5"], "is spelled target_exit"),  # refused: the one spelling is --target-exit 5
     (["--stop", ""], "--stop needs a non-empty text"),
     (["--device", "cuda:x"], "bad device"),
     (["--prompt", "   "], "is empty"),

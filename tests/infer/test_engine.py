@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from infer.drafters import build_drafter
+from infer.drafters import Drafter, build_drafter
 from infer.engine import Engine, GenerationConfig
 from infer.runner import Runner
 from stub_drafters import ScriptedDrafter
@@ -321,12 +321,9 @@ def test_engine_close_finishes_the_drafter_once(runner):
     with pytest.raises(ValueError, match="closed"):
         engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=4))
 
-    class Bare:
-        name, lookahead = "bare", 0
+    class Bare(Drafter):
+        name = "bare"
 
-        def start(self, state): ...
         def propose(self, state): return None
-        def update(self, state, outcome): ...
-        def stats(self): return {}
 
-    Engine(runner, Bare()).close()  # finish is optional in the protocol
+    Engine(runner, Bare()).close()  # the base class's start/update/stats/finish do nothing

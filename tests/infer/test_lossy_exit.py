@@ -1,5 +1,6 @@
-"""Lossy early-exit decoding: `generate --target-exit E` and bench `autoregressive:target_exit=N` (old spellings:
-`--drafter autoregressive --exit-layer E`, `autoregressive:E=N`), honoured by every way of building an engine."""
+"""Lossy early-exit decoding: `generate --target-exit E` and bench `autoregressive:target_exit=N` (the old spellings
+`--drafter autoregressive --exit-layer E`, `autoregressive:E=N` are refused), honoured by every way of building an
+engine."""
 
 import json
 
@@ -40,10 +41,9 @@ def test_exit_at_the_last_layer_is_plain_decoding(capsys, tiny_model_dir):
     assert full["stats"]["lossy"] is False and "lossy" not in err
 
 
-@pytest.mark.parametrize("flags", [["--target-exit", "2"], ["--exit-layer", "2"]])  # new and old spelling
-def test_early_exit_decodes_with_the_first_layers_only(capsys, tiny_model_dir, flags):
+def test_early_exit_decodes_with_the_first_layers_only(capsys, tiny_model_dir):
     """E < L: the output is a truncated model's greedy output (checked against transformers with E layers)."""
-    out, err = generate(capsys, tiny_model_dir, *flags)
+    out, err = generate(capsys, tiny_model_dir, "--target-exit", "2")
     assert out["stats"]["lossy"] is True and out["stats"]["target_exit"] == 2
     assert "lossy early exit" in err and "exit layer 2" in err
     assert out["tokens"] == truncated_reference(tiny_model_dir, 2)
@@ -53,10 +53,20 @@ def test_early_exit_decodes_with_the_first_layers_only(capsys, tiny_model_dir, f
 
 def test_target_exit_in_range_and_only_for_plain_decoding(capsys, tiny_model_dir):
     for extra, message in ((["--target-exit", "0"], ">= 1"), (["--target-exit", "5"], "out of range"),
-                           (["--exit-layer", "5"], "out of range"),
+                           (["--exit-layer", "2"], "is spelled target_exit"),  # the old spelling: refused
                            (["--target-exit", "2", "--drafter", "early_exit", "--exit-layer", "1"], "autoregressive")):
         code, _, err = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--prompt", "hi", *extra)
         assert code == 2 and message in err, (extra, err)
+
+
+@pytest.mark.parametrize("spec", ["autoregressive:E=2", "autoregressive:exit_layer=2"])
+def test_the_old_spec_spelling_is_refused_with_the_one_to_use(spec):
+    from infer.drafters import parse_spec
+    from layerskip_core.errors import UserError
+
+    with pytest.raises(UserError, match="is spelled target_exit.*autoregressive:target_exit=E"):
+        parse_spec(spec)
+    assert parse_spec("autoregressive:target_exit=2").target_exit == 2
 
 
 def test_every_engine_builder_honours_the_target_exit(tiny_model_dir, tmp_path, capsys):

@@ -17,6 +17,7 @@ from infer.engine import Engine, GenerationConfig
 from infer.plan import LayerPlan, PlanFile
 from infer.runner import Runner
 from infer.sampling import SamplingConfig
+from layerskip_core.errors import UserError
 from tiny_models import make_model
 
 PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 250, 17], [42] * 12 + [7, 8], [1, 2, 3]]
@@ -328,12 +329,12 @@ def test_drafting_uses_the_optimised_plan(monkeypatch):
     assert {plan for _, plan in used} >= {start, drafter.best}  # drafted with the start plan, then the found one
 
 
-def test_old_option_names_still_work_with_a_warning(runner):
-    with pytest.warns(FutureWarning, match="'max_draft' of drafter 'swift' is deprecated.*'num_draft'"):
-        drafter = build_drafter("swift", runner, {"max_draft": "3", "fallback": "false", "gamma": "9"})
-    assert (drafter.config.num_draft, drafter.config.adaptive, drafter.config.context_window) == (3, False, 9)
+@pytest.mark.parametrize("old,new", [("max_draft", "num_draft"), ("fallback", "adaptive"), ("gamma", "context_window")])
+def test_old_option_names_are_refused_with_the_one_spelling(runner, old, new):
+    with pytest.raises(UserError, match=f"option '{old}' of drafter 'swift' is spelled '{new}'"):
+        build_drafter("swift", runner, {old: "3"})
     assert build_drafter("self_sd", runner, {"gamma": "0.5", "plan": LayerPlan(6, frozenset({2}))}).config.confidence \
-        == 0.5  # gamma is Self-SD's threshold; for swift it is only a deprecated name
+        == 0.5  # gamma is Self-SD's threshold (its alias); swift does not take it
 
 
 # --------------------------------------------------------------------------- paper mode follows the reference code
