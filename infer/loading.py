@@ -6,10 +6,16 @@ The public entry point of the Python API (see the README's "Python API"):
     model = load_model(hf_model, tokenizer=hf_tokenizer)   # ... or a transformers model already in memory
     result = model.generate("def fib(n):", "early_exit", GenerationConfig(max_new_tokens=32), exit_layer=24)
     with model.engine("swift") as engine: ...              # one drafter over many prompts; finish() on exit
+
+``load_model`` is the Python API's edge: it resolves device, dtype, executor and threads once
+(``layerskip_core.settings``); the commands resolve their flags themselves and call ``load_resolved``.
+``LoadedModel.engine`` builds a drafter's options into its Config once and resolves ``draft_vocab``
+there, with this model's tokenizer; ``method`` splits ``target_exit`` off a spec into the generation.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -19,12 +25,11 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from infer.draft_vocab import DraftVocab, resolve_draft_vocab_option
-from infer.drafters import Spec, build_config, build_drafter, parse_spec
+from infer.drafters import DraftVocabOption, Spec, build_config, build_drafter, parse_spec
 from infer.engine import Engine, GenerationResult
 from infer.engine import GenerationConfig as DecodeConfig
 from infer.runner import Runner
 from layerskip_core.errors import UserError
-from layerskip_core.models import resolve_model
 from layerskip_core.settings import ModelSettings, Resolved, RunSettings
 
 
@@ -61,18 +66,22 @@ class LoadedModel:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def engine(self, drafter: str = "autoregressive", options: dict | None = None, **more) -> Engine:
-        """An Engine with drafter ``drafter`` and its ``options`` (a dict and/or keywords: ``exit_layer=24``).
+    def engine(self, drafter: str = "autoregressive", options: dict | object | None = None, **more) -> Engine:
+        """An Engine with drafter ``drafter`` and its ``options`` (a dict and/or keywords: ``exit_layer=24``, or the
+        drafter's Config already built).
 
-        A ``draft_vocab`` size or file is resolved with this model's tokenizer (so a finetuned checkpoint
-        uses its base model's counts). Use it as a context manager, or call ``close()``, when done: that runs
-        the drafter's ``finish`` (saves a plan or the adaptive gate's memory)."""
-        options = dict(options or {}) | more
-        config = build_config(drafter, options)  # a bad option is reported as such before a vocabulary is read
-        spec = getattr(config, "draft_vocab", None)
-        if spec is not None and not isinstance(spec, DraftVocab):  # 'auto' (the default), a size or a file
-            options["draft_vocab"] = resolve_draft_vocab_option(spec, self.runner, self.tokenizer) or "off"
-        return Engine(self.runner, build_drafter(drafter, self.runner, options), self.eos_token_ids, self.decode)
+        A ``draft_vocab`` size, file or 'auto' is resolved here, once, with this model's tokenizer (so a finetuned
+        checkpoint uses its base model's counts). Use the engine as a context manager, or call ``close()``, when
+        done: that runs the drafter's ``finish`` (saves a plan or the adaptive gate's memory)."""
+        if more:
+            if options is not None and not isinstance(options, dict):
+                raise UserError("give a drafter's options as a dict and/or keywords, or as its Config, not both")
+            options = dict(options or {}) | more
+        config = build_config(drafter, options or {})  # a bad option is reported as such before a vocabulary is read
+        if isinstance(config, DraftVocabOption) and not isinstance(config.draft_vocab, DraftVocab | None):
+            config = copy.copy(config)  # the caller's Config stays as given
+            config.draft_vocab = resolve_draft_vocab_option(config.draft_vocab, self.runner, self.tokenizer)
+        return Engine(self.runner, build_drafter(drafter, self.runner, config), self.eos_token_ids, self.decode)
 
     def method(self, spec: str | Spec, config: DecodeConfig | None = None) -> tuple[Engine, DecodeConfig]:
         """The engine and generation config of a method spec (``'early_exit:E=24:k=4'``,
@@ -106,35 +115,37 @@ def eos_ids(path: Path | None, tokenizer, model_config=None) -> tuple[int, ...]:
 
 def load_model(model: str | os.PathLike | PreTrainedModel = "default", tokenizer=None, *,
                device: str | torch.device = "auto", dtype: str | torch.dtype = "auto", executor: str = "auto",
-               threads: int | None = None) -> LoadedModel:
-    """Load a model to decode with.
+               threads: int = 1) -> LoadedModel:
+    """Load a model to decode with (the Python API's edge: the names are resolved here, once).
 
     ``model``: a local Hugging Face folder, a hub id (org/name), ``"default"`` (SmolLM2-135M-Instruct, fetched
     once), or a ``transformers`` model object already in memory (then ``tokenizer`` is required; its weights
     are copied into the runner's fused layout). ``device`` / ``dtype`` take names (``auto`` = CUDA + bf16 when
-    available, else CPU + fp32) or torch objects; ``executor`` and ``threads`` as in ``layerskip_core.settings``.
+    available, else CPU + fp32) or torch objects; ``executor`` and ``threads`` (default 1) as in
+    ``layerskip_core.settings``.
     """
-    run = RunSettings(device, dtype, executor, threads).resolve()
-    return _load(model, tokenizer, run)
-
-
-def load_from_settings(settings: ModelSettings, resolved: Resolved | None = None) -> LoadedModel:
-    """``load_model`` from command-line settings (``resolved``: the settings already resolved by the caller)."""
-    return _load(settings.model, None, resolved or settings.resolve())
-
-
-def _load(model, tokenizer, run: Resolved) -> LoadedModel:
-    run.apply_threads()
+    device, dtype = str(device), str(dtype).removeprefix("torch.")
     if isinstance(model, PreTrainedModel):
+        return load_resolved(RunSettings(device, dtype, executor, threads).resolve(), model, tokenizer)
+    return load_resolved(ModelSettings(device, dtype, executor, threads, model=str(model)).resolve(), None, tokenizer)
+
+
+def load_resolved(run: Resolved, model: PreTrainedModel | None = None, tokenizer=None) -> LoadedModel:
+    """Load ``run.model`` (a folder), or wrap ``model`` (a transformers model object, with its ``tokenizer``), with
+    settings already resolved (``layerskip_core.settings``): nothing is resolved again here."""
+    run.apply_threads()
+    if model is not None:
         if tokenizer is None:
             raise UserError("a model given as an object needs its tokenizer: load_model(model, tokenizer)")
-        runner = Runner.from_model(model, run.dtype, device=run.device, executor=run.executor)
+        runner = Runner.from_model(model, run.dtype, run.kernel, run.executor, run.device)
         return LoadedModel(None, runner, tokenizer, eos_ids(None, tokenizer, model.generation_config))
-    path = resolve_model(str(model))
+    path = run.model
+    if path is None:
+        raise UserError("no model to load: resolve a ModelSettings (it names the folder) or pass a model object")
     if tokenizer is None:
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
         except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for a malformed tokenizer.json
             raise UserError(f"could not load a tokenizer from {path}: {type(e).__name__}: {e}") from None
-    runner = Runner.from_pretrained(path, dtype=run.dtype, device=run.device, executor=run.executor)
+    runner = Runner.from_pretrained(path, run.dtype, run.device, run.kernel, run.executor)
     return LoadedModel(path, runner, tokenizer, eos_ids(path, tokenizer))

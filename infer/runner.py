@@ -32,14 +32,10 @@ from torch import Tensor
 from infer import kernels
 from infer.graphs import StaticExecutor
 from infer.plan import LayerPlan
-from layerskip_core.device import EXECUTOR_CHOICES, parse_dtype
 from layerskip_core.errors import UserError
 from layerskip_core.models import ModelSpec
+from layerskip_core.settings import EXECUTORS
 
-EXECUTORS = EXECUTOR_CHOICES
-"""How ``Runner.span`` runs decoding forwards: auto = graphs on CUDA, eager elsewhere."""
-EXECUTOR_ENV = "LAYERSKIP_EXECUTOR"
-"""Environment variable read when the executor is 'auto' (e.g. ``eager`` turns CUDA graphs off)."""
 MIN_CAPACITY = 256
 """Smallest KV-cache capacity the runner's cache pool hands out."""
 
@@ -217,7 +213,7 @@ class Runner:
     """Executes layer ranges of a Llama-family model with sublayer skip plans over a KV cache."""
 
     def __init__(self, config, state: dict[str, Tensor], dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", kernel: str = "auto", executor: str = "auto"):
+                 device: str | torch.device = "cpu", kernel: str = "auto", executor: str = "eager"):
         self.config = config
         self.spec = ModelSpec.from_config(config)
         self.dtype = dtype
@@ -237,8 +233,8 @@ class Runner:
 
     # ----------------------------------------------------------------- loading
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, dtype: str | torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu", kernel: str = "auto", executor: str = "auto") -> Runner:
+    def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu", kernel: str = "auto", executor: str = "eager") -> Runner:
         """Load from a local HF folder (safetensors read directly; .bin through transformers)."""
         from transformers import AutoConfig, AutoModelForCausalLM  # here: a --help that imports drafters stays fast
 
@@ -248,10 +244,10 @@ class Runner:
             state = _load_safetensors_dir(path)
         else:
             state = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
-        return cls(config, state, parse_dtype(dtype, device), device, kernel, executor)
+        return cls(config, state, dtype, device, kernel, executor)
 
     @classmethod
-    def from_model(cls, model, dtype: torch.dtype | None = None, kernel: str = "auto", executor: str = "auto",
+    def from_model(cls, model, dtype: torch.dtype | None = None, kernel: str = "auto", executor: str = "eager",
                    device: str | torch.device | None = None) -> Runner:
         """Wrap an instantiated HF model (its weights are copied into fused tensors; by default in the model's own
         dtype, on its own device)."""
@@ -260,14 +256,10 @@ class Runner:
         return cls(model.config, state, dtype or first.dtype, device or first.device, kernel, executor)
 
     # ----------------------------------------------------------------- executor
-    def set_executor(self, executor: str = "auto") -> None:
-        """Choose how decoding forwards run (see the module docstring); 'auto' consults $LAYERSKIP_EXECUTOR."""
-        if executor == "auto":
-            executor = os.environ.get(EXECUTOR_ENV, "") or "auto"
+    def set_executor(self, executor: str = "eager") -> None:
+        """Choose how decoding forwards run (see the module docstring; ``layerskip_core.settings`` resolves 'auto')."""
         if executor not in EXECUTORS:
             raise UserError(f"unknown executor {executor!r}; use one of {', '.join(EXECUTORS)}")
-        if executor == "auto":
-            executor = "graphs" if self.device.type == "cuda" else "eager"
         if executor == "graphs" and self.device.type != "cuda":
             raise UserError("CUDA graphs need a CUDA device; use the 'static' or 'eager' executor on "
                             f"{self.device.type}")

@@ -4,7 +4,7 @@
 --threads), ``add_run_flags`` / ``run_settings`` (the same without --model, for commands that take several),
 ``add_sampling_flags`` / ``sampling_config`` (``infer.sampling.SamplingConfig``) and the drafter flags
 (one group per drafter, built from each drafter's config). A command passes its own defaults as an instance
-(e.g. ``ModelSettings(threads=1)``); the help shows them, and flags not given keep them.
+(e.g. ``ModelSettings(executor="static")``); the help shows them, and flags not given keep them.
 """
 
 from __future__ import annotations

@@ -19,10 +19,6 @@ DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfl
 ``--help`` and argument errors of every command stay instant)."""
 DTYPE_CHOICES = ("auto", "fp32", "bf16", "fp16")
 DEVICE_HELP = "auto (CUDA when available, else CPU), cpu, cuda or cuda:N"
-DTYPE_HELP = "auto (bf16 on CUDA, fp32 on CPU), fp32, bf16 or fp16"
-EXECUTOR_CHOICES = ("auto", "eager", "static", "graphs")
-EXECUTOR_HELP = ("how decoding forwards run: auto (CUDA graphs on CUDA, eager elsewhere; $LAYERSKIP_EXECUTOR "
-                 "overrides), eager, static (static shapes, no capture) or graphs")
 
 
 def parse_dtype(name: str | torch.dtype, device: torch.device | str | None = None) -> torch.dtype:

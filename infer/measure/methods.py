@@ -6,11 +6,11 @@ Importing this module loads neither torch nor transformers: the command parses a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from layerskip_core.errors import UserError
-from layerskip_core.settings import RunSettings
+from layerskip_core.settings import Resolved
 
 if TYPE_CHECKING:
     from infer.sampling import SamplingConfig
@@ -123,15 +123,14 @@ class BenchConfig:
     """Drafters and peers to time."""
     data: list[str]
     """Prompt sources (built-in names, jsonl files, text folders)."""
+    run: Resolved
+    """Device, dtype, executor and threads every method (peers included) runs with, resolved by the caller."""
     n: int = 8
     """Prompts per task, taken from the end of each set (held out from training)."""
     max_new_tokens: int = 128
     """Tokens generated per prompt."""
     repeats: int = 3
     """Timed repeats; tokens/s is the median over repeats."""
-    run: RunSettings = field(default_factory=lambda: RunSettings(threads=1))
-    """Device, dtype, executor and threads every method (peers included) runs with (1 thread by default: the most
-    repeatable CPU numbers)."""
     sampling: SamplingConfig | None = None
     """Greedy (temperature 0: exactness is checked) or sampling settings, the same for every method (None: greedy)."""
     chat: str = "auto"

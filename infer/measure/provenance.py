@@ -8,10 +8,10 @@ import time
 from pathlib import Path
 
 from layerskip_core.device import dtype_name
-from layerskip_core.settings import RunSettings
+from layerskip_core.settings import Resolved
 
 
-def machine_info(run: RunSettings) -> dict:
+def machine_info(run: Resolved) -> dict:
     """CPU, versions, threads, commit, date, device, GPU, dtype and executor of a run with ``run``'s settings."""
     import torch
     import transformers
@@ -22,12 +22,11 @@ def machine_info(run: RunSettings) -> dict:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    resolved = run.resolve()
-    gpu = torch.cuda.get_device_name(resolved.device) if resolved.device.type == "cuda" else None
+    gpu = torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else None
     return {"cpu": cpu, "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "threads": run.threads, "git": git_commit(),
-            "date": time.strftime("%Y-%m-%d %H:%M"), "device": str(resolved.device), "gpu": gpu,
-            "dtype": dtype_name(resolved.dtype), "executor": run.executor}
+            "date": time.strftime("%Y-%m-%d %H:%M"), "device": str(run.device), "gpu": gpu,
+            "dtype": dtype_name(run.dtype), "executor": run.executor}
 
 
 def git_commit() -> str | None:

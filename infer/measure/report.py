@@ -213,7 +213,7 @@ def write_outputs(cfg: BenchConfig, records: list[Record], out_dir: Path, comman
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = summarize(records)
     meta = machine_info(cfg.run) | {"command": command}
-    config = asdict(cfg) | {"methods": [m.label for m in cfg.methods]}
+    config = asdict(cfg) | {"methods": [m.label for m in cfg.methods], "run": cfg.run.to_dict()}
     best = recommend(rows)
     payload = {"meta": meta, "config": config, "summary": [asdict(r) for r in rows],
                "recommended": [{"model": m, "task": t, "method": v} for (m, t), v in best.items()],

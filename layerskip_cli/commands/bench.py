@@ -13,10 +13,6 @@ from layerskip_cli.args import add_run_flags, add_sampling_flags, run_settings, 
 from layerskip_core.cli import check_output_dir, split_named
 from layerskip_core.errors import UserError
 from layerskip_core.prompts import CHAT_MODES
-from layerskip_core.settings import RunSettings
-
-RUN = RunSettings(threads=1)
-"""bench's defaults: one thread (the most repeatable CPU numbers)."""
 
 
 def _ints(text: str) -> list[int]:
@@ -51,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--n", type=int, default=8, help="prompts per task (from the end of each set: held out)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
-    add_run_flags(p, RUN)  # every method, peers included, runs with these
+    add_run_flags(p)  # every method, peers included, runs with these
     p.add_argument("--sample", action="store_true", help="sample instead of greedy (exactness then not checked); "
                    "--temperature defaults to 1.0 then")
     add_sampling_flags(p, _sampling_defaults())
@@ -79,8 +75,7 @@ def config_from_args(args: argparse.Namespace):
     if args.temperature is not None and not args.sample:
         raise UserError("--temperature needs --sample")
     check_output_dir(args.out, "--out")  # results.json, .csv, .md and plots go there
-    run = run_settings(args, RUN)
-    run.resolve()  # a missing GPU is refused before anything loads
+    run = run_settings(args).resolve()  # once; a missing GPU is refused before anything loads
     sampling = sampling_config(args, _sampling_defaults())
     if args.sample and args.temperature is None:
         sampling = dataclasses.replace(sampling, temperature=1.0)

@@ -110,7 +110,7 @@ def coverage_line(size: int, vocab_size: int, report: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     # torch and transformers load only once the arguments are known to be good
     from infer.draft_vocab import coverage_report, special_ids
-    from infer.loading import load_from_settings
+    from infer.loading import load_resolved
     from infer.measure.vocab_counting import count_tokens, encode_prompts, heldout_tokens
 
     # Everything that can be checked without the model is checked first.
@@ -129,10 +129,9 @@ def run(args: argparse.Namespace) -> int:
             check_output_file(path, flag)
     text_n = args.n if args.text_n is None else args.text_n
     calib, texts, held = load_sets(names, args.n, text_n, args.heldout)
-    settings = model_settings(args)
-    resolved = settings.resolve()
+    resolved = model_settings(args).resolve()
 
-    model = load_from_settings(settings, resolved)
+    model = load_resolved(resolved)
     vocab_size, special = model.runner.spec.vocab_size, special_ids(model.tokenizer, model.eos_token_ids)
     for s in [args.size, *sizes]:
         if not len(special) < s <= vocab_size:

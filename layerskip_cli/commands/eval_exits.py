@@ -25,7 +25,6 @@ from layerskip_cli.args import add_model_flags, model_settings
 from layerskip_core.cli import check_output_dir, check_output_file, run_main
 from layerskip_core.device import dtype_name
 from layerskip_core.errors import UserError
-from layerskip_core.models import resolve_model
 from layerskip_core.prompts import load_prompts
 from train.config import EarlyExitConfig, LayerDropoutConfig, load_config
 
@@ -115,11 +114,9 @@ def evaluate(args: argparse.Namespace) -> dict:
 
     # Everything that can be checked without the weights is checked first.
     _check_args(args)
-    settings = model_settings(args)
-    resolved = settings.resolve()
+    resolved = model_settings(args).resolve()
     resolved.apply_threads()
-    device, dtype = resolved.device, resolved.dtype
-    path = resolve_model(settings.model)
+    device, dtype, path = resolved.device, resolved.dtype, resolved.model
     exits = parse_exits(args.exits, AutoConfig.from_pretrained(path).num_hidden_layers)
     tokenizer = AutoTokenizer.from_pretrained(path)
     examples = (held_out_examples(args.data, tokenizer, args.n, args.max_tokens) if args.data

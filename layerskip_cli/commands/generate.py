@@ -104,29 +104,28 @@ def _notes(args: argparse.Namespace, engine, dtype: str, gen) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from infer.drafters import build_config, drafter_class
-    from infer.loading import load_from_settings
+    from infer.loading import load_resolved
 
     # Everything that can be checked without the model is checked first.
     drafter_class(args.drafter)
     options = drafter_options(args)
     gen = generation_config(args)
-    config = build_config(args.drafter, options)
+    config = build_config(args.drafter, options)  # built and checked once; each engine below takes it as it is
     if getattr(config, "save_plan", None):
         check_output_file(config.save_plan, "--save-plan")
     prompts = _prompts(args)
-    settings = model_settings(args)
-    resolved = settings.resolve()  # a missing GPU is refused before the model loads
+    resolved = model_settings(args).resolve()  # once; a missing GPU is refused before the model loads
 
-    model = load_from_settings(settings, resolved)
+    model = load_resolved(resolved)
     device, dtype = str(model.runner.device), dtype_name(model.runner.dtype)
     encoded = [model.encode(item.prompt, args.chat) for item in prompts]
-    engine = model.engine(args.drafter, options)
+    engine = model.engine(args.drafter, config)
     _notes(args, engine, dtype, gen)
     results = []
     for item, ids in zip(prompts, encoded, strict=True):
         if not args.stream and results:
             engine.close()
-            engine = model.engine(args.drafter, options)  # independent prompts: fresh drafter state
+            engine = model.engine(args.drafter, config)  # independent prompts: fresh drafter state
         result = engine.generate(ids, gen)
         results.append(result)
         if args.json:

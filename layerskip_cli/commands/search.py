@@ -11,7 +11,6 @@ from layerskip_core.cli import check_output_file
 from layerskip_core.device import dtype_name
 from layerskip_core.errors import UserError
 from layerskip_core.prompts import load_prompts, task_name, use_chat_template
-from layerskip_core.settings import ModelSettings
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -19,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Bayesian optimisation (optuna) over the 2L sublayer skip choices on calibration "
                        "prompts from the front of a data set; the best plan is written atomically to --out with the "
                        "model's identity, and the study is kept beside it so an interrupted search resumes.")
-    add_model_flags(p, ModelSettings(threads=1))  # one thread by default, as the benchmark measures
+    add_model_flags(p)
     p.add_argument("--data", required=True, help="calibration prompts: humaneval, gsm8k, a .jsonl file with 'prompt' "
                    "fields, or a folder of text files (items are taken from the front of the set)")
     p.add_argument("--out", type=Path, required=True, help="plan file to write, e.g. plans/smollm2-135m-humaneval.json")
@@ -56,7 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # torch, transformers and optuna load only once the arguments are known to be good
-    from infer.loading import load_from_settings
+    from infer.loading import load_resolved
     from infer.search import SearchConfig, search_plan, study_path_for
 
     # Everything that can be checked without the model is checked first.
@@ -72,10 +71,9 @@ def run(args: argparse.Namespace) -> int:
     items = load_prompts(args.data, cfg.n_prompts)
     if len(items) < cfg.n_prompts:
         print(f"layerskip: note: {args.data} has only {len(items)} prompts", file=sys.stderr)
-    settings = model_settings(args, ModelSettings(threads=1))
-    resolved = settings.resolve()
+    resolved = model_settings(args).resolve()
 
-    model = load_from_settings(settings, resolved)
+    model = load_resolved(resolved)
     task = task_name(args.data)
     chat = use_chat_template(task, args.chat)
     prompts = [model.encode(item.prompt, chat) for item in items]
@@ -85,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     if too_long:
         raise UserError(f"calibration prompts {too_long} are too long for the model's context of {limit} tokens")
     study = args.study or study_path_for(args.out)
-    extra = {"data": args.data, "chat": chat, "threads": settings.threads, "device": str(model.runner.device),
+    extra = {"data": args.data, "chat": chat, "threads": resolved.threads, "device": str(model.runner.device),
              "dtype": dtype_name(model.runner.dtype),
              "prompt_ids": [it.id for it in items]}
     if not args.quiet:  # the calibration runs before the trials' progress bar appears

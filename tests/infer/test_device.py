@@ -99,11 +99,14 @@ def test_executor_flag_static_equals_eager_and_graphs_need_cuda(capsys, tiny_mod
 
 
 def test_auto_dtype_follows_the_requested_device_not_the_machine(tiny_model_dir, monkeypatch):
-    """dtype 'auto' on an explicit CPU runner is fp32 even where CUDA exists (it used to resolve against CUDA)."""
+    """dtype 'auto' on an explicit CPU device is fp32 even where CUDA exists (it used to resolve against CUDA)."""
     from infer.runner import Runner
+    from layerskip_core.settings import RunSettings
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    runner = Runner.from_pretrained(tiny_model_dir, dtype="auto", device="cpu")
+    run = RunSettings(device="cpu", dtype="auto").resolve()
+    assert run.dtype == torch.float32 and run.executor == "eager"
+    runner = Runner.from_pretrained(tiny_model_dir, run.dtype, run.device, executor=run.executor)
     assert runner.dtype == torch.float32
 
 

@@ -12,6 +12,7 @@ from infer.graphs import bucket, window_mask
 from infer.plan import LayerPlan, PlanFile
 from infer.runner import Runner
 from layerskip_core.errors import UserError
+from layerskip_core.settings import RunSettings
 from stub_drafters import ScriptedDrafter
 from tiny_models import make_model
 
@@ -156,10 +157,16 @@ def test_executor_option_errors(model, monkeypatch):
         Runner.from_model(model, executor="fast")
     with pytest.raises(UserError, match="CUDA"):
         Runner.from_model(model, executor="graphs")  # CPU runner
-    monkeypatch.setenv("LAYERSKIP_EXECUTOR", "static")
-    assert Runner.from_model(model).executor == "static"
+    with pytest.raises(UserError, match="unknown executor 'auto'"):
+        Runner.from_model(model, executor="auto")  # resolved at the edge (layerskip_core.settings), never here
+    monkeypatch.setenv("LAYERSKIP_EXECUTOR", "static")  # read by the settings' resolution only
+    run = RunSettings(device="cpu").resolve()
+    assert run.executor == "static" and Runner.from_model(model, executor=run.executor).executor == "static"
+    assert Runner.from_model(model).executor == "eager"  # the library reads no environment variable
     monkeypatch.delenv("LAYERSKIP_EXECUTOR")
-    assert Runner.from_model(model).executor == "eager"  # CPU default: the eager path stays
+    assert RunSettings(device="cpu").resolve().executor == "eager"  # CPU default: the eager path stays
+    with pytest.raises(UserError, match="CUDA graphs need a CUDA device"):
+        RunSettings(device="cpu", executor="graphs").resolve()
 
 
 def _fake_capture(self, cache, pool=None):
