@@ -87,8 +87,8 @@ def build_config(name: str, options: dict | object) -> object:
     if isinstance(options, cls.Config):
         return options
     if not isinstance(options, dict):
-        raise UserError(f"drafter {name!r} takes its options as a dict or a {cls.Config.__name__}, "
-                        f"not a {type(options).__name__}")
+        raise UserError(f"drafter {name!r} takes a dict of options or its {cls.Config.__name__}, "
+                        f"not {type(options).__name__}")
     types = hints(cls.Config)
     kwargs = {}
     for key, value in options.items():

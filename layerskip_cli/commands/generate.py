@@ -120,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
     device, dtype = str(model.runner.device), dtype_name(model.runner.dtype)
     encoded = [model.encode(item.prompt, args.chat) for item in prompts]
     engine = model.engine(args.drafter, config)
+    config = engine.drafter.config  # its draft_vocab resolved: the later engines take it as it is
     _notes(args, engine, dtype, gen)
     results = []
     for item, ids in zip(prompts, encoded, strict=True):

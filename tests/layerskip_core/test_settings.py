@@ -59,3 +59,30 @@ def test_one_thread_by_default_everywhere(tiny_model_dir, capsys):
             main([command, "--help"])
         help_text = " ".join(capsys.readouterr().out.split())
         assert "(default 1)" in help_text.split("--threads INT torch CPU threads", 1)[1][:200], command
+
+
+def test_a_drafters_config_is_built_once_and_its_draft_vocab_resolved_once(tiny_model_dir):
+    """LoadedModel.engine takes a Config as it is and resolves its draft_vocab into a DraftVocab or None (the tiny
+    model has no shipped counts: 'auto' is the full head), leaving the caller's Config untouched."""
+    from infer.drafters import build_config
+    from infer.loading import load_model
+
+    config = build_config("early_exit", {"E": "2", "k": "3"})
+    assert build_config("early_exit", config) is config
+    model = load_model(str(tiny_model_dir), device="cpu")
+    with model.engine("early_exit", config) as engine:
+        assert engine.drafter.config.draft_vocab is None and config.draft_vocab == "auto"
+        assert (engine.drafter.config.exit_layer, engine.drafter.config.num_draft) == (2, 3)
+    with pytest.raises(UserError, match="'autoregressive' takes a dict of options or its AutoregressiveConfig"):
+        model.engine("autoregressive", config)
+
+
+@pytest.mark.real_model
+def test_auto_draft_vocab_of_the_default_model_is_resolved_at_the_edge(default_model_path):
+    from infer.draft_vocab import AUTO_SIZE, DraftVocab
+    from infer.loading import load_model
+
+    model = load_model(str(default_model_path), device="cpu")
+    with model.engine("early_exit", exit_layer=8) as engine:
+        vocab = engine.drafter.config.draft_vocab
+        assert isinstance(vocab, DraftVocab) and vocab.size == AUTO_SIZE
