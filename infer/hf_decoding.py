@@ -44,13 +44,13 @@ from transformers.generation import (
     TopPLogitsWarper,
 )
 
-from infer.draft_vocab import DraftVocab, resolve_draft_vocab_option
-from infer.drafters import build_config, build_drafter
+from infer.drafters import build_config, build_drafter, resolve_config
 from infer.engine import Engine
 from infer.engine import GenerationConfig as DecodeConfig
 from infer.runner import Runner
 from infer.sampling import SamplingConfig
 from layerskip_core.errors import UserError
+from layerskip_core.settings import resolve_executor
 
 FOLDER = Path(__file__).resolve().parent / "hf_custom_generate"
 """The folder form: ``model.generate(..., custom_generate=str(FOLDER), trust_remote_code=True, drafter=...)``."""
@@ -123,12 +123,9 @@ class HFGenerate:
 
     def engine(self, runner: Runner, eos: tuple[int, ...]) -> Engine:
         """A fresh drafter on ``runner`` (as ``LoadedModel.engine``: a ``draft_vocab`` resolved with the tokenizer)."""
-        options = dict(self.options)
-        spec = getattr(build_config(self.drafter, options), "draft_vocab", None)
-        if spec is not None and not isinstance(spec, DraftVocab):
-            options["draft_vocab"] = resolve_draft_vocab_option(spec, runner, self.tokenizer) or "off"
+        config = resolve_config(self.drafter, dict(self.options), runner, self.tokenizer)
         decode = self.tokenizer.decode if self.tokenizer is not None else None
-        return Engine(runner, build_drafter(self.drafter, runner, options), eos, decode)
+        return Engine(runner, build_drafter(self.drafter, runner, config), eos, decode)
 
     def runner_for(self, model: PreTrainedModel) -> Runner:
         """The runner over ``model``'s weights: built (and its weights shared with the model) on first use."""
@@ -137,7 +134,7 @@ class HFGenerate:
         want = (dtype or first.dtype, torch.device(device) if device is not None else first.device)
         runner = self.runners.get(model)
         if runner is None or (runner.dtype, runner.device) != want:
-            runner = Runner.from_model(model, want[0], device=want[1], executor=executor)
+            runner = Runner.from_model(model, want[0], device=want[1], executor=resolve_executor(executor, want[1]))
             share_weights(model, runner)
             self.runners[model] = runner
         return runner

@@ -15,7 +15,6 @@ there, with this model's tokenizer; ``method`` splits ``target_exit`` off a spec
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -24,8 +23,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel
 
-from infer.draft_vocab import DraftVocab, resolve_draft_vocab_option
-from infer.drafters import DraftVocabOption, Spec, build_config, build_drafter, parse_spec
+from infer.drafters import Spec, build_drafter, parse_spec, resolve_config
 from infer.engine import Engine, GenerationResult
 from infer.engine import GenerationConfig as DecodeConfig
 from infer.runner import Runner
@@ -77,10 +75,7 @@ class LoadedModel:
             if options is not None and not isinstance(options, dict):
                 raise UserError("give a drafter's options as a dict and/or keywords, or as its Config, not both")
             options = dict(options or {}) | more
-        config = build_config(drafter, options or {})  # a bad option is reported as such before a vocabulary is read
-        if isinstance(config, DraftVocabOption) and not isinstance(config.draft_vocab, DraftVocab | None):
-            config = copy.copy(config)  # the caller's Config stays as given
-            config.draft_vocab = resolve_draft_vocab_option(config.draft_vocab, self.runner, self.tokenizer)
+        config = resolve_config(drafter, options or {}, self.runner, self.tokenizer)
         return Engine(self.runner, build_drafter(drafter, self.runner, config), self.eos_token_ids, self.decode)
 
     def method(self, spec: str | Spec, config: DecodeConfig | None = None) -> tuple[Engine, DecodeConfig]:

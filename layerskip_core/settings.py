@@ -58,7 +58,7 @@ class RunSettings:
     def resolve(self) -> Resolved:
         """The concrete device, dtype and executor (a missing GPU is refused here, before any model loads)."""
         device = resolve_device(self.device)
-        return Resolved(device, parse_dtype(self.dtype, device), _executor(self.executor, device), self.threads,
+        return Resolved(device, parse_dtype(self.dtype, device), resolve_executor(self.executor, device), self.threads,
                         _kernel())
 
 
@@ -105,7 +105,9 @@ class Resolved:
         os.environ["OMP_NUM_THREADS"] = str(self.threads)
 
 
-def _executor(name: str, device: torch.device) -> str:
+def resolve_executor(name: str, device: torch.device) -> str:
+    """An executor name (auto, eager, static, graphs) to the one that runs on ``device`` (auto: $LAYERSKIP_EXECUTOR,
+    else graphs on CUDA, eager elsewhere); for an edge that knows its device late (``infer.hf_generate``)."""
     if name == "auto":
         name = os.environ.get(EXECUTOR_ENV, "").strip() or "auto"
     if name == "auto":

@@ -7,9 +7,11 @@ One spelling per option: a name that was renamed is refused with the one to use 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 
+from infer.draft_vocab import DraftVocab, resolve_draft_vocab_option
 from infer.drafters.autoregressive import AutoregressiveDrafter
 from infer.drafters.base import DecodeState, Draft, Drafter, DraftVocabOption, VerifyOutcome
 from infer.drafters.early_exit import EarlyExitDrafter
@@ -113,6 +115,17 @@ def _not_an_option(name: str, key: str, valid: list[str]) -> str:
     return f"option {key!r} does not apply to drafter {name!r} (its options: {', '.join(valid) or 'none'})"
 
 
+def resolve_config(name: str, options: dict | object, runner, tokenizer=None) -> object:
+    """``build_config``, with a ``draft_vocab`` size, file or 'auto' resolved into a ``DraftVocab`` or None for
+    ``runner``'s model (``tokenizer``: lets a finetuned checkpoint use its base model's counts); a Config passed in
+    is left as it was."""
+    config = build_config(name, options)
+    if isinstance(config, DraftVocabOption) and not isinstance(config.draft_vocab, DraftVocab | None):
+        config = copy.copy(config)
+        config.draft_vocab = resolve_draft_vocab_option(config.draft_vocab, runner, tokenizer)
+    return config
+
+
 def build_drafter(name: str, runner, options: dict | object | None = None) -> Drafter:
     """Instantiate drafter ``name`` on ``runner`` with ``options`` (a dict or its Config; see ``build_config``)."""
     return drafter_class(name)(runner, build_config(name, options or {}))
@@ -153,4 +166,5 @@ def parse_spec(spec: str, validate: bool = True) -> Spec:
 
 
 __all__ = ["DRAFTERS", "RENAMED", "DecodeState", "Draft", "DraftVocabOption", "Drafter", "Option", "Spec",
-           "VerifyOutcome", "all_options", "build_config", "build_drafter", "drafter_class", "parse_spec"]
+           "VerifyOutcome", "all_options", "build_config", "build_drafter", "drafter_class", "parse_spec",
+           "resolve_config"]
