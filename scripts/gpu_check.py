@@ -79,6 +79,7 @@ from infer.sampling import SamplingConfig, TreeShape
 from layerskip_cli.args import add_run_flags
 from layerskip_core.cli import check_output_dir, run_main
 from layerskip_core.device import resolve_device
+from layerskip_core.settings import RunSettings
 
 BEGIN, END = "<!-- gpu_check:begin -->", "<!-- gpu_check:end -->"
 RESULT_FILE = "gpu_check.json"
@@ -854,6 +855,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_run_flags(p, skip=("dtype", "executor", "threads"))  # --device, declared once for every command
+    p.set_defaults(device=RunSettings().device)  # its flag's value when not given (the help shows it)
     p.add_argument("--tiny", action="store_true", help="4-layer stand-ins and a few tokens (implied on a CPU)")
     p.add_argument("--out", type=Path, default=None, help=f"folder for {RESULT_FILE}, GPU.md (the result block) and "
                    "TRAINING.md (the training table) (default: $OUT when set, else runs/gpu/)")
