@@ -383,7 +383,8 @@ class Engine:
             path, bonus = sampling_accept(tree, tokens, p, draft.q, state.generator)
         self._commit_path(cache, n, path)
         state.n = n + len(path)
-        return VerifyOutcome(draft, path, [tokens[i] for i in path[1:]] + [bonus], n, argmax)
+        return VerifyOutcome(draft, path, [tokens[i] for i in path[1:]] + [bonus], n, argmax,
+                             exit_hidden=hidden if E > 0 else None)
 
     def _hidden_at(self, E: int, h: int, draft: Draft | None, ids: Tensor, positions: list[int],
                    mask: Tensor | None, state: DecodeState) -> Tensor:

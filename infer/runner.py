@@ -32,6 +32,7 @@ from torch import Tensor
 from infer import kernels
 from infer.graphs import StaticExecutor
 from infer.plan import LayerPlan
+from layerskip_core.adapter_spec import FINGERPRINT_VALUES, weight_fingerprint
 from layerskip_core.device import EXECUTOR_CHOICES, parse_dtype
 from layerskip_core.errors import UserError
 from layerskip_core.models import ModelSpec
@@ -558,9 +559,9 @@ def ints_to_device(values: list[int], device: torch.device) -> Tensor:
 
 
 def _fingerprint(state: dict[str, Tensor]) -> str:
-    """A short digest of a few weights (before any dtype cast), so plans can tell checkpoints apart."""
-    digest = hashlib.sha256()
-    for name in ("layers.0.self_attn.q_proj.weight", "norm.weight"):
-        if name in state:
-            digest.update(state[name].detach().float().cpu().flatten()[:4096].numpy().tobytes())
-    return digest.hexdigest()[:16]
+    """A short digest of a few weights (before any dtype cast), so plans and adapters can tell checkpoints apart."""
+    def first_values(name: str) -> bytes | None:
+        t = state.get(name)
+        return None if t is None else t.detach().float().cpu().flatten()[:FINGERPRINT_VALUES].numpy().tobytes()
+
+    return weight_fingerprint(first_values)

@@ -255,6 +255,24 @@ class LoraConfig:
 
 
 @dataclass
+class AdapterConfig:
+    """An exit adapter trained on the frozen model instead of LayerSkip training (``train.adapter``)."""
+
+    enabled: bool = False
+    """Train an exit adapter: the base model stays frozen, layer_dropout/early_exit/lora must stay off."""
+    exit_layer: int = 8
+    """E: the adapter reads the stream entering decoder layer E (1 <= E < the model's layer count)."""
+    mlp_size: int = 0
+    """Width of an optional SwiGLU MLP after the adapter's attention (0: none, Kangaroo's shape)."""
+    target: Literal["distill", "data"] = "distill"
+    """distill: the full model's own next-token distribution (cross-entropy to it, i.e. KL); data: the next token."""
+
+    def __post_init__(self) -> None:
+        _check(self.exit_layer >= 1, "adapter.exit_layer must be >= 1")
+        _check(self.mlp_size >= 0, "adapter.mlp_size must be >= 0")
+
+
+@dataclass
 class LoggingConfig:
     """Progress, local metrics and experiment tracking."""
 
@@ -315,6 +333,8 @@ class TrainConfig:
     """LayerSkip's early-exit loss."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Low-rank adapters instead of full finetuning."""
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    """An exit adapter on the frozen model instead of LayerSkip training."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Progress, metrics and tracking."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -326,6 +346,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _check(self.threads is None or self.threads >= 1, "threads must be >= 1")
+        if self.adapter.enabled:
+            _check(not self.lora.enabled and self.layer_dropout.p_max == 0 and not self.early_exit.exits,
+                   "adapter.enabled trains an adapter on the frozen model: turn lora, layer_dropout and early_exit off")
         if self.lora.enabled:
             _check(self.model.dtype == "fp32" or self.optim.mixed_precision != "no",
                    "LoRA on bf16/fp16 weights needs optim.mixed_precision (keep model.dtype: fp32 otherwise)")

@@ -170,6 +170,10 @@ def evaluate(accelerator, lm, dataset, cfg: TrainConfig, pad_id: int) -> dict | 
         return None
     model = accelerator.unwrap_model(lm)
     shard = list(range(accelerator.process_index, n, accelerator.num_processes))
+    if cfg.adapter.enabled:
+        from train.adapter import adapter_metrics
+
+        return adapter_metrics(accelerator, model, dataset.val, shard, cfg.optim.micro_batch_size, pad_id)
     exits = sorted(set(model.exits) | {model.num_layers})
     bar = tqdm(total=len(shard), desc="eval", leave=False, dynamic_ncols=True,
                disable=not (accelerator.is_main_process and cfg.logging.progress))
@@ -222,8 +226,13 @@ def run_training(cfg: TrainConfig, on_step: Callable[[int], None] | None = None,
         dataset = build_dataset(cfg.data, tokenizer, model_path, log=log if main else lambda _: None)
     if cfg.lora.enabled:
         hf_model = add_lora(hf_model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
-    core = LayerSkipLM(hf_model, cfg.layer_dropout, cfg.early_exit, cfg.optim.max_steps, cfg.seed,
-                       cfg.model.gradient_checkpointing)  # stays reachable inside the DDP/DeepSpeed wrapper
+    if cfg.adapter.enabled:  # the frozen model trains an exit adapter (train/adapter.py)
+        from train.adapter import AdapterLM
+
+        core = AdapterLM(hf_model.to(accelerator.device), cfg.adapter)
+    else:
+        core = LayerSkipLM(hf_model, cfg.layer_dropout, cfg.early_exit, cfg.optim.max_steps, cfg.seed,
+                           cfg.model.gradient_checkpointing)  # stays reachable inside the DDP/DeepSpeed wrapper
     optimizer = make_optimizer(core, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
     lm, optimizer = accelerator.prepare(core, optimizer)
@@ -305,7 +314,14 @@ def run_training(cfg: TrainConfig, on_step: Callable[[int], None] | None = None,
         if main and len(set(digests)) > 1:
             log(f"warning: parameters differ across ranks: {digests}")
     final_dir = None
-    if cfg.checkpoint.save_final:
+    if cfg.checkpoint.save_final and cfg.adapter.enabled:
+        from train.adapter import save_adapter
+
+        final_dir = out_dir / "adapter.safetensors"
+        save_adapter(accelerator, lm, cfg, final_dir, tokens_seen, step)
+        if main:
+            log(f"exit adapter: {final_dir}  (layerskip generate --drafter early_exit --adapter {final_dir} ...)")
+    elif cfg.checkpoint.save_final:
         final_dir = export_final(accelerator, lm, tokenizer, cfg, out_dir / "final")
         if main:
             log(f"final model: {final_dir}  (layerskip generate --model {final_dir} --drafter early_exit ...)")

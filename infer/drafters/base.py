@@ -53,6 +53,9 @@ class VerifyOutcome:
     """Sequence index of the pending token (= cache length before the step)."""
     target_argmax: list[int] = field(default_factory=list)
     """Full model's argmax at each tree position (greedy decoding only)."""
+    exit_hidden: Tensor | None = None
+    """(T, d) residual stream entering layer ``draft.exact_layers`` at every verified tree position, as verification
+    used it (the draft's rows, then those verification computed); None for a plain step or E = 0."""
 
     @property
     def accepted(self) -> int:
