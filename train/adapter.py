@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from layerskip_core.adapter_spec import FINGERPRINT_VALUES, AdapterShape, metadata, weight_fingerprint
+from layerskip_core.adapter_spec import FINGERPRINT_VALUES, AdapterShape, metadata, read_metadata, weight_fingerprint
+from layerskip_core.errors import UserError
 from train.config import AdapterConfig
 from train.data import IGNORE, Examples
 from train.model import attention_masks, decoder_parts, next_token_targets, plain_model
@@ -180,6 +181,18 @@ class AdapterLM(nn.Module):
                                   ((plain_top == full_top) & valid).sum().cpu().double(),
                                   ((top == targets) & valid).sum().cpu().double(), valid.sum().cpu().double()])
         return stats
+
+    def load(self, path) -> dict:
+        """Take the weights of an adapter file made for this model and shape; returns its provenance."""
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            meta, state = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        shape, provenance = read_metadata(meta, model_identity(self.frozen[0]), str(path))
+        if shape != self.shape:
+            raise UserError(f"{path} is an adapter of another shape ({shape}); this run's is {self.shape}")
+        self.adapter.load_state_dict(state)
+        return provenance
 
     def save(self, path, provenance: dict) -> None:
         """Write the adapter file (fp32 safetensors + the header tying it to this base model)."""

@@ -57,3 +57,20 @@ def test_adapter_refuses_layerskip_options(tiny_recipe):
 
     with pytest.raises(UserError, match="turn lora, layer_dropout and early_exit off"):
         tiny_recipe("adapter.enabled=true", "early_exit.exits=[1]")
+
+
+def test_eval_adapter_script_scores_the_trained_file(tiny_recipe, tmp_path, capsys):
+    import eval_adapter
+
+    from train.config import dump_config
+
+    cfg = tiny_recipe("adapter.enabled=true", "adapter.exit_layer=2", "optim.max_steps=8")
+    run_training(cfg)
+    recipe = tmp_path / "recipe.yaml"
+    dump_config(cfg, recipe)
+    path = Path(cfg.checkpoint.output_dir) / "adapter.safetensors"
+    assert eval_adapter.main(["--adapter", str(path), "--config", str(recipe), "--n", "4",
+                              "--json", str(tmp_path / "e.json")]) == 0
+    result = json.loads((tmp_path / "e.json").read_text())
+    assert result["exit_layer"] == 2 and result["tokens"] > 0 and 0 <= result["adapter_agreement"] <= 1
+    assert result["provenance"]["steps"] == 8
