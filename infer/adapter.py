@@ -47,7 +47,7 @@ class ExitAdapter:
         self.attn_norm, self.out_norm = w["attn_norm.weight"], w["out_norm.weight"]
         self.qkv = Linear(torch.cat([w["q_proj.weight"], w["k_proj.weight"], w["v_proj.weight"]]), None, runner.kernel)
         self.o = Linear(w["o_proj.weight"], None, runner.kernel)
-        self.mlp = None
+        self.mlp, self.rope = None, None
         if shape.mlp_size:
             gate_up = Linear(torch.cat([w["gate_proj.weight"], w["up_proj.weight"]]), None, runner.kernel)
             self.mlp = (w["mlp_norm.weight"], gate_up, Linear(w["down_proj.weight"], None, runner.kernel))
@@ -107,12 +107,15 @@ class ExitAdapter:
         return qk[:, :s.num_heads].transpose(0, 1), qk[:, s.num_heads:].transpose(0, 1), v.transpose(0, 1)
 
     def _rope(self, start: int, T: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        r = self.runner
-        pos = torch.arange(start, start + T, dtype=torch.float)  # (T,)
-        freqs = pos[:, None] * r.inv_freq[None, :]  # (T, D/2)
-        emb = torch.cat([freqs, freqs], dim=-1)  # (T, D)
-        cos, sin = emb.cos() * r.rope_scale, emb.sin() * r.rope_scale
-        return cos[:, None].to(r.device, dtype), sin[:, None].to(r.device, dtype)  # (T, 1, D) each
+        """RoPE tables for positions start..start+T-1, (T, 1, D) each: slices of tables built once for the model's
+        context (a slice with host ints: no host sync, no copy to the device per draft step)."""
+        if self.rope is None:
+            r = self.runner
+            pos = torch.arange(r.spec.max_position_embeddings, dtype=torch.float)  # (S,)
+            emb = torch.cat([pos[:, None] * r.inv_freq[None, :]] * 2, dim=-1)  # (S, D)
+            self.rope = tuple((t * r.rope_scale)[:, None].to(r.device, dtype) for t in (emb.cos(), emb.sin()))
+        cos, sin = self.rope
+        return cos[start:start + T], sin[start:start + T]
 
 
 def _rms(x: Tensor, weight: Tensor, eps: float) -> Tensor:
