@@ -11,6 +11,8 @@ training forward and the runner do for the base model; tests hold the two forwar
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
@@ -198,6 +200,7 @@ class AdapterLM(nn.Module):
         """Write the adapter file (fp32 safetensors + the header tying it to this base model)."""
         state = {k: v.detach().float().cpu().contiguous() for k, v in self.adapter.state_dict().items()}
         save_file(state, str(path), metadata=metadata(self.shape, model_identity(self.frozen[0]), provenance))
+        os.chmod(path, 0o644)  # safetensors writes 0600: an adapter is shared like any model file
 
 
 def adapter_metrics(accelerator, model: AdapterLM, examples: Examples, indices: list[int], batch_size: int,

@@ -141,3 +141,18 @@ def test_bad_adapters_are_one_line_errors(model, tmp_path):
         build_drafter("early_exit", runner, {"adapter": "default"})
     with pytest.raises(UserError, match="1 <= E < 6"):
         AdapterLM(model, AdapterConfig(enabled=True, exit_layer=6))
+
+
+@pytest.mark.real_model
+def test_the_shipped_adapter_drafts_losslessly_on_the_default_model(default_model_path):
+    """--adapter default: the file shipped for the default model, its E taken from the file, output unchanged."""
+    from infer.loading import load_model
+
+    model = load_model(str(default_model_path), device="cpu")
+    prompt = model.encode("def fibonacci(n):\n    ")
+    with model.engine("autoregressive") as engine:
+        plain = engine.generate(prompt, GenerationConfig(max_new_tokens=24))
+    with model.engine("early_exit", adapter="default", num_draft=4) as engine:
+        assert engine.drafter.adapter.exit_layer == engine.drafter.forward.exact_layers == 8
+        out = engine.generate(prompt, GenerationConfig(max_new_tokens=24))
+    assert out.tokens == plain.tokens and out.stats.drafted > 0
