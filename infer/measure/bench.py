@@ -19,6 +19,7 @@ from infer.measure.exactness import DivergenceJudge, first_divergence
 from infer.measure.methods import BASELINE, BenchConfig, Method, check_layers
 from infer.measure.peers import Peer
 from layerskip_core.cli import split_named
+from layerskip_core.errors import UserError
 from layerskip_core.prompts import final_number, load_prompts, task_name, use_chat_template
 
 if TYPE_CHECKING:
@@ -78,14 +79,22 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> list[Record]:
 
     run = cfg.run.resolve()
     tasks = {task_name(src): load_prompts(src, cfg.n, from_end=True) for src in cfg.data}
+    sources = [split_named(arg)[1] for arg in cfg.models]
+    labels = model_labels(cfg.models)
+
+    def load(source: str) -> LoadedModel:
+        return load_model(source, device=run.device, dtype=run.dtype, executor=run.executor, threads=run.threads)
+
+    ready = None
+    for source, label in reversed(list(zip(sources, labels, strict=True))):  # every model x method before timing
+        ready = None  # one model in memory at a time; the first one to time stays loaded
+        ready = load(source)
+        check_methods(cfg, ready, label, source)
     records: list[Record] = []
-    for model_arg in cfg.models:
-        label, source = split_named(model_arg)
-        model = load_model(source, device=run.device, dtype=run.dtype, executor=run.executor, threads=run.threads)
-        check_layers(cfg.methods, model.runner.num_layers, source)
+    for source, label in zip(sources, labels, strict=True):
+        model, ready = ready or load(source), None
         peer = Peer(model.path, model.runner.dtype, model.runner.device) \
             if any(m.is_peer for m in cfg.methods) else None
-        label = label or _model_label(source, model.path)
         for task, items in tasks.items():
             prompts = [Prompt(it.id, model.encode(it.prompt, use_chat_template(task, cfg.chat)), it.reference)
                        for it in items]
@@ -94,8 +103,38 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> list[Record]:
     return records
 
 
-def _model_label(arg: str, path: Path) -> str:
-    return "default" if arg == "default" else path.name
+def model_labels(models: list[str]) -> list[str]:
+    """One row name per ``--model``: its NAME of NAME=PATH, 'default', else the shortest end of its folder path that
+    tells it apart from the others (``runs/a/final``, ``runs/b/final`` -> ``a/final``, ``b/final``). Two models that
+    still share a name (the same folder twice, or a NAME equal to another's) are refused."""
+    named = [split_named(m) for m in models]
+    parts = [Path(src).expanduser().resolve().parts if not name and src != "default" else None for name, src in named]
+
+    def tail(i: int, n: int) -> str:
+        name, src = named[i]
+        return name or ("default" if parts[i] is None else "/".join(parts[i][-n:]))
+
+    labels = [tail(i, 1) for i in range(len(models))]
+    for n in range(2, max((len(p) for p in parts if p), default=1) + 1):
+        clash = {x for x in labels if labels.count(x) > 1}
+        labels = [tail(i, n) if labels[i] in clash else labels[i] for i in range(len(models))]
+    repeated = sorted({x for x in labels if labels.count(x) > 1})
+    if repeated:
+        raise UserError(f"two --model arguments are both named {repeated[0]!r}; give each its own name as "
+                        "NAME=PATH (e.g. --model base=default --model trained=runs/demo/final)")
+    return labels
+
+
+def check_methods(cfg: BenchConfig, model: LoadedModel, label: str, source: str) -> None:
+    """Build every drafter of ``cfg`` for ``model`` (options, plan files checked against this model, exit layers)
+    without running it, so that a bad spec is refused before anything is timed."""
+    check_layers(cfg.methods, model.runner.num_layers, source)
+    for method in cfg.methods:
+        if not method.is_peer:
+            try:
+                _engine_for(method, model, label)  # not closed: closing runs finish(), which may write (save_plan)
+            except UserError as e:
+                raise UserError(f"{method.label} on model {label!r}: {e}") from None
 
 
 def _engine_for(method: Method, model: LoadedModel, label: str):

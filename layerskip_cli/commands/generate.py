@@ -95,6 +95,8 @@ def _stats_line(name: str, stats) -> str:
             f"{stats.verify_calls} verify calls, {stats.tokens_per_verify:.2f} tokens/verify")
     if stats.drafted:
         line += f", acceptance {stats.acceptance_rate:.2f} ({stats.accepted}/{stats.drafted})"
+    elif name != "autoregressive":
+        line += "; never drafted: every step was a plain step (the drafter judged drafting would not pay)"
     return line
 
 
