@@ -29,6 +29,7 @@ run stopped midway continues where it stopped when started again with the same -
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -316,7 +317,8 @@ def unpack_bundle(bundle: list[Path], cache: Path, p: Pipeline) -> None:
         (cache / "data").mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, cache / "data" / item["filename"])
     wheels = manifest.get("wheels", {})
-    if wheels.get("install"):
+    wheels["install"] = [name for name in wheels.get("install", []) if importlib.util.find_spec(name) is None]
+    if wheels["install"]:  # what is importable already (gpu_lease.py installs the wheels first) is left alone
         wheel_dir = _find(bundle, wheels["files"][0]).parent if wheels.get("files") else bundle[0]
         # --no-deps: the compiled dependencies (markupsafe for mako) cannot travel as pure wheels, and optuna
         # with its in-memory / journal storage imports neither alembic nor mako
