@@ -466,9 +466,13 @@ def forward_costs(runner: Runner, settings: Settings, device: torch.device, tall
         draft = {E: timed(span(1, E), device, repeats, runner=runner, tally=tally) for E in exits}
         small = {E: timed(span(1, E, head), device, repeats, runner=runner, tally=tally) for E in exits}
         kernels = lease.kernel_profile(span(1, L), device)  # after the timings: on the forward they captured
+        one = torch.tensor([10], device=device)  # (1,)
+        eager = lease.kernel_profile(lambda: runner.forward(runner.new_cache(P + 2), one), device)  # the eager path
     finally:
         runner.release_cache(cache)
     per_layer = None if kernels["kernels_per_forward"] is None else kernels["kernels_per_forward"] / L
+    kernels["kernels_per_forward_eager"] = eager["kernels_per_forward"]
+    kernels["attention_kernels_eager"] = eager["attention_kernels"]
     return {"ms_forward": 1000 * full[1], "v": {str(T): t / full[1] for T, t in full.items()},
             "c": {str(E): t / full[1] for E, t in draft.items()},
             "c_vocab": {str(E): t / full[1] for E, t in small.items()}, "draft_vocab": head.size,
