@@ -200,11 +200,16 @@ def _judge(rec: Record, tokens: list[int], reference: list[int] | None, prompt: 
 
 
 def _warmup(cfg: BenchConfig, model: LoadedModel, peer: Peer | None, prompts: list[list[int]], label: str) -> None:
-    """Untimed runs before timing: a short one per peer; per drafter ``Engine.warm_up`` over the task's prompts,
-    so that on the static/graphs executors every static forward and CUDA graph is built before the clock runs."""
+    """Untimed runs before timing: per peer a short one, ``hf_static`` on the longest prompt at the full
+    ``max_new_tokens`` (its static cache and, on CUDA, its compiled forward are sized by them: a shorter warm-up
+    leaves a rebuild and a recompile to the first longer timed call); per drafter ``Engine.warm_up`` over the
+    task's prompts, so that on the static/graphs executors every static forward and CUDA graph is built before
+    the clock runs."""
     short = dataclasses.replace(cfg, max_new_tokens=4)
     for method in cfg.methods:
-        if method.is_peer:
+        if method.name == "hf_static":
+            peer.generate(method, max(prompts, key=len), cfg, model.eos_token_ids)
+        elif method.is_peer:
             peer.generate(method, prompts[0], short, model.eos_token_ids)
         else:
             with _engine_for(method, model, label) as engine:

@@ -249,3 +249,25 @@ def test_bench_runs_each_drafters_finish_once_per_engine(tiny_model_dir, prompts
     assert code == 0 and plan.is_file()
     assert json.loads(plan.read_text())["source"] == "swift"
     assert len(calls) == len(set(calls)) == 3  # the warm-up engine and one engine per repeat, each finished once
+
+
+def test_hf_static_warms_up_on_the_longest_prompt_at_full_length(tiny_model_dir, tmp_path, monkeypatch):
+    """The static cache (compiled on CUDA) is sized by the longest prompt and max_new_tokens: its warm-up uses both,
+    so no timed call rebuilds it; the other peers warm up briefly."""
+    from infer.measure.peers import Peer
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "ab"}\n{"prompt": "a much longer prompt than the first"}\n')
+    calls = []
+    original = Peer.generate
+
+    def recording(self, method, ids, cfg, eos):
+        calls.append((method.name, len(ids), cfg.max_new_tokens))
+        return original(self, method, ids, cfg, eos)
+    monkeypatch.setattr(Peer, "generate", recording)
+    code = main(["bench", "--model", str(tiny_model_dir), "--drafters", "autoregressive", "--data", str(prompts),
+                 "--n", "2", "--max-new-tokens", "10", "--repeats", "1", "--out", str(tmp_path / "out"), "--quiet",
+                 "--peers", "hf_generate,hf_static"])
+    assert code == 0
+    longest = max(n for name, n, _ in calls)
+    assert calls[:2] == [("hf_generate", calls[0][1], 4), ("hf_static", longest, 10)]
