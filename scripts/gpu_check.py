@@ -73,6 +73,7 @@ from infer.measure.exactness import (
 )
 from infer.measure.seeded_models import random_model, tiny_model
 from infer.measure.syncs import measure_decode
+from infer.measure.timing import timed_generate
 from infer.plan import LayerPlan, PlanFile
 from infer.runner import Runner
 from infer.sampling import SamplingConfig, TreeShape
@@ -503,20 +504,13 @@ def ours(runner: Runner, prompt: list[int], settings: Settings, tally: GraphTall
 
 
 def step_times(engine: Engine, prompt: list[int], gen: OurGenerationConfig) -> dict:
-    """ms per draft forward and per verification of one more generation, from CUDA events on CUDA (a synchronised
-    timer; the engine's own split is taken without a device sync) and perf_counter elsewhere."""
-    clock = lease.StepClock(engine.runner.device)
-    engine.drafter.propose = clock.timed("draft", engine.drafter.propose)  # instance attributes, removed below
-    engine.step = clock.timed("step", engine.step)
-    try:
-        s = engine.generate(prompt, gen).stats
-    finally:
-        del engine.drafter.propose, engine.step
+    """ms per draft forward and per verification of one more generation, from CUDA events on CUDA
+    (``infer.measure.timing``; the engine's own split is taken without a device sync) and perf_counter elsewhere."""
+    s = timed_generate(engine, prompt, gen).stats
     forwards = int(s.drafter.get("draft_forwards", 0)) or max(1, s.drafted)
-    draft = clock.seconds("draft")
-    return {"ours_early_exit_draft_ms": 1000 * draft / forwards,
-            "ours_early_exit_verify_ms": 1000 * (clock.seconds("step") - draft) / max(1, s.verify_calls),
-            "step_timer": "cuda events" if clock.cuda else "perf_counter"}
+    return {"ours_early_exit_draft_ms": 1000 * s.draft_time / forwards,
+            "ours_early_exit_verify_ms": 1000 * s.verify_time / max(1, s.verify_calls),
+            "step_timer": "cuda events" if engine.runner.device.type == "cuda" else "perf_counter"}
 
 
 def peer_variants(exit_layer: int) -> dict[str, dict]:

@@ -18,6 +18,7 @@ from infer.engine import GenerationStats
 from infer.measure.exactness import DivergenceJudge, first_divergence
 from infer.measure.methods import BASELINE, BenchConfig, Method, check_layers
 from infer.measure.peers import Peer
+from infer.measure.timing import timed_generate
 from layerskip_core.cli import split_named
 from layerskip_core.errors import UserError
 from layerskip_core.prompts import final_number, load_prompts, task_name, use_chat_template
@@ -165,7 +166,7 @@ def _run_task(cfg: BenchConfig, model: LoadedModel, peer: Peer | None, label: st
                     tokens, wall = peer.generate(method, prompt.ids, cfg, model.eos_token_ids)
                     stats = GenerationStats(new_tokens=len(tokens), wall_time=wall)
                 else:
-                    result = engines[method.label].generate(prompt.ids, configs[method.label])
+                    result = timed_generate(engines[method.label], prompt.ids, configs[method.label])
                     tokens, stats = result.tokens, result.stats
                 rec = Record(model=label, task=task, method=method.label, prompt_id=prompt.id, repeat=repeat,
                              stats=stats)
