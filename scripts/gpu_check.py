@@ -506,7 +506,7 @@ def ours(runner: Runner, prompt: list[int], settings: Settings, tally: GraphTall
 def step_times(engine: Engine, prompt: list[int], gen: OurGenerationConfig) -> dict:
     """ms per draft forward and per verification of one more generation, from CUDA events on CUDA
     (``infer.measure.timing``; the engine's own split is taken without a device sync) and perf_counter elsewhere."""
-    s = timed_generate(engine, prompt, gen).stats
+    s = timed_generate(engine, prompt, gen)[0].stats
     forwards = int(s.drafter.get("draft_forwards", 0)) or max(1, s.drafted)
     return {"ours_early_exit_draft_ms": 1000 * s.draft_time / forwards,
             "ours_early_exit_verify_ms": 1000 * s.verify_time / max(1, s.verify_calls),

@@ -164,16 +164,17 @@ def _run_task(cfg: BenchConfig, model: LoadedModel, peer: Peer | None, label: st
                 bar.set_postfix_str(method.label)
                 if method.is_peer:
                     tokens, wall = peer.generate(method, prompt.ids, cfg, model.eos_token_ids)
-                    stats = GenerationStats(new_tokens=len(tokens), wall_time=wall)
+                    stats, verified = GenerationStats(new_tokens=len(tokens), wall_time=wall), None
                 else:
-                    result = timed_generate(engines[method.label], prompt.ids, configs[method.label])
+                    result, verified = timed_generate(engines[method.label], prompt.ids, configs[method.label])
                     tokens, stats = result.tokens, result.stats
                 rec = Record(model=label, task=task, method=method.label, prompt_id=prompt.id, repeat=repeat,
                              stats=stats)
                 if method.label == BASELINE and repeat == 0:
                     reference[prompt.id] = tokens
                 if repeat == 0:
-                    _judge(rec, tokens, reference.get(prompt.id), prompt, model, cfg.sampling.greedy, judge)
+                    _judge(rec, tokens, reference.get(prompt.id), prompt, model, cfg.sampling.greedy, judge,
+                           verified)
                 records.append(rec)
                 bar.update()
         for engine in engines.values():
@@ -183,8 +184,9 @@ def _run_task(cfg: BenchConfig, model: LoadedModel, peer: Peer | None, label: st
 
 
 def _judge(rec: Record, tokens: list[int], reference: list[int] | None, prompt: Prompt, model: LoadedModel,
-           greedy: bool, judge: DivergenceJudge) -> None:
-    """Exactness (classified at the first divergence), lossy agreement and answer accuracy of one output."""
+           greedy: bool, judge: DivergenceJudge, verified: list[int] | None) -> None:
+    """Exactness (classified at the first divergence, with the run's own verification argmax ``verified``; None for
+    a peer), lossy agreement and answer accuracy of one output."""
     answer = final_number(prompt.reference) if "####" in prompt.reference else None
     if answer is not None:
         eos = next((i for i, t in enumerate(tokens) if t in model.eos_token_ids), len(tokens))
@@ -196,7 +198,7 @@ def _judge(rec: Record, tokens: list[int], reference: list[int] | None, prompt: 
         return
     rec.exact = tokens == reference
     if not rec.exact:
-        found = judge.classify(prompt.ids, reference, tokens)
+        found = judge.classify(prompt.ids, reference, tokens, verified)
         rec.divergence = asdict(found) if found is not None else None
 
 

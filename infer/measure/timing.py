@@ -50,18 +50,31 @@ class StepClock:
 
 
 def timed_generate(engine, prompt_ids, config, generator: torch.Generator | None = None):
-    """``engine.generate`` whose stats' ``draft_time`` and ``verify_time`` come from a :class:`StepClock` on CUDA
-    (the drafter's ``propose``, and the rest of each ``step``); on a CPU the engine's own times are kept."""
-    if torch.device(engine.runner.device).type != "cuda":
-        return engine.generate(prompt_ids, config, generator)
+    """``engine.generate`` as ``(result, verified)``: the stats' ``draft_time`` and ``verify_time`` from a
+    :class:`StepClock` on CUDA (the drafter's ``propose``, and the rest of each ``step``; on a CPU the engine's own
+    times are kept), and ``verified``, the verification's argmax for every output token (greedy; the emitted tokens
+    when sampling), which ``exactness.DivergenceJudge.classify`` takes."""
     clock = StepClock(engine.runner.device)
-    engine.drafter.propose = clock.timed("draft", engine.drafter.propose)  # instance attributes, removed below
-    engine.step = clock.timed("step", engine.step)
+    outcomes = []
+    step = engine.step
+
+    def recorded(gen):
+        outcome = step(gen)
+        outcomes.append(outcome)
+        return outcome
+    if clock.cuda:
+        engine.drafter.propose = clock.timed("draft", engine.drafter.propose)  # instance attributes, removed below
+    engine.step = clock.timed("step", recorded)
     try:
         result = engine.generate(prompt_ids, config, generator)
     finally:
-        del engine.drafter.propose, engine.step
-    draft = clock.seconds("draft")
-    result.stats.draft_time = draft
-    result.stats.verify_time = clock.seconds("step") - draft - result.stats.update_time  # update: host-side, approx.
-    return result
+        del engine.step
+        if clock.cuda:
+            del engine.drafter.propose
+    if clock.cuda:
+        draft = clock.seconds("draft")
+        result.stats.draft_time = draft
+        result.stats.verify_time = clock.seconds("step") - draft - result.stats.update_time  # update: host, approx.
+    verified = result.tokens[:1] + [t for o in outcomes
+                                    for t in ([o.target_argmax[p] for p in o.path] if o.target_argmax else o.tokens)]
+    return result, verified[:len(result.tokens)]

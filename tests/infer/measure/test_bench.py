@@ -271,3 +271,22 @@ def test_hf_static_warms_up_on_the_longest_prompt_at_full_length(tiny_model_dir,
     assert code == 0
     longest = max(n for name, n, _ in calls)
     assert calls[:2] == [("hf_generate", calls[0][1], 4), ("hf_static", longest, 10)]
+
+
+def test_bench_calls_an_emitted_token_its_verification_did_not_choose_an_acceptance_bug(
+        tiny_model_dir, prompts_file, tmp_path, monkeypatch):
+    """An acceptance step that emits another token than the verification's argmax (only where a draft was verified:
+    autoregressive stays right) is classified from the run's own verification argmax, whatever the margin."""
+    import infer.engine as engine_module
+
+    accept = engine_module.greedy_accept
+
+    def buggy(tree, tokens, argmax):
+        path, bonus = accept(tree, tokens, argmax)
+        return path, (bonus + 1) % 256 if len(tokens) > 1 else bonus
+    monkeypatch.setattr(engine_module, "greedy_accept", buggy)
+    out = tmp_path / "out"
+    assert bench(tiny_model_dir, prompts_file, out, "early_exit:exit_layer=2:num_draft=3", "--peers", "none") == 1
+    wrong = [r for r in json.loads((out / "results.json").read_text())["records"]
+             if r["method"].startswith("early_exit") and r["exact"] is False]
+    assert wrong and all("acceptance bug" in r["divergence"]["reason"] for r in wrong)
