@@ -70,7 +70,8 @@ class SelfSDConfig:
     draft_vocab: str | DraftVocab | None = "auto"
     """Reduced-vocabulary draft head: drafts score only these token ids, verification always the full head (output
     unchanged). auto: the 8192 most frequent of the counts shipped for this model, if there are some, else the full
-    head; N: the N most frequent; a file made by `layerskip draft-vocab`; off: the full head."""
+    head; N: the N most frequent; a file made by `layerskip draft-vocab`; off: the full head. A plan file that
+    records its draft head (`layerskip search` writes it) is drafted with that head instead."""
 
     def __post_init__(self) -> None:
         check_draft_vocab_option(self.draft_vocab)
@@ -136,6 +137,16 @@ def load_plan(path: str | Path, runner: Runner) -> PlanFile:
     return plan_file
 
 
+def plan_head(runner: Runner, plan_file: PlanFile):
+    """The draft head a plan file records (the one its search scored plans with): None for the full head."""
+    ids = plan_file.draft_ids
+    if ids is None:
+        return None
+    if max(ids) >= runner.spec.vocab_size:
+        raise UserError(f"the plan's draft head has token ids beyond the model's {runner.spec.vocab_size}")
+    return runner.draft_head(ids)
+
+
 class SelfSDDrafter:
     """Drafts with a fixed sublayer skip plan, stopping at an adaptive confidence threshold."""
 
@@ -147,11 +158,13 @@ class SelfSDDrafter:
         if config is None:
             raise UserError("the self_sd drafter needs a plan file (make one with `layerskip search`)")
         self.config = config
-        plan = config.plan if isinstance(config.plan, LayerPlan) else load_plan(config.plan, runner).plan
+        plan_file = None if isinstance(config.plan, LayerPlan) else load_plan(config.plan, runner)
+        plan = config.plan if plan_file is None else plan_file.plan
         if plan.num_layers != runner.num_layers:
             raise UserError(f"the plan is for {plan.num_layers} layers; the model has {runner.num_layers}")
         self.plan = plan
-        self.vocab = draft_head_for(runner, config.draft_vocab)  # a reduced-vocabulary draft head, or None
+        self.vocab = plan_head(runner, plan_file) if plan_file is not None and plan_file.draft_head else \
+            draft_head_for(runner, config.draft_vocab)  # a reduced-vocabulary draft head, or None
         self.forward = PlanForward(runner, plan, self.vocab)
         self.threshold = AdaptiveThreshold(config)
         self.forwards = 0
