@@ -276,15 +276,8 @@ def run_search(evaluate: Evaluate, space: PlanSpace, cfg: SearchConfig, study, o
     import optuna
 
     complete = optuna.trial.TrialState.COMPLETE
-    done = [t for t in study.trials if t.state == complete]
-    known: dict[LayerPlan, tuple[float, dict]] = {}
-    history: list[float] = []
-    best = float("-inf")
-    for t in done:
-        if "plan" in t.user_attrs and not t.user_attrs.get("repeat"):
-            known[LayerPlan.from_dict(t.user_attrs["plan"])] = (t.value, dict(t.user_attrs))
-            best = max(best, t.value)
-            history.append(best)
+    known, history = _completed(study)
+    best = history[-1] if history else float("-inf")
     warm = space.uniform_plans() if cfg.warm_start else []
     if not study.trials:
         for plan in warm:
@@ -336,6 +329,19 @@ def run_search(evaluate: Evaluate, space: PlanSpace, cfg: SearchConfig, study, o
     if not any(t.state == complete for t in study.trials):
         raise UserError("no trial completed (is --timeout too short?)")
     return _result(study, time.perf_counter() - t0, history)
+
+
+def _completed(study) -> tuple[dict[LayerPlan, tuple[float, dict]], list[float]]:
+    """The distinct plans a (resumed) study already evaluated, with their values, and the best value after each."""
+    import optuna
+
+    known: dict[LayerPlan, tuple[float, dict]] = {}
+    history: list[float] = []
+    for t in study.trials:
+        if t.state == optuna.trial.TrialState.COMPLETE and "plan" in t.user_attrs and not t.user_attrs.get("repeat"):
+            known[LayerPlan.from_dict(t.user_attrs["plan"])] = (t.value, dict(t.user_attrs))
+            history.append(max(t.value, history[-1]) if history else t.value)
+    return known, history
 
 
 def _result(study, wall: float, history: list[float]) -> SearchResult:
