@@ -88,7 +88,8 @@ class SwiftConfig:
     """Draft only while draft-verify cycles measure faster than plain steps, else fall back to plain decoding and
     re-check later (the same gate as early_exit's; was ``fallback``)."""
     fallback_opt_budget: float = 0.03
-    """Most fraction of wall time spent optimising while in the fallback (plain) mode."""
+    """Most fraction of wall time spent optimising while in the fallback (plain) mode (at most 1 % when the
+    remembered best plan is predicted not to pay)."""
     recheck_interval: int = 128
     """In fallback, probe drafting again after this many plain steps (doubling after each failed probe), if the
     cost model does not rule it out; sooner when a better plan is predicted to pay."""
@@ -148,6 +149,9 @@ class SwiftDrafter:
 
     PROBE = FallbackGate.PROBE  # drafting cycles measured before drafting is judged
     REPROBE_GAIN = 0.05  # matchness gain since the last probe that triggers an early re-check
+    HOPELESS_OPT_BUDGET = 0.01
+    """Most fraction of its time a drafter spends optimising while plain when what it restored says no plan pays
+    (the remembered best plan's predicted speed-up below 1, from the remembered draft and verify costs)."""
 
     def __init__(self, runner, config: SwiftConfig | None = None):
         self.config = cfg = config or SwiftConfig()
@@ -180,6 +184,7 @@ class SwiftDrafter:
         self.trajectory: list[tuple[int, float]] = []
         self.window: tuple[int, int] | None = None
         self._reset_prompt_stats()
+        self.hopeless = False  # what was restored says no plan pays: optimise within HOPELESS_OPT_BUDGET
         self.memory = GateMemory.for_drafter(runner, self.name, cfg) if self.fallback else None
         if self.memory is not None:
             self._restore(self.memory.load() or {})
@@ -275,6 +280,7 @@ class SwiftDrafter:
                 if all(0 <= i < L for i in plan.skip_attn | plan.skip_mlp):
                     self.best, self.best_score = plan, float(saved["score"])
                     self.score_at_probe = self.best_score
+                    self.hopeless = self.mode == "plain" and (self.predicted_speedup(self.best_score) or 0.0) < 1.0
         except (KeyError, TypeError, ValueError):
             self.gate = FallbackGate(self.config.recheck_interval, enabled=self.fallback)
 
@@ -287,7 +293,7 @@ class SwiftDrafter:
                 "opt_step_time": self.opt_step.seconds if self.opt_step.cycles else None,
                 "bayes": self.search.method, "window": self.window,
                 "draft_vocab": None if self.vocab is None else self.vocab.size,
-                "start_state": COLD if self.memory is None else self.memory.start_state,
+                "start_state": COLD if self.memory is None else self.memory.start_state, "hopeless": self.hopeless,
                 "matchness_trajectory": self.trajectory[self._traj_mark:]}
 
     # -------------------------------------------------------------- tree building
@@ -337,14 +343,17 @@ class SwiftDrafter:
         The share is ``opt_budget`` while drafting (paying, or being probed) and ``fallback_opt_budget`` while
         taking plain steps (the fallback, and before the first probe, which waits for a scored plan), of this
         drafter's own time: what earlier commands decoded is not credit (their plan, when remembered, was paid
-        for then). The step's cost is what steps measured so far took (remembered across
-        commands; 0 before any), so a step the prompt's own decoding cannot pay for is not taken up front,
-        while a long prompt or a stream still earns steps (whose better plan can bring an early probe).
+        for then); plain, at most ``HOPELESS_OPT_BUDGET`` when what was restored says no plan pays. The step's cost
+        is what scoring a plan took so far (remembered across commands; 0 before any), twice when the window is
+        new (the incumbent is rescored too), so a step the prompt's own decoding cannot pay for is not taken up
+        front, while a long prompt or a stream still earns steps (whose better plan can bring an early probe).
         """
         if self.config.paper:
             return True
-        step = self.opt_step.seconds if self.opt_step.cycles else 0.0
+        step = (self.opt_step.seconds if self.opt_step.cycles else 0.0) * (2 if self.window is None else 1)
         share = self.config.opt_budget if self.mode == "draft" else self.config.fallback_opt_budget
+        if self.hopeless and self.mode == "plain":
+            share = min(share, self.HOPELESS_OPT_BUDGET)
         spent = self.opt_time_total
         return spent + step <= share * (self.decode_time + spent + step)
 

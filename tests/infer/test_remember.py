@@ -85,3 +85,23 @@ def test_paper_mode_with_a_plan_does_not_optimise_and_zero_steps_still_runs_one(
     assert stats["opt_steps"] == 1
     _, stats = _decode(runner, "swift", SWIFT | {"max_opt_steps": 0})
     assert stats["opt_steps"] == 0
+
+
+def test_remembered_hopelessness_caps_optimisation_at_one_percent(runner, monkeypatch):
+    """A drafter whose restored plan is predicted not to pay optimises at most 1 % of its time while plain, even
+    with a generous fallback budget (before, it spent that budget on every prompt: 3 % by default)."""
+    from infer.drafters.swift import SwiftDrafter
+
+    monkeypatch.setattr(SwiftDrafter, "predicted_speedup", lambda self, a: None if a < 0 else 0.5)
+    generous = SWIFT | {"fallback_opt_budget": 0.9, "opt_budget": 0.9}
+    first, _ = _decode(runner, "swift", generous)
+    assert first.best_score >= 0 and first.opt_step.cycles > 0 and first.mode == "plain"
+    for prompt in PROMPTS:
+        drafter = build_drafter("swift", runner, generous | {"remember": "read"})
+        assert drafter.hopeless and drafter.mode == "plain"
+        with Engine(runner, drafter) as engine:
+            stats = engine.generate(prompt, GenerationConfig(max_new_tokens=40)).stats.drafter
+        assert stats["hopeless"] and stats["draft_forwards"] == 0
+        assert drafter.opt_time <= 0.01 * (drafter.decode_time + drafter.opt_time)
+    cold = build_drafter("swift", runner, generous | {"remember": "off"})
+    assert not cold.hopeless
