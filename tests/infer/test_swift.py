@@ -99,6 +99,24 @@ def test_sampling_with_multi_candidate_trees_matches_target():
     assert pvalue > P_THRESHOLD
 
 
+@pytest.mark.slow
+def test_sampled_trees_with_a_reduced_head_match_target():
+    """Sampled multi-candidate trees drafted with a reduced head (token 4 never drafted) keep the target's
+    distribution: the draft q is zero outside the subset and the residual covers it (chi-square)."""
+    from infer.draft_vocab import DraftVocab
+
+    model = make_model("llama", seed=7, vocab_size=5, layers=4)
+    runner = Runner.from_model(model)
+    vocab = DraftVocab(ids=(0, 1, 2, 3), model=runner.identity())
+    options = {"confidence": 0.99, "num_draft": 2, "adaptive": False, "max_opt_steps": 0, "skip_ratio": 0.3,
+               "draft_vocab": vocab}
+    engine = Engine(runner, build_drafter("swift", runner, options))
+    pvalue, totals = sampling_pvalue(engine, model, [1, 2, 3], SamplingConfig(temperature=1.0), seed=5)
+    siblings = totals["drafted"] - totals["draft_forwards"]
+    assert siblings > 500 and totals["accepted"] > 300  # trees from the subset head were drafted and used
+    assert pvalue > P_THRESHOLD
+
+
 def engine_state(runner, prompt, n=40):
     """A decode state whose cache holds the prompt and n greedy tokens (the last one pending)."""
     tokens = prompt + reference(runner, prompt, n)
