@@ -15,11 +15,6 @@ SWIFT = {"context_window": 4, "opt_budget": 0.95, "fallback_opt_budget": 0.95}
 EARLY = {"exit_layer": 2, "adaptive": True}
 
 
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("LAYERSKIP_CACHE", str(tmp_path / "cache"))
-
-
 @pytest.fixture(scope="module")
 def runner():
     return Runner.from_model(make_model("llama", seed=0, layers=6))
