@@ -135,7 +135,7 @@ def check_methods(cfg: BenchConfig, model: LoadedModel, label: str, source: str)
     for method in cfg.methods:
         if not method.is_peer:
             try:
-                _engine_for(method, model, label)  # not closed: closing runs finish(), which may write (save_plan)
+                _engine_for(method, model, label, cfg.start)  # not closed: finish() may write (save_plan)
             except UserError as e:
                 raise UserError(f"{method.label} on model {label!r}: {e}") from None
 
