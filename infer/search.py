@@ -285,19 +285,7 @@ def run_search(evaluate: Evaluate, space: PlanSpace, cfg: SearchConfig, study, o
     # Re-seed by progress so that a resumed study does not replay the random start-up trials.
     study.sampler = _sampler(cfg.sampler, cfg.seed + len(study.trials), len(warm) + 10, deterministic)
 
-    def objective(trial) -> float:
-        plan = space.suggest(trial)  # a frozen LayerPlan: repeated proposals hit the same key
-        if plan in known:
-            trial.set_user_attr("repeat", True)
-        else:
-            known[plan] = evaluate(plan)
-        value, metrics = known[plan]
-        for name, v in metrics.items():
-            if name not in ("plan", "warm_start", "repeat"):
-                trial.set_user_attr(name, v)
-        trial.set_user_attr("plan", plan.to_dict())
-        return value
-
+    objective = _trial_objective(evaluate, space, known)
     bar = tqdm(total=cfg.trials, initial=min(len(known), cfg.trials), desc="plan search", disable=not progress,
                dynamic_ncols=True)
     proposals_cap = 20 * cfg.trials  # ends the run if the sampler only repeats itself (tiny search spaces)
@@ -329,6 +317,25 @@ def run_search(evaluate: Evaluate, space: PlanSpace, cfg: SearchConfig, study, o
     if not any(t.state == complete for t in study.trials):
         raise UserError("no trial completed (is --timeout too short?)")
     return _result(study, time.perf_counter() - t0, history)
+
+
+def _trial_objective(evaluate: Evaluate, space: PlanSpace, known: dict) -> Callable:
+    """optuna's objective: the trial's plan evaluated once (``known`` keeps every value; a repeat is free)."""
+
+    def objective(trial) -> float:
+        plan = space.suggest(trial)  # a frozen LayerPlan: repeated proposals hit the same key
+        if plan in known:
+            trial.set_user_attr("repeat", True)
+        else:
+            known[plan] = evaluate(plan)
+        value, metrics = known[plan]
+        for name, v in metrics.items():
+            if name not in ("plan", "warm_start", "repeat"):
+                trial.set_user_attr(name, v)
+        trial.set_user_attr("plan", plan.to_dict())
+        return value
+
+    return objective
 
 
 def _completed(study) -> tuple[dict[LayerPlan, tuple[float, dict]], list[float]]:
