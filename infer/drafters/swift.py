@@ -35,6 +35,7 @@ from infer.drafters.chain import ChainResult, PlanForward, draft_chain, draft_he
 from infer.drafters.gate import COLD, FallbackGate, GateMemory, Rate, check_remember
 from infer.drafters.skipping import matchness_span
 from infer.drafters.swift_search import LayerSetSearch
+from infer.kv_cache import ints_to_device
 from infer.plan import (
     LayerPlan,
     PlanFile,
@@ -44,7 +45,6 @@ from infer.plan import (
     odd_inner_plan,
     weights_cost,
 )
-from infer.runner import ints_to_device
 from layerskip_core.errors import UserError
 
 GREEDY_WIDTHS = (3, 5, 8, 10)  # candidates per depth for top-1 prob > 0.95, > 0.8, > 0.5, else (paper)

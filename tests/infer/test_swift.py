@@ -11,7 +11,7 @@ from lossless_stats import P_THRESHOLD, sampling_pvalue
 from infer.drafters import build_drafter
 from infer.drafters.base import DecodeState
 from infer.drafters.gate import FallbackGate
-from infer.drafters.skipping import agreement, matchness_span, verified_window, window_mask
+from infer.drafters.skipping import agreement, matchness_span, rerun_mask, verified_window
 from infer.drafters.swift import SwiftDrafter
 from infer.drafters.swift_search import LayerSetSearch
 from infer.engine import Engine, GenerationConfig
@@ -152,7 +152,7 @@ def test_one_scorer_two_kv_views(runner):
     assert float(top1_d[0]) == pytest.approx(float(top1_e[0]), abs=1e-6)  # nothing before it in the window
     assert (top1_d[1:] - top1_e[1:]).abs().max() > 1e-3  # later tokens see draft-mode vs exact rows
     with pytest.raises(ValueError, match="kv must be"):
-        window_mask(2, 2, "cpu", "sideways")
+        rerun_mask(2, 2, "cpu", "sideways")
 
 
 def planted_model():

@@ -7,9 +7,10 @@ from infer.drafters import build_drafter
 from infer.drafters.base import DecodeState
 from infer.drafters.chain import draft_chain
 from infer.engine import Engine, GenerationConfig
+from infer.kv_cache import ints_to_device
 from infer.measure.syncs import SyncCounter, measure_decode
 from infer.plan import LayerPlan, PlanFile
-from infer.runner import Runner, ints_to_device
+from infer.runner import Runner
 from infer.sampling import SamplingConfig
 from tiny_models import make_model
 
