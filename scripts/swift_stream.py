@@ -172,7 +172,8 @@ def _run(argv: list[str] | None) -> int:
     for spec in args.model:
         label, source = split_named(spec)
         label = label or source
-        model = load_model(source, device=run.device, dtype=run.dtype, executor=run.executor, threads=run.threads)
+        model = load_model(source, device=run.device, dtype=run.dtype, executor=run.executor, threads=run.threads,
+                           compile=run.compile)
         prompts = [(task, pid, model.encode(text, chat=use_chat_template(task))) for task, pid, text in items]
         runs: dict[str, list[list[dict]]] = defaultdict(list)
         with tqdm(total=len(specs) * args.repeats * len(prompts), desc=label) as bar:

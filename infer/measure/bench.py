@@ -86,7 +86,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> list[Record]:
     labels = model_labels(cfg.models)
 
     def load(source: str) -> LoadedModel:
-        return load_model(source, device=run.device, dtype=run.dtype, executor=run.executor, threads=run.threads)
+        return load_model(source, device=run.device, dtype=run.dtype, executor=run.executor, threads=run.threads,
+                          compile=run.compile)
 
     ready = None
     for source, label in reversed(list(zip(sources, labels, strict=True))):  # every model x method before timing
