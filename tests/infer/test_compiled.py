@@ -133,3 +133,23 @@ def test_the_span_limit_drops_plan_forwards_first(model):
         cache.rollback(10)
     keys = [s.key for s in runner.static.spans(cache)]
     assert [k.plan for k in keys] == [None, None, ((4,), ())] and runner.static.builds == 5
+
+
+def test_swift_captures_at_most_one_forward_per_plan_change_in_timed_runs(monkeypatch):
+    """After a warm-up, fresh SWIFT drafters (as bench repeats make) capture only the drafting forward of a plan
+    first used in the timed run: one per plan, and nothing else."""
+    monkeypatch.setattr(StaticSpan, "capture", _fake_capture)
+    runner = Runner.from_model(make_model("llama", seed=0, layers=8), executor="eager")
+    runner.static = StaticExecutor(runner, capture=True)
+    prompts = [[5, 6, 7, 8, 9] * 3, [(7 * i) % 300 + 3 for i in range(40)]]
+    options = {"context_window": 8, "opt_budget": 0.95, "fallback_opt_budget": 0.95}
+    config = GenerationConfig(max_new_tokens=32, stop_at_eos=False)
+    Engine(runner, build_drafter("swift", runner, options)).warm_up(prompts, config)
+    warm = {id(s) for s in runner.static.spans() if s.graph is not None}
+    captures = runner.static.captures
+    engine = Engine(runner, build_drafter("swift", runner, options))
+    for prompt in prompts:
+        engine.generate(prompt, config)
+    timed = [s.key for s in runner.static.spans() if s.graph is not None and id(s) not in warm]
+    assert runner.static.captures - captures == len(timed)
+    assert all(k.plan is not None for k in timed) and len({k.plan for k in timed}) == len(timed)
