@@ -11,6 +11,7 @@ equals the uncompiled one within rounding, not bitwise.
 
 from __future__ import annotations
 
+import types
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,8 +49,8 @@ class LayerSteps:
         self.compile = compile
         self.compiles = 0
         if compile:
-            self.attention = torch.compile(attention_step, backend=self._inductor, dynamic=None)
-            self.mlp = torch.compile(mlp_step, backend=self._inductor, dynamic=None)
+            self.attention = torch.compile(_own_copy(attention_step), backend=self._inductor, dynamic=None)
+            self.mlp = torch.compile(_own_copy(mlp_step), backend=self._inductor, dynamic=None)
         else:
             self.attention, self.mlp = attention_step, mlp_step
 
@@ -64,6 +65,13 @@ VIEWS = ("aten::select", "aten::slice", "aten::view", "aten::transpose", "aten::
          "aten::expand", "aten::as_strided", "aten::detach", "aten::lift_fresh", "aten::chunk", "aten::split",
          "aten::empty", "TorchDynamo Cache Lookup")
 """Operators that launch no kernel (views, allocations, dynamo's guard check), left out of the CPU count."""
+
+
+def _own_copy(fn):
+    """``fn`` over a code object of its own: dynamo keeps its compiled graphs, and its recompile limit (8), per
+    code object and backend, so executors sharing ``fn``'s would evict each other and silently fall back to
+    eager after a few runners."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 def count_kernels(fn) -> int:

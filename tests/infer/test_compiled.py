@@ -78,6 +78,18 @@ def test_compiled_forwards_launch_fewer_operators_per_layer(model, compiled):
     assert 0 < fused < unfused / 2, (fused, unfused)
 
 
+def test_every_compiled_runner_compiles_its_own_graphs(compiled):
+    """Dynamo keeps graphs and a recompile limit per code object: runners sharing one would make later ones
+    silently eager. Each executor compiles (and runs fused) on its own."""
+    runners = [compiled] + [Runner.from_model(make_model("llama", seed=s, layers=2), executor="static", compile=True)
+                            for s in (1, 2)]
+    for runner in runners:
+        before = runner.static.compiles
+        fused = kernels_per_layer(runner)
+        assert runner.static.compiles >= (1 if runner is not compiled else before), runner.static.counts()
+        assert fused < kernels_per_layer(Runner.from_model(make_model("llama", seed=0, layers=2), executor="static"))
+
+
 def test_compile_defaults_to_cuda_only(model):
     assert not Runner.from_model(model, executor="static").static.compile  # CPU: compiling does not pay here
     assert Runner.from_model(model, executor="eager").static is None
