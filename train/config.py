@@ -224,7 +224,7 @@ class EarlyExitConfig:
     the paper: all exits on by half of training)."""
     loss_chunk: int = 0
     """Token rows per chunk of the exit loss (each chunk's logits and head gradient live at once). 0: sized to
-    the device, about 32M logits on a CPU and up to 256M on a GPU (at most 1/32 of its memory)."""
+    the device, about 32M logits on a CPU and up to 128M on a GPU (at most 1/64 of its memory)."""
 
     def __post_init__(self) -> None:
         _check(all(e >= 1 for e in self.exits), f"early_exit.exits are layer counts >= 1 (got {self.exits})")

@@ -36,8 +36,8 @@ from train.data import IGNORE
 
 CHUNK_ELEMENTS = 1 << 25
 """Target size of one chunk's logits on a CPU, in elements (32M: 128 MB in fp32)."""
-GPU_CHUNK_ELEMENTS = 1 << 28
-"""Target on a GPU (256M: 1 GB in fp32), at most 1/32 of its memory: few, large head matmuls keep it busy."""
+GPU_CHUNK_ELEMENTS = 1 << 27
+"""Target on a GPU (128M: 512 MB in fp32), at most 1/64 of its memory: fewer, larger head matmuls keep it busy."""
 
 
 def default_chunk(vocab_size: int, device: torch.device | str = "cpu") -> int:
@@ -45,7 +45,7 @@ def default_chunk(vocab_size: int, device: torch.device | str = "cpu") -> int:
     elements = CHUNK_ELEMENTS
     if torch.device(device).type == "cuda":
         total = torch.cuda.get_device_properties(torch.device(device)).total_memory
-        elements = max(CHUNK_ELEMENTS, min(GPU_CHUNK_ELEMENTS, total // 32 // 4))
+        elements = max(CHUNK_ELEMENTS, min(GPU_CHUNK_ELEMENTS, total // 64 // 4))
     return max(64, elements // max(1, vocab_size))
 
 

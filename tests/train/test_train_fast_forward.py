@@ -257,7 +257,7 @@ def test_tied_head_gradient_reaches_the_embedding(batch):
 
 
 def test_exit_loss_chunk_is_sized_to_the_device(monkeypatch):
-    """About 32M logits per chunk on a CPU; on a GPU larger (up to 256M, at most 1/32 of its memory)."""
+    """About 32M logits per chunk on a CPU; on a GPU larger (up to 128M, at most 1/64 of its memory)."""
     from types import SimpleNamespace
 
     from train.losses import CHUNK_ELEMENTS, GPU_CHUNK_ELEMENTS, default_chunk
@@ -267,4 +267,4 @@ def test_exit_loss_chunk_is_sized_to_the_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=141 << 30))
     assert default_chunk(V, "cuda") == GPU_CHUNK_ELEMENTS // V > 4 * default_chunk(V)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=8 << 30))
-    assert default_chunk(V, "cuda") == (8 << 30) // 32 // 4 // V  # a small GPU: 1/32 of its memory
+    assert default_chunk(V, "cuda") == (8 << 30) // 64 // 4 // V  # a small GPU: 1/64 of its memory
