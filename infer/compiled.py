@@ -74,13 +74,13 @@ def _own_copy(fn):
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
-def count_kernels(fn) -> int:
-    """Kernels ``fn()`` launches: on a GPU the CUDA kernels the profiler records; elsewhere a stand-in, the
+def count_kernels(fn, device: torch.device) -> int:
+    """Kernels ``fn()`` launches on ``device``: on CUDA the kernels the profiler records; elsewhere a stand-in, the
     top-level operators that do work, with each compiled region counted once (its fused kernels are invisible
     to the CPU profiler, so a compiled count is a lower bound there)."""
     from torch.profiler import ProfilerActivity, profile
 
-    cuda = torch.cuda.is_available()
+    cuda = torch.device(device).type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         fn()
@@ -106,4 +106,4 @@ def kernels_per_layer(runner: Runner, prompt: int = 16) -> float:
 
     step()
     step()
-    return count_kernels(step) / runner.num_layers
+    return count_kernels(step, runner.device) / runner.num_layers
