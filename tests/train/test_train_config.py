@@ -191,7 +191,7 @@ def test_fsdp2_config_is_fsdp_version_2():
 
 def test_zero3_refuses_layer_dropout_and_lora():
     """Checked before any model loads, with the stage accelerate's DeepSpeed plugin reports."""
-    base = load_config(RECIPES[0])
+    base = load_config(REPO / "recipes/cpu-demo-stdlib.yaml")
     with_dropout = dataclasses.replace(base, layer_dropout=dataclasses.replace(base.layer_dropout, p_max=0.2),
                                        lora=dataclasses.replace(base.lora, enabled=False))
     with pytest.raises(UserError, match=r"layer dropout .*ZeRO-3.*p_max=0"):
