@@ -35,8 +35,9 @@ from layerskip_core.cli import run_main
 from layerskip_core.errors import UserError
 from layerskip_core.packages import cache_root
 from train.checkpoint import clear_run, export_final, prepare_run_folder, read_state, save_checkpoint
-from train.config import TrainConfig, describe, dump_config, load_config, to_dict
+from train.config import TrainConfig
 from train.console import check_launch, eval_summary, interrupt_on_sigterm, launcher_command, resume_hint
+from train.recipe import describe, dump_config, load_config, to_dict
 from train.tracking import Tracker, truncate_metrics
 
 # torch, accelerate and the modules that import them (train.data, train.model, train.exit_eval) are
