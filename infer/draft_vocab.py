@@ -27,9 +27,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-from torch import Tensor
-
 from layerskip_core.errors import UserError
 
 COUNTS_FORMAT = "layerskip-token-counts/1"
@@ -171,10 +168,6 @@ class DraftVocab:
     def head_share(self) -> float:
         """Share of the LM head's rows (and weight) the subset keeps: N / V."""
         return self.size / self.vocab_size
-
-    def ids_tensor(self, device: str | torch.device = "cpu") -> Tensor:
-        """(N,) long tensor of the ids on ``device``."""
-        return torch.tensor(self.ids, dtype=torch.long, device=device)  # (N,)
 
     def to_dict(self) -> dict:
         return {"format": VOCAB_FORMAT, "size": self.size, "head_share": round(self.head_share, 4),

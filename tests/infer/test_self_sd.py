@@ -33,8 +33,8 @@ def random_plans(num_layers: int, count: int, seed: int = 0) -> list[LayerPlan]:
     plans = []
     for _ in range(count):
         p = rng.uniform(0.1, 0.7)
-        plans.append(LayerPlan.from_mask([rng.random() < p for _ in range(num_layers)],
-                                         [rng.random() < p for _ in range(num_layers)]))
+        plans.append(LayerPlan(num_layers, frozenset(i for i in range(num_layers) if rng.random() < p),
+                               frozenset(i for i in range(num_layers) if rng.random() < p)))
     return plans
 
 
