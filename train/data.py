@@ -1,20 +1,11 @@
 """Training data: documents from local sources, tokenised once (cached), cut into examples.
 
-- Continual pretraining (``task: pretrain``): documents are tokenised, each followed by EOS,
-  concatenated and cut into fixed ``block_size`` blocks (the remainder is dropped); loss on
-  every token.
-- Finetuning (``task: sft``): prompt/response pairs, wrapped in the tokenizer's chat template
-  where it has one; labels are -100 on the prompt, so the loss is on the response only.
-
-Every source has a deterministic document order; the back ``val_fraction`` of each source is
-held out for validation (the same convention as ``layerskip_core.prompts``: train from the front,
-evaluate from the back), or, with ``holdout_packages``, whole top-level packages are. A source
-can first drop duplicate and near-duplicate documents (``dedup``), so held-out text has no
-near-copy in the training text. The tokenised result is cached under ``$LAYERSKIP_CACHE/tokens``,
-keyed by the tokenizer files, the source files (names, sizes, mtimes) and the data config.
-
-The batch order is a pure function of (seed, step, micro-batch, rank), so resuming at step k
-continues with exactly the examples an uninterrupted run would have seen.
+Pretraining packs documents (each followed by EOS) into ``block_size`` blocks, loss on every token; finetuning
+takes prompt/response pairs in the chat template, loss on the response only. Each source's document order is
+deterministic and its back ``val_fraction`` (or its ``holdout_packages``) is held out, after duplicates are
+dropped (``train.dedup``). The cache key covers the tokenizer files, the source files (names, sizes, mtimes) and
+the data config. The batch order is a pure function of (seed, step, micro-batch, rank), so a resumed run sees
+the examples an uninterrupted one would have.
 """
 
 from __future__ import annotations

@@ -8,10 +8,8 @@ Launch (any accelerate config from configs/, or plain python for one process):
     python train/layerskip.py --config recipes/X.yaml --overwrite     # delete the run in output_dir, start again
     python train/layerskip.py --help-config                           # every config key with its doc
 
-The loop below is the whole training procedure; the pieces it calls live in train/:
-config (strict dataclasses), data (sources, packing, cache, batch order), model (the LayerSkip
-forward over the HF modules), schedules (dropout rates, exit weights), exit_eval (per-exit
-metrics), checkpoint (save/resume/export), tracking (metrics.jsonl + wandb).
+``run_training`` below is the whole procedure, in steps (set up, resume, train, finish); the pieces it calls
+live in train/: recipe and config, data and dedup, model and losses, schedules, exit_eval, checkpoint, tracking.
 """
 
 from __future__ import annotations
