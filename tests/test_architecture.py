@@ -89,6 +89,17 @@ def test_the_engine_does_not_import_its_measuring_tools():
     assert not wrong, f"engine modules import infer.measure: {wrong}"
 
 
+def test_the_command_line_imports_no_measuring_tool_but_bench():
+    """Only `layerskip bench` reads infer.measure's bench rooms; generate's stream totals come from the engine."""
+    for path in (REPO / "layerskip_cli" / "commands").glob("*.py"):
+        if path.name == "bench.py":
+            continue
+        modules = {n.module for n in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                   if isinstance(n, ast.ImportFrom) and n.module}
+        rooms = {"infer.measure.bench", "infer.measure.report", "infer.measure.methods", "infer.measure.peers"}
+        assert not modules & rooms, f"{path.name} imports {sorted(modules & rooms)}"
+
+
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 60
 BEING_SHORTENED = {"infer/runner.py", "infer/graphs.py", "infer/search.py", "infer/drafters/swift.py"}
