@@ -432,7 +432,7 @@ def quality(model_path: Path, s: Settings) -> dict:
 def exits_that_fit(p: Pipeline, layers: int, overrides: list[str]) -> list[str]:
     """An ``early_exit.exits`` override keeping the recipe's exits below ``layers`` (a smaller model than the recipe's,
     e.g. the CPU rehearsal's), with a note; none when they all fit or ``overrides`` set the exits."""
-    from train.config import load_config
+    from train.recipe import load_config
 
     if any(o.startswith("early_exit.exits=") for o in overrides):
         return []
