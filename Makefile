@@ -39,11 +39,12 @@ endif
 fetch-model: setup
 	$(BIN)/layerskip fetch-model
 
-# A quick look on a few held-out real prompts (HumanEval, GSM8K) with the default model.
-DEMO_DRAFTERS ?= autoregressive,early_exit:E=24:k=4
+# A quick look on a few held-out real prompts (HumanEval, GSM8K) with the default model: the untrained early exit
+# (which loses on this model) beside SWIFT, which falls back to plain steps where drafting would not pay.
+DEMO_DRAFTERS ?= autoregressive,early_exit:E=24:k=4,swift
 demo: fetch-model
 	$(BIN)/layerskip bench --model default --drafters $(DEMO_DRAFTERS) --peers hf_generate \
-		--data humaneval,gsm8k --n 2 --max-new-tokens 64 --repeats 1 --threads 1 --out runs/demo
+		--data humaneval,gsm8k --n 3 --max-new-tokens 64 --repeats 1 --threads 1 --out runs/demo
 
 test: fetch-model
 	WANDB_MODE=disabled $(BIN)/python -m pytest -q

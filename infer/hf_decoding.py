@@ -50,7 +50,7 @@ from infer.engine import GenerationConfig as DecodeConfig
 from infer.runner import Runner
 from infer.sampling import SamplingConfig
 from layerskip_core.errors import UserError
-from layerskip_core.settings import resolve_executor
+from layerskip_core.settings import resolve_compile, resolve_executor
 
 FOLDER = Path(__file__).resolve().parent / "hf_custom_generate"
 """The folder form: ``model.generate(..., custom_generate=str(FOLDER), trust_remote_code=True, drafter=...)``."""
@@ -72,27 +72,30 @@ class LayerSkipGenerateOutput(GenerateDecoderOnlyOutput):
 
 
 def hf_generate(drafter: str = "autoregressive", *, tokenizer=None, streamer=None, dtype: torch.dtype | None = None,
-                device: str | torch.device | None = None, executor: str = "auto", **options) -> HFGenerate:
+                device: str | torch.device | None = None, executor: str = "auto", compile: bool | None = None,
+                **options) -> HFGenerate:
     """A ``custom_generate`` callable decoding with ``drafter`` and its ``options`` (as in ``LoadedModel.engine``).
 
     ``tokenizer``: the model's, to resolve a ``draft_vocab`` by tokenizer (a checkpoint of the default model uses
     the counts shipped for it). ``streamer``: receives the prompt, the tokens as they are accepted, then ``end()``.
     ``dtype``/``device``: run the runner elsewhere than the model (a copy of the weights); default: the model's.
-    ``executor``: 'auto' (CUDA graphs on CUDA, eager on CPU), 'eager', 'static' or 'graphs'."""
+    ``executor``: 'auto' (CUDA graphs on CUDA, eager on CPU), 'eager', 'static' or 'graphs'; ``compile``: the static
+    forwards through torch.compile (None: on CUDA). Both are resolved once the model's device is known."""
     build_config(drafter, dict(options))  # an unknown drafter or a bad option is refused here, not mid-generate
-    return HFGenerate(drafter, dict(options), tokenizer, streamer, dtype, device, executor)
+    return HFGenerate(drafter, dict(options), tokenizer, streamer, dtype, device, executor, compile)
 
 
 class HFGenerate:
     """The decoding loop transformers' ``generate`` calls (see the module docstring); build it with
     ``hf_generate``."""
 
-    def __init__(self, drafter: str, options: dict, tokenizer, streamer, dtype, device, executor: str):
+    def __init__(self, drafter: str, options: dict, tokenizer, streamer, dtype, device, executor: str,
+                 compile: bool | None = None):
         self.drafter = drafter
         self.options = options
         self.tokenizer = tokenizer
         self.streamer = streamer
-        self.runner_settings = (dtype, device, executor)
+        self.runner_settings = (dtype, device, executor, compile)
         self.runners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __call__(self, model: PreTrainedModel, input_ids: Tensor, logits_processor=None, stopping_criteria=None,
@@ -129,12 +132,13 @@ class HFGenerate:
 
     def runner_for(self, model: PreTrainedModel) -> Runner:
         """The runner over ``model``'s weights: built (and its weights shared with the model) on first use."""
-        dtype, device, executor = self.runner_settings
+        dtype, device, executor, compile = self.runner_settings
         first = next(model.parameters())
         want = (dtype or first.dtype, torch.device(device) if device is not None else first.device)
         runner = self.runners.get(model)
         if runner is None or (runner.dtype, runner.device) != want:
-            runner = Runner.from_model(model, want[0], device=want[1], executor=resolve_executor(executor, want[1]))
+            runner = Runner.from_model(model, want[0], device=want[1], executor=resolve_executor(executor, want[1]),
+                                       compile=resolve_compile(compile, want[1]))
             share_weights(model, runner)
             self.runners[model] = runner
         return runner

@@ -110,19 +110,20 @@ def eos_ids(path: Path | None, tokenizer, model_config=None) -> tuple[int, ...]:
 
 def load_model(model: str | os.PathLike | PreTrainedModel = "default", tokenizer=None, *,
                device: str | torch.device = "auto", dtype: str | torch.dtype = "auto", executor: str = "auto",
-               threads: int = 1) -> LoadedModel:
+               threads: int = 1, compile: bool | None = None) -> LoadedModel:
     """Load a model to decode with (the Python API's edge: the names are resolved here, once).
 
     ``model``: a local Hugging Face folder, a hub id (org/name), ``"default"`` (SmolLM2-135M-Instruct, fetched
     once), or a ``transformers`` model object already in memory (then ``tokenizer`` is required; its weights
     are copied into the runner's fused layout). ``device`` / ``dtype`` take names (``auto`` = CUDA + bf16 when
-    available, else CPU + fp32) or torch objects; ``executor`` and ``threads`` (default 1) as in
+    available, else CPU + fp32) or torch objects; ``executor``, ``threads`` (default 1) and ``compile`` as in
     ``layerskip_core.settings``.
     """
     device, dtype = str(device), str(dtype).removeprefix("torch.")
     if isinstance(model, PreTrainedModel):
-        return load_resolved(RunSettings(device, dtype, executor, threads).resolve(), model, tokenizer)
-    return load_resolved(ModelSettings(device, dtype, executor, threads, model=str(model)).resolve(), None, tokenizer)
+        return load_resolved(RunSettings(device, dtype, executor, threads, compile).resolve(), model, tokenizer)
+    settings = ModelSettings(device, dtype, executor, threads, compile, model=str(model))
+    return load_resolved(settings.resolve(), None, tokenizer)
 
 
 def load_resolved(run: Resolved, model: PreTrainedModel | None = None, tokenizer=None) -> LoadedModel:
@@ -132,7 +133,7 @@ def load_resolved(run: Resolved, model: PreTrainedModel | None = None, tokenizer
     if model is not None:
         if tokenizer is None:
             raise UserError("a model given as an object needs its tokenizer: load_model(model, tokenizer)")
-        runner = Runner.from_model(model, run.dtype, run.kernel, run.executor, run.device)
+        runner = Runner.from_model(model, run.dtype, run.kernel, run.executor, run.device, run.compile)
         return LoadedModel(None, runner, tokenizer, eos_ids(None, tokenizer, model.generation_config))
     path = run.model
     if path is None:
@@ -142,5 +143,5 @@ def load_resolved(run: Resolved, model: PreTrainedModel | None = None, tokenizer
             tokenizer = AutoTokenizer.from_pretrained(path)
         except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for a malformed tokenizer.json
             raise UserError(f"could not load a tokenizer from {path}: {type(e).__name__}: {e}") from None
-    runner = Runner.from_pretrained(path, run.dtype, run.device, run.kernel, run.executor)
+    runner = Runner.from_pretrained(path, run.dtype, run.device, run.kernel, run.executor, run.compile)
     return LoadedModel(path, runner, tokenizer, eos_ids(path, tokenizer))

@@ -50,14 +50,6 @@ class LayerPlan:
         """The plan that runs everything."""
         return cls(num_layers)
 
-    @classmethod
-    def from_mask(cls, attn_skip: list[bool], mlp_skip: list[bool]) -> LayerPlan:
-        """Build from two per-layer boolean lists (True = skip)."""
-        if len(attn_skip) != len(mlp_skip):
-            raise ValueError("attn and mlp masks must have one entry per layer")
-        return cls(len(attn_skip), frozenset(i for i, s in enumerate(attn_skip) if s),
-                   frozenset(i for i, s in enumerate(mlp_skip) if s))
-
     @property
     def num_skipped(self) -> int:
         return len(self.skip_attn) + len(self.skip_mlp)
@@ -95,6 +87,16 @@ class LayerPlan:
 
 
 PLAN_FORMAT = "layerskip-plan/1"
+FULL_HEAD = "full"
+"""``PlanFile.draft_head['vocab']`` of a plan found drafting with the full LM head."""
+
+
+def head_record(head) -> dict:
+    """What a plan file records of the draft head a plan was found (and is to be drafted) with: the full head, or the
+    ids of a reduced-vocabulary head (``infer.runner.DraftHead``, or None for the full head)."""
+    if head is None:
+        return {"vocab": FULL_HEAD}
+    return {"vocab": head.size, "ids": [int(i) for i in head.ids.tolist()]}
 
 
 @dataclass
@@ -113,18 +115,32 @@ class PlanFile:
     """Search settings and statistics (sampler, trials, seed, wall time, ...)."""
     source: str = ""
     """Which tool wrote it: 'self_sd' search or a 'swift' stream."""
+    draft_head: dict | None = None
+    """The draft head the plan was scored with (``head_record``); None in files that predate the record."""
+
+    @property
+    def draft_ids(self) -> list[int] | None:
+        """The token ids of the recorded reduced-vocabulary head; None for the full head or no record."""
+        return None if self.draft_head is None else self.draft_head.get("ids")
 
     def to_dict(self) -> dict:
         return {"format": PLAN_FORMAT, "source": self.source, "model": self.model, "task": self.task,
                 "plan": self.plan.to_dict(), "skip_ratio": self.plan.skip_ratio, "objective": self.objective,
-                "search": self.search}
+                "search": self.search, "draft_head": self.draft_head}
 
     def save(self, path) -> None:
-        """Write atomically (a temporary file renamed into place)."""
+        """Write atomically (a temporary file renamed into place); a head's id list stays on one line."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        d = self.to_dict()
+        ids = (d["draft_head"] or {}).get("ids")
+        if ids is not None:
+            d["draft_head"] = d["draft_head"] | {"ids": "@ids@"}
+        text = json.dumps(d, indent=2)
+        if ids is not None:
+            text = text.replace('"@ids@"', json.dumps(ids, separators=(",", ":")))
+        tmp.write_text(text + "\n")
         os.replace(tmp, path)
 
     @classmethod
@@ -144,7 +160,7 @@ class PlanFile:
                 if not isinstance(d.get(key), kind):
                     raise ValueError(f"{key!r} must be an object, got {type(d.get(key)).__name__}")
             return cls(LayerPlan.from_dict(d["plan"]), d["model"], str(d.get("task", "")), d.get("objective"),
-                       d.get("search"), str(d.get("source", "")))
+                       d.get("search"), str(d.get("source", "")), _draft_head(d.get("draft_head")))
         except (ValueError, KeyError, TypeError) as e:
             raise UserError(f"{path} is not a valid plan file: {e}") from None
         except OSError as e:
@@ -157,6 +173,21 @@ class PlanFile:
             what = ", ".join(f"{k}: plan has {a}, model has {b}" for k, (a, b) in diff.items())
             raise UserError(f"{path} was made for another model ({what}); search a plan for this model with "
                             "`layerskip search`")
+
+
+def _draft_head(d) -> dict | None:
+    """A plan file's ``draft_head`` checked: None, the full head, or N distinct ids."""
+    if d is None:
+        return None
+    if not isinstance(d, dict) or "vocab" not in d:
+        raise ValueError("'draft_head' must be an object with a 'vocab' entry")
+    if d["vocab"] == FULL_HEAD:
+        return {"vocab": FULL_HEAD}
+    ids = d.get("ids")
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids) \
+            or len(set(ids)) != d["vocab"]:
+        raise ValueError("'draft_head' must list its 'vocab' distinct non-negative token 'ids'")
+    return {"vocab": len(ids), "ids": ids}
 
 
 # --------------------------------------------------------------------------- search space

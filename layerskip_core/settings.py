@@ -1,11 +1,11 @@
-"""Which model, where and how it runs: one home for ``--model/--device/--dtype/--executor/--threads``.
+"""Which model, where and how it runs: one home for ``--model/--device/--dtype/--executor/--threads/--compile``.
 
 Every command and script that loads a model takes its flags from these dataclasses (``layerskip_cli.args``
 turns the fields into flags, with the docstrings below as help), and the Python API entry
 (``infer.loading.load_model``) builds the same dataclasses from its keywords. Either edge resolves them once
 (:meth:`RunSettings.resolve`, :meth:`ModelSettings.resolve`) into a :class:`Resolved`: a torch device and
-dtype, a concrete executor, a thread count, the kernel choice and the model folder. The library takes that
-object and never resolves a name or reads an environment variable for a setting again;
+dtype, a concrete executor, a thread count, the kernel choice, whether to compile and the model folder. The
+library takes that object and never resolves a name or reads an environment variable for a setting again;
 ``$LAYERSKIP_EXECUTOR`` and ``$LAYERSKIP_KERNEL`` are read here. torch is imported inside ``resolve``
 only, so ``--help`` and argument errors answer without it.
 
@@ -51,16 +51,20 @@ class RunSettings:
     static (static shapes, no capture) or graphs."""
     threads: int = 1
     """torch CPU threads (1: the most repeatable CPU timings and, on a busy machine, the fastest)."""
+    compile: bool | None = None
+    """Compile the static forwards' layers with torch.compile (fused norms, RoPE and residual adds; seconds of
+    compiling on first use). Default: on CUDA, where fewer kernel launches pay; off elsewhere."""
 
     def __post_init__(self) -> None:
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
             raise UserError(f"--threads must be an integer >= 1, got {self.threads!r}")
 
     def resolve(self) -> Resolved:
-        """The concrete device, dtype and executor (a missing GPU is refused here, before any model loads)."""
+        """The concrete device, dtype, executor and compile choice (a missing GPU is refused here, before any model
+        loads)."""
         device = resolve_device(self.device)
         return Resolved(device, parse_dtype(self.dtype, device), resolve_executor(self.executor, device), self.threads,
-                        _kernel())
+                        _kernel(), compile=resolve_compile(self.compile, device))
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,8 @@ class ModelSettings(RunSettings):
         from layerskip_core.models import resolve_model  # lazily: it imports transformers
 
         run = super().resolve()  # the device first: a missing GPU is refused before anything is fetched
-        return Resolved(run.device, run.dtype, run.executor, run.threads, run.kernel, resolve_model(self.model))
+        return Resolved(run.device, run.dtype, run.executor, run.threads, run.kernel, resolve_model(self.model),
+                        compile=run.compile)
 
 
 @dataclass(frozen=True)
@@ -91,12 +96,14 @@ class Resolved:
     """'auto': the compiled small-matmul kernel for fp32 on a CPU (when it builds); 'torch': torch.matmul."""
     model: Path | None = None
     """The model folder (``ModelSettings`` only)."""
+    compile: bool = False
+    """Compile the static forwards' layers with torch.compile (resolved: True or False)."""
 
     def to_dict(self) -> dict:
         """The settings by name (JSON-ready), e.g. for a results file."""
         model = None if self.model is None else str(self.model)
         return {"device": str(self.device), "dtype": dtype_name(self.dtype), "executor": self.executor,
-                "threads": self.threads, "kernel": self.kernel, "model": model}
+                "threads": self.threads, "kernel": self.kernel, "compile": self.compile, "model": model}
 
     def apply_threads(self) -> None:
         """Set torch's CPU thread count (and OMP_NUM_THREADS for libraries started later)."""
@@ -119,6 +126,12 @@ def resolve_executor(name: str, device: torch.device) -> str:
     if name == "graphs" and device.type != "cuda":
         raise UserError(f"CUDA graphs need a CUDA device; use the 'static' or 'eager' executor on {device.type}")
     return name
+
+
+def resolve_compile(compile: bool | None, device: torch.device) -> bool:
+    """Whether the static forwards compile on ``device`` (None: on CUDA, where fewer kernel launches pay; not
+    elsewhere); for an edge that knows its device late (``infer.hf_generate``)."""
+    return device.type == "cuda" if compile is None else bool(compile)
 
 
 def _kernel() -> str:

@@ -73,20 +73,21 @@ from infer.measure.exactness import (
 )
 from infer.measure.seeded_models import random_model, tiny_model
 from infer.measure.syncs import measure_decode
+from infer.measure.timing import timed_generate
 from infer.plan import LayerPlan, PlanFile
 from infer.runner import Runner
 from infer.sampling import SamplingConfig, TreeShape
 from layerskip_cli.args import add_run_flags
 from layerskip_core.cli import check_output_dir, run_main
 from layerskip_core.device import resolve_device
-from layerskip_core.settings import RunSettings
+from layerskip_core.settings import RunSettings, resolve_compile
 
 BEGIN, END = "<!-- gpu_check:begin -->", "<!-- gpu_check:end -->"
 RESULT_FILE = "gpu_check.json"
 """The result, rewritten after every part and every shape."""
 TINY_MODELS = (("llama", 0), ("qwen2", 1))
 """The tiny seeded models of the exactness part: (kind, seed)."""
-SWIFT_TREES = {"context_window": 4, "tree": True, "adaptive": False, "remember": False}
+SWIFT_TREES = {"context_window": 4, "tree": True, "adaptive": False, "remember": "off"}
 """SWIFT settings that verify token trees from the first cycles (no fallback gate, nothing remembered)."""
 SAMPLING = SamplingConfig(temperature=0.8, top_p=0.95, seed=0)
 """The seeded sampled generation each drafter must complete."""
@@ -180,6 +181,11 @@ class Run:
         """The executor the check decodes with: CUDA graphs on CUDA, their uncaptured static forwards elsewhere."""
         return "graphs" if self.device.type == "cuda" else "static"
 
+    @property
+    def compile(self) -> bool:
+        """Whether the static forwards compile (``layerskip_core.settings``' default: on CUDA)."""
+        return resolve_compile(None, self.device)
+
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
 
@@ -254,7 +260,8 @@ def error_text(e: BaseException) -> str:
 
 
 def tiny_runner(kind: str, seed: int, device: torch.device, dtype: torch.dtype, executor: str) -> Runner:
-    return Runner.from_model(tiny_model(kind, seed, device=device), dtype, executor=executor)
+    return Runner.from_model(tiny_model(kind, seed, device=device), dtype, executor=executor,
+                             compile=resolve_compile(None, device))
 
 
 def note_fallback(run: Run, runner: Runner, where: str) -> None:
@@ -468,9 +475,13 @@ def forward_costs(runner: Runner, settings: Settings, device: torch.device, tall
         draft = {E: timed(span(1, E), device, repeats, runner=runner, tally=tally) for E in exits}
         small = {E: timed(span(1, E, head), device, repeats, runner=runner, tally=tally) for E in exits}
         kernels = lease.kernel_profile(span(1, L), device)  # after the timings: on the forward they captured
+        one = torch.tensor([10], device=device)  # (1,)
+        eager = lease.kernel_profile(lambda: runner.forward(runner.new_cache(P + 2), one), device)  # the eager path
     finally:
         runner.release_cache(cache)
     per_layer = None if kernels["kernels_per_forward"] is None else kernels["kernels_per_forward"] / L
+    kernels["kernels_per_forward_eager"] = eager["kernels_per_forward"]
+    kernels["attention_kernels_eager"] = eager["attention_kernels"]
     return {"ms_forward": 1000 * full[1], "v": {str(T): t / full[1] for T, t in full.items()},
             "c": {str(E): t / full[1] for E, t in draft.items()},
             "c_vocab": {str(E): t / full[1] for E, t in small.items()}, "draft_vocab": head.size,
@@ -501,20 +512,13 @@ def ours(runner: Runner, prompt: list[int], settings: Settings, tally: GraphTall
 
 
 def step_times(engine: Engine, prompt: list[int], gen: OurGenerationConfig) -> dict:
-    """ms per draft forward and per verification of one more generation, from CUDA events on CUDA (a synchronised
-    timer; the engine's own split is taken without a device sync) and perf_counter elsewhere."""
-    clock = lease.StepClock(engine.runner.device)
-    engine.drafter.propose = clock.timed("draft", engine.drafter.propose)  # instance attributes, removed below
-    engine.step = clock.timed("step", engine.step)
-    try:
-        s = engine.generate(prompt, gen).stats
-    finally:
-        del engine.drafter.propose, engine.step
+    """ms per draft forward and per verification of one more generation, from CUDA events on CUDA
+    (``infer.measure.timing``; the engine's own split is taken without a device sync) and perf_counter elsewhere."""
+    s = timed_generate(engine, prompt, gen)[0].stats
     forwards = int(s.drafter.get("draft_forwards", 0)) or max(1, s.drafted)
-    draft = clock.seconds("draft")
-    return {"ours_early_exit_draft_ms": 1000 * draft / forwards,
-            "ours_early_exit_verify_ms": 1000 * (clock.seconds("step") - draft) / max(1, s.verify_calls),
-            "step_timer": "cuda events" if clock.cuda else "perf_counter"}
+    return {"ours_early_exit_draft_ms": 1000 * s.draft_time / forwards,
+            "ours_early_exit_verify_ms": 1000 * s.verify_time / max(1, s.verify_calls),
+            "step_timer": "cuda events" if engine.runner.device.type == "cuda" else "perf_counter"}
 
 
 def peer_variants(exit_layer: int) -> dict[str, dict]:
@@ -574,7 +578,7 @@ def measure_shape(shape: Shape, run: Run) -> dict:
         shape = shape.tiny()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = random_model(shape.config(), device, dtype)
-    runner = Runner.from_model(model, dtype, executor=run.executor)
+    runner = Runner.from_model(model, dtype, executor=run.executor, compile=run.compile)
     model.to("cpu")  # our peak memory without the peer's weights
     free(device)
     reset_peak(device)
@@ -589,7 +593,7 @@ def measure_shape(shape: Shape, run: Run) -> dict:
     result["captures_in_timed"] = tally.timed_captures
     result["builds_in_timed"] = tally.timed_builds
     if runner.dtype != torch.bfloat16:  # the CPU's shapes run in fp32: the spread is measured in bf16 either way
-        runner = Runner.from_model(model, torch.bfloat16, executor=run.executor, device=device)
+        runner = Runner.from_model(model, torch.bfloat16, executor=run.executor, device=device, compile=run.compile)
     prompts = spread_prompts(shape.vocab, settings.spread_prompt_lengths)
     result["spread_bf16"] = measure_spread(runner, prompts, settings.spread_sizes)["max_abs"]
     result["peak_gb_ours"] = peak_gb(device)

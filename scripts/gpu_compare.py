@@ -29,6 +29,7 @@ run stopped midway continues where it stopped when started again with the same -
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -316,7 +317,8 @@ def unpack_bundle(bundle: list[Path], cache: Path, p: Pipeline) -> None:
         (cache / "data").mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, cache / "data" / item["filename"])
     wheels = manifest.get("wheels", {})
-    if wheels.get("install"):
+    wheels["install"] = [name for name in wheels.get("install", []) if importlib.util.find_spec(name) is None]
+    if wheels["install"]:  # what is importable already (gpu_lease.py installs the wheels first) is left alone
         wheel_dir = _find(bundle, wheels["files"][0]).parent if wheels.get("files") else bundle[0]
         # --no-deps: the compiled dependencies (markupsafe for mako) cannot travel as pure wheels, and optuna
         # with its in-memory / journal storage imports neither alembic nor mako
@@ -343,8 +345,8 @@ def has_optuna() -> bool:
 
 def code_prompts(overrides: list[str], n: int, max_chars: int = 1200) -> list[dict]:
     """``n`` prompts cut from held-out files of the recipe, spread over its held-out packages (round robin)."""
-    from train.config import load_config
     from train.data import package_of, split_sources
+    from train.recipe import load_config
 
     cfg = load_config(REPO / RECIPE, overrides)
     _, val, _ = split_sources(cfg.data)
@@ -430,7 +432,7 @@ def quality(model_path: Path, s: Settings) -> dict:
 def exits_that_fit(p: Pipeline, layers: int, overrides: list[str]) -> list[str]:
     """An ``early_exit.exits`` override keeping the recipe's exits below ``layers`` (a smaller model than the recipe's,
     e.g. the CPU rehearsal's), with a note; none when they all fit or ``overrides`` set the exits."""
-    from train.config import load_config
+    from train.recipe import load_config
 
     if any(o.startswith("early_exit.exits=") for o in overrides):
         return []
@@ -629,7 +631,7 @@ def compare_steps(args, p: Pipeline, rows: list[dict], quality_: dict, save) -> 
         prompts = p.timed("code_prompts", code_prompts, recipe_overrides, s.prompts)
         prompts_file.parent.mkdir(parents=True, exist_ok=True)
         prompts_file.write_text("".join(json.dumps(r) + "\n" for r in prompts))
-    from train.config import load_config
+    from train.recipe import load_config
 
     exit_list = sorted(set(load_config(REPO / RECIPE, recipe_overrides).early_exit.exits) | {layers})
     for name, path in models.items():

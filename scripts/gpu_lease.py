@@ -2,6 +2,7 @@
 
     python3 scripts/gpu_lease.py check      # device command 1 (carries runs/lease/meta and runs/lease/a)
     python3 scripts/gpu_lease.py compare    # device command 2, back to back (runs/lease/meta and runs/lease/b)
+    python3 scripts/gpu_lease.py stash      # only keep the first half (when command 2 found a fresh machine)
     python scripts/gpu_lease.py publish DIR # here, afterwards: DIR's results into docs/
 
 ``check`` keeps the GGUF's first half in /tmp/lease (the machine stays warm between back-to-back commands) and runs
@@ -69,14 +70,20 @@ def install_wheels(notes: list[str]) -> None:
         notes.append(f"installing the carried wheels failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
 
 
+def stash(args, notes: list[str]) -> int:
+    """Keep the first GGUF half in STASH for the next command (the machine keeps /tmp while it stays warm)."""
+    half = sorted((BUNDLE / "a").glob("*.part1"))
+    if not half:
+        notes.append("runs/lease/a not carried: command 2 will lack the model's first half")
+        return 0
+    STASH.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(half[0], STASH / half[0].name)
+    return 0
+
+
 def check(args, notes: list[str]) -> int:
     """Device command 1: keep the first GGUF half for command 2, run gpu_check under the budget."""
-    half = sorted((BUNDLE / "a").glob("*.part1"))
-    if half:
-        STASH.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(half[0], STASH / half[0].name)
-    else:
-        notes.append("runs/lease/a not carried: command 2 will lack the model's first half")
+    stash(args, notes)
     argv = [sys.executable, "scripts/gpu_check.py", "--budget-s", str(args.budget_s), "--out", str(args.out)]
     tokenizer = BUNDLE / "meta" / "tokenizer"
     if (tokenizer / "tokenizer.json").is_file():
@@ -136,10 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/gpu_lease.py", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = parser.add_subparsers(dest="stage", required=True)
-    for stage in ("check", "compare"):
+    for stage in ("check", "compare", "stash"):
         one = sub.add_parser(stage)
         one.add_argument("--budget-s", type=float, default=None, help=f"wall budget of the work in seconds (default "
-                         f"{BUDGET_S[stage]:.0f} on a GPU; none on a CPU, whose rehearsal measures nothing)")
+                         f"{BUDGET_S.get(stage, 0):.0f} on a GPU; none on a CPU, whose rehearsal measures nothing)")
         one.add_argument("--out", type=Path, default=None, help="results folder (default $OUT, else runs/gpu/)")
     sub.choices["compare"].add_argument("--form", choices=("first", "full"), default="first")
     sub.choices["compare"].add_argument("--previous", default=None, help="an earlier stage's compare.json")
@@ -152,12 +159,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.budget_s is None:
             import torch
 
-            args.budget_s = BUDGET_S[args.stage] if torch.cuda.is_available() else 0.0
+            args.budget_s = BUDGET_S.get(args.stage, 0.0) if torch.cuda.is_available() else 0.0
         args.out = lease.out_dir(args.out)
         args.out.mkdir(parents=True, exist_ok=True)
         notes: list[str] = []
         t0 = time.perf_counter()
-        code = (check if args.stage == "check" else compare)(args, notes)
+        code = {"check": check, "compare": compare, "stash": stash}[args.stage](args, notes)
         lease.write_json(args.out / f"lease_{args.stage}.json",
                          {"stage": args.stage, "commit": lease.commit(), "returncode": code, "notes": notes,
                           "seconds": round(time.perf_counter() - t0, 1), "budget_s": args.budget_s})

@@ -1,5 +1,5 @@
 """What the GPU lease commands (gpu_check, gpu_compare, gpu_bundle) share: where results go, the wall budget,
-optional packages, the commit without ``.git``, synchronised step timing and CUDA kernel names.
+optional packages, the commit without ``.git`` and CUDA kernel names.
 
 Importing this module puts the checkout's root on ``sys.path``, so ``python3 scripts/gpu_check.py`` runs from a bare
 checkout (no pip install: a GPU image with its own torch). It cannot make a missing required package (torch,
@@ -79,42 +79,6 @@ class Budget:
     def over(self, reserve: float = 0.0) -> bool:
         """Whether fewer than ``reserve`` seconds of the budget are left."""
         return self.seconds > 0 and self.elapsed() > self.seconds - reserve
-
-
-class StepClock:
-    """Draft and verify times of an engine's cycles: CUDA events on CUDA (read after the run, so timing adds no host
-    sync), ``perf_counter`` elsewhere. ``wrap(engine)`` times its drafter's ``propose`` and its ``step``."""
-
-    def __init__(self, device):
-        self.cuda = getattr(device, "type", str(device)) == "cuda"
-        self.pairs: dict[str, list] = {"draft": [], "step": []}
-
-    def _mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        import torch
-
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def timed(self, key: str, fn: Callable) -> Callable:
-        def run(*args, **kwargs):
-            start = self._mark()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.pairs[key].append((start, self._mark()))
-        return run
-
-    def seconds(self, key: str) -> float:
-        """Total seconds of ``key`` ('draft' or 'step'); synchronises once on CUDA."""
-        if self.cuda and self.pairs[key]:
-            import torch
-
-            torch.cuda.synchronize()
-            return sum(a.elapsed_time(b) for a, b in self.pairs[key]) / 1000.0
-        return sum(b - a for a, b in self.pairs[key])
 
 
 def kernel_profile(fn: Callable[[], object], device) -> dict:

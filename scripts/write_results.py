@@ -183,6 +183,7 @@ def main() -> None:
     page += _independent(args.runs / "independent", "A fresh drafter per prompt, HumanEval and GSM8K", old,
                          "independent")
     page += ["## Where self-speculation pays: CPU vs GPU, untrained vs trained\n", _notes(old, "where_it_pays")]
+    page += ["## Exit adapter on the frozen model (Kangaroo-style)\n", _notes(old, "exit_adapter")]
     gpu = GPU_SECTION.search(old)
     if gpu:
         page.append(gpu.group(0))

@@ -39,3 +39,13 @@ def test_keep_setup_uses_the_torch_already_installed():
     assert lines[0].endswith("-m venv --system-site-packages /tmp/dry-venv")
     assert not any("torch==" in line and "pip install" in line for line in lines)
     assert any("constraints-without-torch.txt -e" in line for line in lines)
+
+
+def test_demo_shows_a_drafter_that_does_not_lose_beside_the_untrained_early_exit():
+    proc = subprocess.run(["make", "-n", "-B", "demo", "VENV=/tmp/dry-venv"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    bench = proc.stdout.split("layerskip bench", 1)[1].replace("\\\n", " ")
+    drafters = bench.split("--drafters ", 1)[1].split()[0].split(",")
+    assert "swift" in drafters and any(d.startswith("early_exit") for d in drafters)
+    n, repeats = int(bench.split("--n ", 1)[1].split()[0]), int(bench.split("--repeats ", 1)[1].split()[0])
+    assert n * repeats >= 3  # enough timed generations per row not to be marked 'too few samples'

@@ -1,5 +1,6 @@
 """The README's "Python API" block runs as it stands on the default model (CI fetches it)."""
 
+import os
 import re
 import subprocess
 import sys
@@ -19,8 +20,10 @@ def api_block() -> str:
 
 
 @pytest.mark.real_model
-def test_readme_python_api_runs(default_model_path):
-    proc = subprocess.run([sys.executable, "-c", api_block()], cwd=REPO, capture_output=True, text=True, timeout=600)
+def test_readme_python_api_runs(default_model_path, tmp_path):
+    """From a folder outside the checkout: the block's paths do not depend on where it runs."""
+    proc = subprocess.run([sys.executable, "-c", api_block()], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600, env=os.environ | {"PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert any("tok/s, acceptance" in line for line in lines)  # the stats were read
@@ -41,5 +44,5 @@ def test_readme_transformers_block_runs(default_model_path):
     section = text.split("## Inside transformers' `generate`", 1)[1].split("\n## ", 1)[0]
     [block] = re.findall(r"```python\n(.*?)```", section, re.S)
     proc = subprocess.run([sys.executable, "-c", block], cwd=default_model_path, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, env=os.environ | {"PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,30 +1,15 @@
-"""Strict dataclass configs for LayerSkip training, loaded from YAML with dotted overrides.
+"""The training run's settings: one strict dataclass per recipe section (``train.recipe`` reads them from YAML).
 
-A recipe is a YAML file whose sections mirror :class:`TrainConfig`. Loading is strict: an
-unknown or misspelled key is refused with the nearest valid key named, values are checked
-against the field types, and every section checks its own invariants in ``__post_init__``.
-All of this happens before any model or data is touched. The resolved config (recipe +
-overrides + defaults) is written beside every checkpoint, so a run can be reproduced from it.
+Every section checks its own invariants in ``__post_init__``, so a bad value fails before any model or data is
+touched; the field docstrings are ``--help-config``'s text.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import yaml
-
-from layerskip_core import options
 from layerskip_core.errors import UserError
-from layerskip_core.options import field_docs, hints, strip_optional, type_name
-
-# --------------------------------------------------------------------------------------------
-# Sections (each checks its own invariants in __post_init__)
-# --------------------------------------------------------------------------------------------
 
 
 def _check(ok: bool, msg: str) -> None:
@@ -222,12 +207,16 @@ class EarlyExitConfig:
     curriculum_steps: int | None = None
     """Steps over which the gradual curriculum enables all exits (``null``: ``optim.max_steps / 2``, as in
     the paper: all exits on by half of training)."""
+    loss_chunk: int = 0
+    """Token rows per chunk of the exit loss (each chunk's logits and head gradient live at once). 0: sized to
+    the device, about 32M logits on a CPU and up to 128M on a GPU (at most 1/64 of its memory)."""
 
     def __post_init__(self) -> None:
         _check(all(e >= 1 for e in self.exits), f"early_exit.exits are layer counts >= 1 (got {self.exits})")
         _check(len(set(self.exits)) == len(self.exits), f"early_exit.exits has duplicates: {self.exits}")
         _check(self.e_scale >= 0, "early_exit.e_scale must be >= 0")
         _check(self.rotation >= 1, "early_exit.rotation must be >= 1")
+        _check(self.loss_chunk >= 0, "early_exit.loss_chunk must be >= 0 (0: sized to the device)")
         _check(self.curriculum_steps is None or self.curriculum_steps >= 1,
                "early_exit.curriculum_steps must be >= 1")
 
@@ -252,6 +241,24 @@ class LoraConfig:
         _check(self.r >= 1 and self.alpha > 0, "lora.r must be >= 1 and lora.alpha > 0")
         _check(0.0 <= self.dropout < 1.0, "lora.dropout must be in [0, 1)")
         _check(len(self.target_modules) > 0, "lora.target_modules is empty")
+
+
+@dataclass
+class AdapterConfig:
+    """An exit adapter trained on the frozen model instead of LayerSkip training (``train.adapter``)."""
+
+    enabled: bool = False
+    """Train an exit adapter: the base model stays frozen, layer_dropout/early_exit/lora must stay off."""
+    exit_layer: int = 8
+    """E: the adapter reads the stream entering decoder layer E (1 <= E < the model's layer count)."""
+    mlp_size: int = 0
+    """Width of an optional SwiGLU MLP after the adapter's attention (0: none, Kangaroo's shape)."""
+    target: Literal["distill", "data"] = "distill"
+    """distill: the full model's own next-token distribution (cross-entropy to it, i.e. KL); data: the next token."""
+
+    def __post_init__(self) -> None:
+        _check(self.exit_layer >= 1, "adapter.exit_layer must be >= 1")
+        _check(self.mlp_size >= 0, "adapter.mlp_size must be >= 0")
 
 
 @dataclass
@@ -315,6 +322,8 @@ class TrainConfig:
     """LayerSkip's early-exit loss."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Low-rank adapters instead of full finetuning."""
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    """An exit adapter on the frozen model instead of LayerSkip training."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Progress, metrics and tracking."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -326,197 +335,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _check(self.threads is None or self.threads >= 1, "threads must be >= 1")
+        if self.adapter.enabled:
+            _check(not self.lora.enabled and self.layer_dropout.p_max == 0 and not self.early_exit.exits,
+                   "adapter.enabled trains an adapter on the frozen model: turn lora, layer_dropout and early_exit off")
         if self.lora.enabled:
             _check(self.model.dtype == "fp32" or self.optim.mixed_precision != "no",
                    "LoRA on bf16/fp16 weights needs optim.mixed_precision (keep model.dtype: fp32 otherwise)")
-
-
-# --------------------------------------------------------------------------------------------
-# Strict loading
-# --------------------------------------------------------------------------------------------
-
-
-# Common names from other trainers, so a key spelt the HF/torchtune way still finds its match here.
-ALIASES = {"learning_rate": "lr", "steps": "max_steps", "num_steps": "max_steps", "train_steps": "max_steps",
-           "batch_size": "micro_batch_size", "per_device_train_batch_size": "micro_batch_size",
-           "gradient_accumulation_steps": "grad_accum_steps", "seq_len": "block_size", "max_seq_len": "block_size",
-           "max_length": "block_size", "warmup": "warmup_steps", "lr_scheduler": "schedule", "clip": "max_grad_norm",
-           "model_name_or_path": "name_or_path", "exit_layers": "exits", "prob": "p_max", "rank": "r",
-           "output": "output_dir", "save_steps": "save_every", "eval_steps": "eval_every", "logging_steps": "log_every"}
-
-
-def _dotted_keys(cls=None, prefix: str = "") -> list[str]:
-    """Every key of the config as ``section.key`` (sections of dataclasses, not list items)."""
-    cls = cls or TrainConfig
-    keys = []
-    for name, tp in hints(cls).items():
-        keys.append(f"{prefix}{name}")
-        if dataclasses.is_dataclass(tp):
-            keys.extend(_dotted_keys(tp, f"{prefix}{name}."))
-    return keys
-
-
-def _nearest(key: str, valid: list[str], prefix: str = "") -> str:
-    """The ``; did you mean 'optim.lr'?`` tail of an unknown-key message."""
-    leaf = ALIASES.get(key, key)
-    elsewhere = [k for k in _dotted_keys() if k.rsplit(".", 1)[-1] == leaf and k != f"{prefix}.{leaf}".lstrip(".")]
-    if elsewhere:  # the right name in the wrong section: output_dir -> checkpoint.output_dir
-        return f"; did you mean '{elsewhere[0]}'?" if len(elsewhere) == 1 else \
-            "; did you mean one of " + ", ".join(f"'{k}'" for k in elsewhere) + "?"
-    return options.nearest(key, valid, prefix, ALIASES)
-
-
-def build(cls, raw: Any, where: str = ""):
-    """Build dataclass ``cls`` from a mapping, refusing unknown keys (nearest valid key named)."""
-    return options.build(cls, raw, where, _nearest)
-
-
-def _default_at(parts: list[str]) -> Any:
-    obj: Any = TrainConfig()
-    for part in parts:
-        obj = obj[int(part)] if isinstance(obj, list) else getattr(obj, part)
-    if isinstance(obj, list):
-        return [to_dict(o) if dataclasses.is_dataclass(o) else o for o in obj]
-    return to_dict(obj) if dataclasses.is_dataclass(obj) else obj
-
-
-def _set_dotted(raw: dict, dotted: str, value: Any) -> None:
-    """Apply ``a.b.c=value`` to the raw recipe dict; list items are addressed by index (``data.sources.0.path``)."""
-    parts = dotted.split(".")
-    node: Any = raw
-    tp: Any = TrainConfig
-    for i, part in enumerate(parts):
-        here = ".".join(parts[: i + 1])
-        if isinstance(node, list):
-            if not (part.isdigit() and int(part) < len(node)):
-                raise UserError(f"override {dotted}: '{'.'.join(parts[:i])}' is a list of {len(node)} items; "
-                                f"address them by index 0..{len(node) - 1}")
-            key: Any = int(part)
-            child_tp = typing.get_args(tp)[0]
-        else:
-            if not dataclasses.is_dataclass(tp):
-                raise UserError(f"override {dotted}: '{'.'.join(parts[:i])}' has no sub-keys")
-            names = [f.name for f in dataclasses.fields(tp)]
-            if part not in names:
-                raise UserError(f"unknown config key '{here}' in override {dotted}"
-                                f"{_nearest(part, names, '.'.join(parts[:i]))}")
-            key = part
-            child_tp = strip_optional(hints(tp)[part])
-        if i == len(parts) - 1:
-            leaf_tp = child_tp if isinstance(node, list) else hints(tp)[part]
-            try:
-                # type errors are blamed on the override, not the recipe
-                options.convert(value, leaf_tp, here, _nearest)
-            except UserError as e:
-                raise UserError(f"command-line override {dotted}={_show(value)}: {e}") from None
-            node[key] = value
-            return
-        child = node[key] if isinstance(node, list) else node.get(key)
-        if child is None:
-            child = _default_at(parts[: i + 1])
-            if not isinstance(child, (dict, list)):
-                raise UserError(f"override {dotted}: '{here}' has no sub-keys")
-            node[key] = child
-        node, tp = child, child_tp
-
-
-def _show(value: Any) -> str:
-    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """``key.sub=value`` with the value read as YAML (``1e-4``, ``true``, ``[8, 16]``, ``null``)."""
-    if "=" not in text:
-        raise UserError(f"override {text!r} is not of the form key.sub=value")
-    key, _, value = text.partition("=")
-    key = key.strip()
-    if not key:
-        raise UserError(f"override {text!r} has no key")
-    try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
-    except yaml.YAMLError:
-        parsed = value
-    return key, parsed
-
-
-def read_yaml(path: str | Path) -> dict:
-    path = Path(path)
-    if path.is_dir():
-        raise UserError(f"config file {path} is a directory; pass a recipe file (recipes/<name>.yaml)")
-    if not path.is_file():
-        raise UserError(f"config file {path} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as e:
-        line = e.object[:e.start].count(b"\n") + 1
-        raise UserError(f"{path}: not UTF-8 text (line {line}); save the recipe as UTF-8") from None
-    except PermissionError:
-        raise UserError(f"config file {path} is not readable (permission denied)") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark is not None else ""
-        raise UserError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise UserError(f"{path}: the top level must be a mapping of sections (model:, data:, optim:, ...)")
-    return raw
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    """Read a recipe, apply ``key=value`` overrides, and build a checked :class:`TrainConfig`."""
-    raw = read_yaml(path) if path is not None else {}
-    try:
-        build(TrainConfig, copy.deepcopy(raw))  # the recipe on its own: its errors name the file
-    except UserError as e:
-        recipe_error: UserError | None = UserError(f"{path}: {e}" if path is not None else str(e))
-    else:
-        recipe_error = None
-    for text in overrides:
-        key, value = parse_override(text)
-        _set_dotted(raw, key, value)
-    try:
-        return build(TrainConfig, raw)
-    except UserError as e:
-        if recipe_error is not None and str(e) in str(recipe_error):
-            raise recipe_error from None
-        # the recipe alone is fine (or fails differently): the command-line overrides made it invalid
-        shown = " ".join(overrides)
-        raise UserError(f"{e} (after the command-line overrides: {shown})" if overrides else str(e)) from None
-
-
-def to_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg)
-
-
-def dump_config(cfg: TrainConfig, path: str | Path) -> None:
-    """Write the resolved config as YAML that :func:`load_config` reads back to an equal config."""
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
-
-
-# --------------------------------------------------------------------------------------------
-# Field documentation (the attribute docstrings above), for --help-config
-# --------------------------------------------------------------------------------------------
-
-
-def describe(cls=TrainConfig, prefix: str = "") -> list[str]:
-    """One line per leaf key: ``dotted.key (type, default): doc``."""
-    lines = []
-    docs = field_docs(cls)
-    field_types = hints(cls)
-    defaults = cls()
-    for f in dataclasses.fields(cls):
-        key = f"{prefix}{f.name}"
-        tp = field_types[f.name]
-        if dataclasses.is_dataclass(tp):
-            lines.append(f"{key}:  {docs.get(f.name, '')}")
-            lines.extend(describe(tp, key + "."))
-            continue
-        default = getattr(defaults, f.name)
-        if isinstance(default, list) and default and dataclasses.is_dataclass(default[0]):
-            default = [to_dict(d) for d in default]
-            lines.append(f"{key} ({type_name(tp)}, default {default}): {docs.get(f.name, '')}")
-            lines.extend(describe(typing.get_args(tp)[0], key + "[i]."))
-            continue
-        lines.append(f"{key} ({type_name(tp)}, default {default!r}): {docs.get(f.name, '')}")
-    return lines

@@ -9,10 +9,11 @@ import torch
 from torch import Tensor
 
 from infer.draft_vocab import AUTO, DraftVocab, check_draft_vocab_option
-from infer.runner import ints_to_device
+from infer.kv_cache import ints_to_device
 
 if TYPE_CHECKING:
-    from infer.runner import KVCache, Runner
+    from infer.kv_cache import KVCache
+    from infer.runner import Runner
     from infer.sampling import SamplingConfig
 
 
@@ -54,6 +55,9 @@ class VerifyOutcome:
     """Sequence index of the pending token (= cache length before the step)."""
     target_argmax: list[int] = field(default_factory=list)
     """Full model's argmax at each tree position (greedy decoding only)."""
+    exit_hidden: Tensor | None = None
+    """(T, d) residual stream entering layer ``draft.exact_layers`` at every verified tree position, as verification
+    used it (the draft's rows, then those verification computed); None for a plain step or E = 0."""
 
     @property
     def accepted(self) -> int:

@@ -1,5 +1,8 @@
 """LayerSkip early-exit drafting: layers [0, E) + final norm + shared LM head, token by token.
 
+With an exit adapter (``adapter=PATH``, ``infer.adapter``) the drafts run layers [0, E), the adapter and the
+shared head instead; E is the adapter's. The adapter's own cache follows the accepted tokens.
+
 The draft's KV for layers < E and its hidden states at layer E are exactly what the full
 model computes, so verification runs only layers >= E for the drafted positions (plus
 layers < E for the last drafted token, which no draft pass has seen).
@@ -10,9 +13,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from infer.adapter import AdapterForward, ExitAdapter, adapter_path
 from infer.drafters.base import DecodeState, Draft, Drafter, DraftVocabOption, VerifyOutcome
 from infer.drafters.chain import EarlyExitForward, draft_chain, draft_head_for
-from infer.drafters.gate import FallbackGate, GateMemory
+from infer.drafters.gate import COLD, FallbackGate, GateMemory, check_remember
 from layerskip_core.errors import UserError
 
 
@@ -21,7 +25,8 @@ class EarlyExitDrafterConfig(DraftVocabOption):
     """Settings of the early-exit drafter."""
 
     exit_layer: int = 8
-    """E: draft with decoder layers [0, E), then the final norm and LM head (1 <= E <= L)."""
+    """E: draft with decoder layers [0, E), then the final norm and LM head (1 <= E <= L); with an adapter, the
+    adapter's E (leave it at its default or give the same)."""
     num_draft: int = 6
     """k: most tokens drafted per verification."""
     confidence: float = 0.0
@@ -32,18 +37,28 @@ class EarlyExitDrafterConfig(DraftVocabOption):
     across the prompts a drafter instance decodes)."""
     recheck_interval: int = 128
     """With adaptive: plain steps before drafting is probed again (doubling after each failed probe)."""
-    remember: bool = True
-    """With adaptive: keep what the gate measured (plain and drafting speed, its mode and back-off) in the toolkit
-    cache across commands, per model, device, dtype, threads and these settings (saved by ``finish``)."""
+    remember: str = "on"
+    """With adaptive, what the gate measured (plain and drafting speed, its mode and back-off), kept in the toolkit
+    cache per model, device, dtype, threads and these settings: on = start from it and save it (``finish``), read =
+    start from it without changing it, off = start cold and save nothing."""
+
+    adapter: str | None = None
+    """An exit adapter trained on the frozen model (a file from train/layerskip.py's adapter: runs, or 'default':
+    the one shipped for the default model): drafts run layers [0, E), the adapter and the shared head."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_remember(self.remember)
         if self.num_draft < 1:
             raise UserError(f"num-draft must be >= 1, got {self.num_draft}")
         if self.recheck_interval < 1:
             raise UserError(f"recheck-interval must be >= 1, got {self.recheck_interval}")
         if not 0.0 <= self.confidence < 1.0:
             raise UserError(f"confidence must be in [0, 1), got {self.confidence}")
+
+
+EXIT_DEFAULT = EarlyExitDrafterConfig.exit_layer
+"""The exit layer's default, which an adapter's own E replaces."""
 
 
 class EarlyExitDrafter(Drafter):
@@ -53,16 +68,21 @@ class EarlyExitDrafter(Drafter):
 
     def __init__(self, runner, config: EarlyExitDrafterConfig | None = None):
         self.config = config or EarlyExitDrafterConfig()
+        self.adapter = None if self.config.adapter is None else ExitAdapter.load(
+            adapter_path(self.config.adapter, runner), runner)
+        if self.adapter is not None and self.config.exit_layer not in (EXIT_DEFAULT, self.adapter.exit_layer):
+            raise UserError(f"the adapter was trained at exit layer {self.adapter.exit_layer}; drop --exit-layer "
+                            f"{self.config.exit_layer} or give {self.adapter.exit_layer}")
         L = runner.num_layers
-        if not 1 <= self.config.exit_layer <= L:
+        if self.adapter is None and not 1 <= self.config.exit_layer <= L:
             raise UserError(f"exit layer {self.config.exit_layer} is out of range: the model has {L} "
                             f"layers, so use 1 <= --exit-layer <= {L}")
         self.vocab = draft_head_for(runner, self.config.draft_vocab)  # (N,) ids and their head rows, or None
-        self.forward = EarlyExitForward(runner, self.config.exit_layer, self.vocab)
+        self.forward = EarlyExitForward(runner, self.config.exit_layer, self.vocab) if self.adapter is None \
+            else AdapterForward(runner, self.adapter, self.vocab)
         self.gate = FallbackGate(self.config.recheck_interval, enabled=self.config.adaptive)
-        self.memory = None
-        if self.config.adaptive and self.config.remember:
-            self.memory = GateMemory.for_drafter(runner, self.name, self.config)
+        self.memory = GateMemory.for_drafter(runner, self.name, self.config) if self.config.adaptive else None
+        if self.memory is not None:
             try:
                 self.gate.load((self.memory.load() or {}).get("gate", {}))
             except (KeyError, TypeError, ValueError):  # a damaged memory file: start afresh
@@ -77,12 +97,16 @@ class EarlyExitDrafter(Drafter):
     def start(self, state: DecodeState) -> None:
         self.forwards = self.plain_steps = 0
         self._cycle_start = None
+        if self.adapter is not None:
+            self.forward.start(state.cache, state.tokens[:state.n])
 
     def propose(self, state: DecodeState) -> Draft | None:
         if self.config.adaptive:
             self._cycle_start = time.perf_counter()
             if self.gate.mode == "plain":
                 return None
+        if self.adapter is not None:
+            self.forward.catch_up(state.cache, state.tokens, state.n)
         chain = draft_chain(state, self.forward, self.config.num_draft, self.config.confidence)
         self.forwards += chain.forwards
         return chain.draft if chain.forwards else None
@@ -90,6 +114,8 @@ class EarlyExitDrafter(Drafter):
     def update(self, state: DecodeState, outcome: VerifyOutcome) -> None:
         if outcome.draft is None:
             self.plain_steps += 1
+        if self.adapter is not None:
+            self.forward.accept(outcome.start, outcome.exit_hidden, state.n)
         if self._cycle_start is not None:  # set by propose only when adaptive
             seconds = time.perf_counter() - self._cycle_start
             self.gate.record(len(outcome.tokens), seconds, drafted=outcome.draft is not None)
@@ -102,7 +128,9 @@ class EarlyExitDrafter(Drafter):
 
     def stats(self) -> dict:
         out = {"draft_forwards": self.forwards, "plain_steps": self.plain_steps,
-               "draft_vocab": None if self.vocab is None else self.vocab.size}
+               "draft_vocab": None if self.vocab is None else self.vocab.size,
+               "adapter_exit": None if self.adapter is None else self.adapter.exit_layer,
+               "start_state": COLD if self.memory is None else self.memory.start_state}
         if self.config.adaptive:
             out |= {"mode": self.gate.mode, "tps_plain": self.gate.plain.value, "tps_draft": self.gate.drafting.value}
         return out

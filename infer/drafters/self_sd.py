@@ -47,7 +47,8 @@ class SelfSDConfig(DraftVocabOption):
 
     plan: str | LayerPlan | None = None
     """The skip plan (required): the path of a plan JSON made by `layerskip search` or `layerskip plan import` for
-    this model, or a ``LayerPlan`` object (what the search evaluates)."""
+    this model, or a ``LayerPlan`` object (what the search evaluates). A plan file that records its draft head
+    (`layerskip search` writes it) is drafted with that head instead of ``draft_vocab``'s."""
     num_draft: int = 12
     """k: most tokens drafted per verification (Self-SD evaluates with 12)."""
     confidence: float = 0.6
@@ -131,6 +132,16 @@ def load_plan(path: str | Path, runner: Runner) -> PlanFile:
     return plan_file
 
 
+def plan_head(runner: Runner, plan_file: PlanFile):
+    """The draft head a plan file records (the one its search scored plans with): None for the full head."""
+    ids = plan_file.draft_ids
+    if ids is None:
+        return None
+    if max(ids) >= runner.spec.vocab_size:
+        raise UserError(f"the plan's draft head has token ids beyond the model's {runner.spec.vocab_size}")
+    return runner.draft_head(ids)
+
+
 class SelfSDDrafter(Drafter):
     """Drafts with a fixed sublayer skip plan, stopping at an adaptive confidence threshold."""
 
@@ -142,11 +153,13 @@ class SelfSDDrafter(Drafter):
         if config is None:
             raise UserError("the self_sd drafter needs a plan file (make one with `layerskip search`)")
         self.config = config
-        plan = config.plan if isinstance(config.plan, LayerPlan) else load_plan(config.plan, runner).plan
+        plan_file = None if isinstance(config.plan, LayerPlan) else load_plan(config.plan, runner)
+        plan = config.plan if plan_file is None else plan_file.plan
         if plan.num_layers != runner.num_layers:
             raise UserError(f"the plan is for {plan.num_layers} layers; the model has {runner.num_layers}")
         self.plan = plan
-        self.vocab = draft_head_for(runner, config.draft_vocab)  # a reduced-vocabulary draft head, or None
+        self.vocab = plan_head(runner, plan_file) if plan_file is not None and plan_file.draft_head else \
+            draft_head_for(runner, config.draft_vocab)  # a reduced-vocabulary draft head, or None
         self.forward = PlanForward(runner, plan, self.vocab)
         self.threshold = AdaptiveThreshold(config)
         self.forwards = 0

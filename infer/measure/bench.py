@@ -18,7 +18,9 @@ from infer.engine import GenerationStats
 from infer.measure.exactness import DivergenceJudge, first_divergence
 from infer.measure.methods import BASELINE, BenchConfig, Method, check_layers
 from infer.measure.peers import Peer
+from infer.measure.timing import timed_generate
 from layerskip_core.cli import split_named
+from layerskip_core.errors import UserError
 from layerskip_core.prompts import final_number, load_prompts, task_name, use_chat_template
 
 if TYPE_CHECKING:
@@ -46,6 +48,8 @@ class Record:
     """Positions equal to the full model's output overall (lossy methods)."""
     answer_correct: bool | None = None
     """Final number equals the reference answer's (sets with '#### N' answers, e.g. GSM8K)."""
+    start_state: str = "cold"
+    """What the drafter started this run from: 'cold', or 'warm from <file>' (the drafter's own account)."""
 
     @property
     def lossy(self) -> bool:
@@ -78,14 +82,22 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> list[Record]:
     from layerskip_core.models import resolve_model
 
     tasks = {task_name(src): load_prompts(src, cfg.n, from_end=True) for src in cfg.data}
+    sources = [split_named(arg)[1] for arg in cfg.models]
+    labels = model_labels(cfg.models)
+
+    def load(source: str) -> LoadedModel:
+        return load_resolved(dataclasses.replace(cfg.run, model=resolve_model(source)))
+
+    ready = None
+    for source, label in reversed(list(zip(sources, labels, strict=True))):  # every model x method before timing
+        ready = None  # one model in memory at a time; the first one to time stays loaded
+        ready = load(source)
+        check_methods(cfg, ready, label, source)
     records: list[Record] = []
-    for model_arg in cfg.models:
-        label, source = split_named(model_arg)
-        model = load_resolved(dataclasses.replace(cfg.run, model=resolve_model(source)))
-        check_layers(cfg.methods, model.runner.num_layers, source)
+    for source, label in zip(sources, labels, strict=True):
+        model, ready = ready or load(source), None
         peer = Peer(model.path, model.runner.dtype, model.runner.device) \
             if any(m.is_peer for m in cfg.methods) else None
-        label = label or _model_label(source, model.path)
         for task, items in tasks.items():
             prompts = [Prompt(it.id, model.encode(it.prompt, use_chat_template(task, cfg.chat)), it.reference)
                        for it in items]
@@ -94,13 +106,55 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> list[Record]:
     return records
 
 
-def _model_label(arg: str, path: Path) -> str:
-    return "default" if arg == "default" else path.name
+def model_labels(models: list[str]) -> list[str]:
+    """One row name per ``--model``: its NAME of NAME=PATH, 'default', else the shortest end of its folder path that
+    tells it apart from the others (``runs/a/final``, ``runs/b/final`` -> ``a/final``, ``b/final``). Two models that
+    still share a name (the same folder twice, or a NAME equal to another's) are refused."""
+    named = [split_named(m) for m in models]
+    parts = [Path(src).expanduser().resolve().parts if not name and src != "default" else None for name, src in named]
+
+    def tail(i: int, n: int) -> str:
+        name, src = named[i]
+        return name or ("default" if parts[i] is None else "/".join(parts[i][-n:]))
+
+    labels = [tail(i, 1) for i in range(len(models))]
+    for n in range(2, max((len(p) for p in parts if p), default=1) + 1):
+        clash = {x for x in labels if labels.count(x) > 1}
+        labels = [tail(i, n) if labels[i] in clash else labels[i] for i in range(len(models))]
+    repeated = sorted({x for x in labels if labels.count(x) > 1})
+    if repeated:
+        raise UserError(f"two --model arguments are both named {repeated[0]!r}; give each its own name as "
+                        "NAME=PATH (e.g. --model base=default --model trained=runs/demo/final)")
+    return labels
 
 
-def _engine_for(method: Method, model: LoadedModel, label: str):
-    """A fresh engine; '{model}' in an option value becomes the model's label (per-model plan files)."""
+def check_methods(cfg: BenchConfig, model: LoadedModel, label: str, source: str) -> None:
+    """Build every drafter of ``cfg`` for ``model`` (options, plan files checked against this model, exit layers)
+    without running it, so that a bad spec is refused before anything is timed."""
+    check_layers(cfg.methods, model.runner.num_layers, source)
+    for method in cfg.methods:
+        if not method.is_peer:
+            try:
+                _engine_for(method, model, label, cfg.start)  # not closed: finish() may write (save_plan)
+            except UserError as e:
+                raise UserError(f"{method.label} on model {label!r}: {e}") from None
+
+
+def _engine_for(method: Method, model: LoadedModel, label: str, start: str, warm_up: bool = False):
+    """A fresh engine; '{model}' in an option value becomes the model's label (per-model plan files).
+
+    A drafter that remembers state across commands starts as ``start`` says ('cold': remember=off; 'warm':
+    remember=read) unless the method sets remember itself; a warm-up drafter never reads or writes remembered
+    state nor its save_plan file."""
+    from infer.drafters import drafter_class
+
     options = {k: v.replace("{model}", label) for k, v in method.opts.items()}
+    if "remember" in {f.name for f in dataclasses.fields(drafter_class(method.name).Config)}:
+        options.setdefault("remember", "off" if start == "cold" else "read")
+        if warm_up:
+            options["remember"] = "off"
+    if warm_up:
+        options.pop("save_plan", None)
     return model.engine(method.name, options)
 
 
@@ -117,23 +171,24 @@ def _run_task(cfg: BenchConfig, model: LoadedModel, peer: Peer | None, label: st
     bar = tqdm(total=cfg.repeats * len(prompts) * len(cfg.methods), desc=f"{label}/{task}", disable=not progress,
                leave=False)
     for repeat in range(cfg.repeats):
-        engines = {m.label: _engine_for(m, model, label) for m in cfg.methods if not m.is_peer}  # fresh streams
+        engines = {m.label: _engine_for(m, model, label, cfg.start) for m in cfg.methods if not m.is_peer}
         configs = {m.label: cfg.generation(m) for m in cfg.methods if not m.is_peer}
         for prompt in prompts:
             for method in cfg.methods:
                 bar.set_postfix_str(method.label)
                 if method.is_peer:
                     tokens, wall = peer.generate(method, prompt.ids, cfg, model.eos_token_ids)
-                    stats = GenerationStats(new_tokens=len(tokens), wall_time=wall)
+                    stats, verified = GenerationStats(new_tokens=len(tokens), wall_time=wall), None
                 else:
-                    result = engines[method.label].generate(prompt.ids, configs[method.label])
+                    result, verified = timed_generate(engines[method.label], prompt.ids, configs[method.label])
                     tokens, stats = result.tokens, result.stats
                 rec = Record(model=label, task=task, method=method.label, prompt_id=prompt.id, repeat=repeat,
-                             stats=stats)
+                             stats=stats, start_state=str(stats.drafter.get("start_state", "cold")))
                 if method.label == BASELINE and repeat == 0:
                     reference[prompt.id] = tokens
                 if repeat == 0:
-                    _judge(rec, tokens, reference.get(prompt.id), prompt, model, cfg.sampling.greedy, judge)
+                    _judge(rec, tokens, reference.get(prompt.id), prompt, model, cfg.sampling.greedy, judge,
+                           verified)
                 records.append(rec)
                 bar.update()
         for engine in engines.values():
@@ -143,8 +198,9 @@ def _run_task(cfg: BenchConfig, model: LoadedModel, peer: Peer | None, label: st
 
 
 def _judge(rec: Record, tokens: list[int], reference: list[int] | None, prompt: Prompt, model: LoadedModel,
-           greedy: bool, judge: DivergenceJudge) -> None:
-    """Exactness (classified at the first divergence), lossy agreement and answer accuracy of one output."""
+           greedy: bool, judge: DivergenceJudge, verified: list[int] | None) -> None:
+    """Exactness (classified at the first divergence, with the run's own verification argmax ``verified``; None for
+    a peer), lossy agreement and answer accuracy of one output."""
     answer = final_number(prompt.reference) if "####" in prompt.reference else None
     if answer is not None:
         eos = next((i for i, t in enumerate(tokens) if t in model.eos_token_ids), len(tokens))
@@ -156,17 +212,22 @@ def _judge(rec: Record, tokens: list[int], reference: list[int] | None, prompt: 
         return
     rec.exact = tokens == reference
     if not rec.exact:
-        found = judge.classify(prompt.ids, reference, tokens)
+        found = judge.classify(prompt.ids, reference, tokens, verified)
         rec.divergence = asdict(found) if found is not None else None
 
 
 def _warmup(cfg: BenchConfig, model: LoadedModel, peer: Peer | None, prompts: list[list[int]], label: str) -> None:
-    """Untimed runs before timing: a short one per peer; per drafter ``Engine.warm_up`` over the task's prompts,
-    so that on the static/graphs executors every static forward and CUDA graph is built before the clock runs."""
+    """Untimed runs before timing: per peer a short one, ``hf_static`` on the longest prompt at the full
+    ``max_new_tokens`` (its static cache and, on CUDA, its compiled forward are sized by them: a shorter warm-up
+    leaves a rebuild and a recompile to the first longer timed call); per drafter ``Engine.warm_up`` over the
+    task's prompts, so that on the static/graphs executors every static forward and CUDA graph is built before
+    the clock runs."""
     short = dataclasses.replace(cfg, max_new_tokens=4)
     for method in cfg.methods:
-        if method.is_peer:
+        if method.name == "hf_static":
+            peer.generate(method, max(prompts, key=len), cfg, model.eos_token_ids)
+        elif method.is_peer:
             peer.generate(method, prompts[0], short, model.eos_token_ids)
         else:
-            with _engine_for(method, model, label) as engine:
+            with _engine_for(method, model, label, cfg.start, warm_up=True) as engine:
                 engine.warm_up(prompts, cfg.generation(method))

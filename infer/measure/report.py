@@ -61,6 +61,13 @@ class Summary:
     """Fraction of positions equal up to the first divergence (lossy methods)."""
     answer_accuracy: float | None = None
     """Fraction of prompts whose final number is the reference answer (GSM8K)."""
+    note: str | None = None
+    """Why the speed-up does not measure drafting: 'never drafted' (a drafter that took only plain steps: its
+    ratio is noise around 1) or 'too few samples' (fewer than ``MIN_SAMPLES`` timed generations); None otherwise."""
+
+
+MIN_SAMPLES = 3
+"""Timed generations (prompts x repeats) below which a row's speed-up is marked as too few to judge."""
 
 
 
@@ -125,7 +132,17 @@ def _summarize_group(model: str, task: str, method: str, recs: list[Record]) -> 
         agreement=sum(r.agree_total for r in compared) / n_cmp if n_cmp else None,
         prefix_agreement=sum(r.agree_prefix for r in compared) / n_cmp if n_cmp else None,
         answer_accuracy=sum(answered) / len(answered) if answered else None,
+        note=_note(method, recs, drafted, ours),
     )
+
+
+def _note(method: str, recs: list[Record], drafted: int, ours: bool) -> str | None:
+    """'never drafted' / 'too few samples' (see ``Summary.note``)."""
+    if ours and method.split(":")[0] != BASELINE and not drafted and not any(r.lossy for r in recs):
+        return "never drafted"
+    if method != BASELINE and len(recs) < MIN_SAMPLES:
+        return "too few samples"
+    return None
 
 
 def _cost_model(row: Summary, recs: list[Record], ar_step: float | None) -> None:
@@ -146,7 +163,7 @@ def recommend(rows: list[Summary]) -> dict[tuple[str, str], str]:
     """Fastest of our lossless methods per (model, task) (what a user should run; lossy early exit excluded)."""
     best: dict[tuple[str, str], Summary] = {}
     for row in rows:
-        if row.method.split(":")[0] in PEERS or row.lossy:
+        if row.method.split(":")[0] in PEERS or row.lossy or row.note:
             continue
         key = (row.model, row.task)
         if key not in best or row.tokens_per_second > best[key].tokens_per_second:
@@ -184,9 +201,11 @@ def markdown_table(rows: list[Summary]) -> str:
         out.append("| " + " | ".join(head) + " |")
         out.append("|" + "---|" * len(head))
         for r in task_rows:
-            cells = [r.model, r.method, f"{r.tokens_per_second:.1f}", _fmt(r.speedup_vs_autoregressive, suffix="x"),
-                     _fmt(r.speedup_vs_hf_generate, suffix="x"), _fmt(r.acceptance_rate), _fmt(r.tokens_per_verify),
-                     _fmt(r.mean_draft_forwards), _fmt(r.draft_cost_ratio), _fmt(r.expected_speedup, suffix="x"),
+            cells = [r.model, r.method, f"{r.tokens_per_second:.1f}",
+                     r.note or _fmt(r.speedup_vs_autoregressive, suffix="x"),
+                     r.note or _fmt(r.speedup_vs_hf_generate, suffix="x"), _fmt(r.acceptance_rate),
+                     _fmt(r.tokens_per_verify), _fmt(r.mean_draft_forwards), _fmt(r.draft_cost_ratio),
+                     "–" if r.note == "never drafted" else _fmt(r.expected_speedup, suffix="x"),
                      _fmt(r.opt_time_share, ".1%"), _exact_cell(r)]
             if agree:
                 cells.append("–" if r.agreement is None else f"{r.agreement:.2f} ({r.prefix_agreement:.2f})")
@@ -236,7 +255,9 @@ def write_outputs(cfg: BenchConfig, records: list[Record], out_dir: Path, comman
              "c = draft forward cost / full forward cost, expected = M / (k̄·c + v). exact: greedy output equals "
              "autoregressive (identical in fp32; in bf16/fp16 a near-tie can flip: a *tie flip* is a first "
              "divergence where the full model's margin between the two tokens is within the dtype's resolution; "
-             "anything else is counted as mismatched, a bug). agree: lossy early exit's tokens equal to the full "
+             "anything else is counted as mismatched, a bug). 'never drafted': the drafter took only plain steps, "
+             f"so its ratio is noise around 1; 'too few samples': fewer than {MIN_SAMPLES} timed generations. "
+             "agree: lossy early exit's tokens equal to the full "
              "model's, overall (before the first divergence); answer acc: final number equals the reference's.\n",
              markdown_table(rows), "\n**Recommended (fastest of ours) per model and task:** " +
              "; ".join(f"{m}/{t}: `{v}`" for (m, t), v in best.items()) + "\n"]

@@ -88,16 +88,18 @@ def _stats_line(name: str, stats) -> str:
             f"{stats.verify_calls} verify calls, {stats.tokens_per_verify:.2f} tokens/verify")
     if stats.drafted:
         line += f", acceptance {stats.acceptance_rate:.2f} ({stats.accepted}/{stats.drafted})"
+    elif name != "autoregressive":
+        line += "; never drafted: every step was a plain step (the drafter judged drafting would not pay)"
     return line
 
 
-def _notes(args: argparse.Namespace, engine, dtype: str, gen) -> None:
+def _notes(args: argparse.Namespace, engine, dtype: str, generation) -> None:
     """Say once on stderr when the output is not the full model's plain greedy decoding."""
-    depth = engine.target_depth(gen)
+    depth = engine.target_depth(generation)
     if depth != engine.runner.num_layers:
         print(f"layerskip: note: lossy early exit: the output is exit layer {depth}'s (layers [0, {depth}) + "
               f"norm + head), not the {engine.runner.num_layers}-layer model's", file=sys.stderr)
-    elif gen.sampling.greedy and dtype != "fp32" and args.drafter != "autoregressive":
+    elif generation.sampling.greedy and dtype != "fp32" and args.drafter != "autoregressive":
         print(f"layerskip: note: in {dtype}, greedy output may differ from plain decoding where two tokens "
               "nearly tie (a near-tie can flip; identical in fp32)", file=sys.stderr)
 
@@ -109,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     # Everything that can be checked without the model is checked first.
     drafter_class(args.drafter)
     options = drafter_options(args)
-    gen = generation_config(args)
+    generation = generation_config(args, options)
     config = build_config(args.drafter, options)  # built and checked once; each engine below takes it as it is
     if getattr(config, "save_plan", None):
         check_output_file(config.save_plan, "--save-plan")
@@ -121,13 +123,13 @@ def run(args: argparse.Namespace) -> int:
     encoded = [model.encode(item.prompt, args.chat) for item in prompts]
     engine = model.engine(args.drafter, config)
     config = engine.drafter.config  # its draft_vocab resolved: the later engines take it as it is
-    _notes(args, engine, dtype, gen)
+    _notes(args, engine, dtype, generation)
     results = []
     for item, ids in zip(prompts, encoded, strict=True):
         if not args.stream and results:
             engine.close()
             engine = model.engine(args.drafter, config)  # independent prompts: fresh drafter state
-        result = engine.generate(ids, gen)
+        result = engine.generate(ids, generation)
         results.append(result)
         if args.json:
             stats = result.stats.to_dict() | {"device": device, "dtype": dtype, "executor": model.runner.executor}

@@ -123,15 +123,6 @@ def test_kernel_profile_fields_on_a_cpu():
     assert found == {"kernels_per_forward": None, "attention_kernels": [], "kernel_note": "CPU: no CUDA kernels"}
 
 
-def test_step_clock_times_draft_and_step_on_a_cpu():
-    clock = lease.StepClock(torch.device("cpu"))
-    draft = clock.timed("draft", lambda: sum(range(1000)))
-    step = clock.timed("step", lambda: draft())
-    for _ in range(3):
-        step()
-    assert len(clock.pairs["draft"]) == 3 and 0 < clock.seconds("draft") <= clock.seconds("step")
-
-
 def _fake_gguf(tmp_path: Path) -> Path:
     src = tmp_path / "src" / "model.gguf"
     src.parent.mkdir(parents=True)

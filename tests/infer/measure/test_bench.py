@@ -43,6 +43,11 @@ def test_bench_end_to_end_outputs(tiny_model_dir, prompts_file, tmp_path, capsys
     ar = next(r for r in payload["summary"] if r["method"] == "autoregressive")
     assert ar["speedup_vs_autoregressive"] == 1.0 and ar["tokens_per_verify"] == 1.0
     assert len(payload["records"]) == 2 * 2 * len(methods)  # prompts x repeats x methods
+    # a record is the engine's GenerationStats (every counter, the derived rates) beside its labels and judgement
+    drafted = [r for r in payload["records"] if r["method"] == "early_exit:E=2:k=3"]
+    fields = {"prompt_tokens", "prefill_time", "acceptance_rate", "tokens_per_verify", "drafter", "exact"}
+    assert fields <= set(drafted[0])
+    assert all(r["prompt_tokens"] > 0 for r in drafted) and any(r["drafter"]["draft_forwards"] for r in drafted)
     with open(out / "results.csv") as f:
         header = next(csv.reader(f))
     assert {"model", "task", "method", "tokens_per_second", "speedup_vs_autoregressive", "acceptance_rate",
@@ -249,3 +254,44 @@ def test_bench_runs_each_drafters_finish_once_per_engine(tiny_model_dir, prompts
     assert code == 0 and plan.is_file()
     assert json.loads(plan.read_text())["source"] == "swift"
     assert len(calls) == len(set(calls)) == 3  # the warm-up engine and one engine per repeat, each finished once
+
+
+def test_hf_static_warms_up_on_the_longest_prompt_at_full_length(tiny_model_dir, tmp_path, monkeypatch):
+    """The static cache (compiled on CUDA) is sized by the longest prompt and max_new_tokens: its warm-up uses both,
+    so no timed call rebuilds it; the other peers warm up briefly."""
+    from infer.measure.peers import Peer
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "ab"}\n{"prompt": "a much longer prompt than the first"}\n')
+    calls = []
+    original = Peer.generate
+
+    def recording(self, method, ids, cfg, eos):
+        calls.append((method.name, len(ids), cfg.max_new_tokens))
+        return original(self, method, ids, cfg, eos)
+    monkeypatch.setattr(Peer, "generate", recording)
+    code = main(["bench", "--model", str(tiny_model_dir), "--drafters", "autoregressive", "--data", str(prompts),
+                 "--n", "2", "--max-new-tokens", "10", "--repeats", "1", "--out", str(tmp_path / "out"), "--quiet",
+                 "--peers", "hf_generate,hf_static"])
+    assert code == 0
+    longest = max(n for name, n, _ in calls)
+    assert calls[:2] == [("hf_generate", calls[0][1], 4), ("hf_static", longest, 10)]
+
+
+def test_bench_calls_an_emitted_token_its_verification_did_not_choose_an_acceptance_bug(
+        tiny_model_dir, prompts_file, tmp_path, monkeypatch):
+    """An acceptance step that emits another token than the verification's argmax (only where a draft was verified:
+    autoregressive stays right) is classified from the run's own verification argmax, whatever the margin."""
+    import infer.engine as engine_module
+
+    accept = engine_module.greedy_accept
+
+    def buggy(tree, tokens, argmax):
+        path, bonus = accept(tree, tokens, argmax)
+        return path, (bonus + 1) % 256 if len(tokens) > 1 else bonus
+    monkeypatch.setattr(engine_module, "greedy_accept", buggy)
+    out = tmp_path / "out"
+    assert bench(tiny_model_dir, prompts_file, out, "early_exit:exit_layer=2:num_draft=3", "--peers", "none") == 1
+    wrong = [r for r in json.loads((out / "results.json").read_text())["records"]
+             if r["method"].startswith("early_exit") and r["exact"] is False]
+    assert wrong and all("acceptance bug" in r["divergence"]["reason"] for r in wrong)

@@ -226,3 +226,14 @@ def test_a_runner_up_emitted_by_an_acceptance_bug_is_a_bug(monkeypatch):
     assert out[pos] == planted[pos] != ref[pos] and verified[pos] == ref[pos]
     div = DivergenceJudge(runner, GEN, rounding=100.0).classify(prompt, ref, out, verified)
     assert div.position == pos and not div.tie_flip and "acceptance bug" in div.reason
+
+
+def test_a_bf16_judge_without_an_fp32_reference_keeps_the_old_bound(monkeypatch):
+    """No fp32 reference: the one-row vs many-row spread, a bound of 2 x spread as before (``bound_source`` says so)."""
+    from infer.measure import exactness
+
+    runner = Runner.from_model(make_model("llama", seed=0, layers=4), torch.bfloat16)
+    monkeypatch.setattr(exactness, "measure_spread", lambda r: {"max_abs": 0.5})
+    judge = DivergenceJudge(runner, GEN)
+    assert judge.rounding == 0.25 and judge.bound_source == "many-row spread"
+    assert tie_bound(judge.rounding, 20.0, torch.bfloat16) == 1.0

@@ -1,0 +1,71 @@
+"""Top-1 agreement with the full model of an exit adapter and of the plain early exit at its E, on held-out text.
+
+    python scripts/eval_adapter.py --adapter runs/cpu-adapter/adapter.safetensors \
+        --config recipes/cpu-demo-stdlib.yaml --n 32 --threads 1 --json runs/adapter_eval.json
+
+The text is a training recipe's validation split (the CPU demo recipe's: the same 32 held-out stdlib blocks
+that `layerskip eval-exits --config recipes/cpu-demo-stdlib.yaml` scores, so the numbers sit beside a
+LayerSkip checkpoint's). Agreement is the per-token acceptance of greedy drafts; the adapter's loss is its
+cross-entropy against the data. The base model is the adapter's own (checked against the file's header).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from layerskip_core.cli import check_output_file, run_main
+from layerskip_core.errors import UserError
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from train.adapter import AdapterLM
+    from train.config import AdapterConfig
+    from train.data import build_dataset
+    from train.model import load_model
+    from train.recipe import load_config
+
+    if args.json is not None:
+        check_output_file(args.json, "--json")
+    if args.n < 1:
+        raise UserError("--n must be >= 1")
+    torch.set_num_threads(args.threads)
+    cfg = load_config(args.config, [])
+    model, tokenizer, path = load_model(cfg.model.name_or_path)
+    from safetensors import safe_open
+
+    with safe_open(str(args.adapter), framework="pt") as f:
+        shape = json.loads((f.metadata() or {}).get("shape", "{}"))
+    lm = AdapterLM(model, AdapterConfig(enabled=True, exit_layer=shape.get("exit_layer", 8),
+                                        mlp_size=shape.get("mlp_size", 0)))
+    provenance = lm.load(args.adapter)
+    val = build_dataset(cfg.data, tokenizer, path).val.take(args.n)
+    stats = lm.evaluate(val, 2, tokenizer.pad_token_id, "cpu", list(range(len(val))))
+    n = float(stats[4])
+    out = {"adapter": str(args.adapter), "exit_layer": lm.shape.exit_layer, "provenance": provenance,
+           "examples": len(val), "tokens": int(n), "adapter_loss": float(stats[0]) / n,
+           "adapter_agreement": float(stats[1]) / n, "exit_agreement": float(stats[2]) / n,
+           "adapter_accuracy": float(stats[3]) / n}
+    print(json.dumps(out, indent=1))
+    if args.json is not None:
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--adapter", type=Path, required=True, help="an adapter file (train/layerskip.py adapter: runs)")
+    p.add_argument("--config", required=True, help="the recipe whose validation split is the held-out text")
+    p.add_argument("--n", type=int, default=32, help="validation examples (default 32)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", type=Path, default=None, help="also write the result here")
+    args = p.parse_args(argv)
+    return run_main("eval_adapter", lambda: run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""Exit adapters: the file ties to its model, both forwards agree, and early exit with an adapter is lossless."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lossless_stats import P_THRESHOLD, sampling_pvalue
+
+from infer.adapter import ExitAdapter
+from infer.draft_vocab import DraftVocab
+from infer.drafters import build_drafter
+from infer.engine import Engine, GenerationConfig
+from infer.runner import Runner
+from infer.sampling import SamplingConfig
+from layerskip_core.errors import UserError
+from tiny_models import make_model
+from train.adapter import AdapterLM, model_identity
+from train.config import AdapterConfig
+
+L = 6
+PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 250, 17], [42] * 12 + [7, 8]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model("llama", seed=0, layers=L)
+
+
+def write_adapter(model, path, exit_layer: int, mlp_size: int = 0, noise: float = 0.0, seed: int = 0):
+    """An adapter file for ``model``: initialised as the plain exit, then perturbed by seeded noise (a stand-in
+    for training that makes drafts differ from the target's and from the plain exit's)."""
+    lm = AdapterLM(model, AdapterConfig(enabled=True, exit_layer=exit_layer, mlp_size=mlp_size))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in lm.adapter.parameters():
+            p.add_(noise * torch.randn(p.shape, generator=gen))
+    lm.save(path, {"test": True})
+    model.requires_grad_(True)
+    return lm
+
+
+def test_train_and_infer_forwards_agree(model, tmp_path):
+    """The training module and the decoding forward (token by token, with its cache) compute the same output."""
+    for mlp in (0, 24):
+        lm = write_adapter(model, tmp_path / "a.safetensors", exit_layer=2, mlp_size=mlp, noise=0.2, seed=mlp)
+        runner = Runner.from_model(model)
+        adapter = ExitAdapter.load(tmp_path / "a.safetensors", runner)
+        hidden = torch.randn(1, 7, runner.spec.hidden_size, generator=torch.Generator().manual_seed(1))
+        rope = model.model.rotary_emb(hidden, torch.arange(7)[None])
+        with torch.no_grad():
+            want = lm.adapter(hidden, *rope, None)[0]  # (7, d)
+        cache = adapter.new_cache(16)
+        got = torch.cat([adapter.forward(cache, hidden[0, :3], 0)] +
+                        [adapter.forward(cache, hidden[0, i:i + 1], i) for i in range(3, 7)])  # (7, d)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_file_records_the_runners_identity(model, tmp_path):
+    assert model_identity(model) == Runner.from_model(model).identity()
+
+
+def test_an_untrained_adapter_drafts_as_the_plain_exit(model, tmp_path):
+    """Zero output projections and the final norm's weights: the same drafts, so the same acceptance."""
+    write_adapter(model, tmp_path / "a.safetensors", exit_layer=3)
+    runner = Runner.from_model(model)
+    config = GenerationConfig(max_new_tokens=24)
+    plain = Engine(runner, build_drafter("early_exit", runner, {"E": 3, "k": 4, "draft_vocab": "off"}))
+    adapted = Engine(runner, build_drafter("early_exit", runner, {"k": 4, "draft_vocab": "off",
+                                                                  "adapter": str(tmp_path / "a.safetensors")}))
+    for prompt in PROMPTS:
+        a, b = plain.generate(prompt, config), adapted.generate(prompt, config)
+        assert a.tokens == b.tokens and (a.stats.accepted, a.stats.drafted) == (b.stats.accepted, b.stats.drafted)
+
+
+def _ar(runner, prompt, n=32):
+    return Engine(runner, build_drafter("autoregressive", runner)).generate(prompt, GenerationConfig(max_new_tokens=n))
+
+
+@pytest.mark.parametrize("executor", ["eager", "static"])
+@pytest.mark.parametrize("exit_layer", [1, 3, 5])
+def test_greedy_with_an_adapter_equals_plain_decoding(model, tmp_path, executor, exit_layer):
+    """Several E, with and without a confidence stop, a reduced draft head and an MLP; drafts are accepted and
+    rejected, and the adapter's cache is refilled from verification after fully accepted chains."""
+    path = tmp_path / "a.safetensors"
+    write_adapter(model, path, exit_layer, mlp_size=16 if exit_layer == 3 else 0, noise=0.05, seed=exit_layer)
+    runner = Runner.from_model(model, executor=executor)
+    totals = [0, 0]
+    for options in ({"k": 4}, {"k": 3, "confidence": 0.3}, {"k": 5, "draft_vocab": DraftVocab(
+            ids=list(range(0, 320, 2)), model=runner.identity())}):
+        engine = Engine(runner, build_drafter("early_exit", runner, {"adapter": str(path), **options}))
+        for prompt in PROMPTS:
+            out = engine.generate(prompt, GenerationConfig(max_new_tokens=32))
+            assert out.tokens == _ar(runner, prompt).tokens, (options, prompt)
+            totals[0] += out.stats.accepted
+            totals[1] += out.stats.drafted
+    assert 0 < totals[0] < totals[1]  # drafts were used, and some were rejected
+
+
+def test_adaptive_plain_steps_then_drafting_stays_exact(model, tmp_path):
+    """Plain steps leave the adapter's cache behind; the next draft fills it in first."""
+    path = tmp_path / "a.safetensors"
+    write_adapter(model, path, 2, noise=0.05)
+    runner = Runner.from_model(model)
+    drafter = build_drafter("early_exit", runner, {"adapter": str(path), "k": 3, "adaptive": True,
+                                                   "recheck_interval": 3, "remember": "off"})
+    drafter.gate.mode = "plain"  # start in plain steps, as a gate that measured drafting slower would
+    engine = Engine(runner, drafter)
+    for prompt in PROMPTS:
+        out = engine.generate(prompt, GenerationConfig(max_new_tokens=40))
+        assert out.tokens == _ar(runner, prompt, 40).tokens
+
+
+@pytest.mark.slow
+def test_sampling_with_an_adapter_matches_the_target(tmp_path):
+    model = make_model("llama", seed=7, vocab_size=5, layers=3)
+    path = tmp_path / "a.safetensors"
+    write_adapter(model, path, 1, noise=0.3)
+    runner = Runner.from_model(model)
+    engine = Engine(runner, build_drafter("early_exit", runner, {"adapter": str(path), "k": 3}))
+    pvalue, totals = sampling_pvalue(engine, model, [1, 2, 3], SamplingConfig(temperature=1.0), samples=6000,
+                                     seed=4321)
+    assert 0.1 < totals["accepted"] / totals["drafted"] < 0.95
+    assert pvalue > P_THRESHOLD
+
+
+def test_bad_adapters_are_one_line_errors(model, tmp_path):
+    path = tmp_path / "a.safetensors"
+    write_adapter(model, path, 2)
+    other = Runner.from_model(make_model("llama", seed=1, layers=L))
+    with pytest.raises(UserError, match="exit adapter for another model.*weight_fingerprint"):
+        build_drafter("early_exit", other, {"adapter": str(path)})
+    runner = Runner.from_model(model)
+    with pytest.raises(UserError, match="trained at exit layer 2"):
+        build_drafter("early_exit", runner, {"adapter": str(path), "E": 4})
+    with pytest.raises(UserError, match="does not exist"):
+        build_drafter("early_exit", runner, {"adapter": str(tmp_path / "missing.safetensors")})
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(UserError, match="not a readable safetensors"):
+        build_drafter("early_exit", runner, {"adapter": str(tmp_path / "junk.safetensors")})
+    with pytest.raises(UserError, match="no exit adapter is shipped"):
+        build_drafter("early_exit", runner, {"adapter": "default"})
+    with pytest.raises(UserError, match="1 <= E < 6"):
+        AdapterLM(model, AdapterConfig(enabled=True, exit_layer=6))
+
+
+@pytest.mark.real_model
+def test_the_shipped_adapter_drafts_losslessly_on_the_default_model(default_model_path):
+    """--adapter default: the file shipped for the default model, its E taken from the file, output unchanged."""
+    from infer.loading import load_model
+
+    model = load_model(str(default_model_path), device="cpu")
+    prompt = model.encode("def fibonacci(n):\n    ")
+    with model.engine("autoregressive") as engine:
+        plain = engine.generate(prompt, GenerationConfig(max_new_tokens=24))
+    with model.engine("early_exit", adapter="default", num_draft=4) as engine:
+        assert engine.drafter.adapter.exit_layer == engine.drafter.forward.exact_layers == 8
+        out = engine.generate(prompt, GenerationConfig(max_new_tokens=24))
+    assert out.tokens == plain.tokens and out.stats.drafted > 0

@@ -1,0 +1,227 @@
+"""Training an exit adapter on a frozen model (a recipe's ``adapter:`` section; ``layerskip_core.adapter_spec``).
+
+The base model is loaded once and never changes: layer E's hidden states (and, for ``target: distill``, the
+full model's next-token distribution) are computed under ``no_grad``; only the adapter learns. The adapter's
+output goes through the model's LM head (its weights frozen, the gradient flowing through it to the adapter).
+
+The adapter's forward is written here over ``torch.nn`` modules (batched, autograd) and in ``infer.adapter``
+over the runner's kernels (one sequence, a KV cache): the two regimes share the spec, not the code, as the
+training forward and the runner do for the base model; tests hold the two forwards equal.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from layerskip_core.adapter_spec import FINGERPRINT_VALUES, AdapterShape, metadata, read_metadata, weight_fingerprint
+from layerskip_core.errors import UserError
+from train.config import AdapterConfig
+from train.data import IGNORE, Examples
+from train.model import attention_masks, decoder_parts, next_token_targets, plain_model
+
+
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm (normalise in fp32, scale in the input's dtype)."""
+
+    def __init__(self, d: int, eps: float):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(d)), eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class ExitAdapterModule(nn.Module):
+    """The adapter as trainable modules; its state dict keys are ``AdapterShape.tensor_shapes``'s."""
+
+    def __init__(self, shape: AdapterShape):
+        super().__init__()
+        self.shape = s = shape
+        q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        self.attn_norm, self.out_norm = RMSNorm(s.hidden_size, s.rms_norm_eps), RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.q_proj, self.o_proj = nn.Linear(s.hidden_size, q, bias=False), nn.Linear(q, s.hidden_size, bias=False)
+        self.k_proj, self.v_proj = (nn.Linear(s.hidden_size, kv, bias=False) for _ in range(2))
+        if s.mlp_size:
+            self.mlp_norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+            self.gate_proj, self.up_proj = (nn.Linear(s.hidden_size, s.mlp_size, bias=False) for _ in range(2))
+            self.down_proj = nn.Linear(s.mlp_size, s.hidden_size, bias=False)
+
+    @torch.no_grad()
+    def init_from(self, parts) -> None:
+        """Start as the plain early exit at E: output projections zero, the rest copied from layer E (whose
+        attention is the closest trained one) and the output norm from the model's final norm."""
+        layer = parts.layers[self.shape.exit_layer]
+        attn = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):
+            getattr(self, name).weight.copy_(getattr(attn, name).weight)
+        self.attn_norm.weight.copy_(layer.input_layernorm.weight)
+        self.out_norm.weight.copy_(parts.norm.weight)
+        self.o_proj.weight.zero_()
+        if self.shape.mlp_size:
+            self.mlp_norm.weight.copy_(layer.post_attention_layernorm.weight)
+            self.gate_proj.weight.copy_(layer.mlp.gate_proj.weight[:self.shape.mlp_size])
+            self.up_proj.weight.copy_(layer.mlp.up_proj.weight[:self.shape.mlp_size])
+            self.down_proj.weight.zero_()
+
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
+        """(B, T, d) stream entering layer E, RoPE (1, T, D) each -> (B, T, d) after the output norm."""
+        s, (B, T, _) = self.shape, h.shape
+        x = self.attn_norm(h)
+        q = self.q_proj(x).view(B, T, s.num_heads, s.head_dim).transpose(1, 2)  # (B, Hq, T, D)
+        k = self.k_proj(x).view(B, T, s.num_kv_heads, s.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        v = self.v_proj(x).view(B, T, s.num_kv_heads, s.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                             enable_gqa=s.num_heads != s.num_kv_heads)  # (B, Hq, T, D)
+        h = h + self.o_proj(out.transpose(1, 2).reshape(B, T, s.num_heads * s.head_dim))  # (B, T, d)
+        if s.mlp_size:
+            x = self.mlp_norm(h)
+            h = h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, d)
+        return self.out_norm(h)
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """HF's rotary embedding on (B, H, T, D) with cos/sin (1, T, D)."""
+    half = x.shape[-1] // 2
+    return x * cos[:, None] + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin[:, None]
+
+
+def model_identity(model: nn.Module) -> dict:
+    """The base model's identity as ``Runner.identity()`` computes it from the same weights."""
+    parts = decoder_parts(model)
+    state = {k.removeprefix("model."): v for k, v in plain_model(model).state_dict().items()}
+
+    def first_values(name: str) -> bytes | None:
+        t = state.get(name)
+        return None if t is None else t.detach().float().cpu().flatten()[:FINGERPRINT_VALUES].numpy().tobytes()
+
+    c = parts.config
+    return {"model_type": c.model_type, "num_layers": c.num_hidden_layers, "hidden_size": c.hidden_size,
+            "vocab_size": c.vocab_size, "weight_fingerprint": weight_fingerprint(first_values)}
+
+
+class AdapterLM(nn.Module):
+    """The frozen model (kept outside the module tree: checkpoints hold the adapter only) plus the adapter.
+
+    ``forward`` returns what the LayerSkip loop reads (``loss``, ``exit_losses``, ``exits``, ``skipped``)."""
+
+    def __init__(self, model: nn.Module, cfg: AdapterConfig):
+        super().__init__()
+        self.frozen = [model.requires_grad_(False).eval()]  # a list: not a submodule
+        self.cfg, parts = cfg, decoder_parts(model)
+        c = parts.config
+        self.num_layers = c.num_hidden_layers
+        heads = c.num_attention_heads
+        self.shape = AdapterShape(cfg.exit_layer, c.hidden_size, heads, getattr(c, "num_key_value_heads", heads),
+                                  getattr(c, "head_dim", None) or c.hidden_size // heads, cfg.mlp_size, c.rms_norm_eps)
+        self.shape.check_model(self.num_layers)
+        self.exits = [cfg.exit_layer]
+        self.adapter = ExitAdapterModule(self.shape)
+        self.adapter.init_from(parts)
+
+    def rates(self, step: int) -> list[float]:
+        """Layer dropout rates (none: the base model is frozen)."""
+        return [0.0] * self.num_layers
+
+    @torch.no_grad()
+    def base_states(self, input_ids: Tensor, teacher: bool) -> tuple[Tensor, Tensor | None, tuple]:
+        """(stream entering layer E (B, T, d), the full model's logits (B, T, V) when ``teacher``, RoPE)."""
+        parts = decoder_parts(self.frozen[0])
+        T, E = input_ids.shape[1], self.cfg.exit_layer
+        h = parts.embed(input_ids)  # (B, T, d)
+        positions = torch.arange(T, device=h.device)[None]  # (1, T)
+        rope = parts.rotary(h, positions)  # (cos, sin), each (1, T, D)
+        masks = attention_masks(parts.config, T, h.device, h.dtype)
+        exit_h, last = None, h
+        for i, layer in enumerate(parts.layers[:self.num_layers if teacher else E]):
+            if i == E:
+                exit_h = last
+            out = layer(last, attention_mask=masks[i], position_ids=positions, position_embeddings=rope)
+            last = out[0] if isinstance(out, tuple) else out
+        exit_h = last if exit_h is None else exit_h
+        return exit_h, parts.lm_head(parts.norm(last)).float() if teacher else None, rope
+
+    def adapter_logits(self, exit_h: Tensor, rope: tuple) -> Tensor:
+        """(B, T, d) -> (B, T, V) fp32 through the adapter and the frozen head (the gradient reaches the adapter)."""
+        return decoder_parts(self.frozen[0]).lm_head(self.adapter(exit_h, *rope, None)).float()
+
+    def forward(self, input_ids: Tensor, labels: Tensor, step: int = 0, micro: int = 0) -> dict[str, Tensor]:
+        targets = next_token_targets(labels)  # (B, T)
+        valid = targets != IGNORE  # (B, T)
+        distill = self.cfg.target == "distill"
+        exit_h, teacher, rope = self.base_states(input_ids, teacher=distill)
+        logits = self.adapter_logits(exit_h, rope)[valid]  # (N, V)
+        if distill:
+            loss = F.cross_entropy(logits, torch.softmax(teacher[valid], -1))  # KL(teacher || adapter) + H(teacher)
+        else:
+            loss = F.cross_entropy(logits, targets[valid])
+        return {"loss": loss, "exit_losses": loss.detach()[None], "exits": torch.tensor(self.exits),
+                "skipped": torch.zeros(self.num_layers, dtype=torch.long)}
+
+    @torch.no_grad()
+    def evaluate(self, examples: Examples, batch_size: int, pad_id: int, device, indices: list[int]) -> Tensor:
+        """(5,) sums over ``indices``: adapter CE on the data, adapter and plain-exit top-1 agreement with the full
+        model, adapter top-1 accuracy, tokens (summed across processes by the caller)."""
+        stats = torch.zeros(5, dtype=torch.float64)
+        head, norm = decoder_parts(self.frozen[0]).lm_head, decoder_parts(self.frozen[0]).norm
+        for start in range(0, len(indices), batch_size):
+            batch = examples.batch(indices[start:start + batch_size], pad_id)
+            targets = next_token_targets(batch["labels"]).to(device)  # (B, T)
+            valid = targets != IGNORE  # (B, T)
+            exit_h, teacher, rope = self.base_states(batch["input_ids"].to(device), teacher=True)
+            logits = self.adapter_logits(exit_h, rope)  # (B, T, V)
+            top, full_top = logits.argmax(-1), teacher.argmax(-1)  # (B, T) each
+            plain_top = head(norm(exit_h)).argmax(-1)  # (B, T): the untrained early exit at E
+            stats += torch.stack([F.cross_entropy(logits[valid], targets[valid], reduction="sum").double().cpu(),
+                                  ((top == full_top) & valid).sum().cpu().double(),
+                                  ((plain_top == full_top) & valid).sum().cpu().double(),
+                                  ((top == targets) & valid).sum().cpu().double(), valid.sum().cpu().double()])
+        return stats
+
+    def load(self, path) -> dict:
+        """Take the weights of an adapter file made for this model and shape; returns its provenance."""
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            meta, state = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        shape, provenance = read_metadata(meta, model_identity(self.frozen[0]), str(path))
+        if shape != self.shape:
+            raise UserError(f"{path} is an adapter of another shape ({shape}); this run's is {self.shape}")
+        self.adapter.load_state_dict(state)
+        return provenance
+
+    def save(self, path, provenance: dict) -> None:
+        """Write the adapter file (fp32 safetensors + the header tying it to this base model)."""
+        state = {k: v.detach().float().cpu().contiguous() for k, v in self.adapter.state_dict().items()}
+        save_file(state, str(path), metadata=metadata(self.shape, model_identity(self.frozen[0]), provenance))
+        os.chmod(path, 0o644)  # safetensors writes 0600: an adapter is shared like any model file
+
+
+def adapter_metrics(accelerator, model: AdapterLM, examples: Examples, indices: list[int], batch_size: int,
+                    pad_id: int) -> dict:
+    """Validation record of an adapter run: the adapter's loss, and top-1 agreement with the full model of the
+    adapter and of the plain early exit at the same E (per-token greedy acceptance of each drafter)."""
+    with accelerator.autocast():
+        stats = model.evaluate(examples, batch_size, pad_id, accelerator.device, indices)
+    if accelerator.num_processes > 1:
+        stats = accelerator.reduce(stats.to(accelerator.device)).cpu()
+    n = max(float(stats[4]), 1.0)
+    E = str(model.cfg.exit_layer)
+    return {"split": "val", "adapter_loss": {E: float(stats[0]) / n}, "adapter_agreement": {E: float(stats[1]) / n},
+            "exit_agreement": {E: float(stats[2]) / n}, "adapter_accuracy": {E: float(stats[3]) / n},
+            "tokens": int(stats[4])}
+
+
+def save_adapter(accelerator, lm, cfg, path, tokens: int, step: int) -> None:
+    """Write the adapter file from the main process (the others wait)."""
+    if accelerator.is_main_process:
+        model = accelerator.unwrap_model(lm)
+        model.save(path, {"target": model.cfg.target, "steps": step, "tokens": tokens,
+                          "data": [s.type for s in cfg.data.sources], "block_size": cfg.data.block_size})
+    accelerator.wait_for_everyone()
