@@ -78,7 +78,7 @@ def _sizes(text: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     sizes = _sizes(args.sizes)
     if args.out:
-        check_output_file(args.out, "--out")
+        check_output_file(args.out, "--out", force=args.force)
     settings = model_settings(args, SETTINGS)
     run = settings.resolve()  # a missing GPU is refused before the model loads
     run.apply_threads()
@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--context", type=int, default=200, help="tokens already in the cache")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--force", action="store_true", help="overwrite an existing --out")
     args = p.parse_args(argv)
     return run_main("bench_verify_cost", lambda: run(args))
 

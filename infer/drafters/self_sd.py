@@ -32,12 +32,11 @@ draft wrote in deeper layers is rolled back by the engine and rewritten by the v
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from infer.draft_vocab import DraftVocab, check_draft_vocab_option
 from infer.drafters.base import DecodeState, Draft, VerifyOutcome
 from infer.drafters.chain import PlanForward, draft_chain, draft_head_for
-from infer.plan import LayerPlan, PlanFile
+from infer.plan import LayerPlan, check_plan_option, plan_for
 from infer.runner import Runner
 from layerskip_core.errors import UserError
 
@@ -77,8 +76,7 @@ class SelfSDConfig:
         if self.plan is None or self.plan == "":
             raise UserError("the self_sd drafter needs a plan: --plan PLAN.json (or self_sd:plan=PLAN.json); "
                             "make one with `layerskip search` or `layerskip plan import`")
-        if isinstance(self.plan, str) and not Path(self.plan).expanduser().is_file():  # before any model is loaded
-            raise UserError(f"plan file {self.plan} does not exist (create one with `layerskip search`)")
+        check_plan_option(self.plan, "self_sd")  # before any model is loaded
         if self.num_draft < 1:
             raise UserError(f"num-draft must be >= 1, got {self.num_draft}")
         if not 0.0 <= self.confidence < 1.0:
@@ -127,15 +125,6 @@ class AdaptiveThreshold:
         self.updates += 1
 
 
-def load_plan(path: str | Path, runner: Runner) -> PlanFile:
-    """Load a plan file and refuse it unless it was made for ``runner``'s model."""
-    plan_file = PlanFile.load(Path(path).expanduser())
-    plan_file.check_model(runner.identity(), str(path))
-    if plan_file.plan.num_layers != runner.num_layers:
-        raise UserError(f"{path} is a plan for {plan_file.plan.num_layers} layers; the model has {runner.num_layers}")
-    return plan_file
-
-
 class SelfSDDrafter:
     """Drafts with a fixed sublayer skip plan, stopping at an adaptive confidence threshold."""
 
@@ -147,10 +136,7 @@ class SelfSDDrafter:
         if config is None:
             raise UserError("the self_sd drafter needs a plan file (make one with `layerskip search`)")
         self.config = config
-        plan = config.plan if isinstance(config.plan, LayerPlan) else load_plan(config.plan, runner).plan
-        if plan.num_layers != runner.num_layers:
-            raise UserError(f"the plan is for {plan.num_layers} layers; the model has {runner.num_layers}")
-        self.plan = plan
+        self.plan = plan = plan_for(config.plan, runner.identity())
         self.vocab = draft_head_for(runner, config.draft_vocab)  # a reduced-vocabulary draft head, or None
         self.forward = PlanForward(runner, plan, self.vocab)
         self.threshold = AdaptiveThreshold(config)

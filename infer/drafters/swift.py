@@ -41,10 +41,12 @@ from infer.plan import (
     LayerPlan,
     PlanFile,
     PlanSpace,
+    check_plan_option,
     cycle_speedup,
     iid_tokens_per_cycle,
     inner_layers,
     odd_inner_plan,
+    plan_for,
     uniform_plan,
     weights_cost,
 )
@@ -97,8 +99,9 @@ class SwiftConfig:
     recheck_interval: int = 128
     """In fallback, probe drafting again after this many plain steps (doubling after each failed probe), if the
     cost model does not rule it out; sooner when a better plan is predicted to pay."""
-    plan: str | None = None
-    """Initial plan file (a self_sd or swift plan JSON); default: a uniform plan at skip_ratio."""
+    plan: str | LayerPlan | None = None
+    """Initial plan: a plan file (a self_sd or swift plan JSON) or a ``LayerPlan`` for this model; default: a uniform
+    plan at skip_ratio."""
     save_plan: str | None = None
     """Write the best plan found to this JSON file (self_sd-compatible) when decoding is finished."""
     opt_seed: int = 0
@@ -118,6 +121,8 @@ class SwiftConfig:
 
     def __post_init__(self) -> None:
         check_draft_vocab_option(self.draft_vocab)
+        if self.plan:
+            check_plan_option(self.plan, "swift")  # before any model is loaded
         if self.context_window is None:
             self.context_window = SCRIPT_WINDOW if self.paper else DEFAULT_WINDOW
         if self.match_threshold is None:
@@ -269,9 +274,7 @@ class SwiftDrafter:
         # the reference starts from the odd inner layers (whatever the skip ratio); ours from a uniform plan
         self.best = odd_inner_plan(runner.num_layers) if cfg.paper else self.search.uniform_plan()
         if cfg.plan:
-            plan_file = PlanFile.load(cfg.plan)
-            plan_file.check_model(runner.identity(), cfg.plan)
-            self.best = plan_file.plan
+            self.best = plan_for(cfg.plan, runner.identity())
         self.best_score = -1.0  # best matchness found; < 0 = not scored yet
         self.optimising = cfg.max_opt_steps > 0
         self.stop_reason = ""

@@ -85,9 +85,7 @@ def run_import(args: argparse.Namespace) -> int:
         raise UserError("nothing to import: give --attn/--mlp layer numbers or --from FILE")
     if args.out.suffix != ".json":
         raise UserError(f"--out {args.out} should be a .json file")
-    check_output_file(args.out, "--out")
-    if args.out.exists() and not args.force:
-        raise UserError(f"--out {args.out} exists; pass --force to overwrite it or choose another path")
+    check_output_file(args.out, "--out", force=args.force)
     if args.source is not None:
         attn, mlp = read_skip_json(args.source, args.entry)
         task = f"imported from {args.source.name}" + (f" ({args.entry})" if args.entry else "")
