@@ -67,7 +67,7 @@ def read(path, what: str, fmt: str | None = None, hint: str = "") -> dict:
     except OSError as e:
         raise UserError(f"cannot read {what} {path}: {e.strerror}") from None
     except UnicodeDecodeError:
-        raise UserError(f"{path} is not a valid {what}: not UTF-8 text{tail}") from None
+        raise UserError(f"{path} is not a valid {what}: not JSON (not UTF-8 text){tail}") from None
     except (ValueError, RecursionError) as e:  # RecursionError: belt and braces, MAX_DEPTH stops it first
         raise UserError(f"{path} is not a valid {what}: not JSON ({e}){tail}") from None
     if not isinstance(value, dict):

@@ -411,7 +411,7 @@ def _set_dotted(raw: dict, dotted: str, value: Any) -> None:
     for i, part in enumerate(parts):
         here = ".".join(parts[: i + 1])
         if isinstance(node, list):
-            if not (part.isdigit() and int(part) < len(node)):
+            if not (part.isascii() and part.isdigit() and int(part) < len(node)):
                 raise UserError(f"override {dotted}: '{'.'.join(parts[:i])}' is a list of {len(node)} items; "
                                 f"address them by index 0..{len(node) - 1}")
             key: Any = int(part)
