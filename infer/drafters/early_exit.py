@@ -19,6 +19,7 @@ from infer.drafters.base import DecodeState, Draft, VerifyOutcome
 from infer.drafters.chain import EarlyExitForward, draft_chain, draft_head_for
 from infer.drafters.gate import FallbackGate, GateMemory
 from layerskip_core.errors import UserError
+from layerskip_core.options import check_fields
 
 
 @dataclass
@@ -51,6 +52,7 @@ class EarlyExitDrafterConfig:
     the one shipped for the default model): drafts run layers [0, E), the adapter and the shared head."""
 
     def __post_init__(self) -> None:
+        check_fields(self, "early_exit")
         check_draft_vocab_option(self.draft_vocab)
         if self.num_draft < 1:
             raise UserError(f"num-draft must be >= 1, got {self.num_draft}")

@@ -39,6 +39,7 @@ from infer.drafters.chain import PlanForward, draft_chain, draft_head_for
 from infer.plan import LayerPlan, check_plan_option, plan_for
 from infer.runner import Runner
 from layerskip_core.errors import UserError
+from layerskip_core.options import check_fields
 
 
 @dataclass
@@ -72,6 +73,7 @@ class SelfSDConfig:
     head; N: the N most frequent; a file made by `layerskip draft-vocab`; off: the full head."""
 
     def __post_init__(self) -> None:
+        check_fields(self, "self_sd")
         check_draft_vocab_option(self.draft_vocab)
         if self.plan is None or self.plan == "":
             raise UserError("the self_sd drafter needs a plan: --plan PLAN.json (or self_sd:plan=PLAN.json); "

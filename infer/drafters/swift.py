@@ -52,6 +52,7 @@ from infer.plan import (
 )
 from infer.runner import ints_to_device
 from layerskip_core.errors import UserError
+from layerskip_core.options import check_fields
 
 GREEDY_WIDTHS = (3, 5, 8, 10)  # candidates per depth for top-1 prob > 0.95, > 0.8, > 0.5, else (paper)
 SAMPLING_WIDTHS = (1, 3, 5, 10)
@@ -120,6 +121,7 @@ class SwiftConfig:
     head; N: the N most frequent; a file made by `layerskip draft-vocab`; off: the full head."""
 
     def __post_init__(self) -> None:
+        check_fields(self, "swift")
         check_draft_vocab_option(self.draft_vocab)
         if self.plan:
             check_plan_option(self.plan, "swift")  # before any model is loaded
