@@ -346,6 +346,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _check(self.threads is None or self.threads >= 1, "threads must be >= 1")
+        _check(0 <= self.seed < 2**63, f"seed must be in [0, 2**63), got {self.seed}")
         if self.adapter.enabled:
             _check(not self.lora.enabled and self.layer_dropout.p_max == 0 and not self.early_exit.exits,
                    "adapter.enabled trains an adapter on the frozen model: turn lora, layer_dropout and early_exit off")
@@ -475,12 +476,15 @@ def read_yaml(path: str | Path) -> dict:
         raise UserError(f"{path}: not UTF-8 text (line {line}); save the recipe as UTF-8") from None
     except PermissionError:
         raise UserError(f"config file {path} is not readable (permission denied)") from None
+    except RecursionError:
+        raise UserError(f"{path}: nested too deeply to be a recipe") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""
         raise UserError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
-    if raw is None:
-        return {}
+    if raw is None:  # not silently the defaults: an empty file is more likely a mistake than a choice
+        raise UserError(f"config file {path} is empty (or only comments); give a recipe that sets at least the "
+                        "model and data (see recipes/*.yaml; --help-config lists every key)")
     if not isinstance(raw, dict):
         raise UserError(f"{path}: the top level must be a mapping of sections (model:, data:, optim:, ...)")
     return raw
