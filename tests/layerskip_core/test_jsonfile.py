@@ -126,3 +126,12 @@ def test_plan_show_refuses_a_bad_plan_in_one_line(tmp_path, capsys, content):
     code = main(["plan", "show", str(path)])
     err = capsys.readouterr().err
     assert code == 2 and f"{path} is not a valid plan file" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("marker", ['{"files": {"model.safetensors": [1]}}', '{"files": {"a": {"size": NaN}}}', DEEP,
+                                    '{"files": []}'])
+def test_a_damaged_model_marker_is_a_problem_not_a_crash(tmp_path, marker):
+    from layerskip_core.models import COMPLETE_FILE, converted_folder_problem
+
+    (tmp_path / COMPLETE_FILE).write_text(marker)
+    assert "completion marker" in converted_folder_problem(tmp_path)
