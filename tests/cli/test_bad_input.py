@@ -59,3 +59,42 @@ def test_an_override_list_index_must_be_ascii_digits(capsys, tmp_path):
 def test_a_search_seed_out_of_range_is_refused(capsys, tmp_path, seed):
     refused(capsys, ["search", "--data", "humaneval", "--out", str(tmp_path / "p.json"), "--seed", seed],
             "--seed must be in [0, 2**31)")
+
+
+@pytest.mark.parametrize("layers", [12, 40])
+def test_swift_refuses_a_plan_for_another_depth_on_the_real_model(capsys, tmp_path, default_model_path, layers):
+    """A plan tied to this model's identity but for another depth (hand-edited, or SWIFT-style imported elsewhere):
+    refused before decoding, and --save-plan never writes it back."""
+    from infer.loading import load_model
+    from infer.plan import LayerPlan, PlanFile
+
+    identity = load_model(str(default_model_path), threads=1).runner.identity()
+    plan, out = tmp_path / "p.json", tmp_path / "out.json"
+    PlanFile(LayerPlan(layers, frozenset({1}), frozenset({2})), identity, source="import").save(plan)
+    refused(capsys, ["generate", "--model", str(default_model_path), "--prompt", "def f():", "--threads", "1",
+                     "--drafter", "swift", "--plan", str(plan), "--save-plan", str(out)],
+            f"plan for {layers} layers; the model has {identity['num_layers']}")
+    assert not out.exists()
+
+
+def test_a_corrupted_gate_memory_does_not_break_the_real_model(capsys, tmp_path, default_model_path):
+    """early_exit --adaptive writes its gate memory; a '"gate"' holding a list is reported naming the file, the output
+    stays plain decoding's, and the file is rewritten sane."""
+    import json
+
+    from infer.drafters import gate
+
+    argv = ["generate", "--model", str(default_model_path), "--prompt", "def add(a, b):", "--threads", "1",
+            "--max-new-tokens", "8", "--json"]
+    assert main(argv) == 0
+    plain = json.loads(capsys.readouterr().out)["tokens"]
+    method = argv + ["--drafter", "early_exit", "--exit-layer", "24", "--adaptive"]
+    assert main(method) == 0
+    capsys.readouterr()
+    (path,) = (gate.cache_root() / "gate").glob("early_exit-*.json")
+    path.write_text(json.dumps({"format": gate.MEMORY_FORMAT, "gate": [1, 2]}))
+    assert main(method) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["tokens"] == plain
+    assert f"{path} is not a valid gate memory" in err and "starting afresh" in err
+    gate.check_memory(json.loads(path.read_text()))
