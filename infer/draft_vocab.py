@@ -333,6 +333,8 @@ def check_draft_vocab_option(spec) -> None:
     if is_size(text):
         if int(text) < 1:
             raise UserError(f"draft-vocab must be a size >= 1 or a file, got {text!r}")
+    elif text and Path(text).expanduser().is_dir():
+        raise UserError(f"draft-vocab {text!r} is a folder; give a file made by `layerskip draft-vocab` (or a size)")
     elif not text or not Path(text).expanduser().is_file():
         raise UserError(f"draft-vocab {text!r} is neither a size (e.g. 8192), 'auto', 'off' nor an existing file; "
                         "make a file with `layerskip draft-vocab`")

@@ -98,3 +98,15 @@ def test_a_corrupted_gate_memory_does_not_break_the_real_model(capsys, tmp_path,
     assert json.loads(out)["tokens"] == plain
     assert f"{path} is not a valid gate memory" in err and "starting afresh" in err
     gate.check_memory(json.loads(path.read_text()))
+
+
+@pytest.mark.parametrize("line", ["[" * 100_000 + "]" * 100_000, '{"prompt": NaN}'])
+def test_a_prompts_file_line_nested_too_deep_or_non_finite_is_one_line(capsys, tmp_path, line):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(line + "\n")
+    refused(capsys, ["generate", "--prompts-file", str(prompts)], f"{prompts}:1: not valid JSON")
+
+
+def test_a_folder_as_draft_vocab_says_it_is_a_folder(capsys, tmp_path):
+    refused(capsys, ["generate", "--prompt", "hi", "--drafter", "early_exit", "--draft-vocab", str(tmp_path)],
+            "is a folder; give a file made by `layerskip draft-vocab`")
