@@ -161,8 +161,9 @@ def check_fields(obj: Any, label: str) -> None:
     """Refuse (a UserError naming ``label`` and the field) a dataclass instance built in Python whose fields do not
     hold their declared types: a boolean or fraction for an integer, a string or NaN/infinity for a number, a dict
     for a string. Converts nothing (``convert`` does, for text); fields of a class type take its instances."""
+    types_ = hints(type(obj))
     for f in dataclasses.fields(obj):
-        tp, value = hints(type(obj))[f.name], getattr(obj, f.name)
+        tp, value = types_[f.name], getattr(obj, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             raise UserError(f"{label}: {f.name} must be a finite number, got {value}")
         if not _holds(value, tp):
