@@ -97,14 +97,15 @@ def damaged(saved: dict, how: str) -> dict:
                "absurd rate": {"gate": saved["gate"] | {"plain": rate | {"tokens": 5, "seconds": 1e-300}}},
                "negative cycles": {"gate": saved["gate"] | {"drafting": rate | {"cycles": -3}}},
                "fractional back-off": {"gate": saved["gate"] | {"recheck": 2.5}},
-               "unknown key": {"extra": 1}}
+               "plan of booleans": {"plan": {"attn": [True], "mlp": []}, "score": 0.5},
+               "infinite score": {"plan": {"attn": [1], "mlp": []}, "score": 1e308 * 10}}
     return saved | changes[how]
 
 
 @pytest.mark.parametrize("name,options", [("early_exit", {"E": "2", "k": "3", "adaptive": "true"}),
                                           ("swift", {"max_opt_steps": "0"})])
 @pytest.mark.parametrize("how", ["gate is a list", "NaN rate", "absurd rate", "negative cycles", "fractional back-off",
-                                 "unknown key"])
+                                 "plan of booleans", "infinite score"])
 def test_a_corrupted_memory_is_reset_with_a_warning_naming_it(runner, cache, capsys, name, options, how):
     first = build_drafter(name, runner, options)
     decode(runner, first, 20)
