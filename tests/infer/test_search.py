@@ -305,7 +305,7 @@ def test_search_cli_writes_a_usable_plan(capsys, tiny_model_dir, prompts_file, t
     assert plan_file.task == "calib" and plan_file.search["prompt_ids"] == ["0", "1"]
     assert main(argv) == 2  # the plan is not overwritten without --force
     assert "exists; pass --force" in capsys.readouterr().err
-    assert main(argv[:-1] + ["--skip-ratio", "0.25", "--force"]) == 2  # resuming with other settings
+    assert main(argv[:-1] + ["--skip-ratio", "0.25", "--quiet", "--force"]) == 2  # resuming with other settings
     err = capsys.readouterr().err
     assert "other settings" in err and "--fresh" in err and len(err.strip().splitlines()) == 1
 
