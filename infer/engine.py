@@ -17,7 +17,8 @@ from torch import Tensor
 
 from infer.drafters.base import DecodeState, Draft, Drafter, VerifyOutcome
 from infer.graphs import BUCKETS
-from infer.runner import Runner, capacity_bucket
+from infer.kv_cache import capacity_bucket
+from infer.runner import Runner
 from infer.sampling import (
     SamplingConfig,
     TreeShape,

@@ -1,39 +1,16 @@
-"""Static-shape decoding forwards, and their capture as CUDA graphs.
+"""Static-shape decoding forwards, compiled on CUDA and captured as CUDA graphs.
 
-On a GPU a small model's forward is dominated by kernel launches and Python, not by arithmetic.
-A CUDA graph replays a recorded sequence of kernels with one launch, but only if every shape and
-every buffer address stays the same from one replay to the next. So the forwards here are written
-with static shapes (as gpt-fast does):
+A CUDA graph replays recorded kernels with one launch if every shape and buffer address stays the same, so
+these forwards have static shapes (as gpt-fast's): positions, each layer's window start and the new rows'
+attention pattern travel in one int64 ``meta`` buffer (copied from pinned memory, no host sync; the host keeps
+the authoritative ``KVCache.lengths``); attention runs over the cache capacity with a mask, one additive mask
+per group of layers with the same window start; T rows are padded up to a bucket, and padded rows see only the
+prefix and themselves, writing K/V past the new length, which the host length marks free.
 
-- **Positions and lengths on the device.** The RoPE positions, each layer's window start (derived
-  from its cache length; per layer, because early exit lets shallow layers run ahead) and the
-  attention pattern among the new tokens travel in one small int64 ``meta`` buffer, copied from
-  pinned host memory without a host sync. The host keeps the authoritative per-layer lengths
-  (``KVCache.lengths``), so rollback stays O(1) and needs no device work.
-- **Attention over the cache capacity with a length mask** instead of slicing ``[:length]``: every
-  query sees slots before its layer's window, plus the window slots its mask allows.
-- **Row buckets.** T tokens are padded up to a bucket (1, 2, 4, 8, 16, 32). Padded rows attend
-  only to the prefix and themselves, and no real row attends to them, so they never change the
-  real rows' results; they write K/V in slots past the new length, which the host length marks as
-  free (the cache after rollback is as if unpadded).
-- **One graph per shape and layer span**: verification over layers [E, L) per bucket, draft steps
-  through layers [0, E) + final norm + LM head (one per E), skip-plan forwards (one per plan; plans
-  live in a small LRU cache, and a key is captured only when it is used a second time, so SWIFT's
-  optimiser, which tries many plans once each, does not capture a graph per trial).
-
-``StaticExecutor(capture=False)`` runs these forwards eagerly (on any device; tests use it on CPU to
-check they equal the eager path). With ``capture=True`` (CUDA) each forward is warmed up on a side
-stream, captured with ``torch.cuda.graph`` and replayed; if capture fails the runner warns once and
-falls back to its eager path.
-
-Host syncs: a draft step and a verification forward make none (inputs are copied device-to-device
-or from pinned memory; outputs are cloned on the device). The engine then reads the accepted
-tokens once per verification. A fixed-length draft chain reads its tokens' probabilities once per
-chain. A confidence-stopped draft chain (``--confidence`` > 0) must read
-each draft token's probability to decide whether to go on, one sync per drafted token: the GPU
-drains its queue each time, which costs roughly one kernel-launch latency plus the idle time of
-the next launch (tens of microseconds per token), small next to a forward that is not captured
-but a noticeable share of a captured one on a small model.
+A static forward per ``SpanKey`` and cache: it is captured on its first use, or its ``PLAN_CAPTURE_AFTER``-th
+when it runs a skip plan (SWIFT tries many plans briefly); the least recently used plan forwards are dropped
+first. The executor's ``builds``, ``captures`` and ``compiles`` count what a benchmark must keep out of its
+timed region. Host syncs: none in a draft step or a verification forward (outputs are cloned on the device).
 """
 
 from __future__ import annotations
@@ -41,30 +18,33 @@ from __future__ import annotations
 from collections import OrderedDict
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 from weakref import WeakKeyDictionary
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from infer.attention import group_mask
+from infer.compiled import LayerSteps
+from infer.kv_cache import KVCache
 from infer.plan import LayerPlan
 
-Runner = Any
-"""``infer.runner.Runner`` (not imported: the runner imports this module for its executor)."""
-KVCache = Any
-"""``infer.runner.KVCache``, likewise."""
+if TYPE_CHECKING:  # the runner imports this module for its executor
+    from infer.runner import DraftHead, Runner
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
 """Row counts a static forward is padded up to; larger calls run eagerly."""
-MAX_SPANS = 48
-"""Static forwards (and graphs) kept per cache, least recently used dropped first."""
+MAX_SPANS = 512
+"""Static forwards (and graphs) kept per cache: every shape of a run (buckets x window widths x draft and verify
+spans) fits; beyond it the least recently used plan forward goes first, then the least recently used."""
 EXTRA_BUCKETS = (1, 2, 4, 8, 16, 32)
 """Window columns before the new rows (a tree verification's already-computed prefix) are padded up to one of
 these (the added columns are visible context either way), so trees of varying depth share static forwards."""
 CAPTURE_AFTER = 1
-"""A forward shape is captured on its first use. (Candidate plans that SWIFT's optimiser scores never come here:
-they run eagerly; only the plans it drafts with do.)"""
+"""Uses after which a forward without a skip plan is captured: its first (the shapes of a run are few and fixed)."""
+PLAN_CAPTURE_AFTER = 3
+"""Uses after which a skip-plan forward is captured: a plan SWIFT drafts with for a step or two is never captured
+(static until then); candidate plans its optimiser scores never come here (they run eagerly)."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +83,7 @@ def plan_key(plan: LayerPlan | None) -> tuple | None:
     return tuple(sorted(plan.skip_attn)), tuple(sorted(plan.skip_mlp))
 
 
-def window_mask(rows: int, T: int, extra: int, mask: Tensor | None) -> Tensor:
+def padded_window(rows: int, T: int, extra: int, mask: Tensor | None) -> Tensor:
     """(rows, extra + rows) int64: which window slots each (padded) row sees.
 
     Window column c is slot ``window_start + c``; the T real rows own columns [extra, extra + T).
@@ -124,7 +104,7 @@ def window_mask(rows: int, T: int, extra: int, mask: Tensor | None) -> Tensor:
 class StaticSpan:
     """One static forward: its input buffers, and on CUDA its captured graph and output buffers."""
 
-    def __init__(self, runner: Runner, key: SpanKey, plan: LayerPlan | None, vocab=None):
+    def __init__(self, runner: Runner, key: SpanKey, plan: LayerPlan | None, vocab: DraftHead | None = None):
         # no reference to the cache: the executor's table is keyed by it weakly (a graph dies with its cache)
         self.runner, self.key, self.plan, self.vocab = runner, key, plan, vocab
         d, L = runner.spec.hidden_size, runner.num_layers
@@ -132,35 +112,38 @@ class StaticSpan:
         self.hidden = torch.zeros(key.rows, d, dtype=runner.dtype, device=runner.device)  # (rows, d)
         self.meta = torch.zeros(key.rows + L + key.rows * W, dtype=torch.long, device=runner.device)
         self.uses = 0
+        """Calls so far."""
         self.graph = None
+        """The captured CUDA graph (None until captured)."""
         self.outputs: tuple[Tensor, Tensor, Tensor | None] | None = None
 
-    def compute(self, cache: KVCache) -> tuple[Tensor, Tensor, Tensor | None]:
-        return static_forward(self.runner, cache, self.hidden, self.meta, self.key, self.plan, self.vocab)
+    def compute(self, cache: KVCache, steps: LayerSteps) -> tuple[Tensor, Tensor, Tensor | None]:
+        return static_forward(self.runner, cache, self.hidden, self.meta, self.key, self.plan, self.vocab, steps)
 
-    def capture(self, cache: KVCache, pool) -> None:
-        """Warm up on a side stream, then record the forward into the executor's shared memory pool
+    def capture(self, cache: KVCache, steps: LayerSteps, pool) -> None:
+        """Warm up (and compile) on a side stream, then record the forward into the executor's shared memory pool
         (PyTorch's documented recipe). The caller has made the runner's device current."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):  # warm-up writes the same K/V rows the replay will write
-                self.compute(cache)
+                self.compute(cache, steps)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            self.outputs = self.compute(cache)
+            self.outputs = self.compute(cache, steps)
         self.graph = graph
 
     def run(self, cache: KVCache, executor: StaticExecutor) -> tuple[Tensor, Tensor, Tensor | None]:
         self.uses += 1
         if not executor.capture:
-            return self.compute(cache)
-        if self.graph is None and self.uses >= CAPTURE_AFTER:
-            self.capture(cache, executor.graph_pool())
+            return self.compute(cache, executor.steps)
+        after = CAPTURE_AFTER if self.key.plan is None else PLAN_CAPTURE_AFTER
+        if self.graph is None and self.uses >= after:
+            self.capture(cache, executor.steps, executor.graph_pool())
             executor.captures += 1
         if self.graph is None:
-            return self.compute(cache)
+            return self.compute(cache, executor.steps)
         self.graph.replay()
         exact, hidden, logits = self.outputs
         # replays overwrite the output buffers: hand out copies (device-side, no sync)
@@ -168,17 +151,37 @@ class StaticSpan:
 
 
 class StaticExecutor:
-    """Runs ``Runner.span`` calls as static-shape forwards, captured as CUDA graphs when ``capture``.
+    """Runs ``Runner.span`` calls as static-shape forwards: their layers compiled when ``compile``, captured as
+    CUDA graphs when ``capture``. Its counters should stop growing once a warm-up has run every shape a workload
+    uses (the runner's pooled caches keep the forwards): ``builds`` (static forwards set up), ``captures`` (graphs
+    recorded), ``compiles`` (graphs inductor compiled)."""
 
-    ``builds`` counts the static forwards set up and ``captures`` the graphs recorded: both should stop
-    growing once every shape a workload uses has been seen (the runner's pooled caches keep them).
-    """
-
-    def __init__(self, runner: Runner, capture: bool, buckets: tuple[int, ...] = BUCKETS):
+    def __init__(self, runner: Runner, capture: bool, compile: bool = False, buckets: tuple[int, ...] = BUCKETS):
         self.runner, self.capture, self.buckets = runner, capture, buckets
+        self.max_spans = MAX_SPANS
+        """Static forwards kept per cache."""
+        self.steps = LayerSteps(compile)
+        """The per-layer steps (compiled or not) every static forward runs."""
         self._spans: WeakKeyDictionary = WeakKeyDictionary()  # cache -> OrderedDict[SpanKey, StaticSpan]
         self._pool = None
         self.builds = self.captures = 0
+
+    @property
+    def compile(self) -> bool:
+        return self.steps.compile
+
+    @property
+    def compiles(self) -> int:
+        return self.steps.compiles
+
+    def counts(self) -> dict[str, int]:
+        """{"builds", "captures", "compiles"} so far: a benchmark takes them before and after its timed region."""
+        return {"builds": self.builds, "captures": self.captures, "compiles": self.compiles}
+
+    def spans(self, cache: KVCache | None = None) -> list[StaticSpan]:
+        """The static forwards kept for ``cache`` (default: for every live cache), least recently used first."""
+        tables = list(self._spans.values()) if cache is None else [self._spans.get(cache, {})]
+        return [span for table in tables for span in table.values()]
 
     def clear(self) -> None:
         self._spans = WeakKeyDictionary()
@@ -210,7 +213,7 @@ class StaticExecutor:
         entry = self._entry(cache, key, plan if split < end else None, vocab)
         pos = list(positions) + [positions[-1]] * (rows - T)
         meta = torch.cat([torch.tensor(pos + window_starts, dtype=torch.long),
-                          window_mask(rows, T, extra, mask).flatten()])  # (rows + L + rows * W,)
+                          padded_window(rows, T, extra, mask).flatten()])  # (rows + L + rows * W,)
         if entry.meta.is_cuda:
             meta = meta.pin_memory()
         entry.meta.copy_(meta, non_blocking=True)
@@ -256,8 +259,9 @@ class StaticExecutor:
         if entry is None:
             entry = spans[key] = StaticSpan(self.runner, key, plan, vocab)
             self.builds += 1
-            while len(spans) > MAX_SPANS:
-                spans.popitem(last=False)
+            while len(spans) > self.max_spans:
+                old = next((k for k in spans if k.plan is not None), next(iter(spans)))  # plan forwards first
+                del spans[old]
         spans.move_to_end(key)
         return entry
 
@@ -286,34 +290,36 @@ def _on_device(device: torch.device, capture: bool):
 
 
 def static_forward(runner: Runner, cache: KVCache, hidden: Tensor, meta: Tensor, key: SpanKey,
-                   plan: LayerPlan | None, vocab=None) -> tuple[Tensor, Tensor, Tensor | None]:
+                   plan: LayerPlan | None, vocab: DraftHead | None, steps: LayerSteps
+                   ) -> tuple[Tensor, Tensor, Tensor | None]:
     """The padded forward itself: only device tensors and Python constants, so it can be captured."""
     rows, L = key.rows, runner.num_layers
     W = key.extra + rows
     positions = meta[:rows]  # (rows,)
     window_starts = meta[rows:rows + L]  # (L,)
     window = meta[rows + L:].view(rows, W).bool()  # (rows, W)
-    cos = runner._cos[positions][:, None]  # (rows, 1, D)
-    sin = runner._sin[positions][:, None]  # (rows, 1, D)
+    cos, sin = runner.rope(positions)  # (rows, 1, D) each
     slots = torch.arange(cache.capacity, device=hidden.device)  # (C,)
     offsets = key.extra + torch.arange(rows, device=hidden.device)  # (rows,): new rows' window columns
     skip_attn = set(plan.skip_attn) if plan is not None else set()
     skip_mlp = set(plan.skip_mlp) if plan is not None else set()
+    groups = runner.spec.num_heads // runner.spec.num_kv_heads
     leaders = iter(key.groups)
     masks: dict[int, Tensor] = {}
     exact = hidden
     for i in range(key.start, key.end):
         if i == key.split:
             exact = hidden
-        planned = i >= key.split
+        planned, w = i >= key.split, runner.layers[i]
         if not (planned and i in skip_attn):
             leader = next(leaders)
-            if leader not in masks:
-                masks[leader] = _visible(window_starts[leader], window, slots)  # (rows, C)
+            if leader not in masks:  # (G rows, C): one additive mask per group of layers
+                masks[leader] = group_mask(_visible(window_starts[leader], window, slots), groups, runner.dtype)
             write = window_starts[i] + offsets  # (rows,) cache slots of the new rows
-            hidden = _attention(runner, cache, i, hidden, cos, sin, write, masks[leader])
+            hidden = steps.attention(runner, w, hidden, cos, sin, write, masks[leader], cache.k[i], cache.v[i],
+                                     steps.compile)
         if not (planned and i in skip_mlp):
-            hidden = runner._mlp(runner.layers[i], hidden)
+            hidden = steps.mlp(runner, w, hidden, steps.compile)
     if key.split >= key.end:
         exact = hidden
     return exact, hidden, runner.head(hidden, vocab) if key.logits else None
@@ -325,35 +331,3 @@ def _visible(window_start: Tensor, window: Tensor, slots: Tensor) -> Tensor:
     rel = slots - window_start  # (C,): slot index relative to the window
     inside = (rel >= 0) & (rel < W)  # (C,)
     return (window[:, rel.clamp(0, W - 1)] & inside) | (rel < 0)  # (rows, C)
-
-
-def _attention(runner: Runner, cache: KVCache, i: int, hidden: Tensor, cos: Tensor, sin: Tensor,
-               write: Tensor, visible: Tensor) -> Tensor:
-    """Layer i's attention over the whole cache capacity: new K/V at slots ``write``, mask ``visible``."""
-    s = runner.spec
-    rows = hidden.shape[0]
-    q, k, v = runner.qkv_rope(i, hidden, cos, sin)  # (Hq, rows, D), (Hkv, rows, D), (Hkv, rows, D)
-    cache.k[i].index_copy_(1, write, k)  # into (Hkv, C, D)
-    cache.v[i].index_copy_(1, write, v)
-    out = grouped_attention(q, cache.k[i], cache.v[i], visible)  # (Hq, rows, D)
-    out = out.transpose(0, 1).reshape(rows, s.num_heads * s.head_dim)  # (rows, Hq D)
-    return hidden + runner.layers[i].o(out)
-
-
-def grouped_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor) -> Tensor:
-    """Masked attention of q (Hq, T, D) over k, v (Hkv, C, D) with Hq = G Hkv; ``visible`` (T, C) bool.
-
-    SDPA with a mask *and* ``enable_gqa`` can use neither the flash nor the memory-efficient CUDA kernel and
-    falls back to the math kernel (which upcasts and repeats K/V over the whole cache). Instead the G query
-    heads that share a KV head are folded into the row dimension, (Hkv, G T, D) against (Hkv, C, D): plain
-    multi-head attention with the mask repeated per group, which the memory-efficient kernel takes (its mask
-    rows need C to be a multiple of 8-16: pooled caches are powers of two). Query head h uses KV head h // G,
-    as in transformers' ``repeat_kv``.
-    """
-    Hq, T, D = q.shape
-    Hkv = k.shape[0]
-    G = Hq // Hkv
-    folded = q.reshape(Hkv, G * T, D)  # (Hkv, G T, D): head h = j G + g -> KV head j, rows g T .. g T + T - 1
-    mask = visible if G == 1 else visible.repeat(G, 1)  # (G T, C)
-    out = F.scaled_dot_product_attention(folded[None], k[None], v[None], attn_mask=mask)  # (1, Hkv, G T, D)
-    return out[0].reshape(Hq, T, D)  # (Hq, T, D)

@@ -112,15 +112,16 @@ def eos_ids(path: Path | None, tokenizer, model_config=None) -> tuple[int, ...]:
 
 def load_model(model: str | os.PathLike | PreTrainedModel = "default", tokenizer=None, *,
                device: str | torch.device = "auto", dtype: str | torch.dtype = "auto", executor: str = "auto",
-               threads: int | None = None) -> LoadedModel:
+               threads: int | None = None, compile: bool | None = None) -> LoadedModel:
     """Load a model to decode with.
 
     ``model``: a local Hugging Face folder, a hub id (org/name), ``"default"`` (SmolLM2-135M-Instruct, fetched
     once), or a ``transformers`` model object already in memory (then ``tokenizer`` is required; its weights
     are copied into the runner's fused layout). ``device`` / ``dtype`` take names (``auto`` = CUDA + bf16 when
-    available, else CPU + fp32) or torch objects; ``executor`` and ``threads`` as in ``layerskip_core.settings``.
+    available, else CPU + fp32) or torch objects; ``executor``, ``threads`` and ``compile`` as in
+    ``layerskip_core.settings``.
     """
-    run = RunSettings(device, dtype, executor, threads).resolve()
+    run = RunSettings(device, dtype, executor, threads, compile).resolve()
     return _load(model, tokenizer, run)
 
 
@@ -134,7 +135,7 @@ def _load(model, tokenizer, run: Resolved) -> LoadedModel:
     if isinstance(model, PreTrainedModel):
         if tokenizer is None:
             raise UserError("a model given as an object needs its tokenizer: load_model(model, tokenizer)")
-        runner = Runner.from_model(model, run.dtype, device=run.device, executor=run.executor)
+        runner = Runner.from_model(model, run.dtype, device=run.device, executor=run.executor, compile=run.compile)
         return LoadedModel(None, runner, tokenizer, eos_ids(None, tokenizer, model.generation_config))
     path = resolve_model(str(model))
     if tokenizer is None:
@@ -142,5 +143,6 @@ def _load(model, tokenizer, run: Resolved) -> LoadedModel:
             tokenizer = AutoTokenizer.from_pretrained(path)
         except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for a malformed tokenizer.json
             raise UserError(f"could not load a tokenizer from {path}: {type(e).__name__}: {e}") from None
-    runner = Runner.from_pretrained(path, dtype=run.dtype, device=run.device, executor=run.executor)
+    runner = Runner.from_pretrained(path, dtype=run.dtype, device=run.device, executor=run.executor,
+                                    compile=run.compile)
     return LoadedModel(path, runner, tokenizer, eos_ids(path, tokenizer))

@@ -105,6 +105,16 @@ class LayerPlan:
 
 PLAN_FORMAT = "layerskip-plan/1"
 MAKE_ONE = "make one with `layerskip search` or `layerskip plan import`"
+FULL_HEAD = "full"
+"""``PlanFile.draft_head['vocab']`` of a plan found drafting with the full LM head."""
+
+
+def head_record(head) -> dict:
+    """What a plan file records of the draft head a plan was found (and is to be drafted) with: the full head, or the
+    ids of a reduced-vocabulary head (``infer.runner.DraftHead``, or None for the full head)."""
+    if head is None:
+        return {"vocab": FULL_HEAD}
+    return {"vocab": head.size, "ids": [int(i) for i in head.ids.tolist()]}
 
 
 @dataclass
@@ -123,18 +133,32 @@ class PlanFile:
     """Search settings and statistics (sampler, trials, seed, wall time, ...)."""
     source: str = ""
     """Which tool wrote it: 'self_sd' search or a 'swift' stream."""
+    draft_head: dict | None = None
+    """The draft head the plan was scored with (``head_record``); None in files that predate the record."""
+
+    @property
+    def draft_ids(self) -> list[int] | None:
+        """The token ids of the recorded reduced-vocabulary head; None for the full head or no record."""
+        return None if self.draft_head is None else self.draft_head.get("ids")
 
     def to_dict(self) -> dict:
         return {"format": PLAN_FORMAT, "source": self.source, "model": self.model, "task": self.task,
                 "plan": self.plan.to_dict(), "skip_ratio": self.plan.skip_ratio, "objective": self.objective,
-                "search": self.search}
+                "search": self.search, "draft_head": self.draft_head}
 
     def save(self, path) -> None:
-        """Write atomically (a temporary file renamed into place)."""
+        """Write atomically (a temporary file renamed into place); a head's id list stays on one line."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        d = self.to_dict()
+        ids = (d["draft_head"] or {}).get("ids")
+        if ids is not None:
+            d["draft_head"] = d["draft_head"] | {"ids": "@ids@"}
+        text = json.dumps(d, indent=2)
+        if ids is not None:
+            text = text.replace('"@ids@"', json.dumps(ids, separators=(",", ":")))
+        tmp.write_text(text + "\n")
         os.replace(tmp, path)
 
     @classmethod
@@ -147,7 +171,8 @@ class PlanFile:
                 if d.get(key) is not None:
                     jsonfile.obj(d[key], repr(key))
             return cls(plan, jsonfile.obj(d["model"], "'model'"), jsonfile.text(d.get("task", ""), "'task'"),
-                       d.get("objective"), d.get("search"), jsonfile.text(d.get("source", ""), "'source'"))
+                       d.get("objective"), d.get("search"), jsonfile.text(d.get("source", ""), "'source'"),
+                       _draft_head(d.get("draft_head")))
 
     def check_model(self, identity: dict, path: str = "the plan") -> None:
         """Refuse a plan made for another model (architecture or weights differ) or another depth."""
@@ -188,6 +213,20 @@ def plan_for(plan, identity: dict) -> LayerPlan:
     plan_file = PlanFile.load(plan)
     plan_file.check_model(identity, str(plan))
     return plan_file.plan
+
+
+def _draft_head(d) -> dict | None:
+    """A plan file's ``draft_head`` checked: None, the full head, or N distinct ids."""
+    if d is None:
+        return None
+    if not isinstance(d, dict) or "vocab" not in d:
+        raise ValueError("'draft_head' must be an object with a 'vocab' entry")
+    if d["vocab"] == FULL_HEAD:
+        return {"vocab": FULL_HEAD}
+    ids = integers(d.get("ids", []), "'draft_head' ids", 0)
+    if not ids or len(set(ids)) != d["vocab"]:
+        raise ValueError("'draft_head' must list its 'vocab' distinct non-negative token 'ids'")
+    return {"vocab": len(ids), "ids": ids}
 
 
 # --------------------------------------------------------------------------- search space

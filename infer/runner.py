@@ -11,8 +11,9 @@ tokens of one call.
 Decoding forwards (draft steps, verification) go through ``Runner.span``, which an *executor*
 runs: ``eager`` (the plain loop below, the CPU default: fastest there, and exact thanks to the
 small-matmul kernel), ``static`` (static shapes with device-side positions and lengths, see
-``infer.graphs``) or ``graphs`` (the static forwards captured as CUDA graphs, the CUDA default).
-Prompt prefill always runs eagerly.
+``infer.graphs``) or ``graphs`` (the static forwards captured as CUDA graphs, the CUDA default);
+``compile`` (default: on CUDA) runs the static forwards' layers through ``torch.compile``.
+Prompt prefill always runs eagerly, on the causal attention kernel (no mask).
 """
 
 from __future__ import annotations
@@ -26,13 +27,22 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import Tensor
 
-from infer import kernels
+from infer.attention import attend
 from infer.graphs import StaticExecutor
+from infer.kv_cache import CachePool, KVCache, capacity_bucket, ints_to_device
 from infer.plan import LayerPlan
-from layerskip_core.adapter_spec import FINGERPRINT_VALUES, weight_fingerprint
+from infer.weights import (
+    LayerWeights,
+    Linear,
+    fingerprint,
+    fused_weights,
+    load_kernel,
+    load_safetensors_dir,
+    rms_norm,
+    strip_prefix,
+)
 from layerskip_core.device import EXECUTOR_CHOICES, parse_dtype
 from layerskip_core.errors import UserError
 from layerskip_core.models import ModelSpec
@@ -41,94 +51,6 @@ EXECUTORS = EXECUTOR_CHOICES
 """How ``Runner.span`` runs decoding forwards: auto = graphs on CUDA, eager elsewhere."""
 EXECUTOR_ENV = "LAYERSKIP_EXECUTOR"
 """Environment variable read when the executor is 'auto' (e.g. ``eager`` turns CUDA graphs off)."""
-MIN_CAPACITY = 256
-"""Smallest KV-cache capacity the runner's cache pool hands out."""
-
-
-def capacity_bucket(length: int) -> int:
-    """Capacity of the pooled cache for ``length`` positions: the next power of two, at least ``MIN_CAPACITY``.
-
-    Few distinct capacities mean few static forwards (and CUDA graphs) per runner: a longer prompt reuses
-    the same cache and graphs unless it crosses a power of two. Powers of two are multiples of 64, so the
-    memory-efficient attention kernel needs no padded copy of the attention mask.
-    """
-    return max(MIN_CAPACITY, 1 << max(0, length - 1).bit_length())
-
-
-class Linear:
-    """y = x @ W^T (+ b), W (out, in) as in HF checkpoints.
-
-    On x86 CPUs in fp32 it runs the small-batch kernel of ``infer.kernels``: verifying T tokens
-    then costs little more than one, and every row's result is bitwise independent of T, so a
-    batched verification reproduces token-by-token decoding exactly. Elsewhere: ``F.linear``.
-    """
-
-    def __init__(self, weight: Tensor, bias: Tensor | None, kernel):
-        self.weight = weight.contiguous()  # (out, in)
-        self.bias = bias
-        self.kernel = kernel if kernel is not None and weight.shape[1] % 8 == 0 else None
-
-    def __call__(self, x: Tensor, bulk: bool = False) -> Tensor:
-        if self.kernel is None or bulk:
-            return F.linear(x, self.weight, self.bias)  # (T, out)
-        y = self.kernel.small_matmul(x, self.weight)  # (T, out)
-        return y if self.bias is None else y + self.bias
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
-
-
-@dataclass
-class LayerWeights:
-    """One decoder layer, with q/k/v and gate/up fused into single matmuls."""
-
-    attn_norm: Tensor  # (d,)
-    qkv: Linear  # d -> (Hq + 2 Hkv) D, with bias for Qwen2
-    o: Linear  # Hq D -> d
-    mlp_norm: Tensor  # (d,)
-    gate_up: Linear  # d -> 2 I
-    down: Linear  # I -> d
-
-
-class KVCache:
-    """Preallocated keys/values for all layers, with a per-layer filled length.
-
-    ``k[l, :, :lengths[l]]`` holds the keys of layer ``l``. Rollback is O(1): only the
-    length moves; rows past it are garbage that the next write overwrites.
-    """
-
-    def __init__(self, spec: ModelSpec, capacity: int, dtype: torch.dtype, device: torch.device):
-        shape = (spec.num_layers, spec.num_kv_heads, capacity, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, Hkv, S_max, D)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # (L, Hkv, S_max, D)
-        self.lengths = [0] * spec.num_layers
-
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[2]
-
-    @property
-    def num_layers(self) -> int:
-        return self.k.shape[0]
-
-    def rollback(self, length: int, start: int = 0, end: int | None = None) -> None:
-        """Truncate layers ``[start, end)`` to ``length`` slots (never extends them)."""
-        for layer in range(start, self.num_layers if end is None else end):
-            if self.lengths[layer] > length:
-                self.lengths[layer] = length
-
-    def reset(self) -> None:
-        self.lengths = [0] * self.num_layers
-
-    def compact(self, src: list[int], dst: list[int]) -> None:
-        """Move the rows at slots ``src`` to slots ``dst`` in every layer (tree path compaction)."""
-        if src == dst:
-            return
-        s = ints_to_device(src, self.k.device)  # (n,), pinned copies: no host sync
-        d = ints_to_device(dst, self.k.device)  # (n,)
-        self.k[:, :, d] = self.k[:, :, s]  # gather first, then scatter: safe for overlaps
-        self.v[:, :, d] = self.v[:, :, s]
 
 
 class DraftHead:
@@ -181,88 +103,60 @@ class RunnerCounters:
         self.lm_head_tokens = 0
 
 
-def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)  # one fused op
-    # Same arithmetic as HF LlamaRMSNorm: normalise in fp32, scale in the model dtype.
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-def _load_kernel(dtype: torch.dtype, device: torch.device, kernel: str):
-    """The small-matmul kernel module for fp32 on CPU when ``kernel`` is 'auto' (and it builds)."""
-    if kernel not in ("auto", "torch"):
-        raise UserError(f"unknown matmul kernel {kernel!r}; use 'auto' or 'torch'")
-    if kernel == "torch" or dtype != torch.float32 or device.type != "cpu":
-        return None
-    return kernels.load()
-
-
-def _strip_prefix(state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Accept both ``model.layers.0...`` (ForCausalLM) and ``layers.0...`` (base model) keys."""
-    if any(k.startswith("model.") for k in state):
-        return {k[len("model."):] if k.startswith("model.") else k: v for k, v in state.items()}
-    return state
-
-
-def _load_safetensors_dir(path: Path) -> dict[str, Tensor]:
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    state: dict[str, Tensor] = {}
-    for f in files:
-        state.update(load_file(f))
-    return state
-
-
 class Runner:
     """Executes layer ranges of a Llama-family model with sublayer skip plans over a KV cache."""
 
     def __init__(self, config, state: dict[str, Tensor], dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", kernel: str = "auto", executor: str = "auto"):
+                 device: str | torch.device = "cpu", kernel: str = "auto", executor: str = "auto",
+                 compile: bool | None = None):
         self.config = config
         self.spec = ModelSpec.from_config(config)
         self.dtype = dtype
         self.device = torch.device(device)
-        state = _strip_prefix(state)
-        self.fingerprint = _fingerprint(state)
-        self.kernel = _load_kernel(dtype, self.device, kernel)
-        self.embed_w, self.final_norm, self.lm_head, self.layers = self._take_weights(state)
+        state = strip_prefix(state)
+        self.fingerprint = fingerprint(state)
+        self.kernel = load_kernel(dtype, self.device, kernel)
+        self.embed_w, self.final_norm, self.lm_head, self.layers = fused_weights(state, config, dtype, self.device,
+                                                                                 self.kernel)
         self.inv_freq, self.rope_scale = self._rope_inv_freq(config)
         self._cos = self._sin = torch.empty(0)
         self.static: StaticExecutor | None = None
         self._ensure_rope(self.spec.max_position_embeddings)  # once: captured graphs read these tables
         self.counters = RunnerCounters([0] * self.spec.num_layers)
-        self._free_caches: dict[int, list[KVCache]] = {}
+        self.caches = CachePool()
+        """Free KV caches by capacity (``take_cache`` / ``release_cache``)."""
         self._draft_heads: dict[str, DraftHead] = {}
-        self.set_executor(executor)
+        self.set_executor(executor, compile)
 
     # ----------------------------------------------------------------- loading
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, dtype: str | torch.dtype = torch.float32,
-                        device: str | torch.device = "cpu", kernel: str = "auto", executor: str = "auto") -> Runner:
+                        device: str | torch.device = "cpu", kernel: str = "auto", executor: str = "auto",
+                        compile: bool | None = None) -> Runner:
         """Load from a local HF folder (safetensors read directly; .bin through transformers)."""
         from transformers import AutoConfig, AutoModelForCausalLM  # here: a --help that imports drafters stays fast
 
         path = Path(path)
         config = AutoConfig.from_pretrained(path)
         if glob.glob(os.path.join(path, "*.safetensors")):
-            state = _load_safetensors_dir(path)
+            state = load_safetensors_dir(path)
         else:
             state = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
-        return cls(config, state, parse_dtype(dtype, device), device, kernel, executor)
+        return cls(config, state, parse_dtype(dtype, device), device, kernel, executor, compile)
 
     @classmethod
     def from_model(cls, model, dtype: torch.dtype | None = None, kernel: str = "auto", executor: str = "auto",
-                   device: str | torch.device | None = None) -> Runner:
+                   device: str | torch.device | None = None, compile: bool | None = None) -> Runner:
         """Wrap an instantiated HF model (its weights are copied into fused tensors; by default in the model's own
         dtype, on its own device)."""
         state = {k: v.detach() for k, v in model.state_dict().items()}
         first = next(model.parameters())
-        return cls(model.config, state, dtype or first.dtype, device or first.device, kernel, executor)
+        return cls(model.config, state, dtype or first.dtype, device or first.device, kernel, executor, compile)
 
     # ----------------------------------------------------------------- executor
-    def set_executor(self, executor: str = "auto") -> None:
-        """Choose how decoding forwards run (see the module docstring); 'auto' consults $LAYERSKIP_EXECUTOR."""
+    def set_executor(self, executor: str = "auto", compile: bool | None = None) -> None:
+        """Choose how decoding forwards run (see the module docstring); 'auto' consults $LAYERSKIP_EXECUTOR.
+        ``compile`` None: compiled on CUDA (where fewer kernel launches pay), not elsewhere."""
         if executor == "auto":
             executor = os.environ.get(EXECUTOR_ENV, "") or "auto"
         if executor not in EXECUTORS:
@@ -272,7 +166,8 @@ class Runner:
         if executor == "graphs" and self.device.type != "cuda":
             raise UserError("CUDA graphs need a CUDA device; use the 'static' or 'eager' executor on "
                             f"{self.device.type}")
-        self.static = None if executor == "eager" else StaticExecutor(self, capture=executor == "graphs")
+        compile = self.device.type == "cuda" if compile is None else compile
+        self.static = None if executor == "eager" else StaticExecutor(self, executor == "graphs", compile)
 
     @property
     def executor(self) -> str:
@@ -286,48 +181,6 @@ class Runner:
         warnings.warn(f"CUDA graph capture failed ({reason}); decoding continues with the eager executor",
                       RuntimeWarning, stacklevel=3)
         self.static = None
-
-    def _take_weights(self, state: dict[str, Tensor]):
-        spec, dt, dev = self.spec, self.dtype, self.device
-
-        def get(name: str) -> Tensor:
-            if name not in state:
-                raise UserError(f"checkpoint has no tensor {name!r}; is it a Llama-family model?")
-            return state[name].to(device=dev, dtype=dt)
-
-        def maybe(name: str) -> Tensor | None:
-            return state[name].to(device=dev, dtype=dt) if name in state else None
-
-        def cat_bias(names: list[str]) -> Tensor | None:
-            parts = [maybe(n) for n in names]
-            return None if all(p is None for p in parts) else torch.cat(
-                [p if p is not None else torch.zeros(w, dtype=dt, device=dev)
-                 for p, w in zip(parts, self._qkv_widths(), strict=True)])
-
-        layers = []
-        for i in range(spec.num_layers):
-            p = f"layers.{i}."
-            a = p + "self_attn."
-            if maybe(p + "mlp.gate_proj.bias") is not None or maybe(p + "mlp.down_proj.bias") is not None:
-                raise UserError("MLP biases are not supported by the runner")
-            qkv = torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")])
-            gate_up = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
-            layers.append(LayerWeights(
-                attn_norm=get(p + "input_layernorm.weight"),
-                qkv=Linear(qkv, cat_bias([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]), self.kernel),
-                o=Linear(get(a + "o_proj.weight"), maybe(a + "o_proj.bias"), self.kernel),
-                mlp_norm=get(p + "post_attention_layernorm.weight"),
-                gate_up=Linear(gate_up, None, self.kernel),
-                down=Linear(get(p + "mlp.down_proj.weight"), None, self.kernel),
-            ))
-        embed = get("embed_tokens.weight")
-        head = state.get("lm_head.weight")
-        tied = head is None or getattr(self.config, "tie_word_embeddings", False)
-        return embed, get("norm.weight"), Linear(embed if tied else head.to(dev, dt), None, self.kernel), layers
-
-    def _qkv_widths(self) -> list[int]:
-        s = self.spec
-        return [s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim]
 
     @staticmethod
     def _rope_inv_freq(config) -> tuple[Tensor, float]:
@@ -360,16 +213,11 @@ class Runner:
         the same cache, and the static forwards and CUDA graphs kept per cache are built once.
         """
         capacity = capacity_bucket(length)
-        free = self._free_caches.get(capacity, [])
-        cache = free.pop() if free else self.new_cache(capacity)
-        cache.reset()
-        return cache
+        return self.caches.take(capacity) or self.new_cache(capacity)
 
     def release_cache(self, cache: KVCache) -> None:
         """Give a cache from ``take_cache`` back to the pool (its contents are dropped on the next take)."""
-        free = self._free_caches.setdefault(cache.capacity, [])
-        if all(c is not cache for c in free):
-            free.append(cache)
+        self.caches.give_back(cache)
 
     def _ensure_rope(self, n: int) -> None:
         """RoPE tables for positions [0, n): built for the model's whole context at construction, so they never
@@ -403,7 +251,7 @@ class Runner:
     def head(self, hidden: Tensor, vocab: DraftHead | None = None) -> Tensor:
         """Final norm + LM head in fp32, without counting (the static executor counts on the host); with
         ``vocab``, only its N rows of the head run and the other logits are -inf."""
-        h = _rms_norm(hidden, self.final_norm, self.spec.rms_norm_eps)  # (T, d)
+        h = rms_norm(hidden, self.final_norm, self.spec.rms_norm_eps)  # (T, d)
         return self.lm_head(h).float() if vocab is None else vocab.logits(h)  # (T, V)
 
     def draft_head(self, ids: Tensor | list[int]) -> DraftHead:
@@ -462,8 +310,7 @@ class Runner:
         long inputs, and nothing compares prefill rows with token-by-token ones.
         """
         end = self.spec.num_layers if end is None else end
-        cos = self._cos[positions][:, None]  # (T, 1, D)
-        sin = self._sin[positions][:, None]  # (T, 1, D), sign folded in for the roll form of RoPE
+        cos, sin = self.rope(positions)
         masks: dict[int, Tensor | None] = {}
         attn_skip, mlp_skip = (plan.skip_attn, plan.skip_mlp) if plan is not None else ((), ())
         T = hidden.shape[0]
@@ -475,7 +322,7 @@ class Runner:
                     masks[start_slot] = self._attn_mask(start_slot, T, mask)
                 hidden = self._attention(i, cache, hidden, cos, sin, masks[start_slot], bulk)
             if run_mlp:
-                hidden = self._mlp(self.layers[i], hidden, bulk)
+                hidden = self.mlp(self.layers[i], hidden, bulk)
             if run_attn or run_mlp:
                 self.counters.layer_tokens[i] += T
         return hidden
@@ -488,10 +335,15 @@ class Runner:
             positions = torch.arange(start, start + ids.shape[0], device=self.device)
         return self.logits(self.forward_layers(cache, self.embed(ids), positions, plan=plan, mask=mask))
 
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """(cos, sin) (T, 1, D) at ``positions`` (T,) on the device; sin has the sign of the roll form folded in."""
+        return self._cos[positions][:, None], self._sin[positions][:, None]
+
     def _attn_mask(self, start_slot: int, T: int, mask: Tensor | None) -> Tensor | None:
+        """(T, start_slot + T) bool; None where no mask is needed (one row, or causal rows from slot 0)."""
         S = start_slot + T
         if mask is None:
-            if T == 1:
+            if T == 1 or start_slot == 0:
                 return None
             return torch.ones(T, S, dtype=torch.bool, device=self.device).tril(diagonal=start_slot)  # (T, S)
         W = mask.shape[1]
@@ -505,7 +357,7 @@ class Runner:
                    attn_mask: Tensor | None, bulk: bool = False) -> Tensor:
         s, w = self.spec, self.layers[i]
         T = hidden.shape[0]
-        q, k, v = self.qkv_rope(i, hidden, cos, sin, bulk)  # (Hq, T, D), (Hkv, T, D), (Hkv, T, D)
+        q, k, v = self.qkv_rope(w, hidden, cos, sin, bulk)  # (Hq, T, D), (Hkv, T, D), (Hkv, T, D)
         start = cache.lengths[i]
         stop = start + T
         if stop > cache.capacity:
@@ -515,18 +367,16 @@ class Runner:
         cache.lengths[i] = stop
         keys = cache.k[i, :, :stop]  # (Hkv, S, D)
         values = cache.v[i, :, :stop]  # (Hkv, S, D)
-        out = F.scaled_dot_product_attention(
-            q[None], keys[None], values[None], attn_mask=attn_mask,
-            enable_gqa=s.num_heads != s.num_kv_heads)  # (1, Hq, T, D)
-        out = out[0].transpose(0, 1).reshape(T, s.num_heads * s.head_dim)  # (T, Hq D)
+        out = attend(q, keys, values, attn_mask, causal=start == 0 and T > 1)  # (Hq, T, D)
+        out = out.transpose(0, 1).reshape(T, s.num_heads * s.head_dim)  # (T, Hq D)
         return hidden + w.o(out, bulk)
 
-    def qkv_rope(self, i: int, hidden: Tensor, cos: Tensor, sin: Tensor,
+    def qkv_rope(self, w: LayerWeights, hidden: Tensor, cos: Tensor, sin: Tensor,
                  bulk: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-        """Layer i's attention norm, fused q/k/v projection and RoPE: (Hq, T, D), (Hkv, T, D), (Hkv, T, D)."""
-        s, w = self.spec, self.layers[i]
+        """A layer's attention norm, fused q/k/v projection and RoPE: (Hq, T, D), (Hkv, T, D), (Hkv, T, D)."""
+        s = self.spec
         T = hidden.shape[0]
-        x = _rms_norm(hidden, w.attn_norm, s.rms_norm_eps)  # (T, d)
+        x = rms_norm(hidden, w.attn_norm, s.rms_norm_eps)  # (T, d)
         qkv = w.qkv(x, bulk)  # (T, (Hq + 2 Hkv) D)
         heads = s.num_heads + s.num_kv_heads
         qk = qkv[:, :heads * s.head_dim].view(T, heads, s.head_dim)  # (T, Hq + Hkv, D)
@@ -537,8 +387,9 @@ class Runner:
         v = qkv[:, heads * s.head_dim:].view(T, s.num_kv_heads, s.head_dim).transpose(0, 1)  # (Hkv, T, D)
         return q, k, v
 
-    def _mlp(self, w: LayerWeights, hidden: Tensor, bulk: bool = False) -> Tensor:
-        x = _rms_norm(hidden, w.mlp_norm, self.spec.rms_norm_eps)  # (T, d)
+    def mlp(self, w: LayerWeights, hidden: Tensor, bulk: bool = False) -> Tensor:
+        """A layer's MLP sublayer with its residual: (T, d) -> (T, d)."""
+        x = rms_norm(hidden, w.mlp_norm, self.spec.rms_norm_eps)  # (T, d)
         gate, up = w.gate_up(x, bulk).chunk(2, dim=-1)  # (T, I) each
         return hidden + w.down(F.silu(gate) * up, bulk)  # (T, d)
 
@@ -548,20 +399,3 @@ class Runner:
         s = self.spec
         return {"model_type": s.model_type, "num_layers": s.num_layers, "hidden_size": s.hidden_size,
                 "vocab_size": s.vocab_size, "weight_fingerprint": self.fingerprint}
-
-
-def ints_to_device(values: list[int], device: torch.device) -> Tensor:
-    """(n,) long tensor of host ints on ``device``; on CUDA copied from pinned memory without a host sync."""
-    t = torch.tensor(values, dtype=torch.long)  # (n,)
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-def _fingerprint(state: dict[str, Tensor]) -> str:
-    """A short digest of a few weights (before any dtype cast), so plans and adapters can tell checkpoints apart."""
-    def first_values(name: str) -> bytes | None:
-        t = state.get(name)
-        return None if t is None else t.detach().float().cpu().flatten()[:FINGERPRINT_VALUES].numpy().tobytes()
-
-    return weight_fingerprint(first_values)

@@ -1,4 +1,5 @@
-"""Offline search of a sublayer skip plan for Self-SD (Zhang et al., ACL 2024, §3.2), with optuna.
+"""Offline search of a sublayer skip plan for Self-SD (Zhang et al., ACL 2024, §3.2), with optuna or, as the
+reference does (``--paper``), GP-UCB on a continuous point.
 
 The search space is the 2L binary choices "skip attention / MLP of layer l" (``infer.plan.PlanSpace``,
 shared with SWIFT's online optimiser). Two objectives:
@@ -23,6 +24,14 @@ shared with SWIFT's online optimiser). Two objectives:
   counted in weights read (``cost='weights'``, fully deterministic). The value is the best
   expected speed-up (``infer.plan.cycle_speedup``) over a small (k, gamma) grid.
 
+One draft head per search: both objectives and the cost model score plans with the head ``draft_vocab`` names,
+resolved once (``search_plan``) and recorded in the plan file, whose plans ``self_sd`` then drafts with that head.
+
+``paper``: the reference's search (``searching.py``): bayes_opt GP-UCB (kappa 2.576, alpha 1e-2; ``infer.gp_ucb``)
+over a continuous point in [0, 1]^{2L}, a sublayer skipped where its coordinate exceeds 0.5, ``iterations``
+suggestions (1,000 there), the full LM head, the speed objective unless another is named. It keeps no study
+journal (an interrupted paper search starts over).
+
 With ``skip_ratio`` the plan skips exactly round(ratio·2L) sublayers: the sampler still proposes
 2L yes/no choices, and a deterministic repair adds skips (inner deep layers first) or drops them
 (shallow layers first) until the count is right, so the value stays a function of the proposal.
@@ -32,38 +41,37 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
-import statistics
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 
-from infer.drafters import build_drafter
-from infer.drafters.self_sd import SelfSDConfig, SelfSDDrafter
-from infer.drafters.skipping import agreement, verified_window
-from infer.engine import Engine, GenerationConfig
-from infer.plan import CostModel, LayerPlan, PlanFile, PlanSpace, cycle_speedup, weights_cost
+from infer.draft_vocab import DraftVocab, check_draft_vocab_option, resolve_draft_vocab_option
+from infer.gp_ucb import GPUCB, GPUCBConfig
+from infer.plan import LayerPlan, PlanFile, PlanSpace, head_record, weights_cost
 from infer.runner import Runner
+from infer.search_objectives import ModelObjective, SpeedObjective, calibration_set, measure_cost
 from layerskip_core.errors import UserError
 
 OBJECTIVES = {"model": "model", "acceptance": "model", "speed": "speed"}
 SAMPLERS = ("tpe", "gp")
+PAPER_KAPPA = 2.576
+"""UCB's exploration weight in the reference search (bayes_opt's default kappa)."""
+PAPER_ALPHA = 1e-2
+"""The GP's noise term in the reference search (``set_gp_params(alpha=1e-2)``)."""
+PAPER_THRESHOLD = 0.5
+"""A sublayer is skipped where the continuous point's coordinate exceeds this."""
 COSTS = ("measured", "weights")
 SPEED_REFERENCES = ("interleaved", "once")
 DEFAULT_NEW_TOKENS = {"model": 64, "speed": 32}
 DEFAULT_NUM_DRAFT = {"model": 12, "speed": 8}
 """k per objective: the model objective replays up to Self-SD's evaluation k (12); the speed objective decodes as the
 reference search does (``searching.py`` calls ``decoding.py``'s generate with its defaults: k = 8)."""
-SPEED_SEARCH_CONFIDENCE = 0.8
-"""The speed objective's threshold: ``decoding.py``'s default initial gamma, adaptive, restarted on every prompt
-(the reference search passes no threshold, so each calibration prompt starts from it)."""
-K_GRID = (1, 2, 3, 4, 6, 8, 12, 16)
-GAMMA_GRID = (0.0, 0.5, 0.7, 0.8, 0.9)
 
 
 # --------------------------------------------------------------------------- settings
@@ -71,9 +79,9 @@ GAMMA_GRID = (0.0, 0.5, 0.7, 0.8, 0.9)
 class SearchConfig:
     """What `layerskip search` does."""
 
-    objective: str = "model"
+    objective: str | None = None
     """'model' (alias 'acceptance'): expected speed-up from teacher-forced agreement and draft cost;
-    'speed': measured tokens/s of self-speculative decoding."""
+    'speed': measured tokens/s of self-speculative decoding. Default: 'model', or 'speed' with paper."""
     trials: int = 100
     """Distinct plans to evaluate in total (repeated proposals are free; a resumed study runs only the missing)."""
     skip_ratio: float | None = None
@@ -98,8 +106,23 @@ class SearchConfig:
     speed_reference: str = "interleaved"
     """'speed' objective: value = speed-up over autoregressive decoding timed right before each prompt
     ('interleaved', robust to machine drift, two decodes per prompt) or raw tokens/s ('once', as Self-SD)."""
+    draft_vocab: str | DraftVocab | None = "auto"
+    """The one draft head of the search (both objectives and the cost model): 'auto', a size, a file, a
+    ``DraftVocab`` or 'off' (the full head), as the drafters' option; recorded in the plan file. Off with paper."""
+    paper: bool = False
+    """The reference's search: GP-UCB on a continuous point thresholded at 0.5, ``iterations`` suggestions, the
+    full head (sampler, trials, warm_start and draft_vocab do not apply)."""
+    iterations: int = 1000
+    """paper: GP-UCB suggestions to evaluate (the reference's 1,000); a repeated plan is not re-evaluated."""
 
     def __post_init__(self) -> None:
+        if self.objective is None:
+            self.objective = "speed" if self.paper else "model"
+        check_draft_vocab_option(self.draft_vocab)
+        if self.paper:
+            self.draft_vocab = "off"
+        if self.iterations < 1:
+            raise UserError(f"--iterations must be >= 1, got {self.iterations}")
         if self.objective not in OBJECTIVES:
             raise UserError(f"unknown objective {self.objective!r}; choose speed, model or acceptance")
         self.objective = OBJECTIVES[self.objective]
@@ -130,8 +153,13 @@ class SearchConfig:
             raise UserError(f"--num-draft must be >= 1, got {self.num_draft}")
 
     def study_settings(self) -> dict:
-        """What must not change when a study is resumed."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("trials", "timeout", "seed")}
+        """What must not change when a study is resumed (a draft vocabulary by its size and ids' digest)."""
+        settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                    if f.name not in ("trials", "timeout", "seed", "iterations")}
+        if isinstance(self.draft_vocab, DraftVocab):
+            digest = hashlib.sha256(json.dumps(self.draft_vocab.ids).encode()).hexdigest()[:16]
+            settings["draft_vocab"] = f"{self.draft_vocab.size} ids {digest}"
+        return settings
 
 
 # --------------------------------------------------------------------------- the optuna loop
@@ -250,15 +278,8 @@ def run_search(evaluate: Evaluate, space: PlanSpace, cfg: SearchConfig, study, o
     import optuna
 
     complete = optuna.trial.TrialState.COMPLETE
-    done = [t for t in study.trials if t.state == complete]
-    known: dict[LayerPlan, tuple[float, dict]] = {}
-    history: list[float] = []
-    best = float("-inf")
-    for t in done:
-        if "plan" in t.user_attrs and not t.user_attrs.get("repeat"):
-            known[LayerPlan.from_dict(t.user_attrs["plan"])] = (t.value, dict(t.user_attrs))
-            best = max(best, t.value)
-            history.append(best)
+    known, history = _completed(study)
+    best = history[-1] if history else float("-inf")
     warm = space.uniform_plans() if cfg.warm_start else []
     if not study.trials:
         for plan in warm:
@@ -266,19 +287,7 @@ def run_search(evaluate: Evaluate, space: PlanSpace, cfg: SearchConfig, study, o
     # Re-seed by progress so that a resumed study does not replay the random start-up trials.
     study.sampler = _sampler(cfg.sampler, cfg.seed + len(study.trials), len(warm) + 10, deterministic)
 
-    def objective(trial) -> float:
-        plan = space.suggest(trial)  # a frozen LayerPlan: repeated proposals hit the same key
-        if plan in known:
-            trial.set_user_attr("repeat", True)
-        else:
-            known[plan] = evaluate(plan)
-        value, metrics = known[plan]
-        for name, v in metrics.items():
-            if name not in ("plan", "warm_start", "repeat"):
-                trial.set_user_attr(name, v)
-        trial.set_user_attr("plan", plan.to_dict())
-        return value
-
+    objective = _trial_objective(evaluate, space, known)
     bar = tqdm(total=cfg.trials, initial=min(len(known), cfg.trials), desc="plan search", disable=not progress,
                dynamic_ncols=True)
     proposals_cap = 20 * cfg.trials  # ends the run if the sampler only repeats itself (tiny search spaces)
@@ -312,6 +321,38 @@ def run_search(evaluate: Evaluate, space: PlanSpace, cfg: SearchConfig, study, o
     return _result(study, time.perf_counter() - t0, history)
 
 
+def _trial_objective(evaluate: Evaluate, space: PlanSpace, known: dict) -> Callable:
+    """optuna's objective: the trial's plan evaluated once (``known`` keeps every value; a repeat is free)."""
+
+    def objective(trial) -> float:
+        plan = space.suggest(trial)  # a frozen LayerPlan: repeated proposals hit the same key
+        if plan in known:
+            trial.set_user_attr("repeat", True)
+        else:
+            known[plan] = evaluate(plan)
+        value, metrics = known[plan]
+        for name, v in metrics.items():
+            if name not in ("plan", "warm_start", "repeat"):
+                trial.set_user_attr(name, v)
+        trial.set_user_attr("plan", plan.to_dict())
+        return value
+
+    return objective
+
+
+def _completed(study) -> tuple[dict[LayerPlan, tuple[float, dict]], list[float]]:
+    """The distinct plans a (resumed) study already evaluated, with their values, and the best value after each."""
+    import optuna
+
+    known: dict[LayerPlan, tuple[float, dict]] = {}
+    history: list[float] = []
+    for t in study.trials:
+        if t.state == optuna.trial.TrialState.COMPLETE and "plan" in t.user_attrs and not t.user_attrs.get("repeat"):
+            known[LayerPlan.from_dict(t.user_attrs["plan"])] = (t.value, dict(t.user_attrs))
+            history.append(max(t.value, history[-1]) if history else t.value)
+    return known, history
+
+
 def _result(study, wall: float, history: list[float]) -> SearchResult:
     import optuna
 
@@ -324,190 +365,18 @@ def _result(study, wall: float, history: list[float]) -> SearchResult:
                         best.number, wall, trial_time, list(history), len(complete))
 
 
-# --------------------------------------------------------------------------- costs
-@torch.no_grad()
-def measure_cost(runner: Runner, context: Sequence[int], max_tokens: int, repeats: int = 7) -> CostModel:
-    """Time single-token forwards under all-attention / all-MLP / everything skipped, and T-token verifies."""
-    L = runner.num_layers
-    cache = runner.new_cache(len(context) + max_tokens + 8)
-    ids = torch.tensor(list(context), device=runner.device)
-    runner.forward_layers(cache, runner.embed(ids), torch.arange(len(context), device=runner.device))
-    n = len(context)
-
-    def timed(plan: LayerPlan | None, T: int) -> float:
-        tok = ids[-1:].repeat(T)  # (T,)
-        pos = torch.arange(n, n + T, device=runner.device)
-        times = []
-        for _ in range(repeats + 1):
-            t = time.perf_counter()
-            runner.logits(runner.forward_layers(cache, runner.embed(tok), pos, plan=plan))
-            times.append(time.perf_counter() - t)
-            cache.rollback(n)
-        return statistics.median(times[1:])
-
-    full = timed(None, 1)
-    no_attn = timed(LayerPlan(L, frozenset(range(L))), 1)
-    no_mlp = timed(LayerPlan(L, frozenset(), frozenset(range(L))), 1)
-    nothing = timed(LayerPlan(L, frozenset(range(L)), frozenset(range(L))), 1)
-    attn = max(full - no_attn, 0.0) / L / full
-    mlp = max(full - no_mlp, 0.0) / L / full
-    base = nothing / full
-    verify = [1.0] + [timed(None, T) / full for T in range(2, max_tokens + 1)]
-    return CostModel(base, attn, mlp, verify, "measured")
-
-
-# --------------------------------------------------------------------------- objectives
-def replay(agree: Sequence[bool], top1: Sequence[float], k: int, gamma: float) -> tuple[int, int, int, list]:
-    """Replay greedy chain drafting over one teacher-forced continuation of G tokens.
-
-    ``agree[i]``/``top1[i]``: does the draft, given the true prefix, predict continuation token i,
-    and with which top-1 probability. Token 0 comes from the prefill. Returns (tokens produced by
-    verification cycles, drafted, accepted, [(draft forwards, tokens verified) per cycle]).
-    """
-    G = len(agree)
-    j, tokens, drafted, accepted = 0, 0, 0, 0
-    cycles = []
-    while j < G - 1:
-        budget = G - 1 - j  # tokens still to produce
-        kk = min(k, budget - 1)
-        proposed = f = 0
-        for i in range(j + 1, j + 1 + kk):  # Self-SD proposes the low-confidence token, then stops
-            f += 1
-            proposed += 1
-            if top1[i] < gamma:
-                break
-        run = 0
-        while run < proposed and agree[j + 1 + run]:
-            run += 1
-        new = min(run + 1, budget)
-        tokens += new
-        drafted += proposed
-        accepted += run
-        cycles.append((f, proposed + 1))
-        j += new
-    return tokens, drafted, accepted, cycles
-
-
-@dataclass
-class Calibration:
-    """One calibration prompt and the full model's greedy continuation of it."""
-
-    prompt: list[int]
-    continuation: list[int]
-
-
-class ModelObjective:
-    """Expected speed-up of a plan from teacher-forced agreement and a cost model (noise-free)."""
-
-    def __init__(self, runner: Runner, calibration: list[Calibration], cost: CostModel, max_draft: int):
-        self.runner, self.cost = runner, cost
-        self.ks = [k for k in K_GRID if k < max_draft] + [max_draft]
-        self.windows = []
-        for item in calibration:
-            seq = item.prompt + item.continuation
-            n = len(seq) - 1  # seq[:n] in the cache; the window re-runs seq[P-1:n] and predicts seq[P:n+1]
-            s = n - len(item.continuation)
-            cache = runner.new_cache(n + len(item.continuation) + 1)
-            ids = torch.tensor(seq, device=runner.device)
-            with torch.no_grad():
-                runner.forward_layers(cache, runner.embed(ids[:n]), torch.arange(n, device=runner.device))
-            self.windows.append(verified_window(runner, cache, n, s, ids[s:n], ids[s + 1:n + 1], "exact",
-                                                layer_inputs=True))
-
-    def agreement(self, plan: LayerPlan) -> tuple[list[list[bool]], list[list[float]]]:
-        """Per calibration item: does the plan's argmax equal the full model's token, and its top-1 prob."""
-        scored = [agreement(self.runner, window, plan) for window in self.windows]
-        return [agree.tolist() for agree, _ in scored], [top1.tolist() for _, top1 in scored]
-
-    def __call__(self, plan: LayerPlan) -> tuple[float, dict]:
-        agree, top1 = self.agreement(plan)
-        c = self.cost.draft(plan)
-        best: tuple[float, dict] = (float("-inf"), {})
-        matchness = sum(sum(a) for a in agree) / sum(len(a) for a in agree)
-        for k in self.ks:
-            for gamma in GAMMA_GRID:
-                tokens = cycles = drafted = accepted = forwards = 0
-                verify = 0.0
-                for a, p in zip(agree, top1, strict=True):
-                    t, d, acc, steps = replay(a, p, k, gamma)
-                    tokens += t
-                    cycles += len(steps)
-                    drafted += d
-                    accepted += acc
-                    forwards += sum(f for f, _ in steps)
-                    verify += sum(self.cost.verify_cost(v) for _, v in steps)
-                speedup = cycle_speedup(tokens, forwards, c, verify) if cycles else 0.0
-                if speedup > best[0]:
-                    best = (speedup, {"k": k, "gamma": gamma, "acceptance_rate": accepted / drafted if drafted else 0.0,
-                                      "tokens_per_verify": tokens / cycles if cycles else 0.0})
-        value, metrics = best
-        metrics.update(matchness=matchness, draft_cost=c, expected_speedup=value)
-        return value, metrics
-
-
-class SpeedObjective:
-    """Measured self-speculative greedy decoding speed with a plan (Self-SD's objective).
-
-    ``reference='interleaved'``: every prompt is decoded autoregressively right before it is
-    decoded with the plan, and the value is the speed-up over that (a ratio measured in one run,
-    robust to a shared machine's drift; each trial decodes twice). ``'once'``: the value is the
-    plan's tokens/s, as in Self-SD, and the speed-up is against one baseline timed before the search.
-    """
-
-    def __init__(self, runner: Runner, prompts: list[list[int]], max_new_tokens: int, num_draft: int,
-                 reference: str = "interleaved"):
-        self.runner, self.prompts, self.num_draft, self.reference = runner, prompts, num_draft, reference
-        self.gen = GenerationConfig(max_new_tokens=max_new_tokens, stop_at_eos=False)
-        self.baseline_engine = Engine(runner, build_drafter("autoregressive", runner))
-        self.baseline_engine.generate(prompts[0], GenerationConfig(max_new_tokens=4, stop_at_eos=False))  # warm-up
-        self.baseline = self._tokens_per_second(self.baseline_engine)
-
-    def drafter_config(self, plan: LayerPlan) -> SelfSDConfig:
-        """``decoding.py``'s defaults as ``searching.py`` uses them: k, gamma_0 = 0.8 adaptive, from 0.8 per prompt."""
-        return SelfSDConfig(plan=plan, num_draft=self.num_draft, confidence=SPEED_SEARCH_CONFIDENCE,
-                            carry_confidence=False)
-
-    def _tokens_per_second(self, engine) -> float:
-        results = [engine.generate(ids, self.gen) for ids in self.prompts]
-        return sum(r.stats.new_tokens for r in results) / sum(r.stats.wall_time for r in results)
-
-    def __call__(self, plan: LayerPlan) -> tuple[float, dict]:
-        # a new engine per plan (a live engine's drafter is never swapped), drafting as the reference search does
-        results, ar_tokens, ar_wall = [], 0, 0.0
-        with Engine(self.runner, SelfSDDrafter(self.runner, self.drafter_config(plan))) as engine:
-            for ids in self.prompts:
-                if self.reference == "interleaved":
-                    ar = self.baseline_engine.generate(ids, self.gen).stats
-                    ar_tokens, ar_wall = ar_tokens + ar.new_tokens, ar_wall + ar.wall_time
-                results.append(engine.generate(ids, self.gen))
-        tps = sum(r.stats.new_tokens for r in results) / sum(r.stats.wall_time for r in results)
-        baseline = ar_tokens / ar_wall if self.reference == "interleaved" else self.baseline
-        drafted = sum(r.stats.drafted for r in results)
-        calls = sum(r.stats.verify_calls for r in results)
-        metrics = {"tokens_per_second": tps, "speedup": tps / baseline, "autoregressive_tokens_per_second": baseline,
-                   "acceptance_rate": sum(r.stats.accepted for r in results) / drafted if drafted else 0.0,
-                   "tokens_per_verify": sum(r.stats.new_tokens - 1 for r in results) / calls if calls else 0.0,
-                   "final_confidence": statistics.mean(r.stats.drafter["confidence"] for r in results)}
-        return (tps / baseline if self.reference == "interleaved" else tps), metrics
-
-
 # --------------------------------------------------------------------------- glue for the CLI
 def study_path_for(out: Path) -> Path:
     """The optuna journal beside the plan: plans/x.json -> plans/x.study.log."""
     return out.with_name(out.stem + ".study.log")
 
 
-def calibration_set(runner: Runner, prompts: list[list[int]], max_new_tokens: int) -> list[Calibration]:
-    """The full model's greedy continuations of the calibration prompts (EOS ignored)."""
-    gen = GenerationConfig(max_new_tokens=max_new_tokens, stop_at_eos=False)
-    with Engine(runner, build_drafter("autoregressive", runner)) as engine:
-        return [Calibration(list(p), engine.generate(p, gen).tokens) for p in prompts]
-
-
-def build_objective(runner: Runner, prompts: list[list[int]], cfg: SearchConfig) -> tuple[Evaluate, dict]:
-    """The objective function and what it measured during setup (recorded in the plan file)."""
+def build_objective(runner: Runner, prompts: list[list[int]], cfg: SearchConfig,
+                    vocab: DraftVocab | None = None) -> tuple[Evaluate, dict]:
+    """The objective function, scoring with the draft head of ``vocab`` (None: the full head), and what it measured
+    during setup (recorded in the plan file)."""
     if cfg.objective == "speed":
-        objective = SpeedObjective(runner, prompts, cfg.max_new_tokens, cfg.num_draft, cfg.speed_reference)
+        objective = SpeedObjective(runner, prompts, cfg.max_new_tokens, cfg.num_draft, cfg.speed_reference, vocab)
         return objective, {"autoregressive_tokens_per_second_at_start": round(objective.baseline, 3)}
     calibration = calibration_set(runner, prompts, cfg.max_new_tokens)
     if cfg.cost == "measured":
@@ -515,35 +384,88 @@ def build_objective(runner: Runner, prompts: list[list[int]], cfg: SearchConfig)
         cost = measure_cost(runner, context, cfg.num_draft + 1)
     else:
         cost = weights_cost(runner.spec, cfg.num_draft + 1)
-    return ModelObjective(runner, calibration, cost, cfg.num_draft), {"cost_model": cost.to_dict()}
+    return ModelObjective(runner, calibration, cost, cfg.num_draft, vocab), {"cost_model": cost.to_dict()}
 
 
 def search_plan(runner: Runner, prompts: list[list[int]], cfg: SearchConfig, out: Path, task: str = "",
                 study_path: Path | None = None, fresh: bool = False, progress: bool = True,
                 extra: dict | None = None) -> tuple[SearchResult, PlanFile]:
-    """Search, saving the best plan to ``out`` (atomically) whenever it improves; returns the final result."""
+    """Search, saving the best plan to ``out`` (atomically) whenever it improves; returns the final result.
+
+    ``cfg.draft_vocab`` is resolved here, once, against the runner's weights (the CLI resolves it with the
+    tokenizer first and passes the ``DraftVocab``); its head is the one the plan file records."""
     t_start = time.perf_counter()
+    vocab = resolve_draft_vocab_option(cfg.draft_vocab, runner)
+    head = None if vocab is None else runner.draft_head(vocab.ids)
     space = PlanSpace(runner.num_layers, cfg.skip_ratio)
-    settings = cfg.study_settings() | {"model": runner.identity(), "task": task, "prompts": len(prompts)}
-    study = open_study(study_path, settings, fresh)
-    evaluate, setup = build_objective(runner, prompts, cfg)
+    study = None
+    if not cfg.paper:
+        settings = cfg.study_settings() | {"model": runner.identity(), "task": task, "prompts": len(prompts)}
+        study = open_study(study_path, settings, fresh)
+    evaluate, setup = build_objective(runner, prompts, cfg, vocab)
     setup_time = time.perf_counter() - t_start
 
     def save(result: SearchResult) -> PlanFile:
-        search = {"sampler": cfg.sampler, "seed": cfg.seed, "trials": result.completed, "proposals": result.proposals,
-                  "best_trial": result.best_trial,
+        search = {"sampler": "gp_ucb (paper)" if cfg.paper else cfg.sampler, "seed": cfg.seed,
+                  "trials": result.completed, "proposals": result.proposals, "best_trial": result.best_trial,
                   "skip_ratio": cfg.skip_ratio, "prompts": len(prompts), "max_new_tokens": cfg.max_new_tokens,
-                  "num_draft": cfg.num_draft, "warm_start": cfg.warm_start,
+                  "num_draft": cfg.num_draft, "warm_start": cfg.warm_start and not cfg.paper,
                   "wall_time_s": round(time.perf_counter() - t_start, 1), "setup_time_s": round(setup_time, 1),
                   "trial_time_s": round(result.trial_time, 1),
-                  "study": str(study_path) if study_path else None} | setup | (extra or {})
+                  "study": str(study_path) if study is not None and study_path else None} | setup | (extra or {})
         objective = {"name": cfg.objective, "value": result.value} | result.attrs
         if cfg.objective == "model":
             objective["cost"] = cfg.cost
-        plan_file = PlanFile(result.plan, runner.identity(), task, objective, search, source="self_sd")
+        plan_file = PlanFile(result.plan, runner.identity(), task, objective, search, source="self_sd",
+                             draft_head=head_record(head))
         plan_file.save(out)
         return plan_file
 
-    result = run_search(evaluate, space, cfg, study, on_best=save, progress=progress,
-                        deterministic=cfg.objective == "model")
+    if cfg.paper:
+        result = run_gp_ucb(evaluate, space, cfg, on_best=save, progress=progress)
+    else:
+        result = run_search(evaluate, space, cfg, study, on_best=save, progress=progress,
+                            deterministic=cfg.objective == "model")
     return result, save(result)
+
+
+def run_gp_ucb(evaluate: Evaluate, space: PlanSpace, cfg: SearchConfig, on_best=None,
+               progress: bool = True) -> SearchResult:
+    """The reference's optimiser: ``cfg.iterations`` GP-UCB suggestions x in [0, 1]^{2L} (kappa 2.576, alpha 1e-2),
+    each decoded to the plan skipping the sublayers whose coordinate exceeds 0.5 (repaired to ``skip_ratio`` when
+    one is set) and registered at x with its plan's value. A plan suggested again reuses its value (the reference
+    re-measures it); the first suggestion is uniform random, as bayes_opt's with no observation is."""
+    gp = GPUCB(len(space.names), cfg.seed, GPUCBConfig(kappa=PAPER_KAPPA, noise=PAPER_ALPHA))
+    known: dict[LayerPlan, tuple[float, dict]] = {}
+    best: tuple[float, LayerPlan | None, int] = (float("-inf"), None, -1)
+    history: list[float] = []
+    t0 = time.perf_counter()
+    trial_time = 0.0
+    for step in tqdm(range(cfg.iterations), desc="plan search (GP-UCB)", disable=not progress, dynamic_ncols=True):
+        if cfg.timeout is not None and time.perf_counter() - t0 > cfg.timeout:
+            break
+        point = gp.suggest()  # (2L,) in [0, 1]
+        plan = space.decode({name: bool(v > PAPER_THRESHOLD) for name, v in zip(space.names, point.tolist(),
+                                                                                   strict=True)})
+        if plan not in known:
+            t = time.perf_counter()
+            known[plan] = evaluate(plan)
+            trial_time += time.perf_counter() - t
+        value = known[plan][0]
+        gp.observe(point, value)
+        if value > best[0]:
+            best = (value, plan, step)
+            if on_best is not None:
+                on_best(_gp_result(best, known, t0, trial_time, history + [value], step + 1))
+        history.append(best[0])
+    if best[1] is None:
+        raise UserError("no plan was evaluated (is --timeout too short?)")
+    return _gp_result(best, known, t0, trial_time, history, len(history))
+
+
+def _gp_result(best: tuple, known: dict, t0: float, trial_time: float, history: list[float],
+               proposals: int) -> SearchResult:
+    value, plan, step = best
+    attrs = {k: v for k, v in known[plan][1].items() if k != "plan"}
+    return SearchResult(plan, float(value), attrs, len(known), step, time.perf_counter() - t0, trial_time,
+                        list(history), proposals)

@@ -85,7 +85,7 @@ RESULT_FILE = "gpu_check.json"
 """The result, rewritten after every part and every shape."""
 TINY_MODELS = (("llama", 0), ("qwen2", 1))
 """The tiny seeded models of the exactness part: (kind, seed)."""
-SWIFT_TREES = {"context_window": 4, "tree": True, "adaptive": False, "remember": False}
+SWIFT_TREES = {"context_window": 4, "tree": True, "adaptive": False, "remember": "off"}
 """SWIFT settings that verify token trees from the first cycles (no fallback gate, nothing remembered)."""
 SAMPLING = SamplingConfig(temperature=0.8, top_p=0.95, seed=0)
 """The seeded sampled generation each drafter must complete."""

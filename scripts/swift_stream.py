@@ -6,7 +6,7 @@
 SWIFT keeps its plan and optimiser across the prompts of a stream, so the interesting numbers are
 over a stream, not per prompt: per task, tokens/s of each SWIFT variant and of `autoregressive`
 on the same prompts (they take turns prompt by prompt; medians over repeats; each repeat starts
-fresh drafters), the speed-up, acceptance,
+fresh, cold drafters: `remember=off` unless a spec sets it), the speed-up, acceptance,
 tokens per verify, the optimisation time share, the plan's skip ratio and the matchness of the
 best plan over time. Prompts alternate between tasks (held-out: taken from the end of each set),
 so a plan found on one task is carried into the other. Greedy outputs are checked against
@@ -16,6 +16,7 @@ so a plan found on one task is carried into the other. Greedy outputs are checke
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from infer.drafters import parse_spec
+from infer.drafters import drafter_class, parse_spec
 from infer.engine import GenerationConfig, tokens_per_verify
 from infer.loading import load_model
 from infer.measure.methods import BASELINE
@@ -48,11 +49,20 @@ def interleaved(sources: list[str], n: int) -> list[tuple[str, str, str]]:
     return out
 
 
+def cold(text: str):
+    """The spec, with ``remember=off`` for a drafter that remembers state across commands unless the spec sets
+    ``remember``: no repeat starts from what an earlier repeat (or command) saved."""
+    spec = parse_spec(text)
+    if "remember" in {f.name for f in dataclasses.fields(drafter_class(spec.drafter).Config)}:
+        spec.options.setdefault("remember", "off")
+    return spec
+
+
 def run_streams(model, specs: list[str], prompts: list[tuple[str, str, list[int]]], gen: GenerationConfig,
                 bar) -> dict[str, list[dict]]:
     """One stream per drafter spec (one engine, one drafter state each); prompt by prompt, the
     drafters take turns, so a change in machine load hits all of them alike."""
-    methods = {spec: model.method(spec, gen) for spec in specs}  # (engine, its generation config) per spec
+    methods = {spec: model.method(cold(spec), gen) for spec in specs}  # (engine, its generation config) per spec
     rows: dict[str, list[dict]] = {spec: [] for spec in specs}
     for task, pid, ids in prompts:
         for spec, (engine, config) in methods.items():
@@ -162,7 +172,8 @@ def _run(argv: list[str] | None) -> int:
     for spec in args.model:
         label, source = split_named(spec)
         label = label or source
-        model = load_model(source, device=run.device, dtype=run.dtype, executor=run.executor, threads=run.threads)
+        model = load_model(source, device=run.device, dtype=run.dtype, executor=run.executor, threads=run.threads,
+                           compile=run.compile)
         prompts = [(task, pid, model.encode(text, chat=use_chat_template(task))) for task, pid, text in items]
         runs: dict[str, list[list[dict]]] = defaultdict(list)
         with tqdm(total=len(specs) * args.repeats * len(prompts), desc=label) as bar:

@@ -26,7 +26,7 @@ SETTINGS = ModelSettings(threads=1, executor="static")
 
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 DRAFTERS = ("autoregressive,early_exit:E=24:k=4,early_exit:E=24:k=4:confidence=0.3,"
-            "self_sd:plan=plans/smollm2-135m-humaneval-speed.json,swift:adaptive=false:remember=false")
+            "self_sd:plan=plans/smollm2-135m-humaneval-speed.json,swift:adaptive=false:remember=off")
 
 
 def budget(drafter, result: dict) -> float:

@@ -222,12 +222,16 @@ class EarlyExitConfig:
     curriculum_steps: int | None = None
     """Steps over which the gradual curriculum enables all exits (``null``: ``optim.max_steps / 2``, as in
     the paper: all exits on by half of training)."""
+    loss_chunk: int = 0
+    """Token rows per chunk of the exit loss (each chunk's logits and head gradient live at once). 0: sized to
+    the device, about 32M logits on a CPU and up to 128M on a GPU (at most 1/64 of its memory)."""
 
     def __post_init__(self) -> None:
         _check(all(e >= 1 for e in self.exits), f"early_exit.exits are layer counts >= 1 (got {self.exits})")
         _check(len(set(self.exits)) == len(self.exits), f"early_exit.exits has duplicates: {self.exits}")
         _check(self.e_scale >= 0, "early_exit.e_scale must be >= 0")
         _check(self.rotation >= 1, "early_exit.rotation must be >= 1")
+        _check(self.loss_chunk >= 0, "early_exit.loss_chunk must be >= 0 (0: sized to the device)")
         _check(self.curriculum_steps is None or self.curriculum_steps >= 1,
                "early_exit.curriculum_steps must be >= 1")
 

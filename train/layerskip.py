@@ -81,13 +81,27 @@ def make_accelerator(cfg: TrainConfig):
         raise UserError(f"{launched} processes were launched but accelerate sees {accelerator.num_processes}; "
                         "they would train unsynchronised (see configs/accelerate/cpu-ddp.yaml)")
     ds = accelerator.state.deepspeed_plugin
-    if ds is not None and cfg.lora.enabled and ds.zero_stage == 3:
-        raise UserError("LoRA with DeepSpeed ZeRO-3 is not supported (merging needs whole weights); use ZeRO-2")
+    check_zero_stage(cfg, None if ds is None else ds.zero_stage)
     if ds is not None:  # we pass no DataLoader to prepare(), so DeepSpeed must be told the batch geometry
         ds.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.optim.micro_batch_size
         ds.deepspeed_config["gradient_accumulation_steps"] = cfg.optim.grad_accum_steps
         ds.deepspeed_config["gradient_clipping"] = cfg.optim.max_grad_norm
     return accelerator
+
+
+def check_zero_stage(cfg: TrainConfig, zero_stage: int | None) -> None:
+    """Refuse what DeepSpeed ZeRO-3 does not train here: LoRA (merging needs whole weights) and layer dropout
+    (ZeRO-3 gathers a layer's partitioned parameters in hooks around its forward and prefetches in the module
+    order it recorded; a layer every row skips never runs, so that order changes from step to step and the
+    layer gets no gradient to reduce; never run on GPUs in this project, so refused rather than trusted)."""
+    if zero_stage != 3:
+        return
+    if cfg.lora.enabled:
+        raise UserError("LoRA with DeepSpeed ZeRO-3 is not supported (merging needs whole weights); use ZeRO-2")
+    if cfg.layer_dropout.p_max > 0:
+        raise UserError(f"layer dropout (layer_dropout.p_max={cfg.layer_dropout.p_max}) is not supported with "
+                        "DeepSpeed ZeRO-3 (it partitions parameters and gathers them only for layers that run); "
+                        "use configs/accelerate/deepspeed-zero2.yaml or fsdp2.yaml, or set layer_dropout.p_max=0")
 
 
 def check_token_cache(cfg: TrainConfig) -> None:

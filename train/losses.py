@@ -35,12 +35,18 @@ from torch.utils.checkpoint import checkpoint
 from train.data import IGNORE
 
 CHUNK_ELEMENTS = 1 << 25
-"""Target size of one chunk's logits, in elements (32M: 128 MB in fp32)."""
+"""Target size of one chunk's logits on a CPU, in elements (32M: 128 MB in fp32)."""
+GPU_CHUNK_ELEMENTS = 1 << 27
+"""Target on a GPU (128M: 512 MB in fp32), at most 1/64 of its memory: fewer, larger head matmuls keep it busy."""
 
 
-def default_chunk(vocab_size: int) -> int:
-    """Token rows per chunk so that one chunk's logits hold about ``CHUNK_ELEMENTS`` values."""
-    return max(64, CHUNK_ELEMENTS // max(1, vocab_size))
+def default_chunk(vocab_size: int, device: torch.device | str = "cpu") -> int:
+    """Token rows per chunk so that one chunk's logits hold about the device's target number of values."""
+    elements = CHUNK_ELEMENTS
+    if torch.device(device).type == "cuda":
+        total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+        elements = max(CHUNK_ELEMENTS, min(GPU_CHUNK_ELEMENTS, total // 64 // 4))
+    return max(64, elements // max(1, vocab_size))
 
 
 def _compute_dtype(x: Tensor, weight: Tensor) -> torch.dtype:

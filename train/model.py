@@ -82,7 +82,7 @@ class LayerSkipLM(nn.Module):
     """
 
     def __init__(self, model: nn.Module, dropout: LayerDropoutConfig, early_exit: EarlyExitConfig,
-                 max_steps: int, seed: int = 0, gradient_checkpointing: bool = False, loss_chunk: int = 0):
+                 max_steps: int, seed: int = 0, gradient_checkpointing: bool = False):
         super().__init__()
         self.model = model  # the HF model (or peft wrapper): its state dict is the checkpoint's
         self.dropout_cfg = dropout
@@ -90,7 +90,6 @@ class LayerSkipLM(nn.Module):
         self.max_steps = max_steps
         self.seed = seed
         self.gradient_checkpointing = gradient_checkpointing
-        self.loss_chunk = loss_chunk  # token rows per chunk of the exit loss (0: about 32M logits per chunk)
         parts = decoder_parts(model)
         self.num_layers = len(parts.layers)
         self.exits = check_exits(early_exit, self.num_layers)
@@ -171,7 +170,8 @@ class LayerSkipLM(nn.Module):
         """
         parts = decoder_parts(self.model)
         exits = sorted(weights)
-        chunk = self.loss_chunk or default_chunk(parts.config.vocab_size)  # not the weight's shape: ZeRO-3 empties it
+        device = hiddens[exits[0]].device  # vocab from the config, not the weight's shape: ZeRO-3 empties it
+        chunk = self.exit_cfg.loss_chunk or default_chunk(parts.config.vocab_size, device)
         if is_plain_head(parts.lm_head):
             xs = [parts.norm(hiddens[e]) for e in exits]  # each (B, T, d)
             return fused_head_ce(parts.lm_head, xs, [targets[e] for e in exits], [weights[e] for e in exits], chunk)

@@ -8,10 +8,11 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import Tensor
 
-from infer.runner import ints_to_device
+from infer.kv_cache import ints_to_device
 
 if TYPE_CHECKING:
-    from infer.runner import KVCache, Runner
+    from infer.kv_cache import KVCache
+    from infer.runner import Runner
     from infer.sampling import SamplingConfig
 
 

@@ -14,8 +14,9 @@ from torch import Tensor
 
 from infer.draft_vocab import resolve_draft_vocab_option
 from infer.drafters.base import DecodeState, Draft
+from infer.kv_cache import KVCache, ints_to_device
 from infer.plan import LayerPlan
-from infer.runner import DraftHead, KVCache, Runner, ints_to_device
+from infer.runner import DraftHead, Runner
 from infer.sampling import probs_from_logits, sample
 from layerskip_core.errors import UserError
 

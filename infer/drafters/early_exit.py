@@ -17,7 +17,7 @@ from infer.adapter import AdapterForward, ExitAdapter, adapter_path
 from infer.draft_vocab import DraftVocab, check_draft_vocab_option
 from infer.drafters.base import DecodeState, Draft, VerifyOutcome
 from infer.drafters.chain import EarlyExitForward, draft_chain, draft_head_for
-from infer.drafters.gate import FallbackGate, GateMemory
+from infer.drafters.gate import COLD, FallbackGate, GateMemory, check_remember
 from layerskip_core.errors import UserError
 from layerskip_core.options import check_fields
 
@@ -39,9 +39,10 @@ class EarlyExitDrafterConfig:
     across the prompts a drafter instance decodes)."""
     recheck_interval: int = 128
     """With adaptive: plain steps before drafting is probed again (doubling after each failed probe)."""
-    remember: bool = True
-    """With adaptive: keep what the gate measured (plain and drafting speed, its mode and back-off) in the toolkit
-    cache across commands, per model, device, dtype, threads and these settings (saved by ``finish``)."""
+    remember: str = "on"
+    """With adaptive, what the gate measured (plain and drafting speed, its mode and back-off), kept in the toolkit
+    cache per model, device, dtype, threads and these settings: on = start from it and save it (``finish``), read =
+    start from it without changing it, off = start cold and save nothing."""
     draft_vocab: str | DraftVocab | None = "auto"
     """Reduced-vocabulary draft head: drafts score only these token ids, verification always the full head (output
     unchanged). auto: the 8192 most frequent of the counts shipped for this model, if there are some, else the full
@@ -54,6 +55,7 @@ class EarlyExitDrafterConfig:
     def __post_init__(self) -> None:
         check_fields(self, "early_exit")
         check_draft_vocab_option(self.draft_vocab)
+        check_remember(self.remember)
         if self.num_draft < 1:
             raise UserError(f"num-draft must be >= 1, got {self.num_draft}")
         if self.recheck_interval < 1:
@@ -86,9 +88,8 @@ class EarlyExitDrafter:
         self.forward = EarlyExitForward(runner, self.config.exit_layer, self.vocab) if self.adapter is None \
             else AdapterForward(runner, self.adapter, self.vocab)
         self.gate = FallbackGate(self.config.recheck_interval, enabled=self.config.adaptive)
-        self.memory = None
-        if self.config.adaptive and self.config.remember:
-            self.memory = GateMemory.for_drafter(runner, self.name, self.config)
+        self.memory = GateMemory.for_drafter(runner, self.name, self.config) if self.config.adaptive else None
+        if self.memory is not None:
             try:
                 self.gate.load((self.memory.load() or {}).get("gate", {}))
             except (KeyError, TypeError, ValueError):  # a damaged memory file: start afresh
@@ -135,7 +136,8 @@ class EarlyExitDrafter:
     def stats(self) -> dict:
         out = {"draft_forwards": self.forwards, "plain_steps": self.plain_steps,
                "draft_vocab": None if self.vocab is None else self.vocab.size,
-               "adapter_exit": None if self.adapter is None else self.adapter.exit_layer}
+               "adapter_exit": None if self.adapter is None else self.adapter.exit_layer,
+               "start_state": COLD if self.memory is None else self.memory.start_state}
         if self.config.adaptive:
             out |= {"mode": self.gate.mode, "tps_plain": self.gate.plain.value, "tps_draft": self.gate.drafting.value}
         return out

@@ -11,7 +11,9 @@ What a gate learned is worth keeping: a fresh gate times plain steps and probes 
 prompt, which costs 8-11 % of a short prompt where drafting does not pay. `GateMemory` keeps the
 gate's state (and the drafter's measured draft/verify rates) in a small file under the toolkit
 cache, one per model (architecture and weight fingerprint), device, dtype, thread count and drafter
-settings, so any change of those starts afresh.
+settings, so any change of those starts afresh. ``remember`` says what a drafter does with it: ``on`` reads and
+writes it, ``read`` only reads it (a benchmark's warm start: every repeat starts from the same state), ``off``
+neither (a cold start). A drafter's stats name the state it started from (``start_state``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,17 @@ from layerskip_core.errors import UserError
 from layerskip_core.packages import cache_root
 
 MEMORY_FORMAT = "layerskip-gate/1"
+REMEMBER = ("on", "read", "off")
+"""``remember`` values: read and write the toolkit cache's memory, only read it, or neither."""
+COLD = "cold"
+"""``start_state`` of a drafter that restored nothing."""
+
+
+def check_remember(value) -> None:
+    """Refuse a ``remember`` option other than on, read or off."""
+    if value not in REMEMBER:
+        raise UserError(f"remember must be one of {', '.join(REMEMBER)} (read: use what earlier commands measured "
+                        f"without changing it), got {value!r}")
 
 
 class Rate:
@@ -153,16 +166,27 @@ def check_memory(d: dict) -> None:
 class GateMemory:
     """One drafter's learned gate state on disk, keyed by model, device, dtype, threads and drafter settings."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, writable: bool = True):
+        self.path, self.writable = path, writable
+        self.loaded = False  # whether ``load`` found a saved state
 
     @classmethod
-    def for_drafter(cls, runner, name: str, config) -> GateMemory:
+    def for_drafter(cls, runner, name: str, config) -> GateMemory | None:
+        """The memory of a drafter with ``config`` (its ``remember`` decides reading and writing); None when off.
+
+        The key leaves ``remember`` out, so a ``read`` drafter reads what an ``on`` drafter wrote."""
+        if config.remember == "off":
+            return None
+        settings = {k: v for k, v in dataclasses.asdict(config).items() if k != "remember"}
         key = {"format": MEMORY_FORMAT, "model": runner.identity(), "device": str(runner.device),
-               "dtype": str(runner.dtype), "threads": torch.get_num_threads(), "drafter": name,
-               "settings": dataclasses.asdict(config)}
+               "dtype": str(runner.dtype), "threads": torch.get_num_threads(), "drafter": name, "settings": settings}
         digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
-        return cls(cache_root() / "gate" / f"{name}-{digest}.json")
+        return cls(cache_root() / "gate" / f"{name}-{digest}.json", writable=config.remember == "on")
+
+    @property
+    def start_state(self) -> str:
+        """What a drafter using this memory started from: ``cold``, or ``warm from <file>``."""
+        return f"warm from {self.path}" if self.loaded else COLD
 
     def load(self) -> dict | None:
         """The saved state, or None when there is none; a damaged file is reported in one line and not trusted
@@ -177,10 +201,14 @@ class GateMemory:
             print(f"layerskip: warning: {e}; ignoring it and starting afresh (this run's measurements replace it; "
                   "delete the file to reset the gate)", file=sys.stderr)
             return None
+        self.loaded = True
         return d
 
     def save(self, state: dict) -> None:
-        """Write atomically; a cache that cannot be written only costs the speed-up of remembering."""
+        """Write atomically (nothing when only reading); a cache that cannot be written only costs the speed-up of
+        remembering."""
+        if not self.writable:
+            return
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)

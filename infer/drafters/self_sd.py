@@ -32,11 +32,12 @@ draft wrote in deeper layers is rolled back by the engine and rewritten by the v
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from infer.draft_vocab import DraftVocab, check_draft_vocab_option
 from infer.drafters.base import DecodeState, Draft, VerifyOutcome
 from infer.drafters.chain import PlanForward, draft_chain, draft_head_for
-from infer.plan import LayerPlan, check_plan_option, plan_for
+from infer.plan import LayerPlan, PlanFile, check_depth, check_plan_option
 from infer.runner import Runner
 from layerskip_core.errors import UserError
 from layerskip_core.options import check_fields
@@ -70,7 +71,8 @@ class SelfSDConfig:
     draft_vocab: str | DraftVocab | None = "auto"
     """Reduced-vocabulary draft head: drafts score only these token ids, verification always the full head (output
     unchanged). auto: the 8192 most frequent of the counts shipped for this model, if there are some, else the full
-    head; N: the N most frequent; a file made by `layerskip draft-vocab`; off: the full head."""
+    head; N: the N most frequent; a file made by `layerskip draft-vocab`; off: the full head. A plan file that
+    records its draft head (`layerskip search` writes it) is drafted with that head instead."""
 
     def __post_init__(self) -> None:
         check_fields(self, "self_sd")
@@ -127,6 +129,23 @@ class AdaptiveThreshold:
         self.updates += 1
 
 
+def load_plan(path: str | Path, runner: Runner) -> PlanFile:
+    """Load a plan file and refuse it unless it was made for ``runner``'s model."""
+    plan_file = PlanFile.load(Path(path).expanduser())
+    plan_file.check_model(runner.identity(), str(path))  # the depth too
+    return plan_file
+
+
+def plan_head(runner: Runner, plan_file: PlanFile):
+    """The draft head a plan file records (the one its search scored plans with): None for the full head."""
+    ids = plan_file.draft_ids
+    if ids is None:
+        return None
+    if max(ids) >= runner.spec.vocab_size:
+        raise UserError(f"the plan's draft head has token ids beyond the model's {runner.spec.vocab_size}")
+    return runner.draft_head(ids)
+
+
 class SelfSDDrafter:
     """Drafts with a fixed sublayer skip plan, stopping at an adaptive confidence threshold."""
 
@@ -138,8 +157,12 @@ class SelfSDDrafter:
         if config is None:
             raise UserError("the self_sd drafter needs a plan file (make one with `layerskip search`)")
         self.config = config
-        self.plan = plan = plan_for(config.plan, runner.identity())
-        self.vocab = draft_head_for(runner, config.draft_vocab)  # a reduced-vocabulary draft head, or None
+        plan_file = None if isinstance(config.plan, LayerPlan) else load_plan(config.plan, runner)
+        plan = config.plan if plan_file is None else plan_file.plan
+        check_depth(plan, runner.num_layers)
+        self.plan = plan
+        self.vocab = plan_head(runner, plan_file) if plan_file is not None and plan_file.draft_head else \
+            draft_head_for(runner, config.draft_vocab)  # a reduced-vocabulary draft head, or None
         self.forward = PlanForward(runner, plan, self.vocab)
         self.threshold = AdaptiveThreshold(config)
         self.forwards = 0

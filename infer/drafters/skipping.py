@@ -25,7 +25,7 @@ from infer.plan import LayerPlan
 KV_VIEWS = ("draft", "exact")
 
 
-def window_mask(w: int, hidden: int, device, kv: str = "draft") -> Tensor:
+def rerun_mask(w: int, hidden: int, device, kv: str = "draft") -> Tensor:
     """(w, hidden + w) mask of w window tokens appended after a cache whose last ``hidden`` rows (>= w) start
     with the window's own old rows: 'draft' hides those rows and lets the new rows see each other causally;
     'exact' lets window token i see the old rows of the i window tokens before it and its own new row."""
@@ -70,11 +70,11 @@ def verified_window(runner, cache, n: int, start: int, tokens: Tensor, target: T
     positions = torch.arange(start, start + w, device=runner.device)
     inputs = [runner.embed(tokens)]  # (w, d)
     if layer_inputs:
-        exact = window_mask(w, n - start, runner.device, "draft")  # the full model in draft view is exact
+        exact = rerun_mask(w, n - start, runner.device, "draft")  # the full model in draft view is exact
         for layer in range(runner.num_layers):
             inputs.append(runner.forward_layers(cache, inputs[-1], positions, layer, layer + 1, mask=exact))
         cache.rollback(n)
-    return Window(cache, n, positions, target, window_mask(w, n - start, runner.device, kv), inputs)
+    return Window(cache, n, positions, target, rerun_mask(w, n - start, runner.device, kv), inputs)
 
 
 @torch.no_grad()

@@ -24,9 +24,7 @@ layers as the starting plan, and the released evaluation script's window (50) an
 
 from __future__ import annotations
 
-import random
 import time
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -34,23 +32,21 @@ import torch
 from infer.draft_vocab import DraftVocab, check_draft_vocab_option
 from infer.drafters.base import DecodeState, Draft, VerifyOutcome
 from infer.drafters.chain import ChainResult, PlanForward, draft_chain, draft_head_for
-from infer.drafters.gate import FallbackGate, GateMemory, Rate
+from infer.drafters.gate import COLD, FallbackGate, GateMemory, Rate, check_remember
 from infer.drafters.skipping import matchness_span
-from infer.gp_ucb import GPUCB
+from infer.drafters.swift_search import LayerSetSearch
+from infer.kv_cache import ints_to_device
 from infer.plan import (
     LayerPlan,
     PlanFile,
-    PlanSpace,
     check_plan_option,
     cycle_speedup,
+    head_record,
     iid_tokens_per_cycle,
-    inner_layers,
     odd_inner_plan,
     plan_for,
-    uniform_plan,
     weights_cost,
 )
-from infer.runner import ints_to_device
 from layerskip_core.errors import UserError
 from layerskip_core.options import check_fields
 
@@ -61,7 +57,6 @@ DEFAULT_WINDOW = 32  # inference_swift.py's --context-window default
 DEFAULT_MATCH = 0.95  # inference_swift.py's --max-score default
 SCRIPT_WINDOW = 50  # what eval_llama.sh, the released evaluation script, passes (paper=true)
 SCRIPT_MATCH = 0.93
-BAYES = ("tpe", "gp_ucb")
 
 
 @dataclass
@@ -96,7 +91,8 @@ class SwiftConfig:
     """Draft only while draft-verify cycles measure faster than plain steps, else fall back to plain decoding and
     re-check later (the same gate as early_exit's; was ``fallback``)."""
     fallback_opt_budget: float = 0.03
-    """Most fraction of wall time spent optimising while in the fallback (plain) mode."""
+    """Most fraction of wall time spent optimising while in the fallback (plain) mode (at most 0.01 when the
+    remembered best plan is predicted not to pay)."""
     recheck_interval: int = 128
     """In fallback, probe drafting again after this many plain steps (doubling after each failed probe), if the
     cost model does not rule it out; sooner when a better plan is predicted to pay."""
@@ -107,14 +103,17 @@ class SwiftConfig:
     """Write the best plan found to this JSON file (self_sd-compatible) when decoding is finished."""
     opt_seed: int = 0
     """Seed of the random search and of the Bayesian step (optuna's TPE, or GP-UCB with paper=true)."""
-    remember: bool = True
-    """With adaptive: keep what the gate measured (plain and drafting speed, draft and verification rates, its mode
-    and back-off) in the toolkit cache across commands, per model, device, dtype, threads and these settings."""
+    remember: str = "on"
+    """With adaptive, what earlier commands learned (the gate's plain and drafting speed, draft and verification
+    rates, mode and back-off; the best plan and its matchness), kept in the toolkit cache per model, device, dtype,
+    threads and these settings: on = start from it and save it at the end, read = start from it without changing
+    it, off = start cold and save nothing. Stats say which (``start_state``)."""
     paper: bool = False
     """SWIFT as its released code runs: no fallback, no optimisation budget, the paper's tree widths with no node
     cap, GP-UCB, one global best matchness, the window of each prompt's first γ+1 tokens, the odd inner layers to
-    start (overrides adaptive, opt-budget, fallback-opt-budget and max-tree-nodes; context-window and
-    match-threshold default to the released script's 50 and 0.93)."""
+    start, the full LM head, and with a plan file no optimisation (the reference's cached-plan mode); overrides
+    adaptive, opt-budget, fallback-opt-budget, max-tree-nodes and draft-vocab; context-window and match-threshold
+    default to the released script's 50 and 0.93."""
     draft_vocab: str | DraftVocab | None = "auto"
     """Reduced-vocabulary draft head: drafts score only these token ids, verification always the full head (output
     unchanged). auto: the 8192 most frequent of the counts shipped for this model, if there are some, else the full
@@ -123,6 +122,7 @@ class SwiftConfig:
     def __post_init__(self) -> None:
         check_fields(self, "swift")
         check_draft_vocab_option(self.draft_vocab)
+        check_remember(self.remember)
         if self.plan:
             check_plan_option(self.plan, "swift")  # before any model is loaded
         if self.context_window is None:
@@ -146,114 +146,6 @@ class SwiftConfig:
                 raise UserError(message)
 
 
-# --------------------------------------------------------------------------- layer-set search
-class LayerSetSearch:
-    """SWIFT's online optimiser: random search + a Bayesian step every ``bo_interval`` steps, over skip sets of a
-    fixed size.
-
-    The search space is `layerskip search`'s (``PlanSpace``) restricted to the attention and MLP
-    sublayers of layers 1..L-2 (the first and last layer always run, as in the paper), with exactly
-    ``num_skip`` skips. The Bayesian step (``bayes``) is
-
-    - ``'tpe'``: optuna's TPE sampler fitted to every scored candidate (random ones are told to it as
-      completed trials); its yes/no proposal is repaired to ``num_skip`` skips (deep layers first).
-      optuna is optional and imported at the first Bayesian step; without it every step is random
-      search, said once (a warning, and ``method`` in the drafter's stats);
-    - ``'gp_ucb'`` (``paper=true``): the reference's Gaussian-process UCB (``infer.gp_ucb``) over one value
-      in [0, 1] per sublayer; the ``num_skip`` largest values are the skip set. Random candidates are
-      registered as their 0/1 vectors, Bayesian ones as the continuous point they came from (as the
-      reference registers them). Needs no optuna.
-    """
-
-    def __init__(self, num_layers: int, skip_ratio: float, bo_interval: int, seed: int, bayes: str = "tpe"):
-        if bayes not in BAYES:
-            raise ValueError(f"bayes must be one of {BAYES}, got {bayes!r}")
-        slots = 2 * len(inner_layers(num_layers))
-        self.space = PlanSpace(num_layers, keep_ends=True, n_skip=max(1, int(slots * skip_ratio)))
-        self.num_skip = self.space.n_skip
-        self.bo_interval, self.seed, self.bayes = bo_interval, seed, bayes
-        self.rng = random.Random(seed)
-        self.scored: list[tuple[LayerPlan, float]] = []
-        self.gp = GPUCB(len(self.space.names), seed) if bayes == "gp_ucb" else None
-        self.study = None  # optuna's, built at the first Bayesian step
-        self._dists: dict = {}
-        self.unavailable = ""  # why the Bayesian step is random search, once known
-        self.steps = 0
-        self.since_improved = 0
-
-    @property
-    def method(self) -> str:
-        """What proposes candidates: 'tpe' or 'gp_ucb' (each with random search), or 'random' and why."""
-        return f"random ({self.unavailable})" if self.unavailable else self.bayes
-
-    def uniform_plan(self) -> LayerPlan:
-        """The default starting plan: ``num_skip`` sublayers spread evenly over layers 1..L-2."""
-        return uniform_plan(self.space.num_layers, self.num_skip)
-
-    def propose(self):
-        """Next candidate: (plan, proposal), proposal = the optuna trial or the GP's continuous point, or None
-        for a random candidate."""
-        self.steps += 1
-        if self.steps % self.bo_interval == 0:
-            if self.gp is not None and self.scored:
-                point = self.gp.suggest()  # (D,) in [0, 1]
-                return self.top_n(point), point
-            study = self._tpe_study() if self.gp is None and len(self.scored) >= 2 else None
-            if study is not None:
-                trial = study.ask(self._dists)
-                return self.space.decode(trial.params), trial
-        chosen = set(self.rng.sample(self.space.names, self.num_skip))
-        return self.space.decode({name: name in chosen for name in self.space.names}), None
-
-    def record(self, plan: LayerPlan, proposal, score: float) -> None:
-        """Tell the optimiser a scored candidate."""
-        self.scored.append((plan, score))
-        if self.gp is not None:
-            self.gp.observe(self.vector(plan) if proposal is None else proposal, score)
-        elif proposal is not None:
-            self.study.tell(proposal, score)
-        elif self.study is not None:
-            self._add_trial(plan, score)
-
-    def vector(self, plan: LayerPlan) -> torch.Tensor:
-        """(D,) the plan as 0/1 per sublayer, in ``space.names`` order (attention of layers 1..L-2, then MLP)."""
-        params = self.space.params(plan)
-        return torch.tensor([float(params[name]) for name in self.space.names], dtype=torch.float64)
-
-    def top_n(self, point: torch.Tensor) -> LayerPlan:
-        """The plan skipping the ``num_skip`` sublayers with the largest values of ``point`` (D,); ties go to the
-        earlier name (a stable sort, as the reference's ``sorted``)."""
-        order = torch.argsort(point, descending=True, stable=True)[:self.num_skip].tolist()
-        chosen = {self.space.names[i] for i in order}
-        return self.space.decode({name: name in chosen for name in self.space.names})
-
-    def _tpe_study(self):
-        """optuna's study, built (with every candidate scored so far) at the first Bayesian step; None without
-        optuna."""
-        if self.study is None and not self.unavailable:
-            try:
-                import optuna  # optional and slow to import: only the Bayesian step needs it
-            except ImportError:
-                self.unavailable = "optuna not installed"
-                warnings.warn("optuna is not installed: swift's Bayesian step falls back to random search "
-                              "(pip install optuna, or swift:paper=true for the GP-UCB step, which needs none)",
-                              RuntimeWarning, stacklevel=3)
-                return None
-            optuna.logging.set_verbosity(optuna.logging.WARNING)
-            self._dists = self.space.distributions()
-            self.study = optuna.create_study(direction="maximize",
-                                              sampler=optuna.samplers.TPESampler(seed=self.seed))
-            for plan, score in self.scored:
-                self._add_trial(plan, score)
-        return self.study
-
-    def _add_trial(self, plan: LayerPlan, score: float) -> None:
-        import optuna  # already imported by _tpe_study
-
-        self.study.add_trial(optuna.trial.create_trial(params=self.space.params(plan),
-                                                        distributions=self._dists, value=score))
-
-
 # --------------------------------------------------------------------------- the drafter
 class SwiftDrafter:
     name = "swift"
@@ -264,11 +156,16 @@ class SwiftDrafter:
 
     PROBE = FallbackGate.PROBE  # drafting cycles measured before drafting is judged
     REPROBE_GAIN = 0.05  # matchness gain since the last probe that triggers an early re-check
+    HOPELESS_OPT_BUDGET = 0.01
+    """Most fraction of its time a drafter spends optimising while plain when what it restored says no plan pays
+    (the remembered best plan's predicted speed-up below 1, from the remembered draft and verify costs)."""
 
     def __init__(self, runner, config: SwiftConfig | None = None):
         self.config = cfg = config or SwiftConfig()
         self.runner = runner
-        self.vocab = draft_head_for(runner, cfg.draft_vocab)  # a reduced-vocabulary draft head, or None
+        # a reduced-vocabulary draft head, or None; the references all draft with the full head
+        self.draft_vocab = None if cfg.paper else cfg.draft_vocab
+        self.vocab = draft_head_for(runner, self.draft_vocab)
         if runner.num_layers < 3:
             raise UserError("swift needs a model with at least 3 layers (the first and last always run)")
         self.search = LayerSetSearch(runner.num_layers, cfg.skip_ratio, cfg.bo_interval, cfg.opt_seed,
@@ -278,8 +175,9 @@ class SwiftDrafter:
         if cfg.plan:
             self.best = plan_for(cfg.plan, runner.identity())
         self.best_score = -1.0  # best matchness found; < 0 = not scored yet
-        self.optimising = cfg.max_opt_steps > 0
-        self.stop_reason = ""
+        # the reference optimises at least once (it checks its step limit after a step) and not with a cached plan
+        self.stop_reason = "plan given (paper: no optimisation)" if cfg.paper and cfg.plan else ""
+        self.optimising = not self.stop_reason and (cfg.max_opt_steps > 0 or cfg.paper)
         self._forward: PlanForward | None = None
         self.fallback = cfg.adaptive and not cfg.paper
         self.gate = FallbackGate(cfg.recheck_interval, enabled=self.fallback)
@@ -291,7 +189,8 @@ class SwiftDrafter:
         self.trajectory: list[tuple[int, float]] = []
         self.window: tuple[int, int] | None = None
         self._reset_prompt_stats()
-        self.memory = GateMemory.for_drafter(runner, self.name, cfg) if self.fallback and cfg.remember else None
+        self.hopeless = False  # what was restored says no plan pays: optimise within HOPELESS_OPT_BUDGET
+        self.memory = GateMemory.for_drafter(runner, self.name, cfg) if self.fallback else None
         if self.memory is not None:
             self._restore(self.memory.load() or {})
 
@@ -386,6 +285,7 @@ class SwiftDrafter:
                 if all(0 <= i < L for i in plan.skip_attn | plan.skip_mlp):
                     self.best, self.best_score = plan, float(saved["score"])
                     self.score_at_probe = self.best_score
+                    self.hopeless = self.mode == "plain" and (self.predicted_speedup(self.best_score) or 0.0) < 1.0
         except (KeyError, TypeError, ValueError):
             self.gate = FallbackGate(self.config.recheck_interval, enabled=self.fallback)
 
@@ -398,6 +298,7 @@ class SwiftDrafter:
                 "opt_step_time": self.opt_step.seconds if self.opt_step.cycles else None,
                 "bayes": self.search.method, "window": self.window,
                 "draft_vocab": None if self.vocab is None else self.vocab.size,
+                "start_state": COLD if self.memory is None else self.memory.start_state, "hopeless": self.hopeless,
                 "matchness_trajectory": self.trajectory[self._traj_mark:]}
 
     # -------------------------------------------------------------- tree building
@@ -446,15 +347,18 @@ class SwiftDrafter:
 
         The share is ``opt_budget`` while drafting (paying, or being probed) and ``fallback_opt_budget`` while
         taking plain steps (the fallback, and before the first probe, which waits for a scored plan), of this
-        drafter's own time: what earlier commands decoded is not credit, since the
-        plan they found is not kept. The step's cost is what steps measured so far took (remembered across
-        commands; 0 before any), so a step the prompt's own decoding cannot pay for is not taken up front,
-        while a long prompt or a stream still earns steps (whose better plan can bring an early probe).
+        drafter's own time: what earlier commands decoded is not credit (their plan, when remembered, was paid
+        for then); plain, at most ``HOPELESS_OPT_BUDGET`` when what was restored says no plan pays. The step's cost
+        is what scoring a plan took so far (remembered across commands; 0 before any), twice when the window is
+        new (the incumbent is rescored too), so a step the prompt's own decoding cannot pay for is not taken up
+        front, while a long prompt or a stream still earns steps (whose better plan can bring an early probe).
         """
         if self.config.paper:
             return True
-        step = self.opt_step.seconds if self.opt_step.cycles else 0.0
+        step = (self.opt_step.seconds if self.opt_step.cycles else 0.0) * (2 if self.window is None else 1)
         share = self.config.opt_budget if self.mode == "draft" else self.config.fallback_opt_budget
+        if self.hopeless and self.mode == "plain":
+            share = min(share, self.HOPELESS_OPT_BUDGET)
         spent = self.opt_time_total
         return spent + step <= share * (self.decode_time + spent + step)
 
@@ -570,7 +474,8 @@ class SwiftDrafter:
                  objective={"name": "matchness", "value": None if self.best_score < 0 else self.best_score},
                  search={"steps": self.search.steps, "skip_ratio": self.config.skip_ratio,
                          "context_window": self.config.context_window, "bo_interval": self.config.bo_interval,
-                         "stop_reason": self.stop_reason}, source="swift").save(path)
+                         "stop_reason": self.stop_reason}, source="swift",
+                 draft_head=head_record(self.vocab)).save(path)
 
     def _reset_prompt_stats(self) -> None:
         self.forwards = 0

@@ -48,6 +48,8 @@ class Record:
     """Positions equal to the full model's output overall (lossy methods)."""
     answer_correct: bool | None = None
     """Final number equals the reference answer's (sets with '#### N' answers, e.g. GSM8K)."""
+    start_state: str = "cold"
+    """What the drafter started this run from: 'cold', or 'warm from <file>' (the drafter's own account)."""
 
     @property
     def lossy(self) -> bool:
@@ -84,7 +86,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> list[Record]:
     labels = model_labels(cfg.models)
 
     def load(source: str) -> LoadedModel:
-        return load_model(source, device=run.device, dtype=run.dtype, executor=run.executor, threads=run.threads)
+        return load_model(source, device=run.device, dtype=run.dtype, executor=run.executor, threads=run.threads,
+                          compile=run.compile)
 
     ready = None
     for source, label in reversed(list(zip(sources, labels, strict=True))):  # every model x method before timing
@@ -133,14 +136,26 @@ def check_methods(cfg: BenchConfig, model: LoadedModel, label: str, source: str)
     for method in cfg.methods:
         if not method.is_peer:
             try:
-                _engine_for(method, model, label)  # not closed: closing runs finish(), which may write (save_plan)
+                _engine_for(method, model, label, cfg.start)  # not closed: finish() may write (save_plan)
             except UserError as e:
                 raise UserError(f"{method.label} on model {label!r}: {e}") from None
 
 
-def _engine_for(method: Method, model: LoadedModel, label: str):
-    """A fresh engine; '{model}' in an option value becomes the model's label (per-model plan files)."""
+def _engine_for(method: Method, model: LoadedModel, label: str, start: str, warm_up: bool = False):
+    """A fresh engine; '{model}' in an option value becomes the model's label (per-model plan files).
+
+    A drafter that remembers state across commands starts as ``start`` says ('cold': remember=off; 'warm':
+    remember=read) unless the method sets remember itself; a warm-up drafter never reads or writes remembered
+    state nor its save_plan file."""
+    from infer.drafters import drafter_class
+
     options = {k: v.replace("{model}", label) for k, v in method.opts.items()}
+    if "remember" in {f.name for f in dataclasses.fields(drafter_class(method.name).Config)}:
+        options.setdefault("remember", "off" if start == "cold" else "read")
+        if warm_up:
+            options["remember"] = "off"
+    if warm_up:
+        options.pop("save_plan", None)
     return model.engine(method.name, options)
 
 
@@ -157,7 +172,7 @@ def _run_task(cfg: BenchConfig, model: LoadedModel, peer: Peer | None, label: st
     bar = tqdm(total=cfg.repeats * len(prompts) * len(cfg.methods), desc=f"{label}/{task}", disable=not progress,
                leave=False)
     for repeat in range(cfg.repeats):
-        engines = {m.label: _engine_for(m, model, label) for m in cfg.methods if not m.is_peer}  # fresh streams
+        engines = {m.label: _engine_for(m, model, label, cfg.start) for m in cfg.methods if not m.is_peer}
         configs = {m.label: cfg.generation(m) for m in cfg.methods if not m.is_peer}
         for prompt in prompts:
             for method in cfg.methods:
@@ -169,7 +184,7 @@ def _run_task(cfg: BenchConfig, model: LoadedModel, peer: Peer | None, label: st
                     result, verified = timed_generate(engines[method.label], prompt.ids, configs[method.label])
                     tokens, stats = result.tokens, result.stats
                 rec = Record(model=label, task=task, method=method.label, prompt_id=prompt.id, repeat=repeat,
-                             stats=stats)
+                             stats=stats, start_state=str(stats.drafter.get("start_state", "cold")))
                 if method.label == BASELINE and repeat == 0:
                     reference[prompt.id] = tokens
                 if repeat == 0:
@@ -215,5 +230,5 @@ def _warmup(cfg: BenchConfig, model: LoadedModel, peer: Peer | None, prompts: li
         elif method.is_peer:
             peer.generate(method, prompts[0], short, model.eos_token_ids)
         else:
-            with _engine_for(method, model, label) as engine:
+            with _engine_for(method, model, label, cfg.start, warm_up=True) as engine:
                 engine.warm_up(prompts, cfg.generation(method))

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 PEERS = ("hf_generate", "hf_static", "hf_early_exit", "prompt_lookup")
 PEER_OPTIONS = {"hf_early_exit": ("E", "k"), "prompt_lookup": ("k",)}
 BASELINE = "autoregressive"
+STARTS = ("cold", "warm")
+"""``BenchConfig.start``: timed drafters start with nothing remembered, or from the toolkit cache read-only."""
 
 
 @dataclass(frozen=True)
@@ -139,11 +141,18 @@ class BenchConfig:
     stop_at_eos: bool = False
     """Stop at EOS; off by default so every method generates exactly max_new_tokens."""
     warmup: bool = True
-    """Untimed runs per method before timing (``Engine.warm_up``: also builds every static forward and graph)."""
+    """Untimed runs per method before timing (``Engine.warm_up``: also builds every static forward and graph); their
+    drafters neither read nor write remembered state, nor a save_plan file."""
+    start: str = "cold"
+    """What every timed drafter starts from: 'cold' (nothing remembered is read or written) or 'warm' (what earlier
+    commands left in the toolkit cache, read but never changed); either way every repeat starts alike, unless a
+    method's own ``remember=on`` says otherwise. Records name each run's ``start_state``."""
 
     def __post_init__(self) -> None:
         if self.n < 1 or self.max_new_tokens < 1 or self.repeats < 1:
             raise UserError("--n, --max-new-tokens and --repeats must be >= 1")
+        if self.start not in STARTS:
+            raise UserError(f"--start must be {' or '.join(STARTS)}, got {self.start!r}")
         if self.chat not in ("auto", "always", "never"):
             raise UserError("--chat must be auto, always or never")
         if not self.models or not self.data:

@@ -204,8 +204,8 @@ def markdown_table(rows: list[Summary]) -> str:
             cells = [r.model, r.method, f"{r.tokens_per_second:.1f}",
                      r.note or _fmt(r.speedup_vs_autoregressive, suffix="x"),
                      r.note or _fmt(r.speedup_vs_hf_generate, suffix="x"), _fmt(r.acceptance_rate),
-                     _fmt(r.tokens_per_verify),
-                     _fmt(r.mean_draft_forwards), _fmt(r.draft_cost_ratio), _fmt(r.expected_speedup, suffix="x"),
+                     _fmt(r.tokens_per_verify), _fmt(r.mean_draft_forwards), _fmt(r.draft_cost_ratio),
+                     "–" if r.note == "never drafted" else _fmt(r.expected_speedup, suffix="x"),
                      _fmt(r.opt_time_share, ".1%"), _exact_cell(r)]
             if agree:
                 cells.append("–" if r.agreement is None else f"{r.agreement:.2f} ({r.prefix_agreement:.2f})")

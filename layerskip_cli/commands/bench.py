@@ -51,6 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--n", type=int, default=8, help="prompts per task (from the end of each set: held out)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
+    p.add_argument("--start", default="cold", choices=["cold", "warm"],
+                   help="what timed drafters start from: cold (default: nothing remembered is read or written) or "
+                   "warm (what earlier commands left in the toolkit cache, read-only); every repeat starts alike")
     add_run_flags(p, RUN)  # every method, peers included, runs with these
     p.add_argument("--sample", action="store_true", help="sample instead of greedy (exactness then not checked); "
                    "--temperature defaults to 1.0 then")
@@ -102,7 +105,7 @@ def config_from_args(args: argparse.Namespace):
     return BenchConfig(models=args.models or ["default"], methods=methods,
                        data=[d.strip() for d in args.data.split(",") if d.strip()], n=args.n,
                        max_new_tokens=args.max_new_tokens, repeats=args.repeats, run=run, sampling=sampling,
-                       chat=args.chat, stop_at_eos=args.stop_at_eos)
+                       chat=args.chat, stop_at_eos=args.stop_at_eos, start=args.start)
 
 
 def run(args: argparse.Namespace) -> int:

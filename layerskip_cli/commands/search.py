@@ -25,9 +25,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, required=True, help="plan file to write, e.g. plans/smollm2-135m-humaneval.json")
     p.add_argument("--trials", type=int, default=100, help="trials the study should hold in total (default 100; "
                    "a resumed study runs only the missing ones)")
-    p.add_argument("--objective", default="model",
+    p.add_argument("--objective", default=None,
                    help="'model' (alias 'acceptance', default): expected speed-up from teacher-forced agreement and "
-                   "draft cost, noise-free and fast; 'speed': measured tokens/s of self-speculative decoding")
+                   "draft cost, noise-free and fast; 'speed' (default with --paper): measured tokens/s of "
+                   "self-speculative decoding")
     p.add_argument("--skip-ratio", type=float, default=None,
                    help="skip exactly this fraction of the 2L sublayers (default: the search chooses how many)")
     p.add_argument("--seed", type=int, default=0, help="seed of the optuna sampler (default 0)")
@@ -45,6 +46,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="speed objective: 'interleaved' (default; value = speed-up over autoregressive decoding of "
                    "each prompt timed just before it) or 'once' (value = tokens/s, as in Self-SD)")
     p.add_argument("--no-warm-start", action="store_true", help="do not enqueue uniform plans as first trials")
+    p.add_argument("--draft-vocab", default="auto",
+                   help="the one draft head both objectives and the cost model score with, recorded in the plan "
+                   "(self_sd drafts the plan with it): auto (default; the 8192 most frequent ids of the counts shipped "
+                   "for the model, else the full head), a size, a file from `layerskip draft-vocab`, or off")
+    p.add_argument("--paper", action="store_true",
+                   help="the reference's search: GP-UCB (kappa 2.576, alpha 1e-2) on a continuous point in [0,1]^2L "
+                   "thresholded at 0.5, --iterations suggestions, the full head, the speed objective unless "
+                   "--objective says otherwise; no study journal")
+    p.add_argument("--iterations", type=int, default=1000,
+                   help="with --paper: GP-UCB suggestions (default 1000, the reference's)")
     p.add_argument("--chat", default="auto", choices=["auto", "always", "never"],
                    help="chat template: auto = for gsm8k only (as `layerskip bench` does)")
     p.add_argument("--study", type=Path, default=None,
@@ -57,6 +68,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # torch, transformers and optuna load only once the arguments are known to be good
+    from infer.draft_vocab import resolve_draft_vocab_option
     from infer.loading import load_from_settings
     from infer.search import SearchConfig, search_plan, study_path_for
 
@@ -64,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = SearchConfig(objective=args.objective, trials=args.trials, skip_ratio=args.skip_ratio, seed=args.seed,
                        timeout=args.timeout, sampler=args.sampler, n_prompts=args.n,
                        max_new_tokens=args.max_new_tokens, num_draft=args.num_draft, cost=args.cost,
-                       warm_start=not args.no_warm_start, speed_reference=args.speed_reference)
+                       warm_start=not args.no_warm_start, speed_reference=args.speed_reference,
+                       draft_vocab=args.draft_vocab, paper=args.paper, iterations=args.iterations)
     if args.out.suffix != ".json":
         raise UserError(f"--out {args.out} should be a .json file")
     check_output_file(args.out, "--out", force=args.force)
@@ -78,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
     resolved = settings.resolve()
 
     model = load_from_settings(settings, resolved)
+    # the search's one draft head, resolved with the tokenizer (a finetuned checkpoint keeps its base's counts)
+    cfg.draft_vocab = resolve_draft_vocab_option(cfg.draft_vocab, model.runner, model.tokenizer) or "off"
     task = task_name(args.data)
     chat = use_chat_template(task, args.chat)
     prompts = [model.encode(item.prompt, chat) for item in items]
@@ -103,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
     if "k" in m:
         line += f" (best replayed k={m['k']}, gamma={m['gamma']})"
     print(line, file=sys.stderr)
-    print(f"search took {plan_file.search['wall_time_s']}s (study: {study})", file=sys.stderr)
+    where = "" if cfg.paper else f" (study: {study})"
+    print(f"search took {plan_file.search['wall_time_s']}s{where}", file=sys.stderr)
     print(args.out)
     return 0

@@ -141,3 +141,18 @@ def test_train_subcommand_is_train_layerskip(capsys, tmp_path):
 def test_prompts_file_that_is_a_directory_is_named_as_such(capsys, tiny_model_dir, tmp_path):
     code, out, err = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--prompts-file", str(tmp_path))
     assert code == 2 and out == "" and "is a directory" in err and len(err.strip().splitlines()) == 1
+
+
+def test_compiled_static_forwards_on_the_default_model(capsys, default_model_path):
+    """--compile (torch.compile of the static forwards' layers; the CUDA default) decodes the real model token for
+    token as --no-compile and the eager executor do, with a drafter that verifies several rows."""
+    argv = ["generate", "--model", str(default_model_path), "--prompt", "def fib(n):", "--json", "--ignore-eos",
+            "--max-new-tokens", "10", "--drafter", "early_exit", "--exit-layer", "20", "--num-draft", "3",
+            "--threads", "1"]
+    tokens = []
+    for extra in (["--executor", "static", "--compile"], ["--executor", "static", "--no-compile"],
+                  ["--executor", "eager"]):
+        code, out, err = run_cli(capsys, *argv, *extra)
+        assert code == 0, err
+        tokens.append(json.loads(out)["tokens"])
+    assert tokens[0] == tokens[1] == tokens[2] and len(tokens[0]) == 10

@@ -102,7 +102,7 @@ def test_adaptive_plain_steps_then_drafting_stays_exact(model, tmp_path):
     write_adapter(model, path, 2, noise=0.05)
     runner = Runner.from_model(model)
     drafter = build_drafter("early_exit", runner, {"adapter": str(path), "k": 3, "adaptive": True,
-                                                   "recheck_interval": 3, "remember": False})
+                                                   "recheck_interval": 3, "remember": "off"})
     drafter.gate.mode = "plain"  # start in plain steps, as a gate that measured drafting slower would
     engine = Engine(runner, drafter)
     for prompt in PROMPTS:

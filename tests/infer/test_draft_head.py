@@ -114,7 +114,7 @@ def test_self_sd_and_swift_with_a_subset_equal_autoregressive(runner, tmp_path):
         vocab = _vocab(runner, (set(range(0, 320, 2)) | set(ref)) - {ref[1]})
         for name, options in (("self_sd", {"plan": str(plan)}),
                               ("swift", {"plan": str(plan), "adaptive": False, "context_window": 8,
-                                         "remember": False, "opt_budget": 0.95})):
+                                         "remember": "off", "opt_budget": 0.95})):
             drafter = build_drafter(name, runner, options | {"draft_vocab": vocab})
             out = Engine(runner, drafter).generate(prompt, GenerationConfig(max_new_tokens=32))
             assert out.tokens == ref, (name, prompt)
@@ -124,7 +124,7 @@ def test_self_sd_and_swift_with_a_subset_equal_autoregressive(runner, tmp_path):
 def test_auto_is_the_full_head_where_no_counts_ship(model):
     """The default, draft_vocab=auto, needs counts made for the model: the tiny model has none (full head)."""
     runner = Runner.from_model(model)
-    for name, options in (("early_exit", {"exit_layer": 2}), ("swift", {"remember": False})):
+    for name, options in (("early_exit", {"exit_layer": 2}), ("swift", {"remember": "off"})):
         drafter = build_drafter(name, runner, options)
         assert drafter.config.draft_vocab == "auto" and drafter.vocab is None
         assert drafter.stats()["draft_vocab"] is None

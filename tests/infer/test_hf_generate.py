@@ -26,7 +26,7 @@ def drafters(model, tmp_path) -> list[tuple[str, dict]]:
     PlanFile(LayerPlan(4, frozenset({2}), frozenset({3})), identity, task="test").save(plan)
     return [("autoregressive", {}), ("early_exit", {"exit_layer": 2, "num_draft": 3}),
             ("self_sd", {"plan": str(plan)}),
-            ("swift", {"plan": str(plan), "adaptive": False, "context_window": 8, "remember": False})]
+            ("swift", {"plan": str(plan), "adaptive": False, "context_window": 8, "remember": "off"})]
 
 
 @pytest.fixture(params=["llama", "qwen2"])

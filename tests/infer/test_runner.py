@@ -44,7 +44,7 @@ def test_static_executor_parity_with_transformers(kind):
     got = [runner.span(cache, runner.embed(ids[10:15]), list(range(10, 15)), 0, L, logits=True).logits]  # 8-row bucket
     got += [runner.span(cache, runner.embed(ids[i:i + 1]), [i], 0, L, logits=True).logits for i in range(15, 24)]
     assert cache.lengths == [24] * L
-    assert any(runner.static._spans[cache])  # the static executor ran them
+    assert runner.static.spans(cache)  # the static executor ran them
     torch.testing.assert_close(torch.cat(got), ref[10:], atol=1e-4, rtol=0)
 
 
@@ -185,3 +185,33 @@ def test_plan_forward_drafts_exactly_the_plan(tiny_llama):
         torch.testing.assert_close(logits, runner.forward(runner.new_cache(8), token, plan=plan), atol=1e-5, rtol=0)
         ref = runner.forward_layers(runner.new_cache(8), runner.embed(token), torch.tensor([0]), 0, plan.exact_prefix)
         torch.testing.assert_close(exact, ref, atol=0, rtol=0)
+
+
+def test_prefill_takes_the_causal_kernel_and_masked_calls_fold_groups():
+    """Prefill from an empty cache passes no mask (is_causal: the flash kernel's path); a masked call (a tree, a
+    chunk after a prefix) never combines a mask with enable_gqa (the math kernel's path); results agree."""
+    from torch.overrides import TorchFunctionMode
+
+    calls = []
+
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.nn.functional.scaled_dot_product_attention:
+                calls.append((kwargs.get("attn_mask") is not None, kwargs.get("is_causal", False),
+                              kwargs.get("enable_gqa", False)))
+            return func(*args, **kwargs)
+
+    model = make_model("llama", seed=3)
+    runner = Runner.from_model(model)
+    assert runner.spec.num_heads != runner.spec.num_kv_heads
+    ids = torch.randint(0, 320, (24,), generator=torch.Generator().manual_seed(0))
+    cache = runner.new_cache(64)
+    with Spy():
+        logits = runner.forward(cache, ids[:10])
+    assert calls and all(not masked and causal for masked, causal, _ in calls)
+    calls.clear()
+    with Spy():
+        logits = torch.cat([logits, runner.forward(cache, ids[10:])])  # 14 rows after 10: a causal mask
+    assert calls and all(masked and not gqa for masked, _, gqa in calls)
+    torch.testing.assert_close(logits, hf_logits(model, ids), atol=1e-4, rtol=0)

@@ -9,19 +9,10 @@ import pytest
 import torch
 
 from infer.drafters.chain import PlanForward
-from infer.plan import LayerPlan, PlanFile, PlanSpace
+from infer.plan import LayerPlan, PlanFile, PlanSpace, weights_cost
 from infer.runner import Runner
-from infer.search import (
-    ModelObjective,
-    SearchConfig,
-    calibration_set,
-    measure_cost,
-    open_study,
-    replay,
-    run_search,
-    search_plan,
-    weights_cost,
-)
+from infer.search import SearchConfig, open_study, run_search, search_plan
+from infer.search_objectives import ModelObjective, calibration_set, measure_cost, replay
 from layerskip_cli.main import main
 from layerskip_core.errors import UserError
 from tiny_models import make_model
@@ -257,17 +248,18 @@ def test_speed_objective(runner, tmp_path, reference):
 def test_speed_objective_drafts_as_the_reference_search(runner, monkeypatch):
     """searching.py decodes with decoding.py's defaults: k = 8 and gamma from 0.8 (adaptive) on every prompt."""
     import infer.search as search_module
+    import infer.search_objectives as objectives_module
 
     assert SearchConfig(objective="speed").num_draft == 8 and SearchConfig(objective="model").num_draft == 12
     assert SearchConfig(objective="speed", num_draft=5).num_draft == 5
     built = []
-    drafter_class = search_module.SelfSDDrafter
+    drafter_class = objectives_module.SelfSDDrafter
 
     def record(runner, config):
         built.append(config)
         return drafter_class(runner, config)
 
-    monkeypatch.setattr(search_module, "SelfSDDrafter", record)
+    monkeypatch.setattr(objectives_module, "SelfSDDrafter", record)
     cfg = SearchConfig(objective="speed", trials=1, n_prompts=2, max_new_tokens=8, warm_start=False)
     objective, _ = search_module.build_objective(runner, PROMPTS[:2], cfg)
     value, metrics = objective(LayerPlan(6, frozenset({2})))

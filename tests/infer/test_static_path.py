@@ -8,7 +8,7 @@ import torch
 
 from infer.drafters import build_drafter
 from infer.engine import Engine, GenerationConfig
-from infer.graphs import bucket, window_mask
+from infer.graphs import bucket, padded_window
 from infer.plan import LayerPlan, PlanFile
 from infer.runner import Runner
 from layerskip_core.errors import UserError
@@ -85,7 +85,7 @@ def test_static_equals_eager_when_sampling(eager, static):
 def test_static_executor_runs_the_decoding_forwards(static):
     engine = Engine(static, build_drafter("early_exit", static, {"exit_layer": 3, "num_draft": 3}))
     res = engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=12))
-    spans = [k for table in static.static._spans.values() for k in table]  # kept per (pooled) cache
+    spans = [s.key for s in static.static.spans()]  # kept per (pooled) cache
     assert res.stats.verify_calls > 0
     assert any(k.start == 0 and k.end == 3 and k.logits and k.rows == 1 for k in spans)  # draft steps
     assert any(k.start == 3 and k.end == L and k.logits and k.rows == 4 for k in spans)  # verification of 4
@@ -128,11 +128,11 @@ def test_padded_verification_equals_unpadded(model, eager, shape):
     torch.testing.assert_close(v1, v3, atol=1e-5, rtol=0)
 
 
-def test_window_mask_padded_rows_see_only_themselves():
-    m = window_mask(4, 3, 0, None)  # chain of 3 in a 4-row bucket
+def test_padded_window_rows_see_only_themselves():
+    m = padded_window(4, 3, 0, None)  # chain of 3 in a 4-row bucket
     assert m.tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 1]]
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
-    sub = window_mask(2, 1, 2, tree[2:, :])  # one fresh row behind two earlier window slots
+    sub = padded_window(2, 1, 2, tree[2:, :])  # one fresh row behind two earlier window slots
     assert sub.tolist() == [[1, 0, 1, 0], [0, 0, 0, 1]]
 
 
@@ -147,7 +147,7 @@ def test_span_falls_back_to_eager_when_the_bucket_does_not_fit(model, eager):
         out = runner.span(cache, runner.embed(ids[5:]), [5, 6, 7], 0, L, logits=True)
         assert cache.lengths == [8] * L
         outs.append(out.logits)
-    assert not static.static._spans or not any(static.static._spans.values())  # nothing static was built
+    assert static.static.builds == 0 and not static.static.spans()  # nothing static was built
     torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
 
 
@@ -162,14 +162,14 @@ def test_executor_option_errors(model, monkeypatch):
     assert Runner.from_model(model).executor == "eager"  # CPU default: the eager path stays
 
 
-def _fake_capture(self, cache, pool=None):
+def _fake_capture(self, cache, steps, pool=None):
     """Stands in for CUDA-graph capture on CPU: replay recomputes into the same output buffers."""
-    self.outputs = self.compute(cache)
+    self.outputs = self.compute(cache, steps)
     span = self
 
     class Replay:
         def replay(self):
-            for buf, value in zip(span.outputs, span.compute(cache), strict=True):
+            for buf, value in zip(span.outputs, span.compute(cache, steps), strict=True):
                 if buf is not None:
                     buf.copy_(value)
 
@@ -189,7 +189,7 @@ def test_replayed_forwards_hand_out_copies(model, eager, monkeypatch):
         for prompt in PROMPTS:
             got = engine.generate(prompt, GenerationConfig(max_new_tokens=32)).tokens
             assert got == _run(eager, name, options, prompt).tokens, (name, prompt)
-        spans += [s for table in replayed.static._spans.values() for s in table.values()]
+        spans += replayed.static.spans()
     assert any(s.graph is not None for s in spans)  # captured on second use, then replayed
     assert all(s.graph is None for s in spans if s.uses < 2)
 
@@ -197,7 +197,7 @@ def test_replayed_forwards_hand_out_copies(model, eager, monkeypatch):
 def test_failed_capture_warns_once_and_falls_back_to_eager(model, eager, monkeypatch):
     from infer.graphs import StaticExecutor, StaticSpan
 
-    def broken(self, cache, pool=None):
+    def broken(self, cache, steps, pool=None):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(StaticSpan, "capture", broken)
@@ -225,7 +225,7 @@ def test_layers_at_different_lengths(model, eager):
         outs.append(out.logits)
         lengths.append(list(cache.lengths))
     assert lengths[0] == lengths[1] == [14, 14] + [12] * (L - 2)
-    (key,) = list(static.static._spans[caches[0]])
+    (key,) = [s.key for s in static.static.spans(caches[0])]
     assert key.groups == (0, 0) + (2,) * (L - 2)  # two masks per forward, not one per layer
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
 
@@ -255,7 +255,7 @@ def test_static_forwards_are_built_once_across_repeats_and_prompt_lengths(model)
     runner = Runner.from_model(model, executor="static")
     counts = _bench_like(runner, [PROMPTS[0], PROMPTS[2]] + LONG)  # 5, 14, 230 and 300 tokens: 256 and 512 slots
     assert counts[0][0] > 0 and counts == [counts[0]] * len(counts)
-    assert sorted(runner._free_caches) == [256, 512] and all(len(v) == 1 for v in runner._free_caches.values())
+    assert runner.caches.capacities() == {256: 1, 512: 1}
 
 
 def test_a_longer_prompt_reuses_the_cache_and_its_forwards(model):
@@ -288,7 +288,7 @@ def test_graphs_are_captured_before_the_timed_runs(model, monkeypatch, drafter, 
 def test_grouped_attention_equals_sdpa_with_gqa():
     """Folding the query groups into rows (no enable_gqa, so CUDA's memory-efficient kernel takes the masked
     call) gives the grouped-query attention of SDPA with ``enable_gqa``."""
-    from infer.graphs import grouped_attention
+    from infer.attention import grouped_attention
 
     g = torch.Generator().manual_seed(0)
     for Hq, Hkv in ((4, 2), (9, 3), (4, 4)):

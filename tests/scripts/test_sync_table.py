@@ -10,12 +10,12 @@ def test_sync_table_on_a_tiny_model(tiny_model_dir, tmp_path, capsys):
     code = load_script("sync_table").main([
         "--model", str(tiny_model_dir), "--device", "cpu", "--max-new-tokens", "24", "--json", str(out),
         "--drafters", "autoregressive,early_exit:E=2:k=3,early_exit:E=2:k=3:confidence=0.1,"
-        "swift:context_window=4:adaptive=false:remember=false"])
+        "swift:context_window=4:adaptive=false:remember=off"])
     assert code == 0, capsys.readouterr().err
     rows = {r["drafter"]: r for r in json.loads(out.read_text())}
     assert rows["early_exit:E=2:k=3"]["per_cycle"] == 1.0 and rows["early_exit:E=2:k=3"]["executor"] == "static"
     assert all(r["per_cycle"] <= r["budget"] for r in rows.values())
-    assert "| `swift:context_window=4:adaptive=false:remember=false` |" in capsys.readouterr().out
+    assert "| `swift:context_window=4:adaptive=false:remember=off` |" in capsys.readouterr().out
 
 
 def test_bad_spec_is_refused_before_loading(capsys):

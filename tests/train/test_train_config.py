@@ -179,3 +179,26 @@ def test_recipe_that_is_not_utf8_or_is_a_directory_is_one_line(tmp_path):
         load_config(bad)
     with pytest.raises(UserError, match="is a directory"):
         load_config(tmp_path)
+
+
+def test_fsdp2_config_is_fsdp_version_2():
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    cfg = ClusterConfig.from_yaml_file(str(REPO / "configs/accelerate/fsdp2.yaml"))
+    assert cfg.distributed_type.value == "FSDP" and cfg.fsdp_config["fsdp_version"] == 2
+    assert cfg.fsdp_config["fsdp_state_dict_type"] == "FULL_STATE_DICT"  # one whole HF folder at the end
+
+
+def test_zero3_refuses_layer_dropout_and_lora():
+    """Checked before any model loads, with the stage accelerate's DeepSpeed plugin reports."""
+    base = load_config(REPO / "recipes/cpu-demo-stdlib.yaml")
+    with_dropout = dataclasses.replace(base, layer_dropout=dataclasses.replace(base.layer_dropout, p_max=0.2),
+                                       lora=dataclasses.replace(base.lora, enabled=False))
+    with pytest.raises(UserError, match=r"layer dropout .*ZeRO-3.*p_max=0"):
+        layerskip.check_zero_stage(with_dropout, 3)
+    layerskip.check_zero_stage(with_dropout, 2)  # ZeRO-2 and no DeepSpeed take it
+    layerskip.check_zero_stage(with_dropout, None)
+    with_lora = dataclasses.replace(with_dropout, layer_dropout=dataclasses.replace(base.layer_dropout, p_max=0.0),
+                                    lora=dataclasses.replace(base.lora, enabled=True))
+    with pytest.raises(UserError, match="LoRA with DeepSpeed ZeRO-3"):
+        layerskip.check_zero_stage(with_lora, 3)

@@ -171,8 +171,8 @@ def test_fused_and_checkpointed_ce_equal_full_logits(model, batch, chunk, padded
 def test_model_loss_equals_unchunked_for_every_curriculum(model, batch, curriculum):
     """The whole LayerSkipLM forward (small chunks) against full-logits CE per exit, at several steps."""
     ids, labels = batch
-    cfg = EarlyExitConfig(exits=[1, 3, 5], scale="sum", e_scale=0.5, curriculum=curriculum, rotation=2)
-    lm = LayerSkipLM(model, LayerDropoutConfig(), cfg, max_steps=8, loss_chunk=5).train()
+    cfg = EarlyExitConfig(exits=[1, 3, 5], scale="sum", e_scale=0.5, curriculum=curriculum, rotation=2, loss_chunk=5)
+    lm = LayerSkipLM(model, LayerDropoutConfig(), cfg, max_steps=8).train()
     targets = next_token_targets(labels)
     for step in (0, 1, 3, 6):
         weights = lm.weights(step)
@@ -254,3 +254,17 @@ def test_tied_head_gradient_reaches_the_embedding(batch):
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_exit_loss_chunk_is_sized_to_the_device(monkeypatch):
+    """About 32M logits per chunk on a CPU; on a GPU larger (up to 128M, at most 1/64 of its memory)."""
+    from types import SimpleNamespace
+
+    from train.losses import CHUNK_ELEMENTS, GPU_CHUNK_ELEMENTS, default_chunk
+
+    V = 49152
+    assert default_chunk(V) == default_chunk(V, "cpu") == CHUNK_ELEMENTS // V
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=141 << 30))
+    assert default_chunk(V, "cuda") == GPU_CHUNK_ELEMENTS // V > 4 * default_chunk(V)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=8 << 30))
+    assert default_chunk(V, "cuda") == (8 << 30) // 64 // 4 // V  # a small GPU: 1/64 of its memory

@@ -6,7 +6,9 @@
 
 transformers copies this file into its module cache and calls ``generate(model=..., **generate's arguments)``; it
 imports ``infer``, so the toolkit must be installed (or on ``PYTHONPATH``) where it runs. Keywords named like a
-drafter option (``exit_layer``, ``num_draft``, ``plan``, ...) go to the drafter; the rest to ``generate``.
+drafter option (``exit_layer``, ``num_draft``, ``plan``, ...) go to the drafter; the rest to ``generate``. Each call
+builds the runner afresh (re-fusing the model's q/k/v and gate/up: a moment, no lasting copy); the callable form,
+``custom_generate=hf_generate(...)``, builds it once per model.
 """
 
 from transformers import GenerationMixin

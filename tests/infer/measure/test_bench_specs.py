@@ -80,6 +80,8 @@ def test_rows_that_never_drafted_or_have_too_few_samples_are_marked_not_ranked()
     assert rows["self_sd:plan=p"].note == "too few samples" and rows["early_exit:E=2"].note is None
     table = markdown_table(list(rows.values()))
     assert "| m | swift | 10.0 | never drafted |" in table and "| too few samples |" in table
+    swift_row = next(line for line in table.splitlines() if "| swift |" in line).split(" | ")
+    assert swift_row[9] == "–"  # no expected speed-up from a cost model of plain steps
     assert recommend(list(rows.values())) == {("m", "t"): "autoregressive"}  # equal speed; marked rows not ranked
 
 

@@ -7,9 +7,10 @@ from infer.drafters import build_drafter
 from infer.drafters.base import DecodeState
 from infer.drafters.chain import draft_chain
 from infer.engine import Engine, GenerationConfig
+from infer.kv_cache import ints_to_device
 from infer.measure.syncs import SyncCounter, measure_decode
 from infer.plan import LayerPlan, PlanFile
-from infer.runner import Runner, ints_to_device
+from infer.runner import Runner
 from infer.sampling import SamplingConfig
 from tiny_models import make_model
 
@@ -60,7 +61,7 @@ def test_greedy_sync_budgets(runner, tmp_path):
     assert conf["per_cycle"] <= conf["draft_steps_per_cycle"] + 1
     sd = _measure(runner, "self_sd", {"plan": _plan(runner, tmp_path), "num_draft": 6})
     assert sd["per_cycle"] <= sd["draft_steps_per_cycle"] + 1
-    swift = _measure(runner, "swift", {"context_window": 4, "remember": False, "adaptive": False,
+    swift = _measure(runner, "swift", {"context_window": 4, "remember": "off", "adaptive": False,
                                        "max_tree_nodes": 12})
     assert swift["per_cycle"] <= swift["draft_steps_per_cycle"] + 2  # + the tree's one read
     assert swift["update_per_cycle"] > 0  # the optimiser reads its scores (reported apart)
@@ -75,7 +76,7 @@ def test_sampled_chain_verification_reads_once(runner):
 
 def test_tree_costs_one_read_whatever_its_depth(runner):
     """SWIFT's siblings for all depths come from one batched top-k, read in one transfer."""
-    drafter = build_drafter("swift", runner, {"context_window": 4, "remember": False, "adaptive": False,
+    drafter = build_drafter("swift", runner, {"context_window": 4, "remember": "off", "adaptive": False,
                                               "confidence": 0.0, "num_draft": 5, "max_opt_steps": 0})
     engine = Engine(runner, drafter)
     gen = engine.start(PROMPT, GenerationConfig(max_new_tokens=30, stop_at_eos=False))

@@ -1,0 +1,47 @@
+"""Attention over a KV cache with grouped KV heads, shaped for the fast CUDA kernels.
+
+SDPA with a mask *and* ``enable_gqa`` can use neither the flash nor the memory-efficient CUDA kernel (it falls
+back to the math kernel, which repeats K/V over the whole cache), so masked calls fold the query groups into
+rows instead; unmasked calls (one new token, or a causal prefill from slot 0) keep ``enable_gqa``, which the
+flash kernel takes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """Masked attention of q (Hq, T, D) over k, v (Hkv, C, D), Hq = G Hkv; ``mask`` (T, C) bool, or (G T, C)
+    additive float already repeated per group (``group_mask``).
+
+    The G query heads that share a KV head become rows, (Hkv, G T, D) against (Hkv, C, D): plain multi-head
+    attention, which the memory-efficient kernel takes (its mask rows need C to be a multiple of 8-16). Query
+    head h uses KV head h // G, as in transformers' ``repeat_kv``.
+    """
+    Hq, T, D = q.shape
+    Hkv = k.shape[0]
+    G = Hq // Hkv
+    folded = q.reshape(Hkv, G * T, D)  # (Hkv, G T, D): head h = j G + g -> KV head j, rows g T .. g T + T - 1
+    if mask.shape[0] != G * T:
+        mask = mask.repeat(G, 1)  # (G T, C)
+    out = F.scaled_dot_product_attention(folded[None], k[None], v[None], attn_mask=mask)  # (1, Hkv, G T, D)
+    return out[0].reshape(Hq, T, D)  # (Hq, T, D)
+
+
+def group_mask(visible: Tensor, groups: int, dtype) -> Tensor:
+    """(G T, C) additive mask (0 where visible, -inf elsewhere) in ``dtype`` from a (T, C) bool one: built once
+    and shared by every layer that attends over the same slots."""
+    additive = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+    return additive.repeat(groups, 1)  # (G T, C)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+    """q (Hq, T, D) over k, v (Hkv, S, D): ``mask`` (T, S) bool, or None for all visible (``causal``: row t sees
+    slots [0, t], valid only when the T rows are slots [0, T))."""
+    if mask is not None:
+        return grouped_attention(q, k, v, mask)
+    gqa = q.shape[0] != k.shape[0]
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=causal, enable_gqa=gqa)[0]

@@ -1,0 +1,167 @@
+"""The compiled static forwards (torch.compile with inductor; on CPU here, as CI has a C++ compiler) equal the
+eager path token for token for every drafter, compile a bounded number of graphs once, and launch fewer
+operators per layer; the capture policy and the executor's public counters."""
+
+import pytest
+import torch
+
+from infer.compiled import kernels_per_layer
+from infer.drafters import build_drafter
+from infer.engine import Engine, GenerationConfig
+from infer.graphs import PLAN_CAPTURE_AFTER, StaticExecutor, StaticSpan
+from infer.plan import LayerPlan, PlanFile
+from infer.runner import Runner
+from tiny_models import make_model
+
+L = 6
+PROMPTS = [[5, 6, 7, 8, 9], [42] * 12 + [7, 8]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model("llama", seed=0, layers=L)
+
+
+@pytest.fixture(scope="module")
+def eager(model):
+    return Runner.from_model(model, executor="eager")
+
+
+@pytest.fixture(scope="module")
+def compiled(model):
+    return Runner.from_model(model, executor="static", compile=True)
+
+
+def _plan(runner, tmp_path, name, plan):
+    path = tmp_path / f"{name}.json"
+    PlanFile(plan, runner.identity(), task="test").save(path)
+    return str(path)
+
+
+def _drafters(runner, tmp_path):
+    plan = LayerPlan(L, frozenset({2, 4}), frozenset({3}))
+    return [
+        ("autoregressive", {}),
+        ("early_exit", {"exit_layer": 2, "num_draft": 4}),
+        ("early_exit", {"exit_layer": 5, "num_draft": 3, "confidence": 0.3}),
+        ("self_sd", {"plan": _plan(runner, tmp_path, "sd", plan)}),
+        ("swift", {"plan": _plan(runner, tmp_path, "sw", plan), "tree": True, "adaptive": False,
+                   "context_window": 8, "opt_budget": 0.95, "opt_seed": 0}),
+    ]
+
+
+def _run(runner, name, options, prompt, n=20):
+    engine = Engine(runner, build_drafter(name, runner, options))
+    return engine.generate(prompt, GenerationConfig(max_new_tokens=n))
+
+
+def test_compiled_equals_eager_for_every_drafter(eager, compiled, tmp_path):
+    assert compiled.static.compile and compiled.executor == "static"
+    for prompt in PROMPTS:
+        ref = _run(eager, "autoregressive", {}, prompt).tokens
+        for name, options in _drafters(eager, tmp_path):
+            a = _run(eager, name, options, prompt)
+            b = _run(compiled, name, options, prompt)
+            assert b.tokens == a.tokens == ref, (name, options, prompt)
+    # one graph per sublayer kind, recompiled at most once per kind with dynamic sizes: not one per layer,
+    # row bucket or cache length
+    assert 0 < compiled.static.compiles <= 6
+    before = compiled.static.counts()
+    for prompt in PROMPTS:
+        _run(compiled, "early_exit", {"exit_layer": 2, "num_draft": 4}, prompt)
+    assert compiled.static.counts() == before  # warm: nothing is built, captured or compiled again
+
+
+def test_compiled_forwards_launch_fewer_operators_per_layer(model, compiled):
+    plain = Runner.from_model(model, executor="static", compile=False)
+    fused, unfused = kernels_per_layer(compiled), kernels_per_layer(plain)
+    assert 0 < fused < unfused / 2, (fused, unfused)
+
+
+def test_every_compiled_runner_compiles_its_own_graphs(compiled):
+    """Dynamo keeps graphs and a recompile limit per code object: runners sharing one would make later ones
+    silently eager. Each executor compiles (and runs fused) on its own."""
+    runners = [compiled] + [Runner.from_model(make_model("llama", seed=s, layers=2), executor="static", compile=True)
+                            for s in (1, 2)]
+    for runner in runners:
+        before = runner.static.compiles
+        fused = kernels_per_layer(runner)
+        assert runner.static.compiles >= (1 if runner is not compiled else before), runner.static.counts()
+        assert fused < kernels_per_layer(Runner.from_model(make_model("llama", seed=0, layers=2), executor="static"))
+
+
+def test_compile_defaults_to_cuda_only(model):
+    assert not Runner.from_model(model, executor="static").static.compile  # CPU: compiling does not pay here
+    assert Runner.from_model(model, executor="eager").static is None
+
+
+def _fake_capture(self, cache, steps, pool=None):
+    """Stands in for CUDA-graph capture on CPU (a counter is what is checked here)."""
+    self.outputs = self.compute(cache, steps)
+    span = self
+
+    class Replay:
+        def replay(self):
+            for buf, value in zip(span.outputs, span.compute(cache, steps), strict=True):
+                if buf is not None:
+                    buf.copy_(value)
+
+    self.graph = Replay()
+
+
+def test_plan_forwards_are_captured_only_after_a_few_uses(model, monkeypatch):
+    """A forward without a plan is captured on its first use; a skip-plan forward (SWIFT drafting with a plan
+    for a step or two) stays static until its PLAN_CAPTURE_AFTER-th use."""
+    monkeypatch.setattr(StaticSpan, "capture", _fake_capture)
+    runner = Runner.from_model(model, executor="eager")
+    runner.static = StaticExecutor(runner, capture=True)
+    cache = runner.new_cache(256)
+    ids = torch.arange(3, 13)
+    runner.forward_layers(cache, runner.embed(ids), torch.arange(10))
+    one = runner.embed(ids[:1])
+    plan = LayerPlan(L, frozenset({2}), frozenset({3}))
+    captures = []
+    for _ in range(PLAN_CAPTURE_AFTER + 1):
+        runner.span(cache, one, [10], 0, L, logits=True)  # no plan
+        runner.span(cache, one, [10], 0, L, exact_until=1, plan=plan, logits=True)  # a plan's draft step
+        cache.rollback(10)
+        captures.append(runner.static.captures)
+    assert captures == [1] * (PLAN_CAPTURE_AFTER - 1) + [2, 2]
+    assert runner.static.counts() == {"builds": 2, "captures": 2, "compiles": 0}
+
+
+def test_the_span_limit_drops_plan_forwards_first(model):
+    runner = Runner.from_model(model, executor="static")
+    runner.static.max_spans = 3
+    cache = runner.new_cache(256)
+    ids = torch.arange(3, 13)
+    runner.forward_layers(cache, runner.embed(ids), torch.arange(10))
+    one, two = runner.embed(ids[:1]), runner.embed(ids[:2])
+    runner.span(cache, one, [10], 0, L, logits=True)  # plain draft/verify shapes: kept
+    runner.span(cache, two, [10, 11], 0, L, logits=True)
+    cache.rollback(10)
+    for skip in (2, 3, 4):  # three plans tried in turn
+        runner.span(cache, one, [10], 0, L, exact_until=1, plan=LayerPlan(L, frozenset({skip})), logits=True)
+        cache.rollback(10)
+    keys = [s.key for s in runner.static.spans(cache)]
+    assert [k.plan for k in keys] == [None, None, ((4,), ())] and runner.static.builds == 5
+
+
+def test_swift_captures_at_most_one_forward_per_plan_change_in_timed_runs(monkeypatch):
+    """After a warm-up, fresh SWIFT drafters (as bench repeats make) capture only the drafting forward of a plan
+    first used in the timed run: one per plan, and nothing else."""
+    monkeypatch.setattr(StaticSpan, "capture", _fake_capture)
+    runner = Runner.from_model(make_model("llama", seed=0, layers=8), executor="eager")
+    runner.static = StaticExecutor(runner, capture=True)
+    prompts = [[5, 6, 7, 8, 9] * 3, [(7 * i) % 300 + 3 for i in range(40)]]
+    options = {"context_window": 8, "opt_budget": 0.95, "fallback_opt_budget": 0.95}
+    config = GenerationConfig(max_new_tokens=32, stop_at_eos=False)
+    Engine(runner, build_drafter("swift", runner, options)).warm_up(prompts, config)
+    warm = {id(s) for s in runner.static.spans() if s.graph is not None}
+    captures = runner.static.captures
+    engine = Engine(runner, build_drafter("swift", runner, options))
+    for prompt in prompts:
+        engine.generate(prompt, config)
+    timed = [s.key for s in runner.static.spans() if s.graph is not None and id(s) not in warm]
+    assert runner.static.captures - captures == len(timed)
+    assert all(k.plan is not None for k in timed) and len({k.plan for k in timed}) == len(timed)
