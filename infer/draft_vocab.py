@@ -4,14 +4,7 @@ A draft step that scores only N of the V token ids reads N/V of the LM head (on 
 head is 21% of the weights). Verification always uses the full head, so greedy output is unchanged and
 sampling stays exact: the draft distribution is zero outside the subset and the residual at a rejection
 covers the rest. Following VocabTrim (Goel et al. 2025), the subset is the N most frequent tokens of
-calibration data, best counted on the target model's own greedy generations.
-
-- ``TokenCounts``: per-token counts of calibration data (``count_tokens``) and their provenance; a
-  counts file ships for the default model (``bundled_counts``), so ``--draft-vocab N`` needs no run.
-- ``DraftVocab``: the chosen sorted ids, saved as a JSON file tied to its model like plan files are.
-- ``coverage``: the share of target tokens inside a subset (``infer.measure.vocab_counting`` counts tokens on
-  calibration data and generates the held-out ones).
-- ``resolve_draft_vocab``: ``--draft-vocab N`` (top N of the bundled counts) or a path to a file.
+calibration data, best counted on the target model's own greedy generations; counts ship for the default model.
 
 Which model a file fits: its architecture numbers and vocabulary size, and the tokenizer's fingerprint
 (a digest of its id -> token table); the weight fingerprint is checked instead when no tokenizer is at
@@ -26,9 +19,6 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
-from torch import Tensor
 
 from layerskip_core import jsonfile
 from layerskip_core.errors import UserError
@@ -154,10 +144,6 @@ class DraftVocab:
     def head_share(self) -> float:
         """Share of the LM head's rows (and weight) the subset keeps: N / V."""
         return self.size / self.vocab_size
-
-    def ids_tensor(self, device: str | torch.device = "cpu") -> Tensor:
-        """(N,) long tensor of the ids on ``device``."""
-        return torch.tensor(self.ids, dtype=torch.long, device=device)  # (N,)
 
     def to_dict(self) -> dict:
         return {"format": VOCAB_FORMAT, "size": self.size, "head_share": round(self.head_share, 4),

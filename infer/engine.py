@@ -201,7 +201,6 @@ class Engine:
                             f"autoregressive drafter), not {getattr(self.drafter, 'name', '?')!r}")
         return E
 
-    # ----------------------------------------------------------------- public
     def generate(self, prompt_ids: Sequence[int] | Tensor, config: GenerationConfig | None = None,
                  generator: torch.Generator | None = None, reserve: int | None = None) -> GenerationResult:
         """Prefill, then propose-verify-accept cycles until a stop condition (``reserve``: see ``start``)."""
@@ -280,19 +279,6 @@ class Engine:
         text = self.decode(out) if self.decode else None
         return GenerationResult(out, finish, stats, text)
 
-    # ----------------------------------------------------------------- steps
-    def _check_prompt(self, prompt: list[int], config: GenerationConfig) -> None:
-        if not prompt:
-            raise UserError("the prompt is empty; give at least one token of text")
-        vocab = self.runner.spec.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise UserError(f"prompt token ids must lie in [0, {vocab})")
-        limit = self.runner.spec.max_position_embeddings
-        if len(prompt) + config.max_new_tokens > limit:
-            raise UserError(f"prompt ({len(prompt)} tokens) + max-new-tokens ({config.max_new_tokens}) "
-                            f"exceeds the model's context of {limit} tokens; shorten the prompt or "
-                            "lower --max-new-tokens")
-
     def warm_up(self, prompts: Sequence[Sequence[int]], config: GenerationConfig | None = None) -> None:
         """Untimed generations that set up what timed generations of ``prompts`` with ``config`` will use.
 
@@ -324,21 +310,6 @@ class Engine:
         static executor, whose padded rows write up to ``BUCKETS[-1] - 1`` slots past the real ones."""
         return prompt_len + max_new_tokens + self.drafter.lookahead + 2 + BUCKETS[-1]
 
-    def _prefill(self, state: DecodeState) -> int:
-        """Run the prompt through the target; the token it predicts becomes the pending token."""
-        first = int(select(self._prefill_logits(state), state.sampling, state.generator)[0])  # the prefill's sync
-        state.tokens.append(first)
-        return first
-
-    def _prefill_logits(self, state: DecodeState) -> Tensor:
-        """Run the prompt through the target (state.n = prompt length); returns the last row's logits (1, V)."""
-        runner = self.runner
-        ids = runner.to_device(state.tokens[:state.prompt_len])  # (P,)
-        positions = torch.arange(state.prompt_len, device=runner.device)  # (P,)
-        hidden = runner.forward_layers(state.cache, runner.embed(ids), positions, 0, state.depth, bulk=True)  # (P, d)
-        state.n = state.prompt_len
-        return runner.logits(hidden[-1:])  # (1, V)
-
     @torch.no_grad()
     def target_logits(self, prompt_ids: Sequence[int], tokens: Sequence[int],
                       config: GenerationConfig | None = None) -> Tensor:
@@ -360,6 +331,34 @@ class Engine:
         finally:
             runner.release_cache(cache)
         return logits[0]
+
+    # ----------------------------------------------------------------- the cycle's parts
+    def _check_prompt(self, prompt: list[int], config: GenerationConfig) -> None:
+        if not prompt:
+            raise UserError("the prompt is empty; give at least one token of text")
+        vocab = self.runner.spec.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise UserError(f"prompt token ids must lie in [0, {vocab})")
+        limit = self.runner.spec.max_position_embeddings
+        if len(prompt) + config.max_new_tokens > limit:
+            raise UserError(f"prompt ({len(prompt)} tokens) + max-new-tokens ({config.max_new_tokens}) "
+                            f"exceeds the model's context of {limit} tokens; shorten the prompt or "
+                            "lower --max-new-tokens")
+
+    def _prefill(self, state: DecodeState) -> int:
+        """Run the prompt through the target; the token it predicts becomes the pending token."""
+        first = int(select(self._prefill_logits(state), state.sampling, state.generator)[0])  # the prefill's sync
+        state.tokens.append(first)
+        return first
+
+    def _prefill_logits(self, state: DecodeState) -> Tensor:
+        """Run the prompt through the target (state.n = prompt length); returns the last row's logits (1, V)."""
+        runner = self.runner
+        ids = runner.to_device(state.tokens[:state.prompt_len])  # (P,)
+        positions = torch.arange(state.prompt_len, device=runner.device)  # (P,)
+        hidden = runner.forward_layers(state.cache, runner.embed(ids), positions, 0, state.depth, bulk=True)  # (P, d)
+        state.n = state.prompt_len
+        return runner.logits(hidden[-1:])  # (1, V)
 
     def _verify(self, state: DecodeState, draft: Draft | None) -> VerifyOutcome:
         """One forward of the target over the pending token and the draft tree.

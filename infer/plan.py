@@ -58,14 +58,6 @@ class LayerPlan:
         """The plan that runs everything."""
         return cls(num_layers)
 
-    @classmethod
-    def from_mask(cls, attn_skip: list[bool], mlp_skip: list[bool]) -> LayerPlan:
-        """Build from two per-layer boolean lists (True = skip)."""
-        if len(attn_skip) != len(mlp_skip):
-            raise ValueError("attn and mlp masks must have one entry per layer")
-        return cls(len(attn_skip), frozenset(i for i, s in enumerate(attn_skip) if s),
-                   frozenset(i for i, s in enumerate(mlp_skip) if s))
-
     @property
     def num_skipped(self) -> int:
         return len(self.skip_attn) + len(self.skip_mlp)

@@ -37,10 +37,10 @@ SETTINGS = ModelSettings(threads=1)
 """This script's defaults: one thread."""
 
 
-def decode_once(model, spec: str, ids: list[int], gen: GenerationConfig):
+def decode_once(model, spec: str, ids: list[int], base_config: GenerationConfig):
     """One prompt with a fresh drafter, then its finish() hook (what a `layerskip generate` call does):
     (tokens, seconds, drafter stats)."""
-    engine, config = model.method(spec, gen)
+    engine, config = model.method(spec, base_config)
     with engine:
         t0 = time.perf_counter()
         result = engine.generate(ids, config)
@@ -61,14 +61,14 @@ def run(args: argparse.Namespace) -> int:
         chat = use_chat_template(task_name(source))
         prompts += [(f"{task_name(source)}/{it.id}", model.encode(it.prompt, chat))
                     for it in load_prompts(source, args.n, from_end=True)]
-    gen = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_at_eos=False)
+    base_config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_at_eos=False)
     decode_once(model, BASELINE, prompts[0][1], GenerationConfig(max_new_tokens=16, stop_at_eos=False))  # kernels
     runs = {spec: [] for spec in specs}  # spec -> [{prompt, repeat, tokens, wall, stats}]
     ref: dict[str, list[int]] = {}
     for repeat in range(args.repeats):
         for pid, ids in prompts:
             for spec in specs:
-                out, wall, stats = decode_once(model, spec, ids, gen)
+                out, wall, stats = decode_once(model, spec, ids, base_config)
                 if spec == BASELINE and repeat == 0:
                     ref[pid] = out
                 runs[spec].append({"prompt": pid, "repeat": repeat, "tokens": len(out), "wall": wall,

@@ -24,9 +24,10 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from train.adapter import AdapterLM
-    from train.config import AdapterConfig, load_config
+    from train.config import AdapterConfig
     from train.data import build_dataset
     from train.model import load_model
+    from train.recipe import load_config
 
     if args.json is not None:
         check_output_file(args.json, "--json", force=args.force)

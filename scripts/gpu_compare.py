@@ -345,8 +345,8 @@ def has_optuna() -> bool:
 
 def code_prompts(overrides: list[str], n: int, max_chars: int = 1200) -> list[dict]:
     """``n`` prompts cut from held-out files of the recipe, spread over its held-out packages (round robin)."""
-    from train.config import load_config
     from train.data import package_of, split_sources
+    from train.recipe import load_config
 
     cfg = load_config(REPO / RECIPE, overrides)
     _, val, _ = split_sources(cfg.data)
@@ -432,7 +432,7 @@ def quality(model_path: Path, s: Settings) -> dict:
 def exits_that_fit(p: Pipeline, layers: int, overrides: list[str]) -> list[str]:
     """An ``early_exit.exits`` override keeping the recipe's exits below ``layers`` (a smaller model than the recipe's,
     e.g. the CPU rehearsal's), with a note; none when they all fit or ``overrides`` set the exits."""
-    from train.config import load_config
+    from train.recipe import load_config
 
     if any(o.startswith("early_exit.exits=") for o in overrides):
         return []
@@ -631,7 +631,7 @@ def compare_steps(args, p: Pipeline, rows: list[dict], quality_: dict, save) -> 
         prompts = p.timed("code_prompts", code_prompts, recipe_overrides, s.prompts)
         prompts_file.parent.mkdir(parents=True, exist_ok=True)
         prompts_file.write_text("".join(json.dumps(r) + "\n" for r in prompts))
-    from train.config import load_config
+    from train.recipe import load_config
 
     exit_list = sorted(set(load_config(REPO / RECIPE, recipe_overrides).early_exit.exits) | {layers})
     for name, path in models.items():

@@ -58,11 +58,11 @@ def cold(text: str):
     return spec
 
 
-def run_streams(model, specs: list[str], prompts: list[tuple[str, str, list[int]]], gen: GenerationConfig,
+def run_streams(model, specs: list[str], prompts: list[tuple[str, str, list[int]]], base_config: GenerationConfig,
                 bar) -> dict[str, list[dict]]:
     """One stream per drafter spec (one engine, one drafter state each); prompt by prompt, the
     drafters take turns, so a change in machine load hits all of them alike."""
-    methods = {spec: model.method(cold(spec), gen) for spec in specs}  # (engine, its generation config) per spec
+    methods = {spec: model.method(cold(spec), base_config) for spec in specs}  # (engine, its config) per spec
     rows: dict[str, list[dict]] = {spec: [] for spec in specs}
     for task, pid, ids in prompts:
         for spec, (engine, config) in methods.items():
@@ -163,7 +163,7 @@ def _run(argv: list[str] | None) -> int:
     args = p.parse_args(argv)
     run = run_settings(args, RUN).resolve()
     args.out.mkdir(parents=True, exist_ok=True)
-    gen = GenerationConfig(max_new_tokens=args.max_new_tokens)
+    base_config = GenerationConfig(max_new_tokens=args.max_new_tokens)
     items = interleaved(args.data.split(","), args.n)
     specs = [BASELINE] + [d for d in args.drafters.split(",") if d]
     for spec in specs:
@@ -178,7 +178,7 @@ def _run(argv: list[str] | None) -> int:
         runs: dict[str, list[list[dict]]] = defaultdict(list)
         with tqdm(total=len(specs) * args.repeats * len(prompts), desc=label) as bar:
             for _ in range(args.repeats):
-                for method, rows in run_streams(model, specs, prompts, gen, bar).items():
+                for method, rows in run_streams(model, specs, prompts, base_config, bar).items():
                     runs[method].append(rows)
         swifts = [m for m in specs if m != BASELINE]
         results[label] = {"device": str(model.runner.device), "dtype": dtype_name(model.runner.dtype),

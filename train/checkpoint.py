@@ -36,8 +36,9 @@ from layerskip_core import jsonfile
 from layerskip_core.errors import UserError
 from layerskip_core.locks import FileLock
 from layerskip_core.packages import ensure_writable_dir, normal_permissions
-from train.config import TrainConfig, dump_config, to_dict
+from train.config import TrainConfig
 from train.console import quiet_tied_weight_save
+from train.recipe import dump_config, to_dict
 
 STATE_FILE = "trainer_state.json"
 PREFIX = "step-"

@@ -16,7 +16,7 @@ from pathlib import Path
 from layerskip_core.errors import UserError
 from layerskip_core.packages import normal_permissions
 from train.checkpoint import STATE_FILE, list_checkpoints, read_state
-from train.config import dump_config, load_config
+from train.recipe import dump_config, load_config
 
 WEIGHTS = "model.safetensors"
 """The file of the model's weights in an accelerate checkpoint."""

@@ -1,20 +1,11 @@
 """Training data: documents from local sources, tokenised once (cached), cut into examples.
 
-- Continual pretraining (``task: pretrain``): documents are tokenised, each followed by EOS,
-  concatenated and cut into fixed ``block_size`` blocks (the remainder is dropped); loss on
-  every token.
-- Finetuning (``task: sft``): prompt/response pairs, wrapped in the tokenizer's chat template
-  where it has one; labels are -100 on the prompt, so the loss is on the response only.
-
-Every source has a deterministic document order; the back ``val_fraction`` of each source is
-held out for validation (the same convention as ``layerskip_core.prompts``: train from the front,
-evaluate from the back), or, with ``holdout_packages``, whole top-level packages are. A source
-can first drop duplicate and near-duplicate documents (``dedup``), so held-out text has no
-near-copy in the training text. The tokenised result is cached under ``$LAYERSKIP_CACHE/tokens``,
-keyed by the tokenizer files, the source files (names, sizes, mtimes) and the data config.
-
-The batch order is a pure function of (seed, step, micro-batch, rank), so resuming at step k
-continues with exactly the examples an uninterrupted run would have seen.
+Pretraining packs documents (each followed by EOS) into ``block_size`` blocks, loss on every token; finetuning
+takes prompt/response pairs in the chat template, loss on the response only. Each source's document order is
+deterministic and its back ``val_fraction`` (or its ``holdout_packages``) is held out, after duplicates are
+dropped (``train.dedup``). The cache key covers the tokenizer files, the source files (names, sizes, mtimes) and
+the data config. The batch order is a pure function of (seed, step, micro-batch, rank), so a resumed run sees
+the examples an uninterrupted one would have.
 """
 
 from __future__ import annotations
@@ -24,11 +15,9 @@ import glob
 import hashlib
 import json
 import os
-import re
 import sys
 import sysconfig
 import tempfile
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +28,7 @@ from layerskip_core.errors import UserError
 from layerskip_core.packages import cache_root
 from layerskip_core.prompts import BUILTIN_SETS, load_prompts
 from train.config import DataConfig, SourceConfig
+from train.dedup import duplicates
 
 CACHE_VERSION = 1
 IGNORE = -100
@@ -175,21 +165,8 @@ def split_documents(docs: list[Document], val_fraction: float) -> tuple[list[Doc
 
 
 # --------------------------------------------------------------------------------------------
-# Deduplication and package hold-out
+# Duplicates and package hold-out
 # --------------------------------------------------------------------------------------------
-
-SHINGLE = 5
-"""Tokens per shingle of the near-duplicate test."""
-NUM_PERM = 64
-"""MinHash permutations (signature length); 16 LSH bands of 4 rows."""
-LSH_BANDS = 16
-_WORD = re.compile(r"\w+|[^\w\s]")
-
-
-def normalise(text: str) -> str:
-    """Content key of the exact test: case-folded, all whitespace runs collapsed to one space."""
-    return " ".join(text.lower().split())
-
 
 def package_of(doc_id: str) -> str:
     """Top-level package or module of a document id (a relative path): ``email/mime/text.py`` -> ``email``,
@@ -198,73 +175,16 @@ def package_of(doc_id: str) -> str:
     return first[:-3] if first.endswith(".py") else first
 
 
-def shingle_hashes(text: str, cache: dict[str, int]) -> np.ndarray:
-    """32-bit hashes of the text's overlapping ``SHINGLE``-token windows (words and punctuation, case-folded)."""
-    toks = []
-    for w in _WORD.findall(text.lower()):
-        h = cache.get(w)
-        if h is None:
-            h = cache[w] = zlib.crc32(w.encode())
-        toks.append(h)
-    t = np.array(toks, dtype=np.uint64)  # (n,)
-    if len(t) < SHINGLE:
-        return np.unique(t)
-    n = len(t) - SHINGLE + 1
-    h = np.zeros(n, dtype=np.uint64)  # (n,) polynomial rolling combination, kept to 32 bits
-    for j in range(SHINGLE):
-        h = (h * np.uint64(1_000_003) + t[j:j + n]) & np.uint64(0xFFFFFFFF)
-    return np.unique(h)
-
-
-def minhash(shingles: np.ndarray, seeds: np.ndarray) -> np.ndarray:
-    """(NUM_PERM,) MinHash signature: per seed, the minimum over shingles of splitmix64(h + seed)."""
-    if len(shingles) == 0:
-        return np.full(len(seeds), np.iinfo(np.uint64).max, dtype=np.uint64)
-    z = shingles[None, :] + seeds[:, None]  # (P, n), uint64 arithmetic wraps modulo 2^64
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return (z ^ (z >> np.uint64(31))).min(axis=1)
-
-
 def deduplicate(docs: list[Document], mode: str, threshold: float,
                 priority: list[bool] | None = None) -> tuple[list[Document], list[tuple[str, str]]]:
-    """Documents without duplicates (order kept) and the (dropped id, kept id) pairs.
-
-    A document is dropped when an earlier-visited one has the same normalised content (``exact``,
-    ``near``) or an estimated Jaccard similarity of shingles >= ``threshold`` (``near``, MinHash with
-    LSH banding). Documents whose ``priority`` is True are visited first (e.g. held-out ones, so a
-    duplicate pair across the split loses its training copy).
-    """
+    """Documents without duplicates (order kept) and the (dropped id, kept id) pairs, as ``train.dedup`` finds them.
+    Documents whose ``priority`` is True are visited first (held-out ones: a pair across the split loses its
+    training copy)."""
     if mode == "off":
         return docs, []
     order = sorted(range(len(docs)), key=lambda i: (not priority[i]) if priority else 0)
-    seeds = np.random.default_rng(0).integers(0, np.iinfo(np.uint64).max, NUM_PERM, dtype=np.uint64)  # (P,)
-    rows = NUM_PERM // LSH_BANDS
-    seen: dict[str, str] = {}
-    buckets: dict[tuple, list[int]] = {}
-    sigs: dict[int, np.ndarray] = {}
-    cache: dict[str, int] = {}
-    keep, dropped = set(), []
-    for i in order:
-        doc = docs[i]
-        key = hashlib.sha1(normalise(doc.text or doc.prompt + "\n" + doc.response).encode()).hexdigest()
-        if key in seen:
-            dropped.append((doc.id, seen[key]))
-            continue
-        if mode == "near":
-            sig = minhash(shingle_hashes(doc.text or doc.prompt + "\n" + doc.response, cache), seeds)
-            bands = [(band, sig[band * rows:(band + 1) * rows].tobytes()) for band in range(LSH_BANDS)]
-            cands = {j for bk in bands for j in buckets.get(bk, [])}
-            match = next((j for j in sorted(cands) if float(np.mean(sigs[j] == sig)) >= threshold), None)
-            if match is not None:
-                dropped.append((doc.id, docs[match].id))
-                continue
-            sigs[i] = sig
-            for bk in bands:
-                buckets.setdefault(bk, []).append(i)
-        seen[key] = doc.id
-        keep.add(i)
-    return [d for i, d in enumerate(docs) if i in keep], dropped
+    found = duplicates([d.text or d.prompt + "\n" + d.response for d in docs], mode, threshold, order)
+    return [d for i, d in enumerate(docs) if i not in found], [(docs[i].id, docs[j].id) for i, j in found.items()]
 
 
 def split_source(docs: list[Document], src: SourceConfig,

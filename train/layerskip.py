@@ -8,10 +8,8 @@ Launch (any accelerate config from configs/, or plain python for one process):
     python train/layerskip.py --config recipes/X.yaml --overwrite     # delete the run in output_dir, start again
     python train/layerskip.py --help-config                           # every config key with its doc
 
-The loop below is the whole training procedure; the pieces it calls live in train/:
-config (strict dataclasses), data (sources, packing, cache, batch order), model (the LayerSkip
-forward over the HF modules), schedules (dropout rates, exit weights), exit_eval (per-exit
-metrics), checkpoint (save/resume/export), tracking (metrics.jsonl + wandb).
+``run_training`` below is the whole procedure, in steps (set up, resume, train, finish); the pieces it calls
+live in train/: recipe and config, data and dedup, model and losses, schedules, exit_eval, checkpoint, tracking.
 """
 
 from __future__ import annotations
@@ -24,7 +22,9 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 from tqdm.auto import tqdm
@@ -40,8 +40,9 @@ from train.checkpoint import (
     read_state,
     save_checkpoint,
 )
-from train.config import TrainConfig, describe, dump_config, load_config, to_dict
+from train.config import TrainConfig
 from train.console import check_launch, eval_summary, interrupt_on_sigterm, launcher_command, resume_hint
+from train.recipe import describe, dump_config, load_config, to_dict
 from train.tracking import Tracker, truncate_metrics
 
 # torch, accelerate and the modules that import them (train.data, train.model, train.exit_eval) are
@@ -182,26 +183,28 @@ class RunningStats:
         }
 
 
-def evaluate(accelerator, lm, dataset, cfg: TrainConfig, pad_id: int) -> dict | None:
+def evaluate(run: Session) -> dict | None:
     """Per-exit validation metrics, each process taking a shard of the validation examples."""
     from train.exit_eval import exit_metrics
 
-    n = min(len(dataset.val), cfg.data.max_val_examples)
+    accelerator, cfg, val = run.accelerator, run.cfg, run.dataset.val
+    n = min(len(val), cfg.data.max_val_examples)
     if n == 0:
         return None
-    model = accelerator.unwrap_model(lm)
+    model = accelerator.unwrap_model(run.wrapped)
     shard = list(range(accelerator.process_index, n, accelerator.num_processes))
     if cfg.adapter.enabled:
         from train.adapter import adapter_metrics
 
-        return adapter_metrics(accelerator, model, dataset.val, shard, cfg.optim.micro_batch_size, pad_id)
+        return adapter_metrics(accelerator, model, val, shard, cfg.optim.micro_batch_size,
+                               run.tokenizer.pad_token_id)
     exits = sorted(set(model.exits) | {model.num_layers})
     bar = tqdm(total=len(shard), desc="eval", leave=False, dynamic_ncols=True,
                disable=not (accelerator.is_main_process and cfg.logging.progress))
     with accelerator.autocast():
-        m = exit_metrics(model, dataset.val, exits, cfg.optim.micro_batch_size, pad_id, accelerator.device,
-                         indices=shard, reduce=accelerator.reduce if accelerator.num_processes > 1 else None,
-                         on_batch=bar.update)
+        m = exit_metrics(model, val, exits, cfg.optim.micro_batch_size, run.tokenizer.pad_token_id,
+                         accelerator.device, indices=shard,
+                         reduce=accelerator.reduce if accelerator.num_processes > 1 else None, on_batch=bar.update)
     bar.close()
     record = {"split": "val", "exit_loss": {str(e): v for e, v in m["loss"].items()},
               "exit_agreement": {str(e): v for e, v in m["agreement"].items()},
@@ -214,6 +217,36 @@ def evaluate(accelerator, lm, dataset, cfg: TrainConfig, pad_id: int) -> dict | 
 # --------------------------------------------------------------------------------------------
 # The training loop
 # --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Session:
+    """What one training run holds from setup to export."""
+
+    cfg: TrainConfig
+    accelerator: Any
+    wrapped: Any
+    """The model as accelerate prepared it (DDP/DeepSpeed wrapper): forward and backward go through it."""
+    model: Any
+    """The ``LayerSkipLM`` (or exit ``AdapterLM``) inside ``wrapped``: layer counts, dropout rates, parameters."""
+    optimizer: Any
+    scheduler: Any
+    dataset: Any
+    tokenizer: Any
+    model_path: Path
+    order: Any
+    """The ``BatchOrder``: which examples each (step, micro-batch, rank) takes."""
+    tracker: Tracker | None = None
+    step: int = 0
+    tokens_seen: int = 0
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.cfg.checkpoint.output_dir)
+
+    @property
+    def main(self) -> bool:
+        return self.accelerator.is_main_process
 
 
 def run_training(cfg: TrainConfig, on_step: Callable[[int], None] | None = None, overwrite: bool = False) -> dict:
@@ -230,131 +263,165 @@ def run_training(cfg: TrainConfig, on_step: Callable[[int], None] | None = None,
 def _train(cfg: TrainConfig, on_step: Callable[[int], None] | None, overwrite: bool) -> dict:
     import torch  # torch-heavy modules load here (see the note at the imports)
 
-    from train.data import BatchOrder, build_dataset
-    from train.model import LayerSkipLM, add_lora, load_model
-
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    out_dir = Path(cfg.checkpoint.output_dir)
     resume_from = prepare_run_folder(cfg, overwrite)  # checked before the model loads: a bad folder fails fast
     check_token_cache(cfg)
     accelerator = make_accelerator(cfg)
-    main = accelerator.is_main_process
     accelerator.wait_for_everyone()  # every process has checked the folder before it changes
-    if main and overwrite:
-        clear_run(out_dir)
-        log(f"--overwrite: deleted the previous run in {out_dir}")
+    if accelerator.is_main_process and overwrite:
+        clear_run(Path(cfg.checkpoint.output_dir))
+        log(f"--overwrite: deleted the previous run in {cfg.checkpoint.output_dir}")
+    run = set_up(cfg, accelerator)
+    if resume_from is not None:
+        resume(run, resume_from)
+    start_tracking(run)
+    train_steps(run, on_step)
+    return finish(run)
 
-    # Model (+ LoRA) wrapped in the LayerSkip forward; data tokenised once (main process first, then cached).
+
+def set_up(cfg: TrainConfig, accelerator) -> Session:
+    """Model (+ LoRA) in the LayerSkip forward, optimiser and schedule prepared by accelerate, data tokenised once
+    (main process first, then from the cache)."""
+    import torch
+
+    from train.data import BatchOrder, build_dataset
+    from train.model import LayerSkipLM, add_lora, load_model
+
     with accelerator.main_process_first():
         hf_model, tokenizer, model_path = load_model(cfg.model.name_or_path, cfg.model.dtype,
                                                      cfg.model.attn_implementation)
-        dataset = build_dataset(cfg.data, tokenizer, model_path, log=log if main else lambda _: None)
+        dataset = build_dataset(cfg.data, tokenizer, model_path,
+                                log=log if accelerator.is_main_process else lambda _: None)
     if cfg.lora.enabled:
         hf_model = add_lora(hf_model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
     if cfg.adapter.enabled:  # the frozen model trains an exit adapter (train/adapter.py)
         from train.adapter import AdapterLM
 
-        core = AdapterLM(hf_model.to(accelerator.device), cfg.adapter)
+        model = AdapterLM(hf_model.to(accelerator.device), cfg.adapter)
     else:
-        core = LayerSkipLM(hf_model, cfg.layer_dropout, cfg.early_exit, cfg.optim.max_steps, cfg.seed,
-                           cfg.model.gradient_checkpointing)  # stays reachable inside the DDP/DeepSpeed wrapper
-    optimizer = make_optimizer(core, cfg)
+        model = LayerSkipLM(hf_model, cfg.layer_dropout, cfg.early_exit, cfg.optim.max_steps, cfg.seed,
+                            cfg.model.gradient_checkpointing)  # stays reachable inside the DDP/DeepSpeed wrapper
+    optimizer = make_optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
-    lm, optimizer = accelerator.prepare(core, optimizer)
+    wrapped, optimizer = accelerator.prepare(model, optimizer)
     accelerator.register_for_checkpointing(scheduler)
-    world, rank, accum = accelerator.num_processes, accelerator.process_index, cfg.optim.grad_accum_steps
-    order = BatchOrder(len(dataset.train), cfg.optim.micro_batch_size, accum, world, cfg.seed)
-    pad_id = tokenizer.pad_token_id
+    order = BatchOrder(len(dataset.train), cfg.optim.micro_batch_size, cfg.optim.grad_accum_steps,
+                       accelerator.num_processes, cfg.seed)
+    return Session(cfg, accelerator, wrapped, model, optimizer, scheduler, dataset, tokenizer, model_path, order)
 
-    step, tokens_seen = 0, 0
-    if resume_from is not None:
-        accelerator.load_state(str(resume_from))  # model, optimizer, scheduler, RNG of every process
-        state = read_state(resume_from)
-        step, tokens_seen = state["step"], state["tokens"]
-        if main:
-            truncate_metrics(out_dir / "metrics.jsonl", state.get("metrics_lines"), step)  # no repeated steps
-            log(f"resumed from {resume_from} at step {step}")
 
-    tracker = Tracker(out_dir, main, cfg.logging.wandb, cfg.logging.wandb_project, cfg.logging.run_name,
-                      to_dict(cfg))
-    if main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        dump_config(cfg, out_dir / "config.yaml")
-        n_train = sum(p.numel() for p in lm.parameters() if p.requires_grad)
-        tokens_per_step = cfg.optim.micro_batch_size * accum * world * cfg.data.block_size
-        log(f"{model_path.name}: {core.num_layers} layers, {n_train / 1e6:.1f}M trainable parameters; "
-            f"{dataset.meta['train_tokens']:,} training tokens in {len(dataset.train)} examples, "
-            f"{len(dataset.val)} validation examples; {cfg.optim.max_steps} steps of <= {tokens_per_step:,} tokens "
-            f"on {world} process(es)")
-    if cfg.logging.eval_at_start and step == 0:
-        tracker.log({"step": 0, **(evaluate(accelerator, lm, dataset, cfg, pad_id) or {})})
+def resume(run: Session, folder: Path) -> None:
+    """Model, optimiser, schedule and every process's RNG from ``folder``; metrics after its step are dropped."""
+    run.accelerator.load_state(str(folder))
+    state = read_state(folder)
+    run.step, run.tokens_seen = state["step"], state["tokens"]
+    if run.main:
+        truncate_metrics(run.out_dir / "metrics.jsonl", state.get("metrics_lines"), run.step)  # no repeated steps
+        log(f"resumed from {folder} at step {run.step}")
 
-    lm.train()
-    stats = RunningStats(core.num_layers)
-    bar = tqdm(total=cfg.optim.max_steps, initial=step, disable=not (main and cfg.logging.progress),
+
+def start_tracking(run: Session) -> None:
+    """Open the metrics log, save the resolved config, announce the run, and evaluate at step 0 if asked."""
+    cfg, world = run.cfg, run.accelerator.num_processes
+    run.tracker = Tracker(run.out_dir, run.main, cfg.logging.wandb, cfg.logging.wandb_project, cfg.logging.run_name,
+                          to_dict(cfg))
+    if run.main:
+        run.out_dir.mkdir(parents=True, exist_ok=True)
+        dump_config(cfg, run.out_dir / "config.yaml")
+        n_train = sum(p.numel() for p in run.wrapped.parameters() if p.requires_grad)
+        tokens_per_step = cfg.optim.micro_batch_size * cfg.optim.grad_accum_steps * world * cfg.data.block_size
+        log(f"{run.model_path.name}: {run.model.num_layers} layers, {n_train / 1e6:.1f}M trainable parameters; "
+            f"{run.dataset.meta['train_tokens']:,} training tokens in {len(run.dataset.train)} examples, "
+            f"{len(run.dataset.val)} validation examples; {cfg.optim.max_steps} steps of <= {tokens_per_step:,} "
+            f"tokens on {world} process(es)")
+    if cfg.logging.eval_at_start and run.step == 0:
+        run.tracker.log({"step": 0, **(evaluate(run) or {})})
+
+
+def train_steps(run: Session, on_step: Callable[[int], None] | None) -> None:
+    """Optimiser steps up to ``optim.max_steps``: accumulate, step, then log, evaluate and save on schedule."""
+    cfg = run.cfg
+    run.wrapped.train()
+    stats = RunningStats(run.model.num_layers)
+    bar = tqdm(total=cfg.optim.max_steps, initial=run.step, disable=not (run.main and cfg.logging.progress),
                desc="train", dynamic_ncols=True)
-    while step < cfg.optim.max_steps:
-        for micro in range(accum):
-            batch = dataset.train.batch(order.indices(step, micro, rank), pad_id)
-            input_ids = batch["input_ids"].to(accelerator.device)  # (B, T)
-            labels = batch["labels"].to(accelerator.device)  # (B, T)
-            with accelerator.accumulate(lm):  # no gradient sync until the last micro-batch
-                with accelerator.autocast():
-                    out = lm(input_ids, labels, step=step, micro=micro)
-                accelerator.backward(out["loss"])  # divided by grad_accum_steps inside
-                if accelerator.sync_gradients and cfg.optim.max_grad_norm > 0:
-                    stats.grad_norm = accelerator.clip_grad_norm_(lm.parameters(), cfg.optim.max_grad_norm)
-                optimizer.step()  # a no-op until sync_gradients
-                optimizer.zero_grad(set_to_none=True)
-            stats.add(out, rows=input_ids.shape[0], tokens=input_ids.numel())
-            tokens_seen += int((batch["labels"][:, 1:] != -100).sum()) * world  # CPU tensor: no device sync
-        if not accelerator.optimizer_step_was_skipped:
-            scheduler.step()
-        step += 1
+    while run.step < cfg.optim.max_steps:
+        for micro in range(cfg.optim.grad_accum_steps):
+            micro_step(run, stats, micro)
+        if not run.accelerator.optimizer_step_was_skipped:
+            run.scheduler.step()
+        run.step += 1
         bar.update(1)
-
-        if step % cfg.logging.log_every == 0 or step == cfg.optim.max_steps:
-            lr = cfg.optim.lr * lr_factor(step - 1, cfg)  # the lr the last step used
-            rec = stats.record(step, lr, core.rates(step - 1), world)
-            rec.update(tokens=tokens_seen, epoch=round(order.epoch(step), 4))
-            tracker.log(rec)
+        if run.step % cfg.logging.log_every == 0 or run.step == cfg.optim.max_steps:
+            lr = cfg.optim.lr * lr_factor(run.step - 1, cfg)  # the lr the last step used
+            rec = stats.record(run.step, lr, run.model.rates(run.step - 1), run.accelerator.num_processes)
+            rec.update(tokens=run.tokens_seen, epoch=round(run.order.epoch(run.step), 4))
+            run.tracker.log(rec)
             bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
-            stats = RunningStats(core.num_layers)
-        if cfg.logging.eval_every and step % cfg.logging.eval_every == 0 and step < cfg.optim.max_steps:
-            tracker.log({"step": step, **(evaluate(accelerator, lm, dataset, cfg, pad_id) or {})})
-        if cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0:
-            save_checkpoint(accelerator, cfg, step, {"tokens": tokens_seen, "metrics_lines": tracker.lines})
+            stats = RunningStats(run.model.num_layers)
+        if cfg.logging.eval_every and run.step % cfg.logging.eval_every == 0 and run.step < cfg.optim.max_steps:
+            run.tracker.log({"step": run.step, **(evaluate(run) or {})})
+        if cfg.checkpoint.save_every and run.step % cfg.checkpoint.save_every == 0:
+            save_checkpoint(run.accelerator, cfg, run.step, {"tokens": run.tokens_seen,
+                                                             "metrics_lines": run.tracker.lines})
         if on_step is not None:
-            on_step(step)
+            on_step(run.step)
     bar.close()
 
-    final_eval = evaluate(accelerator, lm, dataset, cfg, pad_id)
+
+def micro_step(run: Session, stats: RunningStats, micro: int) -> None:
+    """Forward and backward of one micro-batch; the optimiser steps on the last of the accumulation."""
+    accelerator, cfg = run.accelerator, run.cfg
+    batch = run.dataset.train.batch(run.order.indices(run.step, micro, accelerator.process_index),
+                                    run.tokenizer.pad_token_id)
+    input_ids = batch["input_ids"].to(accelerator.device)  # (B, T)
+    labels = batch["labels"].to(accelerator.device)  # (B, T)
+    with accelerator.accumulate(run.wrapped):  # no gradient sync until the last micro-batch
+        with accelerator.autocast():
+            out = run.wrapped(input_ids, labels, step=run.step, micro=micro)
+        accelerator.backward(out["loss"])  # divided by grad_accum_steps inside
+        if accelerator.sync_gradients and cfg.optim.max_grad_norm > 0:
+            stats.grad_norm = accelerator.clip_grad_norm_(run.wrapped.parameters(), cfg.optim.max_grad_norm)
+        run.optimizer.step()  # a no-op until sync_gradients
+        run.optimizer.zero_grad(set_to_none=True)
+    stats.add(out, rows=input_ids.shape[0], tokens=input_ids.numel())
+    run.tokens_seen += int((batch["labels"][:, 1:] != -100).sum()) * accelerator.num_processes  # CPU: no sync
+
+
+def finish(run: Session) -> dict:
+    """Final evaluation, the replicas' parameter digests (several processes), the exported ``final/`` folder."""
+    final_eval = evaluate(run)
     if final_eval:
-        tracker.log({"step": step, **final_eval})
-    if world > 1:  # replicas must be identical after DDP; record one digest per rank
+        run.tracker.log({"step": run.step, **final_eval})
+    if run.accelerator.num_processes > 1:  # replicas must be identical after DDP; record one digest per rank
         from accelerate.utils import gather_object
 
-        digests = gather_object([param_digest(core)])
-        tracker.log({"step": step, "param_digest": digests})
-        if main and len(set(digests)) > 1:
+        digests = gather_object([param_digest(run.model)])
+        run.tracker.log({"step": run.step, "param_digest": digests})
+        if run.main and len(set(digests)) > 1:
             log(f"warning: parameters differ across ranks: {digests}")
-    final_dir = None
-    if cfg.checkpoint.save_final and cfg.adapter.enabled:
+    final_dir = save_final(run) if run.cfg.checkpoint.save_final else None
+    run.tracker.close()
+    return {"step": run.step, "tokens": run.tokens_seen, "final_dir": final_dir, "eval": final_eval,
+            "model": run.wrapped, "accelerator": run.accelerator}
+
+
+def save_final(run: Session) -> Path:
+    """The trained exit adapter's file, or the plain Hugging Face ``final/`` folder (LoRA merged)."""
+    if run.cfg.adapter.enabled:
         from train.adapter import save_adapter
 
-        final_dir = out_dir / "adapter.safetensors"
-        save_adapter(accelerator, lm, cfg, final_dir, tokens_seen, step)
-        if main:
-            log(f"exit adapter: {final_dir}  (layerskip generate --drafter early_exit --adapter {final_dir} ...)")
-    elif cfg.checkpoint.save_final:
-        final_dir = export_final(accelerator, lm, tokenizer, cfg, out_dir / "final")
-        if main:
-            log(f"final model: {final_dir}  (layerskip generate --model {final_dir} --drafter early_exit ...)")
-    tracker.close()
-    return {"step": step, "tokens": tokens_seen, "final_dir": final_dir, "eval": final_eval, "model": lm,
-            "accelerator": accelerator}
+        path = run.out_dir / "adapter.safetensors"
+        save_adapter(run.accelerator, run.wrapped, run.cfg, path, run.tokens_seen, run.step)
+        if run.main:
+            log(f"exit adapter: {path}  (layerskip generate --drafter early_exit --adapter {path} ...)")
+        return path
+    final_dir = export_final(run.accelerator, run.wrapped, run.tokenizer, run.cfg, run.out_dir / "final")
+    if run.main:
+        log(f"final model: {final_dir}  (layerskip generate --model {final_dir} --drafter early_exit ...)")
+    return final_dir
 
 
 # --------------------------------------------------------------------------------------------

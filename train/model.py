@@ -64,15 +64,6 @@ def next_token_targets(labels: Tensor) -> Tensor:
     return F.pad(labels[:, 1:], (0, 1), value=IGNORE)
 
 
-def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
-    """Mean next-token CE over positions whose label is not -100 (the HF convention).
-
-    The targets are shifted instead of the logits, so the (B, T, V) logits are never copied.
-    """
-    targets = next_token_targets(labels)  # (B, T)
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE)
-
-
 class LayerSkipLM(nn.Module):
     """A HF causal LM trained with layer dropout and an early-exit loss.
 

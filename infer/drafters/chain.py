@@ -84,23 +84,15 @@ class ChainResult:
 
 def draft_chain(state: DecodeState, forward, max_draft: int, confidence: float = 0.0,
                 keep_last: bool = False, keep_dists: bool = False) -> ChainResult:
-    """Draft up to ``max_draft`` tokens after the pending one; stop early below ``confidence`` or at EOS.
+    """Draft up to ``max_draft`` tokens after the pending one, stopping at the first token whose probability is
+    under ``confidence`` (proposed only with ``keep_last``) or at EOS.
 
-    A token whose draft probability (of the token chosen: the argmax when greedy, the sampled one
-    when sampling) is under ``confidence`` ends the chain; it is proposed only with ``keep_last``
-    (Self-SD proposes it; SWIFT verifies that last, uncertain position with many candidates).
-    Greedy decoding proposes the argmax; sampling draws from the processed draft distribution q.
-
-    Host syncs: a chain with a confidence threshold must read each step's confidence to decide whether to
-    go on; it reads the drafted token in the same transfer and stops after an EOS (``state.eos``), as LayerSkip's
-    and Self-SD's code do (one sync per draft step). A chain without a threshold reads nothing while it
-    drafts (no sync at all): it cannot see an EOS early, so it drafts its k tokens and the engine cuts the
-    output at the first accepted EOS, the same output as a chain that stopped there (the drafts after it
-    are wasted work on the step that ends the generation, never a different result).
+    Only a chain with a threshold reads the host (once per step, token and confidence together); without one it
+    cannot see an EOS early and drafts all k tokens, and the engine cuts the output at the first accepted EOS.
     """
     runner = state.runner
     greedy = state.sampling.greedy
-    read = confidence > 0  # the host needs each step's confidence now
+    read = confidence > 0  # the host needs each step's confidence now (LayerSkip's and Self-SD's one sync a step)
     keep_dists = keep_dists or not greedy  # sampling: q is what verification accepts against
     k = min(max_draft, state.budget - 1)
     token = ints_to_device([state.pending], runner.device)  # (1,), via pinned memory on CUDA: no host sync

@@ -39,7 +39,7 @@ class Peer:
             kwargs["cache_implementation"] = "static"
         s = cfg.sampling
         sampling = not s.greedy
-        gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, do_sample=sampling,
+        hf_config = GenerationConfig(max_new_tokens=cfg.max_new_tokens, do_sample=sampling,
                                temperature=s.temperature if sampling else None,
                                top_k=s.top_k or None, top_p=s.top_p if sampling else None,
                                eos_token_id=list(eos) if cfg.stop_at_eos and eos else None,
@@ -53,6 +53,6 @@ class Peer:
         mask = self.torch.ones_like(x)
         t0 = time.perf_counter()
         with self.torch.no_grad():
-            out = self.model.generate(x, attention_mask=mask, generation_config=gen)
+            out = self.model.generate(x, attention_mask=mask, generation_config=hf_config)
             tokens = out[0, len(ids):].tolist()  # reads the result: the GPU has finished when the clock stops
         return tokens, time.perf_counter() - t0

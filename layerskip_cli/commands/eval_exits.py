@@ -27,7 +27,8 @@ from layerskip_core.device import dtype_name
 from layerskip_core.errors import UserError
 from layerskip_core.models import resolve_model
 from layerskip_core.prompts import load_prompts
-from train.config import EarlyExitConfig, LayerDropoutConfig, load_config
+from train.config import EarlyExitConfig, LayerDropoutConfig
+from train.recipe import load_config
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -101,13 +101,13 @@ def _stats_line(name: str, stats) -> str:
     return line
 
 
-def _notes(args: argparse.Namespace, engine, dtype: str, gen) -> None:
+def _notes(args: argparse.Namespace, engine, dtype: str, generation) -> None:
     """Say once on stderr when the output is not the full model's plain greedy decoding."""
-    depth = engine.target_depth(gen)
+    depth = engine.target_depth(generation)
     if depth != engine.runner.num_layers:
         print(f"layerskip: note: lossy early exit: the output is exit layer {depth}'s (layers [0, {depth}) + "
               f"norm + head), not the {engine.runner.num_layers}-layer model's", file=sys.stderr)
-    elif gen.sampling.greedy and dtype != "fp32" and args.drafter != "autoregressive":
+    elif generation.sampling.greedy and dtype != "fp32" and args.drafter != "autoregressive":
         print(f"layerskip: note: in {dtype}, greedy output may differ from plain decoding where two tokens "
               "nearly tie (a near-tie can flip; identical in fp32)", file=sys.stderr)
 
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     # Everything that can be checked without the model is checked first.
     drafter_class(args.drafter)
     options = drafter_options(args)
-    gen = generation_config(args, options)
+    generation = generation_config(args, options)
     config = build_config(args.drafter, options)
     if getattr(config, "save_plan", None):
         check_output_file(config.save_plan, "--save-plan", force=args.force)
@@ -131,13 +131,13 @@ def run(args: argparse.Namespace) -> int:
     device, dtype = str(model.runner.device), dtype_name(model.runner.dtype)
     encoded = [model.encode(item.prompt, args.chat) for item in prompts]
     engine = model.engine(args.drafter, options)
-    _notes(args, engine, dtype, gen)
+    _notes(args, engine, dtype, generation)
     results = []
     for item, ids in zip(prompts, encoded, strict=True):
         if not args.stream and results:
             engine.close()
             engine = model.engine(args.drafter, options)  # independent prompts: fresh drafter state
-        result = engine.generate(ids, gen)
+        result = engine.generate(ids, generation)
         results.append(result)
         if args.json:
             stats = result.stats.to_dict() | {"device": device, "dtype": dtype, "executor": model.runner.executor}

@@ -11,7 +11,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "Every argument is passed to train/layerskip.py (see `layerskip train --help`); "
                        "use `accelerate launch train/layerskip.py ...` for several GPUs.", add_help=False)
     p.add_argument("argv", nargs=argparse.REMAINDER, help="train/layerskip.py arguments")
-    p.set_defaults(func=run)
 
 
 def main(argv: list[str]) -> int:
@@ -20,7 +19,3 @@ def main(argv: list[str]) -> int:
     from train.layerskip import main as train_main
 
     return train_main(argv, prog="layerskip train")
-
-
-def run(args: argparse.Namespace) -> int:
-    return main(args.argv)

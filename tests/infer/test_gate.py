@@ -83,7 +83,7 @@ def test_a_remembered_plain_mode_spends_nothing_on_probes(runner, cache):
     assert decode(runner, fresh).stats.drafted > 0  # a fresh gate probes drafting on its first prompt
     fresh.gate.plain.add(10, 1.0)  # as if plain steps had measured faster than drafting
     fresh.gate.drafting.add(1, 1.0)
-    fresh.gate._switch("plain")
+    fresh.gate.load(fresh.gate.to_dict() | {"mode": "plain", "mode_cycles": 0})
     fresh.finish()
     again = build_drafter("early_exit", runner, options)
     res = decode(runner, again)

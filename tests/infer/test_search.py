@@ -137,7 +137,8 @@ def test_teacher_forced_agreement_is_a_draft_on_exact_kv(runner, calibration):
     objective = ModelObjective(runner, calibration, weights_cost(runner.spec, 5), 4)
     rng = random.Random(0)
     plans = [LayerPlan.full(6), LayerPlan(6, frozenset({0})), LayerPlan(6, frozenset({1, 2, 4}), frozenset({3}))] + [
-        LayerPlan.from_mask([rng.random() < 0.3 for _ in range(6)], [rng.random() < 0.3 for _ in range(6)])
+        LayerPlan(6, frozenset(i for i in range(6) if rng.random() < 0.3),
+                  frozenset(i for i in range(6) if rng.random() < 0.3))
         for _ in range(3)]
     item = calibration[0]
     seq = item.prompt + item.continuation

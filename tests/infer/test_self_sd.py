@@ -33,8 +33,8 @@ def random_plans(num_layers: int, count: int, seed: int = 0) -> list[LayerPlan]:
     plans = []
     for _ in range(count):
         p = rng.uniform(0.1, 0.7)
-        plans.append(LayerPlan.from_mask([rng.random() < p for _ in range(num_layers)],
-                                         [rng.random() < p for _ in range(num_layers)]))
+        plans.append(LayerPlan(num_layers, frozenset(i for i in range(num_layers) if rng.random() < p),
+                               frozenset(i for i in range(num_layers) if rng.random() < p)))
     return plans
 
 
@@ -119,38 +119,45 @@ def test_speculative_sampling_with_a_plan_matches_target_distribution():
 
 
 # --------------------------------------------------------------------------- KV validity
-def _prefilled(runner, prompt):
-    from infer.drafters.base import DecodeState
+def _started(runner, d, prompt):
+    """An engine over drafter ``d``, with ``prompt`` prefilled: one token pending and a budget of 100 more."""
+    engine = Engine(runner, d)
+    return engine, engine.start(prompt, GenerationConfig(max_new_tokens=101))
 
-    sampling = SamplingConfig()
-    state = DecodeState(runner, runner.new_cache(128), sampling, sampling.generator(), list(prompt), len(prompt))
-    engine = Engine(runner, build_drafter("autoregressive", runner))
-    engine._prefill(state)
-    state.budget = 100
-    return engine, state
+
+def _step(engine, gen, context, between):
+    """``engine.step(gen)``, with ``between(draft)`` run after the drafter proposes and before verification."""
+    propose = engine.drafter.propose
+
+    def proposing(state):
+        draft = propose(state)
+        between(draft)
+        return draft
+
+    context.setattr(engine.drafter, "propose", proposing)
+    return engine.step(gen)
 
 
 def _verify_after(runner, monkeypatch, plan, corrupt=None, broken_rollback=False):
     """Draft once with ``plan``, optionally corrupt cache rows, verify; return (outcome, logits, cache)."""
-    engine, state = _prefilled(runner, PROMPTS[1])
-    d = drafter(runner, plan, num_draft=5, confidence=0.0)
-    d.start(state)
-    draft = d.propose(state)
-    n, h = state.n, draft.hidden.shape[0]
-    if corrupt is not None:
-        E = plan.exact_prefix
-        layers = slice(0, E) if corrupt == "exact" else slice(E, L)
-        g = torch.Generator().manual_seed(0)
-        for buf in (state.cache.k, state.cache.v):
-            rows = buf[layers, :, n:n + h + 2]
-            rows.copy_(torch.randn(rows.shape, generator=g) * 50)
-    captured = []
-    logits = runner.logits
-    with monkeypatch.context() as m:
+    engine, gen = _started(runner, drafter(runner, plan, num_draft=5, confidence=0.0), PROMPTS[1])
+    state, captured, logits = gen.state, [], runner.logits
+
+    def tamper(draft):
+        n, h = state.n, draft.hidden.shape[0]
+        if corrupt is not None:
+            E = plan.exact_prefix
+            layers = slice(0, E) if corrupt == "exact" else slice(E, L)
+            g = torch.Generator().manual_seed(0)
+            for buf in (state.cache.k, state.cache.v):
+                rows = buf[layers, :, n:n + h + 2]
+                rows.copy_(torch.randn(rows.shape, generator=g) * 50)
         m.setattr(runner, "logits", lambda hidden, *rest: captured.append(logits(hidden, *rest)) or captured[-1])
         if broken_rollback:  # an engine that forgot to drop the draft's rows would attend to them
             m.setattr(state.cache, "rollback", lambda length, start=0, end=None: None)
-        outcome = engine._verify(state, draft)
+
+    with monkeypatch.context() as m:
+        outcome = _step(engine, gen, m, tamper)
     return outcome, captured[-1], state.cache
 
 
@@ -173,17 +180,19 @@ def test_verification_never_reads_the_draft_kv_past_the_exact_prefix(runner, mon
 
 
 @pytest.mark.parametrize("plan", EDGE_PLANS[1:] + random_plans(L, 3, seed=9), ids=lambda p: p.describe())
-def test_verification_recomputes_only_what_the_draft_could_not_reuse(runner, plan):
+def test_verification_recomputes_only_what_the_draft_could_not_reuse(runner, plan, monkeypatch):
     """Layers < E run for the one unseen position; layers >= E for every verified position."""
-    engine, state = _prefilled(runner, PROMPTS[0])
     k = 5
-    d = drafter(runner, plan, num_draft=k, confidence=0.0)
-    d.start(state)
-    draft = d.propose(state)
+    engine, gen = _started(runner, drafter(runner, plan, num_draft=k, confidence=0.0), PROMPTS[0])
+    state, drafts = gen.state, []
+
+    def count_verification(draft):
+        drafts.append(draft)
+        runner.counters.reset()
+
+    _step(engine, gen, monkeypatch, count_verification)
     E = plan.exact_prefix
-    assert draft.size == k and draft.exact_layers == E
-    runner.counters.reset()
-    state.tokens.extend(engine._verify(state, draft).tokens)
+    assert drafts[0].size == k and drafts[0].exact_layers == E
     expect = [1] * E + [k + 1] * (L - E) if E > 0 else [k + 1] * L
     assert runner.counters.layer_tokens == expect
     assert state.cache.lengths == [state.n] * L

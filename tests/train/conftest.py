@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from accel_state import fresh_state
-from train.config import load_config
 from train.data import stdlib_dir
+from train.recipe import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 

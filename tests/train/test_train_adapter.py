@@ -62,7 +62,7 @@ def test_adapter_refuses_layerskip_options(tiny_recipe):
 def test_eval_adapter_script_scores_the_trained_file(tiny_recipe, tmp_path, capsys):
     import eval_adapter
 
-    from train.config import dump_config
+    from train.recipe import dump_config
 
     cfg = tiny_recipe("adapter.enabled=true", "adapter.exit_layer=2", "optim.max_steps=8")
     run_training(cfg)

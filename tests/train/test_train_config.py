@@ -12,8 +12,10 @@ import pytest
 
 import train.model
 from layerskip_core.errors import UserError
+from layerskip_core.options import field_docs
 from train import layerskip
-from train.config import TrainConfig, build, describe, dump_config, field_docs, load_config
+from train.config import TrainConfig
+from train.recipe import build, describe, dump_config, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))

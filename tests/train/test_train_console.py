@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 
 from layerskip_cli.main import main as cli
 from layerskip_core.errors import UserError
-from train.config import dump_config
 from train.console import check_launch, requested_processes
 from train.layerskip import run_training
+from train.recipe import dump_config
 
 REPO = Path(__file__).resolve().parents[2]
 NO_GPU = lambda: False  # noqa: E731

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from layerskip_core.errors import UserError
 from tiny_models import make_model
 from train.config import EarlyExitConfig, LayerDropoutConfig
-from train.model import IGNORE, LayerSkipLM, causal_lm_loss
+from train.model import IGNORE, LayerSkipLM
 from train.schedules import enabled_exits, exit_weights, raw_exit_scale
 
 L = 4
@@ -73,7 +73,7 @@ def test_total_loss_is_weighted_sum(model, batch):
     assert w == pytest.approx({2: 1.0 / 6.5, 3: 1.5 / 6.5, 4: 4.0 / 6.5})
     total = sum(w[e] * loss for e, loss in zip(out["exits"].tolist(), out["exit_losses"], strict=True))
     torch.testing.assert_close(out["loss"], total, rtol=0, atol=1e-6)
-    assert causal_lm_loss(model(ids).logits, labels).item() == pytest.approx(out["exit_losses"][-1].item(), abs=1e-5)
+    assert manual_ce(model(ids).logits, labels).item() == pytest.approx(out["exit_losses"][-1].item(), abs=1e-5)
 
 
 def test_gradient_reaches_shallow_layers_only_through_their_exits(model, batch):

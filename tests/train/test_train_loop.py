@@ -172,7 +172,7 @@ def test_eval_exits_script(tiny_recipe, tmp_path, capsys):
         sys.path.pop(0)
     cfg = tiny_recipe()
     recipe = tmp_path / "recipe.yaml"
-    from train.config import dump_config
+    from train.recipe import dump_config
 
     dump_config(cfg, recipe)
     out_json = tmp_path / "exits.json"
@@ -191,7 +191,7 @@ def test_two_process_cpu_ddp_keeps_replicas_identical(tiny_recipe, tmp_path):
     cfg = tiny_recipe("layer_dropout.p_max=0.7", "layer_dropout.scale=uniform", "early_exit.exits=[2]",
                       "optim.max_steps=4", "checkpoint.save_every=2", output="ddp")
     recipe = tmp_path / "ddp.yaml"
-    from train.config import dump_config
+    from train.recipe import dump_config
 
     dump_config(cfg, recipe)
     env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}  # the script must not need it

@@ -12,7 +12,7 @@ import pytest
 from accel_state import fresh_state
 from train import layerskip
 from train.checkpoint import RUN_LOCK, STATE_FILE, list_checkpoints, save_checkpoint
-from train.config import dump_config
+from train.recipe import dump_config
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -43,6 +43,11 @@ def test_bench_end_to_end_outputs(tiny_model_dir, prompts_file, tmp_path, capsys
     ar = next(r for r in payload["summary"] if r["method"] == "autoregressive")
     assert ar["speedup_vs_autoregressive"] == 1.0 and ar["tokens_per_verify"] == 1.0
     assert len(payload["records"]) == 2 * 2 * len(methods)  # prompts x repeats x methods
+    # a record is the engine's GenerationStats (every counter, the derived rates) beside its labels and judgement
+    drafted = [r for r in payload["records"] if r["method"] == "early_exit:E=2:k=3"]
+    fields = {"prompt_tokens", "prefill_time", "acceptance_rate", "tokens_per_verify", "drafter", "exact"}
+    assert fields <= set(drafted[0])
+    assert all(r["prompt_tokens"] > 0 for r in drafted) and any(r["drafter"]["draft_forwards"] for r in drafted)
     with open(out / "results.csv") as f:
         header = next(csv.reader(f))
     assert {"model", "task", "method", "tokens_per_second", "speedup_vs_autoregressive", "acceptance_rate",
