@@ -20,11 +20,11 @@ from torch import Tensor
 from infer.attention import grouped_attention
 
 if TYPE_CHECKING:
-    from infer.runner import Runner
+    from infer.forward_model import ForwardModel
     from infer.weights import LayerWeights
 
 
-def attention_step(runner: Runner, w: LayerWeights, hidden: Tensor, cos: Tensor, sin: Tensor, write: Tensor,
+def attention_step(runner: ForwardModel, w: LayerWeights, hidden: Tensor, cos: Tensor, sin: Tensor, write: Tensor,
                    mask: Tensor, k: Tensor, v: Tensor, bulk: bool) -> Tensor:
     """One attention sublayer over a cache layer's whole capacity: new K/V written at slots ``write`` (rows,) of
     ``k``, ``v`` (Hkv, C, D); ``mask`` (G rows, C) additive, shared by the layers of a group."""
@@ -37,7 +37,7 @@ def attention_step(runner: Runner, w: LayerWeights, hidden: Tensor, cos: Tensor,
     return hidden + w.o(out.transpose(0, 1).reshape(rows, s.num_heads * s.head_dim), bulk)  # (rows, d)
 
 
-def mlp_step(runner: Runner, w: LayerWeights, hidden: Tensor, bulk: bool) -> Tensor:
+def mlp_step(runner: ForwardModel, w: LayerWeights, hidden: Tensor, bulk: bool) -> Tensor:
     return runner.mlp(w, hidden, bulk)
 
 
@@ -92,7 +92,7 @@ def count_kernels(fn, device: torch.device) -> int:
     return sum(1 for e in events if e.cpu_parent is None and not e.name.startswith(VIEWS))
 
 
-def kernels_per_layer(runner: Runner, prompt: int = 16) -> float:
+def kernels_per_layer(runner: ForwardModel, prompt: int = 16) -> float:
     """Kernels per layer of one decode step (one row through every layer, with the LM head) on the runner's
     executor, after two warm-up steps (compiling and capturing happen there, not in the count)."""
     cache = runner.new_cache(max(256, prompt + 64))

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from layerskip_core import jsonfile
 from layerskip_core.errors import UserError
 
 COUNTS_FORMAT = "layerskip-token-counts/1"
@@ -92,24 +93,6 @@ def _write_json(path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _read_json(path, fmt: str, what: str) -> dict:
-    """The JSON object of a file of format ``fmt``; a missing, unreadable or foreign file is one UserError."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise UserError(f"{what} {path} does not exist ({MAKE_ONE})")
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise UserError(f"cannot read {what} {path}: {e.strerror}") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise UserError(f"{path} is not a valid {what}: not JSON ({e})") from None
-    if not isinstance(d, dict):
-        raise UserError(f"{path} is not a valid {what}: it holds a JSON {type(d).__name__}, not an object")
-    if d.get("format") != fmt:
-        raise UserError(f"{path} is not a valid {what}: format is {d.get('format')!r}, expected {fmt!r}")
-    return d
-
-
 def _token_ids(values, vocab_size: int, what: str) -> list[int]:
     """Check a JSON list of token ids: integers in [0, vocab_size), no repeats."""
     if not isinstance(values, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in values):
@@ -176,7 +159,7 @@ class DraftVocab:
     @classmethod
     def load(cls, path) -> DraftVocab:
         """Read and validate a vocabulary file; anything wrong is one UserError naming the file."""
-        d = _read_json(path, VOCAB_FORMAT, "draft vocabulary file")
+        d = jsonfile.read(path, "draft vocabulary file", VOCAB_FORMAT, MAKE_ONE)
         try:
             ids = _token_ids(d.get("ids"), _vocab_size(d), "'ids'")
             if not ids:
@@ -254,7 +237,7 @@ class TokenCounts:
     @classmethod
     def load(cls, path) -> TokenCounts:
         """Read and validate a counts file; anything wrong is one UserError naming the file."""
-        d = _read_json(path, COUNTS_FORMAT, "token counts file")
+        d = jsonfile.read(path, "token counts file", COUNTS_FORMAT, MAKE_ONE)
         try:
             vocab = _vocab_size(d)
             rows = d.get("counts")
@@ -311,13 +294,18 @@ def resolve_draft_vocab(spec: int | str | os.PathLike, model, tokenizer=None,
     """``--draft-vocab`` / ``draft_vocab=``: an integer N (the top N of the bundled counts for this model) or
     the path of a vocabulary file made by `layerskip draft-vocab`; either is checked against ``model``."""
     text = str(spec).strip() if not isinstance(spec, int) else ""
-    if isinstance(spec, int) or text.isdigit():
+    if isinstance(spec, int) or is_size(text):
         return bundled_counts(model, tokenizer, directory).top(int(spec))
     if not text:
         raise UserError("--draft-vocab is empty: give a size such as 8192 or a file made by `layerskip draft-vocab`")
     vocab = DraftVocab.load(text)
     check_model(vocab.model, model, tokenizer, text)
     return vocab
+
+
+def is_size(text: str) -> bool:
+    """True for a size written in ASCII digits ('8192'); other digits ('²', '٣') are not sizes."""
+    return text.isascii() and text.isdigit()
 
 
 def check_draft_vocab_option(spec) -> None:
@@ -328,9 +316,11 @@ def check_draft_vocab_option(spec) -> None:
     text = str(spec).strip()
     if text.lower() in (AUTO, *OFF):
         return
-    if text.isdigit():
+    if is_size(text):
         if int(text) < 1:
             raise UserError(f"draft-vocab must be a size >= 1 or a file, got {text!r}")
+    elif text and Path(text).expanduser().is_dir():
+        raise UserError(f"draft-vocab {text!r} is a folder; give a file made by `layerskip draft-vocab` (or a size)")
     elif not text or not Path(text).expanduser().is_file():
         raise UserError(f"draft-vocab {text!r} is neither a size (e.g. 8192), 'auto', 'off' nor an existing file; "
                         "make a file with `layerskip draft-vocab`")

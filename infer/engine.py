@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -29,6 +30,7 @@ from infer.sampling import (
     select,
 )
 from layerskip_core.errors import UserError
+from layerskip_core.options import check_fields
 
 
 @dataclass(frozen=True)
@@ -49,10 +51,26 @@ class GenerationConfig:
     None (or E = the model's layer count) is the full model."""
 
     def __post_init__(self) -> None:
+        check_fields(self, "GenerationConfig")
         if self.max_new_tokens < 1:
             raise UserError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.target_exit is not None and self.target_exit < 1:
             raise UserError(f"target-exit must be >= 1 (a layer count), got {self.target_exit}")
+
+
+def token_ids(prompt_ids) -> list[int]:
+    """``prompt_ids`` (a sequence of ints or a 1-D integer tensor) as a list; anything else is a UserError."""
+    if isinstance(prompt_ids, Tensor):
+        if prompt_ids.dim() != 1 or prompt_ids.dtype.is_floating_point or prompt_ids.dtype == torch.bool:
+            raise UserError(f"prompt_ids must be a 1-D integer tensor, got {prompt_ids.dim()}-D {prompt_ids.dtype}")
+        return prompt_ids.tolist()
+    if isinstance(prompt_ids, str | bytes) or not isinstance(prompt_ids, Sequence):
+        raise UserError(f"prompt_ids must be a list of token ids, not {type(prompt_ids).__name__} (for text, use "
+                        "LoadedModel.generate, or LoadedModel.encode first)")
+    bad = [t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+    if bad:
+        raise UserError(f"prompt_ids must hold integer token ids; got {bad[0]!r} ({type(bad[0]).__name__})")
+    return [int(t) for t in prompt_ids]
 
 
 @dataclass
@@ -195,8 +213,11 @@ class Engine:
 
         ``reserve``: cache positions to take from the runner's pool (default ``cache_length`` of this prompt and
         ``config``); ``warm_up`` uses it to run short generations in the cache a longer one will use."""
-        config = config or GenerationConfig()
-        prompt = [int(t) for t in (prompt_ids.tolist() if isinstance(prompt_ids, Tensor) else prompt_ids)]
+        config = GenerationConfig() if config is None else config
+        if not isinstance(config, GenerationConfig):
+            raise UserError(f"config must be a GenerationConfig (or None), not {type(config).__name__}: "
+                            "e.g. GenerationConfig(max_new_tokens=32)")
+        prompt = token_ids(prompt_ids)
         self._check_prompt(prompt, config)
         if self.closed:
             raise ValueError("the engine is closed (its drafter has finished); build a new one")

@@ -29,8 +29,8 @@ from infer.compiled import LayerSteps
 from infer.kv_cache import KVCache
 from infer.plan import LayerPlan
 
-if TYPE_CHECKING:  # the runner imports this module for its executor
-    from infer.runner import DraftHead, Runner
+if TYPE_CHECKING:  # the runner imports this module for its executor: name what it offers, not the runner
+    from infer.forward_model import ForwardModel, VocabHead
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
 """Row counts a static forward is padded up to; larger calls run eagerly."""
@@ -104,7 +104,7 @@ def padded_window(rows: int, T: int, extra: int, mask: Tensor | None) -> Tensor:
 class StaticSpan:
     """One static forward: its input buffers, and on CUDA its captured graph and output buffers."""
 
-    def __init__(self, runner: Runner, key: SpanKey, plan: LayerPlan | None, vocab: DraftHead | None = None):
+    def __init__(self, runner: ForwardModel, key: SpanKey, plan: LayerPlan | None, vocab: VocabHead | None = None):
         # no reference to the cache: the executor's table is keyed by it weakly (a graph dies with its cache)
         self.runner, self.key, self.plan, self.vocab = runner, key, plan, vocab
         d, L = runner.spec.hidden_size, runner.num_layers
@@ -156,7 +156,7 @@ class StaticExecutor:
     uses (the runner's pooled caches keep the forwards): ``builds`` (static forwards set up), ``captures`` (graphs
     recorded), ``compiles`` (graphs inductor compiled)."""
 
-    def __init__(self, runner: Runner, capture: bool, compile: bool = False, buckets: tuple[int, ...] = BUCKETS):
+    def __init__(self, runner: ForwardModel, capture: bool, compile: bool = False, buckets: tuple[int, ...] = BUCKETS):
         self.runner, self.capture, self.buckets = runner, capture, buckets
         self.max_spans = MAX_SPANS
         """Static forwards kept per cache."""
@@ -289,8 +289,8 @@ def _on_device(device: torch.device, capture: bool):
     return torch.cuda.device(device) if capture and device.type == "cuda" else nullcontext()
 
 
-def static_forward(runner: Runner, cache: KVCache, hidden: Tensor, meta: Tensor, key: SpanKey,
-                   plan: LayerPlan | None, vocab: DraftHead | None, steps: LayerSteps
+def static_forward(runner: ForwardModel, cache: KVCache, hidden: Tensor, meta: Tensor, key: SpanKey,
+                   plan: LayerPlan | None, vocab: VocabHead | None, steps: LayerSteps
                    ) -> tuple[Tensor, Tensor, Tensor | None]:
     """The padded forward itself: only device tensors and Python constants, so it can be captured."""
     rows, L = key.rows, runner.num_layers

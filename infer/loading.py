@@ -91,6 +91,12 @@ class LoadedModel:
         """Generate from text with a fresh drafter (``options`` are its options); ``.text``, ``.tokens``, ``.stats``.
 
         For several prompts with one drafter (e.g. SWIFT keeps its plan), use ``engine()``."""
+        if not isinstance(prompt, str):
+            raise UserError(f"prompt must be text (a str), not {type(prompt).__name__}; for token ids use "
+                            "engine().generate(ids)")
+        if not isinstance(drafter, str):
+            raise UserError(f"drafter must be a drafter name (a str, e.g. 'early_exit'), not {type(drafter).__name__}"
+                            f"; put a GenerationConfig in config=")
         with self.engine(drafter, options) as engine:
             return engine.generate(self.encode(prompt, chat), config)
 

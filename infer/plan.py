@@ -18,7 +18,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from layerskip_core import jsonfile
 from layerskip_core.errors import UserError
+from layerskip_core.jsonfile import integer, integers
 from layerskip_core.models import ModelSpec
 
 
@@ -39,8 +41,14 @@ class LayerPlan:
     """Indices of layers whose MLP sublayer is skipped."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "skip_attn", frozenset(int(i) for i in self.skip_attn))
-        object.__setattr__(self, "skip_mlp", frozenset(int(i) for i in self.skip_mlp))
+        """Refuse booleans, fractions and out-of-range indices (ValueError) rather than rounding them."""
+        integer(self.num_layers, "num_layers", 1)
+        for name in ("skip_attn", "skip_mlp"):
+            values = getattr(self, name)
+            if isinstance(values, str | bytes) or not hasattr(values, "__iter__"):
+                raise ValueError(f"{name} must be a set of layer indices, not {type(values).__name__}")
+            indices = [integer(i, f"{name} index", 0) for i in values]
+            object.__setattr__(self, name, frozenset(indices))
         bad = sorted(i for i in self.skip_attn | self.skip_mlp if not 0 <= i < self.num_layers)
         if bad:
             raise ValueError(f"layer indices {bad} out of range for a {self.num_layers}-layer model")
@@ -78,7 +86,8 @@ class LayerPlan:
         unknown = set(d) - {"num_layers", "skip_attn", "skip_mlp"}
         if unknown:
             raise ValueError(f"unknown plan keys {sorted(unknown)}")
-        return cls(int(d["num_layers"]), frozenset(d.get("skip_attn", ())), frozenset(d.get("skip_mlp", ())))
+        return cls(integer(d["num_layers"], "num_layers", 1), integers(d.get("skip_attn", []), "skip_attn"),
+                   integers(d.get("skip_mlp", []), "skip_mlp"))
 
     def describe(self) -> str:
         attn = ",".join(map(str, sorted(self.skip_attn))) or "-"
@@ -87,6 +96,7 @@ class LayerPlan:
 
 
 PLAN_FORMAT = "layerskip-plan/1"
+MAKE_ONE = "make one with `layerskip search` or `layerskip plan import`"
 FULL_HEAD = "full"
 """``PlanFile.draft_head['vocab']`` of a plan found drafting with the full LM head."""
 
@@ -146,33 +156,55 @@ class PlanFile:
     @classmethod
     def load(cls, path) -> PlanFile:
         """Read and validate a plan file; anything wrong is one UserError naming the file."""
-        path = Path(path).expanduser()
-        if not path.is_file():
-            raise UserError(f"plan file {path} does not exist (create one with `layerskip search` or "
-                            "`layerskip plan import`)")
-        try:
-            d = json.loads(path.read_text(encoding="utf-8"))
-            if not isinstance(d, dict):
-                raise ValueError(f"it holds a JSON {type(d).__name__}, not an object")
-            if d.get("format") != PLAN_FORMAT:
-                raise ValueError(f"format is {d.get('format')!r}, expected {PLAN_FORMAT!r}")
-            for key, kind in (("plan", dict), ("model", dict)):
-                if not isinstance(d.get(key), kind):
-                    raise ValueError(f"{key!r} must be an object, got {type(d.get(key)).__name__}")
-            return cls(LayerPlan.from_dict(d["plan"]), d["model"], str(d.get("task", "")), d.get("objective"),
-                       d.get("search"), str(d.get("source", "")), _draft_head(d.get("draft_head")))
-        except (ValueError, KeyError, TypeError) as e:
-            raise UserError(f"{path} is not a valid plan file: {e}") from None
-        except OSError as e:
-            raise UserError(f"cannot read plan file {path}: {e.strerror}") from None
+        d = jsonfile.read(path, "plan file", PLAN_FORMAT, MAKE_ONE)
+        with jsonfile.checked(path, "plan file", MAKE_ONE):
+            plan = LayerPlan.from_dict(jsonfile.obj(d["plan"], "'plan'"))
+            for key in ("objective", "search"):
+                if d.get(key) is not None:
+                    jsonfile.obj(d[key], repr(key))
+            return cls(plan, jsonfile.obj(d["model"], "'model'"), jsonfile.text(d.get("task", ""), "'task'"),
+                       d.get("objective"), d.get("search"), jsonfile.text(d.get("source", ""), "'source'"),
+                       _draft_head(d.get("draft_head")))
 
     def check_model(self, identity: dict, path: str = "the plan") -> None:
-        """Refuse a plan made for another model (architecture or weights differ)."""
+        """Refuse a plan made for another model (architecture or weights differ) or another depth."""
         diff = {k: (self.model.get(k), v) for k, v in identity.items() if self.model.get(k) != v}
         if diff:
             what = ", ".join(f"{k}: plan has {a}, model has {b}" for k, (a, b) in diff.items())
             raise UserError(f"{path} was made for another model ({what}); search a plan for this model with "
                             "`layerskip search`")
+        check_depth(self.plan, identity["num_layers"], path)
+
+
+def check_depth(plan: LayerPlan, num_layers: int, what: str = "the plan") -> None:
+    """Refuse a plan for another number of layers than the model's ``num_layers``."""
+    if plan.num_layers != num_layers:
+        raise UserError(f"{what} is a plan for {plan.num_layers} layers; the model has {num_layers} "
+                        "(search a plan for this model with `layerskip search`)")
+
+
+def check_plan_option(plan, drafter: str) -> None:
+    """Before any model loads: ``plan`` is a LayerPlan, or the path of an existing file (not a folder)."""
+    if isinstance(plan, LayerPlan):
+        return
+    if not isinstance(plan, str | os.PathLike):
+        raise UserError(f"{drafter}: plan must be the path of a plan file or a LayerPlan, not {type(plan).__name__}")
+    path = Path(plan).expanduser()
+    if path.is_dir():
+        raise UserError(f"{drafter}: plan {path} is a folder; give the path of a plan file (.json) inside it")
+    if not path.is_file():
+        raise UserError(f"{drafter}: plan file {path} does not exist ({MAKE_ONE})")
+
+
+def plan_for(plan, identity: dict) -> LayerPlan:
+    """The plan to run on the model of ``identity``: a LayerPlan as given, or a plan file read and refused unless it
+    was made for this model; either refused when made for another depth."""
+    if isinstance(plan, LayerPlan):
+        check_depth(plan, identity["num_layers"])
+        return plan
+    plan_file = PlanFile.load(plan)
+    plan_file.check_model(identity, str(plan))
+    return plan_file.plan
 
 
 def _draft_head(d) -> dict | None:
@@ -183,9 +215,8 @@ def _draft_head(d) -> dict | None:
         raise ValueError("'draft_head' must be an object with a 'vocab' entry")
     if d["vocab"] == FULL_HEAD:
         return {"vocab": FULL_HEAD}
-    ids = d.get("ids")
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids) \
-            or len(set(ids)) != d["vocab"]:
+    ids = integers(d.get("ids", []), "'draft_head' ids", 0)
+    if not ids or len(set(ids)) != d["vocab"]:
         raise ValueError("'draft_head' must list its 'vocab' distinct non-negative token 'ids'")
     return {"vocab": len(ids), "ids": ids}
 

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from layerskip_core.errors import UserError
+from layerskip_core.options import check_fields
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,9 @@ class SamplingConfig:
     """Seed of the sampling RNG; None draws a fresh one."""
 
     def __post_init__(self) -> None:
+        check_fields(self, "SamplingConfig")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise UserError(f"seed must be in [0, 2**64), got {self.seed}")
         if self.temperature < 0:
             raise UserError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:

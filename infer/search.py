@@ -135,6 +135,8 @@ class SearchConfig:
             raise UserError(f"unknown cost model {self.cost!r}; choose {' or '.join(COSTS)}")
         if self.trials < 1:
             raise UserError(f"--trials must be >= 1, got {self.trials}")
+        if not 0 <= self.seed < 2**31:  # optuna's samplers seed numpy, which takes 32 bits (plus the trials done)
+            raise UserError(f"--seed must be in [0, 2**31), got {self.seed}")
         if self.skip_ratio is not None and not 0.0 < self.skip_ratio < 1.0:
             raise UserError(f"--skip-ratio must be in (0, 1), got {self.skip_ratio}")
         if self.timeout is not None and self.timeout <= 0:

@@ -19,7 +19,9 @@ import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from layerskip_core import jsonfile
 from layerskip_core.errors import UserError
+from layerskip_core.options import check_fields
 
 FORMAT = "layerskip-exit-adapter/1"
 """The ``format`` metadata value of an adapter file."""
@@ -61,6 +63,7 @@ class AdapterShape:
     """Epsilon of the adapter's RMSNorms (the model's)."""
 
     def __post_init__(self) -> None:
+        check_fields(self, "adapter shape")
         if self.exit_layer < 1:
             raise UserError(f"adapter exit layer must be >= 1, got {self.exit_layer}")
         if self.mlp_size < 0:
@@ -95,9 +98,10 @@ def read_metadata(meta: dict[str, str] | None, identity: dict, path: str) -> tup
         raise UserError(f"{path} is not an exit adapter file (no {FORMAT!r} header); make one with "
                         "train/layerskip.py and a recipe that has an adapter: section")
     try:
-        shape = AdapterShape(**json.loads(meta["shape"]))
-        recorded, provenance = json.loads(meta["model"]), json.loads(meta.get("provenance", "{}"))
-    except (KeyError, TypeError, ValueError) as e:
+        shape = AdapterShape(**jsonfile.obj(jsonfile.parse(meta["shape"]), "shape"))
+        recorded = jsonfile.obj(jsonfile.parse(meta["model"]), "model")
+        provenance = jsonfile.obj(jsonfile.parse(meta.get("provenance", "{}")), "provenance")
+    except (KeyError, TypeError, ValueError, UserError) as e:
         raise UserError(f"{path}: damaged exit adapter header ({e}); train the adapter again") from None
     diff = [f"{k}: file has {recorded.get(k)}, model has {identity.get(k)}" for k in IDENTITY_KEYS
             if recorded.get(k) != identity.get(k)]

@@ -2,7 +2,10 @@
 
 ``run_main`` wraps a command's body; ``split_named`` parses the ``NAME=PATH`` labels that several
 commands accept for models (``--model base=default --model trained=runs/x/final``);
-``check_output_file`` / ``check_output_dir`` refuse an output path before any work is done.
+``check_output_file`` / ``check_output_dir`` refuse an output path before any work is done: the one output-file
+policy is that an existing file is refused unless the command was given ``--force``, and ``check_distinct``
+refuses two outputs of one command that are the same file. Folders (``check_output_dir``) may already exist:
+the commands that write into one name their files inside it.
 """
 
 from __future__ import annotations
@@ -57,16 +60,31 @@ def _writable_ancestor(target: Path) -> Path | None:
     return parent
 
 
-def check_output_file(path: str | os.PathLike, what: str) -> Path:
-    """Refuse, before any work, a file path that is a folder or whose folder cannot be created or written."""
+def check_output_file(path: str | os.PathLike, what: str, *, force: bool) -> Path:
+    """Refuse, before any work, a file path that is a folder, that exists (unless ``force``: the user's --force)
+    or whose folder cannot be created or written."""
     target = Path(path).expanduser()
     if target.is_dir():
         raise UserError(f"{what} {target} is a folder; give a file path")
+    if target.exists() and not force:
+        raise UserError(f"{what} {target} exists; pass --force to overwrite it or choose another path")
     if target.exists() and not os.access(target, os.W_OK):
         raise UserError(f"{what} {target} exists and is not writable; choose another path")
     if not target.exists() and _writable_ancestor(target) is None:
         raise UserError(f"{what} {target}: cannot create it (no writable folder above it); choose another path")
     return target
+
+
+def check_distinct(*outputs: tuple[str, str | os.PathLike | None]) -> None:
+    """Refuse two (flag, path) outputs of one command that name the same file (None = not asked for)."""
+    seen: dict[Path, str] = {}
+    for flag, path in outputs:
+        if path is None:
+            continue
+        key = Path(os.path.realpath(Path(path).expanduser()))
+        if key in seen:
+            raise UserError(f"{seen[key]} and {flag} are the same file {path}; give each output its own path")
+        seen[key] = flag
 
 
 def check_output_dir(path: str | os.PathLike, what: str) -> Path:

@@ -54,7 +54,7 @@ def resolve_device(name: str | torch.device = "auto") -> torch.device:
         return torch.device("cpu")
     if name == "cuda" or name.startswith("cuda:"):
         index = name.partition(":")[2]
-        if index and not index.isdigit():
+        if index and not (index.isascii() and index.isdigit()):
             raise UserError(f"bad device {name!r}; use {DEVICE_HELP}")
         if not torch.cuda.is_available():
             raise UserError(f"--device {name}: CUDA is not available on this machine (torch "

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from layerskip_core import jsonfile
 from layerskip_core.errors import UserError
 from layerskip_core.packages import (
     PackagedFile,
@@ -219,9 +220,11 @@ def converted_folder_problem(path: Path, full: bool = False) -> str | None:
     Sizes are always checked against the marker (cheap); ``full`` also checks every sha256.
     """
     try:
-        files = json.loads((path / COMPLETE_FILE).read_text(encoding="utf-8"))["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return "it has no completion marker (an interrupted or older conversion)"
+        files = jsonfile.parse((path / COMPLETE_FILE).read_text(encoding="utf-8"))["files"]
+        if not all(isinstance(want, dict) for want in files.values()):
+            raise TypeError("an entry is not an object")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return "it has no usable completion marker (an interrupted or older conversion, or a damaged marker)"
     for name, want in files.items():
         f = path / name
         if not f.is_file():

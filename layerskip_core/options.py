@@ -14,6 +14,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import math
 import textwrap
 import types
 import typing
@@ -154,6 +155,42 @@ def _scalar(value: Any, tp: Any, where: str) -> Any:
     if tp is Any:
         return value
     raise TypeError(f"unsupported annotation {tp!r} at {where}")  # a bug in a config class, not user input
+
+
+def check_fields(obj: Any, label: str) -> None:
+    """Refuse (a UserError naming ``label`` and the field) a dataclass instance built in Python whose fields do not
+    hold their declared types: a boolean or fraction for an integer, a string or NaN/infinity for a number, a dict
+    for a string. Converts nothing (``convert`` does, for text); fields of a class type take its instances."""
+    types_ = hints(type(obj))
+    for f in dataclasses.fields(obj):
+        tp, value = types_[f.name], getattr(obj, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"{label}: {f.name} must be a finite number, got {value}")
+        if not _holds(value, tp):
+            raise UserError(f"{label}: {f.name} must be {type_name(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def _holds(value: Any, tp: Any) -> bool:
+    """Whether ``value`` is a value of annotation ``tp`` (strictly: bool is not int, float must be finite)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_holds(value, arg) for arg in typing.get_args(tp))
+    if origin is Literal:
+        return value in typing.get_args(tp)
+    if origin in (list, tuple):
+        item = typing.get_args(tp)[0]
+        return isinstance(value, (list, tuple)) and all(_holds(v, item) for v in value)
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if tp is Any:
+        return True
+    return isinstance(value, origin or tp)
 
 
 def parse_text(text: str) -> Any:

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from layerskip_core import jsonfile
 from layerskip_core.errors import UserError
 
 TEMP_TAG = ".layerskip-tmp"
@@ -201,7 +202,7 @@ def write_marker(target: Path, info: dict) -> None:
 
 def read_marker(target: Path) -> dict | None:
     try:
-        record = json.loads(marker_path(target).read_text(encoding="utf-8"))
+        record = jsonfile.parse(marker_path(target).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) else None

@@ -14,12 +14,12 @@ part and benchmark on the held-out rest.
 from __future__ import annotations
 
 import gzip
-import json
 import re
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from layerskip_core import jsonfile
 from layerskip_core.errors import UserError
 from layerskip_core.packages import PackagedFile, cache_root, fetch_packaged_file
 
@@ -70,10 +70,10 @@ def _read_jsonl(path: Path, what: str = "prompts file") -> list[tuple[int, dict]
                 if not line.strip():
                     continue
                 try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON "
-                                    'object such as {"prompt": "..."}') from None
+                    row = jsonfile.parse(line)  # depth-limited: a line nested 100,000 deep is one line too
+                except ValueError as e:
+                    raise UserError(f"{path}:{lineno}: not valid JSON ({getattr(e, 'msg', e)}); each line must be "
+                                    'one JSON object such as {"prompt": "..."}') from None
                 if not isinstance(row, dict):
                     raise UserError(f"{path}:{lineno}: expected a JSON object with a 'prompt' field")
                 rows.append((lineno, row))

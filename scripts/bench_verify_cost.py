@@ -72,7 +72,7 @@ def _sizes(text: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     sizes = _sizes(args.sizes)
     if args.out:
-        check_output_file(args.out, "--out")
+        check_output_file(args.out, "--out", force=args.force)
     run = model_settings(args).resolve()  # a missing GPU is refused before the model loads
     run.apply_threads()
     result = measure(run.model, sizes, args.repeats, args.context, run.device, run.dtype)
@@ -95,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--context", type=int, default=200, help="tokens already in the cache")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--force", action="store_true", help="overwrite an existing --out")
     args = p.parse_args(argv)
     return run_main("bench_verify_cost", lambda: run(args))
 

@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from train.recipe import load_config
 
     if args.json is not None:
-        check_output_file(args.json, "--json")
+        check_output_file(args.json, "--json", force=args.force)
     if args.n < 1:
         raise UserError("--n must be >= 1")
     torch.set_num_threads(args.threads)
@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=32, help="validation examples (default 32)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", type=Path, default=None, help="also write the result here")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --json")
     args = p.parse_args(argv)
     return run_main("eval_adapter", lambda: run(args))
 

@@ -35,7 +35,7 @@ def cut(text: str, tokenizer, low: int, high: int) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_output_file(args.out, "--out")
+    check_output_file(args.out, "--out", force=args.force)
     if not 1 <= args.min_tokens <= args.max_tokens or args.n < 1:
         raise UserError("give --n >= 1 and 1 <= --min-tokens <= --max-tokens")
     # the training data reader and the tokenizer are torch/transformers-heavy: loaded after the argument checks
@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-tokens", type=int, default=300)
     p.add_argument("--max-tokens", type=int, default=400)
     p.add_argument("--out", type=Path, required=True, help="the .jsonl file to write")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --out")
     args = p.parse_args(argv)
     return run_main("long_prompts", lambda: run(args))
 

@@ -76,11 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", default=PROMPT, help="the prompt text")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --json")
     args = p.parse_args(argv)
 
     def run() -> int:
         if args.json is not None:
-            check_output_file(args.json, "--json")
+            check_output_file(args.json, "--json", force=args.force)
         rows = measure(args)
         print(table(rows))
         if args.json is not None:

@@ -13,7 +13,10 @@ Layout of a run folder (``checkpoint.output_dir``)::
 One folder holds one run: a new run into a folder holding another is refused (resume it, choose
 another folder, or ``--overwrite`` to delete it first), a resume checks that the config matches,
 and ``trainer_state.json`` records how many lines ``metrics.jsonl`` had, so a resumed run cuts the
-log back to the checkpoint instead of repeating steps.
+log back to the checkpoint instead of repeating steps. A training holds the folder's lock
+(``.layerskip-run.lock``, ``hold_run_folder``) for its whole life, so a second training into the same
+folder is refused naming the holder, and temporary folders carry the run's tag (host and pid), so a
+checkpoint never holds another run's files; a lock or temporaries left by a killed run are taken over.
 """
 
 from __future__ import annotations
@@ -21,11 +24,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import yaml
 
+from layerskip_core import jsonfile
 from layerskip_core.errors import UserError
+from layerskip_core.locks import FileLock
 from layerskip_core.packages import ensure_writable_dir, normal_permissions
 from train.config import TrainConfig
 from train.console import quiet_tied_weight_save
@@ -33,6 +42,8 @@ from train.recipe import dump_config, to_dict
 
 STATE_FILE = "trainer_state.json"
 PREFIX = "step-"
+RUN_LOCK = ".layerskip-run.lock"
+"""The lock file a training holds in its output folder while it runs."""
 
 
 def checkpoints_dir(output_dir: str | Path) -> Path:
@@ -169,19 +180,65 @@ def prepare_run_folder(cfg: TrainConfig, overwrite: bool = False) -> Path | None
 def _step_of(ckpt: Path) -> int:
     try:
         return int(read_state(ckpt)["step"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except UserError:
         return int(ckpt.name[len(PREFIX):]) if ckpt.name[len(PREFIX):].isdigit() else -1
 
 
 def read_state(path: Path) -> dict:
-    return json.loads((Path(path) / STATE_FILE).read_text())
+    """A checkpoint's ``trainer_state.json`` (step and tokens: non-negative integers), strictly read."""
+    file = Path(path) / STATE_FILE
+    state = jsonfile.read(file, "checkpoint state file", hint="resume from another checkpoint")
+    with jsonfile.checked(file, "checkpoint state file", "resume from another checkpoint"):
+        jsonfile.integer(state["step"], "step", 0)
+        jsonfile.integer(state.get("tokens", 0), "tokens", 0)
+    return state
+
+
+@contextmanager
+def hold_run_folder(cfg: TrainConfig) -> Iterator[None]:
+    """Hold ``checkpoint.output_dir``'s lock while the body runs (the main process of a launch, RANK 0, only).
+
+    Another live training holding it is refused in one line naming it; the lock of a training that died
+    is taken over with a note, and its temporary folders are removed.
+    """
+    out = Path(cfg.checkpoint.output_dir)
+    if os.environ.get("RANK", "0") not in ("", "0") or (out.exists() and not out.is_dir()):
+        yield  # another rank of this launch, or a file where the folder should be (prepare_run_folder says so)
+        return
+    ensure_writable_dir(out, "checkpoint.output_dir", "choose a writable checkpoint.output_dir")
+    lock = FileLock(out / RUN_LOCK)
+    holder = lock.acquire()
+    if holder is not None:
+        raise UserError(f"{out} is in use by another training ({holder.describe()}); wait for it to end or "
+                        "choose another checkpoint.output_dir")
+    try:
+        if lock.previous is not None:
+            print(f"layerskip: note: {out} was locked by a training that ended without releasing it "
+                  f"({lock.previous.describe()}); taking it over", file=sys.stderr)
+        for tmp in [*out.glob(".tmp-final*"), *checkpoints_dir(out).glob(".tmp-*")]:  # no one else writes here now
+            shutil.rmtree(tmp, ignore_errors=True)
+        with suppress(OSError):
+            checkpoints_dir(out).rmdir()  # only when nothing but temporaries was there
+        yield
+    finally:
+        lock.release()
+
+
+def run_tag(accelerator) -> str:
+    """This run's tag for temporary folder names: the main process's host and pid, the same on every process."""
+    tag = [f"{socket.gethostname()}-{os.getpid()}"]
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        broadcast_object_list(tag)
+    return tag[0]
 
 
 def save_checkpoint(accelerator, cfg: TrainConfig, step: int, state: dict) -> Path:
     """Write ``checkpoints/step-N`` atomically (all processes call this) and prune old ones."""
     root = checkpoints_dir(cfg.checkpoint.output_dir)
     final = root / f"{PREFIX}{step:06d}"
-    tmp = root / f".tmp-{PREFIX}{step:06d}"
+    tmp = root / f".tmp-{PREFIX}{step:06d}-{run_tag(accelerator)}"
     if accelerator.is_main_process:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -215,7 +272,7 @@ def export_final(accelerator, lm, tokenizer, cfg: TrainConfig, out_dir: str | Pa
     if accelerator.is_main_process:
         hf = plain_model(accelerator.unwrap_model(lm).model)
         hf.config.use_cache = True
-        tmp = out_dir.with_name(f".tmp-{out_dir.name}")
+        tmp = out_dir.with_name(f".tmp-{out_dir.name}-{socket.gethostname()}-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         hf.save_pretrained(tmp, state_dict=state, safe_serialization=True)
         tokenizer.save_pretrained(tmp)

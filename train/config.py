@@ -335,6 +335,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _check(self.threads is None or self.threads >= 1, "threads must be >= 1")
+        _check(0 <= self.seed < 2**63, f"seed must be in [0, 2**63), got {self.seed}")
         if self.adapter.enabled:
             _check(not self.lora.enabled and self.layer_dropout.p_max == 0 and not self.early_exit.exits,
                    "adapter.enabled trains an adapter on the frozen model: turn lora, layer_dropout and early_exit off")

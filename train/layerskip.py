@@ -32,7 +32,14 @@ from tqdm.auto import tqdm
 from layerskip_core.cli import run_main
 from layerskip_core.errors import UserError
 from layerskip_core.packages import cache_root
-from train.checkpoint import clear_run, export_final, prepare_run_folder, read_state, save_checkpoint
+from train.checkpoint import (
+    clear_run,
+    export_final,
+    hold_run_folder,
+    prepare_run_folder,
+    read_state,
+    save_checkpoint,
+)
 from train.config import TrainConfig
 from train.console import check_launch, eval_summary, interrupt_on_sigterm, launcher_command, resume_hint
 from train.recipe import describe, dump_config, load_config, to_dict
@@ -246,8 +253,14 @@ def run_training(cfg: TrainConfig, on_step: Callable[[int], None] | None = None,
     """Train according to ``cfg``; return a summary. ``on_step(step)`` runs after each optimiser step.
 
     ``overwrite`` deletes a previous run's files from ``checkpoint.output_dir`` first; without it a
-    folder holding another run is refused unless this run resumes it.
+    folder holding another run is refused unless this run resumes it. A training running into the same
+    folder is refused (``hold_run_folder``).
     """
+    with hold_run_folder(cfg):  # one training per output folder, for its whole life
+        return _train(cfg, on_step, overwrite)
+
+
+def _train(cfg: TrainConfig, on_step: Callable[[int], None] | None, overwrite: bool) -> dict:
     import torch  # torch-heavy modules load here (see the note at the imports)
 
     if cfg.threads:

@@ -72,7 +72,7 @@ def _set_dotted(raw: dict, dotted: str, value: Any) -> None:
     for i, part in enumerate(parts):
         here = ".".join(parts[: i + 1])
         if isinstance(node, list):
-            if not (part.isdigit() and int(part) < len(node)):
+            if not (part.isascii() and part.isdigit() and int(part) < len(node)):
                 raise UserError(f"override {dotted}: '{'.'.join(parts[:i])}' is a list of {len(node)} items; "
                                 f"address them by index 0..{len(node) - 1}")
             key: Any = int(part)
@@ -136,12 +136,15 @@ def read_yaml(path: str | Path) -> dict:
         raise UserError(f"{path}: not UTF-8 text (line {line}); save the recipe as UTF-8") from None
     except PermissionError:
         raise UserError(f"config file {path} is not readable (permission denied)") from None
+    except RecursionError:
+        raise UserError(f"{path}: nested too deeply to be a recipe") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""
         raise UserError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
-    if raw is None:
-        return {}
+    if raw is None:  # not silently the defaults: an empty file is more likely a mistake than a choice
+        raise UserError(f"config file {path} is empty (or only comments); give a recipe that sets at least the "
+                        "model and data (see recipes/*.yaml; --help-config lists every key)")
     if not isinstance(raw, dict):
         raise UserError(f"{path}: the top level must be a mapping of sections (model:, data:, optim:, ...)")
     return raw

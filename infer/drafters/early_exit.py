@@ -18,6 +18,7 @@ from infer.drafters.base import DecodeState, Draft, Drafter, DraftVocabOption, V
 from infer.drafters.chain import EarlyExitForward, draft_chain, draft_head_for
 from infer.drafters.gate import COLD, FallbackGate, GateMemory, check_remember
 from layerskip_core.errors import UserError
+from layerskip_core.options import check_fields
 
 
 @dataclass
@@ -47,6 +48,7 @@ class EarlyExitDrafterConfig(DraftVocabOption):
     the one shipped for the default model): drafts run layers [0, E), the adapter and the shared head."""
 
     def __post_init__(self) -> None:
+        check_fields(self, "early_exit")
         super().__post_init__()
         check_remember(self.remember)
         if self.num_draft < 1:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from layerskip_core import jsonfile
 from layerskip_core.errors import UserError
 from layerskip_core.packages import cache_root
 
@@ -132,6 +133,36 @@ class FallbackGate:
         self.drafting.load(d["drafting"])
 
 
+def check_rate(d, name: str) -> None:
+    """ValueError unless ``d`` is a ``Rate.to_dict`` with finite, plausible numbers (a cycle takes >= 100 ns)."""
+    jsonfile.obj(d, name)
+    tokens = jsonfile.number(d["tokens"], f"{name}.tokens", 0, 1e6)
+    seconds = jsonfile.number(d["seconds"], f"{name}.seconds", 0, 1e6)
+    cycles = jsonfile.integer(d["cycles"], f"{name}.cycles", 0)
+    if cycles and tokens and seconds < 1e-7:
+        raise ValueError(f"{name} claims {tokens} tokens in {seconds} s, an impossible rate")
+
+
+def check_memory(d: dict) -> None:
+    """ValueError or KeyError unless ``d`` holds what ``FallbackGate.to_dict`` and the drafters save, all plausible
+    (other keys, e.g. of an earlier version, are not read and not checked)."""
+    gate = jsonfile.obj(d["gate"], "'gate'")
+    if gate.get("mode") not in ("plain", "draft"):
+        raise ValueError(f"gate.mode is {gate.get('mode')!r}, expected 'plain' or 'draft'")
+    jsonfile.integer(gate["mode_cycles"], "gate.mode_cycles", 0)
+    jsonfile.integer(gate["recheck"], "gate.recheck", 1, 10**9)
+    for name in ("plain", "drafting"):
+        check_rate(gate[name], f"gate.{name}")
+    for name in ("draft_forward", "verify", "opt_step"):
+        if name in d:
+            check_rate(d[name], name)
+    if "plan" in d:
+        plan = jsonfile.obj(d["plan"], "'plan'")
+        jsonfile.integers(plan["attn"], "plan.attn", 0)
+        jsonfile.integers(plan["mlp"], "plan.mlp", 0)
+        jsonfile.number(d["score"], "score", -1.0, 1.0)
+
+
 class GateMemory:
     """One drafter's learned gate state on disk, keyed by model, device, dtype, threads and drafter settings."""
 
@@ -158,14 +189,20 @@ class GateMemory:
         return f"warm from {self.path}" if self.loaded else COLD
 
     def load(self) -> dict | None:
-        """The saved state, or None when there is none or it is unreadable (it is then rebuilt)."""
-        try:
-            d = json.loads(self.path.read_text())
-        except (OSError, ValueError):
+        """The saved state, or None when there is none; a damaged file is reported in one line and not trusted
+        (the drafter starts afresh and this run's state replaces the file when it ends)."""
+        if not self.path.exists():
             return None
-        ok = isinstance(d, dict) and d.get("format") == MEMORY_FORMAT
-        self.loaded = ok
-        return d if ok else None
+        try:
+            d = jsonfile.read(self.path, "gate memory", MEMORY_FORMAT)
+            with jsonfile.checked(self.path, "gate memory"):
+                check_memory(d)
+        except UserError as e:
+            print(f"layerskip: warning: {e}; ignoring it and starting afresh (this run's measurements replace it; "
+                  "delete the file to reset the gate)", file=sys.stderr)
+            return None
+        self.loaded = True
+        return d
 
     def save(self, state: dict) -> None:
         """Write atomically (nothing when only reading); a cache that cannot be written only costs the speed-up of

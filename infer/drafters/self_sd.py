@@ -36,9 +36,10 @@ from pathlib import Path
 
 from infer.drafters.base import DecodeState, Draft, Drafter, DraftVocabOption, VerifyOutcome
 from infer.drafters.chain import PlanForward, draft_chain, draft_head_for
-from infer.plan import LayerPlan, PlanFile
+from infer.plan import LayerPlan, PlanFile, check_depth, check_plan_option
 from infer.runner import Runner
 from layerskip_core.errors import UserError
+from layerskip_core.options import check_fields
 
 
 @dataclass
@@ -69,12 +70,12 @@ class SelfSDConfig(DraftVocabOption):
     """beta2: smoothing of the threshold itself."""
 
     def __post_init__(self) -> None:
+        check_fields(self, "self_sd")
         super().__post_init__()
         if self.plan is None or self.plan == "":
             raise UserError("the self_sd drafter needs a plan: --plan PLAN.json (or self_sd:plan=PLAN.json); "
                             "make one with `layerskip search` or `layerskip plan import`")
-        if isinstance(self.plan, str) and not Path(self.plan).expanduser().is_file():  # before any model is loaded
-            raise UserError(f"plan file {self.plan} does not exist (create one with `layerskip search`)")
+        check_plan_option(self.plan, "self_sd")  # before any model is loaded
         if self.num_draft < 1:
             raise UserError(f"num-draft must be >= 1, got {self.num_draft}")
         if not 0.0 <= self.confidence < 1.0:
@@ -126,9 +127,7 @@ class AdaptiveThreshold:
 def load_plan(path: str | Path, runner: Runner) -> PlanFile:
     """Load a plan file and refuse it unless it was made for ``runner``'s model."""
     plan_file = PlanFile.load(Path(path).expanduser())
-    plan_file.check_model(runner.identity(), str(path))
-    if plan_file.plan.num_layers != runner.num_layers:
-        raise UserError(f"{path} is a plan for {plan_file.plan.num_layers} layers; the model has {runner.num_layers}")
+    plan_file.check_model(runner.identity(), str(path))  # the depth too
     return plan_file
 
 
@@ -155,8 +154,7 @@ class SelfSDDrafter(Drafter):
         self.config = config
         plan_file = None if isinstance(config.plan, LayerPlan) else load_plan(config.plan, runner)
         plan = config.plan if plan_file is None else plan_file.plan
-        if plan.num_layers != runner.num_layers:
-            raise UserError(f"the plan is for {plan.num_layers} layers; the model has {runner.num_layers}")
+        check_depth(plan, runner.num_layers)
         self.plan = plan
         self.vocab = plan_head(runner, plan_file) if plan_file is not None and plan_file.draft_head else \
             draft_head_for(runner, config.draft_vocab)  # a reduced-vocabulary draft head, or None

@@ -38,13 +38,16 @@ from infer.kv_cache import ints_to_device
 from infer.plan import (
     LayerPlan,
     PlanFile,
+    check_plan_option,
     cycle_speedup,
     head_record,
     iid_tokens_per_cycle,
     odd_inner_plan,
+    plan_for,
     weights_cost,
 )
 from layerskip_core.errors import UserError
+from layerskip_core.options import check_fields
 
 GREEDY_WIDTHS = (3, 5, 8, 10)  # candidates per depth for top-1 prob > 0.95, > 0.8, > 0.5, else (paper)
 SAMPLING_WIDTHS = (1, 3, 5, 10)
@@ -92,8 +95,9 @@ class SwiftConfig(DraftVocabOption):
     recheck_interval: int = 128
     """In fallback, probe drafting again after this many plain steps (doubling after each failed probe), if the
     cost model does not rule it out; sooner when a better plan is predicted to pay."""
-    plan: str | None = None
-    """Initial plan file (a self_sd or swift plan JSON); default: a uniform plan at skip_ratio."""
+    plan: str | LayerPlan | None = None
+    """Initial plan: a plan file (a self_sd or swift plan JSON) or a ``LayerPlan`` for this model; default: a uniform
+    plan at skip_ratio."""
     save_plan: str | None = None
     """Write the best plan found to this JSON file (self_sd-compatible) when decoding is finished."""
     opt_seed: int = 0
@@ -111,8 +115,11 @@ class SwiftConfig(DraftVocabOption):
     default to the released script's 50 and 0.93."""
 
     def __post_init__(self) -> None:
+        check_fields(self, "swift")
         super().__post_init__()
         check_remember(self.remember)
+        if self.plan:
+            check_plan_option(self.plan, "swift")  # before any model is loaded
         if self.context_window is None:
             self.context_window = SCRIPT_WINDOW if self.paper else DEFAULT_WINDOW
         if self.match_threshold is None:
@@ -159,9 +166,7 @@ class SwiftDrafter(Drafter):
         # the reference starts from the odd inner layers (whatever the skip ratio); ours from a uniform plan
         self.best = odd_inner_plan(runner.num_layers) if cfg.paper else self.search.uniform_plan()
         if cfg.plan:
-            plan_file = PlanFile.load(cfg.plan)
-            plan_file.check_model(runner.identity(), cfg.plan)
-            self.best = plan_file.plan
+            self.best = plan_for(cfg.plan, runner.identity())
         self.best_score = -1.0  # best matchness found; < 0 = not scored yet
         # the reference optimises at least once (it checks its step limit after a step) and not with a cached plan
         self.stop_reason = "plan given (paper: no optimisation)" if cfg.paper and cfg.plan else ""

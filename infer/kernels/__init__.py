@@ -5,7 +5,10 @@ hash of the kernel source and compiler flags, the torch version and the Python v
 ``$TORCH_EXTENSIONS_DIR/layerskip_small_matmul-<key>`` when that variable is set, otherwise
 ``$LAYERSKIP_CACHE/kernels/layerskip_small_matmul-<key>`` (``~/.cache/layerskip/kernels/...``).
 Every checkout and virtualenv with the same source and torch therefore shares one build; once
-the library exists it is imported directly (no compiler or ninja run). Where the kernel cannot be
+the library exists it is imported directly (no compiler or ninja run). A build runs under the project's
+lock (``layerskip_core.locks``: one builder at a time, a waiting process says whom it waits for and gives
+up after ``BUILD_WAIT_S``); a build killed midway leaves no lock that blocks the next one (torch's own
+``lock`` file, left behind by a killed build, is removed by the next builder). Where the kernel cannot be
 built or the CPU lacks AVX2/FMA, ``load()`` returns None and the runner uses ``torch.matmul``;
 set ``LAYERSKIP_KERNEL=torch`` (read by ``layerskip_core.settings``) to force that.
 """
@@ -21,11 +24,16 @@ import sys
 import warnings
 from pathlib import Path
 
+from layerskip_core.locks import FileLock
 from layerskip_core.packages import cache_root
 
 _SOURCE = Path(__file__).with_name("small_matmul.cpp")
 NAME = "layerskip_small_matmul"
 CFLAGS = ("-O3", "-mavx2", "-mfma")
+BUILD_WAIT_S = 900.0
+"""Longest wait for another process's build of the kernel before falling back to ``torch.matmul``."""
+TORCH_LOCK = "lock"
+"""The file ``torch.utils.cpp_extension`` creates in the build folder while it builds (and leaves when killed)."""
 _loaded: dict[str, object] = {}
 
 
@@ -75,6 +83,40 @@ def _build(folder: Path):
                               build_directory=str(folder), verbose=False)
 
 
+def _import_or_none(library: Path):
+    """The built module, or None when there is no library or it does not import (a build cut short)."""
+    if not library.is_file():
+        return None
+    try:
+        return _import_library(library)
+    except ImportError:
+        return None
+
+
+def build_locked(folder: Path):
+    """Import the library in ``folder``, building it first if needed, as the only builder of that folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(folder / "layerskip-build.lock")
+    holder = lock.wait(BUILD_WAIT_S, "it is building the small-matmul kernel")
+    if holder is not None:
+        raise TimeoutError(f"{holder.describe()} has been building the kernel in {folder} for over "
+                           f"{BUILD_WAIT_S:.0f} s; end it if it is stuck, or set LAYERSKIP_KERNEL=torch")
+    try:
+        library = folder / f"{NAME}.so"
+        module = _import_or_none(library)  # built by the process we waited for
+        if module is not None:
+            return module
+        library.unlink(missing_ok=True)
+        stale = folder / TORCH_LOCK
+        if stale.exists():  # no other builder holds our lock: a killed build left it
+            stale.unlink(missing_ok=True)
+            print(f"layerskip: note: removed {stale}, left by a kernel build that was killed"
+                  + (f" ({lock.previous.describe()})" if lock.previous else ""), file=sys.stderr)
+        return _build(folder)
+    finally:
+        lock.release()
+
+
 def load():
     """The compiled module (with ``small_matmul(x, w)``), or None when unavailable."""
     if "module" in _loaded:
@@ -85,14 +127,7 @@ def load():
             import torch  # the library links against torch: it must be loaded first
 
             folder = build_dir(torch.__version__)
-            library = folder / f"{NAME}.so"
-            module = None
-            if library.is_file():
-                try:
-                    module = _import_library(library)
-                except ImportError:  # a build cut short: build it again
-                    library.unlink(missing_ok=True)
-            module = module or _build(folder)
+            module = _import_or_none(folder / f"{NAME}.so") or build_locked(folder)
         except Exception as e:  # no compiler, no ninja, unwritable cache, ...: fall back to torch, say why once
             warnings.warn(f"small-matmul kernel unavailable ({type(e).__name__}: {e}); using torch.matmul",
                           stacklevel=2)

@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from layerskip_cli.args import add_model_flags, model_settings
-from layerskip_core.cli import check_output_file
+from layerskip_core.cli import check_distinct, check_output_file
 from layerskip_core.device import dtype_name
 from layerskip_core.errors import UserError
 from layerskip_core.prompts import PromptItem, load_prompts
@@ -55,6 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, required=True, help="vocabulary file to write (.json)")
     p.add_argument("--counts-out", type=Path, default=None,
                    help="also write the token counts (.json; the format of the bundled counts)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --out or --counts-out")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
 
@@ -126,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
         if path is not None:
             if path.suffix != ".json":
                 raise UserError(f"{flag} {path} should be a .json file")
-            check_output_file(path, flag)
+            check_output_file(path, flag, force=args.force)
+    check_distinct(("--out", args.out), ("--counts-out", args.counts_out))
     text_n = args.n if args.text_n is None else args.text_n
     calib, texts, held = load_sets(names, args.n, text_n, args.heldout)
     resolved = model_settings(args).resolve()
@@ -135,8 +137,9 @@ def run(args: argparse.Namespace) -> int:
     vocab_size, special = model.runner.spec.vocab_size, special_ids(model.tokenizer, model.eos_token_ids)
     for s in [args.size, *sizes]:
         if not len(special) < s <= vocab_size:
-            raise UserError(f"size {s} is out of range: {args.model} has {vocab_size} token ids, {len(special)} of "
-                            f"them special tokens that every subset keeps; give {len(special) + 1}..{vocab_size}")
+            raise UserError(f"size {s} is out of range: {args.model or 'the default model'} has {vocab_size} "
+                            f"token ids, {len(special)} of them special tokens that every subset keeps; "
+                            f"give {len(special) + 1}..{vocab_size}")
     if args.mode == "generate" or held:
         encode_prompts(model, (calib if args.mode == "generate" else []) + held, args.max_new_tokens, args.chat)
     source = {"data": names, "calibration": "front", "dtype": dtype_name(model.runner.dtype)}

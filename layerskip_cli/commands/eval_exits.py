@@ -51,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--out", type=Path, default=None, help="folder for exits.json and exits.png")
     p.add_argument("--json", type=Path, default=None, help="also write the metrics to this JSON file")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --json file")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="--config: overrides of the recipe")
 
 
@@ -77,7 +78,7 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.out is not None:
         check_output_dir(args.out, "--out")
     if args.json is not None:
-        check_output_file(args.json, "--json")
+        check_output_file(args.json, "--json", force=args.force)
 
 
 def held_out_examples(source: str, tokenizer, n: int, max_tokens: int):

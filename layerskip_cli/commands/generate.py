@@ -64,6 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--prompts-file", type=Path, help="a .jsonl file with a 'prompt' field per line")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.add_argument("--force", action="store_true", help="overwrite an existing file named by swift's --save-plan")
     p.add_argument("--stream", action="store_true",
                    help="treat the prompts as one input stream: the drafter keeps its state (e.g. SWIFT's plan and "
                    "optimiser) across prompts; reports per-prompt statistics and a stream summary")
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     generation = generation_config(args, options)
     config = build_config(args.drafter, options)  # built and checked once; each engine below takes it as it is
     if getattr(config, "save_plan", None):
-        check_output_file(config.save_plan, "--save-plan")
+        check_output_file(config.save_plan, "--save-plan", force=args.force)
     prompts = _prompts(args)
     resolved = model_settings(args).resolve()  # once; a missing GPU is refused before the model loads
 

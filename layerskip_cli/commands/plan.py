@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from infer.plan import LayerPlan, PlanFile
+from layerskip_core import jsonfile
 from layerskip_core.cli import check_output_file
 from layerskip_core.errors import UserError
 
@@ -49,14 +50,7 @@ def parse_indices(text: str, what: str) -> list[int]:
 
 def read_skip_json(path: Path, entry: str | None) -> tuple[list[int], list[int]]:
     """Skipped (attention, MLP) layer indices from a Self-SD/SWIFT-style JSON file."""
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"--from {path} does not exist") from None
-    except (OSError, ValueError) as e:
-        raise UserError(f"--from {path} is not a readable JSON file ({e})") from None
-    if not isinstance(d, dict):
-        raise UserError(f"--from {path}: expected a JSON object of skipped layer lists")
+    d = jsonfile.read(path, "--from file of skipped layer lists")
     if entry is not None:
         if entry not in d or not isinstance(d[entry], dict):
             raise UserError(f"--from {path} has no entry {entry!r}; entries: {', '.join(map(str, d))}")
@@ -70,10 +64,8 @@ def read_skip_json(path: Path, entry: str | None) -> tuple[list[int], list[int]]
         hint = f" (it maps names to skip sets: pick one with --entry, e.g. --entry {models[0]})" if models else ""
         raise UserError(f"--from {path}: no skipped layer lists found (keys {'/'.join(ATTN_KEYS)} and "
                         f"{'/'.join(MLP_KEYS)}){hint}")
-    try:
-        return [int(i) for i in attn or []], [int(i) for i in mlp or []]
-    except (TypeError, ValueError):
-        raise UserError(f"--from {path}: layer lists must hold layer numbers") from None
+    with jsonfile.checked(path, "--from file of skipped layer lists"):
+        return jsonfile.integers(attn or [], "the attention layers"), jsonfile.integers(mlp or [], "the MLP layers")
 
 
 def run_import(args: argparse.Namespace) -> int:
@@ -85,9 +77,7 @@ def run_import(args: argparse.Namespace) -> int:
         raise UserError("nothing to import: give --attn/--mlp layer numbers or --from FILE")
     if args.out.suffix != ".json":
         raise UserError(f"--out {args.out} should be a .json file")
-    check_output_file(args.out, "--out")
-    if args.out.exists() and not args.force:
-        raise UserError(f"--out {args.out} exists; pass --force to overwrite it or choose another path")
+    check_output_file(args.out, "--out", force=args.force)
     if args.source is not None:
         attn, mlp = read_skip_json(args.source, args.entry)
         task = f"imported from {args.source.name}" + (f" ({args.entry})" if args.entry else "")

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from layerskip_cli.args import add_model_flags, model_settings
-from layerskip_core.cli import check_output_file
+from layerskip_core.cli import check_distinct, check_output_file
 from layerskip_core.device import dtype_name
 from layerskip_core.errors import UserError
 from layerskip_core.prompts import load_prompts, task_name, use_chat_template
@@ -60,6 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--study", type=Path, default=None,
                    help="optuna journal file (default: beside --out, e.g. plans/x.study.log)")
     p.add_argument("--fresh", action="store_true", help="discard an existing study instead of resuming it")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --out (a resumed study writes it again)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -78,9 +79,10 @@ def run(args: argparse.Namespace) -> int:
                        draft_vocab=args.draft_vocab, paper=args.paper, iterations=args.iterations)
     if args.out.suffix != ".json":
         raise UserError(f"--out {args.out} should be a .json file")
-    check_output_file(args.out, "--out")
-    if args.study is not None:
-        check_output_file(args.study, "--study")
+    check_output_file(args.out, "--out", force=args.force)
+    check_distinct(("--out", args.out), ("--study", args.study))
+    if args.study is not None:  # an existing study is continued, not overwritten
+        check_output_file(args.study, "--study", force=True)
     items = load_prompts(args.data, cfg.n_prompts)
     if len(items) < cfg.n_prompts:
         print(f"layerskip: note: {args.data} has only {len(items)} prompts", file=sys.stderr)

@@ -88,3 +88,38 @@ def test_a_remembered_plain_mode_spends_nothing_on_probes(runner, cache):
     again = build_drafter("early_exit", runner, options)
     res = decode(runner, again)
     assert res.stats.drafted == 0 and again.gate.mode == "plain"
+
+
+def damaged(saved: dict, how: str) -> dict:
+    rate = saved["gate"]["plain"]
+    changes = {"gate is a list": {"gate": [1, 2]},
+               "NaN rate": {"gate": saved["gate"] | {"plain": rate | {"seconds": float("nan")}}},
+               "absurd rate": {"gate": saved["gate"] | {"plain": rate | {"tokens": 5, "seconds": 1e-300}}},
+               "negative cycles": {"gate": saved["gate"] | {"drafting": rate | {"cycles": -3}}},
+               "fractional back-off": {"gate": saved["gate"] | {"recheck": 2.5}},
+               "plan of booleans": {"plan": {"attn": [True], "mlp": []}, "score": 0.5},
+               "infinite score": {"plan": {"attn": [1], "mlp": []}, "score": 1e308 * 10}}
+    return saved | changes[how]
+
+
+@pytest.mark.parametrize("name,options", [("early_exit", {"E": "2", "k": "3", "adaptive": "true"}),
+                                          ("swift", {"max_opt_steps": "0"})])
+@pytest.mark.parametrize("how", ["gate is a list", "NaN rate", "absurd rate", "negative cycles", "fractional back-off",
+                                 "plan of booleans", "infinite score"])
+def test_a_corrupted_memory_is_reset_with_a_warning_naming_it(runner, cache, capsys, name, options, how):
+    first = build_drafter(name, runner, options)
+    decode(runner, first, 20)
+    first.finish()
+    (path,) = (cache / "gate").glob("*.json")
+    path.write_text(json.dumps(damaged(json.loads(path.read_text()), how)))
+    capsys.readouterr()
+    again = build_drafter(name, runner, options)
+    err = capsys.readouterr().err
+    assert str(path) in err and "starting afresh" in err and len(err.strip().splitlines()) == 1
+    assert again.gate.plain.cycles == 0  # nothing of the damaged file is trusted
+    assert decode(runner, again, 20).tokens == decode(runner, build_drafter("autoregressive", runner), 20).tokens
+    again.finish()
+    gate.check_memory(json.loads(path.read_text()))  # what is written back is sane
+    capsys.readouterr()
+    build_drafter(name, runner, options)
+    assert capsys.readouterr().err == ""  # later runs are not broken

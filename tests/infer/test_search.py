@@ -296,7 +296,9 @@ def test_search_cli_writes_a_usable_plan(capsys, tiny_model_dir, prompts_file, t
     assert (tmp_path / "plans" / "tiny.study.log").is_file()
     plan_file = PlanFile.load(out)
     assert plan_file.task == "calib" and plan_file.search["prompt_ids"] == ["0", "1"]
-    assert main(argv[:-1] + ["--skip-ratio", "0.25", "--quiet"]) == 2  # resuming with other settings
+    assert main(argv) == 2  # the plan is not overwritten without --force
+    assert "exists; pass --force" in capsys.readouterr().err
+    assert main(argv[:-1] + ["--skip-ratio", "0.25", "--quiet", "--force"]) == 2  # resuming with other settings
     err = capsys.readouterr().err
     assert "other settings" in err and "--fresh" in err and len(err.strip().splitlines()) == 1
 
@@ -348,10 +350,10 @@ def test_damaged_study_journal_says_pass_fresh(capsys, tiny_model_dir, prompts_f
     text = journal.read_bytes()
     journal.write_bytes(b"\x00garbage{{\n" if damage == "garbage" else text[:len(text) // 2])
     capsys.readouterr()
-    code = main(search_argv(tiny_model_dir, prompts_file, out))
+    code = main(search_argv(tiny_model_dir, prompts_file, out, "--force"))
     err = capsys.readouterr().err
     assert code == 2 and "--fresh" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
-    assert main(search_argv(tiny_model_dir, prompts_file, out, "--fresh")) == 0
+    assert main(search_argv(tiny_model_dir, prompts_file, out, "--fresh", "--force")) == 0
 
 
 def test_a_killed_search_leaves_no_lock_that_stalls_the_rerun(capsys, tiny_model_dir, prompts_file, tmp_path,
@@ -370,5 +372,5 @@ def test_a_killed_search_leaves_no_lock_that_stalls_the_rerun(capsys, tiny_model
         raise AssertionError("optuna waited for a stale lock")
 
     monkeypatch.setattr(_file.time, "sleep", no_waiting)
-    assert main(search_argv(tiny_model_dir, prompts_file, out, "--trials", "4")) == 0
+    assert main(search_argv(tiny_model_dir, prompts_file, out, "--trials", "4", "--force")) == 0
     assert not lock.exists() and not lock.is_symlink()

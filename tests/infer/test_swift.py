@@ -524,3 +524,36 @@ def test_plain_steps_before_the_first_probe_get_the_fallback_budget(runner):
     assert not drafter._within_budget()
     drafter.gate._switch("draft")  # a probe: the assessment's share applies
     assert drafter._within_budget()
+
+
+@pytest.mark.parametrize("name", ["swift", "self_sd"])
+@pytest.mark.parametrize("layers", [4, 12])
+def test_a_plan_file_for_another_depth_is_refused(runner, tmp_path, name, layers):
+    """The file's model record matches (as a hand-edited or foreign file's may); the plan's depth does not."""
+    from layerskip_core.errors import UserError
+
+    path = tmp_path / "plan.json"
+    PlanFile(LayerPlan(layers, frozenset({1}), frozenset({2})), runner.identity(), source="import").save(path)
+    with pytest.raises(UserError, match=f"plan for {layers} layers; the model has 6"):
+        build_drafter(name, runner, {"plan": str(path), "save_plan": str(tmp_path / "out.json")} if name == "swift"
+                      else {"plan": str(path)})
+    assert not (tmp_path / "out.json").exists()  # --save-plan never writes a foreign plan back
+
+
+@pytest.mark.parametrize("name", ["swift", "self_sd"])
+def test_a_layer_plan_object_is_taken_and_checked_like_a_file(runner, name):
+    from layerskip_core.errors import UserError
+
+    plan = LayerPlan(6, frozenset({2}), frozenset({3}))
+    drafter = build_drafter(name, runner, {"plan": plan})
+    assert (drafter.best if name == "swift" else drafter.plan) == plan
+    with pytest.raises(UserError, match="plan for 8 layers; the model has 6"):
+        build_drafter(name, runner, {"plan": LayerPlan(8, frozenset({2}))})
+
+
+@pytest.mark.parametrize("name", ["swift", "self_sd"])
+def test_a_folder_as_plan_says_it_is_a_folder(tmp_path, name):
+    from layerskip_core.errors import UserError
+
+    with pytest.raises(UserError, match="is a folder; give the path of a plan file"):
+        build_drafter(name, None, {"plan": str(tmp_path)})

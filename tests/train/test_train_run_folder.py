@@ -11,7 +11,7 @@ import pytest
 
 from accel_state import fresh_state
 from train import layerskip
-from train.checkpoint import STATE_FILE, list_checkpoints, save_checkpoint
+from train.checkpoint import RUN_LOCK, STATE_FILE, list_checkpoints, save_checkpoint
 from train.recipe import dump_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -93,6 +93,7 @@ def test_unwritable_output_dir_is_one_line(recipe, tmp_path, capsys):
 
 class _FakeAccelerator:
     is_main_process = True
+    num_processes = 1
 
     def wait_for_everyone(self):
         pass
@@ -147,3 +148,64 @@ def test_truncate_metrics_by_line_count_or_by_step(tmp_path):
     path.write_text(text)
     truncate_metrics(path, None, step=2)  # older checkpoints: every record up to the step
     assert [json.loads(line) for line in path.read_text().splitlines()] == records[:3]
+
+
+HOLD = """
+import sys, time
+from layerskip_core.locks import FileLock
+assert FileLock(sys.argv[1]).acquire() is None
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def _holder(lock: Path):
+    """Another process holding ``lock``, as a running training holds its folder's."""
+    import os
+    import subprocess
+
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(lock)], stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+@pytest.mark.parametrize("extra", [(), ("--overwrite",), ("--resume",)])
+def test_a_second_training_into_a_folder_in_use_is_refused_naming_the_holder(recipe, tmp_path, capsys, extra):
+    out = tmp_path / "run"
+    proc = _holder(out / RUN_LOCK)
+    try:
+        code, err = _main(capsys, "--config", str(recipe), *extra)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert f"{out} is in use by another training (pid {proc.pid} on " in err
+    assert sorted(p.name for p in out.iterdir()) == [RUN_LOCK]  # no metrics, no checkpoint of the refused run
+
+
+def test_the_lock_of_a_killed_training_is_taken_over_with_a_note(recipe, tmp_path, capsys):
+    out = tmp_path / "run"
+    proc = _holder(out / RUN_LOCK)
+    proc.kill()  # SIGKILL: the stamp stays on disk
+    proc.wait()
+    stale = out / "checkpoints" / ".tmp-step-000001-otherhost-1"
+    stale.mkdir(parents=True)
+    (stale / "from-the-killed-run").write_text("x")
+    code, err = _main(capsys, "--config", str(recipe))
+    assert code == 0, err
+    assert "taking it over" in err and f"pid {proc.pid}" in err
+    assert _steps(out) == [1, 2] and not stale.exists() and not (out / RUN_LOCK).exists()
+    assert not any((p / "from-the-killed-run").exists() for p in list_checkpoints(out))
+
+
+def test_the_lock_is_released_when_a_training_fails(tiny_recipe):
+    cfg = tiny_recipe("checkpoint.save_final=false")
+
+    def fail(step):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        layerskip.run_training(cfg, on_step=fail)
+    assert not (Path(cfg.checkpoint.output_dir) / RUN_LOCK).exists()

@@ -1,0 +1,139 @@
+"""One strict reader for the JSON files the project writes (plans, gate memory, draft vocabularies, counts).
+
+``read`` parses a file into a JSON object: nesting deeper than ``MAX_DEPTH`` is refused before parsing
+(no RecursionError), and so are NaN, Infinity and numbers too large for a float (``1e999``). Every
+problem is one ``UserError`` naming the file, what is wrong and what to do. ``checked`` turns the
+``ValueError`` of the field checks (``integer``, ``integers``, ``number``, ``obj``, ``text``) into such a
+line; the checks refuse booleans and fractional numbers where an integer belongs instead of rounding
+them. It does not check a file's meaning beyond types and ranges: each reader does that.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import operator
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from layerskip_core.errors import UserError
+
+MAX_DEPTH = 64
+"""Deepest nesting of arrays and objects accepted (the project's files nest at most 4 deep)."""
+
+_BRACKETS = re.compile(r'"(?:[^"\\]+|\\.)*"|[\[\]{}]')
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number this project accepts (finite numbers only)")
+
+
+def _finite(literal: str) -> float:
+    value = float(literal)
+    if not math.isfinite(value):
+        raise ValueError(f"number {literal[:20]} is too large (finite numbers only)")
+    return value
+
+
+def parse(text: str):
+    """The JSON value of ``text``; ValueError when it is not JSON, nests too deep or holds a non-finite number."""
+    depth = 0
+    for m in _BRACKETS.finditer(text):
+        c = m.group()
+        if c in "[{":
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise ValueError(f"nested more than {MAX_DEPTH} levels deep")
+        elif c in "]}":
+            depth -= 1
+    return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite)
+
+
+def read(path, what: str, fmt: str | None = None, hint: str = "") -> dict:
+    """The JSON object in ``path`` (a ``what``, e.g. 'plan file'), with ``"format": fmt`` when ``fmt`` is given.
+
+    ``hint`` says how to make a good one; it ends the message of a missing or invalid file.
+    """
+    path = Path(path).expanduser()
+    tail = f" ({hint})" if hint else ""
+    if path.is_dir():
+        raise UserError(f"{what} {path} is a folder; give the path of a {what}{tail}")
+    if not path.is_file():
+        raise UserError(f"{what} {path} does not exist{tail}")
+    try:
+        value = parse(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise UserError(f"cannot read {what} {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not a valid {what}: not JSON (not UTF-8 text){tail}") from None
+    except (ValueError, RecursionError) as e:  # RecursionError: belt and braces, MAX_DEPTH stops it first
+        raise UserError(f"{path} is not a valid {what}: not JSON ({e}){tail}") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{path} is not a valid {what}: it holds a JSON {type(value).__name__}, not an object{tail}")
+    if fmt is not None and value.get("format") != fmt:
+        raise UserError(f"{path} is not a valid {what}: format is {value.get('format')!r}, expected {fmt!r}{tail}")
+    return value
+
+
+@contextmanager
+def checked(path, what: str, hint: str = "") -> Iterator[None]:
+    """Inside: a ValueError, TypeError or KeyError of a field check becomes one UserError naming the file."""
+    try:
+        yield
+    except KeyError as e:
+        raise UserError(f"{Path(path).expanduser()} is not a valid {what}: {e} is missing"
+                        + (f" ({hint})" if hint else "")) from None
+    except (ValueError, TypeError) as e:
+        raise UserError(f"{Path(path).expanduser()} is not a valid {what}: {e}"
+                        + (f" ({hint})" if hint else "")) from None
+
+
+def integer(value, name: str, lo: int | None = None, hi: int | None = None) -> int:
+    """``value`` as an int in [lo, hi]; booleans, fractions and strings are refused, never rounded."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, not {str(value).lower()}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, not {value!r}") from None
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ValueError(f"{name} is {value}, expected {_range(lo, hi)}")
+    return value
+
+
+def integers(values, name: str, lo: int | None = None, hi: int | None = None) -> list[int]:
+    """A JSON list of integers in [lo, hi] (see ``integer``)."""
+    if not isinstance(values, list):
+        raise ValueError(f"{name} must be a list of integers, not {type(values).__name__}")
+    return [integer(v, f"{name}[{i}]", lo, hi) for i, v in enumerate(values)]
+
+
+def number(value, name: str, lo: float | None = None, hi: float | None = None) -> float:
+    """``value`` as a finite float in [lo, hi] (integers accepted, booleans and strings refused)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, not {value!r}")
+    if not math.isfinite(value) or (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ValueError(f"{name} is {value}, expected a number {_range(lo, hi)}")
+    return float(value)
+
+
+def obj(value, name: str) -> dict:
+    """``value`` when it is a JSON object."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be an object, not {type(value).__name__}")
+    return value
+
+
+def text(value, name: str) -> str:
+    """``value`` when it is a JSON string."""
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string, not {type(value).__name__}")
+    return value
+
+
+def _range(lo, hi) -> str:
+    if lo is not None and hi is not None:
+        return f"in [{lo}, {hi}]"
+    return f">= {lo}" if lo is not None else f"<= {hi}"

@@ -1,0 +1,120 @@
+"""A lock file the project owns: one holder at a time, stamped with who holds it, never left stale by a crash.
+
+``FileLock`` takes an exclusive ``flock`` on its file and writes the holder (pid, host, start time) into it.
+The operating system drops the ``flock`` when its process dies, however it dies (``kill -9``, the OOM
+killer), so a dead holder never blocks anyone: the next taker finds the old stamp with the lock free,
+notes it (``previous``) and takes over. The file is removed on release. Used for the kernel build
+(``infer.kernels``: wait with a message) and a training's run folder (``train.checkpoint``: refuse).
+
+What it cannot do: ``flock`` is advisory (a tool that ignores it is not stopped) and, on network file
+systems without lock support, may lock nothing.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds (or held) a lock."""
+
+    pid: int
+    """Process id of the holder."""
+    host: str
+    """Host name of the holder's machine."""
+    started: str
+    """When it took the lock (UTC, ISO 8601)."""
+
+    def describe(self) -> str:
+        return f"pid {self.pid} on {self.host}, since {self.started}"
+
+    @classmethod
+    def me(cls) -> Holder:
+        now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        return cls(os.getpid(), socket.gethostname(), now)
+
+    @classmethod
+    def parse(cls, text: str) -> Holder | None:
+        """The holder stamped in a lock file's text; None when it is empty or not a stamp."""
+        try:
+            d = json.loads(text)
+            return cls(int(d["pid"]), str(d["host"]), str(d["started"]))
+        except (ValueError, TypeError, KeyError):
+            return None
+
+
+class FileLock:
+    """An exclusive lock on ``path`` (created on demand); ``acquire`` returns the live holder when it is taken."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.previous: Holder | None = None
+        """A holder that died without releasing (its stamp was found with the lock free), after ``acquire``."""
+        self._fd: int | None = None
+
+    def acquire(self) -> Holder | None:
+        """Take the lock without waiting: None on success, else who holds it (an unknown holder: pid 0)."""
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = Holder.parse(_read(fd))
+                os.close(fd)
+                return holder or Holder(0, "unknown host", "unknown time")
+            if _same_file(fd, self.path):  # not a file a releasing holder unlinked meanwhile
+                break
+            os.close(fd)
+        self.previous = Holder.parse(_read(fd))
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(Holder.me().__dict__).encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+        return None
+
+    def wait(self, seconds: float, what: str, poll: float = 0.5) -> Holder | None:
+        """Acquire, waiting up to ``seconds`` with one line on stderr naming the holder; None when taken, else the
+        holder still there at the end."""
+        deadline = time.monotonic() + seconds
+        holder = self.acquire()
+        if holder is not None:
+            print(f"layerskip: waiting for {holder.describe()}, which holds {self.path} ({what}); "
+                  f"giving up after {seconds:.0f} s", file=sys.stderr, flush=True)
+        while holder is not None and time.monotonic() < deadline:
+            time.sleep(poll)
+            holder = self.acquire()
+        return holder
+
+    def release(self) -> None:
+        """Remove the file and drop the lock (nothing when not held)."""
+        if self._fd is None:
+            return
+        try:
+            self.path.unlink(missing_ok=True)
+        finally:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _read(fd: int) -> str:
+    try:
+        return os.pread(fd, 4096, 0).decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        mine, named = os.fstat(fd), os.stat(path)
+        return (mine.st_dev, mine.st_ino) == (named.st_dev, named.st_ino)
+    except FileNotFoundError:
+        return False

@@ -1,0 +1,70 @@
+"""One output-file policy: an existing output file is refused without --force, and two outputs of one command must be
+distinct files (issue 27). Every check runs before any model loads."""
+
+import pytest
+
+from layerskip_cli.main import main
+from layerskip_core.cli import check_distinct, check_output_file
+from layerskip_core.errors import UserError
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    return code, capsys.readouterr().err
+
+
+def refused(code, err, message):
+    assert code == 2 and message in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.fixture
+def existing(tmp_path):
+    path = tmp_path / "exists.json"
+    path.write_text("precious\n")
+    return path
+
+
+def test_an_existing_file_is_refused_unless_forced(existing):
+    with pytest.raises(UserError, match="exists; pass --force"):
+        check_output_file(existing, "--out", force=False)
+    assert check_output_file(existing, "--out", force=True) == existing
+
+
+def test_two_outputs_naming_one_file_are_refused(tmp_path):
+    with pytest.raises(UserError, match="--out and --counts-out are the same file"):
+        check_distinct(("--out", tmp_path / "a.json"), ("--counts-out", tmp_path / "x" / ".." / "a.json"))
+    check_distinct(("--out", tmp_path / "a.json"), ("--counts-out", None))
+
+
+@pytest.mark.parametrize("flag", ["--out", "--counts-out"])
+def test_draft_vocab_does_not_overwrite_without_force(capsys, tmp_path, existing, flag):
+    other = tmp_path / "other.json"
+    paths = {"--out": other, "--counts-out": other} | {flag: existing}
+    paths["--counts-out" if flag == "--out" else "--out"] = other
+    code, err = run(capsys, "draft-vocab", "--data", "humaneval", "--size", "64",
+                    "--out", str(paths["--out"]), "--counts-out", str(paths["--counts-out"]))
+    refused(code, err, f"{flag} {existing} exists; pass --force")
+    assert existing.read_text() == "precious\n" and not other.exists()
+
+
+def test_draft_vocab_refuses_counts_out_equal_to_out(capsys, tmp_path):
+    same = tmp_path / "v.json"
+    code, err = run(capsys, "draft-vocab", "--data", "humaneval", "--size", "64", "--out", str(same),
+                    "--counts-out", str(same))
+    refused(code, err, "--out and --counts-out are the same file")
+
+
+def test_plan_import_does_not_overwrite_without_force(capsys, existing):
+    refused(*run(capsys, "plan", "import", "--attn", "1", "--out", str(existing)), "exists; pass --force")
+    assert existing.read_text() == "precious\n"
+
+
+def test_save_plan_does_not_overwrite_without_force(capsys, existing):
+    code, err = run(capsys, "generate", "--prompt", "hi", "--drafter", "swift", "--save-plan", str(existing))
+    refused(code, err, f"--save-plan {existing} exists; pass --force")
+    assert existing.read_text() == "precious\n"
+
+
+def test_search_does_not_overwrite_its_plan_without_force(capsys, existing):
+    refused(*run(capsys, "search", "--data", "humaneval", "--out", str(existing)), "exists; pass --force")
