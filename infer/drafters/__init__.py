@@ -8,6 +8,7 @@ One spelling per option: a name that was renamed is refused with the one to use 
 from __future__ import annotations
 
 import copy
+import os
 import dataclasses
 from dataclasses import dataclass
 
@@ -99,6 +100,8 @@ def build_config(name: str, options: dict | object) -> object:
         field = cls.aliases.get(key, key)
         if field not in types:
             raise UserError(_not_an_option(name, key, sorted(set(types) | set(cls.aliases))))
+        if isinstance(value, os.PathLike):  # a file option (plan, save_plan, adapter, draft_vocab) given as a Path
+            value = os.fspath(value)
         if isinstance(value, str):
             value = from_text(value, types[field], f"option {key} of drafter {name!r}")
         kwargs[field] = value

@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     # Everything that can be checked without the model is checked first.
     drafter_class(args.drafter)
     options = drafter_options(args)
-    generation = generation_config(args, options)
+    generation = generation_config(args)
     config = build_config(args.drafter, options)  # built and checked once; each engine below takes it as it is
     if getattr(config, "save_plan", None):
         check_output_file(config.save_plan, "--save-plan", force=args.force)

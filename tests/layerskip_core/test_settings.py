@@ -5,7 +5,7 @@ import torch
 
 from layerskip_cli.main import main
 from layerskip_core.errors import UserError
-from layerskip_core.settings import ModelSettings, RunSettings
+from layerskip_core.settings import ModelSettings, RunSettings, resolve_compile
 
 
 def test_resolved_settings_are_concrete(monkeypatch):
@@ -25,6 +25,18 @@ def test_the_environment_is_read_by_the_resolution_only(monkeypatch):
     monkeypatch.setenv("LAYERSKIP_KERNEL", "fast")
     with pytest.raises(UserError, match="LAYERSKIP_KERNEL='fast'"):
         RunSettings(device="cpu").resolve()
+
+
+def test_compile_is_resolved_with_the_other_settings(tiny_model_dir):
+    """--compile/--no-compile resolve to a bool at the edge (default: on CUDA only); the runner takes it as it is."""
+    from infer.loading import load_resolved
+
+    assert RunSettings(device="cpu").resolve().compile is False
+    assert RunSettings(device="cpu", compile=True).resolve().compile is True
+    assert resolve_compile(None, torch.device("cuda")) and not resolve_compile(False, torch.device("cuda"))
+    run = ModelSettings(device="cpu", executor="static", compile=False, model=str(tiny_model_dir)).resolve()
+    assert run.to_dict()["compile"] is False
+    assert not load_resolved(run).runner.static.compile
 
 
 @pytest.mark.parametrize("threads", [0, -1, 1.5, True])
