@@ -8,8 +8,8 @@ One spelling per option: a name that was renamed is refused with the one to use 
 from __future__ import annotations
 
 import copy
-import os
 import dataclasses
+import os
 from dataclasses import dataclass
 
 from infer.draft_vocab import DraftVocab, resolve_draft_vocab_option
