@@ -200,35 +200,36 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def graph_counts(runner: Runner) -> tuple[int, int]:
-    """(static forwards built, CUDA graphs captured) by the runner so far; (0, 0) on the eager executor."""
-    return (runner.static.builds, runner.static.captures) if runner.static is not None else (0, 0)
+COUNTS = ("builds", "captures", "compiles")
+"""What the static executor counts (``StaticExecutor.counts``): forwards built, CUDA graphs captured, compiles."""
+
+
+def graph_counts(runner: Runner) -> dict[str, int]:
+    """The static executor's counts so far (zeros on the eager executor)."""
+    return runner.static.counts() if runner.static is not None else dict.fromkeys(COUNTS, 0)
 
 
 @dataclass
 class GraphTally:
-    """Static forwards built and CUDA graphs captured, in warm-up and in timed runs."""
+    """What the static executor built, captured and compiled, in warm-ups and in timed runs."""
 
-    warmup_builds: int = 0
-    warmup_captures: int = 0
-    timed_builds: int = 0
-    timed_captures: int = 0
+    warmup: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
+    timed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
 
-    def add(self, before: tuple[int, int], warm: tuple[int, int], after: tuple[int, int]) -> None:
-        self.warmup_builds += warm[0] - before[0]
-        self.warmup_captures += warm[1] - before[1]
-        self.timed_builds += after[0] - warm[0]
-        self.timed_captures += after[1] - warm[1]
+    def add(self, before: dict[str, int], warm: dict[str, int], after: dict[str, int]) -> None:
+        for key in COUNTS:
+            self.warmup[key] += warm[key] - before[key]
+            self.timed[key] += after[key] - warm[key]
 
 
 def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 2,
           runner: Runner | None = None, tally: GraphTally | None = None) -> float:
     """Median seconds of ``fn`` after ``warmup`` calls (which build static forwards and capture CUDA graphs);
     with ``runner`` and ``tally``, what was built and captured in each phase is added to ``tally``."""
-    before = graph_counts(runner) if runner is not None else (0, 0)
+    before = graph_counts(runner) if runner is not None else None
     for _ in range(warmup):
         fn()
-    warm = graph_counts(runner) if runner is not None else (0, 0)
+    warm = graph_counts(runner) if runner is not None else None
     times = []
     for _ in range(repeats):
         sync(device)
@@ -590,8 +591,7 @@ def measure_shape(shape: Shape, run: Run) -> dict:
     note_fallback(run, runner, shape.name)
     result["executor_after"] = runner.executor
     result["static"] = asdict(tally)
-    result["captures_in_timed"] = tally.timed_captures
-    result["builds_in_timed"] = tally.timed_builds
+    result |= {f"{key}_in_timed": n for key, n in tally.timed.items()}  # builds, captures, compiles
     if runner.dtype != torch.bfloat16:  # the CPU's shapes run in fp32: the spread is measured in bf16 either way
         runner = Runner.from_model(model, torch.bfloat16, executor=run.executor, device=device, compile=run.compile)
     prompts = spread_prompts(shape.vocab, settings.spread_prompt_lengths)
@@ -720,9 +720,10 @@ def shape_lines(shapes: dict) -> list[str]:
                      f"{_num(s, 'ours_early_exit_tok_s')} | {_num(s, 'hf_dynamic_tok_s')} | "
                      f"{_num(s, 'hf_static_tok_s')} | {_num(s, 'hf_early_exit_tok_s')} | "
                      f"{'–' if ratio is None else f'{ratio:.2f}x'} |")
-        if s.get("captures_in_timed") or s.get("builds_in_timed"):
-            notes.append(f"{name}: the timed runs captured {s['captures_in_timed']} CUDA graph(s) and built "
-                         f"{s['builds_in_timed']} static forward(s) (should be 0: warm-up missed a shape)")
+        if s.get("captures_in_timed") or s.get("builds_in_timed") or s.get("compiles_in_timed"):
+            notes.append(f"{name}: the timed runs captured {s['captures_in_timed']} CUDA graph(s), built "
+                         f"{s['builds_in_timed']} static forward(s) and compiled {s.get('compiles_in_timed', 0)} "
+                         "time(s) (should be 0: warm-up missed a shape)")
     return lines + [f"\nNote: {n}" for n in notes]
 
 
