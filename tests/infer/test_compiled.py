@@ -4,27 +4,18 @@ operators per layer; the capture policy and the executor's public counters."""
 
 import pytest
 import torch
+from executor_cases import SIX, drafter_cases, fake_capture, run_drafter
 
 from infer.compiled import kernels_per_layer
 from infer.drafters import build_drafter
 from infer.engine import Engine, GenerationConfig
 from infer.graphs import PLAN_CAPTURE_AFTER, StaticExecutor, StaticSpan
-from infer.plan import LayerPlan, PlanFile
+from infer.plan import LayerPlan
 from infer.runner import Runner
 from tiny_models import make_model
 
-L = 6
+L = SIX
 PROMPTS = [[5, 6, 7, 8, 9], [42] * 12 + [7, 8]]
-
-
-@pytest.fixture(scope="module")
-def model():
-    return make_model("llama", seed=0, layers=L)
-
-
-@pytest.fixture(scope="module")
-def eager(model):
-    return Runner.from_model(model, executor="eager")
 
 
 @pytest.fixture(scope="module")
@@ -32,43 +23,20 @@ def compiled(model):
     return Runner.from_model(model, executor="static", compile=True)
 
 
-def _plan(runner, tmp_path, name, plan):
-    path = tmp_path / f"{name}.json"
-    PlanFile(plan, runner.identity(), task="test").save(path)
-    return str(path)
-
-
-def _drafters(runner, tmp_path):
-    plan = LayerPlan(L, frozenset({2, 4}), frozenset({3}))
-    return [
-        ("autoregressive", {}),
-        ("early_exit", {"exit_layer": 2, "num_draft": 4}),
-        ("early_exit", {"exit_layer": 5, "num_draft": 3, "confidence": 0.3}),
-        ("self_sd", {"plan": _plan(runner, tmp_path, "sd", plan)}),
-        ("swift", {"plan": _plan(runner, tmp_path, "sw", plan), "tree": True, "adaptive": False,
-                   "context_window": 8, "opt_budget": 0.95, "opt_seed": 0}),
-    ]
-
-
-def _run(runner, name, options, prompt, n=20):
-    engine = Engine(runner, build_drafter(name, runner, options))
-    return engine.generate(prompt, GenerationConfig(max_new_tokens=n))
-
-
 def test_compiled_equals_eager_for_every_drafter(eager, compiled, tmp_path):
     assert compiled.static.compile and compiled.executor == "static"
     for prompt in PROMPTS:
-        ref = _run(eager, "autoregressive", {}, prompt).tokens
-        for name, options in _drafters(eager, tmp_path):
-            a = _run(eager, name, options, prompt)
-            b = _run(compiled, name, options, prompt)
+        ref = run_drafter(eager, "autoregressive", {}, prompt, 20).tokens
+        for name, options in drafter_cases(eager, tmp_path):
+            a = run_drafter(eager, name, options, prompt, 20)
+            b = run_drafter(compiled, name, options, prompt, 20)
             assert b.tokens == a.tokens == ref, (name, options, prompt)
     # one graph per sublayer kind, recompiled at most once per kind with dynamic sizes: not one per layer,
     # row bucket or cache length
     assert 0 < compiled.static.compiles <= 6
     before = compiled.static.counts()
     for prompt in PROMPTS:
-        _run(compiled, "early_exit", {"exit_layer": 2, "num_draft": 4}, prompt)
+        run_drafter(compiled, "early_exit", {"exit_layer": 2, "num_draft": 4}, prompt, 20)
     assert compiled.static.counts() == before  # warm: nothing is built, captured or compiled again
 
 
@@ -95,24 +63,10 @@ def test_compile_defaults_to_cuda_only(model):
     assert Runner.from_model(model, executor="eager").static is None
 
 
-def _fake_capture(self, cache, steps, pool=None):
-    """Stands in for CUDA-graph capture on CPU (a counter is what is checked here)."""
-    self.outputs = self.compute(cache, steps)
-    span = self
-
-    class Replay:
-        def replay(self):
-            for buf, value in zip(span.outputs, span.compute(cache, steps), strict=True):
-                if buf is not None:
-                    buf.copy_(value)
-
-    self.graph = Replay()
-
-
 def test_plan_forwards_are_captured_only_after_a_few_uses(model, monkeypatch):
     """A forward without a plan is captured on its first use; a skip-plan forward (SWIFT drafting with a plan
     for a step or two) stays static until its PLAN_CAPTURE_AFTER-th use."""
-    monkeypatch.setattr(StaticSpan, "capture", _fake_capture)
+    monkeypatch.setattr(StaticSpan, "capture", fake_capture)
     runner = Runner.from_model(model, executor="eager")
     runner.static = StaticExecutor(runner, capture=True)
     cache = runner.new_cache(256)
@@ -150,7 +104,7 @@ def test_the_span_limit_drops_plan_forwards_first(model):
 def test_swift_captures_at_most_one_forward_per_plan_change_in_timed_runs(monkeypatch):
     """After a warm-up, fresh SWIFT drafters (as bench repeats make) capture only the drafting forward of a plan
     first used in the timed run: one per plan, and nothing else."""
-    monkeypatch.setattr(StaticSpan, "capture", _fake_capture)
+    monkeypatch.setattr(StaticSpan, "capture", fake_capture)
     runner = Runner.from_model(make_model("llama", seed=0, layers=8), executor="eager")
     runner.static = StaticExecutor(runner, capture=True)
     prompts = [[5, 6, 7, 8, 9] * 3, [(7 * i) % 300 + 3 for i in range(40)]]

@@ -130,7 +130,7 @@ def test_another_models_file_is_refused(tiny, tmp_path):
         resolve_draft_vocab(str(tmp_path / "v.json"), tiny.runner.identity() | {"num_layers": 6}, tiny.tokenizer)
 
 
-@pytest.mark.parametrize("text,message", [
+VOCAB_DAMAGE = [
     ("not json {", "not JSON"),
     ("[1, 2]", "JSON list, not an object"),
     ('{"format": "layerskip-plan/1"}', "format is 'layerskip-plan/1'"),
@@ -139,28 +139,27 @@ def test_another_models_file_is_refused(tiny, tmp_path):
     ('{"format": "layerskip-draft-vocab/1", "model": {"vocab_size": 10}, "ids": [1, 1]}', "repeats ids"),
     ('{"format": "layerskip-draft-vocab/1", "model": {"vocab_size": 10}, "ids": ["a"]}', "integer token ids"),
     ('{"format": "layerskip-draft-vocab/1", "model": {"vocab_size": 10}, "ids": []}', "'ids' is empty"),
-])
-def test_damaged_vocabulary_file_is_one_line(tmp_path, text, message):
-    path = tmp_path / "v.json"
-    path.write_text(text)
-    with pytest.raises(UserError, match="is not a valid draft vocabulary file") as e:
-        DraftVocab.load(path)
-    assert message in one_line_error(e)
-
-
-@pytest.mark.parametrize("text,message", [
+]
+"""(text, what the one-line error says) of damaged draft-vocabulary files."""
+COUNTS_DAMAGE = [
     (b"\xff\xfe garbage", "not JSON"),
     (b'{"format": "layerskip-token-counts/1", "model": {"vocab_size": 10}, "counts": [[1, 2]], "special_ids": []}',
      "[id, count, backoff] rows"),
     (b'{"format": "layerskip-token-counts/1", "model": {"vocab_size": 10}, "counts": [[1, -2, 0]], '
      b'"special_ids": []}', "non-negative"),
     (b'{"format": "layerskip-token-counts/1", "model": {"vocab_size": 10}, "counts": []}', "'special_ids' must be"),
-])
-def test_damaged_counts_file_is_one_line(tmp_path, text, message):
-    path = tmp_path / "c.json"
-    path.write_bytes(text)
-    with pytest.raises(UserError, match="is not a valid token counts file") as e:
-        TokenCounts.load(path)
+]
+"""(bytes, what the one-line error says) of damaged token-counts files."""
+
+
+@pytest.mark.parametrize("load,kind,data,message",
+                         [(DraftVocab.load, "draft vocabulary", t.encode(), m) for t, m in VOCAB_DAMAGE]
+                         + [(TokenCounts.load, "token counts", b, m) for b, m in COUNTS_DAMAGE])
+def test_damaged_vocabulary_and_counts_files_are_one_line(tmp_path, load, kind, data, message):
+    path = tmp_path / "file.json"
+    path.write_bytes(data)
+    with pytest.raises(UserError, match=f"is not a valid {kind} file") as e:
+        load(path)
     assert message in one_line_error(e)
 
 

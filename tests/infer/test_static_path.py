@@ -5,29 +5,20 @@ a padded verification and its rollback."""
 
 import pytest
 import torch
+from executor_cases import SIX, drafter_cases, fake_capture, run_drafter
 
 from infer.drafters import build_drafter
 from infer.engine import Engine, GenerationConfig
 from infer.graphs import bucket, padded_window
-from infer.plan import LayerPlan, PlanFile
 from infer.runner import Runner
 from layerskip_core.errors import UserError
 from layerskip_core.settings import RunSettings
 from stub_drafters import ScriptedDrafter
-from tiny_models import make_model
 
 PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 250, 17], [42] * 12 + [7, 8]]
-L = 6
-
-
-@pytest.fixture(scope="module")
-def model():
-    return make_model("llama", seed=0, layers=L)
-
-
-@pytest.fixture(scope="module")
-def eager(model):
-    return Runner.from_model(model, executor="eager")
+L = SIX
+SIXTEEN_ROWS = ("early_exit", {"exit_layer": L, "num_draft": 8})
+"""T = 9 verification rows: the 16-row bucket."""
 
 
 @pytest.fixture(scope="module")
@@ -35,37 +26,13 @@ def static(model):
     return Runner.from_model(model, executor="static")
 
 
-def _plan_path(runner, tmp_path, name, plan):
-    path = tmp_path / f"{name}.json"
-    PlanFile(plan, runner.identity(), task="test").save(path)
-    return str(path)
-
-
-def _drafters(runner, tmp_path):
-    plan = LayerPlan(L, frozenset({2, 4}), frozenset({3}))
-    return [
-        ("autoregressive", {}),
-        ("early_exit", {"exit_layer": 2, "num_draft": 4}),
-        ("early_exit", {"exit_layer": 5, "num_draft": 3, "confidence": 0.3}),
-        ("early_exit", {"exit_layer": L, "num_draft": 8}),  # T = 9: a 16-row bucket
-        ("self_sd", {"plan": _plan_path(runner, tmp_path, "sd", plan)}),
-        ("swift", {"plan": _plan_path(runner, tmp_path, "sw", plan), "tree": True, "adaptive": False,
-                   "context_window": 8, "opt_budget": 0.95, "opt_seed": 0}),
-    ]
-
-
-def _run(runner, name, options, prompt, n=32):
-    engine = Engine(runner, build_drafter(name, runner, options))
-    return engine.generate(prompt, GenerationConfig(max_new_tokens=n))
-
-
 def test_static_equals_eager_for_every_drafter(eager, static, tmp_path):
     assert (eager.executor, static.executor) == ("eager", "static")
     for prompt in PROMPTS:
-        ref = _run(eager, "autoregressive", {}, prompt).tokens
-        for name, options in _drafters(eager, tmp_path):
-            a = _run(eager, name, options, prompt)
-            b = _run(static, name, options, prompt)
+        ref = run_drafter(eager, "autoregressive", {}, prompt, 32).tokens
+        for name, options in drafter_cases(eager, tmp_path, SIXTEEN_ROWS):
+            a = run_drafter(eager, name, options, prompt, 32)
+            b = run_drafter(static, name, options, prompt, 32)
             assert b.tokens == a.tokens == ref, (name, options, prompt)
             if name != "swift":  # SWIFT's optimiser times itself, so its acceptance may differ run to run
                 assert (b.stats.drafted, b.stats.accepted) == (a.stats.drafted, a.stats.accepted), (name, options)
@@ -107,7 +74,7 @@ def _verify_once(runner, tokens, parents, prompt):
 def test_padded_verification_equals_unpadded(model, eager, shape):
     """Verifying T = 3 in a 4-row bucket: same tokens, acceptance and cache (after rollback) as unpadded."""
     prompt = PROMPTS[2]
-    ref = _run(eager, "autoregressive", {}, prompt, n=6).tokens  # ref[0] is the pending token
+    ref = run_drafter(eager, "autoregressive", {}, prompt, 6).tokens  # ref[0] is the pending token
     wrong = (ref[2] + 1) % 320
     if shape == "chain":
         tokens, parents = [ref[1], wrong], None  # first accepted, second rejected
@@ -169,25 +136,11 @@ def test_executor_option_errors(model, monkeypatch):
         RunSettings(device="cpu", executor="graphs").resolve()
 
 
-def _fake_capture(self, cache, steps, pool=None):
-    """Stands in for CUDA-graph capture on CPU: replay recomputes into the same output buffers."""
-    self.outputs = self.compute(cache, steps)
-    span = self
-
-    class Replay:
-        def replay(self):
-            for buf, value in zip(span.outputs, span.compute(cache, steps), strict=True):
-                if buf is not None:
-                    buf.copy_(value)
-
-    self.graph = Replay()
-
-
 def test_replayed_forwards_hand_out_copies(model, eager, monkeypatch):
     """With graph replay semantics (outputs overwritten in place) decoding stays exact: outputs are cloned."""
     from infer.graphs import StaticExecutor, StaticSpan
 
-    monkeypatch.setattr(StaticSpan, "capture", _fake_capture)
+    monkeypatch.setattr(StaticSpan, "capture", fake_capture)
     replayed = Runner.from_model(model, executor="eager")
     replayed.static = StaticExecutor(replayed, capture=True)
     spans = []
@@ -195,7 +148,7 @@ def test_replayed_forwards_hand_out_copies(model, eager, monkeypatch):
         engine = Engine(replayed, build_drafter(name, replayed, options))
         for prompt in PROMPTS:
             got = engine.generate(prompt, GenerationConfig(max_new_tokens=32)).tokens
-            assert got == _run(eager, name, options, prompt).tokens, (name, prompt)
+            assert got == run_drafter(eager, name, options, prompt, 32).tokens, (name, prompt)
         spans += replayed.static.spans()
     assert any(s.graph is not None for s in spans)  # captured on second use, then replayed
     assert all(s.graph is None for s in spans if s.uses < 2)
@@ -212,10 +165,10 @@ def test_failed_capture_warns_once_and_falls_back_to_eager(model, eager, monkeyp
     runner.static = StaticExecutor(runner, capture=True)
     options = {"exit_layer": 3, "num_draft": 4}
     with pytest.warns(RuntimeWarning, match="capture failed") as record:
-        res = _run(runner, "early_exit", options, PROMPTS[0])
+        res = run_drafter(runner, "early_exit", options, PROMPTS[0], 32)
     assert len([w for w in record if issubclass(w.category, RuntimeWarning)]) == 1
     assert runner.executor == "eager"
-    assert res.tokens == _run(eager, "early_exit", options, PROMPTS[0]).tokens
+    assert res.tokens == run_drafter(eager, "early_exit", options, PROMPTS[0], 32).tokens
 
 
 def test_layers_at_different_lengths(model, eager):
@@ -285,7 +238,7 @@ def test_graphs_are_captured_before_the_timed_runs(model, monkeypatch, drafter, 
     """With CUDA-graph semantics (stand-in capture on CPU): every capture happens in the warm-up."""
     from infer.graphs import StaticExecutor, StaticSpan
 
-    monkeypatch.setattr(StaticSpan, "capture", _fake_capture)
+    monkeypatch.setattr(StaticSpan, "capture", fake_capture)
     runner = Runner.from_model(model, executor="eager")
     runner.static = StaticExecutor(runner, capture=True)
     counts = _bench_like(runner, PROMPTS + LONG[:1], drafter, options)

@@ -12,13 +12,6 @@ from infer.plan import cycle_speedup, iid_tokens_per_cycle
 from layerskip_cli.main import main
 
 
-@pytest.fixture
-def prompts_file(tmp_path):
-    path = tmp_path / "prompts.jsonl"
-    path.write_text('{"prompt": "def add(a, b):"}\n{"prompt": "The quick brown fox"}\n')
-    return path
-
-
 def bench(tiny_model_dir, prompts_file, out, drafters, *extra):
     return main(["bench", "--model", str(tiny_model_dir), "--drafters", drafters, "--data", str(prompts_file),
                  "--n", "2", "--max-new-tokens", "10", "--repeats", "2", "--out", str(out), "--quiet", *extra])

@@ -16,13 +16,6 @@ from layerskip_core.errors import UserError
 
 
 @pytest.fixture
-def prompts_file(tmp_path):
-    path = tmp_path / "prompts.jsonl"
-    path.write_text('{"prompt": "def add(a, b):"}\n{"prompt": "The quick brown fox"}\n')
-    return path
-
-
-@pytest.fixture
 def two_finals(tiny_model_dir, tmp_path):
     """Two copies of the tiny model in folders that share their last name, as two training runs' final/."""
     a, b = tmp_path / "runs" / "a" / "final", tmp_path / "runs" / "b" / "final"

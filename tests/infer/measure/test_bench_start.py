@@ -12,13 +12,6 @@ METHODS = "swift:context_window=4:opt_budget=0.9:fallback_opt_budget=0.9,early_e
 
 
 @pytest.fixture
-def prompts_file(tmp_path):
-    path = tmp_path / "prompts.jsonl"
-    path.write_text('{"prompt": "def add(a, b):"}\n{"prompt": "The quick brown fox"}\n')
-    return path
-
-
-@pytest.fixture
 def cache(tmp_path):
     """Where the drafters' memory goes in tests (conftest's private toolkit cache)."""
     return tmp_path / "toolkit-cache" / "gate"

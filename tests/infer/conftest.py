@@ -1,0 +1,17 @@
+"""A seeded 6-layer model and its eager runner, for the executor tests (their cases: ``executor_cases``)."""
+
+import pytest
+from executor_cases import SIX
+
+from infer.runner import Runner
+from tiny_models import make_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model("llama", seed=0, layers=SIX)
+
+
+@pytest.fixture(scope="module")
+def eager(model):
+    return Runner.from_model(model, executor="eager")
