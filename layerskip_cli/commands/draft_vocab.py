@@ -1,9 +1,10 @@
 """``layerskip draft-vocab``: choose the N token ids a reduced-vocabulary draft head scores.
 
-Counts token frequencies on calibration data (the front of each set: the model's own greedy generations,
-or the texts), keeps the special tokens plus the most frequent ids, writes them as a vocabulary file tied
-to the model, and reports the coverage (share of held-out target tokens inside the subset) on the model's
-greedy generations for the end of each set, which calibration leaves alone.
+Counts token frequencies on calibration data from the front of each set (--mode generate: the model's own greedy
+generations, generated tokens only, with the texts' counts breaking ties; --mode text: the texts' tokens), keeps
+the special tokens plus the most frequent ids (--size in all) and writes them to --out, tied to the model. Coverage
+(the share of held-out target tokens inside the subset) is measured on the model's greedy generations for the last
+--heldout prompts of each set, which calibration leaves alone.
 """
 
 from __future__ import annotations
@@ -28,11 +29,7 @@ TEXT_CHARS = 2000
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("draft-vocab", help="choose the token ids of a reduced-vocabulary draft head (lossless: "
                        "verification keeps the full head)",
-                       description="Count token frequencies on calibration data from the front of each set "
-                       "(--mode generate: the model's own greedy generations, generated tokens only, with the "
-                       "texts' counts breaking ties; --mode text: the texts' tokens), keep the special tokens plus "
-                       "the most frequent ids (--size in all) and write them to --out, tied to the model. Coverage "
-                       "is measured on the model's greedy generations for the last --heldout prompts of each set.")
+                       description=__doc__.split("\n\n", 1)[1])
     add_model_flags(p)
     p.add_argument("--data", required=True,
                    help="comma-separated calibration sets: humaneval, gsm8k, stdlib (the Python standard library's "
