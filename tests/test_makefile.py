@@ -12,8 +12,8 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 
 
 def dry_run(*variables: str) -> list[str]:
-    proc = subprocess.run(["make", "-n", "-B", "setup", "VENV=/tmp/dry-venv", *variables], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(["make", "--no-print-directory", "-n", "-B", "setup", "VENV=/tmp/dry-venv", *variables],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)  # no "Entering directory" under make
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.splitlines()
 
@@ -42,8 +42,8 @@ def test_keep_setup_uses_the_torch_already_installed():
 
 
 def test_demo_shows_a_drafter_that_does_not_lose_beside_the_untrained_early_exit():
-    proc = subprocess.run(["make", "-n", "-B", "demo", "VENV=/tmp/dry-venv"], cwd=REPO, capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(["make", "--no-print-directory", "-n", "-B", "demo", "VENV=/tmp/dry-venv"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
     bench = proc.stdout.split("layerskip bench", 1)[1].replace("\\\n", " ")
     drafters = bench.split("--drafters ", 1)[1].split()[0].split(",")
     assert "swift" in drafters and any(d.startswith("early_exit") for d in drafters)
