@@ -2,7 +2,7 @@
 
 Each drafter class has a ``name``, a ``Config`` dataclass (one docstring per field) and an
 ``aliases`` map of short option names used in compact specs such as ``early_exit:E=8:k=6``.
-One spelling per option: a name that was renamed is refused with the one to use (``RENAMED``).
+One spelling per option: any other name is refused with the options the drafter takes.
 """
 
 from __future__ import annotations
@@ -27,13 +27,6 @@ DRAFTERS: dict[str, type[Drafter]] = {
     SelfSDDrafter.name: SelfSDDrafter,
     SwiftDrafter.name: SwiftDrafter,
 }
-
-
-RENAMED: dict[tuple[str, str], str] = {
-    ("autoregressive", "E"): "target_exit", ("autoregressive", "exit_layer"): "target_exit",
-    ("swift", "max_draft"): "num_draft", ("swift", "fallback"): "adaptive", ("swift", "gamma"): "context_window",
-}
-"""(drafter, an option name it no longer takes) -> the one spelling to use (named in the refusal)."""
 
 
 def drafter_class(name: str) -> type[Drafter]:
@@ -109,13 +102,11 @@ def build_config(name: str, options: dict | object) -> object:
 
 
 def _not_an_option(name: str, key: str, valid: list[str]) -> str:
-    renamed = RENAMED.get((name, key))
-    if renamed == "target_exit":
-        return (f"option {key!r} of drafter {name!r} is spelled target_exit: lossy early exit is a generation "
-                "setting, GenerationConfig(target_exit=E), `--target-exit E` or the spec autoregressive:target_exit=E")
-    if renamed is not None:
-        return f"option {key!r} of drafter {name!r} is spelled {renamed!r} (--{renamed.replace('_', '-')})"
-    return f"option {key!r} does not apply to drafter {name!r} (its options: {', '.join(valid) or 'none'})"
+    message = f"option {key!r} does not apply to drafter {name!r} (its options: {', '.join(valid) or 'none'})"
+    if name == "autoregressive":  # its one knob is the generation's, not the drafter's
+        message += ("; lossy early exit is spelled target_exit, a generation setting: GenerationConfig(target_exit=E), "
+                    "`--target-exit E` or the spec autoregressive:target_exit=E")
+    return message
 
 
 def resolve_config(name: str, options: dict | object, runner, tokenizer=None) -> object:
@@ -168,6 +159,6 @@ def parse_spec(spec: str, validate: bool = True) -> Spec:
     return Spec(name, options, target)
 
 
-__all__ = ["DRAFTERS", "RENAMED", "DecodeState", "Draft", "DraftVocabOption", "Drafter", "Option", "Spec",
+__all__ = ["DRAFTERS", "DecodeState", "Draft", "DraftVocabOption", "Drafter", "Option", "Spec",
            "VerifyOutcome", "all_options", "build_config", "build_drafter", "drafter_class", "parse_spec",
            "resolve_config"]
