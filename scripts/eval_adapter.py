@@ -20,11 +20,23 @@ from layerskip_core.cli import check_output_file, run_main
 from layerskip_core.errors import UserError
 
 
+def adapter_eval(model, adapter, examples, pad_id: int, batch_size: int = 2) -> dict:
+    """Agreement with the full model of the adapter file ``adapter`` and of the plain exit at its E on
+    ``examples``, on the loaded base ``model`` (checked against the file's header: refused if not its model)."""
+    from train.adapter import AdapterLM
+
+    lm, provenance = AdapterLM.from_file(model, adapter)
+    stats = lm.evaluate(examples, batch_size, pad_id, "cpu", list(range(len(examples))))
+    n = float(stats[4])
+    return {"adapter": str(adapter), "exit_layer": lm.shape.exit_layer, "provenance": provenance,
+            "examples": len(examples), "tokens": int(n), "adapter_loss": float(stats[0]) / n,
+            "adapter_agreement": float(stats[1]) / n, "exit_agreement": float(stats[2]) / n,
+            "adapter_accuracy": float(stats[3]) / n}
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from train.adapter import AdapterLM
-    from train.config import AdapterConfig
     from train.data import build_dataset
     from train.model import load_model
     from train.recipe import load_config
@@ -36,20 +48,8 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config, [])
     model, tokenizer, path = load_model(cfg.model.name_or_path)
-    from safetensors import safe_open
-
-    with safe_open(str(args.adapter), framework="pt") as f:
-        shape = json.loads((f.metadata() or {}).get("shape", "{}"))
-    lm = AdapterLM(model, AdapterConfig(enabled=True, exit_layer=shape.get("exit_layer", 8),
-                                        mlp_size=shape.get("mlp_size", 0)))
-    provenance = lm.load(args.adapter)
     val = build_dataset(cfg.data, tokenizer, path).val.take(args.n)
-    stats = lm.evaluate(val, 2, tokenizer.pad_token_id, "cpu", list(range(len(val))))
-    n = float(stats[4])
-    out = {"adapter": str(args.adapter), "exit_layer": lm.shape.exit_layer, "provenance": provenance,
-           "examples": len(val), "tokens": int(n), "adapter_loss": float(stats[0]) / n,
-           "adapter_agreement": float(stats[1]) / n, "exit_agreement": float(stats[2]) / n,
-           "adapter_accuracy": float(stats[3]) / n}
+    out = adapter_eval(model, args.adapter, val, tokenizer.pad_token_id)
     print(json.dumps(out, indent=1))
     if args.json is not None:
         args.json.write_text(json.dumps(out, indent=1) + "\n")

@@ -15,6 +15,7 @@ import os
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
@@ -186,21 +187,39 @@ class AdapterLM(nn.Module):
 
     def load(self, path) -> dict:
         """Take the weights of an adapter file made for this model and shape; returns its provenance."""
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            meta, state = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        meta, state = _read_file(path)
         shape, provenance = read_metadata(meta, model_identity(self.frozen[0]), str(path))
         if shape != self.shape:
             raise UserError(f"{path} is an adapter of another shape ({shape}); this run's is {self.shape}")
         self.adapter.load_state_dict(state)
         return provenance
 
+    @classmethod
+    def from_file(cls, model: nn.Module, path) -> tuple[AdapterLM, dict]:
+        """(the adapter file ``path`` on ``model`` at the file's E and shape, its provenance); refused in one line
+        when the file was made for another model."""
+        meta, state = _read_file(path)
+        shape, provenance = read_metadata(meta, model_identity(model), str(path))
+        lm = cls(model, AdapterConfig(enabled=True, exit_layer=shape.exit_layer, mlp_size=shape.mlp_size))
+        lm.adapter.load_state_dict(state)
+        return lm, provenance
+
     def save(self, path, provenance: dict) -> None:
         """Write the adapter file (fp32 safetensors + the header tying it to this base model)."""
         state = {k: v.detach().float().cpu().contiguous() for k, v in self.adapter.state_dict().items()}
         save_file(state, str(path), metadata=metadata(self.shape, model_identity(self.frozen[0]), provenance))
         os.chmod(path, 0o644)  # safetensors writes 0600: an adapter is shared like any model file
+
+
+def _read_file(path) -> tuple[dict | None, dict[str, Tensor]]:
+    """(metadata, tensors) of a safetensors file; a missing or unreadable file is a user error."""
+    if not os.path.isfile(path):
+        raise UserError(f"adapter file {path} does not exist; give the adapter.safetensors a training run wrote")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    except Exception as e:  # safetensors raises its own error types for a file that is not safetensors
+        raise UserError(f"{path} is not a readable safetensors file ({e})") from None
 
 
 def adapter_metrics(accelerator, model: AdapterLM, examples: Examples, indices: list[int], batch_size: int,

@@ -1,0 +1,231 @@
+"""Three families of trained drafting at one token budget: the untrained early exit, an exit adapter on the
+frozen model, and a LayerSkip checkpoint, at several exits E, on the same held-out text.
+
+    python scripts/compare_adapter.py --config recipes/cpu-demo-stdlib.yaml --checkpoint runs/cpu-demo/final \\
+        --adapters runs/adapter-e4/adapter.safetensors,runs/adapter-e8/adapter.safetensors \\
+        --bench-base runs/adapter_bench_base/results.json --bench-checkpoint runs/adapter_bench_ckpt/results.json \\
+        --out runs/adapter_compare
+
+Per E it reports (a) the base model's plain exit, (b) the adapter and (c) the checkpoint's exit:
+- top-1 agreement with the verifying model, teacher-forced on the recipe's validation split (the per-token greedy
+  acceptance of each drafter); the verifier is the base model for (a) and (b), the checkpoint for (c);
+- the verifying model's own validation loss (unchanged for (a) and (b), the base model's weights being untouched);
+- from `layerskip bench` runs (optional): acceptance while decoding, the draft cost c and the speed-up over
+  plain decoding on this machine;
+- a projection of the GPU speed-up from the cost model, speed-up = M / (k·c + v), with M the i.i.d. tokens per
+  cycle at the teacher-forced agreement, the best k in 1..8, and the one H200's measured costs (``H200``).
+It writes results.json, table.md and compare.png under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from infer.plan import cycle_speedup, iid_tokens_per_cycle
+from layerskip_core.cli import check_output_dir, run_main
+from layerskip_core.errors import UserError
+
+FAMILIES = {"a": "untrained early exit (base model)", "b": "exit adapter (base model unchanged)",
+            "c": "LayerSkip checkpoint's early exit"}
+
+
+@dataclass(frozen=True)
+class GpuCosts:
+    """Decoding costs measured on one GPU, in units of one full one-token forward."""
+
+    source: str
+    """Where the numbers come from."""
+    draft_exit: int
+    """The exit E at which ``draft_cost`` was measured."""
+    draft_cost: float
+    """c(E) of a draft step through layers [0, E) and the LM head at ``draft_exit``."""
+    verify_cost: float
+    """v(T): verifying T tokens; the largest measured for T = 2..32 (a conservative single value)."""
+
+
+H200 = GpuCosts("one H200, bf16, SmolLM2-135M, eager runner without graph capture (commit 002eeb9; "
+                "docs/RESULTS.md, 'Where the speed-up lives')", draft_exit=8, draft_cost=0.27, verify_cost=1.26)
+
+
+def gpu_projection(alpha: float, exit_layer: int, num_layers: int, extra_layers: int, gpu: GpuCosts = H200) -> dict:
+    """Projected speed-up over plain decoding: the best k in 1..8 of M(α, k) / (k·c + v).
+
+    Launch overhead dominates a small model's GPU step, so c scales with the layers a draft runs: c(E) =
+    c(E0)·(E + extra)/E0, ``extra_layers`` = 1 for an adapter (one attention layer); the adapter's cache rows for
+    the accepted tokens cost about one more layer over the verified rows, added to v as extra/L."""
+    c = gpu.draft_cost * (exit_layer + extra_layers) / gpu.draft_exit
+    v = gpu.verify_cost + extra_layers / num_layers
+    speed, k = max((cycle_speedup(iid_tokens_per_cycle(alpha, k), k, c, v), k) for k in range(1, 9))
+    return {"speedup": speed, "k": k, "c": c, "v": v}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="the recipe whose validation split is the held-out text")
+    p.add_argument("--checkpoint", required=True, help="a LayerSkip training run's final folder (family c)")
+    p.add_argument("--adapters", required=True, help="comma-separated adapter files, one per exit (family b)")
+    p.add_argument("--n", type=int, default=32, help="validation examples (default 32)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--bench-base", type=Path, default=None,
+                   help="results.json of `layerskip bench` on the base model (early_exit at E and with the adapters)")
+    p.add_argument("--bench-checkpoint", type=Path, default=None,
+                   help="results.json of `layerskip bench` on the checkpoint (early_exit at E)")
+    p.add_argument("--out", type=Path, required=True, help="folder for results.json, table.md, compare.png (new)")
+    return p.parse_args(argv)
+
+
+def exit_quality(model: str, config: str, exits: list[int], n: int, threads: int) -> dict:
+    """``layerskip eval-exits`` on the recipe's validation split: per-exit agreement and the final loss."""
+    from layerskip_cli.commands import eval_exits
+
+    p = argparse.ArgumentParser()
+    eval_exits.add_arguments(p)
+    args = p.parse_args(["--model", model, "--config", config, "--exits", ",".join(map(str, exits)),
+                         "--n", str(n), "--threads", str(threads), "--dtype", "fp32", "--device", "cpu"])
+    return eval_exits.evaluate(args)
+
+
+def adapter_quality(paths: list[Path], cfg, n: int) -> dict[int, dict]:
+    """Per adapter (keyed by its E): its and the plain exit's agreement with the recipe's base model
+    (``eval_adapter``)."""
+    from eval_adapter import adapter_eval
+
+    from train.data import build_dataset
+    from train.model import load_model
+
+    model, tokenizer, path = load_model(cfg.model.name_or_path)
+    val = build_dataset(cfg.data, tokenizer, path).val.take(n)
+    out: dict[int, dict] = {}
+    for adapter in paths:
+        result = adapter_eval(model, adapter, val, tokenizer.pad_token_id)
+        if result["exit_layer"] in out:
+            raise UserError(f"two adapters at E={result['exit_layer']}: give one per exit")
+        out[result["exit_layer"]] = result
+    return out
+
+
+def bench_rows(path: Path | None, adapters: dict[str, int], family: str) -> dict[tuple[str, int], dict]:
+    """{(family, E): row} of a bench results.json: early_exit rows at E=..., and rows with an adapter file."""
+    if path is None:
+        return {}
+    from layerskip_core import jsonfile
+
+    rows = {}
+    for row in jsonfile.read(path, "bench results.json", hint="written by layerskip bench --out").get("summary", []):
+        method = row["method"]
+        m = re.search(r"adapter=([^:]+)", method)
+        if m:
+            key = ("b", adapters.get(str(Path(m.group(1)))))
+        elif (m := re.fullmatch(r"early_exit:E=(\d+)(:.*)?", method)):
+            key = (family, int(m.group(1)))
+        else:
+            continue
+        if key[1] is not None and key not in rows:
+            rows[key] = {"method": method, "speedup": row["speedup_vs_autoregressive"],
+                         "acceptance": row["acceptance_rate"], "c": row["draft_cost_ratio"],
+                         "exact": row["exact_mismatches"] == 0, "prompts": row["prompts"]}
+    return rows
+
+
+def compare(args: argparse.Namespace) -> dict:
+    import torch
+
+    from train.recipe import load_config
+
+    torch.set_num_threads(args.threads)
+    cfg = load_config(args.config, [])
+    paths = [Path(p) for p in args.adapters.split(",") if p.strip()]
+    adapters = adapter_quality(paths, cfg, args.n)
+    exits = sorted(adapters)
+    base = exit_quality(cfg.model.name_or_path, args.config, exits, args.n, args.threads)
+    ckpt = exit_quality(args.checkpoint, args.config, exits, args.n, args.threads)
+    L = base["num_layers"]
+    by_path = {str(Path(r["adapter"])): E for E, r in adapters.items()}
+    bench = bench_rows(args.bench_base, by_path, "a") | bench_rows(args.bench_checkpoint, by_path, "c")
+    rows = []
+    for E in exits:
+        agree = {"a": base["agreement"][E], "b": adapters[E]["adapter_agreement"], "c": ckpt["agreement"][E]}
+        for fam, alpha in agree.items():
+            rows.append({"E": E, "family": fam, "agreement": alpha, "tokens": adapters[E]["provenance"].get("tokens")
+                         if fam == "b" else None, "cpu": bench.get((fam, E)),
+                         "gpu_projection": gpu_projection(alpha, E, L, 1 if fam == "b" else 0)})
+    return {"config": args.config, "checkpoint": args.checkpoint, "examples": base["examples"],
+            "tokens": base["tokens"][L], "num_layers": L, "gpu_costs": H200.__dict__,
+            "validation_loss": {"base": base["loss"][L], "checkpoint": ckpt["loss"][L]},
+            "adapters": {str(E): r for E, r in adapters.items()}, "rows": rows}
+
+
+def _fmt(x, spec: str = ".3f") -> str:
+    return "–" if x is None else format(x, spec)
+
+
+def table(result: dict) -> str:
+    """Markdown: one row per (E, family)."""
+    loss = result["validation_loss"]
+    lines = [f"Held-out: {result['examples']} blocks of {result['config']}'s validation split "
+             f"({result['tokens']} tokens). Verifier's validation loss: base {loss['base']:.3f} (families a, b), "
+             f"checkpoint {loss['checkpoint']:.3f} (family c).", "",
+             "| E | drafter | agreement (teacher-forced) | CPU α decoding | CPU c | CPU speed-up | exact | "
+             "GPU projection (k) |", "|---:|---|---:|---:|---:|---:|---|---:|"]
+    for r in result["rows"]:
+        cpu, gpu = r["cpu"] or {}, r["gpu_projection"]
+        exact = "–" if not cpu else ("yes" if cpu["exact"] else "NO")
+        lines.append(f"| {r['E']} | ({r['family']}) {FAMILIES[r['family']]} | {r['agreement']:.3f} | "
+                     f"{_fmt(cpu.get('acceptance'))} | {_fmt(cpu.get('c'), '.2f')} | "
+                     f"{_fmt(cpu.get('speedup'), '.2f')}{'x' if cpu else ''} | {exact} | "
+                     f"{gpu['speedup']:.2f}x ({gpu['k']}) |")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    """Agreement and projected GPU speed-up against E, one line per family."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for fam, label in FAMILIES.items():
+        rows = [r for r in result["rows"] if r["family"] == fam]
+        xs = [r["E"] for r in rows]
+        left.plot(xs, [r["agreement"] for r in rows], marker="o", label=f"({fam}) {label}")
+        right.plot(xs, [r["gpu_projection"]["speedup"] for r in rows], marker="o", label=f"({fam})")
+    left.set(xlabel="exit layer E", ylabel="top-1 agreement with the verifier", title="held-out acceptance")
+    right.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    right.set(xlabel="exit layer E", ylabel="speed-up over plain decoding",
+              title="GPU projection (cost model, measured H200 costs)")
+    left.legend(fontsize=8)
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.n < 1 or args.threads < 1:
+        raise UserError("--n and --threads must be >= 1")
+    check_output_dir(args.out, "--out")
+    if args.out.is_dir() and any(args.out.iterdir()):
+        raise UserError(f"--out {args.out} already holds files; give a new folder (nothing is overwritten)")
+    result = compare(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / "table.md").write_text(table(result) + "\n")
+    plot(result, args.out / "compare.png")
+    print(table(result))
+    print(f"wrote {args.out}/results.json, table.md and compare.png", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return run_main("compare_adapter", lambda: run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

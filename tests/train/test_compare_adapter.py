@@ -1,0 +1,65 @@
+"""scripts/compare_adapter.py: the three families at the same exits on one held-out split, with a real bench run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from train.layerskip import run_training
+
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
+
+
+def test_projection_follows_the_cost_model():
+    from compare_adapter import H200, gpu_projection
+
+    from infer.plan import cycle_speedup, iid_tokens_per_cycle
+
+    plain = gpu_projection(0.0, 8, 30, 0)
+    assert plain["k"] == 1 and plain["c"] == H200.draft_cost  # nothing accepted: the shortest draft loses least
+    assert plain["speedup"] == pytest.approx(1 / (H200.draft_cost + H200.verify_cost))
+    good = gpu_projection(0.9, 8, 30, 1)
+    assert good["c"] == pytest.approx(H200.draft_cost * 9 / 8) and good["v"] == pytest.approx(H200.verify_cost + 1 / 30)
+    assert good["speedup"] == pytest.approx(
+        cycle_speedup(iid_tokens_per_cycle(0.9, good["k"]), good["k"], good["c"], good["v"]))
+    assert good["speedup"] > 1 > plain["speedup"]
+    assert gpu_projection(0.5, 4, 30, 0)["speedup"] > gpu_projection(0.5, 16, 30, 0)["speedup"]  # cheaper drafts
+
+
+def test_compare_scores_three_families_and_reads_the_bench(tiny_recipe, tiny_model_dir, tmp_path, capsys):
+    import compare_adapter
+
+    from layerskip_cli.main import main as layerskip
+    from train.recipe import dump_config
+
+    adapter_cfg = tiny_recipe("adapter.enabled=true", "adapter.exit_layer=2", "optim.max_steps=6", output="adapter")
+    run_training(adapter_cfg)
+    adapter = Path(adapter_cfg.checkpoint.output_dir) / "adapter.safetensors"
+    ckpt_cfg = tiny_recipe("early_exit.exits=[2]", "optim.max_steps=4", output="layerskip")
+    checkpoint = Path(run_training(ckpt_cfg)["final_dir"])
+    recipe = tmp_path / "recipe.yaml"
+    dump_config(ckpt_cfg, recipe)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"the {w} of the tale"}) + "\n" for w in ("end", "rest")))
+    bench = tmp_path / "bench"
+    assert layerskip(["bench", "--model", str(tiny_model_dir), "--drafters",
+                      f"autoregressive,early_exit:E=2:k=2,early_exit:adapter={adapter}:k=2", "--peers", "none",
+                      "--data", str(prompts), "--n", "2", "--max-new-tokens", "6", "--repeats", "1", "--quiet",
+                      "--out", str(bench)]) == 0
+    out = tmp_path / "compare"
+    assert compare_adapter.main(["--config", str(recipe), "--checkpoint", str(checkpoint), "--adapters", str(adapter),
+                                 "--n", "4", "--bench-base", str(bench / "results.json"), "--out", str(out)]) == 0
+    result = json.loads((out / "results.json").read_text())
+    rows = {r["family"]: r for r in result["rows"]}
+    assert sorted(rows) == ["a", "b", "c"] and {r["E"] for r in rows.values()} == {2}
+    assert 0 < rows["b"]["tokens"] <= 6 * 2 * 2 * 32  # the adapter run's tokens: at most steps x batch x accum x block
+    assert rows["a"]["cpu"]["exact"] and rows["b"]["cpu"]["exact"] and rows["c"]["cpu"] is None
+    assert rows["b"]["cpu"]["method"].startswith("early_exit:adapter=")
+    assert all(0 <= r["agreement"] <= 1 and r["gpu_projection"]["speedup"] > 0 for r in rows.values())
+    assert result["validation_loss"]["base"] != result["validation_loss"]["checkpoint"]
+    assert (out / "compare.png").stat().st_size > 0 and "(b) exit adapter" in (out / "table.md").read_text()
+    assert compare_adapter.main(["--config", str(recipe), "--checkpoint", str(checkpoint), "--adapters", str(adapter),
+                                 "--out", str(out)]) == 2  # a user error: nothing overwritten
+    assert "already holds files" in capsys.readouterr().err
