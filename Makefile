@@ -44,7 +44,7 @@ fetch-model: setup
 DEMO_DRAFTERS ?= autoregressive,early_exit:E=24:k=4,swift
 demo: fetch-model
 	$(BIN)/layerskip bench --model default --drafters $(DEMO_DRAFTERS) --peers hf_generate \
-		--data humaneval,gsm8k --n 3 --max-new-tokens 64 --repeats 1 --threads 1 --out runs/demo
+		--data humaneval,gsm8k --n 3 --max-new-tokens 64 --repeats 1 --threads 1 --out runs/demo --force
 
 test: fetch-model
 	WANDB_MODE=disabled $(BIN)/python -m pytest -q

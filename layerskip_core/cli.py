@@ -4,8 +4,8 @@
 commands accept for models (``--model base=default --model trained=runs/x/final``);
 ``check_output_file`` / ``check_output_dir`` refuse an output path before any work is done: the one output-file
 policy is that an existing file is refused unless the command was given ``--force``, and ``check_distinct``
-refuses two outputs of one command that are the same file. Folders (``check_output_dir``) may already exist:
-the commands that write into one name their files inside it.
+refuses two outputs of one command that are the same file. Folders (``check_output_dir``) may already exist, but
+one that holds files the command writes (an earlier run's results) is refused unless ``--force``, as a file is.
 """
 
 from __future__ import annotations
@@ -87,8 +87,9 @@ def check_distinct(*outputs: tuple[str, str | os.PathLike | None]) -> None:
         seen[key] = flag
 
 
-def check_output_dir(path: str | os.PathLike, what: str) -> Path:
-    """Refuse, before any work, an output folder that is an existing file or cannot be created or written."""
+def check_output_dir(path: str | os.PathLike, what: str, *, writes: tuple[str, ...] = (), force: bool = False) -> Path:
+    """Refuse, before any work, an output folder that is an existing file, cannot be created or written, or holds
+    any of the files ``writes`` names (an earlier run's results) unless ``force`` (the user's --force)."""
     target = Path(path).expanduser()
     if target.exists() and not target.is_dir():
         raise UserError(f"{what} {target} is an existing file; give a folder")
@@ -96,4 +97,8 @@ def check_output_dir(path: str | os.PathLike, what: str) -> Path:
         raise UserError(f"{what} {target} is not writable; choose another folder")
     if not target.exists() and _writable_ancestor(target) is None:
         raise UserError(f"{what} {target}: cannot create it (no writable folder above it); choose another folder")
+    held = [name for name in writes if (target / name).exists()]
+    if held and not force:
+        raise UserError(f"{what} {target} already holds {', '.join(held)} from an earlier run; pass --force to "
+                        "write over them or choose a new folder")
     return target

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     for spec in specs:
         parse_spec(spec)  # bad specs are refused before the model loads
     if args.out:
-        check_output_dir(args.out, "--out")
+        check_output_dir(args.out, "--out", writes=("independent.json",), force=args.force)
     resolved = model_settings(args).resolve()
     model = load_resolved(resolved)
     prompts = []
@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", type=Path, default=None, help="folder for independent.json")
+    p.add_argument("--force", action="store_true", help="write over an earlier run's independent.json in --out")
     args = p.parse_args(argv)
     return run_main("bench_independent", lambda: run(args))
 

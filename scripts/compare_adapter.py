@@ -30,6 +30,8 @@ from infer.plan import cycle_speedup, iid_tokens_per_cycle
 from layerskip_core.cli import check_output_dir, run_main
 from layerskip_core.errors import UserError
 
+OUTPUTS = ("results.json", "table.md", "compare.png")
+"""What a run writes in --out."""
 FAMILIES = {"a": "untrained early exit (base model)", "b": "exit adapter (base model unchanged)",
             "c": "LayerSkip checkpoint's early exit"}
 
@@ -75,7 +77,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="results.json of `layerskip bench` on the base model (early_exit at E and with the adapters)")
     p.add_argument("--bench-checkpoint", type=Path, default=None,
                    help="results.json of `layerskip bench` on the checkpoint (early_exit at E)")
-    p.add_argument("--out", type=Path, required=True, help="folder for results.json, table.md, compare.png (new)")
+    p.add_argument("--out", type=Path, required=True, help="folder for results.json, table.md and compare.png")
+    p.add_argument("--force", action="store_true", help="write over an earlier run's results in --out")
     return p.parse_args(argv)
 
 
@@ -209,9 +212,7 @@ def plot(result: dict, path: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.n < 1 or args.threads < 1:
         raise UserError("--n and --threads must be >= 1")
-    check_output_dir(args.out, "--out")
-    if args.out.is_dir() and any(args.out.iterdir()):
-        raise UserError(f"--out {args.out} already holds files; give a new folder (nothing is overwritten)")
+    check_output_dir(args.out, "--out", writes=OUTPUTS, force=args.force)
     result = compare(args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -838,7 +838,7 @@ def check(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
 
 def run_check(args: argparse.Namespace) -> int:
     args.out = lease.out_dir(args.out)
-    check_output_dir(args.out, "--out")  # gpu_check.json, GPU.md and TRAINING.md go there
+    check_output_dir(args.out, "--out", writes=(RESULT_FILE,), force=args.force)  # + GPU.md and TRAINING.md
     args.out.mkdir(parents=True, exist_ok=True)
     latest = args.out / RESULT_FILE
 
@@ -864,6 +864,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="4-layer stand-ins and a few tokens (implied on a CPU)")
     p.add_argument("--out", type=Path, default=None, help=f"folder for {RESULT_FILE}, GPU.md (the result block) and "
                    "TRAINING.md (the training table) (default: $OUT when set, else runs/gpu/)")
+    p.add_argument("--force", action="store_true", help=f"write over an earlier run's {RESULT_FILE} in --out")
     p.add_argument("--shapes", type=lambda s: [x.strip() for x in s.split(",") if x.strip()], default=None,
                    help=f"only these shapes (comma-separated): {', '.join(s.name for s in SHAPES)}")
     p.add_argument("--skip-train", action="store_true", help="skip the training part")

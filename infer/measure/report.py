@@ -225,6 +225,10 @@ def bugs(rows: list[Summary]) -> list[Summary]:
             and (r.exact_mismatches if r.mismatches is None else r.mismatches)]
 
 
+RESULT_FILES = ("results.json", "results.csv", "results.md")
+"""What ``write_outputs`` names in its folder (beside the plots): an earlier run's results, refused without --force."""
+
+
 def write_outputs(cfg: BenchConfig, records: list[Record], out_dir: Path, command: str) -> list[Summary]:
     """results.json, results.csv, results.md and plots under ``out_dir``."""
     from infer.measure import plots

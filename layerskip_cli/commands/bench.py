@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from infer.measure.methods import BenchConfig, parse_methods, sweep_methods
+from infer.measure.report import RESULT_FILES
 from layerskip_cli.args import add_run_flags, add_sampling_flags, run_settings, sampling_config
 from layerskip_core.cli import check_output_dir, split_named
 from layerskip_core.errors import UserError
@@ -63,7 +64,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ks", type=_ints, default=[2, 4, 6], help="draft lengths for --sweep")
     p.add_argument("--vocabs", type=_ints, default=None, help="draft-vocabulary sizes for --sweep (top N of the counts "
                    "shipped for the model; 0 = the full head), e.g. 0,4096,8192 (default: the drafters' default, auto)")
-    p.add_argument("--out", type=Path, required=True, help="output folder (created; not an existing file)")
+    p.add_argument("--out", type=Path, required=True, help="output folder (created; one holding an earlier run's "
+                   "results is refused unless --force)")
+    p.add_argument("--force", action="store_true", help="write over the results of an earlier run in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
 
@@ -77,7 +80,7 @@ def _sampling_defaults():
 def config_from_args(args: argparse.Namespace):
     if args.temperature is not None and not args.sample:
         raise UserError("--temperature needs --sample")
-    check_output_dir(args.out, "--out")  # results.json, .csv, .md and plots go there
+    check_output_dir(args.out, "--out", writes=RESULT_FILES, force=args.force)
     run = run_settings(args).resolve()  # once; a missing GPU is refused before anything loads
     sampling = sampling_config(args, _sampling_defaults())
     if args.sample and args.temperature is None:

@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--out", type=Path, default=None, help="folder for exits.json and exits.png")
     p.add_argument("--json", type=Path, default=None, help="also write the metrics to this JSON file")
-    p.add_argument("--force", action="store_true", help="overwrite an existing --json file")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --json file or --out results")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="--config: overrides of the recipe")
 
 
@@ -76,7 +76,7 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.overrides and not args.config:
         raise UserError(f"recipe overrides {args.overrides} need --config")
     if args.out is not None:
-        check_output_dir(args.out, "--out")
+        check_output_dir(args.out, "--out", writes=("exits.json", "exits.png"), force=args.force)
     if args.json is not None:
         check_output_file(args.json, "--json", force=args.force)
 

@@ -1,10 +1,10 @@
-"""One output-file policy: an existing output file is refused without --force, and two outputs of one command must be
-distinct files (issue 27). Every check runs before any model loads."""
+"""One output-file policy: an existing output file, or a folder holding an earlier run's results, is refused without
+--force, and two outputs of one command must be distinct files (issue 27). Every check runs before any model loads."""
 
 import pytest
 
 from layerskip_cli.main import main
-from layerskip_core.cli import check_distinct, check_output_file
+from layerskip_core.cli import check_distinct, check_output_dir, check_output_file
 from layerskip_core.errors import UserError
 
 
@@ -29,6 +29,25 @@ def test_an_existing_file_is_refused_unless_forced(existing):
     with pytest.raises(UserError, match="exists; pass --force"):
         check_output_file(existing, "--out", force=False)
     assert check_output_file(existing, "--out", force=True) == existing
+
+
+def test_a_folder_with_earlier_results_is_refused_unless_forced(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine\n")
+    assert check_output_dir(tmp_path, "--out", writes=("results.json",)) == tmp_path  # other files: fine
+    (tmp_path / "results.json").write_text("{}\n")
+    with pytest.raises(UserError, match="already holds results.json from an earlier run; pass --force"):
+        check_output_dir(tmp_path, "--out", writes=("results.json", "results.md"))
+    assert check_output_dir(tmp_path, "--out", writes=("results.json",), force=True) == tmp_path
+
+
+@pytest.mark.parametrize("argv", [["bench", "--drafters", "autoregressive", "--data", "humaneval"],
+                                  ["eval-exits", "--data", "humaneval"]])
+def test_commands_refuse_to_write_over_earlier_results(capsys, tmp_path, argv):
+    for name in ("results.json", "exits.json"):
+        (tmp_path / name).write_text("{}\n")
+    code, err = run(capsys, *argv, "--out", str(tmp_path))
+    refused(code, err, "from an earlier run; pass --force")
+    assert (tmp_path / "results.json").read_text() == "{}\n"
 
 
 def test_two_outputs_naming_one_file_are_refused(tmp_path):

@@ -62,4 +62,4 @@ def test_compare_scores_three_families_and_reads_the_bench(tiny_recipe, tiny_mod
     assert (out / "compare.png").stat().st_size > 0 and "(b) exit adapter" in (out / "table.md").read_text()
     assert compare_adapter.main(["--config", str(recipe), "--checkpoint", str(checkpoint), "--adapters", str(adapter),
                                  "--out", str(out)]) == 2  # a user error: nothing overwritten
-    assert "already holds files" in capsys.readouterr().err
+    assert "already holds results.json, table.md, compare.png" in capsys.readouterr().err
