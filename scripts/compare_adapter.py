@@ -66,6 +66,19 @@ def gpu_projection(alpha: float, exit_layer: int, num_layers: int, extra_layers:
     return {"speedup": speed, "k": k, "c": c, "v": v}
 
 
+def implied_per_token(tokens_per_verify: float | None, draft_forwards: float | None) -> float | None:
+    """The i.i.d. per-token acceptance p that gives M tokens per verification with k̄ drafts a cycle: the decoding
+    counterpart of the teacher-forced agreement (the bench's α = accepted/drafted also counts every draft after the
+    first rejection, so it is far below p at k > 1)."""
+    if not tokens_per_verify or not draft_forwards:
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(50):  # bisection: M(p, k) rises with p
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if iid_tokens_per_cycle(mid, draft_forwards) < tokens_per_verify else (lo, mid)
+    return (lo + hi) / 2
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True, help="the recipe whose validation split is the held-out text")
@@ -130,7 +143,9 @@ def bench_rows(path: Path | None, adapters: dict[str, int], family: str) -> dict
             continue
         if key[1] is not None and key not in rows:
             rows[key] = {"method": method, "speedup": row["speedup_vs_autoregressive"],
-                         "acceptance": row["acceptance_rate"], "c": row["draft_cost_ratio"],
+                         "acceptance": row["acceptance_rate"], "tokens_per_verify": row["tokens_per_verify"],
+                         "draft_forwards": row["mean_draft_forwards"], "c": row["draft_cost_ratio"],
+                         "per_token": implied_per_token(row["tokens_per_verify"], row["mean_draft_forwards"]),
                          "exact": row["exact_mismatches"] == 0, "prompts": row["prompts"]}
     return rows
 
@@ -173,13 +188,14 @@ def table(result: dict) -> str:
     lines = [f"Held-out: {result['examples']} blocks of {result['config']}'s validation split "
              f"({result['tokens']} tokens). Verifier's validation loss: base {loss['base']:.3f} (families a, b), "
              f"checkpoint {loss['checkpoint']:.3f} (family c).", "",
-             "| E | drafter | agreement (teacher-forced) | CPU α decoding | CPU c | CPU speed-up | exact | "
-             "GPU projection (k) |", "|---:|---|---:|---:|---:|---:|---|---:|"]
+             "| E | drafter | agreement (teacher-forced) | CPU decoding: M / k̄ | implied p | α | c | speed-up | "
+             "exact | GPU projection (k) |", "|---:|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in result["rows"]:
         cpu, gpu = r["cpu"] or {}, r["gpu_projection"]
         exact = "–" if not cpu else ("yes" if cpu["exact"] else "NO")
         lines.append(f"| {r['E']} | ({r['family']}) {FAMILIES[r['family']]} | {r['agreement']:.3f} | "
-                     f"{_fmt(cpu.get('acceptance'))} | {_fmt(cpu.get('c'), '.2f')} | "
+                     f"{_fmt(cpu.get('tokens_per_verify'), '.2f')} / {_fmt(cpu.get('draft_forwards'), '.2f')} | "
+                     f"{_fmt(cpu.get('per_token'))} | {_fmt(cpu.get('acceptance'))} | {_fmt(cpu.get('c'), '.2f')} | "
                      f"{_fmt(cpu.get('speedup'), '.2f')}{'x' if cpu else ''} | {exact} | "
                      f"{gpu['speedup']:.2f}x ({gpu['k']}) |")
     return "\n".join(lines)

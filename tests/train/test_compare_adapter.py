@@ -28,6 +28,16 @@ def test_projection_follows_the_cost_model():
     assert gpu_projection(0.5, 4, 30, 0)["speedup"] > gpu_projection(0.5, 16, 30, 0)["speedup"]  # cheaper drafts
 
 
+def test_decoding_acceptance_is_read_back_as_a_per_token_rate():
+    from compare_adapter import implied_per_token
+
+    from infer.plan import iid_tokens_per_cycle
+
+    for p, k in ((0.3, 4), (0.8, 2.5), (0.05, 1)):
+        assert implied_per_token(iid_tokens_per_cycle(p, k), k) == pytest.approx(p, abs=1e-6)
+    assert implied_per_token(None, 4) is None and implied_per_token(1.2, 0) is None
+
+
 def test_compare_scores_three_families_and_reads_the_bench(tiny_recipe, tiny_model_dir, tmp_path, capsys):
     import compare_adapter
 
@@ -57,6 +67,7 @@ def test_compare_scores_three_families_and_reads_the_bench(tiny_recipe, tiny_mod
     assert 0 < rows["b"]["tokens"] <= 6 * 2 * 2 * 32  # the adapter run's tokens: at most steps x batch x accum x block
     assert rows["a"]["cpu"]["exact"] and rows["b"]["cpu"]["exact"] and rows["c"]["cpu"] is None
     assert rows["b"]["cpu"]["method"].startswith("early_exit:adapter=")
+    assert 0 <= rows["b"]["cpu"]["per_token"] <= 1 and rows["b"]["cpu"]["tokens_per_verify"] >= 1
     assert all(0 <= r["agreement"] <= 1 and r["gpu_projection"]["speedup"] > 0 for r in rows.values())
     assert result["validation_loss"]["base"] != result["validation_loss"]["checkpoint"]
     assert (out / "compare.png").stat().st_size > 0 and "(b) exit adapter" in (out / "table.md").read_text()
