@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 from infer.measure.methods import BenchConfig, parse_methods, sweep_methods
-from infer.measure.report import RESULT_FILES
 from layerskip_cli.args import add_run_flags, add_sampling_flags, run_settings, sampling_config
 from layerskip_core.cli import check_output_dir, split_named
 from layerskip_core.errors import UserError
@@ -80,6 +79,8 @@ def _sampling_defaults():
 def config_from_args(args: argparse.Namespace):
     if args.temperature is not None and not args.sample:
         raise UserError("--temperature needs --sample")
+    from infer.measure.report import RESULT_FILES  # torch-heavy: not at import (--help stays light)
+
     check_output_dir(args.out, "--out", writes=RESULT_FILES, force=args.force)
     run = run_settings(args).resolve()  # once; a missing GPU is refused before anything loads
     sampling = sampling_config(args, _sampling_defaults())
