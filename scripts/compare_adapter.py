@@ -51,7 +51,7 @@ class GpuCosts:
 
 
 H200 = GpuCosts("one H200, bf16, SmolLM2-135M, eager runner without graph capture (commit 002eeb9; "
-                "docs/RESULTS.md, 'Where the speed-up lives')", draft_exit=8, draft_cost=0.27, verify_cost=1.26)
+                "docs/RESULTS.md, 'Where self-speculation pays')", draft_exit=8, draft_cost=0.27, verify_cost=1.26)
 
 
 def gpu_projection(alpha: float, exit_layer: int, num_layers: int, extra_layers: int, gpu: GpuCosts = H200) -> dict:

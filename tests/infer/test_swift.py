@@ -257,42 +257,37 @@ def test_cost_model_prediction(runner):
 
 def test_cold_start_drafts_only_after_a_score_that_can_pay(runner, monkeypatch):
     """A fresh SWIFT (nothing remembered) takes plain steps until the optimiser has scored a plan, and probes
-    drafting only if the optimistic bound of the cost model allows it: a plan that cannot pay is never drafted."""
-    drafter = build_drafter("swift", runner, {"remember": "off", "context_window": 4, "opt_budget": 0.95,
-                                              "fallback_opt_budget": 0.95})
-    engine = Engine(runner, drafter)
-    gen = engine.start(PROMPTS[0], GenerationConfig(max_new_tokens=40))
-    drafts_before_score = 0
-    bound = None  # the cost model's optimistic bound when the gate last decided before any probe
-    while not gen.done:
-        scored = drafter.best_score >= 0
-        outcome = engine.step(gen)
-        drafts_before_score += outcome.draft is not None and not scored
-        if drafter.drafting.cycles == 0:
-            bound = drafter.predicted_speedup(drafter.best_score)
-    assert drafts_before_score == 0 and drafter.best_score >= 0
-    probed = drafter.drafting.cycles > 0 or drafter.mode == "draft"
-    assert probed == (bound >= FallbackGate.HOPELESS)  # probed exactly when the bound allowed it
-    monkeypatch.setattr(SwiftDrafter, "predicted_speedup", lambda self, a: None if a < 0 else 2.0)
-    hopeful = build_drafter("swift", runner, {"remember": "off", "context_window": 4, "opt_budget": 0.95,
-                                              "fallback_opt_budget": 0.95})
-    Engine(runner, hopeful).generate(PROMPTS[0], GenerationConfig(max_new_tokens=40))
-    assert hopeful.drafting.cycles > 0  # a plan the bound says can pay is probed
+    drafting only if the optimistic bound of the cost model allows it: a plan that cannot pay is never drafted.
+    The bound is pinned on each side of the gate's threshold (the measured one moves with the machine's load)."""
+    options = {"remember": "off", "context_window": 4, "opt_budget": 0.95, "fallback_opt_budget": 0.95}
+    for bound, probes in ((FallbackGate.HOPELESS / 2, False), (2.0, True)):
+        monkeypatch.setattr(SwiftDrafter, "predicted_speedup", lambda self, a, b=bound: None if a < 0 else b)
+        drafter = build_drafter("swift", runner, options)
+        engine = Engine(runner, drafter)
+        gen = engine.start(PROMPTS[0], GenerationConfig(max_new_tokens=40))
+        drafts_before_score = 0
+        while not gen.done:
+            scored = drafter.best_score >= 0
+            drafts_before_score += engine.step(gen).draft is not None and not scored
+        assert drafts_before_score == 0 and drafter.best_score >= 0
+        assert (drafter.drafting.cycles > 0) == probes, bound
 
 
 def test_remembered_plan_and_score_spare_fresh_drafters_the_probe(runner, tmp_path, monkeypatch):
     """The gate memory keeps the best plan and its matchness too: a fresh drafter on the next prompt knows its plan
-    cannot pay and does not probe it again (it used to, on every prompt, a fresh drafter having no score)."""
+    cannot pay and does not probe it again (it used to, on every prompt, a fresh drafter having no score). The
+    cost model's verdict is pinned below the gate's threshold (the measured one moves with the machine's load)."""
     monkeypatch.setenv("LAYERSKIP_CACHE", str(tmp_path))
+    monkeypatch.setattr(SwiftDrafter, "predicted_speedup",
+                        lambda self, a: None if a < 0 else FallbackGate.HOPELESS / 2)
     options = {"context_window": 4, "fallback_opt_budget": 0.95, "opt_budget": 0.95}
     first = build_drafter("swift", runner, options)
     with Engine(runner, first) as engine:
         engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=40))
     second = build_drafter("swift", runner, options)
     assert second.best == first.best and second.best_score == first.best_score >= 0
-    if first.predicted_speedup(first.best_score) < FallbackGate.HOPELESS:
-        result = Engine(runner, second).generate(PROMPTS[1], GenerationConfig(max_new_tokens=40))
-        assert result.stats.drafter["draft_forwards"] == 0
+    result = Engine(runner, second).generate(PROMPTS[1], GenerationConfig(max_new_tokens=40))
+    assert result.stats.drafter["draft_forwards"] == 0
 
 
 def test_paper_mode_has_no_budget_no_cap_and_no_fallback(runner):
