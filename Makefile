@@ -40,8 +40,9 @@ fetch-model: setup
 	$(BIN)/layerskip fetch-model
 
 # A quick look on a few held-out real prompts (HumanEval, GSM8K) with the default model: the untrained early exit
-# (which loses on this model) beside SWIFT, which falls back to plain steps where drafting would not pay.
-DEMO_DRAFTERS ?= autoregressive,early_exit:E=24:k=4,swift
+# (which loses on this model), the exit adapter shipped for it (trained on the frozen model: output unchanged) and
+# SWIFT, which falls back to plain steps where drafting would not pay.
+DEMO_DRAFTERS ?= autoregressive,early_exit:E=24:k=4,early_exit:adapter=default:k=4:confidence=0.6,swift
 demo: fetch-model
 	$(BIN)/layerskip bench --model default --drafters $(DEMO_DRAFTERS) --peers hf_generate \
 		--data humaneval,gsm8k --n 3 --max-new-tokens 64 --repeats 1 --threads 1 --out runs/demo --force
