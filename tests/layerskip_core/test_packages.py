@@ -95,9 +95,12 @@ def test_temp_folder_removed_when_the_fetch_fails(tmp_path, monkeypatch):
 def test_temp_folder_removed_on_signal(tmp_path, sig):
     script = tmp_path / "slow_fetch.py"
     script.write_text(textwrap.dedent(f"""
-        import sys, time
+        import signal, sys, time
         from pathlib import Path
         from layerskip_core import packages
+
+        # a foreground process: a shell that started this test in the background made its children ignore SIGINT
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
         def slow(spec, workdir):
             (Path(workdir) / "partial.whl").write_bytes(b"half")
