@@ -462,10 +462,13 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     check_launch(os.environ, launcher_command(), has_gpu=lambda: __import__("torch").cuda.is_available())
     interrupt_on_sigterm()
     try:
-        run_training(cfg, overwrite=args.overwrite)
+        result = run_training(cfg, overwrite=args.overwrite)
     except KeyboardInterrupt:
         log(resume_hint(argv, cfg.checkpoint.output_dir))
         raise
+    # Tear the process group down before the interpreter does: left to exit, a gloo rank could abort
+    # ("terminate called without an active exception") after a run that had finished and saved.
+    result["accelerator"].end_training()
     return 0
 
 
