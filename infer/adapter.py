@@ -17,7 +17,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from infer.runner import DraftHead, KVCache, Linear, Runner
-from layerskip_core.adapter_spec import AdapterShape, read_metadata
+from layerskip_core.adapter_spec import AdapterShape, read_file, read_metadata
 from layerskip_core.errors import UserError
 
 BUNDLED_DIR = Path(__file__).parent / "data" / "adapters"
@@ -60,15 +60,7 @@ class ExitAdapter:
     def load(cls, path: str | Path, runner: Runner) -> ExitAdapter:
         """Read an adapter file made for ``runner``'s model (refused in one line otherwise)."""
         path = Path(path).expanduser()
-        if not path.is_file():
-            raise UserError(f"adapter file {path} does not exist; give the adapter.safetensors a training run "
-                            "wrote, or 'default'")
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata()
-                weights = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no iterator)
-        except Exception as e:  # safetensors raises its own error types for a file that is not safetensors
-            raise UserError(f"{path} is not a readable safetensors file ({e})") from None
+        meta, weights = read_file(path, hint=", or 'default'")
         shape, provenance = read_metadata(meta, runner.identity(), str(path))
         return cls(runner, shape, weights, provenance)
 

@@ -18,6 +18,7 @@ import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from layerskip_core import jsonfile
 from layerskip_core.errors import UserError
@@ -90,6 +91,21 @@ def metadata(shape: AdapterShape, identity: dict, provenance: dict) -> dict[str,
     """The safetensors metadata of an adapter file (all values strings, as the format requires)."""
     return {"format": FORMAT, "shape": json.dumps(asdict(shape)),
             "model": json.dumps({k: identity[k] for k in IDENTITY_KEYS}), "provenance": json.dumps(provenance)}
+
+
+def read_file(path: str | Path, hint: str = "") -> tuple[dict[str, str] | None, dict]:
+    """(metadata, tensors by name) of an adapter file; a missing or unreadable one is a one-line user error
+    (``hint`` says what to give instead). Reads torch tensors: safetensors is imported only here."""
+    from safetensors import safe_open
+
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise UserError(f"adapter file {path} does not exist; give the adapter.safetensors a training run wrote{hint}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (no iterator)
+    except Exception as e:  # safetensors raises its own error types for a file that is not safetensors
+        raise UserError(f"{path} is not a readable safetensors file ({e})") from None
 
 
 def read_metadata(meta: dict[str, str] | None, identity: dict, path: str) -> tuple[AdapterShape, dict]:

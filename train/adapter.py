@@ -15,11 +15,17 @@ import os
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from layerskip_core.adapter_spec import FINGERPRINT_VALUES, AdapterShape, metadata, read_metadata, weight_fingerprint
+from layerskip_core.adapter_spec import (
+    FINGERPRINT_VALUES,
+    AdapterShape,
+    metadata,
+    read_file,
+    read_metadata,
+    weight_fingerprint,
+)
 from layerskip_core.errors import UserError
 from train.config import AdapterConfig
 from train.data import IGNORE, Examples
@@ -187,7 +193,7 @@ class AdapterLM(nn.Module):
 
     def load(self, path) -> dict:
         """Take the weights of an adapter file made for this model and shape; returns its provenance."""
-        meta, state = _read_file(path)
+        meta, state = read_file(path)
         shape, provenance = read_metadata(meta, model_identity(self.frozen[0]), str(path))
         if shape != self.shape:
             raise UserError(f"{path} is an adapter of another shape ({shape}); this run's is {self.shape}")
@@ -198,7 +204,7 @@ class AdapterLM(nn.Module):
     def from_file(cls, model: nn.Module, path) -> tuple[AdapterLM, dict]:
         """(the adapter file ``path`` on ``model`` at the file's E and shape, its provenance); refused in one line
         when the file was made for another model."""
-        meta, state = _read_file(path)
+        meta, state = read_file(path)
         shape, provenance = read_metadata(meta, model_identity(model), str(path))
         lm = cls(model, AdapterConfig(enabled=True, exit_layer=shape.exit_layer, mlp_size=shape.mlp_size))
         lm.adapter.load_state_dict(state)
@@ -209,17 +215,6 @@ class AdapterLM(nn.Module):
         state = {k: v.detach().float().cpu().contiguous() for k, v in self.adapter.state_dict().items()}
         save_file(state, str(path), metadata=metadata(self.shape, model_identity(self.frozen[0]), provenance))
         os.chmod(path, 0o644)  # safetensors writes 0600: an adapter is shared like any model file
-
-
-def _read_file(path) -> tuple[dict | None, dict[str, Tensor]]:
-    """(metadata, tensors) of a safetensors file; a missing or unreadable file is a user error."""
-    if not os.path.isfile(path):
-        raise UserError(f"adapter file {path} does not exist; give the adapter.safetensors a training run wrote")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-    except Exception as e:  # safetensors raises its own error types for a file that is not safetensors
-        raise UserError(f"{path} is not a readable safetensors file ({e})") from None
 
 
 def adapter_metrics(accelerator, model: AdapterLM, examples: Examples, indices: list[int], batch_size: int,
