@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor
 
-from infer.drafters.base import DecodeState, Draft, Drafter, VerifyOutcome
+from infer.drafters.base import DecodeState, Draft, Drafter, DrafterStats, VerifyOutcome
 from infer.graphs import BUCKETS
 from infer.kv_cache import capacity_bucket
 from infer.runner import Runner
@@ -30,6 +30,7 @@ from infer.sampling import (
     select,
 )
 from layerskip_core.errors import UserError
+from layerskip_core.layers import check_exit_layer
 from layerskip_core.options import check_fields
 
 
@@ -89,7 +90,8 @@ class GenerationStats:
     update_time: float = 0.0
     target_exit: int | None = None
     """Lossy early exit: the target's layer count E when it was not the full model (None: lossless)."""
-    drafter: dict = field(default_factory=dict)
+    drafter: DrafterStats = field(default_factory=DrafterStats)
+    """The drafter's own statistics (a dataclass per drafter; serialised by ``to_dict``)."""
 
     @property
     def lossy(self) -> bool:
@@ -192,8 +194,7 @@ class Engine:
         L, E = self.runner.num_layers, config.target_exit
         if E is None or E == L:
             return L
-        if not 1 <= E <= L:
-            raise UserError(f"target exit {E} is out of range: the model has {L} layers, so use 1 <= E <= {L}")
+        check_exit_layer(E, L, "target exit")
         if self.drafter.drafts:
             raise UserError(f"a lossy early-exit target (target exit {E}) works only with plain decoding (the "
                             f"autoregressive drafter), not {self.drafter.name!r}")

@@ -44,7 +44,7 @@ from transformers.generation import (
     TopPLogitsWarper,
 )
 
-from infer.drafters import build_config, build_drafter, resolve_config
+from infer.drafters import Spec, drafter_spec
 from infer.engine import Engine
 from infer.engine import GenerationConfig as DecodeConfig
 from infer.runner import Runner
@@ -81,18 +81,16 @@ def hf_generate(drafter: str = "autoregressive", *, tokenizer=None, streamer=Non
     ``dtype``/``device``: run the runner elsewhere than the model (a copy of the weights); default: the model's.
     ``executor``: 'auto' (CUDA graphs on CUDA, eager on CPU), 'eager', 'static' or 'graphs'; ``compile``: the static
     forwards through torch.compile (None: on CUDA). Both are resolved once the model's device is known."""
-    build_config(drafter, dict(options))  # an unknown drafter or a bad option is refused here, not mid-generate
-    return HFGenerate(drafter, dict(options), tokenizer, streamer, dtype, device, executor, compile)
+    spec = drafter_spec(drafter, dict(options))  # an unknown drafter or a bad option is refused here, not mid-generate
+    return HFGenerate(spec, tokenizer, streamer, dtype, device, executor, compile)
 
 
 class HFGenerate:
     """The decoding loop transformers' ``generate`` calls (see the module docstring); build it with
     ``hf_generate``."""
 
-    def __init__(self, drafter: str, options: dict, tokenizer, streamer, dtype, device, executor: str,
-                 compile: bool | None = None):
-        self.drafter = drafter
-        self.options = options
+    def __init__(self, spec: Spec, tokenizer, streamer, dtype, device, executor: str, compile: bool | None = None):
+        self.spec = spec
         self.tokenizer = tokenizer
         self.streamer = streamer
         self.runner_settings = (dtype, device, executor, compile)
@@ -126,9 +124,9 @@ class HFGenerate:
 
     def engine(self, runner: Runner, eos: tuple[int, ...]) -> Engine:
         """A fresh drafter on ``runner`` (as ``LoadedModel.engine``: a ``draft_vocab`` resolved with the tokenizer)."""
-        config = resolve_config(self.drafter, dict(self.options), runner, self.tokenizer)
+        drafter = self.spec.resolve(runner, self.tokenizer)
         decode = self.tokenizer.decode if self.tokenizer is not None else None
-        return Engine(runner, build_drafter(self.drafter, runner, config), eos, decode)
+        return Engine(runner, drafter.build(runner), eos, decode)
 
     def runner_for(self, model: PreTrainedModel) -> Runner:
         """The runner over ``model``'s weights: built (and its weights shared with the model) on first use."""

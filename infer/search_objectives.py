@@ -200,7 +200,7 @@ class SpeedObjective:
         metrics = {"tokens_per_second": tps, "speedup": tps / baseline, "autoregressive_tokens_per_second": baseline,
                    "acceptance_rate": sum(r.stats.accepted for r in results) / drafted if drafted else 0.0,
                    "tokens_per_verify": sum(r.stats.new_tokens - 1 for r in results) / calls if calls else 0.0,
-                   "final_confidence": statistics.mean(r.stats.drafter["confidence"] for r in results)}
+                   "final_confidence": statistics.mean(r.stats.drafter.confidence for r in results)}
         return (tps / baseline if self.reference == "interleaved" else tps), metrics
 
 

@@ -72,8 +72,9 @@ def add_drafter_flags(p: argparse.ArgumentParser) -> None:
                 add_flag(group, o.field, o.type, o.help())
 
 
-def drafter_options(args: argparse.Namespace) -> dict:
-    """The drafter options given on the command line (field name -> value)."""
-    from infer.drafters import all_options
+def drafter_spec_of(args: argparse.Namespace):
+    """The drafter spec of --drafter and the drafter flags given (``infer.drafters.spec.drafter_spec``)."""
+    from infer.drafters import all_options, drafter_spec
 
-    return {f: getattr(args, f) for f in all_options() if getattr(args, f, None) is not None}
+    options = {f: getattr(args, f) for f in all_options() if getattr(args, f, None) is not None}
+    return drafter_spec(args.drafter, options)

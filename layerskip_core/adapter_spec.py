@@ -22,6 +22,7 @@ from pathlib import Path
 
 from layerskip_core import jsonfile
 from layerskip_core.errors import UserError
+from layerskip_core.layers import check_exit_layer
 from layerskip_core.options import check_fields
 
 FORMAT = "layerskip-exit-adapter/1"
@@ -82,9 +83,7 @@ class AdapterShape:
         return shapes
 
     def check_model(self, num_layers: int) -> None:
-        if not 1 <= self.exit_layer < num_layers:
-            raise UserError(f"adapter exit layer {self.exit_layer} is out of range: the model has {num_layers} "
-                            f"layers, so use 1 <= E < {num_layers}")
+        check_exit_layer(self.exit_layer, num_layers, "adapter exit layer", below_last=True)
 
 
 def metadata(shape: AdapterShape, identity: dict, provenance: dict) -> dict[str, str]:

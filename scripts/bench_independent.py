@@ -65,12 +65,13 @@ def run(args: argparse.Namespace) -> int:
         for pid, ids in prompts:
             for spec in specs:
                 out, wall, stats = decode_once(model, spec, ids, base_config)
+                drafter = stats.to_dict()["drafter"]  # what this drafter reports, by name
                 if spec == BASELINE and repeat == 0:
                     ref[pid] = out
                 runs[spec].append({"prompt": pid, "repeat": repeat, "tokens": len(out), "wall": wall,
                                    "exact": out == ref.get(pid) if repeat == 0 else None,
-                                   "plain_steps": stats.drafter.get("plain_steps"), "mode": stats.drafter.get("mode"),
-                                   "predicted_speedup": stats.drafter.get("predicted_speedup"),
+                                   "plain_steps": drafter.get("plain_steps"), "mode": drafter.get("mode"),
+                                   "predicted_speedup": drafter.get("predicted_speedup"),
                                    "verify_calls": stats.verify_calls, "drafted": stats.drafted,
                                    "accepted": stats.accepted})
             print(f"repeat {repeat + 1}/{args.repeats} {pid} done", file=sys.stderr)

@@ -516,7 +516,7 @@ def step_times(engine: Engine, prompt: list[int], gen: OurGenerationConfig) -> d
     """ms per draft forward and per verification of one more generation, from CUDA events on CUDA
     (``infer.measure.timing``; the engine's own split is taken without a device sync) and perf_counter elsewhere."""
     s = timed_generate(engine, prompt, gen)[0].stats
-    forwards = int(s.drafter.get("draft_forwards", 0)) or max(1, s.drafted)
+    forwards = s.drafter.draft_forwards or max(1, s.drafted)
     return {"ours_early_exit_draft_ms": 1000 * s.draft_time / forwards,
             "ours_early_exit_verify_ms": 1000 * s.verify_time / max(1, s.verify_calls),
             "step_timer": "cuda events" if engine.runner.device.type == "cuda" else "perf_counter"}

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from infer.drafters import drafter_class, parse_spec
+from infer.drafters import parse_spec
 from infer.engine import GenerationConfig, tokens_per_verify
 from infer.loading import load_resolved
 from infer.measure.methods import BASELINE
@@ -49,10 +49,7 @@ def interleaved(sources: list[str], n: int) -> list[tuple[str, str, str]]:
 def cold(text: str):
     """The spec, with ``remember=off`` for a drafter that remembers state across commands unless the spec sets
     ``remember``: no repeat starts from what an earlier repeat (or command) saved."""
-    spec = parse_spec(text)
-    if "remember" in {f.name for f in dataclasses.fields(drafter_class(spec.drafter).Config)}:
-        spec.options.setdefault("remember", "off")
-    return spec
+    return parse_spec(text).remembering("off")
 
 
 def run_streams(model, specs: list[str], prompts: list[tuple[str, str, list[int]]], base_config: GenerationConfig,

@@ -60,5 +60,5 @@ def sampling_pvalue(engine, model, prompt: list[int], cfg: SamplingConfig, steps
         counts[index[tuple(res.tokens)]] += 1
         totals["accepted"] += res.stats.accepted
         totals["drafted"] += res.stats.drafted
-        totals["draft_forwards"] += int(res.stats.drafter.get("draft_forwards", 0))
+        totals["draft_forwards"] += res.stats.drafter.draft_forwards
     return chi2_pvalue(counts, np.array([joint[c] for c in cells])), totals

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from layerskip_core.errors import UserError
+from layerskip_core.layers import check_exit_layer
 from train.config import EarlyExitConfig, LayerDropoutConfig
 
 # --------------------------------------------------------------------------------------------
@@ -80,10 +81,8 @@ def sample_skips(rates: list[float], batch_size: int, generator: torch.Generator
 
 def check_exits(cfg: EarlyExitConfig, num_layers: int) -> list[int]:
     """The configured early exits, sorted, validated against the model depth."""
-    bad = [e for e in cfg.exits if not 1 <= e < num_layers]
-    if bad:
-        raise UserError(f"early_exit.exits {bad} out of range: a {num_layers}-layer model has early exits "
-                        f"1..{num_layers - 1} (the last layer, {num_layers}, is always trained)")
+    for e in cfg.exits:  # the last layer is the model's own output, always trained
+        check_exit_layer(e, num_layers, "early_exit.exits: exit layer", below_last=True)
     return sorted(cfg.exits)
 
 

@@ -21,8 +21,5 @@ class AutoregressiveDrafter(Drafter):
     Config = AutoregressiveConfig
     drafts = False
 
-    def __init__(self, runner, config: AutoregressiveConfig | None = None):
-        self.config = config or AutoregressiveConfig()
-
     def propose(self, state: DecodeState) -> Draft | None:
         return None

@@ -8,12 +8,15 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor
 
-from infer.draft_vocab import AUTO, DraftVocab, check_draft_vocab_option
+from infer.draft_vocab import AUTO, check_draft_vocab_option
 from infer.kv_cache import ints_to_device
 
 if TYPE_CHECKING:
+    from infer.adapter import ExitAdapter
+    from infer.drafters.spec import Spec
     from infer.kv_cache import KVCache
-    from infer.runner import Runner
+    from infer.plan import LayerPlan
+    from infer.runner import DraftHead, Runner
     from infer.sampling import SamplingConfig
 
 
@@ -105,7 +108,7 @@ class DecodeState:
 class DraftVocabOption:
     """The option of every drafter that drafts with the LM head (its Config subclasses this)."""
 
-    draft_vocab: str | DraftVocab | None = AUTO
+    draft_vocab: str = AUTO
     """Reduced-vocabulary draft head: drafts score only these token ids, verification always the full head (output
     unchanged). auto: the most frequent ids (infer.draft_vocab.AUTO_SIZE of them) of the counts shipped for this
     model, if there are some, else the full head; N: the N most frequent; a file made by `layerskip draft-vocab`;
@@ -113,6 +116,34 @@ class DraftVocabOption:
 
     def __post_init__(self) -> None:
         check_draft_vocab_option(self.draft_vocab)
+
+
+@dataclass(frozen=True)
+class DraftInputs:
+    """What a drafter spec resolves to on a loaded model (``infer.drafters.spec.Spec.resolve``), once: the drafter's
+    constructor takes these as they are."""
+
+    vocab: DraftHead | None = None
+    """The reduced-vocabulary draft head on the runner, or None for the full head."""
+    plan: LayerPlan | None = None
+    """The sublayer skip plan to draft with (self_sd), or to start from (swift; None: its own start)."""
+    adapter: ExitAdapter | None = None
+    """The exit adapter to draft through (early_exit), or None."""
+
+
+NO_INPUTS = DraftInputs()
+"""The inputs of a drafter that needs none (the full head, no plan, no adapter)."""
+
+
+@dataclass
+class DrafterStats:
+    """What every drafter reports after a generation (``GenerationStats.drafter``); a drafter with more to say
+    reports a subclass. Serialised with the generation's statistics (``GenerationStats.to_dict``)."""
+
+    draft_forwards: int = 0
+    """Draft forwards run (a chain's every token, including one a confidence stop did not propose)."""
+    start_state: str = "cold"
+    """What the drafter started from: 'cold', or the remembered state it read (``infer.drafters.gate``)."""
 
 
 class Drafter:
@@ -131,8 +162,28 @@ class Drafter:
     """Short option names of compact specs (``early_exit:E=8:k=6``) -> Config fields."""
     drafts: ClassVar[bool] = True
     """False for a drafter that never proposes (plain decoding): only such a drafter may decode a lossy target."""
+    WARM_UP: ClassVar[dict] = {}
+    """Config fields set for an untimed run, which must leave no trace (no remembered state read or written, no
+    file written)."""
     lookahead: int = 0
     """Most cache slots past the pending token one ``propose``/``update`` may write (a property where it varies)."""
+
+    def __init__(self, runner: Runner, config=None, inputs: DraftInputs = NO_INPUTS):
+        self.config = self.Config() if config is None else config
+
+    @classmethod
+    def variant(cls, config) -> type[Drafter]:
+        """The class that runs ``config`` (a drafter with two modes keeps each in its own class)."""
+        return cls
+
+    @classmethod
+    def check_spec(cls, spec: Spec) -> None:
+        """Refuse a spec that lacks what this drafter needs, before any model loads."""
+
+    @classmethod
+    def resolve(cls, spec: Spec, runner: Runner, tokenizer=None) -> DraftInputs:
+        """The inputs ``spec`` names, made for ``runner``'s model (``infer.drafters.inputs``)."""
+        return DraftInputs()
 
     def start(self, state: DecodeState) -> None:
         """A new sequence has been prefilled (state.n = prompt length)."""
@@ -144,9 +195,9 @@ class Drafter:
     def update(self, state: DecodeState, outcome: VerifyOutcome) -> None:
         """Learn from a verification (the cache now holds state.n exact rows)."""
 
-    def stats(self) -> dict:
-        """Drafter-specific statistics for the result (e.g. optimisation time); no side effects."""
-        return {}
+    def stats(self) -> DrafterStats:
+        """This drafter's statistics for the result (e.g. optimisation time); no side effects."""
+        return DrafterStats()
 
     def finish(self) -> None:
         """Decoding with this drafter is over (called once by its owner): save plans or learned state."""

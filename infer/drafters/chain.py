@@ -12,13 +12,22 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from infer.draft_vocab import resolve_draft_vocab_option
 from infer.drafters.base import DecodeState, Draft
 from infer.kv_cache import KVCache, ints_to_device
 from infer.plan import LayerPlan
 from infer.runner import DraftHead, Runner
 from infer.sampling import probs_from_logits, sample
 from layerskip_core.errors import UserError
+
+MAX_DRAFT = 256
+"""Most draft tokens (a chain's k, a tree's nodes) one verification may check: far beyond where drafting pays, and
+every one of them is cache room reserved per sequence (k = 100000 took 7 GB)."""
+
+
+def check_size(value: int, what: str) -> None:
+    """Refuse a draft size (``num-draft``, ``max-tree-nodes``) outside 1..``MAX_DRAFT``."""
+    if not 1 <= value <= MAX_DRAFT:
+        raise UserError(f"{what} must be between 1 and {MAX_DRAFT} (draft tokens per verification), got {value}")
 
 
 class EarlyExitForward:
@@ -48,20 +57,6 @@ class PlanForward:
         out = r.span(cache, r.embed(token), [position], 0, r.num_layers, exact_until=self.exact_layers,
                      plan=self.plan, logits=True, vocab=self.vocab)
         return out.exact, out.logits  # (1, d), (1, V)
-
-
-def draft_head_for(runner: Runner, spec) -> DraftHead | None:
-    """The runner's draft head for a ``draft_vocab`` option (``infer.draft_vocab.resolve_draft_vocab_option``).
-
-    A size, file or 'auto' is checked against the runner's weights here; ``LoadedModel.engine`` resolves them
-    with the tokenizer first, which also accepts finetuned checkpoints of the model the counts were made for."""
-    vocab = resolve_draft_vocab_option(spec, runner)
-    if vocab is None:
-        return None
-    if vocab.vocab_size != runner.spec.vocab_size:
-        raise UserError(f"the draft vocabulary is for a {vocab.vocab_size}-token vocabulary; the model has "
-                        f"{runner.spec.vocab_size}")
-    return runner.draft_head(vocab.ids)
 
 
 @dataclass

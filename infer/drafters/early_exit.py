@@ -14,15 +14,17 @@ import time
 from dataclasses import dataclass
 
 from infer.adapter import AdapterForward, ExitAdapter, adapter_path
-from infer.drafters.base import DecodeState, Draft, Drafter, DraftVocabOption, VerifyOutcome
-from infer.drafters.chain import EarlyExitForward, draft_chain, draft_head_for
-from infer.drafters.gate import COLD, FallbackGate, GateMemory, check_remember
+from infer.drafters.base import DecodeState, Draft, Drafter, DrafterStats, DraftInputs, DraftVocabOption, VerifyOutcome
+from infer.drafters.chain import EarlyExitForward, check_size, draft_chain
+from infer.drafters.gate import COLD, FallbackGate, GateMemory, RememberOption
+from infer.drafters.inputs import draft_head
 from layerskip_core.errors import UserError
+from layerskip_core.layers import check_exit_layer
 from layerskip_core.options import check_fields
 
 
 @dataclass
-class EarlyExitDrafterConfig(DraftVocabOption):
+class EarlyExitDrafterConfig(DraftVocabOption, RememberOption):
     """Settings of the early-exit drafter."""
 
     exit_layer: int = 8
@@ -49,10 +51,9 @@ class EarlyExitDrafterConfig(DraftVocabOption):
 
     def __post_init__(self) -> None:
         check_fields(self, "early_exit")
-        super().__post_init__()
-        check_remember(self.remember)
-        if self.num_draft < 1:
-            raise UserError(f"num-draft must be >= 1, got {self.num_draft}")
+        DraftVocabOption.__post_init__(self)
+        RememberOption.__post_init__(self)
+        check_size(self.num_draft, "num-draft")
         if self.recheck_interval < 1:
             raise UserError(f"recheck-interval must be >= 1, got {self.recheck_interval}")
         if not 0.0 <= self.confidence < 1.0:
@@ -63,23 +64,45 @@ EXIT_DEFAULT = EarlyExitDrafterConfig.exit_layer
 """The exit layer's default, which an adapter's own E replaces."""
 
 
+@dataclass
+class EarlyExitStats(DrafterStats):
+    """What the early-exit drafter reports."""
+
+    plain_steps: int = 0
+    """Plain (undrafted) steps the adaptive gate took."""
+    draft_vocab: int | None = None
+    """Size of the reduced draft vocabulary (None: the full head)."""
+    adapter_exit: int | None = None
+    """The exit adapter's E (None: no adapter)."""
+    mode: str | None = None
+    """With adaptive: the gate's mode at the end ('draft' or 'plain')."""
+    tps_plain: float | None = None
+    """With adaptive: measured tokens/s of plain steps."""
+    tps_draft: float | None = None
+    """With adaptive: measured tokens/s of draft-verify cycles."""
+
+
 class EarlyExitDrafter(Drafter):
     name = "early_exit"
     Config = EarlyExitDrafterConfig
     aliases = {"E": "exit_layer", "k": "num_draft"}
+    WARM_UP = {"remember": "off"}
 
-    def __init__(self, runner, config: EarlyExitDrafterConfig | None = None):
-        self.config = config or EarlyExitDrafterConfig()
-        self.adapter = None if self.config.adapter is None else ExitAdapter.load(
-            adapter_path(self.config.adapter, runner), runner)
-        if self.adapter is not None and self.config.exit_layer not in (EXIT_DEFAULT, self.adapter.exit_layer):
-            raise UserError(f"the adapter was trained at exit layer {self.adapter.exit_layer}; drop --exit-layer "
-                            f"{self.config.exit_layer} or give {self.adapter.exit_layer}")
-        L = runner.num_layers
-        if self.adapter is None and not 1 <= self.config.exit_layer <= L:
-            raise UserError(f"exit layer {self.config.exit_layer} is out of range: the model has {L} "
-                            f"layers, so use 1 <= --exit-layer <= {L}")
-        self.vocab = draft_head_for(runner, self.config.draft_vocab)  # (N,) ids and their head rows, or None
+    @classmethod
+    def resolve(cls, spec, runner, tokenizer=None) -> DraftInputs:
+        """The draft head and, with ``adapter``, the exit adapter (its E checked against ``exit_layer``)."""
+        config = spec.config
+        adapter = None if config.adapter is None else ExitAdapter.load(adapter_path(config.adapter, runner), runner)
+        if adapter is not None and config.exit_layer not in (EXIT_DEFAULT, adapter.exit_layer):
+            raise UserError(f"the adapter was trained at exit layer {adapter.exit_layer}; drop --exit-layer "
+                            f"{config.exit_layer} or give {adapter.exit_layer}")
+        if adapter is None:
+            check_exit_layer(config.exit_layer, runner.num_layers)
+        return DraftInputs(vocab=draft_head(spec, runner, tokenizer), adapter=adapter)
+
+    def __init__(self, runner, config: EarlyExitDrafterConfig, inputs: DraftInputs):
+        self.config = config
+        self.adapter, self.vocab = inputs.adapter, inputs.vocab  # the adapter, the draft head: None or given
         self.forward = EarlyExitForward(runner, self.config.exit_layer, self.vocab) if self.adapter is None \
             else AdapterForward(runner, self.adapter, self.vocab)
         self.gate = FallbackGate(self.config.recheck_interval, enabled=self.config.adaptive)
@@ -91,7 +114,6 @@ class EarlyExitDrafter(Drafter):
                 self.gate = FallbackGate(self.config.recheck_interval, enabled=True)
         self.forwards = self.plain_steps = 0
         self._cycle_start: float | None = None
-
     @property
     def lookahead(self) -> int:
         return self.config.num_draft + 1
@@ -128,11 +150,11 @@ class EarlyExitDrafter(Drafter):
         if self.memory is not None:
             self.memory.save({"gate": self.gate.to_dict()})
 
-    def stats(self) -> dict:
-        out = {"draft_forwards": self.forwards, "plain_steps": self.plain_steps,
-               "draft_vocab": None if self.vocab is None else self.vocab.size,
-               "adapter_exit": None if self.adapter is None else self.adapter.exit_layer,
-               "start_state": COLD if self.memory is None else self.memory.start_state}
+    def stats(self) -> EarlyExitStats:
+        stats = EarlyExitStats(self.forwards, COLD if self.memory is None else self.memory.start_state,
+                               self.plain_steps, None if self.vocab is None else self.vocab.size,
+                               None if self.adapter is None else self.adapter.exit_layer)
         if self.config.adaptive:
-            out |= {"mode": self.gate.mode, "tps_plain": self.gate.plain.value, "tps_draft": self.gate.drafting.value}
-        return out
+            stats.mode, stats.tps_plain, stats.tps_draft = self.gate.mode, self.gate.plain.value, \
+                self.gate.drafting.value
+        return stats

@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,6 +45,19 @@ def check_remember(value) -> None:
     if value not in REMEMBER:
         raise UserError(f"remember must be one of {', '.join(REMEMBER)} (read: use what earlier commands measured "
                         f"without changing it), got {value!r}")
+
+
+@dataclass
+class RememberOption:
+    """The option of every drafter that keeps what it measured across commands (its Config subclasses this)."""
+
+    remember: str = "on"
+    """With adaptive, what the gate measured, kept in the toolkit cache per model, device, dtype, threads and these
+    settings: on = start from it and save it (``finish``), read = start from it without changing it, off = start
+    cold and save nothing."""
+
+    def __post_init__(self) -> None:
+        check_remember(self.remember)
 
 
 class Rate:

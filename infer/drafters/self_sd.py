@@ -32,11 +32,12 @@ draft wrote in deeper layers is rolled back by the engine and rewritten by the v
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
-from infer.drafters.base import DecodeState, Draft, Drafter, DraftVocabOption, VerifyOutcome
-from infer.drafters.chain import PlanForward, draft_chain, draft_head_for
-from infer.plan import LayerPlan, PlanFile, check_depth, check_plan_option
+from infer.drafters.base import DecodeState, Draft, Drafter, DrafterStats, DraftInputs, DraftVocabOption, VerifyOutcome
+from infer.drafters.chain import PlanForward, check_size, draft_chain
+from infer.drafters.gate import COLD
+from infer.drafters.inputs import draft_head, given_plan, load_plan, plan_head
+from infer.plan import check_plan_option
 from infer.runner import Runner
 from layerskip_core.errors import UserError
 from layerskip_core.options import check_fields
@@ -46,10 +47,11 @@ from layerskip_core.options import check_fields
 class SelfSDConfig(DraftVocabOption):
     """Settings of the Self-SD drafter."""
 
-    plan: str | LayerPlan | None = None
+    plan: str | None = None
     """The skip plan (required): the path of a plan JSON made by `layerskip search` or `layerskip plan import` for
-    this model, or a ``LayerPlan`` object (what the search evaluates). A plan file that records its draft head
-    (`layerskip search` writes it) is drafted with that head instead of ``draft_vocab``'s."""
+    this model (from Python, a ``LayerPlan`` object may be given instead: what the search evaluates). A plan file
+    that records its draft head (`layerskip search` writes it) is drafted with that head instead of
+    ``draft_vocab``'s."""
     num_draft: int = 12
     """k: most tokens drafted per verification (Self-SD evaluates with 12)."""
     confidence: float = 0.6
@@ -72,12 +74,9 @@ class SelfSDConfig(DraftVocabOption):
     def __post_init__(self) -> None:
         check_fields(self, "self_sd")
         super().__post_init__()
-        if self.plan is None or self.plan == "":
-            raise UserError("the self_sd drafter needs a plan: --plan PLAN.json (or self_sd:plan=PLAN.json); "
-                            "make one with `layerskip search` or `layerskip plan import`")
-        check_plan_option(self.plan, "self_sd")  # before any model is loaded
-        if self.num_draft < 1:
-            raise UserError(f"num-draft must be >= 1, got {self.num_draft}")
+        if self.plan:
+            check_plan_option(self.plan, "self_sd")  # before any model is loaded
+        check_size(self.num_draft, "num-draft")
         if not 0.0 <= self.confidence < 1.0:
             raise UserError(f"confidence must be in [0, 1), got {self.confidence}")
         if not 0.0 < self.target_acceptance <= 1.0:
@@ -124,21 +123,22 @@ class AdaptiveThreshold:
         self.updates += 1
 
 
-def load_plan(path: str | Path, runner: Runner) -> PlanFile:
-    """Load a plan file and refuse it unless it was made for ``runner``'s model."""
-    plan_file = PlanFile.load(Path(path).expanduser())
-    plan_file.check_model(runner.identity(), str(path))  # the depth too
-    return plan_file
+@dataclass
+class SelfSDStats(DrafterStats):
+    """What the Self-SD drafter reports."""
 
-
-def plan_head(runner: Runner, plan_file: PlanFile):
-    """The draft head a plan file records (the one its search scored plans with): None for the full head."""
-    ids = plan_file.draft_ids
-    if ids is None:
-        return None
-    if max(ids) >= runner.spec.vocab_size:
-        raise UserError(f"the plan's draft head has token ids beyond the model's {runner.spec.vocab_size}")
-    return runner.draft_head(ids)
+    confidence: float = 0.0
+    """The adapted confidence threshold gamma at the end (rounded to 4 places)."""
+    confidence_start: float = 0.0
+    """gamma at the start of this prompt."""
+    threshold_updates: int = 0
+    """Threshold adjustments made on this prompt."""
+    skip_ratio: float = 0.0
+    """Fraction of sublayers the plan skips."""
+    exact_layers: int = 0
+    """Layers before the plan's first skip (their KV is exact and handed to verification)."""
+    draft_vocab: int | None = None
+    """Size of the reduced draft vocabulary (None: the full head)."""
 
 
 class SelfSDDrafter(Drafter):
@@ -148,17 +148,26 @@ class SelfSDDrafter(Drafter):
     Config = SelfSDConfig
     aliases = {"k": "num_draft", "gamma": "confidence"}
 
-    def __init__(self, runner: Runner, config: SelfSDConfig | None = None):
-        if config is None:
-            raise UserError("the self_sd drafter needs a plan file (make one with `layerskip search`)")
+    @classmethod
+    def check_spec(cls, spec) -> None:
+        if spec.plan is None and not spec.config.plan:
+            raise UserError("the self_sd drafter needs a plan: --plan PLAN.json (or self_sd:plan=PLAN.json); "
+                            "make one with `layerskip search` or `layerskip plan import`")
+
+    @classmethod
+    def resolve(cls, spec, runner: Runner, tokenizer=None) -> DraftInputs:
+        """The plan (a file made for this model, or an object of its depth) and the draft head: the one the plan
+        file records, else ``draft_vocab``'s."""
+        if spec.plan is not None:
+            return DraftInputs(draft_head(spec, runner, tokenizer), given_plan(spec.plan, runner))
+        plan_file = load_plan(spec.config.plan, runner)  # refused unless made for this model (its depth too)
+        head = plan_head(runner, plan_file) if plan_file.draft_head else draft_head(spec, runner, tokenizer)
+        return DraftInputs(head, plan_file.plan)
+
+    def __init__(self, runner: Runner, config: SelfSDConfig, inputs: DraftInputs):
         self.config = config
-        plan_file = None if isinstance(config.plan, LayerPlan) else load_plan(config.plan, runner)
-        plan = config.plan if plan_file is None else plan_file.plan
-        check_depth(plan, runner.num_layers)
-        self.plan = plan
-        self.vocab = plan_head(runner, plan_file) if plan_file is not None and plan_file.draft_head else \
-            draft_head_for(runner, config.draft_vocab)  # a reduced-vocabulary draft head, or None
-        self.forward = PlanForward(runner, plan, self.vocab)
+        self.plan, self.vocab = inputs.plan, inputs.vocab  # the plan, the draft head (None: the full one)
+        self.forward = PlanForward(runner, self.plan, self.vocab)
         self.threshold = AdaptiveThreshold(config)
         self.forwards = 0
 
@@ -183,10 +192,8 @@ class SelfSDDrafter(Drafter):
     def finish(self) -> None:
         """Nothing to save: the plan is fixed."""
 
-    def stats(self) -> dict:
-        return {"draft_forwards": self.forwards, "confidence": round(self.threshold.value, 4),
-                "confidence_start": round(self.threshold.start_value, 4),
-                "threshold_updates": self.threshold.updates, "skip_ratio": self.plan.skip_ratio,
-                "exact_layers": self.forward.exact_layers,
-                "draft_vocab": None if self.vocab is None else self.vocab.size}
+    def stats(self) -> SelfSDStats:
+        return SelfSDStats(self.forwards, COLD, round(self.threshold.value, 4), round(self.threshold.start_value, 4),
+                           self.threshold.updates, self.plan.skip_ratio, self.forward.exact_layers,
+                           None if self.vocab is None else self.vocab.size)
 

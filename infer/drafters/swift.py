@@ -5,36 +5,40 @@ produced: each candidate set of skipped attention/MLP sublayers is scored by one
 draft-mode forward over a window of verified context (matchness = fraction of positions where
 the draft's argmax equals the full model's token). Candidates come from random search and,
 every ``bo_interval`` steps, from Bayesian optimisation fitted to every scored candidate (optuna
-TPE when optuna is installed, random search otherwise; with ``paper=true`` the reference's
-GP-UCB, ``infer.gp_ucb``). Drafting is confidence-aware and verified as a dynamic top-k token tree.
+TPE when optuna is installed, random search otherwise). Drafting is confidence-aware and verified as a
+dynamic top-k token tree (``infer.drafters.tree``).
 
 Beyond the paper: the drafter measures its own tokens/s in drafting and in plain decoding and
 falls back to plain steps while drafting does not pay, re-checking later; optimisation time is
 capped at a fraction of decoding time (a larger share while drafting pays than while it does
 not), so ``swift`` stays close to ``autoregressive`` on models without exploitable redundancy.
 
-``paper=true`` turns all of that off and runs SWIFT as its released code does: no fallback, no
-optimisation budget (an optimisation step after every verification until a stop criterion), the
-paper's tree widths at every depth with no cap on the number of tree nodes, a GP-UCB Bayesian step
-whose continuous suggestion keeps its top-n sublayers, one global best matchness (never rescored), the
-window of each prompt's first γ+1 generated tokens scored on the prompt's KV only, the odd inner
-layers as the starting plan, and the released evaluation script's window (50) and match threshold
-(0.93) unless they are set.
+``paper=true`` runs SWIFT as its released code does instead: ``infer.drafters.swift_paper``, a subclass that
+shares this search, scoring and drafting code.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
-import torch
-
-from infer.drafters.base import DecodeState, Draft, Drafter, DraftVocabOption, VerifyOutcome
-from infer.drafters.chain import ChainResult, PlanForward, draft_chain, draft_head_for
-from infer.drafters.gate import COLD, FallbackGate, GateMemory, Rate, check_remember
+from infer.drafters.base import (
+    NO_INPUTS,
+    DecodeState,
+    Draft,
+    Drafter,
+    DrafterStats,
+    DraftInputs,
+    DraftVocabOption,
+    VerifyOutcome,
+)
+from infer.drafters.chain import PlanForward, check_size, draft_chain
+from infer.drafters.gate import COLD, FallbackGate, GateMemory, Rate, RememberOption
+from infer.drafters.inputs import draft_head, given_plan
 from infer.drafters.skipping import matchness_span
 from infer.drafters.swift_search import LayerSetSearch
-from infer.kv_cache import ints_to_device
+from infer.drafters.tree import chain_tree
 from infer.plan import (
     LayerPlan,
     PlanFile,
@@ -42,16 +46,12 @@ from infer.plan import (
     cycle_speedup,
     head_record,
     iid_tokens_per_cycle,
-    odd_inner_plan,
     plan_for,
     weights_cost,
 )
 from layerskip_core.errors import UserError
 from layerskip_core.options import check_fields
 
-GREEDY_WIDTHS = (3, 5, 8, 10)  # candidates per depth for top-1 prob > 0.95, > 0.8, > 0.5, else (paper)
-SAMPLING_WIDTHS = (1, 3, 5, 10)
-WIDTH_THRESHOLDS = (0.95, 0.8, 0.5)
 DEFAULT_WINDOW = 32  # inference_swift.py's --context-window default
 DEFAULT_MATCH = 0.95  # inference_swift.py's --max-score default
 SCRIPT_WINDOW = 50  # what eval_llama.sh, the released evaluation script, passes (paper=true)
@@ -59,7 +59,7 @@ SCRIPT_MATCH = 0.93
 
 
 @dataclass
-class SwiftConfig(DraftVocabOption):
+class SwiftConfig(DraftVocabOption, RememberOption):
     """Settings of the SWIFT drafter (paper defaults where the paper has one)."""
 
     skip_ratio: float = 0.45
@@ -83,7 +83,7 @@ class SwiftConfig(DraftVocabOption):
     tree: bool = True
     """Verify a dynamic top-k tree (candidates per depth from the draft's confidence); off = chain only."""
     max_tree_nodes: int = 12
-    """Cap on drafted tree nodes: on CPU, verifying T tokens costs ~2-3x one step at T = 4-16 (docs/RESULTS.md)."""
+    """Cap on drafted tree nodes (verifying more tokens in one forward costs more: docs/RESULTS.md measures it)."""
     opt_budget: float = 0.25
     """Most fraction of wall time spent optimising while drafting pays off (or is still being assessed)."""
     adaptive: bool = True
@@ -95,9 +95,9 @@ class SwiftConfig(DraftVocabOption):
     recheck_interval: int = 128
     """In fallback, probe drafting again after this many plain steps (doubling after each failed probe), if the
     cost model does not rule it out; sooner when a better plan is predicted to pay."""
-    plan: str | LayerPlan | None = None
-    """Initial plan: a plan file (a self_sd or swift plan JSON) or a ``LayerPlan`` for this model; default: a uniform
-    plan at skip_ratio."""
+    plan: str | None = None
+    """Initial plan: a plan file (a self_sd or swift plan JSON) for this model (from Python, a ``LayerPlan`` object
+    may be given instead); default: a uniform plan at skip_ratio."""
     save_plan: str | None = None
     """Write the best plan found to this JSON file (self_sd-compatible) when decoding is finished."""
     opt_seed: int = 0
@@ -116,8 +116,10 @@ class SwiftConfig(DraftVocabOption):
 
     def __post_init__(self) -> None:
         check_fields(self, "swift")
-        super().__post_init__()
-        check_remember(self.remember)
+        DraftVocabOption.__post_init__(self)
+        RememberOption.__post_init__(self)
+        check_size(self.num_draft, "num-draft")
+        check_size(self.max_tree_nodes, "max-tree-nodes")
         if self.plan:
             check_plan_option(self.plan, "swift")  # before any model is loaded
         if self.context_window is None:
@@ -131,7 +133,6 @@ class SwiftConfig(DraftVocabOption):
             (self.max_opt_steps >= 0 and self.patience >= 1, "max-opt-steps must be >= 0 and patience >= 1"),
             (0.0 < self.match_threshold <= 1.0, f"match-threshold must be in (0, 1], got {self.match_threshold}"),
             (0.0 <= self.confidence < 1.0, f"confidence must be in [0, 1), got {self.confidence}"),
-            (self.num_draft >= 1 and self.max_tree_nodes >= 1, "num-draft and max-tree-nodes must be >= 1"),
             (0.0 <= self.fallback_opt_budget <= self.opt_budget < 1.0,
              "need 0 <= fallback-opt-budget <= opt-budget < 1"),
             (self.recheck_interval >= 1, "recheck-interval must be >= 1"),
@@ -141,11 +142,54 @@ class SwiftConfig(DraftVocabOption):
                 raise UserError(message)
 
 
+@dataclass
+class SwiftStats(DrafterStats):
+    """What the SWIFT drafter reports (per prompt, except where it says the drafter's whole life)."""
+
+    opt_time: float = 0.0
+    """Seconds spent optimising on this prompt."""
+    opt_steps: int = 0
+    """Candidates scored on this prompt."""
+    plain_steps: int = 0
+    """Plain (undrafted) steps the fallback gate took."""
+    best_matchness: float = -1.0
+    """Matchness of the best plan (< 0: not scored yet)."""
+    skip_ratio: float = 0.0
+    """Fraction of sublayers the best plan skips."""
+    plan: str = ""
+    """The best plan, described."""
+    mode: str = "draft"
+    """The gate's mode at the end ('draft' or 'plain')."""
+    optimising: bool = False
+    """Whether the optimiser is still running."""
+    stop_reason: str = ""
+    """Why optimisation stopped ('' while it runs)."""
+    tps_plain: float = 0.0
+    """Measured tokens/s of plain steps."""
+    tps_draft: float = 0.0
+    """Measured tokens/s of draft-verify cycles."""
+    predicted_speedup: float | None = None
+    """The cost model's speed-up of drafting with the best plan (None: no plan scored)."""
+    opt_step_time: float | None = None
+    """Seconds per scored candidate (None: none scored)."""
+    bayes: str = ""
+    """What proposes candidates ('tpe', 'gp_ucb', or 'random' and why)."""
+    window: tuple[int, int] | None = None
+    """[start, end) of the verified tokens candidates are scored on (None: not enough tokens yet)."""
+    draft_vocab: int | None = None
+    """Size of the reduced draft vocabulary (None: the full head)."""
+    hopeless: bool = False
+    """What was restored says no plan pays: optimisation gets the smallest budget."""
+    matchness_trajectory: list[tuple[int, float]] = field(default_factory=list)
+    """(optimisation step, best matchness) after each step on this prompt."""
+
+
 # --------------------------------------------------------------------------- the drafter
 class SwiftDrafter(Drafter):
     name = "swift"
     Config = SwiftConfig
     aliases = {"r": "skip_ratio", "k": "num_draft", "beta": "bo_interval"}
+    WARM_UP = {"remember": "off", "save_plan": None}
 
     PROBE = FallbackGate.PROBE  # drafting cycles measured before drafting is judged
     REPROBE_GAIN = 0.05  # matchness gain since the last probe that triggers an early re-check
@@ -153,26 +197,38 @@ class SwiftDrafter(Drafter):
     """Most fraction of its time a drafter spends optimising while plain when what it restored says no plan pays
     (the remembered best plan's predicted speed-up below 1, from the remembered draft and verify costs)."""
 
-    def __init__(self, runner, config: SwiftConfig | None = None):
-        self.config = cfg = config or SwiftConfig()
+    bayes: ClassVar[str] = "tpe"
+    """What proposes the Bayesian candidates (``infer.drafters.swift_search.BAYES``)."""
+    strict_stop: ClassVar[bool] = False
+    """Stop criteria compare with > rather than >=."""
+
+    @classmethod
+    def variant(cls, config: SwiftConfig) -> type[Drafter]:
+        from infer.drafters.swift_paper import SwiftPaperDrafter  # the subclass imports this module
+
+        return SwiftPaperDrafter if config.paper else cls
+
+    @classmethod
+    def resolve(cls, spec, runner, tokenizer=None) -> DraftInputs:
+        """The draft head and the starting plan, if one was given (a file made for this model, or an object)."""
+        plan = spec.plan if spec.plan is None else given_plan(spec.plan, runner)
+        if plan is None and spec.config.plan:
+            plan = plan_for(spec.config.plan, runner.identity())
+        return DraftInputs(draft_head(spec, runner, tokenizer), plan)
+
+    def __init__(self, runner, config: SwiftConfig, inputs: DraftInputs = NO_INPUTS):
+        self.config = cfg = config
         self.runner = runner
-        # a reduced-vocabulary draft head, or None; the references all draft with the full head
-        self.draft_vocab = None if cfg.paper else cfg.draft_vocab
-        self.vocab = draft_head_for(runner, self.draft_vocab)
+        self.vocab = inputs.vocab  # a reduced-vocabulary draft head, or None
         if runner.num_layers < 3:
             raise UserError("swift needs a model with at least 3 layers (the first and last always run)")
-        self.search = LayerSetSearch(runner.num_layers, cfg.skip_ratio, cfg.bo_interval, cfg.opt_seed,
-                                     bayes="gp_ucb" if cfg.paper else "tpe")
-        # the reference starts from the odd inner layers (whatever the skip ratio); ours from a uniform plan
-        self.best = odd_inner_plan(runner.num_layers) if cfg.paper else self.search.uniform_plan()
-        if cfg.plan:
-            self.best = plan_for(cfg.plan, runner.identity())
+        self.search = LayerSetSearch(runner.num_layers, cfg.skip_ratio, cfg.bo_interval, cfg.opt_seed, self.bayes)
+        self.plan_given = inputs.plan is not None
+        self.best = inputs.plan if self.plan_given else self.start_plan()
         self.best_score = -1.0  # best matchness found; < 0 = not scored yet
-        # the reference optimises at least once (it checks its step limit after a step) and not with a cached plan
-        self.stop_reason = "plan given (paper: no optimisation)" if cfg.paper and cfg.plan else ""
-        self.optimising = not self.stop_reason and (cfg.max_opt_steps > 0 or cfg.paper)
+        self.stop_reason = self.initial_stop()
+        self.optimising = not self.stop_reason
         self._forward: PlanForward | None = None
-        self.fallback = cfg.adaptive and not cfg.paper
         self.gate = FallbackGate(cfg.recheck_interval, enabled=self.fallback)
         self.draft_forward, self.verify = Rate(), Rate()  # forwards per second, verifications per second
         self.score_at_probe = -1.0
@@ -186,6 +242,19 @@ class SwiftDrafter(Drafter):
         self.memory = GateMemory.for_drafter(runner, self.name, cfg) if self.fallback else None
         if self.memory is not None:
             self._restore(self.memory.load() or {})
+
+    @property
+    def fallback(self) -> bool:
+        """Whether the gate may fall back to plain steps (``adaptive``)."""
+        return self.config.adaptive
+
+    def start_plan(self) -> LayerPlan:
+        """The plan drafting starts from when none was given: a uniform one at ``skip_ratio``."""
+        return self.search.uniform_plan()
+
+    def initial_stop(self) -> str:
+        """Why no optimisation runs at all ('' when it does): ``max_opt_steps`` 0."""
+        return "" if self.config.max_opt_steps > 0 else "max-opt-steps 0"
 
     # -------------------------------------------------------------- protocol
     @property
@@ -213,9 +282,8 @@ class SwiftDrafter(Drafter):
 
     @property
     def tree_nodes(self) -> int:
-        """Most drafted tree nodes per verification (paper mode: a full tree of the widest width)."""
-        cfg = self.config
-        return cfg.num_draft * max(GREEDY_WIDTHS + SAMPLING_WIDTHS) if cfg.paper else cfg.max_tree_nodes
+        """Most drafted tree nodes per verification."""
+        return self.config.max_tree_nodes
 
     def start(self, state: DecodeState) -> None:
         self.window: tuple[int, int] | None = None
@@ -234,7 +302,7 @@ class SwiftDrafter(Drafter):
             return None
         self._draft_seconds = time.perf_counter() - self._cycle_start
         self.draft_forward.add(chain.forwards, self._draft_seconds)
-        return self._tree(chain, state) if self.config.tree else chain.draft
+        return chain_tree(chain, state, self.tree_nodes) if self.config.tree else chain.draft
 
     def update(self, state: DecodeState, outcome: VerifyOutcome) -> None:
         if self._cycle_start is not None:
@@ -272,7 +340,7 @@ class SwiftDrafter(Drafter):
                 self.verify.load(saved["verify"])
             if "opt_step" in saved:
                 self.opt_step.load(saved["opt_step"])
-            if "plan" in saved and not self.config.plan:  # an explicit --plan wins over what was remembered
+            if "plan" in saved and not self.plan_given:  # an explicit --plan wins over what was remembered
                 L = self.runner.num_layers
                 plan = LayerPlan(L, frozenset(saved["plan"]["attn"]), frozenset(saved["plan"]["mlp"]))
                 if all(0 <= i < L for i in plan.skip_attn | plan.skip_mlp):
@@ -282,57 +350,13 @@ class SwiftDrafter(Drafter):
         except (KeyError, TypeError, ValueError):
             self.gate = FallbackGate(self.config.recheck_interval, enabled=self.fallback)
 
-    def stats(self) -> dict:
-        return {"draft_forwards": self.forwards, "opt_time": self.opt_time, "opt_steps": self.opt_steps,
-                "plain_steps": self.plain_steps, "best_matchness": self.best_score, "skip_ratio": self.best.skip_ratio,
-                "plan": self.best.describe(), "mode": self.mode, "optimising": self.optimising,
-                "stop_reason": self.stop_reason, "tps_plain": self.plain.value, "tps_draft": self.drafting.value,
-                "predicted_speedup": self.predicted_speedup(self.best_score),
-                "opt_step_time": self.opt_step.seconds if self.opt_step.cycles else None,
-                "bayes": self.search.method, "window": self.window,
-                "draft_vocab": None if self.vocab is None else self.vocab.size,
-                "start_state": COLD if self.memory is None else self.memory.start_state, "hopeless": self.hopeless,
-                "matchness_trajectory": self.trajectory[self._traj_mark:]}
-
-    # -------------------------------------------------------------- tree building
-    def _tree(self, chain: ChainResult, state: DecodeState) -> Draft:
-        """Chain nodes first (positions 1..m), then siblings of each chain node, shallow depths first.
-
-        Candidates for every depth are chosen on the device at once and read in one transfer (with the
-        chain's confidences when the chain did not read them): one host sync per tree, not several per depth.
-        """
-        draft = chain.draft
-        m = draft.size
-        room = self.tree_nodes - m
-        if m == 0 or room <= 0:
-            return draft
-        greedy = state.sampling.greedy
-        widths = GREEDY_WIDTHS if greedy else SAMPLING_WIDTHS
-        dists = torch.cat(chain.dists[:m])  # (m, V)
-        n_max = min(max(widths) - 1, room, dists.shape[1] - 1)
-        candidates = _candidates(dists, draft.tokens, n_max, greedy, state.generator)  # (m, n_max), -1 = none
-        if len(chain.confidence) >= m:
-            rows, conf = candidates.tolist(), chain.confidence[:m]  # the tree's one sync
-        else:  # the chain read nothing: its confidences come along in the same transfer
-            p1 = dists.gather(-1, draft.tokens[:, None])  # (m, 1)
-            host = torch.cat([candidates.double(), p1.double()], 1).tolist()  # the tree's one sync
-            rows, conf = [[int(c) for c in r[:-1]] for r in host], [r[-1] for r in host]
-        extra_tok, extra_parent = [], []
-        for depth in range(m):
-            width = next((w for t, w in zip(WIDTH_THRESHOLDS, widths, strict=False) if conf[depth] > t), widths[-1])
-            siblings = [c for c in rows[depth] if c >= 0][:min(width - 1, room)]
-            room -= len(siblings)
-            extra_tok += siblings
-            extra_parent += [depth] * len(siblings)  # depth d's siblings hang off chain position d
-            if room <= 0:
-                break
-        if not extra_tok:
-            return draft
-        tokens = torch.cat([draft.tokens, ints_to_device(extra_tok, draft.tokens.device)])  # pinned copy: no sync
-        # a sibling was drawn from the same distribution as the chain node at its depth
-        q = None if draft.q is None else draft.q.index_select(0, ints_to_device(list(range(m)) + extra_parent,
-                                                                                 draft.q.device))
-        return Draft(tokens, list(range(m)) + extra_parent, q, draft.exact_layers, draft.hidden)
+    def stats(self) -> SwiftStats:
+        return SwiftStats(
+            self.forwards, COLD if self.memory is None else self.memory.start_state, self.opt_time, self.opt_steps,
+            self.plain_steps, self.best_score, self.best.skip_ratio, self.best.describe(), self.mode, self.optimising,
+            self.stop_reason, self.plain.value, self.drafting.value, self.predicted_speedup(self.best_score),
+            self.opt_step.seconds if self.opt_step.cycles else None, self.search.method, self.window,
+            None if self.vocab is None else self.vocab.size, self.hopeless, self.trajectory[self._traj_mark:])
 
     # -------------------------------------------------------------- optimisation
     def within_budget(self) -> bool:
@@ -346,8 +370,6 @@ class SwiftDrafter(Drafter):
         new (the incumbent is rescored too), so a step the prompt's own decoding cannot pay for is not taken up
         front, while a long prompt or a stream still earns steps (whose better plan can bring an early probe).
         """
-        if self.config.paper:
-            return True
         step = (self.opt_step.seconds if self.opt_step.cycles else 0.0) * (2 if self.window is None else 1)
         share = self.config.opt_budget if self.mode == "draft" else self.config.fallback_opt_budget
         if self.hopeless and self.mode == "plain":
@@ -360,23 +382,19 @@ class SwiftDrafter(Drafter):
         return self.window is not None or state.n - state.prompt_len >= self.config.context_window
 
     def _optimise_step(self, state: DecodeState) -> int:
-        """Score one candidate on this prompt's window (the incumbent too when the window is new, outside paper
-        mode); returns the number of plans scored."""
+        """Score one candidate on this prompt's window (the incumbent too when the window is new: ``rescore``);
+        returns the number of plans scored."""
         scored = 0
         if self.window is None:
             if not self._window_ready(state):
                 return 0  # context accumulation: draft with the current plan until γ verified tokens exist
-            self.window = self._new_window(state)
-            if not self.config.paper:
-                # the window changed: rescore the incumbent on it so comparisons are like for like
-                self.best_score = matchness_span(state, [self.best], *self.window, vocab=self.vocab)[0]
-                scored += 1
+            self.window = self.new_window(state)
+            scored += self.rescore(state)
         plan, proposal = self.search.propose()
         score = matchness_span(state, [plan], *self.window, vocab=self.vocab)[0]
         self.search.record(plan, proposal, score)
         self.opt_steps += 1
-        # paper mode keeps the reference's one global best score, which starts at 0 and is never rescored
-        if score > (max(self.best_score, 0.0) if self.config.paper else self.best_score):
+        if score > self.to_beat():
             self.best, self.best_score = plan, score
             self.search.since_improved = 0
         else:
@@ -385,23 +403,25 @@ class SwiftDrafter(Drafter):
         self.check_stop()
         return scored + 1
 
-    def _new_window(self, state: DecodeState) -> tuple[int, int]:
-        """[start, end): the tokens re-run to score a plan (each predicts the next verified token).
+    def rescore(self, state: DecodeState) -> int:
+        """The window changed: rescore the incumbent on it, so comparisons are like for like (plans scored)."""
+        self.best_score = matchness_span(state, [self.best], *self.window, vocab=self.vocab)[0]
+        return 1
 
-        Ours: the latest γ verified tokens. Paper mode: the prompt's first γ+1 generated tokens (the
-        first γ re-run, each predicting the next), whose draft-mode rows see only the prompt's KV, as the
-        reference's ``swift_optimization`` scores them on a copy of the prompt's prefilled cache.
-        """
-        gamma = self.config.context_window
-        if self.config.paper:
-            return state.prompt_len, state.prompt_len + gamma
-        return state.n - gamma, state.n
+    def to_beat(self) -> float:
+        """The score a candidate must exceed to become the best plan."""
+        return self.best_score
+
+    def new_window(self, state: DecodeState) -> tuple[int, int]:
+        """[start, end): the tokens re-run to score a plan (each predicts the next verified token): the latest γ
+        verified tokens."""
+        return state.n - self.config.context_window, state.n
 
     def check_stop(self) -> None:
-        """The stop criteria; paper mode compares strictly, as the reference does (score > threshold, more than
-        patience steps without improvement, more than max-opt-steps steps)."""
+        """The stop criteria: the best matchness reaches the threshold, patience or max-opt-steps is used up
+        (``strict_stop``: exceeds, more than)."""
         cfg = self.config
-        strict = cfg.paper
+        strict = self.strict_stop
         over = (lambda value, limit: value > limit) if strict else (lambda value, limit: value >= limit)
         if over(self.best_score, cfg.match_threshold):
             self.stop_reason = f"matchness {self.best_score:.2f} {'>' if strict else '>='} {cfg.match_threshold}"
@@ -476,21 +496,3 @@ class SwiftDrafter(Drafter):
         self.opt_steps = 0
         self.plain_steps = 0
         self._traj_mark = len(self.trajectory)
-
-
-def _candidates(dists: torch.Tensor, chosen: torch.Tensor, n: int, greedy: bool, generator) -> torch.Tensor:
-    """(m, n) more candidates per depth besides ``chosen`` (m,), in order, -1 where a depth has fewer.
-
-    Greedy: the next most likely tokens of each row of ``dists`` (m, V). Sampling: an ordered draw without
-    replacement from each row with the chosen token removed, by the Gumbel-top-k trick (top-n of
-    log p + Gumbel noise is distributed as n sequential draws without replacement), so all depths are
-    drawn at once.
-    """
-    rest = dists.scatter(1, chosen[:, None], 0.0)  # (m, V)
-    if greedy:
-        values, index = torch.topk(rest, n, dim=-1)  # (m, n)
-        return torch.where(values > 0, index, -1)
-    u = torch.rand(rest.shape, generator=generator, device=rest.device).clamp_min(1e-20)  # (m, V)
-    keys = rest.log() - (-u.log()).log()  # (m, V): -inf where rest is 0
-    values, index = torch.topk(keys, n, dim=-1)  # (m, n)
-    return torch.where(values > float("-inf"), index, -1)

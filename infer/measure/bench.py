@@ -131,7 +131,7 @@ def model_labels(models: list[str]) -> list[str]:
 def check_methods(cfg: BenchConfig, model: LoadedModel, label: str, source: str) -> None:
     """Build every drafter of ``cfg`` for ``model`` (options, plan files checked against this model, exit layers)
     without running it, so that a bad spec is refused before anything is timed."""
-    check_layers(cfg.methods, model.runner.num_layers, source)
+    check_layers(cfg.methods, model.runner.num_layers)
     for method in cfg.methods:
         if not method.is_peer:
             try:
@@ -146,16 +146,10 @@ def _engine_for(method: Method, model: LoadedModel, label: str, start: str, warm
     A drafter that remembers state across commands starts as ``start`` says ('cold': remember=off; 'warm':
     remember=read) unless the method sets remember itself; a warm-up drafter never reads or writes remembered
     state nor its save_plan file."""
-    from infer.drafters import drafter_class
-
-    options = {k: v.replace("{model}", label) for k, v in method.opts.items()}
-    if "remember" in {f.name for f in dataclasses.fields(drafter_class(method.name).Config)}:
-        options.setdefault("remember", "off" if start == "cold" else "read")
-        if warm_up:
-            options["remember"] = "off"
+    spec = method.spec_for(label).remembering("off" if start == "cold" else "read")
     if warm_up:
-        options.pop("save_plan", None)
-    return model.engine(method.name, options)
+        spec = spec.for_warm_up()
+    return model.engine(spec.drafter, spec)
 
 
 def _run_task(cfg: BenchConfig, model: LoadedModel, peer: Peer | None, label: str, task: str,
@@ -166,7 +160,7 @@ def _run_task(cfg: BenchConfig, model: LoadedModel, peer: Peer | None, label: st
         _warmup(cfg, model, peer, [p.ids for p in prompts], label)
     reference: dict[str, list[int]] = {}
     # Judged with the reference's (full model's) settings; the logit spread is measured on first need.
-    judge = DivergenceJudge(model.runner, cfg.generation(Method(BASELINE, BASELINE)))
+    judge = DivergenceJudge(model.runner, cfg.generation())
     records = []
     bar = tqdm(total=cfg.repeats * len(prompts) * len(cfg.methods), desc=f"{label}/{task}", disable=not progress,
                leave=False)
@@ -183,7 +177,7 @@ def _run_task(cfg: BenchConfig, model: LoadedModel, peer: Peer | None, label: st
                     result, verified = timed_generate(engines[method.label], prompt.ids, configs[method.label])
                     tokens, stats = result.tokens, result.stats
                 rec = Record(model=label, task=task, method=method.label, prompt_id=prompt.id, repeat=repeat,
-                             stats=stats, start_state=str(stats.drafter.get("start_state", "cold")))
+                             stats=stats, start_state=stats.drafter.start_state)
                 if method.label == BASELINE and repeat == 0:
                     reference[prompt.id] = tokens
                 if repeat == 0:

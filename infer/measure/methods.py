@@ -10,9 +10,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from layerskip_core.errors import UserError
+from layerskip_core.layers import check_exit_layer
 from layerskip_core.settings import Resolved
 
 if TYPE_CHECKING:
+    from infer.drafters.spec import Spec
     from infer.sampling import SamplingConfig
 
 PEERS = ("hf_generate", "hf_static", "hf_early_exit", "prompt_lookup")
@@ -20,45 +22,75 @@ PEER_OPTIONS = {"hf_early_exit": ("E", "k"), "prompt_lookup": ("k",)}
 BASELINE = "autoregressive"
 STARTS = ("cold", "warm")
 """``BenchConfig.start``: timed drafters start with nothing remembered, or from the toolkit cache read-only."""
+MODEL = "{model}"
+"""In a drafter option, the label of the model it runs on (per-model plan files)."""
+
+
+@dataclass(frozen=True)
+class PeerSpec:
+    """A `transformers` peer as written (``hf_early_exit:E=8:k=5``)."""
+
+    name: str
+    """One of ``PEERS``."""
+    exit_layer: int | None = None
+    """E of ``hf_early_exit`` (its assistant's exit layer)."""
+    num_draft: int | None = None
+    """k: the assistant's or prompt lookup's tokens per step (None: the peer's default)."""
 
 
 @dataclass(frozen=True)
 class Method:
-    """One thing to time: one of our drafters, or a `transformers` peer."""
+    """One thing to time: its label (as written) and its spec, one of our drafters' or a `transformers` peer's."""
 
     label: str
     """Display name, e.g. 'early_exit:E=8:k=6' or 'hf_early_exit:E=8'."""
-    name: str
-    """Drafter name or peer name."""
-    options: tuple[tuple[str, str], ...] = ()
-    """Drafter/peer options as (key, value) strings."""
-    target_exit: int | None = None
-    """Lossy early exit of plain decoding (``autoregressive:target_exit=E``): the generation's target exit."""
+    spec: Spec | PeerSpec | None
+    """What runs; None for a drafter spec whose options name '{model}': made per model by ``spec_for``."""
 
     @property
     def is_peer(self) -> bool:
-        return self.name in PEERS
+        return isinstance(self.spec, PeerSpec)
 
     @property
-    def opts(self) -> dict[str, str]:
-        return dict(self.options)
+    def name(self) -> str:
+        """Drafter name or peer name."""
+        return self.label.partition(":")[0] if self.spec is None else \
+            self.spec.name if self.is_peer else self.spec.drafter
+
+    @property
+    def target_exit(self) -> int | None:
+        """Lossy early exit of plain decoding (``autoregressive:target_exit=E``): the generation's target exit."""
+        from infer.drafters import split_spec
+
+        if self.spec is None:
+            return split_spec(self.label)[2]
+        return None if self.is_peer else self.spec.target_exit
+
+    def spec_for(self, model: str) -> Spec:
+        """The drafter spec on the model labelled ``model``."""
+        from infer.drafters import parse_spec
+
+        return self.spec if self.spec is not None else parse_spec(self.label.replace(MODEL, model))
 
 
 def parse_methods(drafters: str, peers: str | None) -> list[Method]:
     """Parse '--drafters' and '--peers' lists; the autoregressive baseline is always included."""
-    from infer.drafters import parse_spec
+    from infer.drafters import parse_spec, split_spec
 
     methods: list[Method] = []
     if any(not s.strip() for s in drafters.split(",")) and drafters.strip():
         raise UserError(f"--drafters {drafters!r} has an empty entry; give comma-separated drafter specs such as "
                         "autoregressive,early_exit:E=8:k=6")
-    for spec in [s for s in drafters.split(",") if s.strip()]:
-        parsed = parse_spec(spec, validate="{model}" not in spec)  # per-model values are checked at load
-        methods.append(Method(spec.strip(), parsed.drafter, tuple(parsed.options.items()), parsed.target_exit))
+    for text in [s.strip() for s in drafters.split(",") if s.strip()]:
+        if MODEL in text:  # per-model values are checked at load
+            split_spec(text)
+            methods.append(Method(text, None))
+        else:
+            methods.append(Method(text, parse_spec(text)))
     # The baseline runs first on every prompt: the others are judged against its output right away.
-    methods = [Method(BASELINE, BASELINE)] + [m for m in methods
-                                               if not (m.name == BASELINE and not m.options and m.target_exit is None)]
-    exits = sorted({int(m.opts.get("E", m.opts.get("exit_layer", 0))) for m in methods if m.name == "early_exit"})
+    baseline = Method(BASELINE, parse_spec(BASELINE))
+    methods = [baseline] + [m for m in methods if m.spec != baseline.spec]
+    exits = sorted({m.spec.config.exit_layer for m in methods if _early_exit(m)})
     peer_specs = "hf_generate,prompt_lookup" + "".join(f",hf_early_exit:E={e}" for e in exits) if peers is None \
         else peers
     if any(not s.strip() for s in peer_specs.split(",")) and peer_specs.strip():
@@ -69,6 +101,14 @@ def parse_methods(drafters: str, peers: str | None) -> list[Method]:
     if len(set(labels)) != len(labels):
         raise UserError(f"a method is listed twice: {labels}")
     return methods
+
+
+def _early_exit(method: Method) -> bool:
+    """An early-exit drafter without an adapter (whose E the adapter decides)."""
+    from infer.drafters.early_exit import EarlyExitDrafterConfig
+
+    config = None if method.is_peer or method.spec is None else method.spec.config
+    return isinstance(config, EarlyExitDrafterConfig) and config.adapter is None
 
 
 def parse_peer(spec: str) -> Method:
@@ -83,34 +123,35 @@ def parse_peer(spec: str) -> Method:
             allowed = ", ".join(PEER_OPTIONS.get(name, ())) or "none"
             raise UserError(f"peer spec {spec!r}: bad option {part!r} (options of {name}: {allowed})")
         try:
-            if int(value) < 1:
+            opts[key] = int(value)
+            if opts[key] < 1:
                 raise ValueError(value)
         except ValueError:
             raise UserError(f"peer spec {spec!r}: {key}={value!r}: expected an integer >= 1") from None
-        opts[key] = value
     if name == "hf_early_exit" and "E" not in opts:
         raise UserError("hf_early_exit needs an exit layer: hf_early_exit:E=8")
-    return Method(spec.strip(), name, tuple(opts.items()))
+    return Method(spec.strip(), PeerSpec(name, opts.get("E"), opts.get("k")))
 
 
-def check_layers(methods: list[Method], num_layers: int, model: str) -> None:
-    """Refuse an exit layer beyond the model (peers too), before anything is timed."""
+def check_layers(methods: list[Method], num_layers: int) -> None:
+    """Refuse a peer's exit layer beyond the model, before anything is timed (a drafter's is checked when its spec
+    is resolved)."""
     for m in methods:
-        E = m.opts.get("E", m.opts.get("exit_layer"))
-        if m.is_peer and E is not None and not 1 <= int(E) <= num_layers:
-            raise UserError(f"{m.label}: exit layer {E} is out of range: {model} has {num_layers} layers, so use "
-                            f"1 <= E <= {num_layers}")
+        if m.is_peer and m.spec.exit_layer is not None:
+            check_exit_layer(m.spec.exit_layer, num_layers, f"{m.label}: exit layer")
 
 
 def sweep_methods(exits: list[int], ks: list[int], vocabs: list[int] | None = None) -> list[Method]:
     """The LayerSkip E x k grid of early-exit drafters, times draft-vocabulary sizes N (0 = the full head; none given:
     the drafters' default)."""
+    from infer.drafters import drafter_spec
+
     methods = []
     for n in vocabs or [None]:
         value = None if n is None else str(n) if n else "off"
-        extra = (("draft_vocab", value),) if value else ()
         tail = f":draft_vocab={value}" if value else ""
-        methods += [Method(f"early_exit:E={e}:k={k}{tail}", "early_exit", (("E", str(e)), ("k", str(k))) + extra)
+        methods += [Method(f"early_exit:E={e}:k={k}{tail}",
+                           drafter_spec("early_exit", {"exit_layer": e, "num_draft": k, "draft_vocab": value}))
                     for e in exits for k in ks]
     return methods
 
@@ -161,10 +202,12 @@ class BenchConfig:
 
             self.sampling = SamplingConfig()
 
-    def generation(self, method: Method):
-        """The GenerationConfig of ``method`` (its lossy ``target_exit``, if any, on top of the shared settings)."""
+    def generation(self, method: Method | None = None):
+        """The GenerationConfig of ``method`` (its lossy ``target_exit``, if any, on top of the shared settings; None:
+        the full model's, the reference's)."""
         from infer.engine import GenerationConfig
 
+        target = None if method is None else method.target_exit
         return GenerationConfig(max_new_tokens=self.max_new_tokens, sampling=self.sampling,
-                                stop_at_eos=self.stop_at_eos, target_exit=method.target_exit)
+                                stop_at_eos=self.stop_at_eos, target_exit=target)
 

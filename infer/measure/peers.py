@@ -31,10 +31,10 @@ class Peer:
 
         kwargs: dict = {}
         if method.name == "hf_early_exit":
-            kwargs["assistant_early_exit"] = int(method.opts["E"])
-            kwargs["num_assistant_tokens"] = int(method.opts.get("k", 5))
+            kwargs["assistant_early_exit"] = method.spec.exit_layer
+            kwargs["num_assistant_tokens"] = method.spec.num_draft or 5
         elif method.name == "prompt_lookup":
-            kwargs["prompt_lookup_num_tokens"] = int(method.opts.get("k", 10))
+            kwargs["prompt_lookup_num_tokens"] = method.spec.num_draft or 10
         elif method.name == "hf_static":  # a fixed-size cache; on CUDA generate() compiles the forward
             kwargs["cache_implementation"] = "static"
         s = cfg.sampling

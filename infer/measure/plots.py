@@ -161,11 +161,13 @@ def acceptance_by_exit(rows, path: Path) -> Path | None:
 
 
 def matchness_over_time(records, path: Path) -> Path | None:
-    """SWIFT's best-plan matchness along each stream (drafter stats carry 'matchness_trajectory')."""
+    """SWIFT's best-plan matchness along each stream (its drafter stats carry ``matchness_trajectory``)."""
+    from infer.drafters.swift import SwiftStats  # torch-heavy: this module is imported by torch-free commands
+
     series = defaultdict(list)
     for r in records:
-        if r.repeat == 0 and r.stats.drafter.get("matchness_trajectory"):
-            series[f"{r.model} · {r.task} · {r.method}"].extend(r.stats.drafter["matchness_trajectory"])
+        if r.repeat == 0 and isinstance(r.stats.drafter, SwiftStats) and r.stats.drafter.matchness_trajectory:
+            series[f"{r.model} · {r.task} · {r.method}"].extend(r.stats.drafter.matchness_trajectory)
     return plot_matchness(series, path, "SWIFT layer-set optimisation")
 
 

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from infer.drafters.swift import SwiftStats
 from infer.engine import tokens_per_verify
 from infer.measure.methods import BASELINE, PEERS
 from infer.measure.provenance import machine_info
@@ -97,9 +98,9 @@ def _step_time(recs: list[Record]) -> float | None:
     return sum(r.stats.verify_time for r in recs) / calls if calls else None
 
 
-def _drafter_total(recs: list[Record], key: str) -> float:
-    """Sum of a drafter-reported counter (e.g. 'opt_time', 'draft_forwards') over ``recs``."""
-    return sum(float(r.stats.drafter.get(key, 0)) for r in recs)
+def _opt_time(recs: list[Record]) -> float:
+    """Seconds SWIFT spent optimising over ``recs`` (0 for other drafters)."""
+    return sum(r.stats.drafter.opt_time for r in recs if isinstance(r.stats.drafter, SwiftStats))
 
 
 def _summarize_group(model: str, task: str, method: str, recs: list[Record]) -> Summary:
@@ -125,7 +126,7 @@ def _summarize_group(model: str, task: str, method: str, recs: list[Record]) -> 
         acceptance_rate=sum(r.stats.accepted for r in recs) / drafted if drafted else None,
         tokens_per_verify=tokens_per_verify([r.stats for r in recs]) if ours else None,
         mean_draft_forwards=None, draft_cost_ratio=None, verify_cost_ratio=None, expected_speedup=None,
-        opt_time_share=(_drafter_total(recs, "opt_time") / wall) if ours and wall else None,
+        opt_time_share=(_opt_time(recs) / wall) if ours and wall else None,
         exact_mismatches=len(wrong) if judged else None,
         tie_flips=flips if judged else None, mismatches=len(wrong) - flips if judged else None,
         lossy=any(r.lossy for r in first),
@@ -148,7 +149,7 @@ def _note(method: str, recs: list[Record], drafted: int, ours: bool) -> str | No
 def _cost_model(row: Summary, recs: list[Record], ar_step: float | None) -> None:
     """Fill k̄, c, v and the expected speed-up M / (k̄ c + v) from measured times."""
     calls = sum(r.stats.verify_calls for r in recs)
-    forwards = int(_drafter_total(recs, "draft_forwards"))
+    forwards = sum(r.stats.drafter.draft_forwards for r in recs)
     if not calls or not ar_step or row.tokens_per_verify is None:
         return
     row.mean_draft_forwards = forwards / calls

@@ -158,7 +158,7 @@ def measure_decode(engine, prompt_ids: list[int], config) -> dict:
     finally:
         del drafter.update
     cycles = max(1, result.stats.verify_calls)
-    forwards = float(result.stats.drafter.get("draft_forwards", 0))
+    forwards = float(result.stats.drafter.draft_forwards)
     cycle = counter.section_total("cycle")
     return {"per_cycle": cycle / cycles, "per_token": cycle / max(1, result.stats.new_tokens - 1),
             "draft_steps_per_cycle": forwards / cycles,

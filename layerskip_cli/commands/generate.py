@@ -17,7 +17,7 @@ from layerskip_cli.args import (
     add_drafter_flags,
     add_model_flags,
     add_sampling_flags,
-    drafter_options,
+    drafter_spec_of,
     model_settings,
     sampling_config,
 )
@@ -106,30 +106,28 @@ def _notes(args: argparse.Namespace, engine, dtype: str, generation) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from infer.drafters import build_config, drafter_class
+    from infer.drafters.swift import SwiftConfig
     from infer.loading import load_resolved
 
     # Everything that can be checked without the model is checked first.
-    drafter_class(args.drafter)
-    options = drafter_options(args)
+    spec = drafter_spec_of(args)  # parsed and checked once
     generation = generation_config(args)
-    config = build_config(args.drafter, options)  # built and checked once; each engine below takes it as it is
-    if getattr(config, "save_plan", None):
-        check_output_file(config.save_plan, "--save-plan", force=args.force)
+    if isinstance(spec.config, SwiftConfig) and spec.config.save_plan:
+        check_output_file(spec.config.save_plan, "--save-plan", force=args.force)
     prompts = _prompts(args)
     resolved = model_settings(args).resolve()  # once; a missing GPU is refused before the model loads
 
     model = load_resolved(resolved)
     device, dtype = str(model.runner.device), dtype_name(model.runner.dtype)
     encoded = [model.encode(item.prompt, args.chat) for item in prompts]
-    engine = model.engine(args.drafter, config)
-    config = engine.drafter.config  # its draft_vocab resolved: the later engines take it as it is
+    drafter = spec.resolve(model.runner, model.tokenizer)  # once: every engine below builds its drafter from it
+    engine = model.engine(spec.drafter, drafter)
     _notes(args, engine, dtype, generation)
     results = []
     for item, ids in zip(prompts, encoded, strict=True):
         if not args.stream and results:
             engine.close()
-            engine = model.engine(args.drafter, config)  # independent prompts: fresh drafter state
+            engine = model.engine(spec.drafter, drafter)  # independent prompts: fresh drafter state
         result = engine.generate(ids, generation)
         results.append(result)
         if args.json:
@@ -150,20 +148,21 @@ def run(args: argparse.Namespace) -> int:
 
 def stream_summary(results) -> dict:
     """Totals over a stream of prompts: speed, acceptance, optimisation share, matchness trajectory."""
-    from infer.engine import tokens_per_verify  # torch-heavy: see the module docstring
+    from infer.drafters.swift import SwiftStats  # torch-heavy: see the module docstring
+    from infer.engine import tokens_per_verify
 
     stats = [r.stats for r in results]
     wall = sum(s.wall_time for s in stats)
     drafted = sum(s.drafted for s in stats)
-    opt = sum(float(s.drafter.get("opt_time", 0.0)) for s in stats)
-    last = stats[-1].drafter if stats else {}
+    swift = [s.drafter for s in stats if isinstance(s.drafter, SwiftStats)]
+    last = dataclasses.asdict(stats[-1].drafter) if stats else {}
     return {
         "prompts": len(stats), "new_tokens": sum(s.new_tokens for s in stats),
         "tokens_per_second": sum(s.new_tokens for s in stats) / wall if wall else 0.0,
         "acceptance_rate": sum(s.accepted for s in stats) / drafted if drafted else 0.0,
         "tokens_per_verify": tokens_per_verify(stats) or 0.0,
-        "opt_time_share": opt / wall if wall else 0.0,
-        "matchness_trajectory": [p for s in stats for p in s.drafter.get("matchness_trajectory", [])],
+        "opt_time_share": sum(s.opt_time for s in swift) / wall if wall else 0.0,
+        "matchness_trajectory": [p for s in swift for p in s.matchness_trajectory],
         "final_drafter_state": {k: v for k, v in last.items() if k != "matchness_trajectory"},
     }
 

@@ -58,7 +58,7 @@ def test_greedy_early_exit_with_a_subset_equals_autoregressive(runner, exit_laye
         engine = Engine(runner, build_drafter("early_exit", runner, options))
         out = engine.generate(prompt, GenerationConfig(max_new_tokens=32))
         assert out.tokens == ref, (exit_layer, prompt)
-        assert out.stats.drafter["draft_vocab"] == vocab.size
+        assert out.stats.drafter.draft_vocab == vocab.size
 
 
 def test_a_subset_head_drafts_only_subset_tokens(model):
@@ -118,7 +118,7 @@ def test_self_sd_and_swift_with_a_subset_equal_autoregressive(runner, tmp_path):
             drafter = build_drafter(name, runner, options | {"draft_vocab": vocab})
             out = Engine(runner, drafter).generate(prompt, GenerationConfig(max_new_tokens=32))
             assert out.tokens == ref, (name, prompt)
-            assert out.stats.drafted > 0 and out.stats.drafter["draft_vocab"] == vocab.size
+            assert out.stats.drafted > 0 and out.stats.drafter.draft_vocab == vocab.size
 
 
 def test_auto_is_the_full_head_where_no_counts_ship(model):
@@ -127,7 +127,7 @@ def test_auto_is_the_full_head_where_no_counts_ship(model):
     for name, options in (("early_exit", {"exit_layer": 2}), ("swift", {"remember": "off"})):
         drafter = build_drafter(name, runner, options)
         assert drafter.config.draft_vocab == "auto" and drafter.vocab is None
-        assert drafter.stats()["draft_vocab"] is None
+        assert drafter.stats().draft_vocab is None
     assert build_drafter("early_exit", runner, {"exit_layer": 2, "draft_vocab": "off"}).vocab is None
 
 

@@ -61,8 +61,8 @@ def test_adaptive_early_exit_is_lossless_over_a_stream(runner, E):
         res = engine.generate(prompt, GenerationConfig(max_new_tokens=60))
         assert res.tokens == ref, E
         if i == 0:
-            assert res.stats.drafter["plain_steps"] >= FallbackGate.WARM_PLAIN  # plain steps are timed first
-        drafted, plain = drafted + res.stats.drafted, plain + res.stats.drafter["plain_steps"]
+            assert res.stats.drafter.plain_steps >= FallbackGate.WARM_PLAIN  # plain steps are timed first
+        drafted, plain = drafted + res.stats.drafted, plain + res.stats.drafter.plain_steps
     assert drafted > 0 and plain > 0  # both modes were exercised
 
 
@@ -96,7 +96,7 @@ def test_adaptive_early_exit_falls_back_when_drafting_cannot_pay(runner, monkeyp
     drafter = build_drafter("early_exit", runner, {"E": "3", "k": "4", "adaptive": "true"})
     res = Engine(runner, drafter).generate(PROMPTS[0], GenerationConfig(max_new_tokens=80))
     assert res.tokens == generate(runner, max_new_tokens=80).tokens
-    assert res.stats.drafter["mode"] == "plain" and res.stats.drafter["plain_steps"] > 50
+    assert res.stats.drafter.mode == "plain" and res.stats.drafter.plain_steps > 50
     assert drafter.gate.drafting.cycles >= FallbackGate.PROBE  # drafting was probed, then dropped
     fixed = build_drafter("early_exit", runner, {"E": "3", "k": "4"})
     assert Engine(runner, fixed).generate(PROMPTS[0], GenerationConfig(max_new_tokens=20)).stats.drafter[

@@ -31,14 +31,14 @@ def test_read_starts_warm_and_changes_nothing_off_starts_cold(runner, tmp_path, 
     """A 'read' drafter starts from what an 'on' drafter saved and says so, but its finish writes nothing; an 'off'
     drafter starts cold whatever is remembered (before, every drafter read and wrote the memory)."""
     first, stats = _decode(runner, name, options)
-    assert stats["start_state"] == "cold"
+    assert stats.start_state == "cold"
     memory = first.memory.path
     saved = memory.read_text()
     reader, stats = _decode(runner, name, options | {"remember": "read"}, PROMPTS[1])
-    assert stats["start_state"] == f"warm from {memory}" and reader.memory.path == memory
+    assert stats.start_state == f"warm from {memory}" and reader.memory.path == memory
     assert memory.read_text() == saved  # every warm repeat starts from the same state
     _, stats = _decode(runner, name, options | {"remember": "off"})
-    assert stats["start_state"] == "cold" and memory.read_text() == saved
+    assert stats.start_state == "cold" and memory.read_text() == saved
 
 
 def test_swift_remember_read_restores_the_remembered_plan(runner):
@@ -62,10 +62,10 @@ def test_paper_mode_drafts_with_the_full_head_and_records_it(runner, tmp_path):
     out = tmp_path / "plan.json"
     paper, stats = _decode(runner, "swift", {"paper": True, "context_window": 4, "draft_vocab": vocab,
                                              "max_opt_steps": 3, "save_plan": str(out)})
-    assert paper.vocab is None and stats["draft_vocab"] is None
+    assert paper.vocab is None and stats.draft_vocab is None
     assert PlanFile.load(out).draft_head == {"vocab": "full"}
     ours, stats = _decode(runner, "swift", SWIFT | {"draft_vocab": vocab, "save_plan": str(out)})
-    assert stats["draft_vocab"] == vocab.size
+    assert stats.draft_vocab == vocab.size
     assert PlanFile.load(out).draft_ids == list(vocab.ids)
 
 
@@ -75,11 +75,11 @@ def test_paper_mode_with_a_plan_does_not_optimise_and_zero_steps_still_runs_one(
     out = tmp_path / "plan.json"
     _decode(runner, "swift", SWIFT | {"save_plan": str(out)})
     cached, stats = _decode(runner, "swift", {"paper": True, "context_window": 4, "plan": str(out)})
-    assert stats["opt_steps"] == 0 and not cached.optimising and cached.best == PlanFile.load(out).plan
+    assert stats.opt_steps == 0 and not cached.optimising and cached.best == PlanFile.load(out).plan
     _, stats = _decode(runner, "swift", {"paper": True, "context_window": 4, "max_opt_steps": 0})
-    assert stats["opt_steps"] == 1
+    assert stats.opt_steps == 1
     _, stats = _decode(runner, "swift", SWIFT | {"max_opt_steps": 0})
-    assert stats["opt_steps"] == 0
+    assert stats.opt_steps == 0
 
 
 def test_remembered_hopelessness_caps_optimisation_at_one_percent(runner, monkeypatch):
@@ -96,7 +96,7 @@ def test_remembered_hopelessness_caps_optimisation_at_one_percent(runner, monkey
         assert drafter.hopeless and drafter.mode == "plain"
         with Engine(runner, drafter) as engine:
             stats = engine.generate(prompt, GenerationConfig(max_new_tokens=40)).stats.drafter
-        assert stats["hopeless"] and stats["draft_forwards"] == 0
+        assert stats.hopeless and stats.draft_forwards == 0
         assert drafter.opt_time <= 0.01 * (drafter.decode_time + drafter.opt_time)
     cold = build_drafter("swift", runner, generous | {"remember": "off"})
     assert not cold.hopeless

@@ -51,7 +51,7 @@ def test_the_plan_file_records_the_head_and_self_sd_drafts_with_it(runner, vocab
     gen = GenerationConfig(max_new_tokens=16)
     plain = Engine(runner, build_drafter("autoregressive", runner)).generate(PROMPTS[0], gen)
     out_sd = Engine(runner, drafter).generate(PROMPTS[0], gen)
-    assert out_sd.tokens == plain.tokens and out_sd.stats.drafter["draft_vocab"] == vocab.size
+    assert out_sd.tokens == plain.tokens and out_sd.stats.drafter.draft_vocab == vocab.size
     full = tmp_path / "full.json"
     search_plan(runner, PROMPTS, SearchConfig(**{**cfg.__dict__, "draft_vocab": "off"}), full, "tiny", None,
                 progress=False)

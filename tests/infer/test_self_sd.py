@@ -72,7 +72,7 @@ def test_greedy_equals_autoregressive_for_any_plan(runner, options):
         for plan in plans:
             res = generate(runner, drafter(runner, plan, **options), prompt, max_new_tokens=32)
             assert res.tokens == ref, (plan.describe(), options)
-            assert res.stats.drafter["draft_forwards"] >= res.stats.drafted > 0
+            assert res.stats.drafter.draft_forwards >= res.stats.drafted > 0
 
 
 def test_greedy_lossless_on_qwen2_with_a_plan_file(tmp_path):
@@ -277,12 +277,12 @@ def test_threshold_adapts_during_generation_and_stats_are_per_call(runner):
     d = drafter(runner, bad, num_draft=6, confidence=0.2)
     res = generate(runner, d, max_new_tokens=40)
     s = res.stats.drafter
-    assert s["confidence"] > 0.2 and 0 < s["threshold_updates"] < res.stats.verify_calls
-    assert s["draft_forwards"] == res.stats.drafted  # the low-confidence token is proposed, as in Self-SD
+    assert s.confidence > 0.2 and 0 < s.threshold_updates < res.stats.verify_calls
+    assert s.draft_forwards == res.stats.drafted  # the low-confidence token is proposed, as in Self-SD
     again = generate(runner, d, max_new_tokens=10).stats.drafter
-    assert again["draft_forwards"] < s["draft_forwards"]  # counters restart with each generate call
+    assert again.draft_forwards < s.draft_forwards  # counters restart with each generate call
     fixed = generate(runner, drafter(runner, bad, confidence=0.2, adapt_confidence=False), max_new_tokens=40)
-    assert fixed.stats.drafter["confidence"] == 0.2
+    assert fixed.stats.drafter.confidence == 0.2
 
 
 def test_threshold_starts_at_0_6_and_carries_across_prompts_as_the_reference_evaluations_do():
@@ -310,11 +310,11 @@ def test_one_drafter_carries_gamma_from_prompt_to_prompt(runner):
     for prompt in PROMPTS:
         res = generate(runner, d, prompt, max_new_tokens=24)
         assert res.tokens == generate(runner, prompt=prompt, max_new_tokens=24).tokens
-        starts.append(res.stats.drafter["confidence_start"])
-        finals.append(res.stats.drafter["confidence"])
+        starts.append(res.stats.drafter.confidence_start)
+        finals.append(res.stats.drafter.confidence)
     assert starts[0] == 0.6 and starts[1:] == finals[:-1] and finals[0] != 0.6
     per_prompt = drafter(runner, plan, num_draft=6, carry_confidence=False)
-    starts = [generate(runner, per_prompt, p, max_new_tokens=24).stats.drafter["confidence_start"] for p in PROMPTS]
+    starts = [generate(runner, per_prompt, p, max_new_tokens=24).stats.drafter.confidence_start for p in PROMPTS]
     assert starts == [0.6] * len(PROMPTS)
 
 

@@ -213,7 +213,7 @@ def test_fallback_when_drafting_cannot_pay(runner, monkeypatch):
     res = engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=80))
     assert res.tokens == reference(runner, PROMPTS[0], 80)
     assert drafter.mode == "plain"
-    assert res.stats.drafter["plain_steps"] > 50 and drafter.drafting.cycles >= SwiftDrafter.PROBE
+    assert res.stats.drafter.plain_steps > 50 and drafter.drafting.cycles >= SwiftDrafter.PROBE
 
 
 def test_plan_saved_by_swift_loads_back(runner, tmp_path):
@@ -287,7 +287,7 @@ def test_remembered_plan_and_score_spare_fresh_drafters_the_probe(runner, tmp_pa
     second = build_drafter("swift", runner, options)
     assert second.best == first.best and second.best_score == first.best_score >= 0
     result = Engine(runner, second).generate(PROMPTS[1], GenerationConfig(max_new_tokens=40))
-    assert result.stats.drafter["draft_forwards"] == 0
+    assert result.stats.drafter.draft_forwards == 0
 
 
 def test_paper_mode_has_no_budget_no_cap_and_no_fallback(runner):
@@ -426,7 +426,7 @@ def test_paper_mode_keeps_one_global_best_score(runner):
     traj = [score for _, score in drafter.trajectory]
     assert len(traj) == drafter.search.steps >= 25 and traj == sorted(traj)
     assert len(drafter.search.gp.xs) == drafter.search.steps  # every candidate went to the GP
-    assert drafter.stats()["bayes"] == "gp_ucb"
+    assert drafter.stats().bayes == "gp_ucb"
 
 
 def test_paper_mode_stops_as_the_reference_compares(runner):
@@ -462,10 +462,10 @@ def test_swift_runs_without_optuna(runner, monkeypatch, paper):
     assert drafter.search.steps >= 4 and res.stats.drafted > 0
     notes = [w for w in caught if "optuna is not installed" in str(w.message)]
     if paper:
-        assert drafter.stats()["bayes"] == "gp_ucb" and len(drafter.search.gp.xs) == drafter.search.steps
+        assert drafter.stats().bayes == "gp_ucb" and len(drafter.search.gp.xs) == drafter.search.steps
         assert not notes
     else:
-        assert drafter.stats()["bayes"] == "random (optuna not installed)" and len(notes) == 1
+        assert drafter.stats().bayes == "random (optuna not installed)" and len(notes) == 1
 
 
 # --------------------------------------------------------------------------- plain mode costs what plain decoding costs
@@ -494,10 +494,10 @@ def test_remembered_plain_mode_takes_no_optimisation_step_the_prompt_cannot_pay_
     res = Engine(runner, drafter).generate(PROMPTS[0], GenerationConfig(max_new_tokens=48))
     assert res.tokens == reference(runner, PROMPTS[0])
     s = res.stats.drafter
-    assert res.stats.drafted == 0 and s["plain_steps"] == res.stats.verify_calls - 1 and s["mode"] == "plain"
-    assert s["opt_steps"] == 0 and s["opt_time"] == 0.0  # a 0.5 s step is far over 3 % of this prompt's own time
+    assert res.stats.drafted == 0 and s.plain_steps == res.stats.verify_calls - 1 and s.mode == "plain"
+    assert s.opt_steps == 0 and s.opt_time == 0.0  # a 0.5 s step is far over 3 % of this prompt's own time
     assert calls == [-1.0]  # once, for stats(): not per plain step (the gate reads it only at a re-check)
-    assert s["predicted_speedup"] is None and s["opt_step_time"] == 0.5
+    assert s.predicted_speedup is None and s.opt_step_time == 0.5
 
 
 def test_remembered_plain_mode_still_optimises_once_its_own_time_pays_for_it(runner):
@@ -505,7 +505,7 @@ def test_remembered_plain_mode_still_optimises_once_its_own_time_pays_for_it(run
     drafter.decode_time = 100.0  # as after a long prompt or a stream: 3 % of it pays for a 0.5 s step
     res = Engine(runner, drafter).generate(PROMPTS[0], GenerationConfig(max_new_tokens=48))
     assert res.tokens == reference(runner, PROMPTS[0])
-    assert res.stats.drafter["opt_steps"] >= 1 and drafter.best_score >= 0
+    assert res.stats.drafter.opt_steps >= 1 and drafter.best_score >= 0
     drafter.finish()
     reloaded = SwiftDrafter(runner, drafter.config)
     assert reloaded.opt_step.cycles == drafter.opt_step.cycles > 3  # the step cost is remembered with the gate

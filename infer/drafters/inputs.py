@@ -1,0 +1,55 @@
+"""Resolving a drafter spec's files and names against a loaded model: the draft head and the skip plan.
+
+Each drafter's ``resolve`` (``infer.drafters.base.Drafter.resolve``) uses these once per spec; the frozen
+``DraftInputs`` it returns go to the drafter's constructor as they are.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from infer.draft_vocab import DraftVocab, resolve_draft_vocab_option
+from infer.plan import LayerPlan, PlanFile, check_depth
+from infer.runner import DraftHead, Runner
+from layerskip_core.errors import UserError
+
+
+def draft_head(spec, runner: Runner, tokenizer=None) -> DraftHead | None:
+    """The draft head of ``spec``: the vocabulary it was given as an object, else its ``draft_vocab`` option (a
+    size, file, 'auto' or 'off': ``infer.draft_vocab.resolve_draft_vocab_option``) for ``runner``'s model."""
+    vocab = spec.vocab if spec.vocab is not None else \
+        resolve_draft_vocab_option(spec.config.draft_vocab, runner, tokenizer)
+    return head_of(runner, vocab)
+
+
+def head_of(runner: Runner, vocab: DraftVocab | None) -> DraftHead | None:
+    """The runner's draft head over ``vocab``'s ids (None: the full head), refused for another vocabulary size."""
+    if vocab is None:
+        return None
+    if vocab.vocab_size != runner.spec.vocab_size:
+        raise UserError(f"the draft vocabulary is for a {vocab.vocab_size}-token vocabulary; the model has "
+                        f"{runner.spec.vocab_size}")
+    return runner.draft_head(vocab.ids)
+
+
+def load_plan(path: str | Path, runner: Runner) -> PlanFile:
+    """Load a plan file and refuse it unless it was made for ``runner``'s model (its depth too)."""
+    plan_file = PlanFile.load(Path(path).expanduser())
+    plan_file.check_model(runner.identity(), str(path))
+    return plan_file
+
+
+def given_plan(plan: LayerPlan, runner: Runner) -> LayerPlan:
+    """A plan given as an object, refused unless it has the model's depth."""
+    check_depth(plan, runner.num_layers)
+    return plan
+
+
+def plan_head(runner: Runner, plan_file: PlanFile) -> DraftHead | None:
+    """The draft head a plan file records (the one its search scored plans with): None for the full head."""
+    ids = plan_file.draft_ids
+    if ids is None:
+        return None
+    if max(ids) >= runner.spec.vocab_size:
+        raise UserError(f"the plan's draft head has token ids beyond the model's {runner.spec.vocab_size}")
+    return runner.draft_head(ids)

@@ -1,0 +1,73 @@
+"""The drafters by name, and their options as the command line shows them.
+
+Each drafter class has a ``name``, a ``Config`` dataclass (one docstring per field) and an ``aliases`` map of the
+short option names of compact specs (``early_exit:E=8:k=6``); ``infer.drafters.spec`` turns either into a spec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from infer.drafters.autoregressive import AutoregressiveDrafter
+from infer.drafters.base import Drafter
+from infer.drafters.early_exit import EarlyExitDrafter
+from infer.drafters.self_sd import SelfSDDrafter
+from infer.drafters.swift import SwiftDrafter
+from layerskip_core.errors import UserError
+from layerskip_core.options import field_docs, hints
+
+DRAFTERS: dict[str, type[Drafter]] = {
+    AutoregressiveDrafter.name: AutoregressiveDrafter,
+    EarlyExitDrafter.name: EarlyExitDrafter,
+    SelfSDDrafter.name: SelfSDDrafter,
+    SwiftDrafter.name: SwiftDrafter,
+}
+
+
+def drafter_class(name: str) -> type[Drafter]:
+    """The drafter class registered as ``name``; an unknown name is refused with the names there are."""
+    if name not in DRAFTERS:
+        raise UserError(f"unknown drafter {name!r}; choose one of: {', '.join(DRAFTERS)}")
+    return DRAFTERS[name]
+
+
+@dataclass(frozen=True)
+class Option:
+    """One settable drafter option as the CLI shows it."""
+
+    field: str
+    """Config field name (the flag is ``--field-name``)."""
+    type: object
+    """Declared field type."""
+    docs: dict[str, str]
+    """Docstring of the field per drafter that takes it."""
+    defaults: dict[str, object]
+    """Default of the field per drafter that takes it."""
+
+    @property
+    def owners(self) -> list[str]:
+        return list(self.docs)
+
+    def help(self) -> str:
+        """The doc (once when every drafter words it alike) and each drafter's default."""
+        texts = set(self.docs.values())
+        doc = texts.pop() if len(texts) == 1 else " ".join(f"{d}: {t}" for d, t in self.docs.items())
+        shown = {d: v for d, v in self.defaults.items() if v is not None}  # None: the doc says what applies
+        if not shown:
+            return doc
+        defaults = ", ".join(f"{d} {v!r}" for d, v in shown.items()) if len(self.defaults) > 1 \
+            else f"{next(iter(shown.values()))!r}"
+        return f"{doc} (default {defaults})"
+
+
+def all_options() -> dict[str, Option]:
+    """Every drafter option by field name (a field several drafters share means the same in each)."""
+    found: dict[str, Option] = {}
+    for name, cls in DRAFTERS.items():
+        types, docs = hints(cls.Config), field_docs(cls.Config)
+        for f in dataclasses.fields(cls.Config):
+            opt = found.setdefault(f.name, Option(f.name, types[f.name], {}, {}))
+            opt.docs[name] = docs.get(f.name, "")
+            opt.defaults[name] = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    return found

@@ -1,0 +1,189 @@
+"""A drafter spec: the drafter's name and its checked Config, made in one place from any way of writing it.
+
+Written as compact text (``early_exit:E=8:k=6``, ``autoregressive:target_exit=8``), as command-line flags or as
+Python keywords, a spec is built here once: short option names (``E``, ``k``, ...: each drafter's ``aliases``)
+become field names, text becomes the field's type, and anything else is refused with the options the drafter
+takes. Resolving a spec against a loaded model (``Spec.resolve``) yields the frozen inputs the drafter's
+constructor takes (``infer.drafters.base.DraftInputs``: draft head, plan, adapter); nothing reads a spec back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from infer.draft_vocab import DraftVocab
+from infer.drafters.base import Drafter, DraftInputs
+from infer.drafters.gate import RememberOption
+from infer.drafters.registry import drafter_class
+from infer.plan import LayerPlan
+from layerskip_core.errors import UserError
+from layerskip_core.options import from_text, hints
+
+OBJECTS = {"draft_vocab": DraftVocab, "plan": LayerPlan}
+"""Options a Python caller may give as an object instead of text (a file, a size): field -> its object type."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One drafter as chosen: its name, its Config (built and checked), and ``target_exit`` (plain decoding of a
+    lossy early-exit target), which belongs to the generation, not the drafter."""
+
+    drafter: str
+    """Drafter name (``infer.drafters.registry.DRAFTERS``)."""
+    config: object
+    """The drafter's Config."""
+    target_exit: int | None = None
+    """``GenerationConfig.target_exit`` for this method (None: the full model)."""
+    given: frozenset[str] = frozenset()
+    """Config fields set by the caller (the others hold their defaults)."""
+    vocab: DraftVocab | None = None
+    """A draft vocabulary given as an object, used instead of ``config.draft_vocab`` (which then is not read)."""
+    plan: LayerPlan | None = None
+    """A skip plan given as an object, used instead of ``config.plan``'s file."""
+
+    @property
+    def cls(self) -> type[Drafter]:
+        """The class that runs this spec (a drafter's Config may choose a variant of it)."""
+        return drafter_class(self.drafter).variant(self.config)
+
+    @property
+    def options(self) -> dict:
+        """The options the caller set, by field name (objects included): what ``drafter_spec`` rebuilds this from."""
+        objects = {"draft_vocab": self.vocab, "plan": self.plan}
+        return {f: getattr(self.config, f) for f in sorted(self.given) if f not in objects or objects[f] is None} \
+            | {f: value for f, value in objects.items() if value is not None}
+
+    def resolve(self, runner, tokenizer=None) -> ResolvedSpec:
+        """This spec on ``runner``'s model: its draft head, plan and adapter made once (``tokenizer``: lets a
+        finetuned checkpoint use its base model's token counts), for every drafter built from it."""
+        return ResolvedSpec(self, self.cls.resolve(self, runner, tokenizer))
+
+    def build(self, runner) -> Drafter:
+        """A drafter of this spec on ``runner`` (resolved now; resolve once to build several)."""
+        return self.resolve(runner).build(runner)
+
+    def replace(self, **fields) -> Spec:
+        """This spec with some Config fields set (checked again)."""
+        return dataclasses.replace(self, config=dataclasses.replace(self.config, **fields),
+                                   given=self.given | frozenset(fields))
+
+    def for_warm_up(self) -> Spec:
+        """The spec of an untimed run: nothing remembered is read or written, nothing saved
+        (``Drafter.WARM_UP``)."""
+        return self.replace(**self.cls.WARM_UP)
+
+    def remembering(self, mode: str) -> Spec:
+        """``remember=mode`` for a drafter that remembers across commands and was not told otherwise."""
+        if not isinstance(self.config, RememberOption) or "remember" in self.given:
+            return self
+        return self.replace(remember=mode)
+
+
+@dataclass(frozen=True)
+class ResolvedSpec:
+    """A spec resolved against a loaded model: what builds its drafters, as often as needed."""
+
+    spec: Spec
+    """The spec."""
+    inputs: DraftInputs
+    """Its draft head, plan and adapter on the model (frozen)."""
+
+    def build(self, runner) -> Drafter:
+        """A fresh drafter (its own state) on ``runner``, the model the spec was resolved on."""
+        return self.spec.cls(runner, self.spec.config, self.inputs)
+
+
+def resolve_config(name: str, options: dict | object | None, runner, tokenizer=None) -> ResolvedSpec:
+    """The spec of drafter ``name`` with ``options`` (see ``drafter_spec``; a spec already resolved is returned as
+    it is) resolved on ``runner``'s model."""
+    if isinstance(options, ResolvedSpec):
+        _same_drafter(name, options.spec)
+        return options
+    return drafter_spec(name, options).resolve(runner, tokenizer)
+
+
+def build_drafter(name: str | Spec, runner, options: dict | object | None = None) -> Drafter:
+    """A drafter on ``runner``: a spec, or a drafter name with its ``options`` (see ``drafter_spec``; or a spec
+    resolved already)."""
+    if isinstance(name, Spec):
+        return name.build(runner)
+    return resolve_config(name, options, runner).build(runner)
+
+
+def _same_drafter(name: str, spec: Spec) -> None:
+    if spec.drafter != name:
+        raise UserError(f"a spec of drafter {spec.drafter!r} was given for drafter {name!r}")
+
+
+def build_config(name: str, options: dict | object) -> object:
+    """A drafter's Config from ``options`` (field names or short names -> values or text; None values ignored); a
+    Config already built is returned as it is (so it is built and checked once)."""
+    return drafter_spec(name, options).config
+
+
+def drafter_spec(name: str, options: dict | object | None = None, target_exit: int | None = None) -> Spec:
+    """The spec of drafter ``name`` with ``options``: a dict (field names or short names -> values or text; None
+    values ignored; a ``DraftVocab`` or ``LayerPlan`` object for draft_vocab or plan), or its Config already built."""
+    if isinstance(options, Spec):
+        _same_drafter(name, options)
+        return options
+    cls = drafter_class(name)
+    if isinstance(options, cls.Config):
+        return Spec(name, options, target_exit, frozenset(f.name for f in dataclasses.fields(options)))
+    if options is not None and not isinstance(options, dict):
+        raise UserError(f"drafter {name!r} takes a dict of options or its {cls.Config.__name__}, "
+                        f"not {type(options).__name__}")
+    types = hints(cls.Config)
+    kwargs, objects = {}, {}
+    for key, value in (options or {}).items():
+        if value is None:
+            continue
+        field = cls.aliases.get(key, key)
+        if field not in types:
+            raise UserError(_not_an_option(name, key, sorted(set(types) | set(cls.aliases))))
+        if isinstance(value, OBJECTS.get(field, ())):
+            objects[field] = value
+            continue
+        if isinstance(value, os.PathLike):  # a file option (plan, save_plan, adapter, draft_vocab) given as a Path
+            value = os.fspath(value)
+        if isinstance(value, str):
+            value = from_text(value, types[field], f"option {key} of drafter {name!r}")
+        kwargs[field] = value
+    spec = Spec(name, cls.Config(**kwargs), target_exit, frozenset(kwargs) | frozenset(objects),
+                       objects.get("draft_vocab"), objects.get("plan"))
+    spec.cls.check_spec(spec)
+    return spec
+
+
+def _not_an_option(name: str, key: str, valid: list[str]) -> str:
+    message = f"option {key!r} does not apply to drafter {name!r} (its options: {', '.join(valid) or 'none'})"
+    if name == "autoregressive":  # its one knob is the generation's, not the drafter's
+        message += ("; lossy early exit is spelled target_exit, a generation setting: GenerationConfig(target_exit=E), "
+                    "`--target-exit E` or the spec autoregressive:target_exit=E")
+    return message
+
+
+def split_spec(text: str) -> tuple[str, dict[str, str], int | None]:
+    """``'early_exit:E=8:k=6'`` -> ``('early_exit', {'E': '8', 'k': '6'}, None)``; ``target_exit=E`` comes apart
+    (it goes to the generation)."""
+    name, *parts = text.strip().split(":")
+    drafter_class(name)
+    options, target = {}, None
+    for part in parts:
+        key, sep, value = part.partition("=")
+        if not sep or not key:
+            raise UserError(f"bad drafter spec {text!r}: options look like name:key=value:key=value")
+        if key == "target_exit":
+            target = from_text(value, int, f"{text!r}: target_exit")
+            continue
+        options[key] = value
+    return name, options, target
+
+
+def parse_spec(text: str) -> Spec:
+    """``'early_exit:E=8:k=6'`` -> the spec of early_exit with exit_layer 8 and num_draft 6, checked before any
+    model is loaded."""
+    name, options, target = split_spec(text)
+    return drafter_spec(name, options, target)
