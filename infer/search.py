@@ -9,7 +9,7 @@ shared with SWIFT's online optimiser). Two objectives:
   on a few calibration prompts. What Self-SD optimises
   (as tokens/s); by default the value is the speed-up over autoregressive decoding of the same
   prompt timed just before, which cancels most of a shared machine's drift. Every trial decodes.
-- ``model`` (alias ``acceptance``): a noise-free expected speed-up. The full model's greedy
+- ``model``: a noise-free expected speed-up. The full model's greedy
   continuation of each calibration prompt is computed once; each plan is then run once,
   teacher-forced, over those continuations (one masked parallel forward per prompt) giving
   per-position agreement with the full model and the draft's top-1 probability (the scorer of
@@ -58,7 +58,7 @@ from infer.runner import Runner
 from infer.search_objectives import ModelObjective, SpeedObjective, calibration_set, measure_cost
 from layerskip_core.errors import UserError
 
-OBJECTIVES = {"model": "model", "acceptance": "model", "speed": "speed"}
+OBJECTIVES = ("model", "speed")
 SAMPLERS = ("tpe", "gp")
 PAPER_KAPPA = 2.576
 """UCB's exploration weight in the reference search (bayes_opt's default kappa)."""
@@ -80,7 +80,7 @@ class SearchConfig:
     """What `layerskip search` does."""
 
     objective: str | None = None
-    """'model' (alias 'acceptance'): expected speed-up from teacher-forced agreement and draft cost;
+    """'model': expected speed-up from teacher-forced agreement and draft cost;
     'speed': measured tokens/s of self-speculative decoding. Default: 'model', or 'speed' with paper."""
     trials: int = 100
     """Distinct plans to evaluate in total (repeated proposals are free; a resumed study runs only the missing)."""
@@ -124,8 +124,7 @@ class SearchConfig:
         if self.iterations < 1:
             raise UserError(f"--iterations must be >= 1, got {self.iterations}")
         if self.objective not in OBJECTIVES:
-            raise UserError(f"unknown objective {self.objective!r}; choose speed, model or acceptance")
-        self.objective = OBJECTIVES[self.objective]
+            raise UserError(f"unknown objective {self.objective!r}; choose {' or '.join(OBJECTIVES)}")
         if self.sampler not in SAMPLERS:
             raise UserError(f"unknown sampler {self.sampler!r}; choose {' or '.join(SAMPLERS)}")
         if self.speed_reference not in SPEED_REFERENCES:

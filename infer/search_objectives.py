@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from infer.draft_vocab import DraftVocab
-from infer.drafters import build_drafter
-from infer.drafters.self_sd import SelfSDConfig, SelfSDDrafter
+from infer.drafters import Spec, build_drafter, drafter_spec
+from infer.drafters.self_sd import SelfSDDrafter
 from infer.drafters.skipping import agreement, verified_window
 from infer.engine import Engine, GenerationConfig
 from infer.plan import CostModel, LayerPlan, cycle_speedup
@@ -175,10 +175,11 @@ class SpeedObjective:
         self.baseline_engine.generate(prompts[0], GenerationConfig(max_new_tokens=4, stop_at_eos=False))  # warm-up
         self.baseline = self._tokens_per_second(self.baseline_engine)
 
-    def drafter_config(self, plan: LayerPlan) -> SelfSDConfig:
+    def drafter_spec(self, plan: LayerPlan) -> Spec:
         """``decoding.py``'s defaults as ``searching.py`` uses them: k, gamma_0 = 0.8 adaptive, from 0.8 per prompt."""
-        return SelfSDConfig(plan=plan, num_draft=self.num_draft, confidence=SPEED_SEARCH_CONFIDENCE,
-                            carry_confidence=False, draft_vocab=self.vocab or "off")
+        options = {"plan": plan, "num_draft": self.num_draft, "confidence": SPEED_SEARCH_CONFIDENCE,
+                   "carry_confidence": False, "draft_vocab": self.vocab or "off"}
+        return drafter_spec("self_sd", options)
 
     def _tokens_per_second(self, engine) -> float:
         results = [engine.generate(ids, self.gen) for ids in self.prompts]
@@ -187,7 +188,8 @@ class SpeedObjective:
     def __call__(self, plan: LayerPlan) -> tuple[float, dict]:
         # a new engine per plan (a live engine's drafter is never swapped), drafting as the reference search does
         results, ar_tokens, ar_wall = [], 0, 0.0
-        with Engine(self.runner, SelfSDDrafter(self.runner, self.drafter_config(plan))) as engine:
+        spec = self.drafter_spec(plan)
+        with Engine(self.runner, SelfSDDrafter(self.runner, spec.config, spec.resolve(self.runner).inputs)) as engine:
             for ids in self.prompts:
                 if self.reference == "interleaved":
                     ar = self.baseline_engine.generate(ids, self.gen).stats

@@ -37,11 +37,13 @@ def field_docs(cls: type) -> dict[str, str]:
 
 def own_field_docs(cls: type) -> dict[str, str]:
     """Attribute docstrings of the fields ``cls`` itself declares: the string literal right after each field
-    (whitespace folded)."""
+    (whitespace folded). They are read from the source, so an install without it (only .pyc files) is refused
+    loudly rather than showing help with every text gone."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError):  # classes built at run time have no source
-        return {}
+    except (OSError, TypeError) as e:
+        raise RuntimeError(f"cannot read the field docs of {cls.__module__}.{cls.__qualname__}: its source is not "
+                           f"available ({e}); install the toolkit with its .py files") from None
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs = {}
     for node, nxt in zip(body, body[1:], strict=False):

@@ -11,9 +11,8 @@ only, so ``--help`` and argument errors answer without it.
 
 Threads default to 1 everywhere (generate, the Python API, bench, search, the scripts): on a CPU the
 decoding forwards of a small model are too small to split well, so one thread is the most repeatable and,
-on a busy machine, also the fastest (one run on a shared, loaded 2-core machine, the default model, 32 tokens,
-1 and 2 threads interleaved 3 times: plain decoding at a median 2.8 vs 0.6 tok/s, early exit E=8 k=4 at 1.4
-vs 0.4). ``--threads N`` (``threads=N``) overrides it.
+on a busy machine, also the fastest (docs/ARCHITECTURE.md, "Why one thread", has the run that showed it).
+``--threads N`` (``threads=N``) overrides it.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import yaml
 from tqdm.auto import tqdm
@@ -44,6 +44,15 @@ from train.config import TrainConfig
 from train.console import check_launch, eval_summary, interrupt_on_sigterm, launcher_command, resume_hint
 from train.recipe import describe, dump_config, load_config, to_dict
 from train.tracking import Tracker, truncate_metrics
+
+if TYPE_CHECKING:  # heavy imports, made where a run is set up
+    import torch
+    from accelerate import Accelerator
+    from transformers import PreTrainedTokenizerBase
+
+    from train.adapter import AdapterLM
+    from train.data import BatchOrder, Dataset
+    from train.model import LayerSkipLM
 
 # torch, accelerate and the modules that import them (train.data, train.model, train.exit_eval) are
 # imported inside the functions that use them, so --help, --help-config and a bad recipe answer at once.
@@ -224,18 +233,25 @@ class Session:
     """What one training run holds from setup to export."""
 
     cfg: TrainConfig
-    accelerator: Any
-    wrapped: Any
+    """The resolved recipe."""
+    accelerator: Accelerator
+    """accelerate's handle on the processes, device and mixed precision."""
+    wrapped: torch.nn.Module
     """The model as accelerate prepared it (DDP/DeepSpeed wrapper): forward and backward go through it."""
-    model: Any
-    """The ``LayerSkipLM`` (or exit ``AdapterLM``) inside ``wrapped``: layer counts, dropout rates, parameters."""
-    optimizer: Any
-    scheduler: Any
-    dataset: Any
-    tokenizer: Any
+    model: LayerSkipLM | AdapterLM
+    """The module inside ``wrapped``: layer counts, dropout rates, parameters."""
+    optimizer: torch.optim.Optimizer
+    """The optimiser as accelerate prepared it."""
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    """The learning-rate schedule (warm-up and decay, ``lr_factor``)."""
+    dataset: Dataset
+    """The tokenised, packed training and validation examples."""
+    tokenizer: PreTrainedTokenizerBase
+    """The model's tokenizer (saved beside every checkpoint)."""
     model_path: Path
-    order: Any
-    """The ``BatchOrder``: which examples each (step, micro-batch, rank) takes."""
+    """The model folder the run started from."""
+    order: BatchOrder
+    """Which examples each (step, micro-batch, rank) takes."""
     tracker: Tracker | None = None
     step: int = 0
     tokens_seen: int = 0

@@ -1,14 +1,13 @@
 """Draft only while it pays: measured tokens/s of plain steps against draft-verify cycles.
 
 Speculative decoding pays only when the draft is cheap and accepted often enough; on a small model
-on a CPU it often is not (a 135M model's draft that skips 42 % of its sublayers still costs about
-0.65 of a full step, and verifying a few tokens costs 1.4-2.1 steps: docs/SWIFT.md). A drafter
+on a CPU it often is not (docs/SWIFT.md, "Beyond the paper", has the measured costs). A drafter
 that owns a `FallbackGate` reports every decode cycle to it and asks it whether the next cycle
 drafts or takes a plain step (``propose`` returns None). Greedy and sampled output stay exact
 either way: a plain step is a verification of nothing.
 
 What a gate learned is worth keeping: a fresh gate times plain steps and probes drafting on every
-prompt, which costs 8-11 % of a short prompt where drafting does not pay. `GateMemory` keeps the
+prompt, a cost a short prompt where drafting does not pay cannot earn back. `GateMemory` keeps the
 gate's state (and the drafter's measured draft/verify rates) in a small file under the toolkit
 cache, one per model (architecture and weight fingerprint), device, dtype, thread count and drafter
 settings, so any change of those starts afresh. ``remember`` says what a drafter does with it: ``on`` reads and

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from infer.engine import GenerationStats
@@ -83,7 +82,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> list[Record]:
 
     tasks = {task_name(src): load_prompts(src, cfg.n, from_end=True) for src in cfg.data}
     sources = [split_named(arg)[1] for arg in cfg.models]
-    labels = model_labels(cfg.models)
+    labels = cfg.labels
 
     def load(source: str) -> LoadedModel:
         return load_resolved(dataclasses.replace(cfg.run, model=resolve_model(source)))
@@ -104,28 +103,6 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> list[Record]:
             records += _run_task(cfg, model, peer, label, task, prompts, progress)
         del model, peer
     return records
-
-
-def model_labels(models: list[str]) -> list[str]:
-    """One row name per ``--model``: its NAME of NAME=PATH, 'default', else the shortest end of its folder path that
-    tells it apart from the others (``runs/a/final``, ``runs/b/final`` -> ``a/final``, ``b/final``). Two models that
-    still share a name (the same folder twice, or a NAME equal to another's) are refused."""
-    named = [split_named(m) for m in models]
-    parts = [Path(src).expanduser().resolve().parts if not name and src != "default" else None for name, src in named]
-
-    def tail(i: int, n: int) -> str:
-        name, src = named[i]
-        return name or ("default" if parts[i] is None else "/".join(parts[i][-n:]))
-
-    labels = [tail(i, 1) for i in range(len(models))]
-    for n in range(2, max((len(p) for p in parts if p), default=1) + 1):
-        clash = {x for x in labels if labels.count(x) > 1}
-        labels = [tail(i, n) if labels[i] in clash else labels[i] for i in range(len(models))]
-    repeated = sorted({x for x in labels if labels.count(x) > 1})
-    if repeated:
-        raise UserError(f"two --model arguments are both named {repeated[0]!r}; give each its own name as "
-                        "NAME=PATH (e.g. --model base=default --model trained=runs/demo/final)")
-    return labels
 
 
 def check_methods(cfg: BenchConfig, model: LoadedModel, label: str, source: str) -> None:

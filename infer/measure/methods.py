@@ -6,9 +6,11 @@ Importing this module loads neither torch nor transformers: the command parses a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from layerskip_core.cli import split_named
 from layerskip_core.errors import UserError
 from layerskip_core.layers import check_exit_layer
 from layerskip_core.settings import Resolved
@@ -156,6 +158,28 @@ def sweep_methods(exits: list[int], ks: list[int], vocabs: list[int] | None = No
     return methods
 
 
+def model_labels(models: list[str]) -> list[str]:
+    """One row name per ``--model``: its NAME of NAME=PATH, 'default', else the shortest end of its folder path that
+    tells it apart from the others (``runs/a/final``, ``runs/b/final`` -> ``a/final``, ``b/final``). Two models that
+    still share a name (the same folder twice, or a NAME equal to another's) are refused."""
+    named = [split_named(m) for m in models]
+    parts = [Path(src).expanduser().resolve().parts if not name and src != "default" else None for name, src in named]
+
+    def tail(i: int, n: int) -> str:
+        name, src = named[i]
+        return name or ("default" if parts[i] is None else "/".join(parts[i][-n:]))
+
+    labels = [tail(i, 1) for i in range(len(models))]
+    for n in range(2, max((len(p) for p in parts if p), default=1) + 1):
+        clash = {x for x in labels if labels.count(x) > 1}
+        labels = [tail(i, n) if labels[i] in clash else labels[i] for i in range(len(models))]
+    repeated = sorted({x for x in labels if labels.count(x) > 1})
+    if repeated:
+        raise UserError(f"two --model arguments are both named {repeated[0]!r}, the same name for two rows; give "
+                        "each its own name as NAME=PATH (e.g. --model base=default --model trained=runs/demo/final)")
+    return labels
+
+
 @dataclass
 class BenchConfig:
     """What `layerskip bench` runs."""
@@ -183,6 +207,8 @@ class BenchConfig:
     warmup: bool = True
     """Untimed runs per method before timing (``Engine.warm_up``: also builds every static forward and graph); their
     drafters neither read nor write remembered state, nor a save_plan file."""
+    labels: list[str] = field(init=False)
+    """One row name per model (``model_labels``)."""
     start: str = "cold"
     """What every timed drafter starts from: 'cold' (nothing remembered is read or written) or 'warm' (what earlier
     commands left in the toolkit cache, read but never changed); either way every repeat starts alike, unless a
@@ -197,6 +223,7 @@ class BenchConfig:
             raise UserError("--chat must be auto, always or never")
         if not self.models or not self.data:
             raise UserError("give at least one --model and one --data source")
+        self.labels = model_labels(self.models)
         if self.sampling is None:
             from infer.sampling import SamplingConfig  # torch-heavy: see the module docstring
 

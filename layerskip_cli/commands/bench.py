@@ -10,7 +10,7 @@ from pathlib import Path
 
 from infer.measure.methods import BenchConfig, parse_methods, sweep_methods
 from layerskip_cli.args import add_run_flags, add_sampling_flags, run_settings, sampling_config
-from layerskip_core.cli import check_output_dir, split_named
+from layerskip_core.cli import check_output_dir
 from layerskip_core.errors import UserError
 from layerskip_core.prompts import CHAT_MODES
 
@@ -86,10 +86,6 @@ def config_from_args(args: argparse.Namespace):
     sampling = sampling_config(args, _sampling_defaults())
     if args.sample and args.temperature is None:
         sampling = dataclasses.replace(sampling, temperature=1.0)
-    labels = [split_named(m)[0] or split_named(m)[1] for m in args.models or ["default"]]
-    if len(set(labels)) != len(labels):
-        raise UserError(f"--model given twice with the same name ({', '.join(labels)}); label them as NAME=PATH, "
-                        "e.g. --model base=default --model trained=runs/demo/final")
     peers = "" if args.peers == "none" else args.peers
     methods = parse_methods(args.drafters, peers)
     if args.sweep:

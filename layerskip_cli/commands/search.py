@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trials", type=int, default=100, help="trials the study should hold in total (default 100; "
                    "a resumed study runs only the missing ones)")
     p.add_argument("--objective", default=None,
-                   help="'model' (alias 'acceptance', default): expected speed-up from teacher-forced agreement and "
+                   help="'model' (default): expected speed-up from teacher-forced agreement and "
                    "draft cost, noise-free and fast; 'speed' (default with --paper): measured tokens/s of "
                    "self-speculative decoding")
     p.add_argument("--skip-ratio", type=float, default=None,

@@ -256,9 +256,9 @@ def test_speed_objective_drafts_as_the_reference_search(runner, monkeypatch):
     built = []
     drafter_class = objectives_module.SelfSDDrafter
 
-    def record(runner, config):
+    def record(runner, config, inputs):
         built.append(config)
-        return drafter_class(runner, config)
+        return drafter_class(runner, config, inputs)
 
     monkeypatch.setattr(objectives_module, "SelfSDDrafter", record)
     cfg = SearchConfig(objective="speed", trials=1, n_prompts=2, max_new_tokens=8, warm_start=False)
@@ -270,8 +270,9 @@ def test_speed_objective_drafts_as_the_reference_search(runner, monkeypatch):
         8, 0.8, True, False)
 
 
-def test_config_aliases_and_defaults():
-    assert SearchConfig(objective="acceptance").objective == "model"
+def test_config_defaults_and_no_kept_aliases():
+    with pytest.raises(UserError, match="unknown objective 'acceptance'; choose model or speed"):
+        SearchConfig(objective="acceptance")
     assert SearchConfig(objective="model").max_new_tokens == 64
     assert SearchConfig(objective="speed").max_new_tokens == 32
     assert "trials" not in SearchConfig().study_settings()

@@ -10,7 +10,7 @@ from lossless_stats import P_THRESHOLD, sampling_pvalue
 from infer.drafters import build_drafter, parse_spec
 from infer.drafters.base import DecodeState, Draft, VerifyOutcome
 from infer.drafters.chain import PlanForward
-from infer.drafters.self_sd import AdaptiveThreshold, SelfSDConfig, SelfSDDrafter
+from infer.drafters.self_sd import AdaptiveThreshold, SelfSDConfig
 from infer.engine import Engine, GenerationConfig
 from infer.plan import LayerPlan, PlanFile
 from infer.runner import Runner
@@ -48,7 +48,7 @@ EDGE_PLANS = [
 
 
 def drafter(runner, plan, **options):
-    return SelfSDDrafter(runner, SelfSDConfig(plan=plan, **options))
+    return build_drafter("self_sd", runner, {"plan": plan, **options})
 
 
 def generate(runner, d=None, prompt=PROMPTS[0], eos=(), **kw):
@@ -226,7 +226,7 @@ def test_draft_step_is_exactly_the_plan(runner, plan):
 
 # --------------------------------------------------------------------------- adaptive threshold
 def test_threshold_rule_follows_self_sd():
-    t = AdaptiveThreshold(SelfSDConfig(plan=LayerPlan.full(L), confidence=0.8))
+    t = AdaptiveThreshold(SelfSDConfig(confidence=0.8))
     t.update(accepted=0, drafted=4)  # acc 0 < 0.9: raise by eps, smoothed
     assert t.acceptance == 0.0 and t.value == pytest.approx(0.9 * 0.8 + 0.1 * 0.81)
     for _ in range(10):
@@ -238,7 +238,7 @@ def test_threshold_rule_follows_self_sd():
     same = t.value
     t.update(12, 12)  # good drafts that ran to k: keep it
     assert t.value == pytest.approx(same)
-    fixed = AdaptiveThreshold(SelfSDConfig(plan=LayerPlan.full(L), adapt_confidence=False, confidence=0.3))
+    fixed = AdaptiveThreshold(SelfSDConfig(adapt_confidence=False, confidence=0.3))
     fixed.update(0, 5)
     assert fixed.value == 0.3 and fixed.updates == 0
 
@@ -288,7 +288,7 @@ def test_threshold_adapts_during_generation_and_stats_are_per_call(runner):
 def test_threshold_starts_at_0_6_and_carries_across_prompts_as_the_reference_evaluations_do():
     """evaluate_sum/evaluate_code.ipynb start adaptive runs at 0.6 and pass each prompt's final gamma to the next;
     the smoothed acceptance is local to decoding.py's generate call, so it restarts at 0 on every prompt."""
-    cfg = SelfSDConfig(plan=LayerPlan.full(L))
+    cfg = SelfSDConfig()
     assert (cfg.confidence, cfg.carry_confidence) == (0.6, True)
     t = AdaptiveThreshold(cfg)
     for accepted in (0, 1, 0):
@@ -297,7 +297,7 @@ def test_threshold_starts_at_0_6_and_carries_across_prompts_as_the_reference_eva
     adapted = t.value
     t.new_prompt()
     assert t.value == adapted and t.acceptance == 0.0 and t.updates == 0
-    fresh = AdaptiveThreshold(SelfSDConfig(plan=LayerPlan.full(L), carry_confidence=False))
+    fresh = AdaptiveThreshold(SelfSDConfig(carry_confidence=False))
     fresh.update(0, 4)
     fresh.new_prompt()
     assert fresh.value == 0.6 and fresh.acceptance == 0.0

@@ -74,8 +74,8 @@ def test_one_thread_by_default_everywhere(tiny_model_dir, capsys):
 
 
 def test_a_drafters_config_is_built_once_and_its_draft_vocab_resolved_once(tiny_model_dir):
-    """LoadedModel.engine takes a Config as it is and resolves its draft_vocab into a DraftVocab or None (the tiny
-    model has no shipped counts: 'auto' is the full head), leaving the caller's Config untouched."""
+    """LoadedModel.engine takes a Config as it is and resolves its draft_vocab into the drafter's draft head (the tiny
+    model has no shipped counts: 'auto' is the full head), never changing the Config."""
     from infer.drafters import build_config
     from infer.loading import load_model
 
@@ -83,7 +83,7 @@ def test_a_drafters_config_is_built_once_and_its_draft_vocab_resolved_once(tiny_
     assert build_config("early_exit", config) is config
     model = load_model(str(tiny_model_dir), device="cpu")
     with model.engine("early_exit", config) as engine:
-        assert engine.drafter.config.draft_vocab is None and config.draft_vocab == "auto"
+        assert engine.drafter.config is config and config.draft_vocab == "auto" and engine.drafter.vocab is None
         assert (engine.drafter.config.exit_layer, engine.drafter.config.num_draft) == (2, 3)
     with pytest.raises(UserError, match="'autoregressive' takes a dict of options or its AutoregressiveConfig"):
         model.engine("autoregressive", config)
@@ -91,10 +91,9 @@ def test_a_drafters_config_is_built_once_and_its_draft_vocab_resolved_once(tiny_
 
 @pytest.mark.real_model
 def test_auto_draft_vocab_of_the_default_model_is_resolved_at_the_edge(default_model_path):
-    from infer.draft_vocab import AUTO_SIZE, DraftVocab
+    from infer.draft_vocab import AUTO_SIZE
     from infer.loading import load_model
 
     model = load_model(str(default_model_path), device="cpu")
     with model.engine("early_exit", exit_layer=8) as engine:
-        vocab = engine.drafter.config.draft_vocab
-        assert isinstance(vocab, DraftVocab) and vocab.size == AUTO_SIZE
+        assert engine.drafter.config.draft_vocab == "auto" and engine.drafter.vocab.size == AUTO_SIZE

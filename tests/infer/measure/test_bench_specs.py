@@ -7,7 +7,8 @@ import shutil
 import pytest
 
 from infer.engine import Engine, GenerationStats
-from infer.measure.bench import Record, model_labels
+from infer.measure.bench import Record
+from infer.measure.methods import model_labels
 from infer.measure.report import markdown_table, recommend, summarize
 from infer.plan import LayerPlan, PlanFile
 from infer.runner import Runner
