@@ -64,7 +64,7 @@ def run_streams(model, specs: list[str], prompts: list[tuple[str, str, list[int]
             s = r.stats
             rows[spec].append({"task": task, "id": pid, "tokens": r.tokens, "stats": s, "new_tokens": s.new_tokens,
                                "wall": s.wall_time, "verify_calls": s.verify_calls, "drafted": s.drafted,
-                               "accepted": s.accepted, "drafter": dict(s.drafter)})
+                               "accepted": s.accepted, "drafter": s.to_dict()["drafter"]})
             bar.update()
     for engine, _ in methods.values():
         engine.close()  # the drafters' finish(): save_plan, the gate's memory
