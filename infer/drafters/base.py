@@ -13,7 +13,6 @@ from infer.kv_cache import ints_to_device
 
 if TYPE_CHECKING:
     from infer.adapter import ExitAdapter
-    from infer.drafters.spec import Spec
     from infer.kv_cache import KVCache
     from infer.plan import LayerPlan
     from infer.runner import DraftHead, Runner
@@ -172,16 +171,11 @@ class Drafter:
         self.config = self.Config() if config is None else config
 
     @classmethod
-    def variant(cls, config) -> type[Drafter]:
-        """The class that runs ``config`` (a drafter with two modes keeps each in its own class)."""
-        return cls
+    def check_spec(cls, spec) -> None:
+        """Refuse a spec (``infer.drafters.spec.Spec``) that lacks what this drafter needs, before any model loads."""
 
     @classmethod
-    def check_spec(cls, spec: Spec) -> None:
-        """Refuse a spec that lacks what this drafter needs, before any model loads."""
-
-    @classmethod
-    def resolve(cls, spec: Spec, runner: Runner, tokenizer=None) -> DraftInputs:
+    def resolve(cls, spec, runner: Runner, tokenizer=None) -> DraftInputs:
         """The inputs ``spec`` names, made for ``runner``'s model (``infer.drafters.inputs``)."""
         return DraftInputs()
 

@@ -13,7 +13,8 @@ from infer.drafters.autoregressive import AutoregressiveDrafter
 from infer.drafters.base import Drafter
 from infer.drafters.early_exit import EarlyExitDrafter
 from infer.drafters.self_sd import SelfSDDrafter
-from infer.drafters.swift import SwiftDrafter
+from infer.drafters.swift import SwiftConfig, SwiftDrafter
+from infer.drafters.swift_paper import SwiftPaperDrafter
 from layerskip_core.errors import UserError
 from layerskip_core.options import field_docs, hints
 
@@ -30,6 +31,14 @@ def drafter_class(name: str) -> type[Drafter]:
     if name not in DRAFTERS:
         raise UserError(f"unknown drafter {name!r}; choose one of: {', '.join(DRAFTERS)}")
     return DRAFTERS[name]
+
+
+def class_for(name: str, config) -> type[Drafter]:
+    """The class that runs drafter ``name`` with ``config``: SWIFT's reference mode (``paper=true``) is a class of its
+    own (``infer.drafters.swift_paper``)."""
+    if isinstance(config, SwiftConfig) and config.paper:
+        return SwiftPaperDrafter
+    return drafter_class(name)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from infer.draft_vocab import DraftVocab
 from infer.drafters.base import Drafter, DraftInputs
 from infer.drafters.gate import RememberOption
-from infer.drafters.registry import drafter_class
+from infer.drafters.registry import class_for, drafter_class
 from infer.plan import LayerPlan
 from layerskip_core.errors import UserError
 from layerskip_core.options import from_text, hints
@@ -45,8 +45,8 @@ class Spec:
 
     @property
     def cls(self) -> type[Drafter]:
-        """The class that runs this spec (a drafter's Config may choose a variant of it)."""
-        return drafter_class(self.drafter).variant(self.config)
+        """The class that runs this spec (``infer.drafters.registry.class_for``)."""
+        return class_for(self.drafter, self.config)
 
     @property
     def options(self) -> dict:

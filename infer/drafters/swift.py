@@ -203,12 +203,6 @@ class SwiftDrafter(Drafter):
     """Stop criteria compare with > rather than >=."""
 
     @classmethod
-    def variant(cls, config: SwiftConfig) -> type[Drafter]:
-        from infer.drafters.swift_paper import SwiftPaperDrafter  # the subclass imports this module
-
-        return SwiftPaperDrafter if config.paper else cls
-
-    @classmethod
     def resolve(cls, spec, runner, tokenizer=None) -> DraftInputs:
         """The draft head and the starting plan, if one was given (a file made for this model, or an object)."""
         plan = spec.plan if spec.plan is None else given_plan(spec.plan, runner)
