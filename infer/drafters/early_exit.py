@@ -114,6 +114,7 @@ class EarlyExitDrafter(Drafter):
                 self.gate = FallbackGate(self.config.recheck_interval, enabled=True)
         self.forwards = self.plain_steps = 0
         self._cycle_start: float | None = None
+
     @property
     def lookahead(self) -> int:
         return self.config.num_draft + 1

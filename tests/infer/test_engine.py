@@ -99,8 +99,8 @@ def test_adaptive_early_exit_falls_back_when_drafting_cannot_pay(runner, monkeyp
     assert res.stats.drafter.mode == "plain" and res.stats.drafter.plain_steps > 50
     assert drafter.gate.drafting.cycles >= FallbackGate.PROBE  # drafting was probed, then dropped
     fixed = build_drafter("early_exit", runner, {"E": "3", "k": "4"})
-    assert Engine(runner, fixed).generate(PROMPTS[0], GenerationConfig(max_new_tokens=20)).stats.drafter[
-        "plain_steps"] == 0  # without adaptive, LayerSkip's fixed k always drafts
+    assert Engine(runner, fixed).generate(PROMPTS[0], GenerationConfig(max_new_tokens=20)).stats.drafter \
+        .plain_steps == 0  # without adaptive, LayerSkip's fixed k always drafts
 
 
 def test_full_depth_exit_accepts_everything(runner):
