@@ -88,7 +88,7 @@ class SwiftConfig(DraftVocabOption, RememberOption):
     """Most fraction of wall time spent optimising while drafting pays off (or is still being assessed)."""
     adaptive: bool = True
     """Draft only while draft-verify cycles measure faster than plain steps, else fall back to plain decoding and
-    re-check later (the same gate as early_exit's; was ``fallback``)."""
+    re-check later (the same gate as early_exit's)."""
     fallback_opt_budget: float = 0.03
     """Most fraction of wall time spent optimising while in the fallback (plain) mode (at most 0.01 when the
     remembered best plan is predicted not to pay)."""
