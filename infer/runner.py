@@ -18,6 +18,8 @@ Prompt prefill always runs eagerly, on the causal attention kernel (no mask).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import glob
 import hashlib
 import os
@@ -147,6 +149,19 @@ class Runner:
         state = {k: v.detach() for k, v in model.state_dict().items()}
         first = next(model.parameters())
         return cls(model.config, state, dtype or first.dtype, device or first.device, kernel, executor, compile)
+
+    def over_layers(self, layers: list[LayerWeights], final_norm: Tensor) -> Runner:
+        """A runner over other decoder layers (an exit adapter's) with ``final_norm`` before this model's LM head:
+        the embedding, LM head, RoPE tables, kernel and executor kind are this runner's; its spec (len(layers)
+        layers), counters, cache pool and static forwards are its own. Its caches are ``KVCache``s of its
+        layers, so every executor runs it as it runs the model."""
+        other = copy.copy(self)
+        other.spec = dataclasses.replace(self.spec, num_layers=len(layers))
+        other.layers, other.final_norm = list(layers), final_norm
+        other.counters = RunnerCounters([0] * len(layers))
+        other.caches, other._draft_heads = CachePool(), {}
+        other.set_executor(self.executor, self.static is not None and self.static.compile)
+        return other
 
     # ----------------------------------------------------------------- executor
     def set_executor(self, executor: str = "eager", compile: bool = False) -> None:
@@ -378,7 +393,9 @@ class Runner:
         return q, k, v
 
     def mlp(self, w: LayerWeights, hidden: Tensor, bulk: bool = False) -> Tensor:
-        """A layer's MLP sublayer with its residual: (T, d) -> (T, d)."""
+        """A layer's MLP sublayer with its residual: (T, d) -> (T, d); a layer without an MLP passes it through."""
+        if w.gate_up is None:
+            return hidden
         x = rms_norm(hidden, w.mlp_norm, self.spec.rms_norm_eps)  # (T, d)
         gate, up = w.gate_up(x, bulk).chunk(2, dim=-1)  # (T, I) each
         return hidden + w.down(F.silu(gate) * up, bulk)  # (T, d)
