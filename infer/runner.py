@@ -103,9 +103,11 @@ class RunnerCounters:
 class Runner:
     """Executes layer ranges of a Llama-family model with sublayer skip plans over a KV cache."""
 
-    def __init__(self, config, state: dict[str, Tensor], dtype: torch.dtype = torch.float32,
+    def __init__(self, config, state: dict[str, Tensor], *, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", kernel: str = "auto", executor: str = "eager",
                  compile: bool = False):
+        """A runner over ``state`` (a Llama-family state dict) and its HF ``config``; the options are keyword-only,
+        in the same order as ``from_pretrained`` and ``from_model`` take them."""
         self.config = config
         self.spec = ModelSpec.from_config(config)
         self.dtype = dtype
@@ -127,7 +129,7 @@ class Runner:
 
     # ----------------------------------------------------------------- loading
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+    def from_pretrained(cls, path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu", kernel: str = "auto", executor: str = "eager",
                         compile: bool = False) -> Runner:
         """Load from a local HF folder (safetensors read directly; .bin through transformers)."""
@@ -139,16 +141,17 @@ class Runner:
             state = load_safetensors_dir(path)
         else:
             state = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
-        return cls(config, state, dtype, device, kernel, executor, compile)
+        return cls(config, state, dtype=dtype, device=device, kernel=kernel, executor=executor, compile=compile)
 
     @classmethod
-    def from_model(cls, model, dtype: torch.dtype | None = None, kernel: str = "auto", executor: str = "eager",
-                   device: str | torch.device | None = None, compile: bool = False) -> Runner:
+    def from_model(cls, model, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
+                   kernel: str = "auto", executor: str = "eager", compile: bool = False) -> Runner:
         """Wrap an instantiated HF model (its weights are copied into fused tensors; by default in the model's own
         dtype, on its own device)."""
         state = {k: v.detach() for k, v in model.state_dict().items()}
         first = next(model.parameters())
-        return cls(model.config, state, dtype or first.dtype, device or first.device, kernel, executor, compile)
+        return cls(model.config, state, dtype=dtype or first.dtype, device=device or first.device, kernel=kernel,
+                   executor=executor, compile=compile)
 
     def over_layers(self, layers: list[LayerWeights], final_norm: Tensor) -> Runner:
         """A runner over other decoder layers (an exit adapter's) with ``final_norm`` before this model's LM head:
@@ -160,7 +163,8 @@ class Runner:
         other.layers, other.final_norm = list(layers), final_norm
         other.counters = RunnerCounters([0] * len(layers))
         other.caches, other._draft_heads = CachePool(), {}
-        other.set_executor(self.executor, self.static is not None and self.static.compile)
+        other.static = None if self.static is None else StaticExecutor(other, self.static.capture,
+                                                                       self.static.compile)
         return other
 
     # ----------------------------------------------------------------- executor

@@ -104,7 +104,7 @@ def build_config(name: str, options: dict | object) -> object:
 def _not_an_option(name: str, key: str, valid: list[str]) -> str:
     message = f"option {key!r} does not apply to drafter {name!r} (its options: {', '.join(valid) or 'none'})"
     if name == "autoregressive":  # its one knob is the generation's, not the drafter's
-        message += ("; lossy early exit is spelled target_exit, a generation setting: GenerationConfig(target_exit=E), "
+        message += ("; lossy early exit is spelled target_exit, a generation setting: DecodeConfig(target_exit=E), "
                     "`--target-exit E` or the spec autoregressive:target_exit=E")
     return message
 
@@ -135,7 +135,7 @@ class Spec:
     options: dict
     """The drafter's options as typed (field names or aliases -> text)."""
     target_exit: int | None = None
-    """``GenerationConfig.target_exit`` for this method (None: the full model)."""
+    """``DecodeConfig.target_exit`` for this method (None: the full model)."""
 
 
 def parse_spec(spec: str, validate: bool = True) -> Spec:

@@ -162,9 +162,9 @@ class BenchConfig:
             self.sampling = SamplingConfig()
 
     def generation(self, method: Method):
-        """The GenerationConfig of ``method`` (its lossy ``target_exit``, if any, on top of the shared settings)."""
-        from infer.engine import GenerationConfig
+        """The DecodeConfig of ``method`` (its lossy ``target_exit``, if any, on top of the shared settings)."""
+        from infer.engine import DecodeConfig
 
-        return GenerationConfig(max_new_tokens=self.max_new_tokens, sampling=self.sampling,
+        return DecodeConfig(max_new_tokens=self.max_new_tokens, sampling=self.sampling,
                                 stop_at_eos=self.stop_at_eos, target_exit=method.target_exit)
 

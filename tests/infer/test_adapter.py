@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from executor_cases import fake_capture
 from lossless_stats import P_THRESHOLD, sampling_pvalue
 
 from infer.adapter import ExitAdapter
 from infer.draft_vocab import DraftVocab
 from infer.drafters import build_drafter
-from infer.engine import Engine, GenerationConfig
+from infer.engine import DecodeConfig, Engine
+from infer.graphs import StaticExecutor, StaticSpan
 from infer.runner import Runner
 from infer.sampling import SamplingConfig
 from layerskip_core.errors import UserError
@@ -66,7 +68,7 @@ def test_an_untrained_adapter_drafts_as_the_plain_exit(model, tmp_path):
     """Zero output projections and the final norm's weights: the same drafts, so the same acceptance."""
     write_adapter(model, tmp_path / "a.safetensors", exit_layer=3)
     runner = Runner.from_model(model)
-    config = GenerationConfig(max_new_tokens=24)
+    config = DecodeConfig(max_new_tokens=24)
     plain = Engine(runner, build_drafter("early_exit", runner, {"E": 3, "k": 4, "draft_vocab": "off"}))
     adapted = Engine(runner, build_drafter("early_exit", runner, {"k": 4, "draft_vocab": "off",
                                                                   "adapter": str(tmp_path / "a.safetensors")}))
@@ -76,7 +78,7 @@ def test_an_untrained_adapter_drafts_as_the_plain_exit(model, tmp_path):
 
 
 def _ar(runner, prompt, n=32):
-    return Engine(runner, build_drafter("autoregressive", runner)).generate(prompt, GenerationConfig(max_new_tokens=n))
+    return Engine(runner, build_drafter("autoregressive", runner)).generate(prompt, DecodeConfig(max_new_tokens=n))
 
 
 @pytest.mark.parametrize("executor", ["eager", "static"])
@@ -92,11 +94,47 @@ def test_greedy_with_an_adapter_equals_plain_decoding(model, tmp_path, executor,
             ids=list(range(0, 320, 2)), model=runner.identity())}):
         engine = Engine(runner, build_drafter("early_exit", runner, {"adapter": str(path), **options}))
         for prompt in PROMPTS:
-            out = engine.generate(prompt, GenerationConfig(max_new_tokens=32))
+            out = engine.generate(prompt, DecodeConfig(max_new_tokens=32))
             assert out.tokens == _ar(runner, prompt).tokens, (options, prompt)
             totals[0] += out.stats.accepted
             totals[1] += out.stats.drafted
     assert 0 < totals[0] < totals[1]  # drafts were used, and some were rejected
+
+
+def _drafts(runner, path, prompt, options):
+    """(output tokens, every draft's tokens) of early exit with the adapter at ``path`` on ``runner``."""
+    drafter = build_drafter("early_exit", runner, {"adapter": str(path), **options})
+    drafts, propose = [], drafter.propose
+
+    def recorded(state):
+        draft = propose(state)
+        drafts.append(None if draft is None else draft.tokens.tolist())
+        return draft
+
+    drafter.propose = recorded
+    out = Engine(runner, drafter).generate(prompt, DecodeConfig(max_new_tokens=24))
+    return out.tokens, drafts, drafter.adapter
+
+
+@pytest.mark.parametrize("executor", ["static", "graphs"])
+def test_the_adapter_drafts_identically_on_every_executor(model, tmp_path, monkeypatch, executor):
+    """The adapter's layer runs on the runner's executor (static forwards; with graph-replay semantics, a stand-in
+    capture on CPU): every draft equals the eager executor's."""
+    path = tmp_path / "a.safetensors"
+    write_adapter(model, path, 2, mlp_size=16, noise=0.05, seed=3)
+    eager = Runner.from_model(model)
+    runner = Runner.from_model(model, executor="static")
+    if executor == "graphs":
+        monkeypatch.setattr(StaticSpan, "capture", fake_capture)
+        runner.static = StaticExecutor(runner, capture=True)
+    cases = [{"k": 4}, {"k": 3, "draft_vocab": DraftVocab(ids=list(range(0, 320, 2)), model=runner.identity())}]
+    for options in cases[:1] if executor == "graphs" else cases:
+        for prompt in PROMPTS:
+            want, got = _drafts(eager, path, prompt, options), _drafts(runner, path, prompt, options)
+            assert got[:2] == want[:2] and any(got[1]), (options, prompt)
+            spans = got[2].layer.static.spans()  # the adapter layer's own static forwards ran the drafts
+            assert any(s.key.logits and s.key.rows == 1 for s in spans)
+            assert executor == "static" or any(s.graph is not None for s in spans)
 
 
 def test_adaptive_plain_steps_then_drafting_stays_exact(model, tmp_path):
@@ -109,7 +147,7 @@ def test_adaptive_plain_steps_then_drafting_stays_exact(model, tmp_path):
     drafter.gate.mode = "plain"  # start in plain steps, as a gate that measured drafting slower would
     engine = Engine(runner, drafter)
     for prompt in PROMPTS:
-        out = engine.generate(prompt, GenerationConfig(max_new_tokens=40))
+        out = engine.generate(prompt, DecodeConfig(max_new_tokens=40))
         assert out.tokens == _ar(runner, prompt, 40).tokens
 
 
@@ -154,8 +192,8 @@ def test_the_shipped_adapter_drafts_losslessly_on_the_default_model(default_mode
     model = load_model(str(default_model_path), device="cpu")
     prompt = model.encode("def fibonacci(n):\n    ")
     with model.engine("autoregressive") as engine:
-        plain = engine.generate(prompt, GenerationConfig(max_new_tokens=24))
+        plain = engine.generate(prompt, DecodeConfig(max_new_tokens=24))
     with model.engine("early_exit", adapter="default", num_draft=4) as engine:
         assert engine.drafter.adapter.exit_layer == engine.drafter.forward.exact_layers == 4  # the file's E
-        out = engine.generate(prompt, GenerationConfig(max_new_tokens=24))
+        out = engine.generate(prompt, DecodeConfig(max_new_tokens=24))
     assert out.tokens == plain.tokens and out.stats.drafted > 0
