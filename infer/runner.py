@@ -23,6 +23,7 @@ import dataclasses
 import glob
 import hashlib
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,6 +101,24 @@ class RunnerCounters:
         self.lm_head_tokens = 0
 
 
+def weights_device(model) -> torch.device:
+    """The one device that holds all of an HF ``model``'s weights. A model whose weights are not loaded (on the meta
+    device: offloaded by a ``device_map``, or built empty) or spread over several devices (a sharding
+    ``device_map``) is refused in one line, before anything is copied or decoded."""
+    devices = {t.device for t in [*model.parameters(), *model.buffers()]}
+    placed = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
+    whole = "load it whole on one device (no device_map, or device_map={'': 'cuda:0'}) to decode with it"
+    if any(d.type == "meta" for d in devices) or placed & {"meta", "disk"}:
+        raise UserError(f"the model's weights are not loaded (on the meta device: offloaded by a device_map, or "
+                        f"built empty); {whole}")
+    if len(devices) > 1 or len(placed) > 1:
+        where = ", ".join(sorted(placed or {str(d) for d in devices}))
+        raise UserError(f"the model is spread over several devices ({where}); the runner decodes on one: {whole}")
+    if not devices:
+        raise UserError("the model has no weights; give a loaded Llama-family model")
+    return devices.pop()
+
+
 class Runner:
     """Executes layer ranges of a Llama-family model with sublayer skip plans over a KV cache."""
 
@@ -126,6 +145,10 @@ class Runner:
         """Free KV caches by capacity (``take_cache`` / ``release_cache``)."""
         self._draft_heads: dict[str, DraftHead] = {}
         self.set_executor(executor, compile)
+        if self.spec.sliding_window is not None:
+            print(f"layerskip: note: this {self.spec.model_type} model attends over a sliding window of "
+                  f"{self.spec.sliding_window} tokens; decoding is capped at {self.spec.max_position_embeddings} "
+                  "tokens (prompt + new), within which the runner's full attention is the model's", file=sys.stderr)
 
     # ----------------------------------------------------------------- loading
     @classmethod
@@ -148,10 +171,10 @@ class Runner:
                    kernel: str = "auto", executor: str = "eager", compile: bool = False) -> Runner:
         """Wrap an instantiated HF model (its weights are copied into fused tensors; by default in the model's own
         dtype, on its own device)."""
+        home = weights_device(model)
         state = {k: v.detach() for k, v in model.state_dict().items()}
-        first = next(model.parameters())
-        return cls(model.config, state, dtype=dtype or first.dtype, device=device or first.device, kernel=kernel,
-                   executor=executor, compile=compile)
+        return cls(model.config, state, dtype=dtype or next(model.parameters()).dtype, device=device or home,
+                   kernel=kernel, executor=executor, compile=compile)
 
     def over_layers(self, layers: list[LayerWeights], final_norm: Tensor) -> Runner:
         """A runner over other decoder layers (an exit adapter's) with ``final_norm`` before this model's LM head:
