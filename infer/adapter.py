@@ -2,12 +2,13 @@
 forward through it.
 
 The shape and file format are ``layerskip_core.adapter_spec``'s; ``train.adapter`` writes the files. The adapter's
-attention, optional MLP and norms are a ``LayerWeights`` like the model's, run by ``Runner.over_layers``: a runner
-over that one layer, sharing the model's RoPE tables, LM head and executor kind, whose final norm is the adapter's
-own output norm, over a one-layer ``KVCache`` whose slot is the position. So the eager, static and (on CUDA)
-captured forwards all cover it, with the runner's one norm, RoPE and projection code. Drafting with an adapter
-runs layers [0, E) of the model (whose KV and exit hidden states are exact, so verification reuses them as for
-LayerSkip early exit), then the adapter's layer, its output norm and the shared LM head (or a reduced draft head).
+attention, optional MLP and norms become a ``LayerWeights`` like the model's, run by ``Runner.extra_layer``: a
+runner over that one layer (kept by the model's runner), sharing the model's RoPE tables, LM head and executor
+kind, whose final norm is the adapter's own output norm, over a one-layer ``KVCache`` paired with the model's
+cache (``Runner.cache_beside``) whose slot is the position. So the eager, static and (on CUDA) captured forwards
+all cover it, with the runner's one norm, RoPE and projection code. Drafting with an adapter runs layers [0, E) of
+the model (whose KV and exit hidden states are exact, so verification reuses them as for LayerSkip early exit),
+then the adapter's layer, its output norm and the shared LM head (or a reduced draft head).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from torch import Tensor
 
 from infer.kv_cache import KVCache
 from infer.runner import DraftHead, Runner, SpanOutput
-from infer.weights import fused_layer
 from layerskip_core.adapter_spec import LAYER_NAMES, AdapterShape, read_file, read_metadata
 from layerskip_core.errors import UserError
 from layerskip_core.models import ModelSpec
@@ -40,10 +40,9 @@ class ExitAdapter:
             if name not in weights or tuple(weights[name].shape) != want:
                 got = tuple(weights[name].shape) if name in weights else "missing"
                 raise UserError(f"adapter tensor {name!r} should have shape {want}, has {got}; the file is damaged")
-        w = {LAYER_NAMES[k]: v.to(runner.device, runner.dtype) for k, v in weights.items() if k in LAYER_NAMES}
-        layer = fused_layer(w.get, runner.spec, runner.kernel, mlp=shape.mlp_size > 0)
-        self.layer = runner.over_layers([layer], weights["out_norm.weight"].to(runner.device, runner.dtype))
-        """The runner over the adapter's layer, its output norm before the LM head."""
+        layer = {LAYER_NAMES[k]: weights[k] for k in shape.tensor_shapes() if k in LAYER_NAMES}
+        self.layer = runner.extra_layer(layer, weights["out_norm.weight"])
+        """The runner over the adapter's layer, its output norm before the LM head (kept by ``runner``)."""
 
     @property
     def exit_layer(self) -> int:
@@ -111,7 +110,7 @@ class AdapterForward:
         self.runner, self.adapter, self.vocab = runner, adapter, vocab
         self.exact_layers = adapter.exit_layer
         self.cache: KVCache | None = None
-        """The adapter layer's cache (from its runner's pool, one capacity bucket as the model's)."""
+        """The adapter layer's one-layer cache, paired with the model's cache of the sequence being decoded."""
 
     def __call__(self, cache: KVCache, token: Tensor, position: int) -> tuple[Tensor, Tensor]:
         r = self.runner
@@ -121,10 +120,8 @@ class AdapterForward:
     def start(self, cache: KVCache, tokens: list[int]) -> None:
         """A prompt was prefilled: fill the adapter's cache for its positions. The prefill did not keep the
         stream at layer E, so layers [0, E) run over the prompt again, in a scratch cache (E/L of a prefill)."""
-        r, P, layer = self.runner, len(tokens), self.adapter.layer
-        if self.cache is not None:
-            layer.release_cache(self.cache)
-        self.cache = layer.take_cache(cache.capacity)
+        r, P = self.runner, len(tokens)
+        self.cache = self.adapter.layer.cache_beside(cache)
         scratch = r.take_cache(P)
         try:
             ids = r.to_device(tokens)  # (P,)

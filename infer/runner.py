@@ -27,6 +27,7 @@ import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from weakref import WeakKeyDictionary
 
 import torch
 import torch.nn.functional as F
@@ -40,11 +41,13 @@ from infer.weights import (
     LayerWeights,
     Linear,
     fingerprint,
+    fused_layer,
     fused_weights,
     load_kernel,
     load_safetensors_dir,
     rms_norm,
     strip_prefix,
+    tensor_digest,
 )
 from layerskip_core.errors import UserError
 from layerskip_core.models import ModelSpec
@@ -144,6 +147,8 @@ class Runner:
         self.caches = CachePool()
         """Free KV caches by capacity (``take_cache`` / ``release_cache``)."""
         self._draft_heads: dict[str, DraftHead] = {}
+        self._extra_layers: dict[str, Runner] = {}
+        self._beside: WeakKeyDictionary = WeakKeyDictionary()  # another runner's cache -> this runner's paired one
         self.set_executor(executor, compile)
         if self.spec.sliding_window is not None:
             print(f"layerskip: note: this {self.spec.model_type} model attends over a sliding window of "
@@ -177,18 +182,33 @@ class Runner:
                    kernel=kernel, executor=executor, compile=compile)
 
     def over_layers(self, layers: list[LayerWeights], final_norm: Tensor) -> Runner:
-        """A runner over other decoder layers (an exit adapter's) with ``final_norm`` before this model's LM head:
-        the embedding, LM head, RoPE tables, kernel and executor kind are this runner's; its spec (len(layers)
-        layers), counters, cache pool and static forwards are its own. Its caches are ``KVCache``s of its
-        layers, so every executor runs it as it runs the model."""
+        """A runner over other decoder layers with ``final_norm`` before this model's LM head: the embedding, LM
+        head, RoPE tables, kernel and executor kind are this runner's; its spec (len(layers) layers), counters, cache
+        pool and static forwards are its own. Its caches are ``KVCache``s of its layers, so every executor runs it
+        as it runs the model."""
         other = copy.copy(self)
         other.spec = dataclasses.replace(self.spec, num_layers=len(layers))
         other.layers, other.final_norm = list(layers), final_norm
         other.counters = RunnerCounters([0] * len(layers))
-        other.caches, other._draft_heads = CachePool(), {}
+        other.caches, other._draft_heads, other._extra_layers = CachePool(), {}, {}
+        other._beside = WeakKeyDictionary()
         other.static = None if self.static is None else StaticExecutor(other, self.static.capture,
                                                                        self.static.compile)
         return other
+
+    def extra_layer(self, state: dict[str, Tensor], final_norm: Tensor) -> Runner:
+        """``over_layers`` for one more decoder layer (an exit adapter's) given by its tensors under HF names within
+        a layer (without ``mlp.*`` tensors it has no MLP), on any device and dtype. Built on first use for these
+        values and kept for the runner's lifetime, as draft heads are, so its static forwards and CUDA graphs are
+        made once, not once per drafter."""
+        key = tensor_digest(state | {"final_norm": final_norm})
+        if key not in self._extra_layers:
+            def get(name: str) -> Tensor | None:
+                return state[name].to(self.device, self.dtype) if name in state else None
+
+            layer = fused_layer(get, self.spec, self.kernel, mlp="mlp.gate_proj.weight" in state)
+            self._extra_layers[key] = self.over_layers([layer], final_norm.to(self.device, self.dtype))
+        return self._extra_layers[key]
 
     # ----------------------------------------------------------------- executor
     def set_executor(self, executor: str = "eager", compile: bool = False) -> None:
@@ -246,6 +266,16 @@ class Runner:
         """
         capacity = capacity_bucket(length)
         return self.caches.take(capacity) or self.new_cache(capacity)
+
+    def cache_beside(self, cache: KVCache) -> KVCache:
+        """An empty cache of this runner's layers paired with ``cache`` (another runner's: an extra layer's beside
+        the model's), of its capacity: made on first use and kept while ``cache`` lives, so it is pooled with it
+        and its static forwards last as long."""
+        paired = self._beside.get(cache)
+        if paired is None or paired.capacity != cache.capacity:
+            paired = self._beside[cache] = self.new_cache(cache.capacity)
+        paired.reset()
+        return paired
 
     def release_cache(self, cache: KVCache) -> None:
         """Give a cache from ``take_cache`` back to the pool (its contents are dropped on the next take)."""

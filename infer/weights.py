@@ -4,6 +4,7 @@ CPU kernel where it applies, and the RMSNorm both the runner and its static forw
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -134,6 +135,16 @@ def fused_weights(state: dict[str, Tensor], config, dt: torch.dtype, dev: torch.
         raise UserError(f"checkpoint has no tensor {missing!r}; is it a Llama-family model?")
     tied = head is None or getattr(config, "tie_word_embeddings", False)
     return embed, norm, Linear(embed if tied else head, None, kernel), layers
+
+
+def tensor_digest(tensors: dict[str, Tensor]) -> str:
+    """A digest of named tensors' exact values (any dtype or device), to key what is built from them."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()[:16]
 
 
 def fingerprint(state: dict[str, Tensor]) -> str:

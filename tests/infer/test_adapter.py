@@ -135,6 +135,9 @@ def test_the_adapter_drafts_identically_on_every_executor(model, tmp_path, monke
             spans = got[2].layer.static.spans()  # the adapter layer's own static forwards ran the drafts
             assert any(s.key.logits and s.key.rows == 1 for s in spans)
             assert executor == "static" or any(s.graph is not None for s in spans)
+    built = runner.static.builds, got[2].layer.static.builds
+    again = _drafts(runner, path, PROMPTS[0], cases[0])  # a fresh drafter: the runner kept the adapter's layer
+    assert again[2].layer is got[2].layer and (runner.static.builds, again[2].layer.static.builds) == built
 
 
 def test_adaptive_plain_steps_then_drafting_stays_exact(model, tmp_path):
