@@ -175,7 +175,7 @@ class Runner:
     def from_model(cls, model, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
                    kernel: str = "auto", executor: str = "eager", compile: bool = False) -> Runner:
         """Wrap an instantiated HF model (its weights are copied into fused tensors; by default in the model's own
-        dtype, on its own device)."""
+        dtype, on its own device). A model not loaded whole on one device is refused (``weights_device``)."""
         home = weights_device(model)
         state = {k: v.detach() for k, v in model.state_dict().items()}
         return cls(model.config, state, dtype=dtype or next(model.parameters()).dtype, device=device or home,
