@@ -187,6 +187,23 @@ def test_bad_adapters_are_one_line_errors(model, tmp_path):
         AdapterLM(model, AdapterConfig(enabled=True, exit_layer=6))
 
 
+def test_a_header_that_lies_about_the_head_layout_is_refused(model, tmp_path):
+    """Two heads of width 32 instead of four of 16: the same tensor shapes, another attention; refused in one line."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    write_adapter(model, tmp_path / "a.safetensors", 2)
+    with safe_open(str(tmp_path / "a.safetensors"), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    meta["shape"] = json.dumps(json.loads(meta["shape"]) | {"num_heads": 2, "num_kv_heads": 1, "head_dim": 32})
+    save_file(tensors, str(tmp_path / "lies.safetensors"), metadata=meta)
+    runner = Runner.from_model(model)
+    with pytest.raises(UserError, match=r"header gives .*\(64, 2, 1, 32, .*the model has \(64, 4, 2, 16"):
+        build_drafter("early_exit", runner, {"adapter": str(tmp_path / "lies.safetensors")})
+
+
 @pytest.mark.real_model
 def test_the_shipped_adapter_drafts_losslessly_on_the_default_model(default_model_path):
     """--adapter default: the file shipped for the default model, its E taken from the file, output unchanged."""
