@@ -2,10 +2,10 @@
 
 The Python API (stable names; the README's "Python API" runs them):
 
-    from infer import GenerationConfig, SamplingConfig, load_model
+    from infer import DecodeConfig, SamplingConfig, load_model
 
     model = load_model("default")                  # a folder, a hub id, "default", or (hf_model, tokenizer=...)
-    out = model.generate("def fib(n):", "early_exit", GenerationConfig(max_new_tokens=32), exit_layer=24)
+    out = model.generate("def fib(n):", "early_exit", DecodeConfig(max_new_tokens=32), exit_layer=24)
     print(out.text, out.stats.tokens_per_second, out.stats.acceptance_rate)
 
 The names below load on first use (PEP 562), so importing ``infer`` or a torch-free module of it (the
@@ -20,7 +20,7 @@ _EXPORTS = {
     "load_model": "infer.loading",
     "LoadedModel": "infer.loading",
     "Engine": "infer.engine",
-    "GenerationConfig": "infer.engine",
+    "DecodeConfig": "infer.engine",
     "GenerationResult": "infer.engine",
     "GenerationStats": "infer.engine",
     "SamplingConfig": "infer.sampling",

@@ -35,8 +35,9 @@ from layerskip_core.options import check_fields
 
 
 @dataclass(frozen=True)
-class GenerationConfig:
-    """When to stop and how to choose tokens."""
+class DecodeConfig:
+    """When to stop and how to choose tokens (named apart from transformers' ``GenerationConfig``, which the
+    transformers entry, ``infer.hf_generate``, reads and turns into one of these)."""
 
     max_new_tokens: int = 128
     """Generate at most this many tokens."""
@@ -52,7 +53,7 @@ class GenerationConfig:
     None (or E = the model's layer count) is the full model."""
 
     def __post_init__(self) -> None:
-        check_fields(self, "GenerationConfig")
+        check_fields(self, "DecodeConfig")
         if self.max_new_tokens < 1:
             raise UserError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.target_exit is not None and self.target_exit < 1:
@@ -142,7 +143,7 @@ class Generation:
 
     state: DecodeState
     """The decoding state shared with the drafter (tokens, cache, sampling)."""
-    config: GenerationConfig
+    config: DecodeConfig
     """The settings it was started with."""
     stats: GenerationStats
     """Counters and timings so far."""
@@ -161,7 +162,7 @@ class Generation:
 class Engine:
     """Runs one drafter against the full model; output is identical to plain decoding.
 
-    ``GenerationConfig.target_exit`` E makes the *target* itself lossy: layers [0, E) + final norm + LM head
+    ``DecodeConfig.target_exit`` E makes the *target* itself lossy: layers [0, E) + final norm + LM head
     (prefill and verification run only those layers); only a drafter that does not draft (autoregressive)
     may be combined with it, and E = L is exactly the plain model.
 
@@ -189,7 +190,7 @@ class Engine:
             self.closed = True
             self.drafter.finish()
 
-    def target_depth(self, config: GenerationConfig) -> int:
+    def target_depth(self, config: DecodeConfig) -> int:
         """Layers of the target under ``config``: the model's, or a lossy ``target_exit``."""
         L, E = self.runner.num_layers, config.target_exit
         if E is None or E == L:
@@ -200,7 +201,7 @@ class Engine:
                             f"autoregressive drafter), not {self.drafter.name!r}")
         return E
 
-    def generate(self, prompt_ids: Sequence[int] | Tensor, config: GenerationConfig | None = None,
+    def generate(self, prompt_ids: Sequence[int] | Tensor, config: DecodeConfig | None = None,
                  generator: torch.Generator | None = None, reserve: int | None = None) -> GenerationResult:
         """Prefill, then propose-verify-accept cycles until a stop condition (``reserve``: see ``start``)."""
         gen = self.start(prompt_ids, config, generator, reserve)
@@ -208,16 +209,16 @@ class Engine:
             self.step(gen)
         return self.finish(gen)
 
-    def start(self, prompt_ids: Sequence[int] | Tensor, config: GenerationConfig | None = None,
+    def start(self, prompt_ids: Sequence[int] | Tensor, config: DecodeConfig | None = None,
               generator: torch.Generator | None = None, reserve: int | None = None) -> Generation:
         """Check and prefill a prompt; the returned generation holds its first token.
 
         ``reserve``: cache positions to take from the runner's pool (default ``cache_length`` of this prompt and
         ``config``); ``warm_up`` uses it to run short generations in the cache a longer one will use."""
-        config = GenerationConfig() if config is None else config
-        if not isinstance(config, GenerationConfig):
-            raise UserError(f"config must be a GenerationConfig (or None), not {type(config).__name__}: "
-                            "e.g. GenerationConfig(max_new_tokens=32)")
+        config = DecodeConfig() if config is None else config
+        if not isinstance(config, DecodeConfig):
+            raise UserError(f"config must be a DecodeConfig (or None), not {type(config).__name__}: "
+                            "e.g. DecodeConfig(max_new_tokens=32)")
         prompt = token_ids(prompt_ids)
         self._check_prompt(prompt, config)
         if self.closed:
@@ -278,7 +279,7 @@ class Engine:
         text = self.decode(out) if self.decode else None
         return GenerationResult(out, finish, stats, text)
 
-    def warm_up(self, prompts: Sequence[Sequence[int]], config: GenerationConfig | None = None) -> None:
+    def warm_up(self, prompts: Sequence[Sequence[int]], config: DecodeConfig | None = None) -> None:
         """Untimed generations that set up what timed generations of ``prompts`` with ``config`` will use.
 
         On the static/graphs executors, static forwards (and CUDA graphs) are built per pooled cache and per
@@ -288,7 +289,7 @@ class Engine:
         a timed run builds nothing, except SWIFT's drafting forward for a plan first found in it. On the eager
         executor one short generation loads what needs loading (kernels, allocator).
         """
-        config = dataclasses.replace(config or GenerationConfig(), stop_at_eos=False)
+        config = dataclasses.replace(config or DecodeConfig(), stop_at_eos=False)
         if self.runner.static is None:
             self.generate(prompts[0], dataclasses.replace(config, max_new_tokens=min(4, config.max_new_tokens)))
             return
@@ -311,13 +312,13 @@ class Engine:
 
     @torch.no_grad()
     def target_logits(self, prompt_ids: Sequence[int], tokens: Sequence[int],
-                      config: GenerationConfig | None = None) -> Tensor:
+                      config: DecodeConfig | None = None) -> Tensor:
         """(V,) fp32 logits of the target after ``prompt_ids + tokens``, computed exactly as plain decoding with
         this engine and ``config`` computes them: the prompt prefilled in one forward, then one token per
         forward through the runner's executor, in a pooled cache of the same capacity. In bf16 this is what
         tells a tie flip from a bug: recomputing on another path (eager instead of static/graphs, another
         capacity) can move a logit by more than the tie bound."""
-        config = config or GenerationConfig()
+        config = config or DecodeConfig()
         runner, prompt = self.runner, [int(t) for t in prompt_ids]
         cache = runner.take_cache(self.cache_length(len(prompt), config.max_new_tokens))
         state = DecodeState(runner, cache, config.sampling, torch.Generator(), tokens=prompt, prompt_len=len(prompt),
@@ -332,17 +333,17 @@ class Engine:
         return logits[0]
 
     # ----------------------------------------------------------------- the cycle's parts
-    def _check_prompt(self, prompt: list[int], config: GenerationConfig) -> None:
+    def _check_prompt(self, prompt: list[int], config: DecodeConfig) -> None:
         if not prompt:
             raise UserError("the prompt is empty; give at least one token of text")
         vocab = self.runner.spec.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise UserError(f"prompt token ids must lie in [0, {vocab})")
-        limit = self.runner.spec.max_position_embeddings
+        limit, window = self.runner.spec.max_position_embeddings, self.runner.spec.sliding_window
         if len(prompt) + config.max_new_tokens > limit:
             raise UserError(f"prompt ({len(prompt)} tokens) + max-new-tokens ({config.max_new_tokens}) "
-                            f"exceeds the model's context of {limit} tokens; shorten the prompt or "
-                            "lower --max-new-tokens")
+                            f"exceeds the model's {'sliding window' if window else 'context'} of {limit} tokens; "
+                            "shorten the prompt or lower --max-new-tokens")
 
     def _prefill(self, state: DecodeState) -> int:
         """Run the prompt through the target; the token it predicts becomes the pending token."""
@@ -428,7 +429,7 @@ class Engine:
         cache.compact(src, dst)
         cache.rollback(n + len(path))
 
-    def _stop_reason(self, out: list[int], config: GenerationConfig, new: int = 1) -> str | None:
+    def _stop_reason(self, out: list[int], config: DecodeConfig, new: int = 1) -> str | None:
         fresh = out[len(out) - new:]
         if config.stop_at_eos and self.eos and any(t in self.eos for t in fresh):
             return "eos"
@@ -440,7 +441,7 @@ class Engine:
             return "length"
         return None
 
-    def _truncate(self, out: list[int], finish: str, config: GenerationConfig) -> tuple[list[int], str]:
+    def _truncate(self, out: list[int], finish: str, config: DecodeConfig) -> tuple[list[int], str]:
         """Cut what a multi-token step appended past the first stop condition."""
         for k in range(1, len(out) + 1):
             if config.stop_at_eos and out[k - 1] in self.eos:

@@ -46,7 +46,7 @@ from transformers.generation import (
 
 from infer.drafters import Spec, drafter_spec
 from infer.engine import Engine
-from infer.engine import GenerationConfig as DecodeConfig
+from infer.engine import DecodeConfig
 from infer.runner import Runner
 from infer.sampling import SamplingConfig
 from layerskip_core.errors import UserError
@@ -135,7 +135,8 @@ class HFGenerate:
         want = (dtype or first.dtype, torch.device(device) if device is not None else first.device)
         runner = self.runners.get(model)
         if runner is None or (runner.dtype, runner.device) != want:
-            runner = Runner.from_model(model, want[0], device=want[1], executor=resolve_executor(executor, want[1]),
+            runner = Runner.from_model(model, dtype=want[0], device=want[1],
+                                       executor=resolve_executor(executor, want[1]),
                                        compile=resolve_compile(compile, want[1]))
             share_weights(model, runner)
             self.runners[model] = runner

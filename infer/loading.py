@@ -4,7 +4,7 @@ The public entry point of the Python API (see the README's "Python API"):
 
     model = load_model("default")                          # a folder, a hub id, "default" ...
     model = load_model(hf_model, tokenizer=hf_tokenizer)   # ... or a transformers model already in memory
-    result = model.generate("def fib(n):", "early_exit", GenerationConfig(max_new_tokens=32), exit_layer=24)
+    result = model.generate("def fib(n):", "early_exit", DecodeConfig(max_new_tokens=32), exit_layer=24)
     with model.engine("swift") as engine: ...              # one drafter over many prompts; finish() on exit
 
 ``load_model`` is the Python API's edge: it resolves device, dtype, executor and threads once
@@ -24,8 +24,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from infer.drafters import Spec, build_drafter, parse_spec, resolve_config
-from infer.engine import Engine, GenerationResult
-from infer.engine import GenerationConfig as DecodeConfig
+from infer.engine import DecodeConfig, Engine, GenerationResult
 from infer.runner import Runner
 from layerskip_core.errors import UserError
 from layerskip_core.settings import ModelSettings, Resolved, RunSettings
@@ -81,7 +80,7 @@ class LoadedModel:
     def method(self, spec: str | Spec, config: DecodeConfig | None = None) -> tuple[Engine, DecodeConfig]:
         """The engine and generation config of a method spec (``'early_exit:E=24:k=4'``,
         ``'autoregressive:target_exit=8'``): the drafter's options build the drafter, ``target_exit`` goes to
-        ``config`` (default: ``GenerationConfig()``)."""
+        ``config`` (default: ``DecodeConfig()``)."""
         spec = parse_spec(spec) if isinstance(spec, str) else spec
         config = dataclasses.replace(config or DecodeConfig(), target_exit=spec.target_exit)
         return self.engine(spec.drafter, spec.options), config
@@ -96,7 +95,7 @@ class LoadedModel:
                             "engine().generate(ids)")
         if not isinstance(drafter, str):
             raise UserError(f"drafter must be a drafter name (a str, e.g. 'early_exit'), not {type(drafter).__name__}"
-                            f"; put a GenerationConfig in config=")
+                            f"; put a DecodeConfig in config=")
         with self.engine(drafter, options) as engine:
             return engine.generate(self.encode(prompt, chat), config)
 
@@ -139,7 +138,8 @@ def load_resolved(run: Resolved, model: PreTrainedModel | None = None, tokenizer
     if model is not None:
         if tokenizer is None:
             raise UserError("a model given as an object needs its tokenizer: load_model(model, tokenizer)")
-        runner = Runner.from_model(model, run.dtype, run.kernel, run.executor, run.device, run.compile)
+        runner = Runner.from_model(model, dtype=run.dtype, device=run.device, kernel=run.kernel,
+                                   executor=run.executor, compile=run.compile)
         return LoadedModel(None, runner, tokenizer, eos_ids(None, tokenizer, model.generation_config))
     path = run.model
     if path is None:
@@ -149,5 +149,6 @@ def load_resolved(run: Resolved, model: PreTrainedModel | None = None, tokenizer
             tokenizer = AutoTokenizer.from_pretrained(path)
         except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for a malformed tokenizer.json
             raise UserError(f"could not load a tokenizer from {path}: {type(e).__name__}: {e}") from None
-    runner = Runner.from_pretrained(path, run.dtype, run.device, run.kernel, run.executor, run.compile)
+    runner = Runner.from_pretrained(path, dtype=run.dtype, device=run.device, kernel=run.kernel, executor=run.executor,
+                                    compile=run.compile)
     return LoadedModel(path, runner, tokenizer, eos_ids(path, tokenizer))

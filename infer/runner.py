@@ -18,12 +18,16 @@ Prompt prefill always runs eagerly, on the causal attention kernel (no mask).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import glob
 import hashlib
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from weakref import WeakKeyDictionary
 
 import torch
 import torch.nn.functional as F
@@ -37,11 +41,13 @@ from infer.weights import (
     LayerWeights,
     Linear,
     fingerprint,
+    fused_layer,
     fused_weights,
     load_kernel,
     load_safetensors_dir,
     rms_norm,
     strip_prefix,
+    tensor_digest,
 )
 from layerskip_core.errors import UserError
 from layerskip_core.models import ModelSpec
@@ -98,12 +104,32 @@ class RunnerCounters:
         self.lm_head_tokens = 0
 
 
+def weights_device(model) -> torch.device:
+    """The one device that holds all of an HF ``model``'s weights. A model whose weights are not loaded (on the meta
+    device: offloaded by a ``device_map``, or built empty) or spread over several devices (a sharding
+    ``device_map``) is refused in one line, before anything is copied or decoded."""
+    devices = {t.device for t in [*model.parameters(), *model.buffers()]}
+    placed = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}
+    whole = "load it whole on one device (no device_map, or device_map={'': 'cuda:0'}) to decode with it"
+    if any(d.type == "meta" for d in devices) or placed & {"meta", "disk"}:
+        raise UserError(f"the model's weights are not loaded (on the meta device: offloaded by a device_map, or "
+                        f"built empty); {whole}")
+    if len(devices) > 1 or len(placed) > 1:
+        where = ", ".join(sorted(placed or {str(d) for d in devices}))
+        raise UserError(f"the model is spread over several devices ({where}); the runner decodes on one: {whole}")
+    if not devices:
+        raise UserError("the model has no weights; give a loaded Llama-family model")
+    return devices.pop()
+
+
 class Runner:
     """Executes layer ranges of a Llama-family model with sublayer skip plans over a KV cache."""
 
-    def __init__(self, config, state: dict[str, Tensor], dtype: torch.dtype = torch.float32,
+    def __init__(self, config, state: dict[str, Tensor], *, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", kernel: str = "auto", executor: str = "eager",
                  compile: bool = False):
+        """A runner over ``state`` (a Llama-family state dict) and its HF ``config``; the options are keyword-only,
+        in the same order as ``from_pretrained`` and ``from_model`` take them."""
         self.config = config
         self.spec = ModelSpec.from_config(config)
         self.dtype = dtype
@@ -121,11 +147,17 @@ class Runner:
         self.caches = CachePool()
         """Free KV caches by capacity (``take_cache`` / ``release_cache``)."""
         self._draft_heads: dict[str, DraftHead] = {}
+        self._extra_layers: dict[str, Runner] = {}
+        self._beside: WeakKeyDictionary = WeakKeyDictionary()  # another runner's cache -> this runner's paired one
         self.set_executor(executor, compile)
+        if self.spec.sliding_window is not None:
+            print(f"layerskip: note: this {self.spec.model_type} model attends over a sliding window of "
+                  f"{self.spec.sliding_window} tokens; decoding is capped at {self.spec.max_position_embeddings} "
+                  "tokens (prompt + new), within which the runner's full attention is the model's", file=sys.stderr)
 
     # ----------------------------------------------------------------- loading
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+    def from_pretrained(cls, path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu", kernel: str = "auto", executor: str = "eager",
                         compile: bool = False) -> Runner:
         """Load from a local HF folder (safetensors read directly; .bin through transformers)."""
@@ -137,16 +169,46 @@ class Runner:
             state = load_safetensors_dir(path)
         else:
             state = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
-        return cls(config, state, dtype, device, kernel, executor, compile)
+        return cls(config, state, dtype=dtype, device=device, kernel=kernel, executor=executor, compile=compile)
 
     @classmethod
-    def from_model(cls, model, dtype: torch.dtype | None = None, kernel: str = "auto", executor: str = "eager",
-                   device: str | torch.device | None = None, compile: bool = False) -> Runner:
+    def from_model(cls, model, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
+                   kernel: str = "auto", executor: str = "eager", compile: bool = False) -> Runner:
         """Wrap an instantiated HF model (its weights are copied into fused tensors; by default in the model's own
-        dtype, on its own device)."""
+        dtype, on its own device). A model not loaded whole on one device is refused (``weights_device``)."""
+        home = weights_device(model)
         state = {k: v.detach() for k, v in model.state_dict().items()}
-        first = next(model.parameters())
-        return cls(model.config, state, dtype or first.dtype, device or first.device, kernel, executor, compile)
+        return cls(model.config, state, dtype=dtype or next(model.parameters()).dtype, device=device or home,
+                   kernel=kernel, executor=executor, compile=compile)
+
+    def over_layers(self, layers: list[LayerWeights], final_norm: Tensor) -> Runner:
+        """A runner over other decoder layers with ``final_norm`` before this model's LM head: the embedding, LM
+        head, RoPE tables, kernel and executor kind are this runner's; its spec (len(layers) layers), counters, cache
+        pool and static forwards are its own. Its caches are ``KVCache``s of its layers, so every executor runs it
+        as it runs the model."""
+        other = copy.copy(self)
+        other.spec = dataclasses.replace(self.spec, num_layers=len(layers))
+        other.layers, other.final_norm = list(layers), final_norm
+        other.counters = RunnerCounters([0] * len(layers))
+        other.caches, other._draft_heads, other._extra_layers = CachePool(), {}, {}
+        other._beside = WeakKeyDictionary()
+        other.static = None if self.static is None else StaticExecutor(other, self.static.capture,
+                                                                       self.static.compile)
+        return other
+
+    def extra_layer(self, state: dict[str, Tensor], final_norm: Tensor) -> Runner:
+        """``over_layers`` for one more decoder layer (an exit adapter's) given by its tensors under HF names within
+        a layer (without ``mlp.*`` tensors it has no MLP), on any device and dtype. Built on first use for these
+        values and kept for the runner's lifetime, as draft heads are, so its static forwards and CUDA graphs are
+        made once, not once per drafter."""
+        key = tensor_digest(state | {"final_norm": final_norm})
+        if key not in self._extra_layers:
+            def get(name: str) -> Tensor | None:
+                return state[name].to(self.device, self.dtype) if name in state else None
+
+            layer = fused_layer(get, self.spec, self.kernel, mlp="mlp.gate_proj.weight" in state)
+            self._extra_layers[key] = self.over_layers([layer], final_norm.to(self.device, self.dtype))
+        return self._extra_layers[key]
 
     # ----------------------------------------------------------------- executor
     def set_executor(self, executor: str = "eager", compile: bool = False) -> None:
@@ -204,6 +266,16 @@ class Runner:
         """
         capacity = capacity_bucket(length)
         return self.caches.take(capacity) or self.new_cache(capacity)
+
+    def cache_beside(self, cache: KVCache) -> KVCache:
+        """An empty cache of this runner's layers paired with ``cache`` (another runner's: an extra layer's beside
+        the model's), of its capacity: made on first use and kept while ``cache`` lives, so it is pooled with it
+        and its static forwards last as long."""
+        paired = self._beside.get(cache)
+        if paired is None or paired.capacity != cache.capacity:
+            paired = self._beside[cache] = self.new_cache(cache.capacity)
+        paired.reset()
+        return paired
 
     def release_cache(self, cache: KVCache) -> None:
         """Give a cache from ``take_cache`` back to the pool (its contents are dropped on the next take)."""
@@ -378,7 +450,9 @@ class Runner:
         return q, k, v
 
     def mlp(self, w: LayerWeights, hidden: Tensor, bulk: bool = False) -> Tensor:
-        """A layer's MLP sublayer with its residual: (T, d) -> (T, d)."""
+        """A layer's MLP sublayer with its residual: (T, d) -> (T, d); a layer without an MLP passes it through."""
+        if w.gate_up is None:
+            return hidden
         x = rms_norm(hidden, w.mlp_norm, self.spec.rms_norm_eps)  # (T, d)
         gate, up = w.gate_up(x, bulk).chunk(2, dim=-1)  # (T, I) each
         return hidden + w.down(F.silu(gate) * up, bulk)  # (T, d)

@@ -22,7 +22,7 @@ from infer.draft_vocab import DraftVocab
 from infer.drafters import Spec, build_drafter, drafter_spec
 from infer.drafters.self_sd import SelfSDDrafter
 from infer.drafters.skipping import agreement, verified_window
-from infer.engine import Engine, GenerationConfig
+from infer.engine import DecodeConfig, Engine
 from infer.plan import CostModel, LayerPlan, cycle_speedup
 from infer.runner import Runner
 
@@ -170,9 +170,9 @@ class SpeedObjective:
                  reference: str = "interleaved", vocab: DraftVocab | None = None):
         self.runner, self.prompts, self.num_draft, self.reference = runner, prompts, num_draft, reference
         self.vocab = vocab  # the draft head every plan drafts with (None: the full head)
-        self.gen = GenerationConfig(max_new_tokens=max_new_tokens, stop_at_eos=False)
+        self.gen = DecodeConfig(max_new_tokens=max_new_tokens, stop_at_eos=False)
         self.baseline_engine = Engine(runner, build_drafter("autoregressive", runner))
-        self.baseline_engine.generate(prompts[0], GenerationConfig(max_new_tokens=4, stop_at_eos=False))  # warm-up
+        self.baseline_engine.generate(prompts[0], DecodeConfig(max_new_tokens=4, stop_at_eos=False))  # warm-up
         self.baseline = self._tokens_per_second(self.baseline_engine)
 
     def drafter_spec(self, plan: LayerPlan) -> Spec:
@@ -208,6 +208,6 @@ class SpeedObjective:
 
 def calibration_set(runner: Runner, prompts: list[list[int]], max_new_tokens: int) -> list[Calibration]:
     """The full model's greedy continuations of the calibration prompts (EOS ignored)."""
-    gen = GenerationConfig(max_new_tokens=max_new_tokens, stop_at_eos=False)
+    gen = DecodeConfig(max_new_tokens=max_new_tokens, stop_at_eos=False)
     with Engine(runner, build_drafter("autoregressive", runner)) as engine:
         return [Calibration(list(p), engine.generate(p, gen).tokens) for p in prompts]

@@ -4,7 +4,9 @@ CPU kernel where it applies, and the RMSNorm both the runner and its static forw
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,14 +43,15 @@ class Linear:
 
 @dataclass
 class LayerWeights:
-    """One decoder layer, with q/k/v and gate/up fused into single matmuls."""
+    """One decoder layer, with q/k/v and gate/up fused into single matmuls. An exit adapter's layer may have no
+    MLP (``gate_up`` None): its stream passes the MLP sublayer unchanged."""
 
     attn_norm: Tensor  # (d,)
     qkv: Linear  # d -> (Hq + 2 Hkv) D, with bias for Qwen2
     o: Linear  # Hq D -> d
-    mlp_norm: Tensor  # (d,)
-    gate_up: Linear  # d -> 2 I
-    down: Linear  # I -> d
+    mlp_norm: Tensor | None = None  # (d,)
+    gate_up: Linear | None = None  # d -> 2 I
+    down: Linear | None = None  # I -> d
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -88,44 +91,60 @@ def qkv_widths(s: ModelSpec) -> list[int]:
     return [s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim]
 
 
+def fused_layer(get: Callable[[str], Tensor | None], spec: ModelSpec, kernel, mlp: bool = True,
+                prefix: str = "") -> LayerWeights:
+    """One decoder layer from its tensors by HF name within the layer (``get(name)``: the tensor on the target
+    device and dtype, None when absent; ``prefix``: the layer's, for messages); ``mlp`` False: a layer without
+    one (an exit adapter's)."""
+    def need(name: str) -> Tensor:
+        t = get(name)
+        if t is None:
+            raise UserError(f"checkpoint has no tensor {prefix + name!r}; is it a Llama-family model?")
+        return t
+
+    if get("mlp.gate_proj.bias") is not None or get("mlp.down_proj.bias") is not None:
+        raise UserError("MLP biases are not supported by the runner")
+    qkv = torch.cat([need(f"self_attn.{n}_proj.weight") for n in "qkv"])  # ((Hq + 2 Hkv) D, d)
+    biases = [get(f"self_attn.{n}_proj.bias") for n in "qkv"]
+    bias = None if all(b is None for b in biases) else torch.cat(
+        [qkv.new_zeros(w) if b is None else b for b, w in zip(biases, qkv_widths(spec), strict=True)])
+    layer = LayerWeights(attn_norm=need("input_layernorm.weight"), qkv=Linear(qkv, bias, kernel),
+                         o=Linear(need("self_attn.o_proj.weight"), get("self_attn.o_proj.bias"), kernel))
+    if mlp:
+        layer.mlp_norm = need("post_attention_layernorm.weight")
+        layer.gate_up = Linear(torch.cat([need("mlp.gate_proj.weight"), need("mlp.up_proj.weight")]), None, kernel)
+        layer.down = Linear(need("mlp.down_proj.weight"), None, kernel)
+    return layer
+
+
 def fused_weights(state: dict[str, Tensor], config, dt: torch.dtype, dev: torch.device, kernel):
     """(embedding, final norm, LM head, per-layer weights) of a Llama-family state dict, on ``dev`` in ``dt``."""
     spec = ModelSpec.from_config(config)
 
-    def get(name: str) -> Tensor:
-        if name not in state:
-            raise UserError(f"checkpoint has no tensor {name!r}; is it a Llama-family model?")
-        return state[name].to(device=dev, dtype=dt)
+    def getter(prefix: str) -> Callable[[str], Tensor | None]:
+        def get(name: str) -> Tensor | None:
+            t = state.get(prefix + name)
+            return None if t is None else t.to(device=dev, dtype=dt)
+        return get
 
-    def maybe(name: str) -> Tensor | None:
-        return state[name].to(device=dev, dtype=dt) if name in state else None
-
-    def cat_bias(names: list[str]) -> Tensor | None:
-        parts = [maybe(n) for n in names]
-        return None if all(p is None for p in parts) else torch.cat(
-            [p if p is not None else torch.zeros(w, dtype=dt, device=dev)
-             for p, w in zip(parts, qkv_widths(spec), strict=True)])
-
-    layers = []
-    for i in range(spec.num_layers):
-        p = f"layers.{i}."
-        a = p + "self_attn."
-        if maybe(p + "mlp.gate_proj.bias") is not None or maybe(p + "mlp.down_proj.bias") is not None:
-            raise UserError("MLP biases are not supported by the runner")
-        qkv = torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")])
-        gate_up = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
-        layers.append(LayerWeights(
-            attn_norm=get(p + "input_layernorm.weight"),
-            qkv=Linear(qkv, cat_bias([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]), kernel),
-            o=Linear(get(a + "o_proj.weight"), maybe(a + "o_proj.bias"), kernel),
-            mlp_norm=get(p + "post_attention_layernorm.weight"),
-            gate_up=Linear(gate_up, None, kernel),
-            down=Linear(get(p + "mlp.down_proj.weight"), None, kernel),
-        ))
-    embed = get("embed_tokens.weight")
-    head = state.get("lm_head.weight")
+    layers = [fused_layer(getter(f"layers.{i}."), spec, kernel, prefix=f"layers.{i}.") for i in range(spec.num_layers)]
+    get = getter("")
+    embed, norm, head = get("embed_tokens.weight"), get("norm.weight"), get("lm_head.weight")
+    if embed is None or norm is None:
+        missing = "embed_tokens.weight" if embed is None else "norm.weight"
+        raise UserError(f"checkpoint has no tensor {missing!r}; is it a Llama-family model?")
     tied = head is None or getattr(config, "tie_word_embeddings", False)
-    return embed, get("norm.weight"), Linear(embed if tied else head.to(dev, dt), None, kernel), layers
+    return embed, norm, Linear(embed if tied else head, None, kernel), layers
+
+
+def tensor_digest(tensors: dict[str, Tensor]) -> str:
+    """A digest of named tensors' exact values (any dtype or device), to key what is built from them."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()[:16]
 
 
 def fingerprint(state: dict[str, Tensor]) -> str:

@@ -30,6 +30,13 @@ FORMAT = "layerskip-exit-adapter/1"
 FINGERPRINT_TENSORS = ("layers.0.self_attn.q_proj.weight", "norm.weight")
 """Tensors (prefix ``model.`` stripped) whose first ``FINGERPRINT_VALUES`` values, as fp32 bytes, identify weights."""
 FINGERPRINT_VALUES = 4096
+LAYER_NAMES = {"attn_norm.weight": "input_layernorm.weight", "q_proj.weight": "self_attn.q_proj.weight",
+               "k_proj.weight": "self_attn.k_proj.weight", "v_proj.weight": "self_attn.v_proj.weight",
+               "o_proj.weight": "self_attn.o_proj.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
+               "gate_proj.weight": "mlp.gate_proj.weight", "up_proj.weight": "mlp.up_proj.weight",
+               "down_proj.weight": "mlp.down_proj.weight"}
+"""The adapter's tensors that form one decoder layer, by their names within an HF Llama layer (the other one,
+``out_norm.weight``, is the norm before the LM head)."""
 IDENTITY_KEYS = ("model_type", "num_layers", "hidden_size", "vocab_size", "weight_fingerprint")
 """What an adapter file must share with the model it drafts for."""
 

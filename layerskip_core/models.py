@@ -62,7 +62,13 @@ class ModelSpec:
     vocab_size: int
     rms_norm_eps: float
     max_position_embeddings: int
+    """Longest sequence (prompt + new tokens) the runner decodes exactly as the model: the config's
+    ``max_position_embeddings``, capped at ``sliding_window`` where one is set."""
     name: str = ""
+    sliding_window: int | None = None
+    """The attention window of a model some of whose layers attend over only the last W positions (Mistral with
+    ``sliding_window``, Qwen2 with ``use_sliding_window``), where W is shorter than its context; else None. The
+    runner attends over the whole context, which is the same attention for sequences of at most W tokens."""
 
     @classmethod
     def from_config(cls, config) -> ModelSpec:
@@ -72,6 +78,7 @@ class ModelSpec:
         if getattr(config, "hidden_act", "silu") != "silu":
             raise UserError(f"activation {config.hidden_act!r} is not supported (Llama-family models use silu)")
         heads = config.num_attention_heads
+        window = sliding_window(config)
         return cls(
             model_type=config.model_type,
             num_layers=config.num_hidden_layers,
@@ -82,9 +89,25 @@ class ModelSpec:
             intermediate_size=config.intermediate_size,
             vocab_size=config.vocab_size,
             rms_norm_eps=config.rms_norm_eps,
-            max_position_embeddings=config.max_position_embeddings,
+            max_position_embeddings=window or config.max_position_embeddings,
             name=getattr(config, "_name_or_path", "") or "",
+            sliding_window=window,
         )
+
+
+def sliding_window(config) -> int | None:
+    """W where some of the model's layers attend over only the last W positions and W is shorter than its
+    context (transformers' ``layer_types`` name such layers 'sliding_attention'; Qwen2 without
+    ``use_sliding_window`` has none); else None."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window) if window < config.max_position_embeddings else None
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 """A folder holding none of these has no tokenizer that transformers could load."""
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

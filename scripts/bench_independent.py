@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from infer.drafters import parse_spec
-from infer.engine import GenerationConfig
+from infer.engine import DecodeConfig
 from infer.loading import load_resolved
 from infer.measure.methods import BASELINE
 from layerskip_cli.args import add_model_flags, model_settings
@@ -33,7 +33,7 @@ from layerskip_core.cli import check_output_dir, run_main
 from layerskip_core.prompts import load_prompts, task_name, use_chat_template
 
 
-def decode_once(model, spec: str, ids: list[int], base_config: GenerationConfig):
+def decode_once(model, spec: str, ids: list[int], base_config: DecodeConfig):
     """One prompt with a fresh drafter, then its finish() hook (what a `layerskip generate` call does):
     (tokens, seconds, drafter stats)."""
     engine, config = model.method(spec, base_config)
@@ -57,8 +57,8 @@ def run(args: argparse.Namespace) -> int:
         chat = use_chat_template(task_name(source))
         prompts += [(f"{task_name(source)}/{it.id}", model.encode(it.prompt, chat))
                     for it in load_prompts(source, args.n, from_end=True)]
-    base_config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_at_eos=False)
-    decode_once(model, BASELINE, prompts[0][1], GenerationConfig(max_new_tokens=16, stop_at_eos=False))  # kernels
+    base_config = DecodeConfig(max_new_tokens=args.max_new_tokens, stop_at_eos=False)
+    decode_once(model, BASELINE, prompts[0][1], DecodeConfig(max_new_tokens=16, stop_at_eos=False))  # kernels
     runs = {spec: [] for spec in specs}  # spec -> [{prompt, repeat, tokens, wall, stats}]
     ref: dict[str, list[int]] = {}
     for repeat in range(args.repeats):

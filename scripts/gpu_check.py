@@ -62,8 +62,7 @@ import transformers
 from transformers import GenerationConfig, LlamaConfig
 
 from infer.drafters import build_drafter
-from infer.engine import Engine
-from infer.engine import GenerationConfig as OurGenerationConfig
+from infer.engine import DecodeConfig, Engine
 from infer.measure.exactness import (
     DivergenceJudge,
     decode_verified,
@@ -261,7 +260,7 @@ def error_text(e: BaseException) -> str:
 
 
 def tiny_runner(kind: str, seed: int, device: torch.device, dtype: torch.dtype, executor: str) -> Runner:
-    return Runner.from_model(tiny_model(kind, seed, device=device), dtype, executor=executor,
+    return Runner.from_model(tiny_model(kind, seed, device=device), dtype=dtype, executor=executor,
                              compile=resolve_compile(None, device))
 
 
@@ -279,7 +278,7 @@ def parity(device: torch.device) -> dict[str, float]:
     for kind, seed in TINY_MODELS:
         for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
             model = tiny_model(kind, seed, device=device).to(dtype)
-            runner = Runner.from_model(model, dtype)
+            runner = Runner.from_model(model, dtype=dtype)
             ids = torch.tensor(prompt_ids(320, 16, seed), device=device)  # (T,)
             with torch.no_grad():
                 ref = model(ids[None]).logits[0].float()  # (T, V)
@@ -331,7 +330,7 @@ def outcome_counts(outcomes: list) -> dict[str, int]:
     return counts
 
 
-def decode_counting(engine: Engine, prompt: list[int], gen: OurGenerationConfig,
+def decode_counting(engine: Engine, prompt: list[int], gen: DecodeConfig,
                     generator: torch.Generator | None = None) -> tuple[list[int], dict]:
     """Tokens of one generation and its ``outcome_counts``."""
     tokens, _, outcomes = decode_verified(engine, prompt, gen, generator)
@@ -344,7 +343,7 @@ def greedy_identity(run: Run, new_tokens: int) -> dict:
     (``infer.measure.exactness``; recorded per model)."""
     detail: dict[str, dict] = {}
     totals = {"mismatches": 0, "tie_flips": 0, "failures": 0, "runs": 0}
-    gen = OurGenerationConfig(max_new_tokens=new_tokens, stop_at_eos=False)
+    gen = DecodeConfig(max_new_tokens=new_tokens, stop_at_eos=False)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         for kind, seed in TINY_MODELS:
             runner = tiny_runner(kind, seed, run.device, torch.float32, run.executor)
@@ -387,7 +386,7 @@ def sampled(run: Run, new_tokens: int) -> dict[str, dict]:
     """One seeded sampled generation per drafter on the tiny Llama (fp32, the check's executor): it must complete
     with ``new_tokens`` tokens (no exactness claim: a drafter's sampled output is equal in distribution only)."""
     runner = tiny_runner("llama", 0, run.device, torch.float32, run.executor)
-    gen = OurGenerationConfig(max_new_tokens=new_tokens, stop_at_eos=False, sampling=SAMPLING)
+    gen = DecodeConfig(max_new_tokens=new_tokens, stop_at_eos=False, sampling=SAMPLING)
     out = {}
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         specs = {"autoregressive": {}} | drafter_specs(runner, Path(tmp))
@@ -416,7 +415,7 @@ def syncs(run: Run, new_tokens: int) -> dict:
     """Host syncs per cycle of every drafter, greedy, on the tiny Llama in fp32 on the check's executor (after a
     warm-up, so nothing is built while counting), and the targets."""
     runner = tiny_runner("llama", 0, run.device, torch.float32, run.executor)
-    gen = OurGenerationConfig(max_new_tokens=new_tokens, stop_at_eos=False)
+    gen = DecodeConfig(max_new_tokens=new_tokens, stop_at_eos=False)
     prompt = prompt_ids(320, 12, 7)
     out, targets = {}, {}
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
@@ -492,7 +491,7 @@ def forward_costs(runner: Runner, settings: Settings, device: torch.device, tall
 def ours(runner: Runner, prompt: list[int], settings: Settings, tally: GraphTally) -> dict:
     """Our autoregressive and early-exit (E = L/4, k = 4) tokens/s, median of repeats after ``Engine.warm_up``
     (which builds every static forward and captures every CUDA graph the timed runs use)."""
-    gen = OurGenerationConfig(max_new_tokens=settings.new_tokens, stop_at_eos=False)
+    gen = DecodeConfig(max_new_tokens=settings.new_tokens, stop_at_eos=False)
     E = max(1, runner.num_layers // 4)
     out = {}
     for key, name, options in (("ours_ar", "autoregressive", {}),
@@ -512,7 +511,7 @@ def ours(runner: Runner, prompt: list[int], settings: Settings, tally: GraphTall
     return out
 
 
-def step_times(engine: Engine, prompt: list[int], gen: OurGenerationConfig) -> dict:
+def step_times(engine: Engine, prompt: list[int], gen: DecodeConfig) -> dict:
     """ms per draft forward and per verification of one more generation, from CUDA events on CUDA
     (``infer.measure.timing``; the engine's own split is taken without a device sync) and perf_counter elsewhere."""
     s = timed_generate(engine, prompt, gen)[0].stats
@@ -579,7 +578,7 @@ def measure_shape(shape: Shape, run: Run) -> dict:
         shape = shape.tiny()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = random_model(shape.config(), device, dtype)
-    runner = Runner.from_model(model, dtype, executor=run.executor, compile=run.compile)
+    runner = Runner.from_model(model, dtype=dtype, executor=run.executor, compile=run.compile)
     model.to("cpu")  # our peak memory without the peer's weights
     free(device)
     reset_peak(device)
@@ -593,7 +592,8 @@ def measure_shape(shape: Shape, run: Run) -> dict:
     result["static"] = asdict(tally)
     result |= {f"{key}_in_timed": n for key, n in tally.timed.items()}  # builds, captures, compiles
     if runner.dtype != torch.bfloat16:  # the CPU's shapes run in fp32: the spread is measured in bf16 either way
-        runner = Runner.from_model(model, torch.bfloat16, executor=run.executor, device=device, compile=run.compile)
+        runner = Runner.from_model(model, dtype=torch.bfloat16, device=device, executor=run.executor,
+                                   compile=run.compile)
     prompts = spread_prompts(shape.vocab, settings.spread_prompt_lengths)
     result["spread_bf16"] = measure_spread(runner, prompts, settings.spread_sizes)["max_abs"]
     result["peak_gb_ours"] = peak_gb(device)

@@ -26,7 +26,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from infer.drafters import parse_spec
-from infer.engine import GenerationConfig, tokens_per_verify
+from infer.engine import DecodeConfig, tokens_per_verify
 from infer.loading import load_resolved
 from infer.measure.methods import BASELINE
 from infer.measure.plots import plot_matchness
@@ -52,7 +52,7 @@ def cold(text: str):
     return parse_spec(text).remembering("off")
 
 
-def run_streams(model, specs: list[str], prompts: list[tuple[str, str, list[int]]], base_config: GenerationConfig,
+def run_streams(model, specs: list[str], prompts: list[tuple[str, str, list[int]]], base_config: DecodeConfig,
                 bar) -> dict[str, list[dict]]:
     """One stream per drafter spec (one engine, one drafter state each); prompt by prompt, the
     drafters take turns, so a change in machine load hits all of them alike."""
@@ -157,7 +157,7 @@ def _run(argv: list[str] | None) -> int:
     args = p.parse_args(argv)
     run = run_settings(args).resolve()
     args.out.mkdir(parents=True, exist_ok=True)
-    base_config = GenerationConfig(max_new_tokens=args.max_new_tokens)
+    base_config = DecodeConfig(max_new_tokens=args.max_new_tokens)
     items = interleaved(args.data.split(","), args.n)
     specs = [BASELINE] + [d for d in args.drafters.split(",") if d]
     for spec in specs:

@@ -40,7 +40,7 @@ def budget(drafter, result: dict) -> float:
 def measure(args: argparse.Namespace) -> list[dict]:
     # torch and the engine load only after argument parsing (so --help answers at once)
     from infer.drafters import parse_spec
-    from infer.engine import GenerationConfig
+    from infer.engine import DecodeConfig
     from infer.loading import load_resolved
     from infer.measure.syncs import measure_decode
 
@@ -48,7 +48,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
     parsed = [parse_spec(s) for s in specs]  # bad specs fail before the model loads
     model = load_resolved(model_settings(args, SETTINGS).resolve())
     prompt = model.encode(args.prompt)
-    base = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_at_eos=False)
+    base = DecodeConfig(max_new_tokens=args.max_new_tokens, stop_at_eos=False)
     rows = []
     for spec, parsed_spec in zip(specs, parsed, strict=True):
         engine, config = model.method(parsed_spec, base)

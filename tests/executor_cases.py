@@ -2,7 +2,7 @@
 every executor must decode exactly as the eager path does."""
 
 from infer.drafters import build_drafter
-from infer.engine import Engine, GenerationConfig
+from infer.engine import DecodeConfig, Engine
 from infer.plan import LayerPlan, PlanFile
 
 SIX = 6
@@ -31,7 +31,7 @@ def drafter_cases(runner, tmp_path, *extra: tuple[str, dict]) -> list[tuple[str,
 
 def run_drafter(runner, name: str, options: dict, prompt: list[int], n: int):
     engine = Engine(runner, build_drafter(name, runner, options))
-    return engine.generate(prompt, GenerationConfig(max_new_tokens=n))
+    return engine.generate(prompt, DecodeConfig(max_new_tokens=n))
 
 
 def fake_capture(self, cache, steps, pool=None):

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from scipy.stats import chisquare
 
-from infer.engine import GenerationConfig
+from infer.engine import DecodeConfig
 from infer.sampling import SamplingConfig, probs_from_logits
 
 P_THRESHOLD = 1e-3  # fixed seeds make the tests deterministic; the threshold guards against a real bias
@@ -56,7 +56,7 @@ def sampling_pvalue(engine, model, prompt: list[int], cfg: SamplingConfig, steps
     totals = {"accepted": 0, "drafted": 0, "draft_forwards": 0}
     gen = torch.Generator().manual_seed(seed)
     for _ in range(samples):
-        res = engine.generate(prompt, GenerationConfig(max_new_tokens=steps, sampling=cfg), generator=gen)
+        res = engine.generate(prompt, DecodeConfig(max_new_tokens=steps, sampling=cfg), generator=gen)
         counts[index[tuple(res.tokens)]] += 1
         totals["accepted"] += res.stats.accepted
         totals["drafted"] += res.stats.drafted

@@ -4,9 +4,9 @@ The base model is loaded once and never changes: layer E's hidden states (and, f
 full model's next-token distribution) are computed under ``no_grad``; only the adapter learns. The adapter's
 output goes through the model's LM head (its weights frozen, the gradient flowing through it to the adapter).
 
-The adapter's forward is written here over ``torch.nn`` modules (batched, autograd) and in ``infer.adapter``
-over the runner's kernels (one sequence, a KV cache): the two regimes share the spec, not the code, as the
-training forward and the runner do for the base model; tests hold the two forwards equal.
+The adapter's forward is written here over ``torch.nn`` modules (batched, autograd); ``infer.adapter`` runs the
+same weights as one more decoder layer on the runner (one sequence, a KV cache): the two regimes share the spec,
+not the code, as the training forward and the runner do for the base model; tests hold the two forwards equal.
 """
 
 from __future__ import annotations
@@ -32,30 +32,19 @@ from train.data import IGNORE, Examples
 from train.model import attention_masks, decoder_parts, next_token_targets, plain_model
 
 
-class RMSNorm(nn.Module):
-    """Llama's RMSNorm (normalise in fp32, scale in the input's dtype)."""
-
-    def __init__(self, d: int, eps: float):
-        super().__init__()
-        self.weight, self.eps = nn.Parameter(torch.ones(d)), eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-
-
 class ExitAdapterModule(nn.Module):
-    """The adapter as trainable modules; its state dict keys are ``AdapterShape.tensor_shapes``'s."""
+    """The adapter as trainable modules; its state dict keys are ``AdapterShape.tensor_shapes``'s. ``norm``: the
+    model's RMSNorm class (its final norm's), called as ``norm(hidden_size, eps=...)``."""
 
-    def __init__(self, shape: AdapterShape):
+    def __init__(self, shape: AdapterShape, norm: type[nn.Module]):
         super().__init__()
         self.shape = s = shape
         q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        self.attn_norm, self.out_norm = RMSNorm(s.hidden_size, s.rms_norm_eps), RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.attn_norm, self.out_norm = norm(s.hidden_size, eps=s.rms_norm_eps), norm(s.hidden_size, eps=s.rms_norm_eps)
         self.q_proj, self.o_proj = nn.Linear(s.hidden_size, q, bias=False), nn.Linear(q, s.hidden_size, bias=False)
         self.k_proj, self.v_proj = (nn.Linear(s.hidden_size, kv, bias=False) for _ in range(2))
         if s.mlp_size:
-            self.mlp_norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+            self.mlp_norm = norm(s.hidden_size, eps=s.rms_norm_eps)
             self.gate_proj, self.up_proj = (nn.Linear(s.hidden_size, s.mlp_size, bias=False) for _ in range(2))
             self.down_proj = nn.Linear(s.mlp_size, s.hidden_size, bias=False)
 
@@ -129,7 +118,7 @@ class AdapterLM(nn.Module):
                                   getattr(c, "head_dim", None) or c.hidden_size // heads, cfg.mlp_size, c.rms_norm_eps)
         self.shape.check_model(self.num_layers)
         self.exits = [cfg.exit_layer]
-        self.adapter = ExitAdapterModule(self.shape)
+        self.adapter = ExitAdapterModule(self.shape, type(parts.norm))
         self.adapter.init_from(parts)
 
     def rates(self, step: int) -> list[float]:

@@ -1,7 +1,7 @@
 """No draft: every step is one full forward (the baseline, on the same runner and loop).
 
 Lossy early-exit decoding (the LayerSkip paper's "EE" rows) is plain decoding of a truncated target:
-``GenerationConfig(target_exit=E)`` (``--target-exit E``), which only this drafter takes.
+``DecodeConfig(target_exit=E)`` (``--target-exit E``), which only this drafter takes.
 """
 
 from __future__ import annotations

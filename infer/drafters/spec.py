@@ -35,7 +35,7 @@ class Spec:
     config: object
     """The drafter's Config."""
     target_exit: int | None = None
-    """``GenerationConfig.target_exit`` for this method (None: the full model)."""
+    """``DecodeConfig.target_exit`` for this method (None: the full model)."""
     given: frozenset[str] = frozenset()
     """Config fields set by the caller (the others hold their defaults)."""
     vocab: DraftVocab | None = None
@@ -160,7 +160,7 @@ def drafter_spec(name: str, options: dict | object | None = None, target_exit: i
 def _not_an_option(name: str, key: str, valid: list[str]) -> str:
     message = f"option {key!r} does not apply to drafter {name!r} (its options: {', '.join(valid) or 'none'})"
     if name == "autoregressive":  # its one knob is the generation's, not the drafter's
-        message += ("; lossy early exit is spelled target_exit, a generation setting: GenerationConfig(target_exit=E), "
+        message += ("; lossy early exit is spelled target_exit, a generation setting: DecodeConfig(target_exit=E), "
                     "`--target-exit E` or the spec autoregressive:target_exit=E")
     return message
 

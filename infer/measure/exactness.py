@@ -16,7 +16,7 @@ The rule, at the first position where the outputs differ:
    argmax per output token through the engine's public ``start``/``step``; peers (transformers)
    expose none and are judged by the rules below alone.
 2. Recompute the target's logits exactly as the reference run computed them: the same executor
-   (eager, static or CUDA graphs), the same pooled cache capacity (the same ``GenerationConfig``),
+   (eager, static or CUDA graphs), the same pooled cache capacity (the same ``DecodeConfig``),
    the prompt prefilled in one forward, then one token per forward (``Engine.target_logits``).
    If that row does not pick the reference's token, the reference disagrees with itself: a bug.
 3. Otherwise the margin ``logit(ref_token) - logit(out_token)`` (>= 0) is a tie flip when it is at
@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from infer.drafters import build_drafter
-from infer.engine import Engine, GenerationConfig
+from infer.engine import DecodeConfig, Engine
 
 ULPS = 4
 """The bound's floor: margins up to this many units in the last place (of the dtype, at the logits' magnitude)."""
@@ -113,7 +113,7 @@ def classify_logits(logits_row: Tensor, ref_token: int, out_token: int, dtype: t
     return margin, bound, True, ""
 
 
-def decode_verified(engine: Engine, prompt_ids: Sequence[int], config: GenerationConfig,
+def decode_verified(engine: Engine, prompt_ids: Sequence[int], config: DecodeConfig,
                     generator: torch.Generator | None = None) -> tuple[list[int], list[int], list]:
     """(tokens, verified, outcomes) of one greedy generation: ``verified[i]`` is the argmax the run's own
     verification (or prefill, for the first token) chose for output token ``i``; ``outcomes`` are the
@@ -134,11 +134,11 @@ def reference_engine(runner) -> Engine:
 
 
 def classify_divergence(runner, prompt_ids: Sequence[int], ref: list[int], out: list[int],
-                        config: GenerationConfig | None = None, rounding: float = 0.0,
+                        config: DecodeConfig | None = None, rounding: float = 0.0,
                         verified: Sequence[int] | None = None) -> Divergence | None:
     """Classify the first difference of ``out`` from the autoregressive ``ref``; None when they agree.
 
-    ``config`` must be the ``GenerationConfig`` the reference was generated with (it sets the pooled
+    ``config`` must be the ``DecodeConfig`` the reference was generated with (it sets the pooled
     cache's capacity, hence the static forwards that ran); ``rounding`` is :func:`measure_rounding`'s
     ``max_abs`` for this runner (0: only the ulp floor); ``verified``: the judged run's own verification
     argmax per output token (:func:`decode_verified`; None for a peer). A length difference (one output
@@ -270,7 +270,7 @@ class DivergenceJudge:
     a bound measured through the verification path it vouches for (``bound_source`` says which was used).
     """
 
-    def __init__(self, runner, config: GenerationConfig | None = None, rounding: float | None = None,
+    def __init__(self, runner, config: DecodeConfig | None = None, rounding: float | None = None,
                  reference=None):
         self.runner, self.config, self.reference = runner, config, reference
         self._rounding = rounding

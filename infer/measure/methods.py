@@ -230,11 +230,11 @@ class BenchConfig:
             self.sampling = SamplingConfig()
 
     def generation(self, method: Method | None = None):
-        """The GenerationConfig of ``method`` (its lossy ``target_exit``, if any, on top of the shared settings; None:
+        """The DecodeConfig of ``method`` (its lossy ``target_exit``, if any, on top of the shared settings; None:
         the full model's, the reference's)."""
-        from infer.engine import GenerationConfig
+        from infer.engine import DecodeConfig
 
         target = None if method is None else method.target_exit
-        return GenerationConfig(max_new_tokens=self.max_new_tokens, sampling=self.sampling,
+        return DecodeConfig(max_new_tokens=self.max_new_tokens, sampling=self.sampling,
                                 stop_at_eos=self.stop_at_eos, target_exit=target)
 

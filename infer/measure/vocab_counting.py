@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from infer.draft_vocab import MODES, TokenCounts, model_record, special_ids
-from infer.engine import GenerationConfig
+from infer.engine import DecodeConfig
 from layerskip_core.errors import UserError
 from layerskip_core.prompts import PromptItem, use_chat_template
 
@@ -48,7 +48,7 @@ def greedy_generations(model, items: Sequence[PromptItem], max_new_tokens: int, 
     (``auto``: the chat template for question-answer sets such as gsm8k).
     """
     prompts = encode_prompts(model, items, max_new_tokens, chat)
-    config = GenerationConfig(max_new_tokens=max_new_tokens)
+    config = DecodeConfig(max_new_tokens=max_new_tokens)
     with model.engine("autoregressive") as engine:
         return [engine.generate(ids, config).tokens for ids in tqdm(prompts, desc=desc, disable=not progress,
                                                                      unit="prompt")]

@@ -29,11 +29,11 @@ from layerskip_core.prompts import PromptItem, read_prompts_file
 
 
 def add_generation_flags(p: argparse.ArgumentParser) -> None:
-    """--max-new-tokens and --target-exit (``GenerationConfig``), --stop, --ignore-eos, and the sampling flags."""
-    from infer.engine import GenerationConfig  # torch-heavy: imported when the parser is built
+    """--max-new-tokens and --target-exit (``DecodeConfig``), --stop, --ignore-eos, and the sampling flags."""
+    from infer.engine import DecodeConfig  # torch-heavy: imported when the parser is built
 
     group = p.add_argument_group("generation")
-    add_dataclass_flags(group, GenerationConfig, skip=("sampling", "stop_strings", "stop_at_eos"))
+    add_dataclass_flags(group, DecodeConfig, skip=("sampling", "stop_strings", "stop_at_eos"))
     group.add_argument("--stop", action="append", default=[], metavar="TEXT",
                        help="stop once the output contains TEXT (repeatable; not empty)")
     group.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
@@ -41,12 +41,12 @@ def add_generation_flags(p: argparse.ArgumentParser) -> None:
 
 
 def generation_config(args: argparse.Namespace):
-    """The GenerationConfig of the flags."""
-    from infer.engine import GenerationConfig
+    """The DecodeConfig of the flags."""
+    from infer.engine import DecodeConfig
 
     if any(not s for s in args.stop):
         raise UserError("--stop needs a non-empty text (an empty stop string would end every output at once)")
-    fields = from_args(GenerationConfig, args, GenerationConfig(), skip=("sampling", "stop_strings", "stop_at_eos"))
+    fields = from_args(DecodeConfig, args, DecodeConfig(), skip=("sampling", "stop_strings", "stop_at_eos"))
     return dataclasses.replace(fields, sampling=sampling_config(args), stop_strings=tuple(args.stop),
                                stop_at_eos=not args.ignore_eos)
 

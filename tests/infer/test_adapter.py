@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from executor_cases import fake_capture
 from lossless_stats import P_THRESHOLD, sampling_pvalue
 
 from infer.adapter import ExitAdapter
 from infer.draft_vocab import DraftVocab
 from infer.drafters import build_drafter
-from infer.engine import Engine, GenerationConfig
+from infer.engine import DecodeConfig, Engine
+from infer.graphs import StaticExecutor, StaticSpan
 from infer.runner import Runner
 from infer.sampling import SamplingConfig
 from layerskip_core.errors import UserError
@@ -40,7 +42,8 @@ def write_adapter(model, path, exit_layer: int, mlp_size: int = 0, noise: float 
 
 
 def test_train_and_infer_forwards_agree(model, tmp_path):
-    """The training module and the decoding forward (token by token, with its cache) compute the same output."""
+    """The training module and the decoding forward (the adapter as a layer on the runner, token by token over its
+    one-layer cache) compute the same logits."""
     for mlp in (0, 24):
         lm = write_adapter(model, tmp_path / "a.safetensors", exit_layer=2, mlp_size=mlp, noise=0.2, seed=mlp)
         runner = Runner.from_model(model)
@@ -48,11 +51,13 @@ def test_train_and_infer_forwards_agree(model, tmp_path):
         hidden = torch.randn(1, 7, runner.spec.hidden_size, generator=torch.Generator().manual_seed(1))
         rope = model.model.rotary_emb(hidden, torch.arange(7)[None])
         with torch.no_grad():
-            want = lm.adapter(hidden, *rope, None)[0]  # (7, d)
+            want = lm.adapter_logits(hidden, rope)[0]  # (7, V)
         cache = adapter.new_cache(16)
-        got = torch.cat([adapter.forward(cache, hidden[0, :3], 0)] +
-                        [adapter.forward(cache, hidden[0, i:i + 1], i) for i in range(3, 7)])  # (7, d)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert cache.num_layers == 1
+        got = torch.cat([adapter.forward(cache, hidden[0, :3], 0, logits=True).logits] +
+                        [adapter.forward(cache, hidden[0, i:i + 1], i, logits=True).logits
+                         for i in range(3, 7)])  # (7, V)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_the_file_records_the_runners_identity(model, tmp_path):
@@ -63,7 +68,7 @@ def test_an_untrained_adapter_drafts_as_the_plain_exit(model, tmp_path):
     """Zero output projections and the final norm's weights: the same drafts, so the same acceptance."""
     write_adapter(model, tmp_path / "a.safetensors", exit_layer=3)
     runner = Runner.from_model(model)
-    config = GenerationConfig(max_new_tokens=24)
+    config = DecodeConfig(max_new_tokens=24)
     plain = Engine(runner, build_drafter("early_exit", runner, {"E": 3, "k": 4, "draft_vocab": "off"}))
     adapted = Engine(runner, build_drafter("early_exit", runner, {"k": 4, "draft_vocab": "off",
                                                                   "adapter": str(tmp_path / "a.safetensors")}))
@@ -73,7 +78,7 @@ def test_an_untrained_adapter_drafts_as_the_plain_exit(model, tmp_path):
 
 
 def _ar(runner, prompt, n=32):
-    return Engine(runner, build_drafter("autoregressive", runner)).generate(prompt, GenerationConfig(max_new_tokens=n))
+    return Engine(runner, build_drafter("autoregressive", runner)).generate(prompt, DecodeConfig(max_new_tokens=n))
 
 
 @pytest.mark.parametrize("executor", ["eager", "static"])
@@ -89,11 +94,50 @@ def test_greedy_with_an_adapter_equals_plain_decoding(model, tmp_path, executor,
             ids=list(range(0, 320, 2)), model=runner.identity())}):
         engine = Engine(runner, build_drafter("early_exit", runner, {"adapter": str(path), **options}))
         for prompt in PROMPTS:
-            out = engine.generate(prompt, GenerationConfig(max_new_tokens=32))
+            out = engine.generate(prompt, DecodeConfig(max_new_tokens=32))
             assert out.tokens == _ar(runner, prompt).tokens, (options, prompt)
             totals[0] += out.stats.accepted
             totals[1] += out.stats.drafted
     assert 0 < totals[0] < totals[1]  # drafts were used, and some were rejected
+
+
+def _drafts(runner, path, prompt, options):
+    """(output tokens, every draft's tokens) of early exit with the adapter at ``path`` on ``runner``."""
+    drafter = build_drafter("early_exit", runner, {"adapter": str(path), **options})
+    drafts, propose = [], drafter.propose
+
+    def recorded(state):
+        draft = propose(state)
+        drafts.append(None if draft is None else draft.tokens.tolist())
+        return draft
+
+    drafter.propose = recorded
+    out = Engine(runner, drafter).generate(prompt, DecodeConfig(max_new_tokens=24))
+    return out.tokens, drafts, drafter.adapter
+
+
+@pytest.mark.parametrize("executor", ["static", "graphs"])
+def test_the_adapter_drafts_identically_on_every_executor(model, tmp_path, monkeypatch, executor):
+    """The adapter's layer runs on the runner's executor (static forwards; with graph-replay semantics, a stand-in
+    capture on CPU): every draft equals the eager executor's."""
+    path = tmp_path / "a.safetensors"
+    write_adapter(model, path, 2, mlp_size=16, noise=0.05, seed=3)
+    eager = Runner.from_model(model)
+    runner = Runner.from_model(model, executor="static")
+    if executor == "graphs":
+        monkeypatch.setattr(StaticSpan, "capture", fake_capture)
+        runner.static = StaticExecutor(runner, capture=True)
+    cases = [{"k": 4}, {"k": 3, "draft_vocab": DraftVocab(ids=list(range(0, 320, 2)), model=runner.identity())}]
+    for options in cases[:1] if executor == "graphs" else cases:
+        for prompt in PROMPTS:
+            want, got = _drafts(eager, path, prompt, options), _drafts(runner, path, prompt, options)
+            assert got[:2] == want[:2] and any(got[1]), (options, prompt)
+            spans = got[2].layer.static.spans()  # the adapter layer's own static forwards ran the drafts
+            assert any(s.key.logits and s.key.rows == 1 for s in spans)
+            assert executor == "static" or any(s.graph is not None for s in spans)
+    built = runner.static.builds, got[2].layer.static.builds
+    again = _drafts(runner, path, PROMPTS[0], cases[0])  # a fresh drafter: the runner kept the adapter's layer
+    assert again[2].layer is got[2].layer and (runner.static.builds, again[2].layer.static.builds) == built
 
 
 def test_adaptive_plain_steps_then_drafting_stays_exact(model, tmp_path):
@@ -106,7 +150,7 @@ def test_adaptive_plain_steps_then_drafting_stays_exact(model, tmp_path):
     drafter.gate.mode = "plain"  # start in plain steps, as a gate that measured drafting slower would
     engine = Engine(runner, drafter)
     for prompt in PROMPTS:
-        out = engine.generate(prompt, GenerationConfig(max_new_tokens=40))
+        out = engine.generate(prompt, DecodeConfig(max_new_tokens=40))
         assert out.tokens == _ar(runner, prompt, 40).tokens
 
 
@@ -143,6 +187,23 @@ def test_bad_adapters_are_one_line_errors(model, tmp_path):
         AdapterLM(model, AdapterConfig(enabled=True, exit_layer=6))
 
 
+def test_a_header_that_lies_about_the_head_layout_is_refused(model, tmp_path):
+    """Two heads of width 32 instead of four of 16: the same tensor shapes, another attention; refused in one line."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    write_adapter(model, tmp_path / "a.safetensors", 2)
+    with safe_open(str(tmp_path / "a.safetensors"), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    meta["shape"] = json.dumps(json.loads(meta["shape"]) | {"num_heads": 2, "num_kv_heads": 1, "head_dim": 32})
+    save_file(tensors, str(tmp_path / "lies.safetensors"), metadata=meta)
+    runner = Runner.from_model(model)
+    with pytest.raises(UserError, match=r"header gives .*\(64, 2, 1, 32, .*the model has \(64, 4, 2, 16"):
+        build_drafter("early_exit", runner, {"adapter": str(tmp_path / "lies.safetensors")})
+
+
 @pytest.mark.real_model
 def test_the_shipped_adapter_drafts_losslessly_on_the_default_model(default_model_path):
     """--adapter default: the file shipped for the default model, its E taken from the file, output unchanged."""
@@ -151,8 +212,8 @@ def test_the_shipped_adapter_drafts_losslessly_on_the_default_model(default_mode
     model = load_model(str(default_model_path), device="cpu")
     prompt = model.encode("def fibonacci(n):\n    ")
     with model.engine("autoregressive") as engine:
-        plain = engine.generate(prompt, GenerationConfig(max_new_tokens=24))
+        plain = engine.generate(prompt, DecodeConfig(max_new_tokens=24))
     with model.engine("early_exit", adapter="default", num_draft=4) as engine:
         assert engine.drafter.adapter.exit_layer == engine.drafter.forward.exact_layers == 4  # the file's E
-        out = engine.generate(prompt, GenerationConfig(max_new_tokens=24))
+        out = engine.generate(prompt, DecodeConfig(max_new_tokens=24))
     assert out.tokens == plain.tokens and out.stats.drafted > 0

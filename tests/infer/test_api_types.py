@@ -4,7 +4,7 @@ from deep inside or a silent coercion (issue 27)."""
 import pytest
 import torch
 
-from infer import GenerationConfig, SamplingConfig, load_model
+from infer import DecodeConfig, SamplingConfig, load_model
 from infer.drafters import build_config
 from infer.engine import Engine
 from infer.runner import Runner
@@ -13,12 +13,12 @@ from tiny_models import make_model
 
 
 @pytest.mark.parametrize("make,message", [
-    (lambda: GenerationConfig(max_new_tokens="5"), "max_new_tokens must be int, got '5'"),
-    (lambda: GenerationConfig(max_new_tokens=2.5), "max_new_tokens must be int, got 2.5"),
-    (lambda: GenerationConfig(max_new_tokens=True), "max_new_tokens must be int, got True"),
-    (lambda: GenerationConfig(target_exit=8.0), "target_exit must be int or null, got 8.0"),
-    (lambda: GenerationConfig(sampling={"temperature": 0.7}), "sampling must be SamplingConfig"),
-    (lambda: GenerationConfig(stop_strings="abc"), "stop_strings must be"),
+    (lambda: DecodeConfig(max_new_tokens="5"), "max_new_tokens must be int, got '5'"),
+    (lambda: DecodeConfig(max_new_tokens=2.5), "max_new_tokens must be int, got 2.5"),
+    (lambda: DecodeConfig(max_new_tokens=True), "max_new_tokens must be int, got True"),
+    (lambda: DecodeConfig(target_exit=8.0), "target_exit must be int or null, got 8.0"),
+    (lambda: DecodeConfig(sampling={"temperature": 0.7}), "sampling must be SamplingConfig"),
+    (lambda: DecodeConfig(stop_strings="abc"), "stop_strings must be"),
     (lambda: SamplingConfig(temperature="0.7"), "temperature must be float, got '0.7'"),
     (lambda: SamplingConfig(temperature=float("nan")), "temperature must be a finite number, got nan"),
     (lambda: SamplingConfig(top_p=float("inf")), "top_p must be a finite number"),
@@ -40,7 +40,7 @@ def test_configs_refuse_wrong_types_naming_the_field(make, message):
 
 
 def test_well_typed_configs_still_build():
-    assert GenerationConfig(max_new_tokens=5, stop_strings=("x",)).max_new_tokens == 5
+    assert DecodeConfig(max_new_tokens=5, stop_strings=("x",)).max_new_tokens == 5
     assert SamplingConfig(temperature=1, seed=2**64 - 1).temperature == 1  # an int is a number
     assert build_config("early_exit", {"exit_layer": 3, "E": None}).exit_layer == 3
     assert build_config("early_exit", {"exit_layer": "3"}).exit_layer == 3  # text is converted (the CLI's path)
@@ -60,10 +60,10 @@ def test_engine_generate_refuses_what_is_not_token_ids(prompt, message):
     runner = Runner.from_model(make_model("llama", seed=0))
     engine = Engine(runner, build_drafter("autoregressive", runner))
     with pytest.raises(UserError, match=message.replace("[", r"\[").replace(".", r"\.")):
-        engine.generate(prompt, GenerationConfig(max_new_tokens=2))
-    with pytest.raises(UserError, match="config must be a GenerationConfig"):
+        engine.generate(prompt, DecodeConfig(max_new_tokens=2))
+    with pytest.raises(UserError, match="config must be a DecodeConfig"):
         engine.generate([1, 2], {"max_new_tokens": 2})
-    assert len(engine.generate(torch.tensor([1, 2]), GenerationConfig(max_new_tokens=2)).tokens) == 2
+    assert len(engine.generate(torch.tensor([1, 2]), DecodeConfig(max_new_tokens=2)).tokens) == 2
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +75,9 @@ def tiny_loaded(tiny_model_dir):
     (lambda m: m.generate(123), "prompt must be text (a str), not int"),
     (lambda m: m.generate(["a"]), "prompt must be text (a str), not list"),
     (lambda m: m.generate("hi", {"max_new_tokens": 3}), "drafter must be a drafter name"),
-    (lambda m: m.generate("hi", GenerationConfig(max_new_tokens=3)), "drafter must be a drafter name"),
-    (lambda m: m.generate("hi", "autoregressive", "fast"), "config must be a GenerationConfig"),
-    (lambda m: m.generate("hi", "autoregressive", {"max_new_tokens": 3}), "config must be a GenerationConfig"),
+    (lambda m: m.generate("hi", DecodeConfig(max_new_tokens=3)), "drafter must be a drafter name"),
+    (lambda m: m.generate("hi", "autoregressive", "fast"), "config must be a DecodeConfig"),
+    (lambda m: m.generate("hi", "autoregressive", {"max_new_tokens": 3}), "config must be a DecodeConfig"),
     (lambda m: m.generate("hi", "early_exit", exit_layer=True), "exit_layer must be int, got True"),
     (lambda m: m.generate("hi", "early_exit", exit_layer=8.5), "exit_layer must be int, got 8.5"),
 ])
@@ -94,5 +94,5 @@ def test_the_real_model_refuses_wrong_types_too(default_model_path):
                           (lambda: model.generate("def f():", "early_exit", exit_layer=24.0), "must be int")]:
         with pytest.raises(UserError, match=message):
             call()
-    out = model.generate("def f():", "early_exit", GenerationConfig(max_new_tokens=4), exit_layer=24)
+    out = model.generate("def f():", "early_exit", DecodeConfig(max_new_tokens=4), exit_layer=24)
     assert len(out.tokens) == 4

@@ -8,7 +8,7 @@ from executor_cases import SIX, drafter_cases, fake_capture, run_drafter
 
 from infer.compiled import kernels_per_layer
 from infer.drafters import build_drafter
-from infer.engine import Engine, GenerationConfig
+from infer.engine import DecodeConfig, Engine
 from infer.graphs import PLAN_CAPTURE_AFTER, StaticExecutor, StaticSpan
 from infer.plan import LayerPlan
 from infer.runner import Runner
@@ -109,7 +109,7 @@ def test_swift_captures_at_most_one_forward_per_plan_change_in_timed_runs(monkey
     runner.static = StaticExecutor(runner, capture=True)
     prompts = [[5, 6, 7, 8, 9] * 3, [(7 * i) % 300 + 3 for i in range(40)]]
     options = {"context_window": 8, "opt_budget": 0.95, "fallback_opt_budget": 0.95}
-    config = GenerationConfig(max_new_tokens=32, stop_at_eos=False)
+    config = DecodeConfig(max_new_tokens=32, stop_at_eos=False)
     Engine(runner, build_drafter("swift", runner, options)).warm_up(prompts, config)
     warm = {id(s) for s in runner.static.spans() if s.graph is not None}
     captures = runner.static.captures

@@ -106,7 +106,7 @@ def test_auto_dtype_follows_the_requested_device_not_the_machine(tiny_model_dir,
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     run = RunSettings(device="cpu", dtype="auto").resolve()
     assert run.dtype == torch.float32 and run.executor == "eager"
-    runner = Runner.from_pretrained(tiny_model_dir, run.dtype, run.device, executor=run.executor)
+    runner = Runner.from_pretrained(tiny_model_dir, dtype=run.dtype, device=run.device, executor=run.executor)
     assert runner.dtype == torch.float32
 
 

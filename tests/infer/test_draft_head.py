@@ -6,7 +6,7 @@ from lossless_stats import P_THRESHOLD, sampling_pvalue
 
 from infer.draft_vocab import DraftVocab
 from infer.drafters import build_drafter
-from infer.engine import Engine, GenerationConfig
+from infer.engine import DecodeConfig, Engine
 from infer.runner import Runner
 from infer.sampling import SamplingConfig
 from layerskip_core.errors import UserError
@@ -31,7 +31,7 @@ def _vocab(runner, ids) -> DraftVocab:
 
 
 def _ar(runner, prompt, n=32):
-    return Engine(runner, build_drafter("autoregressive", runner)).generate(prompt, GenerationConfig(max_new_tokens=n))
+    return Engine(runner, build_drafter("autoregressive", runner)).generate(prompt, DecodeConfig(max_new_tokens=n))
 
 
 def test_draft_head_scores_only_its_ids(runner):
@@ -56,7 +56,7 @@ def test_greedy_early_exit_with_a_subset_equals_autoregressive(runner, exit_laye
         assert ref[1] not in vocab.ids  # the subset misses a token the target picks
         options = {"exit_layer": exit_layer, "num_draft": 4, "draft_vocab": vocab}
         engine = Engine(runner, build_drafter("early_exit", runner, options))
-        out = engine.generate(prompt, GenerationConfig(max_new_tokens=32))
+        out = engine.generate(prompt, DecodeConfig(max_new_tokens=32))
         assert out.tokens == ref, (exit_layer, prompt)
         assert out.stats.drafter.draft_vocab == vocab.size
 
@@ -69,7 +69,7 @@ def test_a_subset_head_drafts_only_subset_tokens(model):
     vocab = _vocab(runner, ref)  # exactly the tokens of the output: every draft is right
     engine = Engine(runner, build_drafter("early_exit", runner, {"exit_layer": L, "num_draft": 4,
                                                                   "draft_vocab": vocab}))
-    gen = engine.start(PROMPTS[0], GenerationConfig(max_new_tokens=24))
+    gen = engine.start(PROMPTS[0], DecodeConfig(max_new_tokens=24))
     while not gen.done:
         outcome = engine.step(gen)
         if outcome.draft is not None:
@@ -116,7 +116,7 @@ def test_self_sd_and_swift_with_a_subset_equal_autoregressive(runner, tmp_path):
                               ("swift", {"plan": str(plan), "adaptive": False, "context_window": 8,
                                          "remember": "off", "opt_budget": 0.95})):
             drafter = build_drafter(name, runner, options | {"draft_vocab": vocab})
-            out = Engine(runner, drafter).generate(prompt, GenerationConfig(max_new_tokens=32))
+            out = Engine(runner, drafter).generate(prompt, DecodeConfig(max_new_tokens=32))
             assert out.tokens == ref, (name, prompt)
             assert out.stats.drafted > 0 and out.stats.drafter.draft_vocab == vocab.size
 

@@ -18,7 +18,7 @@ from infer.draft_vocab import (
     special_ids,
     tokenizer_fingerprint,
 )
-from infer.engine import GenerationConfig
+from infer.engine import DecodeConfig
 from infer.loading import load_model
 from infer.measure.vocab_counting import count_tokens, greedy_generations, heldout_tokens, text_tokens
 from layerskip_cli.main import main
@@ -62,7 +62,7 @@ def test_text_counts_are_the_tokenizers_tokens(tiny):
 def test_generate_counts_are_the_models_own_greedy_output(tiny):
     counts = count_tokens(tiny, ITEMS[:2], "generate", max_new_tokens=10, text_items=ITEMS)
     engine = tiny.engine("autoregressive")
-    outputs = [engine.generate(tiny.encode(it.prompt), GenerationConfig(max_new_tokens=10)).tokens for it in ITEMS[:2]]
+    outputs = [engine.generate(tiny.encode(it.prompt), DecodeConfig(max_new_tokens=10)).tokens for it in ITEMS[:2]]
     assert counts.counts == dict(Counter(t for out in outputs for t in out))  # generated tokens only
     assert counts.backoff == dict(count_tokens(tiny, ITEMS, "text").counts)  # the texts break ties
     assert counts.source["generated_tokens"] == sum(map(len, outputs)) == counts.tokens

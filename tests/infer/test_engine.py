@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from infer.drafters import Drafter, build_drafter
-from infer.engine import Engine, GenerationConfig
+from infer.engine import DecodeConfig, Engine
 from infer.runner import Runner
 from stub_drafters import ScriptedDrafter
 from tiny_models import make_model
@@ -21,7 +21,7 @@ def runner():
 def generate(runner, drafter="autoregressive", prompt=PROMPTS[0], eos=(), **kw):
     options = {k: kw.pop(k) for k in ("exit_layer", "num_draft", "confidence") if k in kw}
     engine = Engine(runner, build_drafter(drafter, runner, options), eos_token_ids=eos)
-    return engine.generate(prompt, GenerationConfig(**kw))
+    return engine.generate(prompt, DecodeConfig(**kw))
 
 
 def test_autoregressive_matches_transformers_generate():
@@ -58,7 +58,7 @@ def test_adaptive_early_exit_is_lossless_over_a_stream(runner, E):
     drafted = plain = 0
     for i, prompt in enumerate(PROMPTS * 2):
         ref = generate(runner, prompt=prompt, max_new_tokens=60).tokens
-        res = engine.generate(prompt, GenerationConfig(max_new_tokens=60))
+        res = engine.generate(prompt, DecodeConfig(max_new_tokens=60))
         assert res.tokens == ref, E
         if i == 0:
             assert res.stats.drafter.plain_steps >= FallbackGate.WARM_PLAIN  # plain steps are timed first
@@ -94,12 +94,12 @@ def test_adaptive_early_exit_falls_back_when_drafting_cannot_pay(runner, monkeyp
 
     monkeypatch.setattr(EarlyExitDrafter, "propose", slow)
     drafter = build_drafter("early_exit", runner, {"E": "3", "k": "4", "adaptive": "true"})
-    res = Engine(runner, drafter).generate(PROMPTS[0], GenerationConfig(max_new_tokens=80))
+    res = Engine(runner, drafter).generate(PROMPTS[0], DecodeConfig(max_new_tokens=80))
     assert res.tokens == generate(runner, max_new_tokens=80).tokens
     assert res.stats.drafter.mode == "plain" and res.stats.drafter.plain_steps > 50
     assert drafter.gate.drafting.cycles >= FallbackGate.PROBE  # drafting was probed, then dropped
     fixed = build_drafter("early_exit", runner, {"E": "3", "k": "4"})
-    assert Engine(runner, fixed).generate(PROMPTS[0], GenerationConfig(max_new_tokens=20)).stats.drafter \
+    assert Engine(runner, fixed).generate(PROMPTS[0], DecodeConfig(max_new_tokens=20)).stats.drafter \
         .plain_steps == 0  # without adaptive, LayerSkip's fixed k always drafts
 
 
@@ -137,12 +137,12 @@ def test_stop_strings():
     prompt = tok("hello")["input_ids"]
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
     plain = Engine(runner, build_drafter("autoregressive", runner), decode=decode).generate(
-        prompt, GenerationConfig(max_new_tokens=30, stop_at_eos=False))
+        prompt, DecodeConfig(max_new_tokens=30, stop_at_eos=False))
     stop = plain.text[8:10]
     expect = next(j for j in range(1, 31) if stop in decode(plain.tokens[:j]))
     for name, opts in [("autoregressive", {}), ("early_exit", {"exit_layer": 4, "num_draft": 5})]:
         engine = Engine(runner, build_drafter(name, runner, opts), decode=decode)
-        res = engine.generate(prompt, GenerationConfig(max_new_tokens=30, stop_strings=(stop,), stop_at_eos=False))
+        res = engine.generate(prompt, DecodeConfig(max_new_tokens=30, stop_strings=(stop,), stop_at_eos=False))
         assert res.finish_reason == "stop_string"
         assert res.tokens == plain.tokens[:expect]
 
@@ -150,13 +150,13 @@ def test_stop_strings():
 def _started(runner, prompt, drafter=None):
     """An engine and a prefilled generation with room for many steps (public API only)."""
     engine = Engine(runner, drafter or build_drafter("autoregressive", runner))
-    return engine, engine.start(prompt, GenerationConfig(max_new_tokens=100))
+    return engine, engine.start(prompt, DecodeConfig(max_new_tokens=100))
 
 
 def test_step_by_step_equals_generate(runner):
     drafter = build_drafter("early_exit", runner, {"exit_layer": 3, "num_draft": 3})
     engine = Engine(runner, drafter)
-    gen = engine.start(PROMPTS[1], GenerationConfig(max_new_tokens=25))
+    gen = engine.start(PROMPTS[1], DecodeConfig(max_new_tokens=25))
     assert len(gen.tokens) == 1 and not gen.done  # the prefill's token
     steps = 0
     while not gen.done:
@@ -169,7 +169,7 @@ def test_step_by_step_equals_generate(runner):
     with pytest.raises(ValueError, match="finished"):
         engine.step(gen)
     with pytest.raises(ValueError, match="running"):
-        engine.finish(engine.start(PROMPTS[1], GenerationConfig(max_new_tokens=25)))
+        engine.finish(engine.start(PROMPTS[1], DecodeConfig(max_new_tokens=25)))
 
 
 def test_cache_after_rejection_equals_fresh_prefill(runner):
@@ -240,7 +240,7 @@ def test_early_exit_target_at_full_depth_is_the_plain_model(runner):
     L = runner.num_layers
     engine = Engine(runner, build_drafter("autoregressive", runner))
     for prompt in PROMPTS:
-        out = engine.generate(prompt, GenerationConfig(max_new_tokens=20, target_exit=L))
+        out = engine.generate(prompt, DecodeConfig(max_new_tokens=20, target_exit=L))
         assert out.tokens == generate(runner, prompt=prompt, max_new_tokens=20).tokens and not out.stats.lossy
 
 
@@ -250,7 +250,7 @@ def test_early_exit_target_runs_only_its_layers(runner, E):
     prompt = PROMPTS[0]
     engine = Engine(runner, build_drafter("autoregressive", runner))
     runner.counters.reset()
-    result = engine.generate(prompt, GenerationConfig(max_new_tokens=12, target_exit=E))
+    result = engine.generate(prompt, DecodeConfig(max_new_tokens=12, target_exit=E))
     got = result.tokens
     assert result.stats.lossy and result.stats.target_exit == E
     assert runner.counters.layer_tokens[E:] == [0] * (runner.num_layers - E)
@@ -269,13 +269,13 @@ def test_early_exit_target_errors(runner):
 
     L = runner.num_layers
     with pytest.raises(UserError, match=">= 1"):
-        GenerationConfig(target_exit=0)
+        DecodeConfig(target_exit=0)
     with pytest.raises(UserError, match="out of range"):
         Engine(runner, build_drafter("autoregressive", runner)).generate(PROMPTS[0],
-                                                                         GenerationConfig(target_exit=L + 1))
+                                                                         DecodeConfig(target_exit=L + 1))
     with pytest.raises(UserError, match="autoregressive"):
         Engine(runner, build_drafter("early_exit", runner, {"exit_layer": 2})).generate(
-            PROMPTS[0], GenerationConfig(target_exit=3))
+            PROMPTS[0], DecodeConfig(target_exit=3))
     with pytest.raises(UserError, match="target_exit"):  # the drafter option it replaced says where it went
         build_drafter("autoregressive", runner, {"exit_layer": 3})
 
@@ -295,7 +295,7 @@ def test_early_exit_lossless_on_default_model(default_model_path):
 
     model = load_model(str(default_model_path))
     prompt = model.encode("def is_prime(n):\n    \"\"\"Return True if n is prime.\"\"\"\n")
-    cfg = GenerationConfig(max_new_tokens=24, stop_at_eos=False)
+    cfg = DecodeConfig(max_new_tokens=24, stop_at_eos=False)
     ref = Engine(model.runner, build_drafter("autoregressive", model.runner)).generate(prompt, cfg).tokens
     for E, k in [(8, 4), (24, 6), (30, 3)]:
         drafter = build_drafter("early_exit", model.runner, {"exit_layer": E, "num_draft": k})
@@ -315,11 +315,11 @@ def test_engine_close_finishes_the_drafter_once(runner):
 
     drafter = Counting(runner)
     with Engine(runner, drafter) as engine:
-        engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=4))
+        engine.generate(PROMPTS[0], DecodeConfig(max_new_tokens=4))
     engine.close()
     assert drafter.finished == 1 and engine.closed
     with pytest.raises(ValueError, match="closed"):
-        engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=4))
+        engine.generate(PROMPTS[0], DecodeConfig(max_new_tokens=4))
 
     class Bare(Drafter):
         name = "bare"

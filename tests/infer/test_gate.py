@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from infer.drafters import build_drafter, gate
-from infer.engine import Engine, GenerationConfig
+from infer.engine import DecodeConfig, Engine
 from infer.runner import Runner
 from tiny_models import make_model
 
@@ -25,7 +25,7 @@ def cache(tmp_path, monkeypatch):
 
 
 def decode(runner, drafter, n=40):
-    return Engine(runner, drafter).generate(PROMPT, GenerationConfig(max_new_tokens=n))
+    return Engine(runner, drafter).generate(PROMPT, DecodeConfig(max_new_tokens=n))
 
 
 @pytest.mark.parametrize("name,options", [("early_exit", {"E": "2", "k": "3", "adaptive": "true"}),

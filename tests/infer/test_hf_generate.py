@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from infer import hf_generate, load_model
-from infer.engine import GenerationConfig
+from infer.engine import DecodeConfig
 from infer.hf_decoding import FOLDER
 from infer.plan import LayerPlan, PlanFile
 from infer.runner import Runner
@@ -51,7 +51,7 @@ def test_same_tokens_as_our_own_api(tiny_model_dir):
     ours = load_model(str(tiny_model_dir), device="cpu", threads=1)
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    config = GenerationConfig(max_new_tokens=24, stop_at_eos=False)
+    config = DecodeConfig(max_new_tokens=24, stop_at_eos=False)
     expected = ours.generate("def add(a, b):", "early_exit", config, exit_layer=2).tokens
     ids = tok("def add(a, b):", return_tensors="pt")
     out = hf.generate(**ids, custom_generate=hf_generate("early_exit", exit_layer=2), max_new_tokens=24,

@@ -72,12 +72,12 @@ def test_the_old_spec_spelling_is_refused_with_the_one_to_use(spec):
 def test_every_engine_builder_honours_the_target_exit(tiny_model_dir, tmp_path, capsys):
     """The lossy target is the generation's: every path from a method spec to an engine decodes at depth E (the
     stats say lossy only when it really is): LoadedModel.method, bench, swift_stream, bench_independent."""
-    from infer.engine import GenerationConfig
+    from infer.engine import DecodeConfig
     from script_modules import load_script as script
 
     ref = truncated_reference(tiny_model_dir, 2, 8)
     model = load_model(str(tiny_model_dir))
-    engine, config = model.method("autoregressive:target_exit=2", GenerationConfig(max_new_tokens=8,
+    engine, config = model.method("autoregressive:target_exit=2", DecodeConfig(max_new_tokens=8,
                                                                                     stop_at_eos=False))
     assert engine.generate(model.encode("def add(a, b):"), config).tokens == ref
     prompts = tmp_path / "p.jsonl"

@@ -4,7 +4,7 @@ import pytest
 
 from infer.draft_vocab import DraftVocab
 from infer.drafters import build_drafter
-from infer.engine import Engine, GenerationConfig
+from infer.engine import DecodeConfig, Engine
 from infer.plan import PlanFile
 from infer.runner import Runner
 from layerskip_core.errors import UserError
@@ -23,7 +23,7 @@ def runner():
 def _decode(runner, name, options, prompt=PROMPTS[0]):
     drafter = build_drafter(name, runner, options)
     with Engine(runner, drafter) as engine:
-        return drafter, engine.generate(prompt, GenerationConfig(max_new_tokens=24)).stats.drafter
+        return drafter, engine.generate(prompt, DecodeConfig(max_new_tokens=24)).stats.drafter
 
 
 @pytest.mark.parametrize("name,options", [("swift", SWIFT), ("early_exit", EARLY)])
@@ -95,7 +95,7 @@ def test_remembered_hopelessness_caps_optimisation_at_one_percent(runner, monkey
         drafter = build_drafter("swift", runner, generous | {"remember": "read"})
         assert drafter.hopeless and drafter.mode == "plain"
         with Engine(runner, drafter) as engine:
-            stats = engine.generate(prompt, GenerationConfig(max_new_tokens=40)).stats.drafter
+            stats = engine.generate(prompt, DecodeConfig(max_new_tokens=40)).stats.drafter
         assert stats.hopeless and stats.draft_forwards == 0
         assert drafter.opt_time <= 0.01 * (drafter.decode_time + drafter.opt_time)
     cold = build_drafter("swift", runner, generous | {"remember": "off"})

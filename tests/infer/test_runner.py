@@ -112,6 +112,21 @@ def test_unsupported_model_type_is_refused():
         Runner(GPT2Config(), {})
 
 
+def test_the_runner_constructors_take_the_same_options_by_keyword_only():
+    """One order, keyword-only: a positional dtype (once read as the kernel by one of them) is refused."""
+    import inspect
+
+    def options(fn):
+        return [(p.name, p.kind) for p in list(inspect.signature(fn).parameters.values())[1:]]
+
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    want = [(name, keyword) for name in ("dtype", "device", "kernel", "executor", "compile")]
+    assert options(Runner.from_pretrained) == options(Runner.from_model) == want
+    assert options(Runner.__init__)[2:] == want  # after self's config and state
+    with pytest.raises(TypeError):
+        Runner.from_model(make_model("llama", seed=0, layers=2), torch.float32)
+
+
 def test_plan_exact_prefix():
     assert LayerPlan(6).exact_prefix == 6
     assert LayerPlan(6, skip_attn={3}).exact_prefix == 3

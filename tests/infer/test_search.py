@@ -224,9 +224,9 @@ def test_model_objective_finds_planted_redundant_sublayers(tmp_path):
     assert result.plan == LayerPlan(6, frozenset({2, 3}), frozenset({4}))
     assert result.attrs["acceptance_rate"] == 1.0 and result.value > 1.15
     from infer.drafters import build_drafter
-    from infer.engine import Engine, GenerationConfig
+    from infer.engine import DecodeConfig, Engine
 
-    gen = GenerationConfig(max_new_tokens=30)
+    gen = DecodeConfig(max_new_tokens=30)
     drafted = Engine(runner, build_drafter("self_sd", runner, {"plan": str(tmp_path / "p.json")})).generate(
         PROMPTS[0], gen)
     plain = Engine(runner, build_drafter("autoregressive", runner)).generate(PROMPTS[0], gen)

@@ -6,7 +6,7 @@ import infer.search as search_module
 import infer.search_objectives as objectives_module
 from infer.draft_vocab import DraftVocab
 from infer.drafters import build_drafter
-from infer.engine import Engine, GenerationConfig
+from infer.engine import DecodeConfig, Engine
 from infer.plan import LayerPlan, PlanFile, PlanSpace, weights_cost
 from infer.runner import Runner
 from infer.search import SearchConfig, run_gp_ucb, search_plan
@@ -48,7 +48,7 @@ def test_the_plan_file_records_the_head_and_self_sd_drafts_with_it(runner, vocab
     assert PlanFile.load(out).draft_ids == list(vocab.ids)
     drafter = build_drafter("self_sd", runner, {"plan": str(out)})
     assert drafter.vocab is not None and drafter.vocab.size == vocab.size
-    gen = GenerationConfig(max_new_tokens=16)
+    gen = DecodeConfig(max_new_tokens=16)
     plain = Engine(runner, build_drafter("autoregressive", runner)).generate(PROMPTS[0], gen)
     out_sd = Engine(runner, drafter).generate(PROMPTS[0], gen)
     assert out_sd.tokens == plain.tokens and out_sd.stats.drafter.draft_vocab == vocab.size

@@ -11,7 +11,7 @@ from infer.drafters import build_drafter, parse_spec
 from infer.drafters.base import DecodeState, Draft, VerifyOutcome
 from infer.drafters.chain import PlanForward
 from infer.drafters.self_sd import AdaptiveThreshold, SelfSDConfig
-from infer.engine import Engine, GenerationConfig
+from infer.engine import Engine, DecodeConfig
 from infer.plan import LayerPlan, PlanFile
 from infer.runner import Runner
 from infer.sampling import SamplingConfig
@@ -53,7 +53,7 @@ def drafter(runner, plan, **options):
 
 def generate(runner, d=None, prompt=PROMPTS[0], eos=(), **kw):
     d = d or build_drafter("autoregressive", runner)
-    return Engine(runner, d, eos_token_ids=eos).generate(prompt, GenerationConfig(**kw))
+    return Engine(runner, d, eos_token_ids=eos).generate(prompt, DecodeConfig(**kw))
 
 
 def save_plan(path, runner, plan, task="test"):
@@ -122,7 +122,7 @@ def test_speculative_sampling_with_a_plan_matches_target_distribution():
 def _started(runner, d, prompt):
     """An engine over drafter ``d``, with ``prompt`` prefilled: one token pending and a budget of 100 more."""
     engine = Engine(runner, d)
-    return engine, engine.start(prompt, GenerationConfig(max_new_tokens=101))
+    return engine, engine.start(prompt, DecodeConfig(max_new_tokens=101))
 
 
 def _step(engine, gen, context, between):
@@ -387,7 +387,7 @@ def test_committed_plan_is_lossless_on_default_model(default_model_path):
     if not plans:
         pytest.skip("no committed plan for the default model")
     prompt = model.encode("def is_prime(n):\n    \"\"\"Return True if n is prime.\"\"\"\n")
-    cfg = GenerationConfig(max_new_tokens=24, stop_at_eos=False)
+    cfg = DecodeConfig(max_new_tokens=24, stop_at_eos=False)
     ref = Engine(model.runner, build_drafter("autoregressive", model.runner)).generate(prompt, cfg).tokens
     for path in plans:
         d = build_drafter("self_sd", model.runner, {"plan": str(path)})

@@ -6,7 +6,7 @@ from infer.drafters import build_drafter, drafter_spec, parse_spec
 from infer.drafters.chain import MAX_DRAFT
 from infer.drafters.swift import SwiftDrafter
 from infer.drafters.swift_paper import SwiftPaperDrafter
-from infer.engine import Engine, GenerationConfig
+from infer.engine import Engine, DecodeConfig
 from layerskip_core.errors import UserError
 from tiny_models import make_model
 
@@ -37,6 +37,6 @@ def test_a_resolved_spec_builds_fresh_drafters_on_the_same_inputs():
     resolved = parse_spec("early_exit:E=2:k=3:adaptive=true:remember=off").resolve(runner)
     first, second = resolved.build(runner), resolved.build(runner)
     assert first is not second and first.gate is not second.gate and first.config is second.config
-    config = GenerationConfig(max_new_tokens=8)
+    config = DecodeConfig(max_new_tokens=8)
     plain = Engine(runner, build_drafter("autoregressive", runner)).generate([1, 2, 3], config)
     assert Engine(runner, first).generate([1, 2, 3], config).tokens == plain.tokens

@@ -8,7 +8,7 @@ import torch
 from executor_cases import SIX, drafter_cases, fake_capture, run_drafter
 
 from infer.drafters import build_drafter
-from infer.engine import Engine, GenerationConfig
+from infer.engine import DecodeConfig, Engine
 from infer.graphs import bucket, padded_window
 from infer.runner import Runner
 from layerskip_core.errors import UserError
@@ -44,7 +44,7 @@ def test_static_equals_eager_when_sampling(eager, static):
 
     for name, options in [("autoregressive", {}), ("early_exit", {"exit_layer": 3, "num_draft": 4})]:
         for prompt in PROMPTS:
-            cfg = GenerationConfig(max_new_tokens=24, sampling=SamplingConfig(temperature=1.0, seed=7))
+            cfg = DecodeConfig(max_new_tokens=24, sampling=SamplingConfig(temperature=1.0, seed=7))
             a = Engine(eager, build_drafter(name, eager, options)).generate(prompt, cfg)
             b = Engine(static, build_drafter(name, static, options)).generate(prompt, cfg)
             assert b.tokens == a.tokens and b.stats.accepted == a.stats.accepted, (name, prompt)
@@ -52,7 +52,7 @@ def test_static_equals_eager_when_sampling(eager, static):
 
 def test_static_executor_runs_the_decoding_forwards(static):
     engine = Engine(static, build_drafter("early_exit", static, {"exit_layer": 3, "num_draft": 3}))
-    res = engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=12))
+    res = engine.generate(PROMPTS[0], DecodeConfig(max_new_tokens=12))
     spans = [s.key for s in static.static.spans()]  # kept per (pooled) cache
     assert res.stats.verify_calls > 0
     assert any(k.start == 0 and k.end == 3 and k.logits and k.rows == 1 for k in spans)  # draft steps
@@ -63,7 +63,7 @@ def test_static_executor_runs_the_decoding_forwards(static):
 
 def _verify_once(runner, tokens, parents, prompt):
     engine = Engine(runner, ScriptedDrafter(tokens, parents))
-    gen = engine.start(prompt, GenerationConfig(max_new_tokens=20))
+    gen = engine.start(prompt, DecodeConfig(max_new_tokens=20))
     outcome = engine.step(gen)
     n = gen.state.n
     cache = gen.state.cache
@@ -147,7 +147,7 @@ def test_replayed_forwards_hand_out_copies(model, eager, monkeypatch):
     for name, options in [("autoregressive", {}), ("early_exit", {"exit_layer": 3, "num_draft": 4})]:
         engine = Engine(replayed, build_drafter(name, replayed, options))
         for prompt in PROMPTS:
-            got = engine.generate(prompt, GenerationConfig(max_new_tokens=32)).tokens
+            got = engine.generate(prompt, DecodeConfig(max_new_tokens=32)).tokens
             assert got == run_drafter(eager, name, options, prompt, 32).tokens, (name, prompt)
         spans += replayed.static.spans()
     assert any(s.graph is not None for s in spans)  # captured on second use, then replayed
@@ -195,7 +195,7 @@ def _bench_like(runner, prompts, drafter="early_exit", options=None, repeats=2):
     then a fresh engine per repeat over every prompt. Returns the executor's (builds, captures) after the warm-up
     and after each timed generation."""
     options = {"exit_layer": 3, "num_draft": 4} if options is None else options
-    config = GenerationConfig(max_new_tokens=16, stop_at_eos=False)
+    config = DecodeConfig(max_new_tokens=16, stop_at_eos=False)
     Engine(runner, build_drafter(drafter, runner, options)).warm_up(prompts, config)
     counts = [(runner.static.builds, runner.static.captures)]
     for _ in range(repeats):
@@ -222,7 +222,7 @@ def test_a_longer_prompt_reuses_the_cache_and_its_forwards(model):
     """No warm-up at all: a second, longer prompt in the same capacity bucket builds nothing new."""
     runner = Runner.from_model(model, executor="static")
     engine = Engine(runner, build_drafter("autoregressive", runner))
-    config = GenerationConfig(max_new_tokens=8, stop_at_eos=False)
+    config = DecodeConfig(max_new_tokens=8, stop_at_eos=False)
     engine.generate(LONG[0], config)
     built = runner.static.builds
     engine.generate(LONG[1], config)  # 70 tokens longer: the cache stays, and so do the static forwards
@@ -279,7 +279,7 @@ def test_static_attention_calls_sdpa_without_gqa_and_with_an_aligned_mask(model)
     runner = Runner.from_model(model, executor="static")
     assert runner.spec.num_heads != runner.spec.num_kv_heads  # a grouped-KV model
     engine = Engine(runner, build_drafter("early_exit", runner, {"exit_layer": 3, "num_draft": 4}))
-    gen = engine.start(PROMPTS[0], GenerationConfig(max_new_tokens=8))  # the prompt prefill runs eagerly
+    gen = engine.start(PROMPTS[0], DecodeConfig(max_new_tokens=8))  # the prompt prefill runs eagerly
     with Spy():
         while not gen.done:
             engine.step(gen)

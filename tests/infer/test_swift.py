@@ -14,7 +14,7 @@ from infer.drafters.gate import FallbackGate
 from infer.drafters.skipping import agreement, matchness_span, rerun_mask, verified_window
 from infer.drafters.swift import SwiftDrafter
 from infer.drafters.swift_search import LayerSetSearch
-from infer.engine import Engine, GenerationConfig
+from infer.engine import DecodeConfig, Engine
 from infer.plan import LayerPlan, PlanFile
 from infer.runner import Runner
 from infer.sampling import SamplingConfig
@@ -38,7 +38,7 @@ def runner():
 
 def reference(runner, prompt, n=48):
     return Engine(runner, build_drafter("autoregressive", runner)).generate(
-        prompt, GenerationConfig(max_new_tokens=n)).tokens
+        prompt, DecodeConfig(max_new_tokens=n)).tokens
 
 
 def random_plan_file(runner, tmp_path, seed):
@@ -59,7 +59,7 @@ def test_greedy_equals_autoregressive_over_a_stream(runner, tmp_path, tree, fall
         engine = Engine(runner, build_drafter("swift", runner, options))  # one drafter: state persists
         drafted = 0
         for prompt in PROMPTS:
-            res = engine.generate(prompt, GenerationConfig(max_new_tokens=48))
+            res = engine.generate(prompt, DecodeConfig(max_new_tokens=48))
             assert res.tokens == reference(runner, prompt), (seed, prompt)
             drafted += res.stats.drafted
         assert engine.drafter.search.steps > 0  # the optimiser ran inside the stream
@@ -70,7 +70,7 @@ def test_greedy_equals_autoregressive_over_a_stream(runner, tmp_path, tree, fall
 def test_tree_shape_and_sibling_distributions(runner):
     drafter = SwiftDrafter(runner, SwiftDrafter.Config(confidence=0.99, num_draft=3, max_tree_nodes=12))
     drafter.gate.mode = "draft"
-    config = GenerationConfig(max_new_tokens=51, sampling=SamplingConfig(temperature=1.0, seed=0))
+    config = DecodeConfig(max_new_tokens=51, sampling=SamplingConfig(temperature=1.0, seed=0))
     state = Engine(runner, drafter).start([5, 6, 7], config).state  # prefilled: one token pending
     state.budget = 50
     draft = drafter.propose(state)
@@ -171,7 +171,7 @@ def test_optimisation_finds_the_planted_redundant_sublayers():
     start_plan = drafter.best
     engine = Engine(runner, drafter)
     for prompt in PROMPTS * 3:
-        res = engine.generate(prompt, GenerationConfig(max_new_tokens=48))
+        res = engine.generate(prompt, DecodeConfig(max_new_tokens=48))
         assert res.tokens == reference(runner, prompt)
         if not drafter.optimising:
             break
@@ -210,7 +210,7 @@ def test_fallback_when_drafting_cannot_pay(runner, monkeypatch):
     monkeypatch.setattr(SwiftDrafter, "propose", slow)
     drafter = build_drafter("swift", runner, {"max_opt_steps": 0})
     engine = Engine(runner, drafter)
-    res = engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=80))
+    res = engine.generate(PROMPTS[0], DecodeConfig(max_new_tokens=80))
     assert res.tokens == reference(runner, PROMPTS[0], 80)
     assert drafter.mode == "plain"
     assert res.stats.drafter.plain_steps > 50 and drafter.drafting.cycles >= SwiftDrafter.PROBE
@@ -219,7 +219,7 @@ def test_fallback_when_drafting_cannot_pay(runner, monkeypatch):
 def test_plan_saved_by_swift_loads_back(runner, tmp_path):
     path = tmp_path / "swift_plan.json"
     drafter = build_drafter("swift", runner, EAGER | {"save_plan": str(path)})
-    res = Engine(runner, drafter).generate(PROMPTS[0], GenerationConfig(max_new_tokens=40))
+    res = Engine(runner, drafter).generate(PROMPTS[0], DecodeConfig(max_new_tokens=40))
     drafter.stats()
     assert res.stats.drafter and not path.exists()  # stats() has no side effects: the plan is saved by finish()
     drafter.finish()
@@ -264,7 +264,7 @@ def test_cold_start_drafts_only_after_a_score_that_can_pay(runner, monkeypatch):
         monkeypatch.setattr(SwiftDrafter, "predicted_speedup", lambda self, a, b=bound: None if a < 0 else b)
         drafter = build_drafter("swift", runner, options)
         engine = Engine(runner, drafter)
-        gen = engine.start(PROMPTS[0], GenerationConfig(max_new_tokens=40))
+        gen = engine.start(PROMPTS[0], DecodeConfig(max_new_tokens=40))
         drafts_before_score = 0
         while not gen.done:
             scored = drafter.best_score >= 0
@@ -283,10 +283,10 @@ def test_remembered_plan_and_score_spare_fresh_drafters_the_probe(runner, tmp_pa
     options = {"context_window": 4, "fallback_opt_budget": 0.95, "opt_budget": 0.95}
     first = build_drafter("swift", runner, options)
     with Engine(runner, first) as engine:
-        engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=40))
+        engine.generate(PROMPTS[0], DecodeConfig(max_new_tokens=40))
     second = build_drafter("swift", runner, options)
     assert second.best == first.best and second.best_score == first.best_score >= 0
-    result = Engine(runner, second).generate(PROMPTS[1], GenerationConfig(max_new_tokens=40))
+    result = Engine(runner, second).generate(PROMPTS[1], DecodeConfig(max_new_tokens=40))
     assert result.stats.drafter.draft_forwards == 0
 
 
@@ -305,7 +305,7 @@ def test_paper_mode_has_no_budget_no_cap_and_no_fallback(runner):
         return draft
 
     drafter.propose = record
-    res = Engine(runner, drafter).generate(PROMPTS[0], GenerationConfig(max_new_tokens=48))
+    res = Engine(runner, drafter).generate(PROMPTS[0], DecodeConfig(max_new_tokens=48))
     assert res.tokens == reference(runner, PROMPTS[0])
     assert max(sizes) > 12  # more nodes than the default cap of 12 (4 chain nodes + their siblings)
     cycles = res.stats.verify_calls
@@ -336,7 +336,7 @@ def test_drafting_uses_the_optimised_plan(monkeypatch):
     drafter.propose = remember_best
     engine = Engine(runner, drafter)
     for prompt in PROMPTS[:2]:
-        assert engine.generate(prompt, GenerationConfig(max_new_tokens=48)).tokens == reference(runner, prompt)
+        assert engine.generate(prompt, DecodeConfig(max_new_tokens=48)).tokens == reference(runner, prompt)
     assert drafter.best != start and used
     assert all(plan == best_at_propose[i - 1] for i, plan in used)
     assert {plan for _, plan in used} >= {start, drafter.best}  # drafted with the start plan, then the found one
@@ -405,7 +405,7 @@ def test_paper_mode_scores_each_prompts_first_generated_tokens_on_the_prompts_kv
     drafter = build_drafter("swift", runner, PAPER)
     engine = Engine(runner, drafter)
     for prompt in PROMPTS[:2]:
-        assert engine.generate(prompt, GenerationConfig(max_new_tokens=40)).tokens == reference(runner, prompt, 40)
+        assert engine.generate(prompt, DecodeConfig(max_new_tokens=40)).tokens == reference(runner, prompt, 40)
     assert windows and len(windows) == drafter.search.steps  # one plan per step: the incumbent is never rescored
     assert all((start, end) == (prompt_len, prompt_len + 8) for prompt_len, start, end, *_ in windows)
     prompt_len, start, end, plan, score, tokens = windows[-1]
@@ -422,7 +422,7 @@ def test_paper_mode_keeps_one_global_best_score(runner):
     drafter = build_drafter("swift", runner, PAPER | {"max_opt_steps": "1000", "patience": "1000"})
     engine = Engine(runner, drafter)
     for prompt in PROMPTS:
-        assert engine.generate(prompt, GenerationConfig(max_new_tokens=40)).tokens == reference(runner, prompt, 40)
+        assert engine.generate(prompt, DecodeConfig(max_new_tokens=40)).tokens == reference(runner, prompt, 40)
     traj = [score for _, score in drafter.trajectory]
     assert len(traj) == drafter.search.steps >= 25 and traj == sorted(traj)
     assert len(drafter.search.gp.xs) == drafter.search.steps  # every candidate went to the GP
@@ -457,7 +457,7 @@ def test_swift_runs_without_optuna(runner, monkeypatch, paper):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for prompt in PROMPTS[:2]:
-            res = engine.generate(prompt, GenerationConfig(max_new_tokens=48))
+            res = engine.generate(prompt, DecodeConfig(max_new_tokens=48))
             assert res.tokens == reference(runner, prompt)
     assert drafter.search.steps >= 4 and res.stats.drafted > 0
     notes = [w for w in caught if "optuna is not installed" in str(w.message)]
@@ -491,7 +491,7 @@ def test_remembered_plain_mode_takes_no_optimisation_step_the_prompt_cannot_pay_
     calls = []
     predicted = drafter.predicted_speedup
     monkeypatch.setattr(drafter, "predicted_speedup", lambda m: calls.append(m) or predicted(m))
-    res = Engine(runner, drafter).generate(PROMPTS[0], GenerationConfig(max_new_tokens=48))
+    res = Engine(runner, drafter).generate(PROMPTS[0], DecodeConfig(max_new_tokens=48))
     assert res.tokens == reference(runner, PROMPTS[0])
     s = res.stats.drafter
     assert res.stats.drafted == 0 and s.plain_steps == res.stats.verify_calls - 1 and s.mode == "plain"
@@ -503,7 +503,7 @@ def test_remembered_plain_mode_takes_no_optimisation_step_the_prompt_cannot_pay_
 def test_remembered_plain_mode_still_optimises_once_its_own_time_pays_for_it(runner):
     drafter = remembered_plain(runner)
     drafter.decode_time = 100.0  # as after a long prompt or a stream: 3 % of it pays for a 0.5 s step
-    res = Engine(runner, drafter).generate(PROMPTS[0], GenerationConfig(max_new_tokens=48))
+    res = Engine(runner, drafter).generate(PROMPTS[0], DecodeConfig(max_new_tokens=48))
     assert res.tokens == reference(runner, PROMPTS[0])
     assert res.stats.drafter.opt_steps >= 1 and drafter.best_score >= 0
     drafter.finish()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from infer.drafters import build_drafter
-from infer.engine import Engine, GenerationConfig
+from infer.engine import DecodeConfig, Engine
 from infer.runner import Runner
 from train.layerskip import run_training
 
@@ -35,8 +35,8 @@ def test_adapter_run_trains_saves_and_drafts(tiny_recipe, tiny_model_dir, target
     engine = Engine(runner, build_drafter("early_exit", runner, {"adapter": str(path), "k": 3}))
     plain = Engine(runner, build_drafter("autoregressive", runner))
     prompt = list(range(40, 60))
-    assert engine.generate(prompt, GenerationConfig(max_new_tokens=24)).tokens == \
-        plain.generate(prompt, GenerationConfig(max_new_tokens=24)).tokens
+    assert engine.generate(prompt, DecodeConfig(max_new_tokens=24)).tokens == \
+        plain.generate(prompt, DecodeConfig(max_new_tokens=24)).tokens
 
 
 def test_adapter_run_resumes(tiny_recipe):

@@ -62,7 +62,7 @@ def test_transformers_peers_match_autoregressive(tiny_model_dir, prompts_file, t
     import shutil
 
     from infer.drafters import build_drafter
-    from infer.engine import Engine, GenerationConfig
+    from infer.engine import DecodeConfig, Engine
     from infer.loading import load_model
 
     model_dir = tmp_path / "model"
@@ -70,7 +70,7 @@ def test_transformers_peers_match_autoregressive(tiny_model_dir, prompts_file, t
     m = load_model(str(model_dir))
     ids = m.encode("def add(a, b):")
     ar = Engine(m.runner, build_drafter("autoregressive", m.runner), (), m.decode)
-    emitted = ar.generate(ids, GenerationConfig(max_new_tokens=10, stop_at_eos=False)).tokens
+    emitted = ar.generate(ids, DecodeConfig(max_new_tokens=10, stop_at_eos=False)).tokens
     (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": emitted[2]}))
     if eos == "in_prompt":  # the tokenizer's EOS '</s>' (the bench's pad id) inside a prompt
         pad = min(load_model(str(model_dir)).eos_token_ids)

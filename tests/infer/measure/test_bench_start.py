@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from infer.engine import GenerationConfig
+from infer.engine import DecodeConfig
 from infer.loading import load_model
 from layerskip_cli.main import main
 
@@ -43,7 +43,7 @@ def test_warm_bench_starts_every_repeat_from_the_same_remembered_state(tiny_mode
     nothing, so both repeats start alike."""
     model = load_model(tiny_model_dir, threads=1)
     for spec in METHODS.split(","):
-        engine, config = model.method(spec, GenerationConfig(max_new_tokens=12))
+        engine, config = model.method(spec, DecodeConfig(max_new_tokens=12))
         with engine:
             engine.generate(model.encode("def sub(a, b):"), config)  # a command that remembers (remember=on)
     saved = _snapshot(cache)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from infer.drafters import build_drafter
-from infer.engine import Engine, GenerationConfig
+from infer.engine import DecodeConfig, Engine
 from infer.measure.exactness import (
     ULPS,
     DivergenceJudge,
@@ -100,7 +100,7 @@ def _plant(runner: Runner, prompt: list[int], ref: list[int], pos: int) -> list[
     return ref[:pos] + [_runner_up(row, ref[pos])] + ref[pos + 1:]
 
 
-GEN = GenerationConfig(max_new_tokens=12, stop_at_eos=False)
+GEN = DecodeConfig(max_new_tokens=12, stop_at_eos=False)
 
 
 def test_classify_divergence_on_a_tiny_model():
@@ -135,9 +135,9 @@ def test_bf16_margins_are_those_of_the_static_path_that_ran():
     """Reference and run on the static executor in bf16: every planted divergence is judged on the reference's own
     row (the eager path differs from it by up to ~0.02 here), so its margin is exactly that row's and >= 0."""
     model = make_model("llama", seed=0, layers=4)
-    runner = Runner.from_model(model, torch.bfloat16, executor="static")
+    runner = Runner.from_model(model, dtype=torch.bfloat16, executor="static")
     prompt = [5, 6, 7, 8, 9]
-    gen = GenerationConfig(max_new_tokens=16, stop_at_eos=False)
+    gen = DecodeConfig(max_new_tokens=16, stop_at_eos=False)
     ref = Engine(runner, build_drafter("autoregressive", runner)).generate(prompt, gen).tokens
     own = Engine(runner, build_drafter("autoregressive", runner))
     for pos in range(len(ref)):
@@ -155,7 +155,7 @@ def test_spread_of_one_row_vs_many_rows():
     fp32 = measure_spread(Runner.from_model(model, executor="static"), sizes=(2, 3, 8))
     assert set(fp32["per_size"]) == {2, 3, 8} and fp32["executor"] == "static" and fp32["dtype"] == "float32"
     assert 0.0 <= fp32["max_abs"] < 1e-4 and fp32["prompts"] == 3
-    bf16 = measure_spread(Runner.from_model(model, torch.bfloat16, executor="eager"), sizes=(2, 8))
+    bf16 = measure_spread(Runner.from_model(model, dtype=torch.bfloat16, executor="eager"), sizes=(2, 8))
     assert bf16["max_abs"] == max(bf16["per_size"].values()) and 0.0 < bf16["max_abs"] < 0.5
 
 
@@ -182,8 +182,8 @@ def test_rounding_is_measured_against_an_fp32_recomputation_not_the_many_row_pat
     fp32 = measure_rounding(Runner.from_model(model, executor="static"), n=8)
     assert 0.0 <= fp32["max_abs"] < 1e-4 and fp32["prompts"] == 3 and "fp32" in fp32["path"]
     bf16_model = make_model("llama", seed=0, layers=4).to(torch.bfloat16)
-    runner = Runner.from_model(bf16_model, torch.bfloat16, executor="eager")
-    reference = Runner.from_model(bf16_model, torch.float32)
+    runner = Runner.from_model(bf16_model, dtype=torch.bfloat16, executor="eager")
+    reference = Runner.from_model(bf16_model, dtype=torch.float32)
     bf16 = measure_rounding(runner, reference, n=8)
     assert 0.0 < bf16["max_abs"] < 0.5 and bf16["dtype"] == "bfloat16"
     with pytest.raises(ValueError, match="fp32 reference"):
@@ -232,7 +232,7 @@ def test_a_bf16_judge_without_an_fp32_reference_keeps_the_old_bound(monkeypatch)
     """No fp32 reference: the one-row vs many-row spread, a bound of 2 x spread as before (``bound_source`` says so)."""
     from infer.measure import exactness
 
-    runner = Runner.from_model(make_model("llama", seed=0, layers=4), torch.bfloat16)
+    runner = Runner.from_model(make_model("llama", seed=0, layers=4), dtype=torch.bfloat16)
     monkeypatch.setattr(exactness, "measure_spread", lambda r: {"max_abs": 0.5})
     judge = DivergenceJudge(runner, GEN)
     assert judge.rounding == 0.25 and judge.bound_source == "many-row spread"

@@ -6,7 +6,7 @@ import torch
 from infer.drafters import build_drafter
 from infer.drafters.base import DecodeState
 from infer.drafters.chain import draft_chain
-from infer.engine import Engine, GenerationConfig
+from infer.engine import DecodeConfig, Engine
 from infer.kv_cache import ints_to_device
 from infer.measure.syncs import SyncCounter, measure_decode
 from infer.plan import LayerPlan, PlanFile
@@ -39,7 +39,7 @@ def test_counter_sees_every_kind_of_host_read():
 
 def _measure(runner, name, options, sampling=None):
     engine = Engine(runner, build_drafter(name, runner, options))
-    config = GenerationConfig(max_new_tokens=40, stop_at_eos=False, sampling=sampling or SamplingConfig())
+    config = DecodeConfig(max_new_tokens=40, stop_at_eos=False, sampling=sampling or SamplingConfig())
     return measure_decode(engine, PROMPT, config)
 
 
@@ -79,7 +79,7 @@ def test_tree_costs_one_read_whatever_its_depth(runner):
     drafter = build_drafter("swift", runner, {"context_window": 4, "remember": "off", "adaptive": False,
                                               "confidence": 0.0, "num_draft": 5, "max_opt_steps": 0})
     engine = Engine(runner, drafter)
-    gen = engine.start(PROMPT, GenerationConfig(max_new_tokens=30, stop_at_eos=False))
+    gen = engine.start(PROMPT, DecodeConfig(max_new_tokens=30, stop_at_eos=False))
     gen.state.budget = 29  # what Engine.step sets before proposing
     with SyncCounter() as syncs:
         draft = drafter.propose(gen.state)
@@ -115,8 +115,8 @@ def test_chain_that_reads_its_tokens_stops_at_eos():
 def test_greedy_output_unchanged_when_the_draft_meets_eos(runner):
     """Stopping at a drafted EOS changes work, never output: early exit with EOS = a frequent token equals AR."""
     eos = {int(t) for t in Engine(runner, build_drafter("autoregressive", runner)).generate(
-        PROMPT, GenerationConfig(max_new_tokens=12, stop_at_eos=False)).tokens[5:7]}
-    config = GenerationConfig(max_new_tokens=40)
+        PROMPT, DecodeConfig(max_new_tokens=12, stop_at_eos=False)).tokens[5:7]}
+    config = DecodeConfig(max_new_tokens=40)
     ref = Engine(runner, build_drafter("autoregressive", runner), eos_token_ids=eos).generate(PROMPT, config)
     for options in ({"exit_layer": 4, "num_draft": 4}, {"exit_layer": 4, "num_draft": 4, "confidence": 0.01}):
         got = Engine(runner, build_drafter("early_exit", runner, options), eos_token_ids=eos).generate(PROMPT, config)
