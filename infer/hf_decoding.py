@@ -45,8 +45,7 @@ from transformers.generation import (
 )
 
 from infer.drafters import Spec, drafter_spec
-from infer.engine import Engine
-from infer.engine import DecodeConfig
+from infer.engine import DecodeConfig, Engine
 from infer.runner import Runner
 from infer.sampling import SamplingConfig
 from layerskip_core.errors import UserError

@@ -11,7 +11,7 @@ from infer.drafters import build_drafter, parse_spec
 from infer.drafters.base import DecodeState, Draft, VerifyOutcome
 from infer.drafters.chain import PlanForward
 from infer.drafters.self_sd import AdaptiveThreshold, SelfSDConfig
-from infer.engine import Engine, DecodeConfig
+from infer.engine import DecodeConfig, Engine
 from infer.plan import LayerPlan, PlanFile
 from infer.runner import Runner
 from infer.sampling import SamplingConfig
