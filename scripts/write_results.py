@@ -18,6 +18,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from layerskip_core.cli import Parser
+
 NOTE = re.compile(r"<!-- notes:(\w+) -->\n(.*?)<!-- /notes:\1 -->", re.S)
 GPU_SECTION = re.compile(r"<!-- gpu-compare:begin -->.*?<!-- gpu-compare:end -->\n?", re.S)
 COMMANDS = "Commands of this run"
@@ -141,7 +143,7 @@ def _swift_stream(run: Path, img_dir: Path, old: str) -> list[str]:
              "--data humaneval,gsm8k --n 4 --max-new-tokens 128 --repeats 2 --threads 1\n```\n",
              "Prompts alternate between the tasks. `autoregressive` and each SWIFT variant run as their own "
              "stream (one drafter state across all prompts) and take turns prompt by prompt. `swift` is ours "
-             "(falls back to plain steps while drafting measures slower); `swift:fallback=false:opt_budget=0.9` "
+             "(falls back to plain steps while drafting measures slower); `swift:adaptive=false:opt_budget=0.9` "
              "behaves like the paper (always drafts, optimises at will). tok/s are medians over repeats, each "
              "repeat with fresh drafters; α, M and the shares are over all repeats.\n",
              (run / "stream.md").read_text()]
@@ -175,7 +177,7 @@ def _independent(run: Path, title: str, old: str, name: str) -> list[str]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=Path, default=Path("runs/compare"))
     p.add_argument("--out", type=Path, default=Path("docs/RESULTS.md"))
     args = p.parse_args()

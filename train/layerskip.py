@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 from tqdm.auto import tqdm
 
-from layerskip_core.cli import run_main
+from layerskip_core.cli import Parser, run_main
 from layerskip_core.errors import UserError
 from layerskip_core.packages import cache_root
 from train.checkpoint import (
@@ -430,7 +430,7 @@ def save_final(run: Session) -> Path:
 
 
 def build_parser(prog: str = "train/layerskip.py") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+    parser = Parser(prog=prog, description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="recipe YAML (recipes/*.yaml)")
     parser.add_argument("--resume", action="store_true", help="same as checkpoint.resume=auto")
