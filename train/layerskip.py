@@ -463,9 +463,9 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     interrupt_on_sigterm()
     try:
         result = run_training(cfg, overwrite=args.overwrite)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # one line: the hint says "interrupted" (run_main would say it again)
         log(resume_hint(argv, cfg.checkpoint.output_dir))
-        raise
+        return 130
     # Tear the process group down before the interpreter does: left to exit, a gloo rank could abort
     # ("terminate called without an active exception") after a run that had finished and saved.
     result["accelerator"].end_training()
