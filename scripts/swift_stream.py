@@ -135,8 +135,9 @@ def markdown(results: dict) -> str:
                 lines.append(f"- **{label}**, `{method}`: exact {same}/{total}")
                 continue
             pred = f"{st['predicted_speedup']:.2f}x" if st["predicted_speedup"] is not None else "n/a"
+            best = "none scored" if st["best_matchness"] is None else f"{st['best_matchness']:.2f}"
             lines.append(f"- **{label}**, `{method}`: exact {same}/{total}; final plan skips "
-                         f"{st['skip_ratio']:.0%} of sublayers, best matchness {st['best_matchness']:.2f}, "
+                         f"{st['skip_ratio']:.0%} of sublayers, best matchness {best}, "
                          f"last mode `{st['mode']}`, cost-model speed-up of drafting {pred}")
     return "\n".join(lines) + "\n"
 

@@ -284,7 +284,8 @@ class SwiftDrafter(Drafter):
 
     def stats(self) -> dict:
         return {"draft_forwards": self.forwards, "opt_time": self.opt_time, "opt_steps": self.opt_steps,
-                "plain_steps": self.plain_steps, "best_matchness": self.best_score, "skip_ratio": self.best.skip_ratio,
+                "plain_steps": self.plain_steps, "skip_ratio": self.best.skip_ratio,
+                "best_matchness": self.best_score if self.best_score >= 0 else None,  # None: no plan scored yet
                 "plan": self.best.describe(), "mode": self.mode, "optimising": self.optimising,
                 "stop_reason": self.stop_reason, "tps_plain": self.plain.value, "tps_draft": self.drafting.value,
                 "predicted_speedup": self.predicted_speedup(self.best_score),
