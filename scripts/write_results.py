@@ -140,7 +140,8 @@ def _swift_stream(run: Path, img_dir: Path, old: str) -> list[str]:
         return _section(old, SWIFT_STREAM, None, run / "stream.md")
     lines = [f"## {SWIFT_STREAM}\n",
              "```\npython scripts/swift_stream.py --model base=default --model trained=runs/cpu-demo/final "
-             "--data humaneval,gsm8k --n 4 --max-new-tokens 128 --repeats 2 --threads 1\n```\n",
+             "--data humaneval,gsm8k --n 4 --max-new-tokens 128 --repeats 2 --threads 1 "
+             "--out runs/compare/swift_stream\n```\n",
              "Prompts alternate between the tasks. `autoregressive` and each SWIFT variant run as their own "
              "stream (one drafter state across all prompts) and take turns prompt by prompt. `swift` is ours "
              "(falls back to plain steps while drafting measures slower); `swift:adaptive=false:opt_budget=0.9` "
@@ -176,11 +177,11 @@ def _independent(run: Path, title: str, old: str, name: str) -> list[str]:
     return lines + ["", _notes(old, name)]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=Path, default=Path("runs/compare"))
     p.add_argument("--out", type=Path, default=Path("docs/RESULTS.md"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if not args.runs.is_dir():
         sys.exit(f"error: {args.runs} does not exist (make compare writes it); {args.out} left as it is")
     old = args.out.read_text() if args.out.is_file() else ""
