@@ -190,7 +190,9 @@ def main(argv: list[str] | None = None) -> None:
     commands = args.runs / "commands.txt"
     page = ["# Results: training-free vs trained self-speculative decoding\n",
             "Every number below was measured by the commands shown, on the machine named with them; "
-            "regenerate the page with `scripts/compare_trained_vs_free.sh`.\n",
+            "regenerate the page with `scripts/compare_trained_vs_free.sh`. Absolute tok/s are that machine's "
+            "under its load at the time (see Machine below): another machine, or the same one busier, gives "
+            "other absolute numbers, so read ratios within one table.\n",
             _notes(old, "summary")]
     page += _section(old, COMMANDS, [f"## {COMMANDS}\n", "```bash", commands.read_text().strip(), "```\n"]
                      if commands.is_file() else None, commands)
