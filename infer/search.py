@@ -166,6 +166,7 @@ class SearchConfig:
 CALIBRATION = "calibration"
 """The study's user attribute holding the model objective's calibration (prompts, continuations, costs)."""
 
+
 @dataclass
 class SearchResult:
     plan: LayerPlan
