@@ -123,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
              "dtype": dtype_name(model.runner.dtype),
              "prompt_ids": [it.id for it in items]}
     if args.resume and not args.quiet:
-        print(f"layerskip: resuming the study in {study} (its calibration is reused)", file=sys.stderr, flush=True)
+        reused = " (its calibration is reused)" if cfg.objective == "model" else ""
+        print(f"layerskip: resuming the study in {study}{reused}", file=sys.stderr, flush=True)
     elif not args.quiet:  # the calibration runs before the trials' progress bar appears
         print(f"layerskip: calibrating on {len(prompts)} prompts (the full model's outputs and the cost of a draft), "
               "then the trials", file=sys.stderr, flush=True)
