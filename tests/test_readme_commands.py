@@ -1,11 +1,12 @@
-"""The commands the README and docs/ show, as written.
+"""The commands the README, docs/ and the recipes' headers show, as written.
 
-Every command line in a ``bash`` (or unlabelled) code block of README.md and docs/*.md that starts a program of this
-project (``layerskip``, ``python train/layerskip.py``, ``python scripts/X.py``, ``accelerate launch ...
-train/layerskip.py``, ``make``) parses: its entry point runs up to the end of argument parsing, every drafter spec it
-names is a valid spec, and every drafter spec quoted in the docs' prose is one. Commands that take hours (training,
-benchmarks, the GPU scripts) are checked that far only. The cheap ones run for real, in document order, in a copy of
-the repository (generation shortened with --max-new-tokens, searches with tiny settings), and none of them may be
+Every command line in a ``bash`` (or unlabelled) code block of README.md and docs/*.md, and every command of a
+recipe's header comment, that starts a program of this project (``layerskip``, ``python train/layerskip.py``,
+``python scripts/X.py``, ``accelerate launch ... train/layerskip.py``, ``make``) parses: its entry point runs up to
+the end of argument parsing, every drafter spec it names is a valid spec, a recipe it names loads with its
+overrides, and every drafter spec quoted in the docs' prose is one. Commands that take hours (training, benchmarks,
+the GPU scripts) are checked that far only. The cheap ones run for real, in document order, in a copy of the
+repository (generation shortened with --max-new-tokens, searches with tiny settings), and none of them may be
 refused or change a committed file (``git status`` of the copy).
 """
 
@@ -56,8 +57,20 @@ def doc_commands(path: Path) -> list[list[str]]:
     return [c for c in commands if c and c[0] in PROGRAMS]
 
 
+def recipe_commands(path: Path) -> list[list[str]]:
+    """The commands a recipe's header comment shows (``#   python train/layerskip.py --config ...``)."""
+    comments = [line[1:] for line in path.read_text(encoding="utf-8").splitlines() if line.startswith("#")]
+    commands = []
+    for line in "\n".join(comments).replace("\\\n", " ").splitlines():
+        match = re.match(r"\s+(?:[\w ?]+:\s+)?((?:layerskip|python|accelerate) .*)", line)
+        if match:
+            commands.append(shlex.split(match.group(1), comments=True))
+    return commands
+
+
 def all_commands() -> list[tuple[str, list[str]]]:
-    return [(p.name, argv) for p in DOCS for argv in doc_commands(p)]
+    pages = [(p.name, argv) for p in DOCS for argv in doc_commands(p)]
+    return pages + [(p.name, argv) for p in sorted((REPO / "recipes").glob("*.yaml")) for argv in recipe_commands(p)]
 
 
 def entry(argv: list[str]):
@@ -136,7 +149,15 @@ def test_every_documented_command_parses(doc, argv, parse_only, capsys):
         main(args)
     if done.type is SystemExit:  # --help and --help-config end here, successfully
         assert done.value.code in (0, None), capsys.readouterr().err
+        return
     check_specs(args)
+    namespace = done.value.args[0]
+    config = getattr(namespace, "config", None)
+    overrides = list(getattr(namespace, "overrides", []))
+    if main is train_main and config and (REPO / config).is_file() and not re.search(r"[$\[]", " ".join(overrides)):
+        from train.recipe import load_config
+
+        load_config(REPO / config, overrides)  # the recipe and its overrides load (strict keys and values)
 
 
 def test_every_drafter_spec_in_the_docs_is_valid():
