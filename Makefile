@@ -4,11 +4,12 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 export PATH := $(abspath $(BIN)):$(PATH)
-STAMP := $(VENV)/.installed
 # Which torch: cpu = the CPU build pinned in constraints.txt (the default, what CI runs);
 # cu126, cu128, ... = that CUDA build of the same version from download.pytorch.org;
 # keep = the torch the Python running make already has (a GPU image's): the venv sees its site-packages.
 TORCH ?= cpu
+# One stamp per torch flavour (only the installed one exists): `make setup TORCH=cu128` after a CPU setup installs.
+STAMP := $(VENV)/.installed-$(TORCH)
 TORCH_VERSION := $(shell sed -n 's/^torch==//p' constraints.txt)
 TORCH_INDEX ?= https://download.pytorch.org/whl/$(TORCH)
 OTHERS := $(VENV)/constraints-without-torch.txt
@@ -34,6 +35,7 @@ endif
 	grep -v '^torch==' constraints.txt > $(OTHERS)
 	$(BIN)/pip install -q -c $(OTHERS) -e ".[dev]"
 endif
+	rm -f $(VENV)/.installed $(VENV)/.installed-*
 	touch $(STAMP)
 
 fetch-model: setup

@@ -53,9 +53,9 @@ from tqdm.auto import tqdm
 
 from infer.draft_vocab import DraftVocab, check_draft_vocab_option, resolve_draft_vocab_option
 from infer.gp_ucb import GPUCB, GPUCBConfig
-from infer.plan import LayerPlan, PlanFile, PlanSpace, head_record, weights_cost
+from infer.plan import CostModel, LayerPlan, PlanFile, PlanSpace, head_record, weights_cost
 from infer.runner import Runner
-from infer.search_objectives import ModelObjective, SpeedObjective, calibration_set, measure_cost
+from infer.search_objectives import Calibration, ModelObjective, SpeedObjective, calibration_set, measure_cost
 from layerskip_core.errors import UserError
 
 OBJECTIVES = ("model", "speed")
@@ -162,6 +162,10 @@ class SearchConfig:
 
 
 # --------------------------------------------------------------------------- the optuna loop
+CALIBRATION = "calibration"
+"""The study's user attribute holding the model objective's calibration (prompts, continuations, costs)."""
+
+
 @dataclass
 class SearchResult:
     plan: LayerPlan
@@ -221,7 +225,7 @@ def open_study(storage_path: Path | None, settings: dict, fresh: bool = False):
             storage = JournalStorage(JournalFileBackend(str(storage_path)))
         study = optuna.create_study(storage=storage, study_name="self_sd", direction="maximize", load_if_exists=True)
     except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:  # JSONDecodeError is a ValueError
-        raise UserError(f"the study journal {storage_path} is damaged ({type(e).__name__}); pass --fresh to "
+        raise UserError(f"the study journal {storage_path} is damaged ({type(e).__name__}); pass --force to "
                         "start the search over") from None
     stored = study.user_attrs.get("settings")
     if stored is None:
@@ -229,7 +233,7 @@ def open_study(storage_path: Path | None, settings: dict, fresh: bool = False):
     elif stored != settings:
         diff = ", ".join(f"{k}: {stored.get(k)!r} -> {settings.get(k)!r}" for k in sorted(set(stored) | set(settings))
                          if stored.get(k) != settings.get(k))
-        raise UserError(f"the study in {storage_path} was run with other settings ({diff}); pass --fresh to "
+        raise UserError(f"the study in {storage_path} was run with other settings ({diff}); pass --force to "
                         "start over or choose another --out")
     return study
 
@@ -245,7 +249,7 @@ def _check_journal(journal: Path) -> None:
     except (OSError, ValueError):
         ok = False
     if not ok:
-        raise UserError(f"the study journal {journal} is damaged (cut short or not a journal); pass --fresh to "
+        raise UserError(f"the study journal {journal} is damaged (cut short or not a journal); pass --force to "
                         "start the search over")
 
 
@@ -371,18 +375,24 @@ def study_path_for(out: Path) -> Path:
 
 
 def build_objective(runner: Runner, prompts: list[list[int]], cfg: SearchConfig,
-                    vocab: DraftVocab | None = None) -> tuple[Evaluate, dict]:
+                    vocab: DraftVocab | None = None, study=None) -> tuple[Evaluate, dict]:
     """The objective function, scoring with the draft head of ``vocab`` (None: the full head), and what it measured
-    during setup (recorded in the plan file)."""
+    during setup (recorded in the plan file). The model objective's calibration (the full model's continuations
+    and the measured costs) is stored with ``study``, so a resumed study reuses it instead of paying it again."""
     if cfg.objective == "speed":
         objective = SpeedObjective(runner, prompts, cfg.max_new_tokens, cfg.num_draft, cfg.speed_reference, vocab)
         return objective, {"autoregressive_tokens_per_second_at_start": round(objective.baseline, 3)}
-    calibration = calibration_set(runner, prompts, cfg.max_new_tokens)
-    if cfg.cost == "measured":
-        context = max(prompts, key=len)
-        cost = measure_cost(runner, context, cfg.num_draft + 1)
+    stored = study.user_attrs.get(CALIBRATION) if study is not None else None
+    if stored is not None and stored["prompts"] == [list(p) for p in prompts]:
+        calibration = [Calibration(list(p), c) for p, c in zip(prompts, stored["continuations"], strict=True)]
+        cost = CostModel(**stored["cost"])
     else:
-        cost = weights_cost(runner.spec, cfg.num_draft + 1)
+        calibration = calibration_set(runner, prompts, cfg.max_new_tokens)
+        cost = (measure_cost(runner, max(prompts, key=len), cfg.num_draft + 1) if cfg.cost == "measured"
+                else weights_cost(runner.spec, cfg.num_draft + 1))
+        if study is not None:
+            study.set_user_attr(CALIBRATION, {"prompts": [list(p) for p in prompts], "cost": dataclasses.asdict(cost),
+                                              "continuations": [c.continuation for c in calibration]})
     return ModelObjective(runner, calibration, cost, cfg.num_draft, vocab), {"cost_model": cost.to_dict()}
 
 
@@ -401,7 +411,7 @@ def search_plan(runner: Runner, prompts: list[list[int]], cfg: SearchConfig, out
     if not cfg.paper:
         settings = cfg.study_settings() | {"model": runner.identity(), "task": task, "prompts": len(prompts)}
         study = open_study(study_path, settings, fresh)
-    evaluate, setup = build_objective(runner, prompts, cfg, vocab)
+    evaluate, setup = build_objective(runner, prompts, cfg, vocab, study)
     setup_time = time.perf_counter() - t_start
 
     def save(result: SearchResult) -> PlanFile:

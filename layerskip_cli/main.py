@@ -6,13 +6,13 @@ import argparse
 import sys
 
 from layerskip_cli.commands import bench, draft_vocab, eval_exits, export, fetch_model, generate, plan, search, train
-from layerskip_core.cli import run_main
+from layerskip_core.cli import Parser, run_main
 
 COMMANDS = (fetch_model, generate, search, plan, draft_vocab, bench, eval_exits, train, export)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="layerskip", description=__doc__)
+    parser = Parser(prog="layerskip", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.register(sub)

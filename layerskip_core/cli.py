@@ -1,5 +1,6 @@
 """One command-line policy for every entry point: bad input is one line on stderr and exit code 2.
 
+``Parser`` is the one argument parser of every entry point (no prefix matching of long options);
 ``run_main`` wraps a command's body; ``split_named`` parses the ``NAME=PATH`` labels that several
 commands accept for models (``--model base=default --model trained=runs/x/final``);
 ``check_output_file`` / ``check_output_dir`` refuse an output path before any work is done: the one output-file
@@ -10,6 +11,7 @@ one that holds files the command writes (an earlier run's results) is refused un
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
@@ -17,6 +19,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from layerskip_core.errors import UserError
+
+
+class Parser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` without abbreviations: ``--fallback`` is refused instead of being taken for
+    ``--fallback-opt-budget``. Subcommand parsers (``add_subparsers().add_parser``) are of this class too."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
 
 
 def run_main(prog: str, body: Callable[[], int | None]) -> int:

@@ -29,7 +29,7 @@ from infer.engine import DecodeConfig
 from infer.loading import load_resolved
 from infer.measure.methods import BASELINE
 from layerskip_cli.args import add_model_flags, model_settings
-from layerskip_core.cli import check_output_dir, run_main
+from layerskip_core.cli import Parser, check_output_dir, run_main
 from layerskip_core.prompts import load_prompts, task_name, use_chat_template
 
 
@@ -134,7 +134,7 @@ def markdown(rows: list[dict], args: argparse.Namespace, threads: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_flags(p)
     p.add_argument("--drafters", default="swift,early_exit:E=8:k=4:adaptive=true",
                    help="drafter specs compared with autoregressive (comma-separated)")

@@ -10,12 +10,13 @@ parameters, so exits are not free). All variants run in one process on the same 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import sys
 import time
+
+from layerskip_core.cli import Parser
 
 
 def variants(exits: list[int], p_maxes: list[float], rotation: int) -> dict[str, tuple[dict, dict]]:
@@ -32,7 +33,7 @@ def variants(exits: list[int], p_maxes: list[float], rotation: int) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     parser.add_argument("--batch", type=int, default=2)

@@ -21,7 +21,7 @@ import torch
 
 from infer.runner import Runner
 from layerskip_cli.args import add_model_flags, model_settings
-from layerskip_core.cli import check_output_file, run_main
+from layerskip_core.cli import Parser, check_output_file, run_main
 from layerskip_core.device import dtype_name
 from layerskip_core.errors import UserError
 
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_flags(p, skip=("executor",))  # both runners here run eagerly: the kernel is what varies
     p.add_argument("--sizes", default="1,2,3,4,5,6,8,12,16,32")
     p.add_argument("--repeats", type=int, default=7)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infer.plan import cycle_speedup, iid_tokens_per_cycle
-from layerskip_core.cli import check_output_dir, run_main
+from layerskip_core.cli import Parser, check_output_dir, run_main
 from layerskip_core.errors import UserError
 
 OUTPUTS = ("results.json", "table.md", "compare.png")
@@ -80,7 +80,7 @@ def implied_per_token(tokens_per_verify: float | None, draft_forwards: float | N
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True, help="the recipe whose validation split is the held-out text")
     p.add_argument("--checkpoint", required=True, help="a LayerSkip training run's final folder (family c)")
     p.add_argument("--adapters", required=True, help="comma-separated adapter files, one per exit (family b)")
@@ -99,7 +99,7 @@ def exit_quality(model: str, config: str, exits: list[int], n: int, threads: int
     """``layerskip eval-exits`` on the recipe's validation split: per-exit agreement and the final loss."""
     from layerskip_cli.commands import eval_exits
 
-    p = argparse.ArgumentParser()
+    p = Parser()
     eval_exits.add_arguments(p)
     args = p.parse_args(["--model", model, "--config", config, "--exits", ",".join(map(str, exits)),
                          "--n", str(n), "--threads", str(threads), "--dtype", "fp32", "--device", "cpu"])

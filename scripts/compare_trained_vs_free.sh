@@ -50,7 +50,7 @@ for name in base trained; do
     --trials "$TRIALS" --objective model --threads "$THREADS" --out "$OUT/plans/$name.json"
 done
 step "$OUT/bench/results.json" "$BIN/layerskip" bench --model base=default --model "trained=$TRAINED" \
-  --drafters "autoregressive,early_exit:E=8:k=4,early_exit:E=24:k=4,self_sd:plan=$OUT/plans/{model}.json,swift,swift:r=0.2,autoregressive:E=24" \
+  --drafters "autoregressive,early_exit:E=8:k=4,early_exit:E=24:k=4,self_sd:plan=$OUT/plans/{model}.json,swift,swift:r=0.2,autoregressive:target_exit=24" \
   --peers hf_generate,hf_static,prompt_lookup,hf_early_exit:E=8 \
   --data humaneval,gsm8k --n "$N" --max-new-tokens "$TOKENS" --repeats "$REPEATS" --threads "$THREADS" \
   --quiet --out "$OUT/bench"

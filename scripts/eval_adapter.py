@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from layerskip_core.cli import check_output_file, run_main
+from layerskip_core.cli import Parser, check_output_file, run_main
 from layerskip_core.errors import UserError
 
 
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--adapter", type=Path, required=True, help="an adapter file (train/layerskip.py adapter: runs)")
     p.add_argument("--config", required=True, help="the recipe whose validation split is the held-out text")
     p.add_argument("--n", type=int, default=32, help="validation examples (default 32)")

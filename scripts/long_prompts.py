@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from layerskip_core.cli import check_output_file, run_main
+from layerskip_core.cli import Parser, check_output_file, run_main
 from layerskip_core.errors import UserError
 
 
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default", help="whose tokenizer counts the tokens (default: the default model)")
     p.add_argument("--n", type=int, default=8, help="prompts to write (default 8)")
     p.add_argument("--min-tokens", type=int, default=300)

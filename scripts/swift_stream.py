@@ -31,7 +31,7 @@ from infer.loading import load_resolved
 from infer.measure.methods import BASELINE
 from infer.measure.plots import plot_matchness
 from layerskip_cli.args import add_run_flags, run_settings
-from layerskip_core.cli import run_main, split_named
+from layerskip_core.cli import Parser, run_main, split_named
 from layerskip_core.device import dtype_name
 from layerskip_core.models import resolve_model
 from layerskip_core.prompts import load_prompts, use_chat_template
@@ -132,8 +132,9 @@ def markdown(results: dict) -> str:
                 lines.append(f"- **{label}**, `{method}`: exact {same}/{total}")
                 continue
             pred = f"{st['predicted_speedup']:.2f}x" if st["predicted_speedup"] is not None else "n/a"
+            best = "none scored" if st["best_matchness"] is None else f"{st['best_matchness']:.2f}"
             lines.append(f"- **{label}**, `{method}`: exact {same}/{total}; final plan skips "
-                         f"{st['skip_ratio']:.0%} of sublayers, best matchness {st['best_matchness']:.2f}, "
+                         f"{st['skip_ratio']:.0%} of sublayers, best matchness {best}, "
                          f"last mode `{st['mode']}`, cost-model speed-up of drafting {pred}")
     return "\n".join(lines) + "\n"
 
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(argv: list[str] | None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", action="append", required=True, help="LABEL=PATH or PATH ('default' allowed)")
     p.add_argument("--data", default="humaneval,gsm8k")
     p.add_argument("--n", type=int, default=3, help="prompts per task")

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from layerskip_cli.args import add_model_flags, model_settings
-from layerskip_core.cli import check_output_file, run_main
+from layerskip_core.cli import Parser, check_output_file, run_main
 from layerskip_core.settings import ModelSettings
 
 SETTINGS = ModelSettings(executor="static")
@@ -70,7 +70,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     add_model_flags(p, SETTINGS)
     p.add_argument("--drafters", default=DRAFTERS, help=f"comma-separated drafter specs (default {DRAFTERS})")
     p.add_argument("--prompt", default=PROMPT, help="the prompt text")

@@ -21,7 +21,6 @@ standard library; the training loop and the runner are imported inside the funct
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -38,6 +37,7 @@ from transformers import LlamaConfig
 
 from infer.measure.seeded_models import byte_tokenizer
 from infer.measure.seeded_models import random_model as seeded_random_model
+from layerskip_core.cli import Parser
 from train.config import EarlyExitConfig, LayerDropoutConfig
 
 BEGIN, END = "<!-- gpu_check:train:begin -->", "<!-- gpu_check:train:end -->"
@@ -321,7 +321,7 @@ def update_training_doc(result: dict, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU, seconds)")
     parser.add_argument("--tokenizer-dir", help="a model folder whose tokenizer the e2e run uses (default: a "

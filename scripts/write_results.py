@@ -5,6 +5,8 @@
 Tables and plots are regenerated from the run folder; hand-written text between the markers
 ``<!-- notes:NAME -->`` and ``<!-- /notes:NAME -->`` in an existing page is kept, and so is the GPU
 section that ``scripts/gpu_compare.py`` writes between ``<!-- gpu-compare:begin -->`` and ``end``.
+A section whose input is missing from the run folder keeps the page's committed section (said on stderr), so a
+partial run folder updates what it holds and loses nothing; a run folder that does not exist is refused.
 """
 
 from __future__ import annotations
@@ -13,10 +15,17 @@ import argparse
 import json
 import re
 import shutil
+import sys
 from pathlib import Path
+
+from layerskip_core.cli import Parser
 
 NOTE = re.compile(r"<!-- notes:(\w+) -->\n(.*?)<!-- /notes:\1 -->", re.S)
 GPU_SECTION = re.compile(r"<!-- gpu-compare:begin -->.*?<!-- gpu-compare:end -->\n?", re.S)
+COMMANDS = "Commands of this run"
+VERIFY_COST = "Cost of verifying T tokens at once"
+EXITS = "Early-exit agreement before and after LayerSkip training"
+SWIFT_STREAM = "SWIFT over a stream of HumanEval and GSM8K prompts"
 
 
 def _notes(old: str, name: str) -> str:
@@ -25,12 +34,33 @@ def _notes(old: str, name: str) -> str:
     return f"<!-- notes:{name} -->\n{body}<!-- /notes:{name} -->\n"
 
 
+def _old_section(old: str, title: str) -> str | None:
+    """The page's committed section headed ``## title``: up to the next ``## `` heading or the GPU section."""
+    start = old.find(f"## {title}\n")
+    if start != 0 and (start < 0 or old[start - 1] != "\n"):
+        return None
+    ends = [i for i in (old.find("\n## ", start), old.find("<!-- gpu-compare:begin -->", start)) if i >= 0]
+    end = min(ends) + 1 if ends else len(old)
+    return old[start:end].removesuffix("\n")  # the page's lines are joined with one newline
+
+
+def _section(old: str, title: str, built: list[str] | None, source: Path) -> list[str]:
+    """A regenerated section, or where its input is missing the committed one (said on stderr), never nothing."""
+    if built is not None:
+        return built
+    kept = _old_section(old, title)
+    if kept is None:
+        return []
+    print(f"kept the committed section '{title}': {source} is missing", file=sys.stderr)
+    return [kept]
+
+
 def _bench_section(run: Path, title: str, img_dir: Path, old: str, name: str) -> list[str]:
     from infer.measure.report import Summary, markdown_table
 
     path = run / "results.json"
     if not path.is_file():
-        return [f"## {title}\n", f"_not run: {path} missing_\n"]
+        return _section(old, title, None, path)
     payload = json.loads(path.read_text())
     rows = [Summary(**r) for r in payload["summary"]]
     meta = payload["meta"]
@@ -62,12 +92,12 @@ def _table(head: list[str], rows: list[list[str]], sep: str = "---") -> list[str
 
 def _verify_cost(path: Path, old: str) -> list[str]:
     if not path.is_file():
-        return []
+        return _section(old, VERIFY_COST, None, path)
     data = json.loads(path.read_text())
     result = data["result"]
     kinds = list(result)
     sizes = list(next(iter(result.values())))
-    lines = ["## Cost of verifying T tokens at once\n",
+    lines = [f"## {VERIFY_COST}\n",
              "```\npython scripts/bench_verify_cost.py --model default --threads 1 --repeats 7\n```\n",
              f"Forward over T new tokens with {data['context']} tokens in the cache, {data['threads']} thread(s); "
              "v(T) = time(T) / time(1).\n"]
@@ -86,10 +116,10 @@ def _exit_eval(runs: Path, img_dir: Path, old: str) -> list[str]:
     evals = {(f.stem if f.name != "exits.json" else f.parent.name).removeprefix("exits_"): json.loads(f.read_text())
              for f in files}
     if not evals:
-        return []
+        return _section(old, EXITS, None, runs / "exits_*.json")
     first = next(iter(evals.values()))
     exits = sorted(first["agreement"], key=int)
-    lines = ["## Early-exit agreement before and after LayerSkip training\n",
+    lines = [f"## {EXITS}\n",
              "```\nlayerskip eval-exits --model M --config recipes/cpu-demo-stdlib.yaml --threads 1 --device cpu "
              "--dtype fp32 --out runs/compare/exits_NAME\n```\n",
              f"Held-out stdlib blocks ({first['examples']} blocks, {first['tokens'][exits[0]]} tokens): "
@@ -107,13 +137,14 @@ def _exit_eval(runs: Path, img_dir: Path, old: str) -> list[str]:
 def _swift_stream(run: Path, img_dir: Path, old: str) -> list[str]:
     """SWIFT over a mixed-task stream (scripts/swift_stream.py)."""
     if not (run / "stream.md").is_file():
-        return []
-    lines = ["## SWIFT over a stream of HumanEval and GSM8K prompts\n",
+        return _section(old, SWIFT_STREAM, None, run / "stream.md")
+    lines = [f"## {SWIFT_STREAM}\n",
              "```\npython scripts/swift_stream.py --model base=default --model trained=runs/cpu-demo/final "
-             "--data humaneval,gsm8k --n 4 --max-new-tokens 128 --repeats 2 --threads 1\n```\n",
+             "--data humaneval,gsm8k --n 4 --max-new-tokens 128 --repeats 2 --threads 1 "
+             "--out runs/compare/swift_stream\n```\n",
              "Prompts alternate between the tasks. `autoregressive` and each SWIFT variant run as their own "
              "stream (one drafter state across all prompts) and take turns prompt by prompt. `swift` is ours "
-             "(falls back to plain steps while drafting measures slower); `swift:fallback=false:opt_budget=0.9` "
+             "(falls back to plain steps while drafting measures slower); `swift:adaptive=false:opt_budget=0.9` "
              "behaves like the paper (always drafts, optimises at will). tok/s are medians over repeats, each "
              "repeat with fresh drafters; α, M and the shares are over all repeats.\n",
              (run / "stream.md").read_text()]
@@ -128,7 +159,7 @@ def _independent(run: Path, title: str, old: str, name: str) -> list[str]:
     """A fresh drafter per prompt (scripts/bench_independent.py): the ratios to autoregressive, per prompt too."""
     path = run / "independent.json"
     if not path.is_file():
-        return []
+        return _section(old, title, None, path)
     payload = json.loads(path.read_text())
     args, rows = payload["args"], payload["rows"]
     lines = [f"## {title}\n", f"```\npython scripts/bench_independent.py --data {args['data']} --n {args['n']} "
@@ -146,21 +177,25 @@ def _independent(run: Path, title: str, old: str, name: str) -> list[str]:
     return lines + ["", _notes(old, name)]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=Path, default=Path("runs/compare"))
     p.add_argument("--out", type=Path, default=Path("docs/RESULTS.md"))
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if not args.runs.is_dir():
+        sys.exit(f"error: {args.runs} does not exist (make compare writes it); {args.out} left as it is")
     old = args.out.read_text() if args.out.is_file() else ""
     img = args.out.parent / "img"
     img.mkdir(parents=True, exist_ok=True)
-    commands = (args.runs / "commands.txt").read_text() if (args.runs / "commands.txt").is_file() else ""
+    commands = args.runs / "commands.txt"
     page = ["# Results: training-free vs trained self-speculative decoding\n",
             "Every number below was measured by the commands shown, on the machine named with them; "
-            "regenerate the page with `scripts/compare_trained_vs_free.sh`.\n",
+            "regenerate the page with `scripts/compare_trained_vs_free.sh`. Absolute tok/s are that machine's "
+            "under its load at the time (see Machine below): another machine, or the same one busier, gives "
+            "other absolute numbers, so read ratios within one table.\n",
             _notes(old, "summary")]
-    if commands:
-        page += ["## Commands of this run\n", "```bash", commands.strip(), "```\n"]
+    page += _section(old, COMMANDS, [f"## {COMMANDS}\n", "```bash", commands.read_text().strip(), "```\n"]
+                     if commands.is_file() else None, commands)
     page += _bench_section(args.runs / "bench", "Drafters vs peers, base and trained model", img, old, "bench")
     page += _bench_section(args.runs / "peers_gsm8k", "transformers peers on GSM8K, rerun with an attention mask",
                            img, old, "peers_gsm8k")
@@ -187,7 +222,7 @@ def main() -> None:
     gpu = GPU_SECTION.search(old)
     if gpu:
         page.append(gpu.group(0))
-    args.out.write_text("\n".join(page) + "\n")
+    args.out.write_text("\n".join(page).rstrip("\n") + "\n")
     print(f"wrote {args.out}")
 
 

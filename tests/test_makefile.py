@@ -49,3 +49,19 @@ def test_demo_shows_a_drafter_that_does_not_lose_beside_the_untrained_early_exit
     assert "swift" in drafters and any(d.startswith("early_exit") for d in drafters)
     n, repeats = int(bench.split("--n ", 1)[1].split()[0]), int(bench.split("--repeats ", 1)[1].split()[0])
     assert n * repeats >= 3  # enough timed generations per row not to be marked 'too few samples'
+
+
+def test_a_setup_with_another_torch_flavour_is_not_up_to_date(tmp_path):
+    """The install stamp names the torch flavour: a CPU setup does not make `make setup TORCH=cu128` a no-op."""
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    (venv / ".installed-cpu").touch()  # what a finished CPU setup leaves (newer than pyproject.toml)
+
+    def planned(*variables: str) -> str:
+        return subprocess.run(["make", "--no-print-directory", "-n", "setup", f"VENV={venv}", *variables], cwd=REPO,
+                              capture_output=True, text=True, timeout=60, check=True).stdout
+
+    assert "pip install" not in planned()  # the CPU setup is up to date
+    cuda = planned("TORCH=cu128")
+    assert "download.pytorch.org/whl/cu128" in cuda and f"rm -f {venv}/.installed {venv}/.installed-*" in cuda
+    assert "--system-site-packages" in planned("TORCH=keep")

@@ -1,10 +1,12 @@
 """What the training launcher checks before any work, and what it says on screen beside metrics.jsonl.
 
-``check_launch`` refuses, in one line, two launches that would run but not as asked: a DeepSpeed config on a machine
+``check_launch`` refuses, in one line, a launch that would run but not as asked: a DeepSpeed config on a machine
 without a GPU (accelerate's DeepSpeed plugin needs one: on a CPU it starts every process as plain DDP, and 8 of them
-exhaust a small machine's memory minutes later), and ``accelerate launch --cpu --num_processes N`` (N > 1), which
-starts one process that trains alone. It runs in every launched process before torch is imported; only local rank 0
-prints. It reads the launching command from ``/proc`` (Linux); elsewhere the second check cannot see it.
+exhaust a small machine's memory minutes later). It runs in every launched process before torch is imported; only
+local rank 0 prints. ``accelerate launch --cpu --num_processes N`` (N > 1) starts one process that would train alone:
+``cpu_relaunch`` gives the launch that starts the N synchronised processes asked for, which the script replaces
+itself with (so nothing fails under accelerate's launcher). The launching command is read from ``/proc`` (Linux);
+elsewhere that case cannot be seen.
 
 ``quiet_tied_weight_save`` drops accelerate's "Removed shared tensor" warning while a checkpoint is saved: a tied
 LM head is stored once by design and comes back on load (the resume tests check it bit for bit).
@@ -19,6 +21,7 @@ import logging
 import os
 import re
 import signal
+import sys
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -52,7 +55,7 @@ def requested_processes(command: Sequence[str]) -> int:
 
 
 def check_launch(environ: Mapping[str, str], command: Sequence[str], has_gpu) -> None:
-    """Refuse a DeepSpeed launch without a GPU and a multi-process ``--cpu`` launch that started one process.
+    """Refuse a DeepSpeed launch without a GPU.
 
     ``has_gpu``: a callable (so torch is imported only for a DeepSpeed launch)."""
     if environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and not has_gpu():
@@ -61,10 +64,25 @@ def check_launch(environ: Mapping[str, str], command: Sequence[str], has_gpu) ->
         raise UserError(
             "this is a DeepSpeed launch, but no GPU is visible: accelerate's DeepSpeed plugin needs GPUs; on a CPU "
             "use configs/accelerate/cpu-ddp.yaml (two processes) or plain `python train/layerskip.py` (one)")
+
+
+RELAUNCHED = "LAYERSKIP_RELAUNCHED"
+"""Set in the environment of a relaunch (``cpu_relaunch``), so that it never relaunches again."""
+
+
+def cpu_relaunch(environ: Mapping[str, str], command: Sequence[str], script: str | os.PathLike,
+                 argv: Sequence[str]) -> list[str] | None:
+    """The launch of ``script argv`` as the N synchronised CPU processes (DDP over gloo) that ``command``, an
+    ``accelerate launch --cpu --num_processes N``, asked for but did not start (it starts one); None when the
+    processes did start or one was asked for. Run it with ``ACCELERATE_USE_CPU=true`` and ``RELAUNCHED`` set."""
     wanted = requested_processes(command)
-    if "WORLD_SIZE" not in environ and wanted > 1:
-        raise UserError(f"`accelerate launch --cpu --num_processes {wanted}` started one process, which would train "
-                        f"alone; for {wanted} synchronised CPU processes run: {TWO_CPU_PROCESSES.format(n=wanted)}")
+    if "WORLD_SIZE" in environ or wanted <= 1:
+        return None
+    if environ.get(RELAUNCHED):
+        raise UserError(f"the relaunch as {wanted} CPU processes started one process again; launch with: "
+                        f"{TWO_CPU_PROCESSES.format(n=wanted)}")
+    return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(wanted),
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script), *argv]
 
 
 def eval_summary(record: Mapping) -> str:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import yaml
 from tqdm.auto import tqdm
 
-from layerskip_core.cli import run_main
+from layerskip_core.cli import Parser, run_main
 from layerskip_core.errors import UserError
 from layerskip_core.packages import cache_root
 from train.checkpoint import (
@@ -41,7 +41,15 @@ from train.checkpoint import (
     save_checkpoint,
 )
 from train.config import TrainConfig
-from train.console import check_launch, eval_summary, interrupt_on_sigterm, launcher_command, resume_hint
+from train.console import (
+    RELAUNCHED,
+    check_launch,
+    cpu_relaunch,
+    eval_summary,
+    interrupt_on_sigterm,
+    launcher_command,
+    resume_hint,
+)
 from train.recipe import describe, dump_config, load_config, to_dict
 from train.tracking import Tracker, truncate_metrics
 
@@ -446,7 +454,7 @@ def save_final(run: Session) -> Path:
 
 
 def build_parser(prog: str = "train/layerskip.py") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+    parser = Parser(prog=prog, description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="recipe YAML (recipes/*.yaml)")
     parser.add_argument("--resume", action="store_true", help="same as checkpoint.resume=auto")
@@ -464,6 +472,20 @@ def main(argv: list[str] | None = None, prog: str = "train/layerskip.py") -> int
     return run_main(PROG, lambda: _run(args, sys.argv[1:] if argv is None else list(argv)))
 
 
+def _relaunch_if_alone(argv: list[str]) -> None:
+    """`accelerate launch --cpu --num_processes N` starts this one process alone: become the launch of the N
+    synchronised CPU processes that was asked for (the process is replaced; nothing returns)."""
+    relaunch = cpu_relaunch(os.environ, launcher_command(), Path(__file__).resolve(), argv)
+    if relaunch is None:
+        return
+    log(f"`accelerate launch --cpu --num_processes {relaunch[5]}` started one process; running the "
+        f"{relaunch[5]} synchronised CPU processes it asked for: ACCELERATE_USE_CPU=true accelerate launch "
+        + " ".join(relaunch[3:]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(relaunch[0], relaunch, os.environ | {"ACCELERATE_USE_CPU": "true", RELAUNCHED: "1"})
+
+
 def _run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.help_config:
         print("\n".join(describe()))
@@ -476,12 +498,13 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0
     check_launch(os.environ, launcher_command(), has_gpu=lambda: __import__("torch").cuda.is_available())
+    _relaunch_if_alone(argv)
     interrupt_on_sigterm()
     try:
         result = run_training(cfg, overwrite=args.overwrite)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # one line: the hint says "interrupted" (run_main would say it again)
         log(resume_hint(argv, cfg.checkpoint.output_dir))
-        raise
+        return 130
     # Tear the process group down before the interpreter does: left to exit, a gloo rank could abort
     # ("terminate called without an active exception") after a run that had finished and saved.
     result["accelerator"].end_training()

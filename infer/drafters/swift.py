@@ -152,8 +152,8 @@ class SwiftStats(DrafterStats):
     """Candidates scored on this prompt."""
     plain_steps: int = 0
     """Plain (undrafted) steps the fallback gate took."""
-    best_matchness: float = -1.0
-    """Matchness of the best plan (< 0: not scored yet)."""
+    best_matchness: float | None = None
+    """Matchness of the best plan (None: no plan scored yet)."""
     skip_ratio: float = 0.0
     """Fraction of sublayers the best plan skips."""
     plan: str = ""
@@ -347,7 +347,8 @@ class SwiftDrafter(Drafter):
     def stats(self) -> SwiftStats:
         return SwiftStats(
             self.forwards, COLD if self.memory is None else self.memory.start_state, self.opt_time, self.opt_steps,
-            self.plain_steps, self.best_score, self.best.skip_ratio, self.best.describe(), self.mode, self.optimising,
+            self.plain_steps, self.best_score if self.best_score >= 0 else None, self.best.skip_ratio,
+            self.best.describe(), self.mode, self.optimising,
             self.stop_reason, self.plain.value, self.drafting.value, self.predicted_speedup(self.best_score),
             self.opt_step.seconds if self.opt_step.cycles else None, self.search.method, self.window,
             None if self.vocab is None else self.vocab.size, self.hopeless, self.trajectory[self._traj_mark:])

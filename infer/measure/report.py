@@ -141,7 +141,7 @@ def _note(method: str, recs: list[Record], drafted: int, ours: bool) -> str | No
     """'never drafted' / 'too few samples' (see ``Summary.note``)."""
     if ours and method.split(":")[0] != BASELINE and not drafted and not any(r.lossy for r in recs):
         return "never drafted"
-    if method != BASELINE and len(recs) < MIN_SAMPLES:
+    if len(recs) < MIN_SAMPLES:  # every row, the baseline too: its peers' ratios rest on it
         return "too few samples"
     return None
 
@@ -177,6 +177,12 @@ def _fmt(x, spec: str = ".2f", suffix: str = "") -> str:
     return "–" if x is None else format(x, spec) + suffix
 
 
+def _noted(ratio: float | None, note: str | None) -> str:
+    """A measured ratio with the note that says why it does not measure drafting beside it: '0.88x (never drafted)'."""
+    cell = _fmt(ratio, suffix="x")
+    return cell if note is None else f"{cell} ({note})"
+
+
 def _exact_cell(r: Summary) -> str:
     """yes / n tie flip(s) / **n mismatched** (bugs), 'lossy' for early-exit decoding, n/a when sampling."""
     if r.lossy:
@@ -203,8 +209,8 @@ def markdown_table(rows: list[Summary]) -> str:
         out.append("|" + "---|" * len(head))
         for r in task_rows:
             cells = [r.model, r.method, f"{r.tokens_per_second:.1f}",
-                     r.note or _fmt(r.speedup_vs_autoregressive, suffix="x"),
-                     r.note or _fmt(r.speedup_vs_hf_generate, suffix="x"), _fmt(r.acceptance_rate),
+                     _noted(r.speedup_vs_autoregressive, r.note), _noted(r.speedup_vs_hf_generate, r.note),
+                     _fmt(r.acceptance_rate),
                      _fmt(r.tokens_per_verify), _fmt(r.mean_draft_forwards), _fmt(r.draft_cost_ratio),
                      "–" if r.note == "never drafted" else _fmt(r.expected_speedup, suffix="x"),
                      _fmt(r.opt_time_share, ".1%"), _exact_cell(r)]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from infer.measure.plots import exit_quality
 from layerskip_cli.args import add_model_flags, model_settings
-from layerskip_core.cli import check_output_dir, check_output_file, run_main
+from layerskip_core.cli import Parser, check_output_dir, check_output_file, run_main
 from layerskip_core.device import dtype_name
 from layerskip_core.errors import UserError
 from layerskip_core.prompts import load_prompts
@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python scripts/eval_exits.py ...``: the same command outside the ``layerskip`` entry point."""
-    parser = argparse.ArgumentParser(prog="eval_exits", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="eval_exits", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
     return run_main("eval_exits", lambda: run(args))

@@ -132,8 +132,8 @@ def run(args: argparse.Namespace) -> int:
         results.append(result)
         if args.json:
             stats = result.stats.to_dict() | {"device": device, "dtype": dtype, "executor": model.runner.executor}
-            print(json.dumps({"id": item.id, "prompt": item.prompt, "drafter": args.drafter, "tokens": result.tokens,
-                              "text": result.text, "finish_reason": result.finish_reason,
+            print(json.dumps({"kind": "prompt", "id": item.id, "prompt": item.prompt, "drafter": args.drafter,
+                              "tokens": result.tokens, "text": result.text, "finish_reason": result.finish_reason,
                               "stats": stats}), flush=True)
         else:
             if len(prompts) > 1:
@@ -169,8 +169,8 @@ def stream_summary(results) -> dict:
 
 def _stream_summary(args: argparse.Namespace, results) -> None:
     summary = stream_summary(results)
-    if args.json:
-        print(json.dumps({"stream_summary": summary}), flush=True)
+    if args.json:  # self-describing like the prompts' objects: totals over the stream under "stats"
+        print(json.dumps({"kind": "stream_summary", "drafter": args.drafter, "stats": summary}), flush=True)
         return
     traj = summary["matchness_trajectory"]
     print(f"[stream] {summary['prompts']} prompts, {summary['new_tokens']} tokens, "

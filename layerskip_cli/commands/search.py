@@ -17,7 +17,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("search", help="search a Self-SD skip plan (which attention/MLP sublayers the draft skips)",
                        description="Bayesian optimisation (optuna) over the 2L sublayer skip choices on calibration "
                        "prompts from the front of a data set; the best plan is written atomically to --out with the "
-                       "model's identity, and the study is kept beside it so an interrupted search resumes.")
+                       "model's identity, and the study (with its calibration) is kept beside it: --resume "
+                       "continues an interrupted search, or one given more --trials, without calibrating again.")
     add_model_flags(p)
     p.add_argument("--data", required=True, help="calibration prompts: humaneval, gsm8k, a .jsonl file with 'prompt' "
                    "fields, or a folder of text files (items are taken from the front of the set)")
@@ -59,10 +60,27 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="chat template: auto = for gsm8k only (as `layerskip bench` does)")
     p.add_argument("--study", type=Path, default=None,
                    help="optuna journal file (default: beside --out, e.g. plans/x.study.log)")
-    p.add_argument("--fresh", action="store_true", help="discard an existing study instead of resuming it")
-    p.add_argument("--force", action="store_true", help="overwrite an existing --out (a resumed study writes it again)")
+    p.add_argument("--resume", action="store_true", help="continue the study kept beside --out (an interrupted search, "
+                   "or more --trials), reusing its calibration; --out is rewritten whenever the best plan improves")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --out and start its study over")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
+
+
+def _check_resume(args: argparse.Namespace, study: Path) -> None:
+    """--resume continues a study that exists; --force starts over; without either, nothing earlier is touched."""
+    if args.resume and args.force:
+        raise UserError("--resume continues the study and --force starts it over; pass one of them")
+    if args.resume and args.paper:
+        raise UserError("--paper keeps no study to resume (an interrupted paper search starts over); drop --resume")
+    if args.resume and not study.is_file():
+        raise UserError(f"--resume: there is no study {study} to continue; run without --resume to start one")
+    if not (args.resume or args.force) and args.out.exists():
+        raise UserError(f"--out {args.out} exists; pass --resume to continue its search, or --force to overwrite it "
+                        "and start over")
+    if not (args.resume or args.force or args.paper) and study.is_file():
+        raise UserError(f"the study {study} of an earlier search exists; pass --resume to continue it, or --force to "
+                        "start over")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,9 +97,11 @@ def run(args: argparse.Namespace) -> int:
                        draft_vocab=args.draft_vocab, paper=args.paper, iterations=args.iterations)
     if args.out.suffix != ".json":
         raise UserError(f"--out {args.out} should be a .json file")
-    check_output_file(args.out, "--out", force=args.force)
+    study = args.study or study_path_for(args.out)
+    _check_resume(args, study)
+    check_output_file(args.out, "--out", force=args.force or args.resume)
     check_distinct(("--out", args.out), ("--study", args.study))
-    if args.study is not None:  # an existing study is continued, not overwritten
+    if args.study is not None:  # an existing study is continued (--resume) or started over (--force)
         check_output_file(args.study, "--study", force=True)
     items = load_prompts(args.data, cfg.n_prompts)
     if len(items) < cfg.n_prompts:
@@ -99,14 +119,16 @@ def run(args: argparse.Namespace) -> int:
                 + cfg.num_draft + 2 > limit]
     if too_long:
         raise UserError(f"calibration prompts {too_long} are too long for the model's context of {limit} tokens")
-    study = args.study or study_path_for(args.out)
     extra = {"data": args.data, "chat": chat, "threads": resolved.threads, "device": str(model.runner.device),
              "dtype": dtype_name(model.runner.dtype),
              "prompt_ids": [it.id for it in items]}
-    if not args.quiet:  # the calibration runs before the trials' progress bar appears
+    if args.resume and not args.quiet:
+        reused = " (its calibration is reused)" if cfg.objective == "model" else ""
+        print(f"layerskip: resuming the study in {study}{reused}", file=sys.stderr, flush=True)
+    elif not args.quiet:  # the calibration runs before the trials' progress bar appears
         print(f"layerskip: calibrating on {len(prompts)} prompts (the full model's outputs and the cost of a draft), "
               "then the trials", file=sys.stderr, flush=True)
-    result, plan_file = search_plan(model.runner, prompts, cfg, args.out, task, study, fresh=args.fresh,
+    result, plan_file = search_plan(model.runner, prompts, cfg, args.out, task, study, fresh=args.force,
                                     progress=not args.quiet, extra=extra)
     m = result.attrs
     line = (f"best of {result.completed} trials (#{result.best_trial}): {result.plan.describe()}; "

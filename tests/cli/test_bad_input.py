@@ -110,3 +110,25 @@ def test_a_prompts_file_line_nested_too_deep_or_non_finite_is_one_line(capsys, t
 def test_a_folder_as_draft_vocab_says_it_is_a_folder(capsys, tmp_path):
     refused(capsys, ["generate", "--prompt", "hi", "--drafter", "early_exit", "--draft-vocab", str(tmp_path)],
             "is a folder; give a file made by `layerskip draft-vocab`")
+
+
+@pytest.mark.parametrize("entry,argv", [
+    (main, ["generate", "--prompt", "hi", "--drafter", "swift", "--fallback", "false"]),  # not --fallback-opt-budget
+    (main, ["bench", "--drafters", "swift", "--out", "runs/x", "--max-new", "8"]),  # not --max-new-tokens
+    (layerskip.main, ["--config", "recipes/cpu-demo-stdlib.yaml", "--over"]),  # not --overwrite
+])
+def test_a_prefix_of_an_option_is_not_taken_for_the_option(capsys, entry, argv):
+    with pytest.raises(SystemExit) as done:
+        entry(argv)
+    assert done.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_every_entry_point_builds_its_parser_without_abbreviations():
+    """`layerskip_core.cli.Parser` is the one parser class (allow_abbrev=False); scripts/gpu_*.py still to move."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    direct = [str(p.relative_to(repo)) for folder in ("layerskip_cli", "layerskip_core", "infer", "train", "scripts")
+              for p in (repo / folder).rglob("*.py")
+              if "argparse.ArgumentParser(" in p.read_text(encoding="utf-8") and not p.name.startswith("gpu_")]
+    assert direct == []

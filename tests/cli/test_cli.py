@@ -100,8 +100,9 @@ def test_swift_stream_reports_a_summary(capsys, tiny_model_dir, tmp_path):
                              "--context-window", "4", "--opt-budget", "0.9", "--save-plan", str(plan))
     assert code == 0, err
     rows = [json.loads(line) for line in out.splitlines()]
-    assert len(rows) == 4 and "stream_summary" in rows[-1]
-    summary = rows[-1]["stream_summary"]
+    assert len(rows) == 4 and [r["kind"] for r in rows] == ["prompt"] * 3 + ["stream_summary"]
+    assert all("stats" in r for r in rows)  # every object carries its stats (the README's contract)
+    summary = rows[-1]["stats"]
     assert summary["prompts"] == 3 and summary["new_tokens"] == 72
     assert summary["matchness_trajectory"] and 0.0 <= summary["opt_time_share"] < 1.0
     assert plan.is_file()

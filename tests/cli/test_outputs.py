@@ -86,4 +86,5 @@ def test_save_plan_does_not_overwrite_without_force(capsys, existing):
 
 
 def test_search_does_not_overwrite_its_plan_without_force(capsys, existing):
-    refused(*run(capsys, "search", "--data", "humaneval", "--out", str(existing)), "exists; pass --force")
+    refused(*run(capsys, "search", "--data", "humaneval", "--out", str(existing)),
+            "exists; pass --resume to continue its search, or --force to overwrite it")

@@ -297,11 +297,47 @@ def test_search_cli_writes_a_usable_plan(capsys, tiny_model_dir, prompts_file, t
     assert (tmp_path / "plans" / "tiny.study.log").is_file()
     plan_file = PlanFile.load(out)
     assert plan_file.task == "calib" and plan_file.search["prompt_ids"] == ["0", "1"]
-    assert main(argv) == 2  # the plan is not overwritten without --force
-    assert "exists; pass --force" in capsys.readouterr().err
-    assert main(argv[:-1] + ["--skip-ratio", "0.25", "--quiet", "--force"]) == 2  # resuming with other settings
+    assert main(argv) == 2  # the plan is neither overwritten nor its search continued without being asked
+    assert "exists; pass --resume to continue its search, or --force" in capsys.readouterr().err
+    assert main(argv[:-1] + ["--skip-ratio", "0.25", "--quiet", "--resume"]) == 2  # resuming with other settings
     err = capsys.readouterr().err
-    assert "other settings" in err and "--fresh" in err and len(err.strip().splitlines()) == 1
+    assert "other settings" in err and "--force" in err and len(err.strip().splitlines()) == 1
+
+
+def test_search_cli_resumes_with_resume_reusing_the_calibration_and_starts_over_with_force(
+        capsys, tiny_model_dir, prompts_file, tmp_path, monkeypatch):
+    out = tmp_path / "p.json"
+    assert main(["search", "--model", str(tiny_model_dir), "--data", str(prompts_file), "--trials", "3", "--out",
+                 str(out), "--n", "2", "--max-new-tokens", "8", "--quiet"]) == 0  # measured costs, stored
+    first = PlanFile.load(out).search["cost_model"]
+
+    def no_calibration(*args, **kwargs):
+        raise AssertionError("a resumed search calibrated again")
+
+    monkeypatch.setattr("infer.search.calibration_set", no_calibration)
+    monkeypatch.setattr("infer.search.measure_cost", no_calibration)
+    assert main(search_argv(tiny_model_dir, prompts_file, out, "--trials", "5", "--cost", "measured",
+                            "--resume")) == 0
+    resumed = PlanFile.load(out).search
+    assert resumed["trials"] == 5 and resumed["cost_model"] == first  # the costs measured by the first run
+    monkeypatch.undo()
+    assert main(search_argv(tiny_model_dir, prompts_file, out, "--force")) == 0  # starts over: 3 trials, not 5
+    assert PlanFile.load(out).search["trials"] == 3
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--resume"], "there is no study"),
+    (["--resume", "--force"], "pass one of them"),
+    ([], "pass --resume to continue it, or --force to start over"),
+])
+def test_search_cli_resume_and_force_refusals(capsys, tiny_model_dir, prompts_file, tmp_path, flags, message):
+    out = tmp_path / "p.json"
+    if not flags:  # an interrupted search: its study, no plan yet
+        (tmp_path / "p.study.log").write_text("")
+    code = main(search_argv(tiny_model_dir, prompts_file, out, *flags))
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1 and not out.exists()
 
 
 @pytest.mark.parametrize("args,message", [
@@ -344,17 +380,17 @@ def test_search_out_below_a_file_is_one_line(capsys, tiny_model_dir, prompts_fil
 
 
 @pytest.mark.parametrize("damage", ["garbage", "cut"])
-def test_damaged_study_journal_says_pass_fresh(capsys, tiny_model_dir, prompts_file, tmp_path, damage):
+def test_damaged_study_journal_says_pass_force(capsys, tiny_model_dir, prompts_file, tmp_path, damage):
     out = tmp_path / "p.json"
     assert main(search_argv(tiny_model_dir, prompts_file, out)) == 0
     journal = tmp_path / "p.study.log"
     text = journal.read_bytes()
     journal.write_bytes(b"\x00garbage{{\n" if damage == "garbage" else text[:len(text) // 2])
     capsys.readouterr()
-    code = main(search_argv(tiny_model_dir, prompts_file, out, "--force"))
+    code = main(search_argv(tiny_model_dir, prompts_file, out, "--resume"))
     err = capsys.readouterr().err
-    assert code == 2 and "--fresh" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
-    assert main(search_argv(tiny_model_dir, prompts_file, out, "--fresh", "--force")) == 0
+    assert code == 2 and "--force" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert main(search_argv(tiny_model_dir, prompts_file, out, "--force")) == 0
 
 
 def test_a_killed_search_leaves_no_lock_that_stalls_the_rerun(capsys, tiny_model_dir, prompts_file, tmp_path,
@@ -373,5 +409,5 @@ def test_a_killed_search_leaves_no_lock_that_stalls_the_rerun(capsys, tiny_model
         raise AssertionError("optuna waited for a stale lock")
 
     monkeypatch.setattr(_file.time, "sleep", no_waiting)
-    assert main(search_argv(tiny_model_dir, prompts_file, out, "--trials", "4", "--force")) == 0
+    assert main(search_argv(tiny_model_dir, prompts_file, out, "--trials", "4", "--resume")) == 0
     assert not lock.exists() and not lock.is_symlink()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,7 +16,7 @@ from safetensors.torch import load_file
 
 from layerskip_cli.main import main as cli
 from layerskip_core.errors import UserError
-from train.console import check_launch, requested_processes
+from train.console import RELAUNCHED, check_launch, cpu_relaunch, requested_processes
 from train.layerskip import run_training
 from train.recipe import dump_config
 
@@ -34,30 +35,37 @@ def test_deepspeed_without_a_gpu_is_refused_in_one_line_by_local_rank_0_only():
     check_launch(env, [], lambda: True)  # with a GPU it goes ahead
 
 
-def test_one_process_cpu_launch_of_two_is_refused_with_the_working_command():
+def test_one_process_cpu_launch_of_two_becomes_the_launch_of_two_synchronised_processes():
     command = ["/venv/bin/python", "/venv/bin/accelerate", "launch", "--num_processes", "2", "--cpu", "train/x.py"]
     assert requested_processes(command) == 2
     assert requested_processes(["python", "-m", "accelerate.commands.launch", "--num-processes=3", "x.py"]) == 3
     assert requested_processes(["python", "train/layerskip.py", "--num_processes", "2"]) == 1  # not accelerate's
-    with pytest.raises(UserError, match="started one process") as err:
-        check_launch({"ACCELERATE_USE_CPU": "True"}, command, NO_GPU)
-    assert "ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2" in str(err.value)
-    check_launch({"WORLD_SIZE": "2"}, command, NO_GPU)  # the processes did start
-    check_launch({}, ["python", "train/layerskip.py"], NO_GPU)
+    relaunch = cpu_relaunch({"ACCELERATE_USE_CPU": "True"}, command, "train/x.py", ["--config", "r.yaml"])
+    assert relaunch[1:] == ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "train/x.py",
+                            "--config", "r.yaml"]
+    assert cpu_relaunch({"WORLD_SIZE": "2"}, command, "x.py", []) is None  # the processes did start
+    assert cpu_relaunch({}, ["python", "train/layerskip.py"], "x.py", []) is None
+    with pytest.raises(UserError, match="started one process again"):  # never a loop of relaunches
+        cpu_relaunch({RELAUNCHED: "1"}, command, "x.py", [])
 
 
 @pytest.mark.slow
-def test_real_accelerate_cpu_launch_of_two_processes_is_refused(tiny_recipe, tmp_path):
+def test_real_accelerate_cpu_launch_of_two_processes_trains_two_synchronised_processes(tiny_recipe, tmp_path):
+    cfg = tiny_recipe("optim.max_steps=2", "checkpoint.save_every=2", output="two")
     recipe = tmp_path / "r.yaml"
-    dump_config(tiny_recipe(), recipe)
-    env = os.environ | {"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    dump_config(cfg, recipe)
+    env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"} | {"OMP_NUM_THREADS": "1",
+                                                                               "WANDB_MODE": "disabled"}
     proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu",
                            str(REPO / "train/layerskip.py"), "--config", str(recipe)],
                           capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
-    assert proc.returncode != 0
-    assert "layerskip-train: error: `accelerate launch --cpu --num_processes 2` started one process" in proc.stderr
-    # accelerate itself raises when its child exits non-zero; our process ends with the one line
-    assert "layerskip.py\", line" not in proc.stderr and not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("started one process; running the 2 synchronised CPU processes") == 1
+    assert "Traceback" not in proc.stderr
+    metrics = (Path(cfg.checkpoint.output_dir) / "metrics.jsonl").read_text().splitlines()
+    digests = [r["param_digest"] for r in map(json.loads, metrics) if "param_digest" in r]
+    assert digests and len(digests[0]) == 2  # two processes trained together
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
@@ -113,4 +121,4 @@ def test_sigterm_ends_a_run_with_the_resume_hint(tiny_recipe, tmp_path):
     err = proc.communicate(timeout=120)[1]
     assert proc.returncode == 130, err[-2000:]
     assert f"continue with: python train/layerskip.py --config {recipe} --resume" in err
-    assert "Traceback" not in err
+    assert "Traceback" not in err and err.count("interrupted") == 1  # the hint says it, once

@@ -73,10 +73,16 @@ def test_rows_that_never_drafted_or_have_too_few_samples_are_marked_not_ranked()
     assert rows["swift"].note == "never drafted" and rows["autoregressive"].note is None
     assert rows["self_sd:plan=p"].note == "too few samples" and rows["early_exit:E=2"].note is None
     table = markdown_table(list(rows.values()))
-    assert "| m | swift | 10.0 | never drafted |" in table and "| too few samples |" in table
+    assert "| m | swift | 10.0 | 1.00x (never drafted) |" in table  # the measured ratio beside the note
+    assert "| 1.00x (too few samples) |" in table
     swift_row = next(line for line in table.splitlines() if "| swift |" in line).split(" | ")
     assert swift_row[9] == "–"  # no expected speed-up from a cost model of plain steps
     assert recommend(list(rows.values())) == {("m", "t"): "autoregressive"}  # equal speed; marked rows not ranked
+
+
+def test_the_baseline_with_too_few_samples_is_marked_like_its_peers():
+    rows = {r.method: r for r in summarize(records("autoregressive", 0, 1) + records("early_exit:E=2", 8, 1))}
+    assert rows["autoregressive"].note == rows["early_exit:E=2"].note == "too few samples"
 
 
 def test_generate_says_when_no_step_drafted(tiny_model_dir, capsys):
