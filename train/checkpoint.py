@@ -88,6 +88,23 @@ def run_files(output_dir: str | Path) -> list[str]:
     return [name for name in RUN_FILES if (out / name).exists()]
 
 
+def check_overwrite(cfg: TrainConfig) -> None:
+    """Refuse ``--overwrite`` when a path the run reads (the model, a data source, the token cache) lies in what
+    it would delete: the run would delete its own input (e.g. ``model.name_or_path=<the run folder>/final``)."""
+    out = Path(cfg.checkpoint.output_dir)
+    doomed = [Path(os.path.realpath(out / name)) for name in run_files(out)]
+    reads = [("model.name_or_path", cfg.model.name_or_path), ("data.cache_dir", cfg.data.cache_dir),
+             *((f"data.sources[{i}].path", s.path) for i, s in enumerate(cfg.data.sources))]
+    for key, value in reads:
+        if not value or value == "default":
+            continue
+        src = Path(os.path.realpath(Path(value).expanduser()))
+        hit = next((d for d in doomed if src == d or src.is_relative_to(d)), None)
+        if hit is not None:
+            raise UserError(f"--overwrite would delete {hit}, which holds {key}={value} that this run reads; copy "
+                            "it out of the run folder first, or choose another checkpoint.output_dir")
+
+
 def clear_run(output_dir: str | Path) -> None:
     """Delete a previous run's files from ``output_dir`` (other files stay)."""
     out = Path(output_dir)
@@ -140,8 +157,9 @@ def prepare_run_folder(cfg: TrainConfig, overwrite: bool = False) -> Path | None
     """Decide how this run uses its output folder; return the checkpoint to resume from (or None).
 
     A folder holding another run is refused unless the run resumes it (``--resume``; the saved
-    config must match, see :data:`RESUMABLE_CHANGES`) or ``overwrite`` is set (the caller then
-    deletes the old run's files with :func:`clear_run`). Only the (empty) folder is created here.
+    config must match, see :data:`RESUMABLE_CHANGES`) or ``overwrite`` is set (refused when the run reads a path
+    inside what it would delete; the caller deletes the old run's files with :func:`clear_run` once the model and
+    data have loaded). Only the (empty) folder is created here.
     """
     out = Path(cfg.checkpoint.output_dir)
     mode = cfg.checkpoint.resume
@@ -152,6 +170,8 @@ def prepare_run_folder(cfg: TrainConfig, overwrite: bool = False) -> Path | None
                         f"(checkpoint.resume={mode})")
     ensure_writable_dir(out, "checkpoint.output_dir", "choose a writable checkpoint.output_dir")
     present = run_files(out)
+    if overwrite:
+        check_overwrite(cfg)
     if mode == "never":
         if present and not overwrite:
             found = list_checkpoints(out)

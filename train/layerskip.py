@@ -269,11 +269,12 @@ def _train(cfg: TrainConfig, on_step: Callable[[int], None] | None, overwrite: b
     resume_from = prepare_run_folder(cfg, overwrite)  # checked before the model loads: a bad folder fails fast
     check_token_cache(cfg)
     accelerator = make_accelerator(cfg)
-    accelerator.wait_for_everyone()  # every process has checked the folder before it changes
+    run = set_up(cfg, accelerator)  # model and data load before anything is deleted: a bad path deletes nothing
+    accelerator.wait_for_everyone()  # every process has checked the folder and loaded before it changes
     if accelerator.is_main_process and overwrite:
         clear_run(Path(cfg.checkpoint.output_dir))
         log(f"--overwrite: deleted the previous run in {cfg.checkpoint.output_dir}")
-    run = set_up(cfg, accelerator)
+    accelerator.wait_for_everyone()
     if resume_from is not None:
         resume(run, resume_from)
     start_tracking(run)
