@@ -115,7 +115,9 @@ def run(args: argparse.Namespace) -> int:
     generation = generation_config(args)
     config = build_config(args.drafter, options)  # built and checked once; each engine below takes it as it is
     if getattr(config, "save_plan", None):
-        check_output_file(config.save_plan, "--save-plan", force=args.force)
+        reads = [(f"--{k.replace('_', '-')}", getattr(config, k, None)) for k in ("plan", "draft_vocab", "adapter")]
+        reads = [(f, v) for f, v in reads if isinstance(v, str)] + [("--prompts-file", args.prompts_file)]
+        check_output_file(config.save_plan, "--save-plan", force=args.force, inputs=tuple(reads))
     prompts = _prompts(args)
     resolved = model_settings(args).resolve()  # once; a missing GPU is refused before the model loads
 

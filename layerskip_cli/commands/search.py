@@ -79,10 +79,11 @@ def run(args: argparse.Namespace) -> int:
                        draft_vocab=args.draft_vocab, paper=args.paper, iterations=args.iterations)
     if args.out.suffix != ".json":
         raise UserError(f"--out {args.out} should be a .json file")
-    check_output_file(args.out, "--out", force=args.force)
+    check_output_file(args.out, "--out", force=args.force,
+                      inputs=(("--data", args.data), ("--draft-vocab", args.draft_vocab)))
     check_distinct(("--out", args.out), ("--study", args.study))
     if args.study is not None:  # an existing study is continued, not overwritten
-        check_output_file(args.study, "--study", force=True)
+        check_output_file(args.study, "--study", force=True, inputs=(("--data", args.data),))
     items = load_prompts(args.data, cfg.n_prompts)
     if len(items) < cfg.n_prompts:
         print(f"layerskip: note: {args.data} has only {len(items)} prompts", file=sys.stderr)
