@@ -205,13 +205,32 @@ def _step_of(ckpt: Path) -> int:
 
 
 def read_state(path: Path) -> dict:
-    """A checkpoint's ``trainer_state.json`` (step and tokens: non-negative integers), strictly read."""
+    """A checkpoint's ``trainer_state.json`` (step and tokens: non-negative integers; the step the folder's name
+    ``step-N`` says, when it has such a name), strictly read."""
     file = Path(path) / STATE_FILE
     state = jsonfile.read(file, "checkpoint state file", hint="resume from another checkpoint")
     with jsonfile.checked(file, "checkpoint state file", "resume from another checkpoint"):
-        jsonfile.integer(state["step"], "step", 0)
+        step = jsonfile.integer(state["step"], "step", 0)
         jsonfile.integer(state.get("tokens", 0), "tokens", 0)
+        named = Path(path).name.removeprefix(PREFIX)
+        if Path(path).name.startswith(PREFIX) and named.isdigit() and int(named) != step:
+            raise ValueError(f"it says step {step}, but its folder is {Path(path).name} (a checkpoint's state "
+                             "describes the step it was saved at)")
     return state
+
+
+def check_rng_states(ckpt: Path) -> None:
+    """Refuse a checkpoint whose saved random states do not load (accelerate would go on without them, and the
+    resumed run would draw other data orders and dropouts than the run it continues)."""
+    import torch
+
+    for path in sorted(Path(ckpt).glob("random_states_*.pkl")):
+        try:
+            torch.load(path, map_location="cpu", weights_only=False)  # as accelerate loads it
+        except Exception as e:  # unpickling a damaged file raises many kinds
+            raise UserError(f"cannot resume from {ckpt}: {path.name} is damaged or cut off ({type(e).__name__}); "
+                            "resume from an earlier checkpoint (checkpoint.resume=<its folder>) or start again with "
+                            "--overwrite") from None
 
 
 @contextmanager

@@ -33,9 +33,11 @@ from layerskip_core.cli import run_main
 from layerskip_core.errors import UserError
 from layerskip_core.packages import cache_root
 from train.checkpoint import (
+    check_rng_states,
     clear_run,
     export_final,
     hold_run_folder,
+    list_checkpoints,
     prepare_run_folder,
     read_state,
     save_checkpoint,
@@ -314,9 +316,18 @@ def set_up(cfg: TrainConfig, accelerator) -> Session:
 
 
 def resume(run: Session, folder: Path) -> None:
-    """Model, optimiser, schedule and every process's RNG from ``folder``; metrics after its step are dropped."""
-    run.accelerator.load_state(str(folder))
+    """Model, optimiser, schedule and every process's RNG from ``folder``; metrics after its step are dropped.
+
+    The state file is checked first; a damaged weight, optimizer or RNG file is one line (the process then ends,
+    nothing on disk changed yet), not accelerate's traceback."""
     state = read_state(folder)
+    check_rng_states(folder)  # accelerate skips an unreadable one with a log line: the run would not be the same
+    try:
+        run.accelerator.load_state(str(folder))
+    except Exception as e:  # torch.load, safetensors and accelerate raise many kinds for a damaged file
+        raise UserError(f"cannot resume from {folder}: a checkpoint file is damaged or cut off ({type(e).__name__}: "
+                        f"{' '.join(str(e).split())[:200]}); resume from an earlier checkpoint "
+                        "(checkpoint.resume=<its folder>) or start again with --overwrite") from None
     run.step, run.tokens_seen = state["step"], state["tokens"]
     if run.main:
         truncate_metrics(run.out_dir / "metrics.jsonl", state.get("metrics_lines"), run.step)  # no repeated steps
@@ -465,7 +476,7 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         result = run_training(cfg, overwrite=args.overwrite)
     except KeyboardInterrupt:
-        log(resume_hint(argv, cfg.checkpoint.output_dir))
+        log(resume_hint(argv, cfg.checkpoint.output_dir, bool(list_checkpoints(cfg.checkpoint.output_dir))))
         raise
     # Tear the process group down before the interpreter does: left to exit, a gloo rank could abort
     # ("terminate called without an active exception") after a run that had finished and saved.
