@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pkgutil
 import sys
 from pathlib import Path
@@ -247,3 +248,18 @@ def test_overwrite_with_a_model_or_data_that_do_not_load_deletes_nothing(recipe,
     errors = [line for line in err.splitlines() if "error" in line]  # (the model's loading bar may come first)
     assert code == 2 and len(errors) == 1 and "Traceback" not in err
     assert _tree(out) == before
+
+
+@pytest.mark.parametrize("kind", ["symlink", "folder", "fifo"])
+def test_training_with_a_bad_run_lock_is_one_line_and_writes_nothing(recipe, tmp_path, capsys, kind):
+    out = tmp_path / "run"
+    out.mkdir()
+    lock = out / RUN_LOCK
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me\n")
+    {"symlink": lambda: lock.symlink_to(target), "folder": lock.mkdir, "fifo": lambda: os.mkfifo(lock)}[kind]()
+    with deadline(60):
+        code, err = _main(capsys, "--config", str(recipe))
+    assert code == 2 and f"lock file {lock} cannot be used" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert sorted(p.name for p in out.iterdir()) == [RUN_LOCK] and target.read_text() == "keep me\n"
