@@ -142,7 +142,6 @@ class PlanFile:
         """Write atomically (a temporary file renamed into place); a head's id list stays on one line."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
         d = self.to_dict()
         ids = (d["draft_head"] or {}).get("ids")
         if ids is not None:
@@ -150,8 +149,7 @@ class PlanFile:
         text = json.dumps(d, indent=2)
         if ids is not None:
             text = text.replace('"@ids@"', json.dumps(ids, separators=(",", ":")))
-        tmp.write_text(text + "\n")
-        os.replace(tmp, path)
+        jsonfile.write(path, text + "\n")  # a temporary file of its own: concurrent savers never mix
 
     @classmethod
     def load(cls, path) -> PlanFile:

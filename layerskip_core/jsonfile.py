@@ -15,9 +15,11 @@ from __future__ import annotations
 import json
 import math
 import operator
+import os
 import re
+import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from layerskip_core import inputs
@@ -67,6 +69,26 @@ def parse(text: str):
         elif c in "]}":
             depth -= 1
     return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite, object_pairs_hook=_unique_keys)
+
+
+def write(path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically: a temporary file of its own beside it (unique per writer, so two
+    processes saving the same file never share one), flushed to disk, then renamed over ``path``. A reader sees
+    the old file or the new one, never a part; two writers at once leave one of their files whole. On failure
+    the temporary file is removed and the OSError raised."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600: the file is shared like any plan or cache file
+        os.replace(tmp, path)
+    except BaseException:
+        with suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def read(path, what: str, fmt: str | None = None, hint: str = "") -> dict:

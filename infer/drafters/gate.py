@@ -18,11 +18,9 @@ neither (a cold start). A drafter's stats name the state it started from (``star
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -209,13 +207,9 @@ class GateMemory:
         remembering."""
         if not self.writable:
             return
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps({"format": MEMORY_FORMAT} | state) + "\n")
-            os.replace(tmp, self.path)
+            jsonfile.write(self.path, json.dumps({"format": MEMORY_FORMAT} | state) + "\n")
         except OSError as e:
             print(f"layerskip: note: could not keep the drafter's measurements in {self.path} ({e.strerror})",
                   file=sys.stderr)
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
