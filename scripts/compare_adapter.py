@@ -29,6 +29,7 @@ from pathlib import Path
 from infer.plan import cycle_speedup, iid_tokens_per_cycle
 from layerskip_core.cli import check_output_dir, run_main
 from layerskip_core.errors import UserError
+from layerskip_core.settings import check_threads
 
 OUTPUTS = ("results.json", "table.md", "compare.png")
 """What a run writes in --out."""
@@ -268,8 +269,9 @@ def plot(result: dict, path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.n < 1 or args.threads < 1:
-        raise UserError("--n and --threads must be >= 1")
+    if args.n < 1:
+        raise UserError("--n must be >= 1")
+    check_threads(args.threads)
     reads = [("--config", args.config), ("--checkpoint", args.checkpoint), ("--bench-base", args.bench_base),
              ("--bench-checkpoint", args.bench_checkpoint), *(("--adapters", p) for p in adapter_paths(args))]
     check_output_dir(args.out, "--out", writes=OUTPUTS, force=args.force, inputs=tuple(reads))

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from layerskip_core.cli import check_output_file, run_main
 from layerskip_core.errors import UserError
+from layerskip_core.settings import check_threads
 
 
 def adapter_eval(model, adapter, examples, pad_id: int, batch_size: int = 2) -> dict:
@@ -51,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
                           inputs=(("--adapter", args.adapter), ("--config", args.config)))
     if args.n < 1:
         raise UserError("--n must be >= 1")
+    check_threads(args.threads)
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config, [])
     model, tokenizer, path = load_model(cfg.model.name_or_path)

@@ -77,3 +77,15 @@ def test_a_failed_save_leaves_no_temporary_file(tmp_path):
         PlanFile(LayerPlan(8, frozenset({1})), MODEL).save(tmp_path / "plan.json")
     assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
     assert Path(tmp_path / "plan.json").is_dir()
+
+
+@pytest.mark.parametrize("plan", [{"attn": [999], "mlp": []}, {"attn": [1], "mlp": [8]}, {"attn": [-1], "mlp": []}])
+def test_remembered_plan_layers_past_the_model_are_not_trusted(tmp_path, capsys, plan):
+    path = tmp_path / "memory.json"
+    GateMemory(path).save({"gate": FallbackGate(4).to_dict(), "plan": plan, "score": 0.5})
+    memory = GateMemory(path, num_layers=8)
+    assert memory.load() is None and not memory.loaded  # starts afresh
+    err = capsys.readouterr().err
+    assert f"{path} is not a valid gate memory: plan." in err and "starting afresh" in err
+    GateMemory(path).save({"gate": FallbackGate(4).to_dict(), "plan": {"attn": [7], "mlp": [0]}, "score": 0.5})
+    assert memory.load() is not None and memory.loaded
