@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from layerskip_core import jsonfile
+from layerskip_core import inputs, jsonfile
 from layerskip_core.errors import UserError
 from layerskip_core.jsonfile import integer, integers
 from layerskip_core.models import ModelSpec
@@ -190,8 +190,10 @@ def check_plan_option(plan, drafter: str) -> None:
     path = Path(plan).expanduser()
     if path.is_dir():
         raise UserError(f"{drafter}: plan {path} is a folder; give the path of a plan file (.json) inside it")
-    if not path.is_file():
-        raise UserError(f"{drafter}: plan file {path} does not exist ({MAKE_ONE})")
+    try:
+        inputs.check(path, "plan file", MAKE_ONE)  # exists, and is no FIFO, device or socket
+    except UserError as e:
+        raise UserError(f"{drafter}: {e}") from None
 
 
 def plan_for(plan, identity: dict) -> LayerPlan:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import yaml
 
-from layerskip_core import jsonfile
+from layerskip_core import inputs, jsonfile
 from layerskip_core.errors import UserError
 from layerskip_core.locks import FileLock
 from layerskip_core.packages import ensure_writable_dir, normal_permissions
@@ -140,10 +140,13 @@ def config_differences(saved: dict, current: dict, defaults: dict | None = None)
 
 
 def _check_same_run(ckpt: Path, cfg: TrainConfig) -> None:
+    if not (ckpt / "config.yaml").exists():
+        return  # checkpoints of older versions lack it; nothing to compare against
+    text = inputs.read_text(ckpt / "config.yaml", "checkpoint config file")  # not a FIFO, device or huge file
     try:
-        saved = yaml.safe_load((ckpt / "config.yaml").read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError):
-        return  # checkpoints of older versions may lack it; nothing to compare against
+        saved = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return
     if not isinstance(saved, dict):
         return
     diffs = config_differences(saved, to_dict(cfg), to_dict(TrainConfig()))

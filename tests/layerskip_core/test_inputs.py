@@ -92,3 +92,15 @@ def test_a_regular_file_reads_whole(tmp_path):
     path.write_bytes(b"caf\xe9\n")
     with pytest.raises(UserError, match=r"not UTF-8 text \(byte b'\\xe9' on line 1\)"):
         inputs.read_text(path, "test file")
+
+
+@pytest.mark.parametrize("argv", [["generate", "--prompts-file", "{p}"], ["plan", "show", "{p}"],
+                                  ["generate", "--prompt", "x", "--drafter", "self_sd", "--plan", "{p}"]])
+def test_commands_refuse_a_fifo_input_in_one_line(tmp_path, capsys, argv):
+    from layerskip_cli.main import main
+
+    path = fifo(tmp_path / "input.json")
+    with deadline(60):
+        code = main([a.format(p=path) for a in argv])
+    err = capsys.readouterr().err
+    assert code == 2 and "named pipe (FIFO)" in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
