@@ -122,7 +122,7 @@ class SwiftConfig(DraftVocabOption):
         if self.plan:
             check_plan_option(self.plan, "swift")  # before any model is loaded
         if self.save_plan:  # a folder or an unwritable place is refused before decoding, not after it
-            check_output_file(self.save_plan, "save-plan", force=True)
+            check_output_file(self.save_plan, "--save-plan", force=True)
         if self.context_window is None:
             self.context_window = SCRIPT_WINDOW if self.paper else DEFAULT_WINDOW
         if self.match_threshold is None:
