@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from layerskip_core import inputs, jsonfile
+from layerskip_core.cli import check_output_file
 from layerskip_core.errors import UserError
 from layerskip_core.jsonfile import integer, integers
 from layerskip_core.models import ModelSpec
@@ -194,6 +195,13 @@ def check_plan_option(plan, drafter: str) -> None:
         inputs.check(path, "plan file", MAKE_ONE)  # exists, and is no FIFO, device or socket
     except UserError as e:
         raise UserError(f"{drafter}: {e}") from None
+
+
+def check_save_plan_option(path: str | None) -> None:
+    """Before decoding: ``save_plan`` (None = not asked for) names a file that can be written (not a folder, not in
+    an unwritable place); an existing file is written over, as the Python API asks."""
+    if path:
+        check_output_file(path, "--save-plan", force=True)
 
 
 def plan_for(plan, identity: dict) -> LayerPlan:

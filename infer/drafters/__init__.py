@@ -18,6 +18,7 @@ from infer.drafters.base import DecodeState, Draft, Drafter, DraftVocabOption, V
 from infer.drafters.early_exit import EarlyExitDrafter
 from infer.drafters.self_sd import SelfSDDrafter
 from infer.drafters.swift import SwiftDrafter
+from infer.plan import check_save_plan_option
 from layerskip_core.errors import UserError
 from layerskip_core.options import field_docs, from_text, hints
 
@@ -80,8 +81,12 @@ def build_config(name: str, options: dict | object) -> object:
     """A drafter's Config from ``options`` (field names or aliases -> values or text; None values ignored); a
     Config already built is returned as it is (so it is built and checked once)."""
     cls = drafter_class(name)
-    if isinstance(options, cls.Config):
-        return options
+    config = options if isinstance(options, cls.Config) else _build(name, cls, options)
+    check_save_plan_option(getattr(config, "save_plan", None))  # a folder or unwritable place: before decoding
+    return config
+
+
+def _build(name: str, cls, options) -> object:
     if not isinstance(options, dict):
         raise UserError(f"drafter {name!r} takes a dict of options or its {cls.Config.__name__}, "
                         f"not {type(options).__name__}")

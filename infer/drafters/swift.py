@@ -46,7 +46,6 @@ from infer.plan import (
     plan_for,
     weights_cost,
 )
-from layerskip_core.cli import check_output_file
 from layerskip_core.errors import UserError
 from layerskip_core.options import check_fields
 
@@ -121,8 +120,6 @@ class SwiftConfig(DraftVocabOption):
         check_remember(self.remember)
         if self.plan:
             check_plan_option(self.plan, "swift")  # before any model is loaded
-        if self.save_plan:  # a folder or an unwritable place is refused before decoding, not after it
-            check_output_file(self.save_plan, "--save-plan", force=True)
         if self.context_window is None:
             self.context_window = SCRIPT_WINDOW if self.paper else DEFAULT_WINDOW
         if self.match_threshold is None:
