@@ -54,6 +54,7 @@ class ExitAdapter:
         path = Path(path).expanduser()
         meta, weights = read_file(path, hint=", or 'default'")
         shape, provenance = read_metadata(meta, runner.identity(), str(path))
+        shape.check_layout(runner.spec, path)
         return cls(runner, shape, weights, provenance)
 
     def new_cache(self, capacity: int) -> KVCache:

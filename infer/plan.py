@@ -18,7 +18,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from layerskip_core import jsonfile
+from layerskip_core import inputs, jsonfile
+from layerskip_core.cli import check_output_file
 from layerskip_core.errors import UserError
 from layerskip_core.jsonfile import integer, integers
 from layerskip_core.models import ModelSpec
@@ -142,7 +143,6 @@ class PlanFile:
         """Write atomically (a temporary file renamed into place); a head's id list stays on one line."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
         d = self.to_dict()
         ids = (d["draft_head"] or {}).get("ids")
         if ids is not None:
@@ -150,8 +150,7 @@ class PlanFile:
         text = json.dumps(d, indent=2)
         if ids is not None:
             text = text.replace('"@ids@"', json.dumps(ids, separators=(",", ":")))
-        tmp.write_text(text + "\n")
-        os.replace(tmp, path)
+        jsonfile.write(path, text + "\n")  # a temporary file of its own: concurrent savers never mix
 
     @classmethod
     def load(cls, path) -> PlanFile:
@@ -192,8 +191,17 @@ def check_plan_option(plan, drafter: str) -> None:
     path = Path(plan).expanduser()
     if path.is_dir():
         raise UserError(f"{drafter}: plan {path} is a folder; give the path of a plan file (.json) inside it")
-    if not path.is_file():
-        raise UserError(f"{drafter}: plan file {path} does not exist ({MAKE_ONE})")
+    try:
+        inputs.check(path, "plan file", MAKE_ONE)  # exists, and is no FIFO, device or socket
+    except UserError as e:
+        raise UserError(f"{drafter}: {e}") from None
+
+
+def check_save_plan_option(path: str | None) -> None:
+    """Before decoding: ``save_plan`` (None = not asked for) names a file that can be written (not a folder, not in
+    an unwritable place); an existing file is written over, as the Python API asks."""
+    if path:
+        check_output_file(path, "--save-plan", force=True)
 
 
 def plan_for(plan, identity: dict) -> LayerPlan:

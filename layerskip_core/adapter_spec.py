@@ -8,8 +8,10 @@ attention and MLP output projections start at zero, the norms and the other proj
 
 The file is safetensors with string metadata: ``format``, ``shape`` (this module's ``AdapterShape`` as JSON),
 ``model`` (the base model's identity: architecture numbers and weight fingerprint, as ``Runner.identity()``)
-and ``provenance`` (how it was trained). Both sides name tensors with ``tensor_shapes``. This module cannot
-check tensor values; the readers in ``infer.adapter`` and ``train.adapter`` check shapes against it.
+and ``provenance`` (how it was trained). Both sides name tensors with ``tensor_shapes``. This module does not
+import torch: ``read_file`` checks the tensors it reads with their own methods (finite, the ones the header
+names), and ``AdapterShape.check_layout`` the header against the model the readers in ``infer.adapter`` and
+``train.adapter`` load it on.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from layerskip_core import jsonfile
+from layerskip_core import inputs, jsonfile
 from layerskip_core.errors import UserError
 from layerskip_core.layers import check_exit_layer
 from layerskip_core.options import check_fields
@@ -39,6 +41,8 @@ LAYER_NAMES = {"attn_norm.weight": "input_layernorm.weight", "q_proj.weight": "s
 ``out_norm.weight``, is the norm before the LM head)."""
 IDENTITY_KEYS = ("model_type", "num_layers", "hidden_size", "vocab_size", "weight_fingerprint")
 """What an adapter file must share with the model it drafts for."""
+LAYOUT_KEYS = ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "rms_norm_eps")
+"""The head layout an adapter's header must share with its model (``AdapterShape.check_layout``)."""
 
 
 def weight_fingerprint(first_values: Callable[[str], bytes | None]) -> str:
@@ -92,6 +96,16 @@ class AdapterShape:
     def check_model(self, num_layers: int) -> None:
         check_exit_layer(self.exit_layer, num_layers, "adapter exit layer", below_last=True)
 
+    def check_layout(self, model, path: str | Path) -> None:
+        """Refuse a header whose head layout (``LAYOUT_KEYS``) is not ``model``'s (any object with those
+        attributes: the runner's ``ModelSpec``, the ``AdapterShape`` a trainer builds from the model's config).
+        Tensors that agree with a lying header would otherwise pass every shape check and fail mid-decoding."""
+        diff = [f"{k}: file has {getattr(self, k)}, model has {getattr(model, k)}" for k in LAYOUT_KEYS
+                if getattr(self, k) != getattr(model, k)]
+        if diff:
+            raise UserError(f"{path}: the adapter header's head layout is not the model's ({'; '.join(diff)}); the "
+                            "file is damaged or made for another model: train the adapter again")
+
 
 def metadata(shape: AdapterShape, identity: dict, provenance: dict) -> dict[str, str]:
     """The safetensors metadata of an adapter file (all values strings, as the format requires)."""
@@ -100,18 +114,47 @@ def metadata(shape: AdapterShape, identity: dict, provenance: dict) -> dict[str,
 
 
 def read_file(path: str | Path, hint: str = "") -> tuple[dict[str, str] | None, dict]:
-    """(metadata, tensors by name) of an adapter file; a missing or unreadable one is a one-line user error
-    (``hint`` says what to give instead). Reads torch tensors: safetensors is imported only here."""
+    """(metadata, tensors by name) of an adapter file; a missing, unreadable or damaged one is a one-line user
+    error (``hint`` says what to give instead). Tensors must be finite and, when the header's shape can be
+    read, exactly the ones it names (``read_metadata`` refuses a damaged header). Reads torch tensors:
+    safetensors is imported only here."""
     from safetensors import safe_open
 
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise UserError(f"adapter file {path} does not exist; give the adapter.safetensors a training run wrote{hint}")
+    path = inputs.check(path, "adapter file", f"give the adapter.safetensors a training run wrote{hint}")
     try:
         with safe_open(str(path), framework="pt") as f:
-            return f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (no iterator)
+            meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (no iterator)
     except Exception as e:  # safetensors raises its own error types for a file that is not safetensors
-        raise UserError(f"{path} is not a readable safetensors file ({e})") from None
+        raise UserError(f"{path} is not a readable safetensors file ({' '.join(str(e).split())}); the file is "
+                        "damaged or cut off: train the adapter again") from None
+    _check_tensors(meta, tensors, path)
+    return meta, tensors
+
+
+def _header_shape(meta: dict[str, str] | None) -> AdapterShape | None:
+    try:
+        return AdapterShape(**jsonfile.obj(jsonfile.parse(meta["shape"]), "shape"))
+    except (KeyError, TypeError, ValueError, UserError):
+        return None
+
+
+def _check_tensors(meta: dict[str, str] | None, tensors: dict, path: Path) -> None:
+    """Refuse non-finite or non-float tensors, and tensors other than the ones the header's shape names."""
+    for name, t in tensors.items():
+        if not t.is_floating_point() or not bool(t.isfinite().all()):
+            what = f"{t.dtype} values" if not t.is_floating_point() else "NaN or infinite values"
+            raise UserError(f"{path}: adapter tensor {name!r} holds {what}; the file is damaged: train the adapter "
+                            "again")
+    shape = _header_shape(meta) if meta and meta.get("format") == FORMAT else None
+    if shape is None:
+        return
+    want = shape.tensor_shapes()
+    got = {k: tuple(t.shape) for k, t in tensors.items()}
+    wrong = [f"{k}: header says {want.get(k, 'no such tensor')}, file has {got.get(k, 'none')}"
+             for k in sorted(set(want) | set(got)) if want.get(k) != got.get(k)]
+    if wrong:
+        raise UserError(f"{path}: the adapter header disagrees with its tensors ({'; '.join(wrong[:3])}); the file "
+                        "is damaged: train the adapter again")
 
 
 def read_metadata(meta: dict[str, str] | None, identity: dict, path: str) -> tuple[AdapterShape, dict]:
@@ -130,5 +173,8 @@ def read_metadata(meta: dict[str, str] | None, identity: dict, path: str) -> tup
     if diff:
         raise UserError(f"{path} is an exit adapter for another model ({'; '.join(diff)}); use it with the model "
                         "it was trained on, or train one for this model")
-    shape.check_model(identity["num_layers"])
+    try:
+        shape.check_model(identity["num_layers"])
+    except UserError as e:
+        raise UserError(f"{path}: {e}") from None
     return shape, provenance

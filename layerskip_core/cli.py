@@ -7,6 +7,8 @@ commands accept for models (``--model base=default --model trained=runs/x/final`
 policy is that an existing file is refused unless the command was given ``--force``, and ``check_distinct``
 refuses two outputs of one command that are the same file. Folders (``check_output_dir``) may already exist, but
 one that holds files the command writes (an earlier run's results) is refused unless ``--force``, as a file is.
+No output may be one of the command's own inputs (``inputs``; ``check_not_input``): ``--force`` never lets a
+command write over what it reads.
 """
 
 from __future__ import annotations
@@ -71,10 +73,36 @@ def _writable_ancestor(target: Path) -> Path | None:
     return parent
 
 
-def check_output_file(path: str | os.PathLike, what: str, *, force: bool) -> Path:
-    """Refuse, before any work, a file path that is a folder, that exists (unless ``force``: the user's --force)
-    or whose folder cannot be created or written."""
+Inputs = tuple[tuple[str, "str | os.PathLike | None"], ...]
+"""A command's inputs as (flag, path) pairs; None = not given."""
+
+
+def _real(path: str | os.PathLike) -> Path:
+    return Path(os.path.realpath(Path(path).expanduser()))
+
+
+def check_not_input(what: str, target: str | os.PathLike, inputs: Inputs,
+                    writes: tuple[str, ...] | None = None) -> None:
+    """Refuse an output that is one of the command's ``inputs`` (symlinks resolved, hard links compared): an output
+    file or folder equal to an input, or a folder output (``writes`` = the files it writes there) holding an input
+    under a name it writes. A new folder inside an input folder is fine (an export into its run folder)."""
+    out = _real(target)
+    for flag, given in inputs:
+        if given is None or str(given) == "":
+            continue
+        src = _real(given)
+        same = src == out or (src.exists() and out.exists() and os.path.samefile(src, out))
+        inside = writes is not None and any(src == out / name for name in writes)
+        if same or inside:
+            raise UserError(f"{what} {target} would write over {flag} {given}, which this command reads; give the "
+                            "output its own path")
+
+
+def check_output_file(path: str | os.PathLike, what: str, *, force: bool, inputs: Inputs = ()) -> Path:
+    """Refuse, before any work, a file path that is a folder, that exists (unless ``force``: the user's --force),
+    that is one of the command's ``inputs`` (even with ``force``) or whose folder cannot be created or written."""
     target = Path(path).expanduser()
+    check_not_input(what, target, inputs)
     if target.is_dir():
         raise UserError(f"{what} {target} is a folder; give a file path")
     if target.exists() and not force:
@@ -98,10 +126,13 @@ def check_distinct(*outputs: tuple[str, str | os.PathLike | None]) -> None:
         seen[key] = flag
 
 
-def check_output_dir(path: str | os.PathLike, what: str, *, writes: tuple[str, ...] = (), force: bool = False) -> Path:
-    """Refuse, before any work, an output folder that is an existing file, cannot be created or written, or holds
-    any of the files ``writes`` names (an earlier run's results) unless ``force`` (the user's --force)."""
+def check_output_dir(path: str | os.PathLike, what: str, *, writes: tuple[str, ...] = (), force: bool = False,
+                     inputs: Inputs = ()) -> Path:
+    """Refuse, before any work, an output folder that is an existing file, cannot be created or written, holds
+    any of the files ``writes`` names (an earlier run's results) unless ``force`` (the user's --force), or would
+    write over one of the command's ``inputs`` (``check_not_input``; even with ``force``)."""
     target = Path(path).expanduser()
+    check_not_input(what, target, inputs, writes)
     if target.exists() and not target.is_dir():
         raise UserError(f"{what} {target} is an existing file; give a folder")
     if target.is_dir() and not os.access(target, os.W_OK | os.X_OK):

@@ -1,11 +1,13 @@
 """One strict reader for the JSON files the project writes (plans, gate memory, draft vocabularies, counts).
 
 ``read`` parses a file into a JSON object: nesting deeper than ``MAX_DEPTH`` is refused before parsing
-(no RecursionError), and so are NaN, Infinity and numbers too large for a float (``1e999``). Every
-problem is one ``UserError`` naming the file, what is wrong and what to do. ``checked`` turns the
-``ValueError`` of the field checks (``integer``, ``integers``, ``number``, ``obj``, ``text``) into such a
-line; the checks refuse booleans and fractional numbers where an integer belongs instead of rounding
-them. It does not check a file's meaning beyond types and ranges: each reader does that.
+(no RecursionError), and so are NaN, Infinity and numbers too large for a float (``1e999``), an object
+with one key twice (the last silently winning would be a wrong result) and a byte order mark. Files are
+read through ``layerskip_core.inputs`` (regular files of bounded size only). Every problem is one
+``UserError`` naming the file, what is wrong and what to do. ``checked`` turns the ``ValueError`` of the
+field checks (``integer``, ``integers``, ``number``, ``obj``, ``text``) into such a line; the checks
+refuse booleans and fractional numbers where an integer belongs instead of rounding them.
+It does not check a file's meaning beyond types and ranges: each reader does that.
 """
 
 from __future__ import annotations
@@ -13,17 +15,23 @@ from __future__ import annotations
 import json
 import math
 import operator
+import os
 import re
+import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
+from layerskip_core import inputs
 from layerskip_core.errors import UserError
 
 MAX_DEPTH = 64
 """Deepest nesting of arrays and objects accepted (the project's files nest at most 4 deep)."""
 
-_BRACKETS = re.compile(r'"(?:[^"\\]+|\\.)*"|[\[\]{}]')
+_BRACKETS = re.compile(r'"(?:[^"\\]++|\\.)*+"?|[\[\]{}]', re.DOTALL)
+"""A string (possessive: never backtracks; one not closed runs to the end of the text) or a bracket, so the
+depth count is one linear pass whatever the text: a cut-off string is scanned once, not once per way of
+splitting it."""
 
 
 def _refuse_constant(name: str) -> float:
@@ -37,8 +45,20 @@ def _finite(literal: str) -> float:
     return value
 
 
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise ValueError(f"key {key[:40]!r} appears twice in one object (which one is meant?)")
+        seen.add(key)
+    return dict(pairs)
+
+
 def parse(text: str):
-    """The JSON value of ``text``; ValueError when it is not JSON, nests too deep or holds a non-finite number."""
+    """The JSON value of ``text``; ValueError when it is not JSON, nests too deep, holds a non-finite number or
+    an object with one key twice, or starts with a byte order mark."""
+    if text.startswith("\ufeff"):
+        raise ValueError("it starts with a byte order mark (BOM); save it as UTF-8 without BOM")
     depth = 0
     for m in _BRACKETS.finditer(text):
         c = m.group()
@@ -48,7 +68,27 @@ def parse(text: str):
                 raise ValueError(f"nested more than {MAX_DEPTH} levels deep")
         elif c in "]}":
             depth -= 1
-    return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite)
+    return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite, object_pairs_hook=_unique_keys)
+
+
+def write(path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically: a temporary file of its own beside it (unique per writer, so two
+    processes saving the same file never share one), flushed to disk, then renamed over ``path``. A reader sees
+    the old file or the new one, never a part; two writers at once leave one of their files whole. On failure
+    the temporary file is removed and the OSError raised."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600: the file is shared like any plan or cache file
+        os.replace(tmp, path)
+    except BaseException:
+        with suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def read(path, what: str, fmt: str | None = None, hint: str = "") -> dict:
@@ -58,16 +98,13 @@ def read(path, what: str, fmt: str | None = None, hint: str = "") -> dict:
     """
     path = Path(path).expanduser()
     tail = f" ({hint})" if hint else ""
-    if path.is_dir():
-        raise UserError(f"{what} {path} is a folder; give the path of a {what}{tail}")
-    if not path.is_file():
-        raise UserError(f"{what} {path} does not exist{tail}")
+    data = inputs.read_bytes(path, what, hint)  # a regular file of sane size: else one line
     try:
-        value = parse(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise UserError(f"cannot read {what} {path}: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise UserError(f"{path} is not a valid {what}: not JSON (not UTF-8 text){tail}") from None
+        value = parse(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise UserError(f"{path} is not a valid {what}: not JSON (not UTF-8 text: byte {data[e.start:e.start + 1]!r} "
+                        f"on line {line}){tail}") from None
     except (ValueError, RecursionError) as e:  # RecursionError: belt and braces, MAX_DEPTH stops it first
         raise UserError(f"{path} is not a valid {what}: not JSON ({e}){tail}") from None
     if not isinstance(value, dict):

@@ -6,6 +6,10 @@ killer), so a dead holder never blocks anyone: the next taker finds the old stam
 notes it (``previous``) and takes over. The file is removed on release. Used for the kernel build
 (``infer.kernels``: wait with a message) and a training's run folder (``train.checkpoint``: refuse).
 
+The lock file is opened without following symlinks and must be a regular file: a symlink (which would make the
+stamp overwrite its target), a folder, a FIFO or a device in its place is refused in one line (``UserError``),
+and a stamp that is garbage, empty or out of range (``{"pid": 1e999}``) is an unknown holder, never a crash.
+
 What it cannot do: ``flock`` is advisory (a tool that ignores it is not stopped) and, on network file
 systems without lock support, may lock nothing.
 """
@@ -16,11 +20,14 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+
+from layerskip_core.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -44,12 +51,18 @@ class Holder:
 
     @classmethod
     def parse(cls, text: str) -> Holder | None:
-        """The holder stamped in a lock file's text; None when it is empty or not a stamp."""
+        """The holder stamped in a lock file's text; None when it is empty or not a stamp (a pid that is no
+        positive integer, a host or time that is no short string)."""
         try:
             d = json.loads(text)
-            return cls(int(d["pid"]), str(d["host"]), str(d["started"]))
-        except (ValueError, TypeError, KeyError):
+            pid, host, started = d["pid"], d["host"], d["started"]
+        except (ValueError, TypeError, KeyError, RecursionError):
             return None
+        if isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid < 2**31:
+            return None
+        if not isinstance(host, str) or not isinstance(started, str) or len(host) > 255 or len(started) > 64:
+            return None
+        return cls(pid, host, started)
 
 
 class FileLock:
@@ -64,7 +77,7 @@ class FileLock:
     def acquire(self) -> Holder | None:
         """Take the lock without waiting: None on success, else who holds it (an unknown holder: pid 0)."""
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -80,6 +93,21 @@ class FileLock:
         os.fsync(fd)
         self._fd = fd
         return None
+
+    def _open(self) -> int:
+        """The lock file, opened (created if need be) without following a symlink or blocking; a regular file."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(self.path, flags, 0o644)
+        except OSError as e:
+            raise UserError(f"lock file {self.path} cannot be used: {_what_is_there(self.path, e)}; remove it (no "
+                            "process of this project holds it then) and start again") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise UserError(f"lock file {self.path} cannot be used: it is not a regular file; remove it and start "
+                            "again")
+        os.set_blocking(fd, True)
+        return fd
 
     def wait(self, seconds: float, what: str, poll: float = 0.5) -> Holder | None:
         """Acquire, waiting up to ``seconds`` with one line on stderr naming the holder; None when taken, else the
@@ -103,6 +131,14 @@ class FileLock:
         finally:
             os.close(self._fd)
             self._fd = None
+
+
+def _what_is_there(path: Path, error: OSError) -> str:
+    if path.is_symlink():
+        return "it is a symbolic link (a lock never follows one: the stamp would overwrite its target)"
+    if path.is_dir():
+        return "it is a folder"
+    return error.strerror or str(error)
 
 
 def _read(fd: int) -> str:

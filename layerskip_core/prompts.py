@@ -19,7 +19,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from layerskip_core import jsonfile
+from layerskip_core import inputs, jsonfile
 from layerskip_core.errors import UserError
 from layerskip_core.packages import PackagedFile, cache_root, fetch_packaged_file
 
@@ -44,23 +44,12 @@ class PromptItem:
     """Name of the set the item came from."""
 
 
-def _check_file(path: Path, what: str) -> None:
-    """A one-line error unless ``path`` is a readable regular file."""
-    if path.is_dir():
-        raise UserError(f"{what} {path} is a directory; pass a .jsonl file (one JSON object per line)")
-    if not path.exists():
-        raise UserError(f"{what} {path} does not exist")
-    if not path.is_file():
-        raise UserError(f"{what} {path} is not a regular file")
-
-
 def _read_jsonl(path: Path, what: str = "prompts file") -> list[tuple[int, dict]]:
     """(line number, object) for each non-blank line; line numbers count blank lines too."""
-    _check_file(path, what)
-    opener = gzip.open if path.suffix == ".gz" else open
     rows = []
     try:
-        with opener(path, "rb") as f:
+        with inputs.opened(path, what, "pass a .jsonl file, one JSON object per line") as raw_file, \
+                (gzip.open(raw_file) if path.suffix == ".gz" else raw_file) as f:
             for lineno, raw in enumerate(f, start=1):
                 try:
                     line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a BOM some editors write
@@ -79,8 +68,6 @@ def _read_jsonl(path: Path, what: str = "prompts file") -> list[tuple[int, dict]
                 rows.append((lineno, row))
     except (gzip.BadGzipFile, EOFError, zlib.error) as e:
         raise UserError(f"{path}: not a readable gzip file ({e}); pass plain .jsonl or a whole .jsonl.gz") from None
-    except PermissionError:
-        raise UserError(f"{what} {path} is not readable (permission denied)") from None
     return rows
 
 
@@ -110,7 +97,8 @@ def _text_folder(path: Path, max_chars: int) -> list[PromptItem]:
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
     items = []
     for p in files:
-        text = p.read_text(encoding="utf-8", errors="replace").strip()
+        with inputs.opened(p, "prompt text file", max_bytes=None) as f:
+            text = f.read(4 * max_chars).decode("utf-8", errors="replace").strip()  # a char is <= 4 UTF-8 bytes
         if text:
             items.append(PromptItem(str(p.relative_to(path)), text[:max_chars], "", path.name))
     if not items:

@@ -36,6 +36,19 @@ EXECUTORS = ("eager", "static", "graphs")
 """The executors a resolved setting names (see ``infer.runner``)."""
 
 
+THREADS_PER_CPU = 4
+"""The most torch threads per CPU of the machine a run may ask for (more is never faster; 1e9 aborted in libgomp)."""
+
+
+def check_threads(value, flag: str = "--threads") -> int:
+    """``value`` when it is an integer in [1, THREADS_PER_CPU x the machine's CPUs]; else one UserError."""
+    cpus = os.cpu_count() or 1
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= THREADS_PER_CPU * cpus:
+        raise UserError(f"{flag} must be an integer in [1, {THREADS_PER_CPU * cpus}] (this machine has {cpus} CPUs), "
+                        f"got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class RunSettings:
     """Where and how a model runs."""
@@ -55,8 +68,7 @@ class RunSettings:
     compiling on first use). Default: on CUDA, where fewer kernel launches pay; off elsewhere."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
-            raise UserError(f"--threads must be an integer >= 1, got {self.threads!r}")
+        check_threads(self.threads)
 
     def resolve(self) -> Resolved:
         """The concrete device, dtype, executor and compile choice (a missing GPU is refused here, before any model

@@ -29,6 +29,7 @@ from pathlib import Path
 from infer.plan import cycle_speedup, iid_tokens_per_cycle
 from layerskip_core.cli import Parser, check_output_dir, run_main
 from layerskip_core.errors import UserError
+from layerskip_core.settings import check_threads
 
 OUTPUTS = ("results.json", "table.md", "compare.png")
 """What a run writes in --out."""
@@ -125,14 +126,36 @@ def adapter_quality(paths: list[Path], cfg, n: int) -> dict[int, dict]:
     return out
 
 
-def bench_rows(path: Path | None, adapters: dict[str, int], family: str) -> dict[tuple[str, int], dict]:
-    """{(family, E): row} of a bench results.json: early_exit rows at E=..., and rows with an adapter file."""
+BENCH_FIELDS = ("speedup_vs_autoregressive", "acceptance_rate", "tokens_per_verify", "mean_draft_forwards",
+                "draft_cost_ratio", "exact_mismatches", "prompts")
+"""The numbers this comparison reads from each summary row of a bench results.json (null allowed)."""
+
+
+def read_bench(path: Path | None) -> list[dict]:
+    """The summary rows of a bench results.json, every field this comparison reads checked (a bad file is one
+    line before any model loads, not a KeyError at the end)."""
     if path is None:
-        return {}
+        return []
     from layerskip_core import jsonfile
 
+    what, hint = "bench results.json", "written by layerskip bench --out"
+    summary = jsonfile.read(path, what, hint=hint).get("summary", [])
+    with jsonfile.checked(path, what, hint):
+        if not isinstance(summary, list):
+            raise ValueError("'summary' must be a list of rows")
+        for i, row in enumerate(summary):
+            jsonfile.text(jsonfile.obj(row, f"summary[{i}]")["method"], f"summary[{i}].method")
+            for key in BENCH_FIELDS:
+                if row[key] is not None:
+                    jsonfile.number(row[key], f"summary[{i}].{key}")
+    return summary
+
+
+def bench_rows(summary: list[dict], adapters: dict[str, int], family: str) -> dict[tuple[str, int], dict]:
+    """{(family, E): row} of a bench results.json's rows (``read_bench``): early_exit rows at E=..., and rows with an
+    adapter file."""
     rows = {}
-    for row in jsonfile.read(path, "bench results.json", hint="written by layerskip bench --out").get("summary", []):
+    for row in summary:
         method = row["method"]
         m = re.search(r"adapter=([^:]+)", method)
         if m:
@@ -150,6 +173,26 @@ def bench_rows(path: Path | None, adapters: dict[str, int], family: str) -> dict
     return rows
 
 
+def adapter_paths(args: argparse.Namespace) -> list[Path]:
+    paths = [Path(p.strip()).expanduser() for p in args.adapters.split(",") if p.strip()]
+    if not paths:
+        raise UserError("--adapters is empty: give one or more adapter files, comma-separated")
+    return paths
+
+
+def check_inputs(args: argparse.Namespace) -> tuple[list[Path], tuple[list[dict], list[dict]]]:
+    """(adapter files, bench rows of --bench-base and --bench-checkpoint), every input read and checked before any
+    evaluation: a bad file is refused in one line at once, not after minutes of work."""
+    from layerskip_core.adapter_spec import read_file
+    from layerskip_core.models import resolve_model
+
+    paths = adapter_paths(args)
+    for path in paths:
+        read_file(path)  # a missing, cut-off or damaged file; its model is checked when it is evaluated
+    resolve_model(args.checkpoint)
+    return paths, (read_bench(args.bench_base), read_bench(args.bench_checkpoint))
+
+
 def compare(args: argparse.Namespace) -> dict:
     import torch
 
@@ -157,14 +200,14 @@ def compare(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config, [])
-    paths = [Path(p) for p in args.adapters.split(",") if p.strip()]
+    paths, benches = check_inputs(args)
     adapters = adapter_quality(paths, cfg, args.n)
     exits = sorted(adapters)
     base = exit_quality(cfg.model.name_or_path, args.config, exits, args.n, args.threads)
     ckpt = exit_quality(args.checkpoint, args.config, exits, args.n, args.threads)
     L = base["num_layers"]
     by_path = {str(Path(r["adapter"])): E for E, r in adapters.items()}
-    bench = bench_rows(args.bench_base, by_path, "a") | bench_rows(args.bench_checkpoint, by_path, "c")
+    bench = bench_rows(benches[0], by_path, "a") | bench_rows(benches[1], by_path, "c")
     rows = []
     for E in exits:
         agree = {"a": base["agreement"][E], "b": adapters[E]["adapter_agreement"], "c": ckpt["agreement"][E]}
@@ -226,9 +269,12 @@ def plot(result: dict, path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.n < 1 or args.threads < 1:
-        raise UserError("--n and --threads must be >= 1")
-    check_output_dir(args.out, "--out", writes=OUTPUTS, force=args.force)
+    if args.n < 1:
+        raise UserError("--n must be >= 1")
+    check_threads(args.threads)
+    reads = [("--config", args.config), ("--checkpoint", args.checkpoint), ("--bench-base", args.bench_base),
+             ("--bench-checkpoint", args.bench_checkpoint), *(("--adapters", p) for p in adapter_paths(args))]
+    check_output_dir(args.out, "--out", writes=OUTPUTS, force=args.force, inputs=tuple(reads))
     result = compare(args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from layerskip_core.cli import Parser, check_output_file, run_main
 from layerskip_core.errors import UserError
+from layerskip_core.settings import check_threads
 
 
 def adapter_eval(model, adapter, examples, pad_id: int, batch_size: int = 2) -> dict:
@@ -28,6 +29,11 @@ def adapter_eval(model, adapter, examples, pad_id: int, batch_size: int = 2) -> 
     lm, provenance = AdapterLM.from_file(model, adapter)
     stats = lm.evaluate(examples, batch_size, pad_id, "cpu", list(range(len(examples))))
     n = float(stats[4])
+    if n < 1:
+        raise UserError("the held-out examples hold no token to score; give a recipe whose validation split has text")
+    if not bool(stats.isfinite().all()):
+        raise UserError(f"{adapter}: the adapter's loss is not a finite number (NaN or infinite); the adapter is "
+                        "damaged or diverged in training: train it again")
     return {"adapter": str(adapter), "exit_layer": lm.shape.exit_layer, "provenance": provenance,
             "examples": len(examples), "tokens": int(n), "adapter_loss": float(stats[0]) / n,
             "adapter_agreement": float(stats[1]) / n, "exit_agreement": float(stats[2]) / n,
@@ -42,17 +48,20 @@ def run(args: argparse.Namespace) -> int:
     from train.recipe import load_config
 
     if args.json is not None:
-        check_output_file(args.json, "--json", force=args.force)
+        check_output_file(args.json, "--json", force=args.force,
+                          inputs=(("--adapter", args.adapter), ("--config", args.config)))
     if args.n < 1:
         raise UserError("--n must be >= 1")
+    check_threads(args.threads)
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config, [])
     model, tokenizer, path = load_model(cfg.model.name_or_path)
     val = build_dataset(cfg.data, tokenizer, path).val.take(args.n)
     out = adapter_eval(model, args.adapter, val, tokenizer.pad_token_id)
-    print(json.dumps(out, indent=1))
+    text = json.dumps(out, indent=1, allow_nan=False)  # strict JSON: a NaN never reaches the file
+    print(text)
     if args.json is not None:
-        args.json.write_text(json.dumps(out, indent=1) + "\n")
+        args.json.write_text(text + "\n")
     return 0
 
 

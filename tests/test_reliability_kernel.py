@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import _json
 import shutil
+from pathlib import Path
 
 import pytest
 
 from infer import kernels
+
+ELF = Path(_json.__file__) if getattr(_json, "__file__", "").endswith(".so") else None
+"""A real shared library to stand in for a built kernel (the interpreter's own ``_json`` extension)."""
 
 
 @pytest.fixture(autouse=True)
@@ -46,7 +51,8 @@ def test_existing_build_is_imported_without_compiling_or_the_build_message(tmp_p
     assert kernels.load() == "built" and len(built) == 1  # nothing there yet: builds
     folder = kernels.build_dir(torch.__version__)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{kernels.NAME}.so").write_bytes(b"")
+    shutil.copyfile(ELF, folder / f"{kernels.NAME}.so")
+    kernels.stamp(folder / f"{kernels.NAME}.so")
     monkeypatch.setattr(kernels, "_loaded", {})
     assert kernels.load() == f"imported {kernels.NAME}.so" and len(built) == 1
     assert "building" not in capsys.readouterr().err
@@ -116,3 +122,68 @@ def test_a_live_builder_is_waited_for_with_a_message_and_a_limit(builder, capsys
         proc.wait()
     assert f"waiting for pid {proc.pid}" in capsys.readouterr().err
     assert saw_torch_lock == [] and (folder / "lock").exists()  # a live builder's lock is left alone
+
+
+@pytest.fixture
+def built(tmp_path, monkeypatch):
+    """A build folder whose fake compiler copies a real shared library in (as a build leaves it) and counts builds;
+    importing is recorded, never done."""
+    import torch
+
+    if ELF is None:
+        pytest.skip("no shared-library extension module to stand in for the kernel")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.delenv("LAYERSKIP_KERNEL", raising=False)
+    monkeypatch.setattr(kernels, "cpu_supported", lambda: True)
+    folder = kernels.build_dir(torch.__version__)
+    folder.mkdir(parents=True)
+    library = folder / f"{kernels.NAME}.so"
+    builds = []
+
+    def fake_build(f):
+        shutil.copyfile(ELF, library)
+        builds.append(f)
+        return "built"
+
+    monkeypatch.setattr(kernels, "_build", fake_build)
+    monkeypatch.setattr(kernels, "_import_library", lambda path: f"imported {path.name}")
+    return library, builds
+
+
+def test_a_build_stamps_its_library_and_a_stamped_library_is_imported(built, monkeypatch):
+    library, builds = built
+    assert kernels.load() == "built" and len(builds) == 1
+    assert kernels.is_whole(library) and library.with_name(library.name + kernels.STAMP_SUFFIX).is_file()
+    monkeypatch.setattr(kernels, "_loaded", {})
+    assert kernels.load() == f"imported {library.name}" and len(builds) == 1
+
+
+@pytest.mark.parametrize("stamped", [True, False])
+@pytest.mark.parametrize("damage", ["cut off", "one byte changed", "grown"])
+def test_a_damaged_library_is_rebuilt_not_imported(built, monkeypatch, stamped, damage):
+    """A library cut off by a full disk or a killed copy killed every later run with SIGBUS: it is rebuilt."""
+    library, builds = built
+    shutil.copyfile(ELF, library)
+    if stamped:
+        kernels.stamp(library)
+    data = library.read_bytes()
+    if damage == "cut off":
+        data = data[:len(data) // 2]
+    elif damage == "one byte changed":
+        mid = len(data) // 2
+        data = data[:mid] + bytes([data[mid] ^ 0xFF]) + data[mid + 1:]
+    else:
+        data += b"\0" * 4096
+    library.write_bytes(data)
+    if not stamped and damage != "cut off":  # without a stamp only a cut is visible (the headers' length)
+        assert kernels.load() == f"imported {library.name}"
+        return
+    assert kernels.load() == "built" and len(builds) == 1
+    assert kernels.is_whole(library) and library.read_bytes() == ELF.read_bytes()
+
+
+@pytest.mark.parametrize("content", [b"", b"\x7fELF", b"not a library at all" * 100])
+def test_a_library_that_is_no_elf_file_is_rebuilt(built, content):
+    library, builds = built
+    library.write_bytes(content)
+    assert kernels.load() == "built" and len(builds) == 1

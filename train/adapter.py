@@ -196,6 +196,7 @@ class AdapterLM(nn.Module):
         meta, state = read_file(path)
         shape, provenance = read_metadata(meta, model_identity(model), str(path))
         lm = cls(model, AdapterConfig(enabled=True, exit_layer=shape.exit_layer, mlp_size=shape.mlp_size))
+        shape.check_layout(lm.shape, path)
         lm.adapter.load_state_dict(state)
         return lm, provenance
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import yaml
 
-from layerskip_core import jsonfile
+from layerskip_core import inputs, jsonfile
 from layerskip_core.errors import UserError
 from layerskip_core.locks import FileLock
 from layerskip_core.packages import ensure_writable_dir, normal_permissions
@@ -88,6 +88,23 @@ def run_files(output_dir: str | Path) -> list[str]:
     return [name for name in RUN_FILES if (out / name).exists()]
 
 
+def check_overwrite(cfg: TrainConfig) -> None:
+    """Refuse ``--overwrite`` when a path the run reads (the model, a data source, the token cache) lies in what
+    it would delete: the run would delete its own input (e.g. ``model.name_or_path=<the run folder>/final``)."""
+    out = Path(cfg.checkpoint.output_dir)
+    doomed = [Path(os.path.realpath(out / name)) for name in run_files(out)]
+    reads = [("model.name_or_path", cfg.model.name_or_path), ("data.cache_dir", cfg.data.cache_dir),
+             *((f"data.sources[{i}].path", s.path) for i, s in enumerate(cfg.data.sources))]
+    for key, value in reads:
+        if not value or value == "default":
+            continue
+        src = Path(os.path.realpath(Path(value).expanduser()))
+        hit = next((d for d in doomed if src == d or src.is_relative_to(d)), None)
+        if hit is not None:
+            raise UserError(f"--overwrite would delete {hit}, which holds {key}={value} that this run reads; copy "
+                            "it out of the run folder first, or choose another checkpoint.output_dir")
+
+
 def clear_run(output_dir: str | Path) -> None:
     """Delete a previous run's files from ``output_dir`` (other files stay)."""
     out = Path(output_dir)
@@ -123,10 +140,13 @@ def config_differences(saved: dict, current: dict, defaults: dict | None = None)
 
 
 def _check_same_run(ckpt: Path, cfg: TrainConfig) -> None:
+    if not (ckpt / "config.yaml").exists():
+        return  # checkpoints of older versions lack it; nothing to compare against
+    text = inputs.read_text(ckpt / "config.yaml", "checkpoint config file")  # not a FIFO, device or huge file
     try:
-        saved = yaml.safe_load((ckpt / "config.yaml").read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError):
-        return  # checkpoints of older versions may lack it; nothing to compare against
+        saved = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return
     if not isinstance(saved, dict):
         return
     diffs = config_differences(saved, to_dict(cfg), to_dict(TrainConfig()))
@@ -140,8 +160,9 @@ def prepare_run_folder(cfg: TrainConfig, overwrite: bool = False) -> Path | None
     """Decide how this run uses its output folder; return the checkpoint to resume from (or None).
 
     A folder holding another run is refused unless the run resumes it (``--resume``; the saved
-    config must match, see :data:`RESUMABLE_CHANGES`) or ``overwrite`` is set (the caller then
-    deletes the old run's files with :func:`clear_run`). Only the (empty) folder is created here.
+    config must match, see :data:`RESUMABLE_CHANGES`) or ``overwrite`` is set (refused when the run reads a path
+    inside what it would delete; the caller deletes the old run's files with :func:`clear_run` once the model and
+    data have loaded). Only the (empty) folder is created here.
     """
     out = Path(cfg.checkpoint.output_dir)
     mode = cfg.checkpoint.resume
@@ -152,6 +173,8 @@ def prepare_run_folder(cfg: TrainConfig, overwrite: bool = False) -> Path | None
                         f"(checkpoint.resume={mode})")
     ensure_writable_dir(out, "checkpoint.output_dir", "choose a writable checkpoint.output_dir")
     present = run_files(out)
+    if overwrite:
+        check_overwrite(cfg)
     if mode == "never":
         if present and not overwrite:
             found = list_checkpoints(out)
@@ -185,13 +208,32 @@ def _step_of(ckpt: Path) -> int:
 
 
 def read_state(path: Path) -> dict:
-    """A checkpoint's ``trainer_state.json`` (step and tokens: non-negative integers), strictly read."""
+    """A checkpoint's ``trainer_state.json`` (step and tokens: non-negative integers; the step the folder's name
+    ``step-N`` says, when it has such a name), strictly read."""
     file = Path(path) / STATE_FILE
     state = jsonfile.read(file, "checkpoint state file", hint="resume from another checkpoint")
     with jsonfile.checked(file, "checkpoint state file", "resume from another checkpoint"):
-        jsonfile.integer(state["step"], "step", 0)
+        step = jsonfile.integer(state["step"], "step", 0)
         jsonfile.integer(state.get("tokens", 0), "tokens", 0)
+        named = Path(path).name.removeprefix(PREFIX)
+        if Path(path).name.startswith(PREFIX) and named.isdigit() and int(named) != step:
+            raise ValueError(f"it says step {step}, but its folder is {Path(path).name} (a checkpoint's state "
+                             "describes the step it was saved at)")
     return state
+
+
+def check_rng_states(ckpt: Path) -> None:
+    """Refuse a checkpoint whose saved random states do not load (accelerate would go on without them, and the
+    resumed run would draw other data orders and dropouts than the run it continues)."""
+    import torch
+
+    for path in sorted(Path(ckpt).glob("random_states_*.pkl")):
+        try:
+            torch.load(path, map_location="cpu", weights_only=False)  # as accelerate loads it
+        except Exception as e:  # unpickling a damaged file raises many kinds
+            raise UserError(f"cannot resume from {ckpt}: {path.name} is damaged or cut off ({type(e).__name__}); "
+                            "resume from an earlier checkpoint (checkpoint.resume=<its folder>) or start again with "
+                            "--overwrite") from None
 
 
 @contextmanager

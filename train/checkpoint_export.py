@@ -13,6 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
+from layerskip_core import inputs
 from layerskip_core.errors import UserError
 from layerskip_core.packages import normal_permissions
 from train.checkpoint import STATE_FILE, list_checkpoints, read_state
@@ -23,9 +24,14 @@ WEIGHTS = "model.safetensors"
 
 
 def find_checkpoint(path: str | os.PathLike) -> Path:
-    """``path`` if it is a complete checkpoint, or the newest checkpoint of the run folder ``path``."""
+    """``path`` if it is a complete checkpoint, or the newest checkpoint of the run folder ``path``; a checkpoint
+    still being written (a ``.tmp-`` folder) is refused."""
     path = Path(path).expanduser()
+    if path.name.startswith(".tmp-"):
+        raise UserError(f"{path} is a checkpoint being written (or left by a killed run), not a complete one; give "
+                        "a checkpoints/step-N folder or the run folder")
     if (path / STATE_FILE).is_file():
+        read_state(path)  # a damaged or inconsistent state file is one line
         return path
     found = list_checkpoints(path)
     if found:
@@ -39,7 +45,6 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike) -> 
 
     ``out`` must not exist yet (nothing is overwritten)."""
     import torch
-    from safetensors.torch import load_file
 
     from train.model import add_lora, load_model, plain_model
 
@@ -50,10 +55,10 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike) -> 
         raise UserError(f"{ckpt} has no {WEIGHTS} (a DeepSpeed checkpoint? convert it with DeepSpeed's "
                         "zero_to_fp32.py); nothing to export")
     cfg = load_config(str(ckpt / "config.yaml"), [])
+    state = _read_weights(ckpt / WEIGHTS)  # before the base model loads: a damaged file is refused at once
     model, tokenizer, _ = load_model(cfg.model.name_or_path, cfg.model.dtype, cfg.model.attn_implementation)
     if cfg.lora.enabled:
         model = add_lora(model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
-    state = {k.removeprefix("model."): v for k, v in load_file(ckpt / WEIGHTS).items()}
     with torch.no_grad():
         missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {k for k in missing if k.endswith("lm_head.weight")} if model.config.tie_word_embeddings else set()
@@ -70,6 +75,22 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike) -> 
     normal_permissions(tmp)
     os.replace(tmp, out)
     return out
+
+
+def _read_weights(path: Path) -> dict:
+    """The checkpoint's weights by model name (``model.`` prefix dropped); a cut-off or damaged file is one line."""
+    from safetensors.torch import load_file
+
+    inputs.check(path, "checkpoint weights file")
+    try:
+        state = load_file(path)
+    except Exception as e:  # safetensors raises its own error types for a file that is not safetensors
+        raise UserError(f"{path} is damaged or cut off ({' '.join(str(e).split())[:200]}); export an earlier "
+                        "checkpoint") from None
+    bad = next((k for k, v in state.items() if v.is_floating_point() and not bool(v.isfinite().all())), None)
+    if bad is not None:
+        raise UserError(f"{path}: tensor {bad!r} holds NaN or infinite values; export an earlier checkpoint")
+    return {k.removeprefix("model."): v for k, v in state.items()}
 
 
 def describe(ckpt: Path) -> str:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from layerskip_core.errors import UserError
+from layerskip_core.settings import check_threads
 
 
 def _check(ok: bool, msg: str) -> None:
@@ -334,7 +335,8 @@ class TrainConfig:
     """torch CPU threads per process (``null``: torch's default)."""
 
     def __post_init__(self) -> None:
-        _check(self.threads is None or self.threads >= 1, "threads must be >= 1")
+        if self.threads is not None:
+            check_threads(self.threads, "threads")
         _check(0 <= self.seed < 2**63, f"seed must be in [0, 2**63), got {self.seed}")
         if self.adapter.enabled:
             _check(not self.lora.enabled and self.layer_dropout.p_max == 0 and not self.early_exit.exits,

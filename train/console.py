@@ -95,11 +95,15 @@ def eval_summary(record: Mapping) -> str:
     return f"eval: final loss {loss[exits[-1]]:.3f}" + (f"; {', '.join(parts)}" if parts else "")
 
 
-def resume_hint(argv: Sequence[str], output_dir: str | os.PathLike) -> str:
-    """What an interrupted run prints: where its checkpoints are and the command that continues it."""
-    args = [a for a in argv if a not in ("--resume", "--overwrite")]
-    return (f"interrupted; checkpoints (if any were saved) are in {output_dir}; continue with: "
-            f"python train/layerskip.py {' '.join(args)} --resume".replace("  ", " "))
+def resume_hint(argv: Sequence[str], output_dir: str | os.PathLike, has_checkpoint: bool = True) -> str:
+    """What an interrupted run prints: where its checkpoints are and the command that continues it; with no
+    checkpoint saved (``--resume`` would be refused), the command that starts it again."""
+    args = " ".join(a for a in argv if a not in ("--resume", "--overwrite"))
+    if not has_checkpoint:
+        return (f"interrupted before its first checkpoint; nothing to resume in {output_dir}; start again with: "
+                f"python train/layerskip.py {args} --overwrite".replace("  ", " "))
+    return (f"interrupted; checkpoints are in {output_dir}; continue with: "
+            f"python train/layerskip.py {args} --resume".replace("  ", " "))
 
 
 def interrupt_on_sigterm() -> None:

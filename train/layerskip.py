@@ -33,9 +33,11 @@ from layerskip_core.cli import Parser, run_main
 from layerskip_core.errors import UserError
 from layerskip_core.packages import cache_root
 from train.checkpoint import (
+    check_rng_states,
     clear_run,
     export_final,
     hold_run_folder,
+    list_checkpoints,
     prepare_run_folder,
     read_state,
     save_checkpoint,
@@ -293,11 +295,12 @@ def _train(cfg: TrainConfig, on_step: Callable[[int], None] | None, overwrite: b
     resume_from = prepare_run_folder(cfg, overwrite)  # checked before the model loads: a bad folder fails fast
     check_token_cache(cfg)
     accelerator = make_accelerator(cfg)
-    accelerator.wait_for_everyone()  # every process has checked the folder before it changes
+    run = set_up(cfg, accelerator)  # model and data load before anything is deleted: a bad path deletes nothing
+    accelerator.wait_for_everyone()  # every process has checked the folder and loaded before it changes
     if accelerator.is_main_process and overwrite:
         clear_run(Path(cfg.checkpoint.output_dir))
         log(f"--overwrite: deleted the previous run in {cfg.checkpoint.output_dir}")
-    run = set_up(cfg, accelerator)
+    accelerator.wait_for_everyone()
     if resume_from is not None:
         resume(run, resume_from)
     start_tracking(run)
@@ -337,9 +340,18 @@ def set_up(cfg: TrainConfig, accelerator) -> Session:
 
 
 def resume(run: Session, folder: Path) -> None:
-    """Model, optimiser, schedule and every process's RNG from ``folder``; metrics after its step are dropped."""
-    run.accelerator.load_state(str(folder))
+    """Model, optimiser, schedule and every process's RNG from ``folder``; metrics after its step are dropped.
+
+    The state file is checked first; a damaged weight, optimizer or RNG file is one line (the process then ends,
+    nothing on disk changed yet), not accelerate's traceback."""
     state = read_state(folder)
+    check_rng_states(folder)  # accelerate skips an unreadable one with a log line: the run would not be the same
+    try:
+        run.accelerator.load_state(str(folder))
+    except Exception as e:  # torch.load, safetensors and accelerate raise many kinds for a damaged file
+        raise UserError(f"cannot resume from {folder}: a checkpoint file is damaged or cut off ({type(e).__name__}: "
+                        f"{' '.join(str(e).split())[:200]}); resume from an earlier checkpoint "
+                        "(checkpoint.resume=<its folder>) or start again with --overwrite") from None
     run.step, run.tokens_seen = state["step"], state["tokens"]
     if run.main:
         truncate_metrics(run.out_dir / "metrics.jsonl", state.get("metrics_lines"), run.step)  # no repeated steps
@@ -503,7 +515,7 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         result = run_training(cfg, overwrite=args.overwrite)
     except KeyboardInterrupt:  # one line: the hint says "interrupted" (run_main would say it again)
-        log(resume_hint(argv, cfg.checkpoint.output_dir))
+        log(resume_hint(argv, cfg.checkpoint.output_dir, bool(list_checkpoints(cfg.checkpoint.output_dir))))
         return 130
     # Tear the process group down before the interpreter does: left to exit, a gloo rank could abort
     # ("terminate called without an active exception") after a run that had finished and saved.

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from layerskip_core import options
+from layerskip_core import inputs, options
 from layerskip_core.errors import UserError
 from layerskip_core.options import field_docs, hints, strip_optional, type_name
 from train.config import TrainConfig
@@ -127,15 +127,12 @@ def read_yaml(path: str | Path) -> dict:
     path = Path(path)
     if path.is_dir():
         raise UserError(f"config file {path} is a directory; pass a recipe file (recipes/<name>.yaml)")
-    if not path.is_file():
-        raise UserError(f"config file {path} does not exist")
+    data = inputs.read_bytes(path, "config file", "pass a recipe file (recipes/<name>.yaml)")  # no FIFO, no device
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = yaml.safe_load(data.decode("utf-8"))
     except UnicodeDecodeError as e:
         line = e.object[:e.start].count(b"\n") + 1
         raise UserError(f"{path}: not UTF-8 text (line {line}); save the recipe as UTF-8") from None
-    except PermissionError:
-        raise UserError(f"config file {path} is not readable (permission denied)") from None
     except RecursionError:
         raise UserError(f"{path}: nested too deeply to be a recipe") from None
     except yaml.YAMLError as e:

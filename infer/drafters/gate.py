@@ -17,11 +17,9 @@ neither (a cold start). A drafter's stats name the state it started from (``star
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,9 +154,10 @@ def check_rate(d, name: str) -> None:
         raise ValueError(f"{name} claims {tokens} tokens in {seconds} s, an impossible rate")
 
 
-def check_memory(d: dict) -> None:
+def check_memory(d: dict, num_layers: int | None = None) -> None:
     """ValueError or KeyError unless ``d`` holds what ``FallbackGate.to_dict`` and the drafters save, all plausible
-    (other keys, e.g. of an earlier version, are not read and not checked)."""
+    (other keys, e.g. of an earlier version, are not read and not checked); a plan's layers are below ``num_layers``
+    (the model the memory is keyed by) when it is given."""
     gate = jsonfile.obj(d["gate"], "'gate'")
     if gate.get("mode") not in ("plain", "draft"):
         raise ValueError(f"gate.mode is {gate.get('mode')!r}, expected 'plain' or 'draft'")
@@ -171,16 +170,17 @@ def check_memory(d: dict) -> None:
             check_rate(d[name], name)
     if "plan" in d:
         plan = jsonfile.obj(d["plan"], "'plan'")
-        jsonfile.integers(plan["attn"], "plan.attn", 0)
-        jsonfile.integers(plan["mlp"], "plan.mlp", 0)
+        top = None if num_layers is None else num_layers - 1
+        jsonfile.integers(plan["attn"], "plan.attn", 0, top)
+        jsonfile.integers(plan["mlp"], "plan.mlp", 0, top)
         jsonfile.number(d["score"], "score", -1.0, 1.0)
 
 
 class GateMemory:
     """One drafter's learned gate state on disk, keyed by model, device, dtype, threads and drafter settings."""
 
-    def __init__(self, path: Path, writable: bool = True):
-        self.path, self.writable = path, writable
+    def __init__(self, path: Path, writable: bool = True, num_layers: int | None = None):
+        self.path, self.writable, self.num_layers = path, writable, num_layers
         self.loaded = False  # whether ``load`` found a saved state
 
     @classmethod
@@ -194,7 +194,8 @@ class GateMemory:
         key = {"format": MEMORY_FORMAT, "model": runner.identity(), "device": str(runner.device),
                "dtype": str(runner.dtype), "threads": torch.get_num_threads(), "drafter": name, "settings": settings}
         digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
-        return cls(cache_root() / "gate" / f"{name}-{digest}.json", writable=config.remember == "on")
+        return cls(cache_root() / "gate" / f"{name}-{digest}.json", writable=config.remember == "on",
+                   num_layers=runner.num_layers)
 
     @property
     def start_state(self) -> str:
@@ -209,7 +210,7 @@ class GateMemory:
         try:
             d = jsonfile.read(self.path, "gate memory", MEMORY_FORMAT)
             with jsonfile.checked(self.path, "gate memory"):
-                check_memory(d)
+                check_memory(d, self.num_layers)
         except UserError as e:
             print(f"layerskip: warning: {e}; ignoring it and starting afresh (this run's measurements replace it; "
                   "delete the file to reset the gate)", file=sys.stderr)
@@ -222,13 +223,9 @@ class GateMemory:
         remembering."""
         if not self.writable:
             return
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps({"format": MEMORY_FORMAT} | state) + "\n")
-            os.replace(tmp, self.path)
+            jsonfile.write(self.path, json.dumps({"format": MEMORY_FORMAT} | state) + "\n")
         except OSError as e:
             print(f"layerskip: note: could not keep the drafter's measurements in {self.path} ({e.strerror})",
                   file=sys.stderr)
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)

@@ -17,7 +17,7 @@ from infer.draft_vocab import DraftVocab
 from infer.drafters.base import Drafter, DraftInputs
 from infer.drafters.gate import RememberOption
 from infer.drafters.registry import class_for, drafter_class
-from infer.plan import LayerPlan
+from infer.plan import LayerPlan, check_save_plan_option
 from layerskip_core.errors import UserError
 from layerskip_core.options import from_text, hints
 
@@ -131,7 +131,9 @@ def drafter_spec(name: str, options: dict | object | None = None, target_exit: i
         return options
     cls = drafter_class(name)
     if isinstance(options, cls.Config):
-        return Spec(name, options, target_exit, frozenset(f.name for f in dataclasses.fields(options)))
+        spec = Spec(name, options, target_exit, frozenset(f.name for f in dataclasses.fields(options)))
+        check_save_plan_option(getattr(options, "save_plan", None))  # a folder or unwritable place: before decoding
+        return spec
     if options is not None and not isinstance(options, dict):
         raise UserError(f"drafter {name!r} takes a dict of options or its {cls.Config.__name__}, "
                         f"not {type(options).__name__}")
@@ -154,6 +156,7 @@ def drafter_spec(name: str, options: dict | object | None = None, target_exit: i
     spec = Spec(name, cls.Config(**kwargs), target_exit, frozenset(kwargs) | frozenset(objects),
                        objects.get("draft_vocab"), objects.get("plan"))
     spec.cls.check_spec(spec)
+    check_save_plan_option(getattr(spec.config, "save_plan", None))
     return spec
 
 

@@ -8,7 +8,10 @@ Every checkout and virtualenv with the same source and torch therefore shares on
 the library exists it is imported directly (no compiler or ninja run). A build runs under the project's
 lock (``layerskip_core.locks``: one builder at a time, a waiting process says whom it waits for and gives
 up after ``BUILD_WAIT_S``); a build killed midway leaves no lock that blocks the next one (torch's own
-``lock`` file, left behind by a killed build, is removed by the next builder). Where the kernel cannot be
+``lock`` file, left behind by a killed build, is removed by the next builder). A library is imported only when it
+is whole: a build writes a stamp beside it (``STAMP_SUFFIX``: size and SHA-256) once it succeeded, and a library
+whose stamp disagrees, or that has no stamp and is shorter than its own ELF headers say, is rebuilt (importing a
+cut-off library kills the process with SIGBUS, with no message, on every later run). Where the kernel cannot be
 built or the CPU lacks AVX2/FMA, ``load()`` returns None and the runner uses ``torch.matmul``;
 set ``LAYERSKIP_KERNEL=torch`` (read by ``layerskip_core.settings``) to force that.
 """
@@ -34,6 +37,8 @@ BUILD_WAIT_S = 900.0
 """Longest wait for another process's build of the kernel before falling back to ``torch.matmul``."""
 TORCH_LOCK = "lock"
 """The file ``torch.utils.cpp_extension`` creates in the build folder while it builds (and leaves when killed)."""
+STAMP_SUFFIX = ".sha256"
+"""Beside the library: ``<size> <sha256>`` of the library as the build that made it left it."""
 _loaded: dict[str, object] = {}
 
 
@@ -83,9 +88,52 @@ def _build(folder: Path):
                               build_directory=str(folder), verbose=False)
 
 
+def _digest(library: Path) -> str:
+    data = library.read_bytes()
+    return f"{len(data)} {hashlib.sha256(data).hexdigest()}"
+
+
+def stamp(library: Path) -> None:
+    """Record ``library`` as whole (after a successful build): its size and hash, written atomically."""
+    stamp_file = library.with_name(library.name + STAMP_SUFFIX)
+    tmp = stamp_file.with_name(f".{stamp_file.name}.{os.getpid()}")
+    tmp.write_text(_digest(library) + "\n")
+    os.replace(tmp, stamp_file)
+
+
+def _elf_end(data: bytes) -> int | None:
+    """The file size a 64-bit little-endian ELF's headers claim (segments and section table), or None if not one."""
+    if len(data) < 64 or data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        return None
+    phoff, shoff = int.from_bytes(data[0x20:0x28], "little"), int.from_bytes(data[0x28:0x30], "little")
+    phentsize, phnum = int.from_bytes(data[0x36:0x38], "little"), int.from_bytes(data[0x38:0x3A], "little")
+    shentsize, shnum = int.from_bytes(data[0x3A:0x3C], "little"), int.from_bytes(data[0x3C:0x3E], "little")
+    end = max(shoff + shentsize * shnum, phoff + phentsize * phnum)
+    for i in range(phnum):
+        entry = data[phoff + i * phentsize:phoff + (i + 1) * phentsize]
+        if len(entry) < 0x28:
+            return None
+        end = max(end, int.from_bytes(entry[0x08:0x10], "little") + int.from_bytes(entry[0x20:0x28], "little"))
+    return end
+
+
+def is_whole(library: Path) -> bool:
+    """Whether ``library`` is as its build left it: its stamp matches, or (a build from before stamps) it is an ELF
+    file at least as long as its headers say."""
+    stamp_file = library.with_name(library.name + STAMP_SUFFIX)
+    try:
+        if stamp_file.is_file():
+            return stamp_file.read_text().strip() == _digest(library)
+        data = library.read_bytes()
+    except OSError:
+        return False
+    end = _elf_end(data)
+    return end is not None and len(data) >= end
+
+
 def _import_or_none(library: Path):
-    """The built module, or None when there is no library or it does not import (a build cut short)."""
-    if not library.is_file():
+    """The built module, or None when there is no whole library or it does not import (a build cut short)."""
+    if not library.is_file() or not is_whole(library):
         return None
     try:
         return _import_library(library)
@@ -106,13 +154,17 @@ def build_locked(folder: Path):
         module = _import_or_none(library)  # built by the process we waited for
         if module is not None:
             return module
-        library.unlink(missing_ok=True)
+        library.unlink(missing_ok=True)  # cut off or damaged: ninja would otherwise call it up to date
+        library.with_name(library.name + STAMP_SUFFIX).unlink(missing_ok=True)
         stale = folder / TORCH_LOCK
         if stale.exists():  # no other builder holds our lock: a killed build left it
             stale.unlink(missing_ok=True)
             print(f"layerskip: note: removed {stale}, left by a kernel build that was killed"
                   + (f" ({lock.previous.describe()})" if lock.previous else ""), file=sys.stderr)
-        return _build(folder)
+        module = _build(folder)
+        if library.is_file():
+            stamp(library)  # only now is it known whole
+        return module
     finally:
         lock.release()
 

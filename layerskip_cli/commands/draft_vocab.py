@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         if path is not None:
             if path.suffix != ".json":
                 raise UserError(f"{flag} {path} should be a .json file")
-            check_output_file(path, flag, force=args.force)
+            check_output_file(path, flag, force=args.force, inputs=tuple(("--data", d) for d in args.data.split(",")))
     check_distinct(("--out", args.out), ("--counts-out", args.counts_out))
     text_n = args.n if args.text_n is None else args.text_n
     calib, texts, held = load_sets(names, args.n, text_n, args.heldout)

@@ -75,10 +75,11 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError("--n and --batch-size must be >= 1, --max-tokens >= 2")
     if args.overrides and not args.config:
         raise UserError(f"recipe overrides {args.overrides} need --config")
+    reads = (("--config", args.config), ("--data", args.data))
     if args.out is not None:
-        check_output_dir(args.out, "--out", writes=("exits.json", "exits.png"), force=args.force)
+        check_output_dir(args.out, "--out", writes=("exits.json", "exits.png"), force=args.force, inputs=reads)
     if args.json is not None:
-        check_output_file(args.json, "--json", force=args.force)
+        check_output_file(args.json, "--json", force=args.force, inputs=reads)
 
 
 def held_out_examples(source: str, tokenizer, n: int, max_tokens: int):

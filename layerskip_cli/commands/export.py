@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from train.checkpoint_export import describe, export_checkpoint, find_checkpoint
 
-    check_output_dir(args.out, "--out")
+    check_output_dir(args.out, "--out", writes=(), inputs=(("CHECKPOINT", args.checkpoint),))
     ckpt = find_checkpoint(args.checkpoint)
     out = export_checkpoint(ckpt, args.out)
     print(f"layerskip: exported {describe(ckpt)}; generate with: layerskip generate --model {out}", file=sys.stderr)

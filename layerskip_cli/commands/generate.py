@@ -106,14 +106,16 @@ def _notes(args: argparse.Namespace, engine, dtype: str, generation) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from infer.drafters.swift import SwiftConfig
     from infer.loading import load_resolved
 
     # Everything that can be checked without the model is checked first.
     spec = drafter_spec_of(args)  # parsed and checked once
     generation = generation_config(args)
-    if isinstance(spec.config, SwiftConfig) and spec.config.save_plan:
-        check_output_file(spec.config.save_plan, "--save-plan", force=args.force)
+    config = spec.config
+    if getattr(config, "save_plan", None):
+        reads = [(f"--{k.replace('_', '-')}", getattr(config, k, None)) for k in ("plan", "draft_vocab", "adapter")]
+        reads = [(f, v) for f, v in reads if isinstance(v, str)] + [("--prompts-file", args.prompts_file)]
+        check_output_file(config.save_plan, "--save-plan", force=args.force, inputs=tuple(reads))
     prompts = _prompts(args)
     resolved = model_settings(args).resolve()  # once; a missing GPU is refused before the model loads
 

@@ -77,7 +77,7 @@ def run_import(args: argparse.Namespace) -> int:
         raise UserError("nothing to import: give --attn/--mlp layer numbers or --from FILE")
     if args.out.suffix != ".json":
         raise UserError(f"--out {args.out} should be a .json file")
-    check_output_file(args.out, "--out", force=args.force)
+    check_output_file(args.out, "--out", force=args.force, inputs=(("--from", args.source),))
     if args.source is not None:
         attn, mlp = read_skip_json(args.source, args.entry)
         task = f"imported from {args.source.name}" + (f" ({args.entry})" if args.entry else "")

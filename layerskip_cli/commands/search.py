@@ -99,10 +99,11 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--out {args.out} should be a .json file")
     study = args.study or study_path_for(args.out)
     _check_resume(args, study)
-    check_output_file(args.out, "--out", force=args.force or args.resume)
+    check_output_file(args.out, "--out", force=args.force or args.resume,
+                      inputs=(("--data", args.data), ("--draft-vocab", args.draft_vocab)))
     check_distinct(("--out", args.out), ("--study", args.study))
     if args.study is not None:  # an existing study is continued (--resume) or started over (--force)
-        check_output_file(args.study, "--study", force=True)
+        check_output_file(args.study, "--study", force=True, inputs=(("--data", args.data),))
     items = load_prompts(args.data, cfg.n_prompts)
     if len(items) < cfg.n_prompts:
         print(f"layerskip: note: {args.data} has only {len(items)} prompts", file=sys.stderr)

@@ -141,7 +141,7 @@ def test_train_subcommand_is_train_layerskip(capsys, tmp_path):
 
 def test_prompts_file_that_is_a_directory_is_named_as_such(capsys, tiny_model_dir, tmp_path):
     code, out, err = run_cli(capsys, "generate", "--model", str(tiny_model_dir), "--prompts-file", str(tmp_path))
-    assert code == 2 and out == "" and "is a directory" in err and len(err.strip().splitlines()) == 1
+    assert code == 2 and out == "" and "is a folder" in err and len(err.strip().splitlines()) == 1
 
 
 def test_compiled_static_forwards_on_the_default_model(capsys, default_model_path):

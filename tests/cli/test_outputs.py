@@ -88,3 +88,50 @@ def test_save_plan_does_not_overwrite_without_force(capsys, existing):
 def test_search_does_not_overwrite_its_plan_without_force(capsys, existing):
     refused(*run(capsys, "search", "--data", "humaneval", "--out", str(existing)),
             "exists; pass --resume to continue its search, or --force to overwrite it")
+
+
+def test_an_output_never_writes_over_an_input_even_forced(tmp_path, existing):
+    """--force overwrites an earlier output, never what the command reads: the same path, a symlink to it, a hard
+    link, or a folder output that is (or is inside) an input folder or would write an input's name."""
+    link, hard = tmp_path / "link.json", tmp_path / "hard.json"
+    link.symlink_to(existing)
+    hard.hardlink_to(existing)
+    for out in (existing, link, hard, tmp_path / "." / "exists.json"):
+        with pytest.raises(UserError, match="would write over --from .*which this command reads"):
+            check_output_file(out, "--out", force=True, inputs=(("--from", existing),))
+    assert check_output_file(existing, "--out", force=True, inputs=(("--from", tmp_path / "other.json"), ("--x", None)))
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    with pytest.raises(UserError, match="would write over CHECKPOINT"):
+        check_output_dir(ckpt, "--out", inputs=(("CHECKPOINT", ckpt),))
+    assert check_output_dir(ckpt / "exported", "--out", inputs=(("CHECKPOINT", ckpt),))  # beside, not over
+    with pytest.raises(UserError, match="would write over --bench"):
+        check_output_dir(tmp_path, "--out", writes=("exists.json",), force=True, inputs=(("--bench", existing),))
+    assert check_output_dir(tmp_path / "new", "--out", writes=("r.json",), inputs=(("CHECKPOINT", ckpt),))
+
+
+def test_plan_import_refuses_to_write_over_its_own_source(capsys, existing):
+    existing.write_text('{"attention": [1], "mlp": []}')
+    before = existing.read_bytes()
+    code, err = run(capsys, "plan", "import", "--from", str(existing), "--out", str(existing), "--force")
+    refused(code, err, f"--out {existing} would write over --from {existing}")
+    assert existing.read_bytes() == before
+
+
+def test_export_refuses_its_own_checkpoint_as_output(capsys, tmp_path):
+    ckpt = tmp_path / "step-000001"
+    ckpt.mkdir()
+    code, err = run(capsys, "export", str(ckpt), "--out", str(ckpt))
+    refused(code, err, "would write over CHECKPOINT")
+    assert sorted(ckpt.iterdir()) == []
+
+
+def test_eval_adapter_refuses_json_over_its_adapter_before_loading(capsys, tmp_path):
+    import eval_adapter
+
+    adapter = tmp_path / "adapter.safetensors"
+    adapter.write_bytes(b"adapter bytes")
+    code = eval_adapter.main(["--adapter", str(adapter), "--config", "no-such-recipe.yaml", "--json", str(adapter),
+                              "--force"])
+    refused(code, capsys.readouterr().err, "would write over --adapter")
+    assert adapter.read_bytes() == b"adapter bytes"

@@ -2,6 +2,8 @@
 fractional or boolean indices in one line naming the file (issue 27)."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -135,3 +137,46 @@ def test_a_damaged_model_marker_is_a_problem_not_a_crash(tmp_path, marker):
 
     (tmp_path / COMPLETE_FILE).write_text(marker)
     assert "completion marker" in converted_folder_problem(tmp_path)
+
+
+CUT_OFF = ['{"prompt": "' + "x" * 200_000, '{"a": "' + "word " * 40_000, '["' + '\\"' * 100_000,
+           "[" * 60 + '"' + "[{" * 100_000, '{"a": "' + "ab\\" * 50_000, '{"a": "x\\u00' * 20_000]
+"""Long texts whose last string is never closed."""
+
+
+def test_cut_off_strings_are_refused_in_linear_time(tmp_path):
+    """A string that is never closed once took exponential time in the depth count; a child process with a
+    deadline, so a regression fails instead of hanging the suite."""
+    for i, text in enumerate(CUT_OFF):
+        (tmp_path / f"{i}.json").write_text(text)
+    probe = ("import sys; from pathlib import Path; from layerskip_core import jsonfile, errors\n"
+             "for path in sorted(Path(sys.argv[1]).glob('*.json')):\n"
+             "    try:\n        jsonfile.read(path, 'plan file')\n    except errors.UserError:\n        continue\n"
+             "    sys.exit(f'accepted the cut-off string in {path}')\n")
+    proc = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("text", ['{"a": 1, "a": 2}', '{"m": {"num_layers": 4, "num_layers": 8}}',
+                                  '[{"x": 1}, {"y": [{"k": 1, "k": 1}]}]'])
+def test_duplicate_keys_are_refused_at_any_depth(text):
+    with pytest.raises(ValueError, match="appears twice"):
+        jsonfile.parse(text)
+
+
+def test_equal_keys_in_different_objects_are_fine():
+    assert jsonfile.parse('[{"a": 1}, {"a": 2}, {"b": {"a": 3}}]') == [{"a": 1}, {"a": 2}, {"b": {"a": 3}}]
+
+
+@pytest.mark.parametrize("kind", list(LOADERS))
+@pytest.mark.parametrize("data,message", [
+    (b"\xef\xbb\xbf" + plan_text().encode(), "byte order mark"),
+    (plan_text().replace('"x"', '"\xe9"').encode("latin-1"), "not UTF-8 text"),
+    (plan_text().replace('"format"', '"format": 1, "format"').encode(), "appears twice"),
+])
+def test_every_file_kind_refuses_a_bom_non_utf8_or_duplicate_keys_in_one_line(tmp_path, kind, data, message):
+    path = tmp_path / "f.json"
+    path.write_bytes(data)
+    with pytest.raises(UserError, match=message) as e:
+        LOADERS[kind](path)
+    assert str(path) in str(e.value) and "\n" not in str(e.value)

@@ -29,7 +29,7 @@ def test_line_numbers_count_blank_lines(tmp_path):
 
 
 def test_directory_and_missing_file_say_so(tmp_path):
-    with pytest.raises(UserError, match="is a directory"):
+    with pytest.raises(UserError, match="is a folder"):
         read_prompts_file(tmp_path)
     with pytest.raises(UserError, match="does not exist"):
         read_prompts_file(tmp_path / "missing.jsonl")

@@ -1,5 +1,7 @@
 """Settings are resolved once, at the edge: one thread by default everywhere, the environment read only there."""
 
+import os
+
 import pytest
 import torch
 
@@ -39,10 +41,33 @@ def test_compile_is_resolved_with_the_other_settings(tiny_model_dir):
     assert not load_resolved(run).runner.static.compile
 
 
-@pytest.mark.parametrize("threads", [0, -1, 1.5, True])
+@pytest.mark.parametrize("threads", [0, -1, 1.5, True, 10**9, 1e9, 4 * (os.cpu_count() or 1) + 1])
 def test_bad_thread_counts_are_refused(threads):
-    with pytest.raises(UserError, match="--threads must be an integer >= 1"):
+    with pytest.raises(UserError, match=r"--threads must be an integer in \[1, "):
         RunSettings(threads=threads)
+    assert RunSettings(threads=4 * (os.cpu_count() or 1)).threads == 4 * (os.cpu_count() or 1)
+
+
+@pytest.mark.parametrize("argv", [["generate", "--prompt", "x", "--threads", "1000000000"],
+                                  ["bench", "--threads", "1000000000", "--out", "never-written"]])
+def test_a_huge_thread_count_is_one_line_before_any_model_loads(argv, capsys, tmp_path, monkeypatch):
+    from layerskip_cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--threads must be an integer in [1, " in err and len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_scripts_and_training_bound_threads_too(tmp_path):
+    import eval_adapter
+
+    from train.recipe import load_config
+
+    with pytest.raises(UserError, match="threads must be an integer in"):
+        load_config(None, ["threads=1000000000"])
+    assert eval_adapter.main(["--adapter", "a", "--config", "c", "--threads", "1000000000"]) == 2
 
 
 def test_model_settings_resolve_the_folder_once(tiny_model_dir):

@@ -74,3 +74,50 @@ def test_compare_scores_three_families_and_reads_the_bench(tiny_recipe, tiny_mod
     assert compare_adapter.main(["--config", str(recipe), "--checkpoint", str(checkpoint), "--adapters", str(adapter),
                                  "--out", str(out)]) == 2  # a user error: nothing overwritten
     assert "already holds results.json, table.md, compare.png" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bench,message", [
+    ('{"summary": [{"method": "early_exit:E=2"}]}', "'speedup_vs_autoregressive' is missing"),
+    ('{"summary": [{"method": 3}]}', "must be a string"),
+    ('{"summary": {"method": "x"}}', "must be a list"),
+    ('{"summary": [', "not JSON"),
+    (None, "does not exist"),
+])
+def test_bad_inputs_are_refused_before_any_evaluation(tiny_recipe, tiny_model_dir, tmp_path, capsys, monkeypatch,
+                                                      bench, message):
+    import compare_adapter
+
+    from deadline import deadline
+    from train.recipe import dump_config
+
+    def evaluated(*args):
+        raise AssertionError("evaluated before its inputs were checked")
+
+    monkeypatch.setattr(compare_adapter, "adapter_quality", evaluated)
+    recipe = tmp_path / "recipe.yaml"
+    dump_config(tiny_recipe(), recipe)
+    adapter = tmp_path / "a.safetensors"
+    from tiny_models import make_model
+    from train.adapter import AdapterLM
+    from train.config import AdapterConfig
+
+    AdapterLM(make_model("llama", seed=0), AdapterConfig(enabled=True, exit_layer=1)).save(adapter, {})
+    bench_file = tmp_path / "results.json"
+    if bench is not None:
+        bench_file.write_text(bench)
+    with deadline(120):
+        code = compare_adapter.main(["--config", str(recipe), "--checkpoint", str(tiny_model_dir), "--adapters",
+                                     str(adapter), "--bench-base", str(bench_file), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_output_folder_never_takes_an_input(tmp_path, capsys):
+    import compare_adapter
+
+    bench = tmp_path / "results.json"
+    bench.write_text("{}")
+    code = compare_adapter.main(["--config", "r.yaml", "--checkpoint", "c", "--adapters", "a.safetensors",
+                                 "--bench-base", str(bench), "--out", str(tmp_path), "--force"])
+    assert code == 2 and "would write over --bench-base" in capsys.readouterr().err and bench.read_text() == "{}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pkgutil
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from accel_state import fresh_state
+from deadline import deadline
 from train import layerskip
 from train.checkpoint import RUN_LOCK, STATE_FILE, list_checkpoints, save_checkpoint
 from train.recipe import dump_config
@@ -209,3 +211,55 @@ def test_the_lock_is_released_when_a_training_fails(tiny_recipe):
     with pytest.raises(RuntimeError):
         layerskip.run_training(cfg, on_step=fail)
     assert not (Path(cfg.checkpoint.output_dir) / RUN_LOCK).exists()
+
+
+def _tree(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("inside", ["model.name_or_path", "data.sources", "data.cache_dir"])
+def test_overwrite_refuses_a_run_that_reads_from_what_it_would_delete(recipe, tmp_path, tiny_model_dir, text_dir,
+                                                                      capsys, inside):
+    import shutil
+
+    out = tmp_path / "run"
+    with deadline(300):
+        assert _main(capsys, "--config", str(recipe))[0] == 0
+        shutil.copytree(tiny_model_dir if inside == "model.name_or_path" else text_dir, out / "final")
+        value = {"model.name_or_path": f"model.name_or_path={out / 'final'}",
+                 "data.sources": f"data.sources=[{{type: files, path: '{out / 'final'}'}}]",
+                 "data.cache_dir": f"data.cache_dir={out / 'final' / 'tokens'}"}[inside]
+        before = _tree(out)
+        code, err = _main(capsys, "--config", str(recipe), value, "--overwrite")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert f"--overwrite would delete {out / 'final'}" in err and inside in err
+    assert _tree(out) == before  # the previous run and the input are whole
+
+
+@pytest.mark.parametrize("bad", ["model.name_or_path={missing}", "data.sources=[{{type: files, path: '{empty}'}}]"])
+def test_overwrite_with_a_model_or_data_that_do_not_load_deletes_nothing(recipe, tmp_path, capsys, bad):
+    out = tmp_path / "run"
+    (tmp_path / "empty").mkdir()
+    with deadline(300):
+        assert _main(capsys, "--config", str(recipe))[0] == 0
+        before = _tree(out)
+        code, err = _main(capsys, "--config", str(recipe), "--overwrite",
+                          bad.format(missing=tmp_path / "no-model", empty=tmp_path / "empty"))
+    errors = [line for line in err.splitlines() if "error" in line]  # (the model's loading bar may come first)
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err
+    assert _tree(out) == before
+
+
+@pytest.mark.parametrize("kind", ["symlink", "folder", "fifo"])
+def test_training_with_a_bad_run_lock_is_one_line_and_writes_nothing(recipe, tmp_path, capsys, kind):
+    out = tmp_path / "run"
+    out.mkdir()
+    lock = out / RUN_LOCK
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me\n")
+    {"symlink": lambda: lock.symlink_to(target), "folder": lock.mkdir, "fifo": lambda: os.mkfifo(lock)}[kind]()
+    with deadline(60):
+        code, err = _main(capsys, "--config", str(recipe))
+    assert code == 2 and f"lock file {lock} cannot be used" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert sorted(p.name for p in out.iterdir()) == [RUN_LOCK] and target.read_text() == "keep me\n"
