@@ -4,6 +4,7 @@ processors and stopping criteria of any kind with the output of plain ``generate
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,6 +46,12 @@ def test_every_generation_config_field_is_classified():
     assert fields - set(FIELDS) == set(), "classify these in infer/hf_contract.py and docs/HF_GENERATE.md"
     assert {verdict for verdict, _ in FIELDS.values()} == {HONOURED, REFUSED, HARMLESS}
     assert all(why for _, why in FIELDS.values())
+
+
+def test_the_docs_table_says_what_the_code_does():
+    text = (Path(__file__).resolve().parents[2] / "docs" / "HF_GENERATE.md").read_text()
+    missing = [f for f, (verdict, _) in FIELDS.items() if f"| `{f}` | {verdict} |" not in text]
+    assert not missing, "docs/HF_GENERATE.md's table lacks or misstates these fields"
 
 
 @pytest.mark.parametrize("name", sorted(f for f, (v, _) in FIELDS.items() if v == REFUSED))
