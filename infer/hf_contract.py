@@ -147,3 +147,14 @@ def check_model_inputs(model_kwargs: dict) -> None:
     if extra:
         raise UserError(f"the model input {extra[0]} is not supported by hf_generate (it takes input_ids and an "
                         "attention mask); drop it, or use plain generate")
+
+
+def check_positions(position_ids, paddings: list[int]) -> None:
+    """Refuse position ids other than ``generate``'s own (0, 1, 2, ... from each row's first unpadded token): the
+    runner numbers positions that way. ``paddings``: each row's left-padding length."""
+    if position_ids is None:
+        return
+    for row, pad in zip(position_ids.expand(len(paddings), -1).tolist(), paddings, strict=True):
+        if row[pad:] != list(range(len(row) - pad)):
+            raise UserError("position_ids other than 0, 1, 2, ... from each row's first token are not supported by "
+                            "hf_generate (the runner numbers positions that way); drop position_ids")

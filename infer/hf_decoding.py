@@ -54,7 +54,13 @@ from transformers.generation import (
 from infer.drafters import build_config, build_drafter, resolve_config
 from infer.engine import Engine
 from infer.engine import GenerationConfig as DecodeConfig
-from infer.hf_contract import check_config, check_generate_arguments, check_model_inputs, check_processors
+from infer.hf_contract import (
+    check_config,
+    check_generate_arguments,
+    check_model_inputs,
+    check_positions,
+    check_processors,
+)
 from infer.hf_rows import RowProcessor, RowRun, lockstep
 from infer.runner import Runner
 from infer.sampling import SamplingConfig
@@ -93,15 +99,23 @@ def hf_generate(drafter: str = "autoregressive", *, tokenizer=None, streamer=Non
     tokenizer). ``dtype``/``device``: run the runner elsewhere than the model (a copy of the weights); default: the
     model's. ``executor``: 'auto' (CUDA graphs on CUDA, eager on CPU), 'eager', 'static' or 'graphs'; ``compile``:
     the static forwards through torch.compile (None: on CUDA). Both are resolved once the model's device is known."""
-    build_config(drafter, dict(options))  # an unknown drafter or a bad option is refused here, not mid-generate
-    criteria = []
-    if stop_strings:
-        if tokenizer is None:
-            raise UserError("stop_strings need the model's tokenizer: hf_generate(..., stop_strings=[...], "
-                            "tokenizer=tok)")
-        strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings)
-        criteria.append(StopStringCriteria(tokenizer, strings))
+    try:
+        build_config(drafter, dict(options))  # an unknown drafter or a bad option is refused here, not mid-generate
+        criteria = stop_string_criteria(stop_strings, tokenizer)
+    except UserError:
+        if streamer is not None:  # its consumer must not wait for a generation that will not come
+            streamer.end()
+        raise
     return HFGenerate(drafter, dict(options), tokenizer, streamer, dtype, device, executor, compile, criteria)
+
+
+def stop_string_criteria(stop_strings, tokenizer) -> list:
+    """``[StopStringCriteria]`` for ``stop_strings`` (a string or a list), [] for none."""
+    if not stop_strings:
+        return []
+    if tokenizer is None:
+        raise UserError("stop_strings need the model's tokenizer: hf_generate(..., stop_strings=[...], tokenizer=tok)")
+    return [StopStringCriteria(tokenizer, [stop_strings] if isinstance(stop_strings, str) else list(stop_strings))]
 
 
 class HFGenerate:
@@ -137,15 +151,18 @@ class HFGenerate:
                 streamers[0].put(input_ids[0].cpu())
             processors = LogitsProcessorList(logits_processor or ())
             criteria = [*(stopping_criteria or ()), *self.criteria]
-            return self.decode(model, input_ids, processors, criteria, config, model_kwargs.get("attention_mask"),
-                               streamers[0] if streamers else None)
+            rows = unpadded_rows(input_ids, model_kwargs.get("attention_mask"))
+            check_positions(model_kwargs.get("position_ids"), [len(padding) for padding, _ in rows])
+            streamer = streamers[0] if streamers else None
+            return self.decode(model, input_ids, processors, criteria, config, rows, streamer)
         finally:
             for s in streamers:  # always: a consumer waiting on the streamer must not wait forever
                 s.end()
 
     def decode(self, model: PreTrainedModel, input_ids: Tensor, processors: list, criteria: list, config,
-               attention_mask: Tensor | None, streamer):
-        """Decode every row (``infer.hf_rows``); the (B, P + new) sequences or the output dataclass."""
+               rows: list[tuple[list[int], list[int]]], streamer):
+        """Decode every row ((left padding, prompt) each; ``infer.hf_rows``); the (B, P + new) sequences or the
+        output dataclass."""
         B, P = input_ids.shape
         max_length = config.max_length if config.max_length is not None else P + 20
         if max_length <= P:
@@ -157,14 +174,14 @@ class HFGenerate:
         decode = DecodeConfig(max_new_tokens=max_length - P, sampling=sampling_config(config, processors))
         runner = self.runner_for(model)
         with ExitStack() as stack:
-            rows = []
-            for r, (padding, prompt) in enumerate(unpadded_rows(input_ids, attention_mask)):
+            runs = []
+            for r, (padding, prompt) in enumerate(rows):
                 engine = stack.enter_context(self.engine(runner, eos))  # a drafter per row: they decode interleaved
                 processor = None if fast else RowProcessor(processors, r, B, padding)
                 gen = engine.start(prompt, decode, row_generator(runner, decode), processor=processor)
-                rows.append(RowRun(engine, gen))
-            sequences = lockstep(rows, input_ids, criteria, pad, decode.max_new_tokens, streamer)
-            stats = tuple(row.close().stats for row in rows)
+                runs.append(RowRun(engine, gen))
+            sequences = lockstep(runs, input_ids, criteria, pad, decode.max_new_tokens, streamer)
+            stats = tuple(run.close().stats for run in runs)
         if not config.return_dict_in_generate:
             return sequences
         return LayerSkipGenerateOutput(sequences=sequences, stats=stats)

@@ -90,7 +90,16 @@ def test_assistant_model_and_a_cache_to_fill_are_refused(model):
                        assistant_model=make_model("llama", seed=4))
     with pytest.raises(UserError, match="past_key_values"):
         model.generate(torch.tensor(PROMPT), custom_generate=custom, max_new_tokens=6,
-                       past_key_values=DynamicCache(config=model.config))
+                       cache=DynamicCache(config=model.config))
+
+
+def test_position_ids_other_than_generates_are_refused(model):
+    ids = torch.tensor(PROMPT)
+    with pytest.raises(UserError, match="position_ids"):
+        model.generate(ids, custom_generate=early(), max_new_tokens=4, position_ids=torch.arange(7)[None] + 3)
+    ref = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(model.generate(ids, custom_generate=early(), max_new_tokens=4,
+                                      position_ids=torch.arange(7)[None]), ref)
 
 
 def test_harmless_settings_leave_the_tokens_as_plain_generate(model):
@@ -139,6 +148,17 @@ def test_sampling_uses_the_processed_distribution(model):
     assert torch.equal(out, ref)
 
 
+def test_prefix_allowed_tokens_fn_sees_each_rows_batch_id(model):
+    ids = torch.tensor([[0, 0, 9, 8, 7], [1, 2, 3, 4, 5]])
+
+    def allowed(batch_id, prefix):
+        return list(range(10, 60)) if batch_id == 0 else list(range(100, 200, 3))
+
+    kw = dict(attention_mask=(ids != 0).long(), max_new_tokens=12, pad_token_id=0, prefix_allowed_tokens_fn=allowed)
+    ref = model.generate(ids, do_sample=False, **kw)
+    assert torch.equal(model.generate(ids, custom_generate=early(), **kw), ref)
+
+
 class StopAtTokens(StoppingCriteria):
     """A caller's criterion keeping state across calls: once a row has produced one of ``tokens`` it is done; answers
     per row, or (``whole_batch``) for the whole batch at once, as evaluation harnesses' stop sequences do."""
@@ -159,7 +179,8 @@ def test_stateful_batch_criteria_see_what_plain_generate_shows_them(model, whole
     """A left-padded batch: the criterion is called as often, on the same (B, length) tensors, and the rows stop
     (and are padded) where plain generate stops them."""
     ids = torch.tensor([[0, 0, 0, 9, 8, 7], [1, 2, 3, 4, 5, 6], [0, 11, 12, 13, 14, 15]])
-    kw = dict(attention_mask=(ids != 0).long(), max_new_tokens=30, pad_token_id=0, eos_token_id=300)
+    kw = dict(attention_mask=(ids != 0).long(), max_new_tokens=30, pad_token_id=0, eos_token_id=300,
+              repetition_penalty=1.0 if whole_batch else 1.1)  # per row: its processor skips each row's padding
     criteria = [StopAtTokens(6, 3, {136, 111, 8}, whole_batch) for _ in range(2)]
     ref = model.generate(ids, do_sample=False, stopping_criteria=StoppingCriteriaList([criteria[0]]), **kw)
     out = model.generate(ids, custom_generate=early(), stopping_criteria=StoppingCriteriaList([criteria[1]]), **kw)
@@ -209,7 +230,7 @@ class Boom(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
-@pytest.mark.parametrize("case", ["refused", "raises", "both ways", "folder refused"])
+@pytest.mark.parametrize("case", ["refused", "raises", "both ways", "folder refused", "bad option", "batch"])
 def test_the_streamer_ends_on_every_error(model, case):
     tok = byte_tokenizer()
     ids = torch.tensor(PROMPT)
@@ -224,6 +245,10 @@ def test_the_streamer_ends_on_every_error(model, case):
         elif case == "raises":
             model.generate(ids, custom_generate=early(), max_new_tokens=8, streamer=streamer,
                            stopping_criteria=StoppingCriteriaList([Boom()]))
+        elif case == "bad option":
+            hf_generate("early_exit", no_such_option=1, streamer=streamer)
+        elif case == "batch":
+            model.generate(torch.tensor(PROMPT * 2), custom_generate=early(streamer=streamer), max_new_tokens=8)
         elif case == "both ways":
             model.generate(ids, custom_generate=early(streamer=other), max_new_tokens=8,
                            streamer=streamer)
