@@ -173,10 +173,11 @@ class HFGenerate:
         fast = all(type(p) in FAST_WARPERS and getattr(p, "min_tokens_to_keep", 1) == 1 for p in processors)
         decode = DecodeConfig(max_new_tokens=max_length - P, sampling=sampling_config(config, processors))
         runner = self.runner_for(model)
+        drafter_config = resolve_config(self.drafter, dict(self.options), runner, self.tokenizer)  # once per call
         with ExitStack() as stack:
             runs = []
             for r, (padding, prompt) in enumerate(rows):
-                engine = stack.enter_context(self.engine(runner, eos))  # a drafter per row: they decode interleaved
+                engine = stack.enter_context(self.engine(runner, eos, drafter_config))  # a drafter per row
                 processor = None if fast else RowProcessor(processors, r, B, padding)
                 gen = engine.start(prompt, decode, row_generator(runner, decode), processor=processor)
                 runs.append(RowRun(engine, gen))
@@ -186,9 +187,11 @@ class HFGenerate:
             return sequences
         return LayerSkipGenerateOutput(sequences=sequences, stats=stats)
 
-    def engine(self, runner: Runner, eos: tuple[int, ...]) -> Engine:
-        """A fresh drafter on ``runner`` (as ``LoadedModel.engine``: a ``draft_vocab`` resolved with the tokenizer)."""
-        config = resolve_config(self.drafter, dict(self.options), runner, self.tokenizer)
+    def engine(self, runner: Runner, eos: tuple[int, ...], config=None) -> Engine:
+        """A fresh drafter on ``runner`` (as ``LoadedModel.engine``: a ``draft_vocab`` resolved with the tokenizer);
+        ``config``: the drafter's options already resolved for ``runner`` (rows of one call share them)."""
+        if config is None:
+            config = resolve_config(self.drafter, dict(self.options), runner, self.tokenizer)
         decode = self.tokenizer.decode if self.tokenizer is not None else None
         return Engine(runner, build_drafter(self.drafter, runner, config), eos, decode)
 

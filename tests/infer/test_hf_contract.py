@@ -12,8 +12,10 @@ from transformers import (
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
     StoppingCriteria,
     StoppingCriteriaList,
+    TemperatureLogitsWarper,
     TextIteratorStreamer,
     TopKLogitsWarper,
 )
@@ -279,3 +281,31 @@ def test_one_streamer_given_both_ways_gets_the_prompt_once(model):
                          streamer=streamer)
     assert streamer.puts[0] == PROMPT[0] and streamer.ends == 1
     assert sum(streamer.puts[1:], []) == out[0, len(PROMPT[0]):].tolist()
+
+
+def test_sampling_with_processors_follows_the_processed_distribution():
+    """Speculative sampling against processed scores: the first two tokens (the second drafted and verified) of 600
+    rows follow softmax(repetition penalty, then temperature) of the model, chi-square against the exact joint."""
+    scipy_stats = pytest.importorskip("scipy.stats")
+    model = make_model("llama", seed=5, vocab_size=12)
+    prompt = [3, 7, 3, 1]
+    processors = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.5), TemperatureLogitsWarper(0.8)])
+
+    def processed(prefix):
+        ids = torch.tensor([prefix])
+        return torch.softmax(processors(ids, model(ids).logits[:, -1].float()), -1)[0]  # (V,)
+
+    with torch.no_grad():
+        first = processed(prompt)
+        joint = torch.stack([first[a] * processed(prompt + [a]) for a in range(12)])  # (V, V)
+    torch.manual_seed(0)
+    out = model.generate(torch.tensor([prompt]), custom_generate=hf_generate("early_exit", exit_layer=2, num_draft=1),
+                         max_new_tokens=3, do_sample=True, temperature=0.8, top_k=0, repetition_penalty=1.5,
+                         num_return_sequences=600, eos_token_id=None, pad_token_id=0)
+    pairs = out[:, 4] * 12 + out[:, 5]
+    observed = torch.bincount(pairs, minlength=144).double()
+    expected = joint.reshape(-1).double() * len(pairs)
+    keep = expected >= 5  # cells too rare for the test are pooled into one
+    obs = torch.cat([observed[keep], observed[~keep].sum()[None]])
+    exp = torch.cat([expected[keep], expected[~keep].sum()[None]])
+    assert scipy_stats.chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue > 1e-3
