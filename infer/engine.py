@@ -130,7 +130,7 @@ class GenerationResult:
     tokens: list[int]
     """Generated token ids (prompt excluded)."""
     finish_reason: str
-    """'eos', 'length' or 'stop_string'."""
+    """'eos', 'length' or 'stop_string' ('criterion': ended by a caller's stopping criterion, ``infer.hf_rows``)."""
     stats: GenerationStats
     text: str | None = None
 
