@@ -18,6 +18,7 @@ from torch import Tensor
 from infer.drafters.base import DecodeState, Draft, Drafter, DrafterStats, VerifyOutcome
 from infer.graphs import BUCKETS
 from infer.kv_cache import capacity_bucket
+from infer.processing import PROCESSED, PositionProcessor, process_tree
 from infer.runner import Runner
 from infer.sampling import (
     SamplingConfig,
@@ -132,7 +133,7 @@ class GenerationResult:
     tokens: list[int]
     """Generated token ids (prompt excluded)."""
     finish_reason: str
-    """'eos', 'length' or 'stop_string'."""
+    """'eos', 'length' or 'stop_string' ('criterion': ended by a caller's stopping criterion, ``infer.hf_rows``)."""
     stats: GenerationStats
     text: str | None = None
 
@@ -153,6 +154,8 @@ class Generation:
     """None while running; then 'eos', 'length' or 'stop_string'."""
     started: float = 0.0
     """perf_counter() when the prefill began."""
+    processor: PositionProcessor | None = None
+    """Logits processing at every position the target scores (``infer.processing``); None: the raw logits."""
 
     @property
     def done(self) -> bool:
@@ -210,11 +213,14 @@ class Engine:
         return self.finish(gen)
 
     def start(self, prompt_ids: Sequence[int] | Tensor, config: DecodeConfig | None = None,
-              generator: torch.Generator | None = None, reserve: int | None = None) -> Generation:
+              generator: torch.Generator | None = None, reserve: int | None = None,
+              processor: PositionProcessor | None = None) -> Generation:
         """Check and prefill a prompt; the returned generation holds its first token.
 
         ``reserve``: cache positions to take from the runner's pool (default ``cache_length`` of this prompt and
-        ``config``); ``warm_up`` uses it to run short generations in the cache a longer one will use."""
+        ``config``); ``warm_up`` uses it to run short generations in the cache a longer one will use.
+        ``processor``: logits processing at every position the target scores, the prefill's included (the target
+        then picks or samples from the processed scores; ``infer.processing``)."""
         config = DecodeConfig() if config is None else config
         if not isinstance(config, DecodeConfig):
             raise UserError(f"config must be a DecodeConfig (or None), not {type(config).__name__}: "
@@ -232,9 +238,9 @@ class Engine:
                             eos=self.eos if config.stop_at_eos else frozenset(), depth=self.target_depth(config))
         stats.target_exit = None if state.depth == self.runner.num_layers else state.depth
         t_start = time.perf_counter()
-        first = self._prefill(state)
+        first = self._prefill(state, processor)
         stats.prefill_time = time.perf_counter() - t_start
-        gen = Generation(state, config, stats, [first], started=t_start)
+        gen = Generation(state, config, stats, [first], started=t_start, processor=processor)
         gen.finish_reason = self._stop_reason(gen.tokens, config)
         if not gen.done:
             self.drafter.start(state)
@@ -249,7 +255,7 @@ class Engine:
         t0 = time.perf_counter()
         draft = self.drafter.propose(state)
         t1 = time.perf_counter()
-        outcome = self._verify(state, draft)
+        outcome = self._verify(state, draft, gen.processor)
         t2 = time.perf_counter()
         stats.draft_time += t1 - t0
         stats.verify_time += t2 - t1
@@ -345,9 +351,13 @@ class Engine:
                             f"exceeds the model's {'sliding window' if window else 'context'} of {limit} tokens; "
                             "shorten the prompt or lower --max-new-tokens")
 
-    def _prefill(self, state: DecodeState) -> int:
+    def _prefill(self, state: DecodeState, processor: PositionProcessor | None = None) -> int:
         """Run the prompt through the target; the token it predicts becomes the pending token."""
-        first = int(select(self._prefill_logits(state), state.sampling, state.generator)[0])  # the prefill's sync
+        logits, sampling = self._prefill_logits(state), state.sampling  # (1, V)
+        if processor is not None:
+            logits = processor(state.tokens[:state.prompt_len], [[]], logits)  # (1, V)
+            sampling = sampling if sampling.greedy else PROCESSED
+        first = int(select(logits, sampling, state.generator)[0])  # the prefill's sync
         state.tokens.append(first)
         return first
 
@@ -360,7 +370,8 @@ class Engine:
         state.n = state.prompt_len
         return runner.logits(hidden[-1:])  # (1, V)
 
-    def _verify(self, state: DecodeState, draft: Draft | None) -> VerifyOutcome:
+    def _verify(self, state: DecodeState, draft: Draft | None,
+                processor: PositionProcessor | None = None) -> VerifyOutcome:
         """One forward of the target over the pending token and the draft tree.
 
         Greedy decoding reads the device once (drafted tokens and target argmax together), and so does
@@ -385,6 +396,10 @@ class Engine:
         cache.rollback(n, start=E)  # drop whatever the draft wrote in layers >= E
         hidden = self._hidden_at(E, h, draft, ids, positions, mask, state)  # (T, d)
         logits = runner.span(cache, hidden, positions, E, state.depth, mask=mask, logits=True).logits  # (T, V)
+        sampling = state.sampling
+        if processor is not None:  # each position scored after the prefix it sees
+            logits = process_tree(processor, state.tokens, tree, ids, logits)  # (T, V)
+            sampling = sampling if sampling.greedy else PROCESSED
 
         argmax: list[int] = []
         T = len(positions)
@@ -393,14 +408,14 @@ class Engine:
             tokens, argmax = host[:T], host[T:]
             path, bonus = greedy_accept(tree, tokens, argmax)
         elif tree.is_chain:
-            p = probs_from_logits(logits, state.sampling)  # (T, V)
+            p = probs_from_logits(logits, sampling)  # (T, V)
             q = draft.q if draft is not None else None
             host = chain_accept_draws(ids, p, q, state.generator).tolist()  # the one host sync of the step
             tokens = host[:T]
             path, bonus = chain_accept(T, host)
         else:  # trees: recursive rejection over siblings, node by node
             tokens = ids.tolist()
-            p = probs_from_logits(logits, state.sampling)  # (T, V)
+            p = probs_from_logits(logits, sampling)  # (T, V)
             path, bonus = sampling_accept(tree, tokens, p, draft.q, state.generator)
         self._commit_path(cache, n, path)
         state.n = n + len(path)

@@ -8,15 +8,18 @@ input preparation: the same engine and drafters as ``layerskip generate`` (same 
 built on the model's own weights. The folder form, for code that passes a path (``custom_generate=FOLDER,
 trust_remote_code=True, drafter="swift"``), is ``FOLDER`` (``infer/hf_custom_generate``).
 
-What it honours: greedy and sampling (``do_sample``, temperature, top-k, top-p), EOS, ``max_new_tokens`` /
-``max_length``, a left-padded batch (each row is decoded on its own), ``num_return_sequences``, a streamer, and
-``return_dict_in_generate`` (the output also carries our ``stats``, one ``GenerationStats`` per row). What it
-cannot: any other logits processor or stopping criterion (repetition penalty, min length, bad words, stop strings,
-max time, ...), beams, assistant models, per-step scores/logits/attentions/hidden states, a prefilled cache, and
-``inputs_embeds``; each is refused in one line (``UserError``) before anything is decoded. Sampling follows the
-target distribution exactly but draws differently from transformers (its seed comes from torch's global RNG, so
-``torch.manual_seed`` makes it repeatable). transformers 5.24 does not hand a callable ``custom_generate`` the
-``streamer`` given to ``generate``: pass it as ``hf_generate(..., streamer=s)`` (the folder form forwards it).
+Every argument ``generate`` can hand it is honoured or refused in one line naming it (``infer.hf_contract`` holds
+the table; docs/HF_GENERATE.md shows it). Honoured: greedy and sampling, every stateless logits processor
+(temperature, top-k/p, min-p, repetition penalty, no-repeat n-grams, min length, bad words, a caller's own, ...)
+applied at each verified position with the prefix that position sees, every stopping criterion (EOS, max length,
+max time, stop strings, a caller's own) asked after each committed token as ``generate`` asks it, left-padded
+batches, ``num_return_sequences``, a streamer (given to ``generate`` or to ``hf_generate``; it always gets
+``end()``, also when decoding raises), and ``return_dict_in_generate`` (with our ``stats``). Greedy output equals
+plain ``generate`` with the same processors and criteria; sampling is exact against the processed distribution but
+draws differently from transformers (its seed comes from torch's global RNG, so ``torch.manual_seed`` makes it
+repeatable). transformers 5.24 hands a callable neither the ``streamer``, ``assistant_model`` nor the tokenizer
+that ``generate`` got: the first two are read from the running ``generate`` call; for ``stop_strings`` pass
+``hf_generate(..., stop_strings=[...], tokenizer=tok)`` (the folder form takes them as ``generate`` keywords).
 
 Weights: the runner uses the model's tensors where its layout equals theirs (embeddings, norms, o/down
 projections, a tied LM head) and fuses q/k/v and gate/up into single matrices; the model's q/k/v and gate/up
@@ -28,24 +31,36 @@ callable; in-place changes to the model's weights (``load_state_dict``, an optim
 
 from __future__ import annotations
 
+import inspect
+import sys
 import weakref
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
-from transformers import PreTrainedModel
+from transformers import GenerationMixin, PreTrainedModel
 from transformers.generation import (
-    EosTokenCriteria,
     GenerateDecoderOnlyOutput,
-    MaxLengthCriteria,
+    LogitsProcessorList,
+    StoppingCriteriaList,
+    StopStringCriteria,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
 
-from infer.drafters import Spec, drafter_spec
+from infer.drafters import ResolvedSpec, Spec, drafter_spec
 from infer.engine import DecodeConfig, Engine
+from infer.hf_contract import (
+    check_config,
+    check_generate_arguments,
+    check_model_inputs,
+    check_positions,
+    check_processors,
+)
+from infer.hf_rows import RowProcessor, RowRun, lockstep
 from infer.runner import Runner
 from infer.sampling import SamplingConfig
 from layerskip_core.errors import UserError
@@ -54,8 +69,8 @@ from layerskip_core.settings import resolve_compile, resolve_executor
 FOLDER = Path(__file__).resolve().parent / "hf_custom_generate"
 """The folder form: ``model.generate(..., custom_generate=str(FOLDER), trust_remote_code=True, drafter=...)``."""
 
-UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
-"""Generation-config flags asking for per-step tensors, which the draft-verify loop does not produce."""
+FAST_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+"""Warpers the engine applies itself on the device (``SamplingConfig``) when they are the only processors."""
 
 FUSED = {"self_attn.q_proj": ("qkv", 0), "self_attn.k_proj": ("qkv", 1), "self_attn.v_proj": ("qkv", 2),
          "mlp.gate_proj": ("gate_up", 0), "mlp.up_proj": ("gate_up", 1)}
@@ -64,68 +79,119 @@ FUSED = {"self_attn.q_proj": ("qkv", 0), "self_attn.k_proj": ("qkv", 1), "self_a
 
 @dataclass
 class LayerSkipGenerateOutput(GenerateDecoderOnlyOutput):
-    """What ``generate(..., return_dict_in_generate=True)`` returns, plus our statistics per row."""
+    """What ``generate(..., return_dict_in_generate=True)`` returns, plus our statistics per row (``cache`` is None:
+    the runner's KV cache is its own, not a transformers cache)."""
 
     stats: tuple | None = None
     """One ``infer.GenerationStats`` per output row (acceptance, tokens per verification, timings, ...)."""
 
 
-def hf_generate(drafter: str = "autoregressive", *, tokenizer=None, streamer=None, dtype: torch.dtype | None = None,
-                device: str | torch.device | None = None, executor: str = "auto", compile: bool | None = None,
-                **options) -> HFGenerate:
+def hf_generate(drafter: str = "autoregressive", *, tokenizer=None, streamer=None, stop_strings=None,
+                dtype: torch.dtype | None = None, device: str | torch.device | None = None, executor: str = "auto",
+                compile: bool | None = None, **options) -> HFGenerate:
     """A ``custom_generate`` callable decoding with ``drafter`` and its ``options`` (as in ``LoadedModel.engine``).
 
     ``tokenizer``: the model's, to resolve a ``draft_vocab`` by tokenizer (a checkpoint of the default model uses
-    the counts shipped for it). ``streamer``: receives the prompt, the tokens as they are accepted, then ``end()``.
-    ``dtype``/``device``: run the runner elsewhere than the model (a copy of the weights); default: the model's.
-    ``executor``: 'auto' (CUDA graphs on CUDA, eager on CPU), 'eager', 'static' or 'graphs'; ``compile``: the static
-    forwards through torch.compile (None: on CUDA). Both are resolved once the model's device is known."""
-    spec = drafter_spec(drafter, dict(options))  # an unknown drafter or a bad option is refused here, not mid-generate
-    return HFGenerate(spec, tokenizer, streamer, dtype, device, executor, compile)
+    the counts shipped for it) and for ``stop_strings``. ``streamer``: receives the prompt, each committed token,
+    then ``end()`` (or give it to ``generate``; not to both). ``stop_strings``: stop after any of these strings, as
+    ``generate(stop_strings=...)`` would (which transformers refuses for a callable: it does not pass it the
+    tokenizer). ``dtype``/``device``: run the runner elsewhere than the model (a copy of the weights); default: the
+    model's. ``executor``: 'auto' (CUDA graphs on CUDA, eager on CPU), 'eager', 'static' or 'graphs'; ``compile``:
+    the static forwards through torch.compile (None: on CUDA). Both are resolved once the model's device is known."""
+    try:
+        spec = drafter_spec(drafter, dict(options))  # an unknown drafter or a bad option is refused here
+        criteria = stop_string_criteria(stop_strings, tokenizer)
+    except UserError:
+        if streamer is not None:  # its consumer must not wait for a generation that will not come
+            streamer.end()
+        raise
+    return HFGenerate(spec, tokenizer, streamer, dtype, device, executor, compile, criteria)
+
+
+def stop_string_criteria(stop_strings, tokenizer) -> list:
+    """``[StopStringCriteria]`` for ``stop_strings`` (a string or a list), [] for none."""
+    if not stop_strings:
+        return []
+    if tokenizer is None:
+        raise UserError("stop_strings need the model's tokenizer: hf_generate(..., stop_strings=[...], tokenizer=tok)")
+    return [StopStringCriteria(tokenizer, [stop_strings] if isinstance(stop_strings, str) else list(stop_strings))]
 
 
 class HFGenerate:
     """The decoding loop transformers' ``generate`` calls (see the module docstring); build it with
     ``hf_generate``."""
 
-    def __init__(self, spec: Spec, tokenizer, streamer, dtype, device, executor: str, compile: bool | None = None):
+    def __init__(self, spec: Spec, tokenizer, streamer, dtype, device, executor: str,
+                 compile: bool | None = None, criteria: list | None = None):
         self.spec = spec
         self.tokenizer = tokenizer
         self.streamer = streamer
+        self.criteria = criteria or []
         self.runner_settings = (dtype, device, executor, compile)
         self.runners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __call__(self, model: PreTrainedModel, input_ids: Tensor, logits_processor=None, stopping_criteria=None,
                  generation_config=None, synced_gpus: bool = False, streamer=None, **model_kwargs):
-        config = generation_config if generation_config is not None else model.generation_config
-        own_streamer = streamer is None  # a streamer given to generate() has had the prompt from it already
-        streamer = self.streamer if own_streamer else streamer
-        check_supported(config, logits_processor, stopping_criteria, input_ids, model_kwargs, streamer)
-        max_length = config.max_length if config.max_length is not None else input_ids.shape[1] + 20
-        if max_length <= input_ids.shape[1]:
-            raise UserError(f"max_length {max_length} leaves no room after the prompt's {input_ids.shape[1]} "
-                            "tokens; set max_new_tokens")
-        decode = DecodeConfig(max_new_tokens=max_length - input_ids.shape[1],
-                              sampling=sampling_config(config, logits_processor))
-        eos = eos_ids(config)
-        if streamer is not None and own_streamer:
-            streamer.put(input_ids[0].cpu())
-        with self.engine(self.runner_for(model), eos) as engine:
-            results = [run_row(engine, row, decode, streamer)
-                       for row in unpadded_rows(input_ids, model_kwargs.get("attention_mask"))]
-        if streamer is not None:
-            streamer.end()
-        pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
-        sequences = assemble(input_ids, [r.tokens for r in results], pad)
+        arguments = generate_arguments(model)
+        given = streamer if streamer is not None else arguments.get("streamer")  # generate has put the prompt in it
+        streamers = [s for s in dict.fromkeys((given, self.streamer)) if s is not None]
+        try:
+            config = generation_config if generation_config is not None else model.generation_config
+            check_generate_arguments({**arguments, "synced_gpus": synced_gpus or arguments.get("synced_gpus")})
+            check_config(config)
+            check_processors(logits_processor)
+            check_model_inputs(model_kwargs)
+            if len(streamers) > 1:
+                raise UserError("a streamer was given both to generate and to hf_generate; give it to one of them")
+            if streamers and input_ids.shape[0] > 1:
+                raise UserError(f"a streamer takes one sequence, got a batch of {input_ids.shape[0]}")
+            if streamers and given is None:
+                streamers[0].put(input_ids[0].cpu())
+            processors = LogitsProcessorList(logits_processor or ())
+            criteria = [*(stopping_criteria or ()), *self.criteria]
+            rows = unpadded_rows(input_ids, model_kwargs.get("attention_mask"))
+            check_positions(model_kwargs.get("position_ids"), [len(padding) for padding, _ in rows])
+            streamer = streamers[0] if streamers else None
+            return self.decode(model, input_ids, processors, criteria, config, rows, streamer)
+        finally:
+            for s in streamers:  # always: a consumer waiting on the streamer must not wait forever
+                s.end()
+
+    def decode(self, model: PreTrainedModel, input_ids: Tensor, processors: list, criteria: list, config,
+               rows: list[tuple[list[int], list[int]]], streamer):
+        """Decode every row ((left padding, prompt) each; ``infer.hf_rows``); the (B, P + new) sequences or the
+        output dataclass."""
+        B, P = input_ids.shape
+        max_length = config.max_length if config.max_length is not None else P + 20
+        if max_length <= P:
+            raise UserError(f"max_length {max_length} leaves no room after the prompt's {P} tokens; set max_new_tokens")
+        criteria = StoppingCriteriaList(criteria)
+        eos = eos_ids(criteria)
+        pad = pad_id(config, eos)
+        fast = all(type(p) in FAST_WARPERS and getattr(p, "min_tokens_to_keep", 1) == 1 for p in processors)
+        decode = DecodeConfig(max_new_tokens=max_length - P, sampling=sampling_config(config, processors))
+        runner = self.runner_for(model)
+        resolved = self.spec.resolve(runner, self.tokenizer)  # once per call
+        with ExitStack() as stack:
+            runs = []
+            for r, (padding, prompt) in enumerate(rows):
+                engine = stack.enter_context(self.engine(runner, eos, resolved))  # a drafter per row
+                processor = None if fast else RowProcessor(processors, r, B, padding)
+                gen = engine.start(prompt, decode, row_generator(runner, decode), processor=processor)
+                runs.append(RowRun(engine, gen))
+            sequences = lockstep(runs, input_ids, criteria, pad, decode.max_new_tokens, streamer)
+            stats = tuple(run.close().stats for run in runs)
         if not config.return_dict_in_generate:
             return sequences
-        return LayerSkipGenerateOutput(sequences=sequences, stats=tuple(r.stats for r in results))
+        return LayerSkipGenerateOutput(sequences=sequences, stats=stats)
 
-    def engine(self, runner: Runner, eos: tuple[int, ...]) -> Engine:
-        """A fresh drafter on ``runner`` (as ``LoadedModel.engine``: a ``draft_vocab`` resolved with the tokenizer)."""
-        drafter = self.spec.resolve(runner, self.tokenizer)
+    def engine(self, runner: Runner, eos: tuple[int, ...], resolved: ResolvedSpec | None = None) -> Engine:
+        """A fresh drafter on ``runner`` (as ``LoadedModel.engine``: a ``draft_vocab`` resolved with the tokenizer);
+        ``resolved``: the spec already resolved for ``runner`` (rows of one call share it)."""
+        if resolved is None:
+            resolved = self.spec.resolve(runner, self.tokenizer)
         decode = self.tokenizer.decode if self.tokenizer is not None else None
-        return Engine(runner, drafter.build(runner), eos, decode)
+        return Engine(runner, resolved.build(runner), eos, decode)
 
     def runner_for(self, model: PreTrainedModel) -> Runner:
         """The runner over ``model``'s weights: built (and its weights shared with the model) on first use."""
@@ -142,103 +208,72 @@ class HFGenerate:
         return runner
 
 
-def check_supported(config, processors, criteria, input_ids: Tensor, model_kwargs: dict, streamer) -> None:
-    """Refuse, in one line, what the draft-verify loop does not implement (see the module docstring)."""
-    if input_ids.ndim != 2 or input_ids.shape[1] == 0:
-        raise UserError("custom_generate=hf_generate(...) needs input_ids (inputs_embeds alone are not supported)")
-    if (config.num_beams or 1) > 1:
-        raise UserError(f"num_beams={config.num_beams}: beam search is not supported by hf_generate; use num_beams=1")
-    for flag in UNSUPPORTED_OUTPUTS:
-        if getattr(config, flag, False):
-            raise UserError(f"{flag}=True is not supported by hf_generate (a draft-verify loop has no per-step "
-                            "tensors); drop it, or use plain generate")
-    for processor in processors or ():
-        if not isinstance(processor, (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)):
-            raise UserError(f"the logits processor {type(processor).__name__} is not supported by hf_generate "
-                            "(temperature, top_k and top_p are); drop it, or use plain generate")
-    for criterion in criteria or ():
-        if not isinstance(criterion, (MaxLengthCriteria, EosTokenCriteria)):
-            raise UserError(f"the stopping criterion {type(criterion).__name__} is not supported by hf_generate "
-                            "(max_length/max_new_tokens and EOS are); drop it, or use plain generate")
-    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-    if cache is not None and cache.get_seq_length() > 0:
-        raise UserError("a prefilled cache is not supported by hf_generate; pass the whole prompt as input_ids")
-    if streamer is not None and input_ids.shape[0] > 1:
-        raise UserError(f"a streamer takes one sequence, got a batch of {input_ids.shape[0]}")
+def generate_arguments(model: PreTrainedModel) -> dict:
+    """``streamer``, ``assistant_model`` and ``synced_gpus`` of the ``GenerationMixin.generate`` call running this
+    callable (transformers 5.x does not pass them on to a ``custom_generate`` callable); {} outside one."""
+    code = inspect.unwrap(GenerationMixin.generate).__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code and frame.f_locals.get("self") is model:
+            return {k: frame.f_locals.get(k) for k in ("streamer", "assistant_model", "synced_gpus")}
+        frame = frame.f_back
+    return {}
 
 
 def sampling_config(config, processors) -> SamplingConfig:
-    """Greedy unless ``do_sample``; then the temperature, top-k and top-p that ``generate`` prepared, with a seed
-    drawn from torch's global RNG (``torch.manual_seed`` makes a sampled generation repeatable)."""
+    """Greedy unless ``do_sample``; then the temperature, top-k and top-p that ``generate`` prepared (exact classes
+    only; with other processors they shape the drafts while the target samples from the processed scores)."""
     if not config.do_sample:
         return SamplingConfig()
     values = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
-    for processor in processors or ():
-        for name in values:
-            if hasattr(processor, name):
-                values[name] = getattr(processor, name)
-    return SamplingConfig(**values, seed=int(torch.randint(0, 2**62, (1,))))
+    for processor in processors:
+        if type(processor) in FAST_WARPERS:
+            for name in values:
+                if hasattr(processor, name):
+                    values[name] = getattr(processor, name)
+    return SamplingConfig(**values)
 
 
-def eos_ids(config) -> tuple[int, ...]:
-    """The generation config's end-of-sequence ids."""
-    eos = config.eos_token_id
-    if eos is None:
-        return ()
-    if isinstance(eos, Tensor):
-        eos = eos.tolist()
-    return tuple(int(t) for t in ([eos] if isinstance(eos, int) else eos))
+def row_generator(runner: Runner, decode: DecodeConfig) -> torch.Generator | None:
+    """Sampling: a generator per row seeded from torch's global RNG (so repeated rows of ``num_return_sequences``
+    differ, and ``torch.manual_seed`` makes a generation repeatable); None when greedy."""
+    if decode.sampling.greedy:
+        return None
+    return torch.Generator(device=runner.device).manual_seed(int(torch.randint(0, 2**62, (1,))))
 
 
-def unpadded_rows(input_ids: Tensor, attention_mask: Tensor | None) -> list[list[int]]:
-    """Each row's prompt without its left padding; right padding is refused."""
+def eos_ids(criteria) -> tuple[int, ...]:
+    """The end-of-sequence ids of the criteria's EOS stops (the engine ends a row at them, as the criteria do)."""
+    ids: list[int] = []
+    for criterion in criteria:
+        eos = getattr(criterion, "eos_token_id", None)
+        if eos is not None:
+            ids += torch.as_tensor(eos).reshape(-1).tolist()
+    return tuple(dict.fromkeys(int(t) for t in ids))
+
+
+def pad_id(config, eos: tuple[int, ...]) -> int:
+    """The id finished rows are padded with: generate's prepared pad token (the first EOS id when none is set)."""
+    pad = getattr(config, "_pad_token_tensor", None)
+    if pad is None:
+        pad = config.pad_token_id
+    if pad is None:
+        return eos[0] if eos else 0
+    return int(torch.as_tensor(pad).reshape(-1)[0])
+
+
+def unpadded_rows(input_ids: Tensor, attention_mask: Tensor | None) -> list[tuple[list[int], list[int]]]:
+    """Each row's (left padding, prompt); right padding is refused."""
     if attention_mask is None:
-        return input_ids.tolist()
+        return [([], ids) for ids in input_ids.tolist()]
     rows = []
     for ids, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True):
         start = mask.index(1) if 1 in mask else len(mask)
         if not all(mask[start:]) or start == len(mask):
             raise UserError("hf_generate needs left padding (tokenizer.padding_side = 'left') and a non-empty prompt "
                             "per row")
-        rows.append(ids[start:])
+        rows.append((ids[:start], ids[start:]))
     return rows
-
-
-def run_row(engine: Engine, prompt: list[int], config: DecodeConfig, streamer):
-    """Decode one prompt; accepted tokens go to ``streamer`` as they come (cut at EOS and the token budget)."""
-    generator = None
-    if not config.sampling.greedy:  # one seed per row, so repeated rows (num_return_sequences) differ
-        generator = torch.Generator(device=engine.runner.device).manual_seed(int(torch.randint(0, 2**62, (1,))))
-    gen = engine.start(prompt, config, generator)
-    sent = 0
-    while True:
-        if streamer is not None:
-            sent = stream_new(streamer, gen.tokens, sent, engine.eos, config.max_new_tokens)
-        if gen.done:
-            return engine.finish(gen)
-        engine.step(gen)
-
-
-def stream_new(streamer, tokens: list[int], sent: int, eos: frozenset[int], limit: int) -> int:
-    """Put ``tokens[sent:]`` up to the first EOS and ``limit`` into ``streamer``; returns how many are sent."""
-    end = min(len(tokens), limit)
-    for i in range(sent, end):
-        if tokens[i] in eos:
-            end = i + 1
-            break
-    if end > sent:
-        streamer.put(torch.tensor(tokens[sent:end]))
-    return max(end, sent)
-
-
-def assemble(input_ids: Tensor, outputs: list[list[int]], pad: int) -> Tensor:
-    """(B, P + longest output): each prompt row as given, then its tokens, then ``pad`` (as ``generate`` pads)."""
-    B, P = input_ids.shape
-    out = torch.full((B, P + max(map(len, outputs))), pad, dtype=input_ids.dtype, device=input_ids.device)
-    out[:, :P] = input_ids
-    for i, tokens in enumerate(outputs):
-        out[i, P:P + len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
-    return out
 
 
 def share_weights(model: PreTrainedModel, runner: Runner) -> int:

@@ -8,18 +8,45 @@ transformers copies this file into its module cache and calls ``generate(model=.
 imports ``infer``, so the toolkit must be installed (or on ``PYTHONPATH``) where it runs. Keywords named like a
 drafter option (``exit_layer``, ``num_draft``, ``plan``, ...) go to the drafter; the rest to ``generate``. Each call
 builds the runner afresh (re-fusing the model's q/k/v and gate/up: a moment, no lasting copy); the callable form,
-``custom_generate=hf_generate(...)``, builds it once per model.
+``custom_generate=hf_generate(...)``, builds it once per model. ``stop_strings`` with ``tokenizer`` are honoured here
+(transformers does not hand the tokenizer to a callable); ``cache_implementation="paged"`` is refused (transformers
+would run its own continuous batching instead of our loop). The streamer gets ``end()`` exactly once, also when
+something fails before decoding starts.
 """
 
 from transformers import GenerationMixin
 
 from infer.drafters import all_options
 from infer.hf_decoding import hf_generate
+from layerskip_core.errors import UserError
 
 
-def generate(model, drafter="autoregressive", streamer=None, tokenizer=None, **kwargs):
+class EndOnce:
+    """A streamer that forwards ``put`` and passes on the first ``end()`` only."""
+
+    def __init__(self, streamer):
+        self.streamer, self.ended = streamer, False
+
+    def put(self, value):
+        self.streamer.put(value)
+
+    def end(self):
+        if not self.ended:
+            self.ended = True
+            self.streamer.end()
+
+
+def generate(model, drafter="autoregressive", streamer=None, tokenizer=None, stop_strings=None, **kwargs):
     """``generate`` with ``custom_generate=hf_generate(drafter, **drafter options)`` (see ``infer.hf_decoding``)."""
-    names = set(all_options())
-    options = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
-    custom = hf_generate(drafter, tokenizer=tokenizer, streamer=streamer, **options)
-    return GenerationMixin.generate(model, custom_generate=custom, **kwargs)
+    once = EndOnce(streamer) if streamer is not None else None
+    try:
+        if kwargs.get("cache_implementation") == "paged":
+            raise UserError("cache_implementation='paged' is not supported by hf_generate (transformers would run its "
+                            "own continuous batching instead of our drafter); drop it")
+        names = set(all_options())
+        options = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+        custom = hf_generate(drafter, tokenizer=tokenizer, streamer=once, stop_strings=stop_strings, **options)
+        return GenerationMixin.generate(model, custom_generate=custom, **kwargs)
+    finally:
+        if once is not None:
+            once.end()
