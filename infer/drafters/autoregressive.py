@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from infer.drafters.base import DecodeState, Draft, Drafter
+from infer.drafters.base import NO_INPUTS, DecodeState, Draft, Drafter, DraftInputs
 
 
 @dataclass
@@ -20,6 +20,9 @@ class AutoregressiveDrafter(Drafter):
     name = "autoregressive"
     Config = AutoregressiveConfig
     drafts = False
+
+    def __init__(self, runner, config: AutoregressiveConfig | None = None, inputs: DraftInputs = NO_INPUTS):
+        self.config = config or AutoregressiveConfig()
 
     def propose(self, state: DecodeState) -> Draft | None:
         return None

@@ -147,8 +147,8 @@ class DrafterStats:
 
 class Drafter:
     """One way to propose tokens; the engine verifies them losslessly (the model: transformers'
-    ``CandidateGenerator``). Subclasses set ``name`` and ``Config`` and override ``propose``; the other
-    methods default to doing nothing.
+    ``CandidateGenerator``). Subclasses set ``name`` and ``Config``, take ``(runner, config, inputs)`` (the
+    ``DraftInputs`` their ``resolve`` made) and override ``propose``; the other methods default to doing nothing.
 
     A drafter may write anything into the cache beyond ``state.n`` in layers >= its
     ``Draft.exact_layers``: verification rolls those layers back before it writes.
@@ -166,9 +166,6 @@ class Drafter:
     file written)."""
     lookahead: int = 0
     """Most cache slots past the pending token one ``propose``/``update`` may write (a property where it varies)."""
-
-    def __init__(self, runner: Runner, config=None, inputs: DraftInputs = NO_INPUTS):
-        self.config = self.Config() if config is None else config
 
     @classmethod
     def check_spec(cls, spec) -> None:

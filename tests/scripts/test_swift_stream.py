@@ -4,9 +4,9 @@ from swift_stream import cold
 
 
 def test_stream_drafters_start_cold_unless_the_spec_says_otherwise():
-    assert cold("swift:r=0.2").options == {"r": "0.2", "remember": "off"}
-    assert cold("early_exit:E=2:adaptive=true").options["remember"] == "off"
-    assert cold("swift:remember=on").options["remember"] == "on"
+    assert cold("swift:r=0.2").options == {"skip_ratio": 0.2, "remember": "off"}
+    assert cold("early_exit:E=2:adaptive=true").config.remember == "off"
+    assert cold("swift:remember=on").config.remember == "on"
     assert "remember" not in cold("autoregressive").options
 
 
