@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel
 
-from infer.drafters import Spec, build_drafter, parse_spec, resolve_config
+from infer.drafters import Spec, drafter_spec, parse_spec
 from infer.engine import DecodeConfig, Engine, GenerationResult
 from infer.runner import Runner
 from layerskip_core.errors import UserError
@@ -74,8 +74,9 @@ class LoadedModel:
             if options is not None and not isinstance(options, dict):
                 raise UserError("give a drafter's options as a dict and/or keywords, or as its Config, not both")
             options = dict(options or {}) | more
-        config = resolve_config(drafter, options or {}, self.runner, self.tokenizer)
-        return Engine(self.runner, build_drafter(drafter, self.runner, config), self.eos_token_ids, self.decode)
+        spec = drafter_spec(drafter, options or {})  # parsed and checked once; resolved once on this model below
+        drafter_ = spec.resolve(self.runner, self.tokenizer).build(self.runner)
+        return Engine(self.runner, drafter_, self.eos_token_ids, self.decode)
 
     def method(self, spec: str | Spec, config: DecodeConfig | None = None) -> tuple[Engine, DecodeConfig]:
         """The engine and generation config of a method spec (``'early_exit:E=24:k=4'``,
@@ -83,7 +84,7 @@ class LoadedModel:
         ``config`` (default: ``DecodeConfig()``)."""
         spec = parse_spec(spec) if isinstance(spec, str) else spec
         config = dataclasses.replace(config or DecodeConfig(), target_exit=spec.target_exit)
-        return self.engine(spec.drafter, spec.options), config
+        return self.engine(spec.drafter, spec), config
 
     def generate(self, prompt: str, drafter: str = "autoregressive", config: DecodeConfig | None = None, *,
                  chat: bool = False, **options) -> GenerationResult:

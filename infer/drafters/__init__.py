@@ -12,10 +12,9 @@ from infer.drafters.spec import (
     build_drafter,
     drafter_spec,
     parse_spec,
-    resolve_config,
     split_spec,
 )
 
 __all__ = ["DRAFTERS", "DecodeState", "Draft", "DraftInputs", "DraftVocabOption", "Drafter", "DrafterStats", "Option",
            "ResolvedSpec", "Spec", "VerifyOutcome", "all_options", "build_config", "build_drafter", "drafter_class",
-           "drafter_spec", "parse_spec", "resolve_config", "split_spec"]
+           "drafter_spec", "parse_spec", "split_spec"]

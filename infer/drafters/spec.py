@@ -95,21 +95,15 @@ class ResolvedSpec:
         return self.spec.cls(runner, self.spec.config, self.inputs)
 
 
-def resolve_config(name: str, options: dict | object | None, runner, tokenizer=None) -> ResolvedSpec:
-    """The spec of drafter ``name`` with ``options`` (see ``drafter_spec``; a spec already resolved is returned as
-    it is) resolved on ``runner``'s model."""
-    if isinstance(options, ResolvedSpec):
-        _same_drafter(name, options.spec)
-        return options
-    return drafter_spec(name, options).resolve(runner, tokenizer)
-
-
 def build_drafter(name: str | Spec, runner, options: dict | object | None = None) -> Drafter:
     """A drafter on ``runner``: a spec, or a drafter name with its ``options`` (see ``drafter_spec``; or a spec
     resolved already)."""
     if isinstance(name, Spec):
         return name.build(runner)
-    return resolve_config(name, options, runner).build(runner)
+    if isinstance(options, ResolvedSpec):
+        _same_drafter(name, options.spec)
+        return options.build(runner)
+    return drafter_spec(name, options).build(runner)
 
 
 def _same_drafter(name: str, spec: Spec) -> None:
