@@ -8,8 +8,12 @@ export PATH := $(abspath $(BIN)):$(PATH)
 # cu126, cu128, ... = that CUDA build of the same version from download.pytorch.org;
 # keep = the torch the Python running make already has (a GPU image's): the venv sees its site-packages.
 TORCH ?= cpu
-# One stamp per torch flavour (only the installed one exists): `make setup TORCH=cu128` after a CPU setup installs.
-STAMP := $(VENV)/.installed-$(TORCH)
+# Which extras of pyproject.toml: dev (tests, lint) by default; CI adds eval (lm-eval, for the harness test).
+EXTRAS ?= dev
+# One stamp per torch flavour and extras (only the installed one exists): `make setup TORCH=cu128` after a CPU
+# setup installs, and so does `make setup EXTRAS=dev,eval` after a plain one.
+comma := ,
+STAMP := $(VENV)/.installed-$(TORCH)-$(subst $(comma),+,$(EXTRAS))
 TORCH_VERSION := $(shell sed -n 's/^torch==//p' constraints.txt)
 TORCH_INDEX ?= https://download.pytorch.org/whl/$(TORCH)
 OTHERS := $(VENV)/constraints-without-torch.txt
@@ -22,7 +26,7 @@ $(STAMP): pyproject.toml constraints.txt
 ifeq ($(TORCH),cpu)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
+	$(BIN)/pip install -q -c constraints.txt -e ".[$(EXTRAS)]"
 else
 ifeq ($(TORCH),keep)
 	$(PYTHON) -m venv --system-site-packages $(VENV)
@@ -33,7 +37,7 @@ else
 	$(BIN)/pip install -q "torch==$(TORCH_VERSION)" --index-url $(TORCH_INDEX)
 endif
 	grep -v '^torch==' constraints.txt > $(OTHERS)
-	$(BIN)/pip install -q -c $(OTHERS) -e ".[dev]"
+	$(BIN)/pip install -q -c $(OTHERS) -e ".[$(EXTRAS)]"
 endif
 	rm -f $(VENV)/.installed $(VENV)/.installed-*
 	touch $(STAMP)

@@ -52,10 +52,11 @@ def test_demo_shows_a_drafter_that_does_not_lose_beside_the_untrained_early_exit
 
 
 def test_a_setup_with_another_torch_flavour_is_not_up_to_date(tmp_path):
-    """The install stamp names the torch flavour: a CPU setup does not make `make setup TORCH=cu128` a no-op."""
+    """The install stamp names the torch flavour and the extras: a CPU setup does not make `make setup TORCH=cu128`
+    or `make setup EXTRAS=dev,eval` a no-op."""
     venv = tmp_path / "venv"
     venv.mkdir()
-    (venv / ".installed-cpu").touch()  # what a finished CPU setup leaves (newer than pyproject.toml)
+    (venv / ".installed-cpu-dev").touch()  # what a finished CPU setup leaves (newer than pyproject.toml)
 
     def planned(*variables: str) -> str:
         return subprocess.run(["make", "--no-print-directory", "-n", "setup", f"VENV={venv}", *variables], cwd=REPO,
@@ -65,3 +66,4 @@ def test_a_setup_with_another_torch_flavour_is_not_up_to_date(tmp_path):
     cuda = planned("TORCH=cu128")
     assert "download.pytorch.org/whl/cu128" in cuda and f"rm -f {venv}/.installed {venv}/.installed-*" in cuda
     assert "--system-site-packages" in planned("TORCH=keep")
+    assert '-e ".[dev,eval]"' in planned("EXTRAS=dev,eval")
