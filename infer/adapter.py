@@ -23,7 +23,6 @@ from infer.kv_cache import KVCache
 from infer.runner import DraftHead, Runner, SpanOutput
 from layerskip_core.adapter_spec import LAYER_NAMES, AdapterShape, read_file, read_metadata
 from layerskip_core.errors import UserError
-from layerskip_core.models import ModelSpec
 
 BUNDLED_DIR = Path(__file__).parent / "data" / "adapters"
 """Adapter files shipped with the package (package data), picked by ``adapter=default`` for the model they fit."""
@@ -32,9 +31,10 @@ BUNDLED_DIR = Path(__file__).parent / "data" / "adapters"
 class ExitAdapter:
     """One adapter's weights as a decoder layer on a runner's device and dtype, and its forward."""
 
-    def __init__(self, runner: Runner, shape: AdapterShape, weights: dict[str, Tensor], provenance: dict):
+    def __init__(self, runner: Runner, shape: AdapterShape, weights: dict[str, Tensor], provenance: dict,
+                 source: str | Path = "the adapter"):
         shape.check_model(runner.num_layers)
-        _check_layout(shape, runner.spec)
+        shape.check_layout(runner.spec, source)  # the adapter's layer runs with the model's head layout
         self.runner, self.shape, self.provenance = runner, shape, provenance
         for name, want in shape.tensor_shapes().items():
             if name not in weights or tuple(weights[name].shape) != want:
@@ -54,8 +54,7 @@ class ExitAdapter:
         path = Path(path).expanduser()
         meta, weights = read_file(path, hint=", or 'default'")
         shape, provenance = read_metadata(meta, runner.identity(), str(path))
-        shape.check_layout(runner.spec, path)
-        return cls(runner, shape, weights, provenance)
+        return cls(runner, shape, weights, provenance, path)
 
     def new_cache(self, capacity: int) -> KVCache:
         """A one-layer cache for the adapter's keys and values at positions [0, capacity)."""
@@ -73,15 +72,6 @@ class ExitAdapter:
         if logits:
             self.runner.counters.lm_head_tokens += T
         return out
-
-
-def _check_layout(shape: AdapterShape, spec: ModelSpec) -> None:
-    """The header's head layout and norm epsilon must be the model's (the adapter's layer runs with the model's)."""
-    have = (shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.rms_norm_eps)
-    want = (spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps)
-    if have != want:
-        raise UserError(f"the adapter's header gives (hidden size, heads, KV heads, head dim, norm eps) = {have}, "
-                        f"the model has {want}; the file is damaged or for another model")
 
 
 def adapter_path(spec: str, runner: Runner) -> Path:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel
 
-from infer.drafters import Spec, drafter_spec, parse_spec
+from infer.drafters import ResolvedSpec, Spec, build_drafter, drafter_spec, parse_spec
 from infer.engine import DecodeConfig, Engine, GenerationResult
 from infer.runner import Runner
 from layerskip_core.errors import UserError
@@ -65,7 +65,7 @@ class LoadedModel:
 
     def engine(self, drafter: str = "autoregressive", options: dict | object | None = None, **more) -> Engine:
         """An Engine with drafter ``drafter`` and its ``options`` (a dict and/or keywords: ``exit_layer=24``, or the
-        drafter's Config already built).
+        drafter's Config, its Spec, or a spec resolved on this model).
 
         A ``draft_vocab`` size, file or 'auto' is resolved here, once, with this model's tokenizer (so a finetuned
         checkpoint uses its base model's counts). Use the engine as a context manager, or call ``close()``, when
@@ -74,9 +74,9 @@ class LoadedModel:
             if options is not None and not isinstance(options, dict):
                 raise UserError("give a drafter's options as a dict and/or keywords, or as its Config, not both")
             options = dict(options or {}) | more
-        spec = drafter_spec(drafter, options or {})  # parsed and checked once; resolved once on this model below
-        drafter_ = spec.resolve(self.runner, self.tokenizer).build(self.runner)
-        return Engine(self.runner, drafter_, self.eos_token_ids, self.decode)
+        if not isinstance(options, ResolvedSpec):  # a spec resolved already builds its drafter as it is
+            options = drafter_spec(drafter, options or {}).resolve(self.runner, self.tokenizer)
+        return Engine(self.runner, build_drafter(drafter, self.runner, options), self.eos_token_ids, self.decode)
 
     def method(self, spec: str | Spec, config: DecodeConfig | None = None) -> tuple[Engine, DecodeConfig]:
         """The engine and generation config of a method spec (``'early_exit:E=24:k=4'``,

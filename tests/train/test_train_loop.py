@@ -15,7 +15,8 @@ import yaml
 from accel_state import fresh_state
 from infer.runner import Runner
 from train.checkpoint import list_checkpoints
-from train.layerskip import lr_factor, run_training
+from train.layerskip import run_training
+from train.optim import lr_factor
 
 REPO = Path(__file__).resolve().parents[2]
 
