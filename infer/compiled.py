@@ -5,8 +5,10 @@ One compiled function per sublayer kind, shared by every layer (the layer's weig
 constants), so a model compiles a handful of graphs, not one per layer. The row count and the cache capacity are
 dynamic from the first compile (``mark_dynamic``, with size-1 rows not specialised), so a model's decoding makes
 two graphs: one attention step, one MLP step, whatever the buckets, window widths and cache sizes. Call them in one
-grad mode (the engine's entry points run under ``torch.inference_mode()``): dynamo guards on it, and a call in
-another mode compiles again. ``StepCache`` shares the compiled steps among runners of the same model geometry,
+grad mode: the engine's entry points (``generate``, ``start``, ``step``, ``target_logits``) and the measuring tools
+run under ``torch.no_grad()``, since dynamo guards on the grad mode and a call in another compiles again. Not
+``torch.inference_mode()``: its tensors (the pooled KV caches) cannot be written outside it afterwards, and its
+tensors differ from ordinary ones in dispatch keys, which dynamo guards on too. ``StepCache`` shares the compiled steps among runners of the same model geometry,
 dtype and device (their graphs are the same), so a second runner of a model compiles nothing.
 Inductor fuses each RMSNorm, the RoPE rotation and the residual adds into single kernels. What it cannot see
 through (the CPU small-matmul kernel) is not used here: compiled matmuls are inductor's, so a compiled forward
@@ -144,6 +146,12 @@ class StepCache:
             self._steps[key] = LayerSteps(True, self.backend)
         return self._steps[key]
 
+    def counts(self) -> dict[str, int]:
+        """Graphs compiled per step set, named by geometry, dtype and device (e.g. '64x4/2 float32 cpu')."""
+        return {f"{k[1]}x{k[2]}/{k[3]}{' biased' if any(k[7]) else ''} {str(k[8]).removeprefix('torch.')} {k[9]}":
+                steps.compiles
+                for k, steps in self._steps.items()}
+
     @property
     def compiles(self) -> int:
         """Graphs compiled for every runner that used this cache so far."""
@@ -181,7 +189,7 @@ def count_kernels(fn, device: torch.device) -> int:
     return sum(1 for e in events if e.cpu_parent is None and not e.name.startswith(VIEWS))
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def kernels_per_layer(runner: ForwardModel, prompt: int = 16) -> float:
     """Kernels per layer of one decode step (one row through every layer, with the LM head) on the runner's
     executor, after two warm-up steps (compiling and capturing happen there, not in the count)."""

@@ -199,7 +199,7 @@ class Engine:
                             f"autoregressive drafter), not {self.drafter.name!r}")
         return E
 
-    @torch.inference_mode()  # one grad mode on the whole decoding path: compiled steps guard on it
+    @torch.no_grad()  # one grad mode on the whole decoding path: compiled steps guard on it (see infer.compiled)
     def generate(self, prompt_ids: Sequence[int] | Tensor, config: GenerationConfig | None = None,
                  generator: torch.Generator | None = None, reserve: int | None = None) -> GenerationResult:
         """Prefill, then propose-verify-accept cycles until a stop condition (``reserve``: see ``start``)."""
@@ -208,7 +208,7 @@ class Engine:
             self.step(gen)
         return self.finish(gen)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def start(self, prompt_ids: Sequence[int] | Tensor, config: GenerationConfig | None = None,
               generator: torch.Generator | None = None, reserve: int | None = None) -> Generation:
         """Check and prefill a prompt; the returned generation holds its first token.
@@ -240,7 +240,7 @@ class Engine:
             self.drafter.start(state)
         return gen
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def step(self, gen: Generation) -> VerifyOutcome:
         """One cycle: the drafter proposes, one forward verifies, the accepted tokens are appended."""
         if gen.done:
@@ -311,7 +311,7 @@ class Engine:
         static executor, whose padded rows write up to ``BUCKETS[-1] - 1`` slots past the real ones."""
         return prompt_len + max_new_tokens + self.drafter.lookahead + 2 + BUCKETS[-1]
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def target_logits(self, prompt_ids: Sequence[int], tokens: Sequence[int],
                       config: GenerationConfig | None = None) -> Tensor:
         """(V,) fp32 logits of the target after ``prompt_ids + tokens``, computed exactly as plain decoding with

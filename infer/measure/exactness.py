@@ -163,7 +163,7 @@ def spread_prompts(vocab_size: int, lengths: Sequence[int] = SPREAD_PROMPT_LENGT
     return [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in lengths]
 
 
-@torch.inference_mode()  # the engine's grad mode: the compiled steps' guards hold, pooled caches stay writable
+@torch.no_grad()  # the engine's grad mode: compiled steps guard on it
 def chain_spread(runner, prompt_ids: Sequence[int], sizes: Sequence[int] = SPREAD_SIZES) -> dict[int, float]:
     """Max |logit difference| per T between rows computed alone and inside a T-row forward, after one prompt.
 
@@ -216,7 +216,7 @@ def measure_spread(runner, prompts: Sequence[Sequence[int]] | None = None,
             "dtype": str(runner.dtype).removeprefix("torch."), "prompts": len(prompts)}
 
 
-@torch.inference_mode()  # the engine's grad mode: the compiled steps' guards hold, pooled caches stay writable
+@torch.no_grad()  # the engine's grad mode: compiled steps guard on it
 def chain_rounding(runner, reference, prompt_ids: Sequence[int], n: int) -> float:
     """Max |logit difference| between ``runner``'s one-row incremental path (the prompt prefilled, then one token
     per forward, as plain decoding runs) and one full-sequence forward of the fp32 ``reference`` over the same
