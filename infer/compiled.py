@@ -11,8 +11,8 @@ run under ``torch.no_grad()``, since dynamo guards on the grad mode and a call i
 tensors differ from ordinary ones in dispatch keys, which dynamo guards on too. ``StepCache`` shares the compiled
 steps among runners of the same model geometry, dtype and device (their graphs are the same), so a second runner
 of a model compiles nothing. Inductor fuses each RMSNorm, the RoPE rotation and the residual adds into single
-kernels. What it cannot see through (the CPU small-matmul kernel) is not used here: compiled matmuls are inductor's, so a compiled forward
-equals the uncompiled one within rounding, not bitwise.
+kernels. What it cannot see through (the CPU small-matmul kernel) is not used here: compiled matmuls are
+inductor's, so a compiled forward equals the uncompiled one within rounding, not bitwise.
 """
 
 from __future__ import annotations
