@@ -110,7 +110,8 @@ class LayerSteps:
         if not self.compile:
             return fn
         if kind not in self._steps:
-            self._steps[kind] = DynamicStep(torch.compile(_own_copy(fn), backend=self._backend, dynamic=None), dynamic)
+            own = _own_copy(fn, f"{fn.__name__}_{id(self):x}")
+            self._steps[kind] = DynamicStep(torch.compile(own, backend=self._backend, dynamic=None), dynamic)
         return self._steps[kind]
 
     def _backend(self, graph, example_inputs):
@@ -164,11 +165,13 @@ VIEWS = ("aten::select", "aten::slice", "aten::view", "aten::transpose", "aten::
 """Operators that launch no kernel (views, allocations, dynamo's guard check), left out of the CPU count."""
 
 
-def _own_copy(fn):
-    """``fn`` over a code object of its own: dynamo keeps its compiled graphs, and its recompile limit (8), per
-    code object and backend, so executors sharing ``fn``'s would evict each other and silently fall back to
-    eager after a few runners."""
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+def _own_copy(fn, name: str):
+    """``fn`` over a code object of its own, named ``name``: dynamo keeps its compiled graphs, and its recompile
+    limit (8), per code object and backend, so step sets sharing ``fn``'s would evict each other and silently fall
+    back to eager after a few; and it remembers which sizes changed (automatic dynamic, profile-guided) per file,
+    line and name, so without a name of its own a step set would start from another's sizes and compile again."""
+    code = fn.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
 def count_kernels(fn, device: torch.device) -> int:
