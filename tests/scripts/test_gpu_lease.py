@@ -48,7 +48,9 @@ def test_command_two_leaves_the_first_lease_comparison(lease_rehearsal):
     proc, out = lease_rehearsal["procs"][1], lease_rehearsal["outs"][1]
     assert proc.returncode == 0, proc.stderr[-3000:]
     names = {f.name for f in returned_files(out)}
-    assert names == {"compare.json", "gpu_section.md", "lease_compare.json"}
+    assert names == {"compare.json", "gpu_section.md", "lease_compare.json", "steps.log"}
+    log = (out / "steps.log").read_text()
+    assert "===== step train: exit 0" in log and "===== step bench_code_heldout: exit 0" in log
     c = json.loads((out / "compare.json").read_text())
     assert c["complete"] is True and c["form"] == "first" and c["dry_run"] is True
     assert {r["task"] for r in c["rows"]} == {"code_heldout"} and {r["model"] for r in c["rows"]} == {"base", "trained"}
