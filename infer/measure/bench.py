@@ -15,8 +15,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from infer.engine import GenerationStats
-from infer.measure.exactness import DivergenceJudge, first_divergence
+from infer.measure.exactness import DivergenceJudge, first_divergence, rounded_reference
 from infer.measure.methods import BASELINE, BenchConfig, Method, check_layers
 from infer.measure.peers import Peer
 from infer.measure.timing import timed_generate
@@ -174,8 +176,12 @@ def _run_task(cfg: BenchConfig, model: LoadedModel, peer: Peer | None, label: st
     if cfg.warmup:
         _warmup(cfg, model, peer, [p.ids for p in prompts], label)
     reference: dict[str, list[int]] = {}
-    # Judged with the reference's (full model's) settings; the logit spread is measured on first need.
-    judge = DivergenceJudge(model.runner, cfg.generation(Method(BASELINE, BASELINE)))
+    # Judged with the reference's (full model's) settings; the rounding is measured on first need, in bf16/fp16
+    # against an fp32 recomputation of the same rounded weights (gpu_check's bound, independent of verification).
+    runner = model.runner
+    make = (lambda: rounded_reference(model.path, runner.dtype, runner.device)) \
+        if runner.dtype != torch.float32 and model.path is not None else None
+    judge = DivergenceJudge(runner, cfg.generation(Method(BASELINE, BASELINE)), make_reference=make)
     records = []
     bar = tqdm(total=cfg.repeats * len(prompts) * len(cfg.methods), desc=f"{label}/{task}", disable=not progress,
                leave=False)

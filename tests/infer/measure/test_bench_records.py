@@ -44,3 +44,26 @@ def test_a_line_cut_mid_write_is_dropped(tmp_path):
     (tmp_path / RECORDS_FILE).write_text('{"command": "c", "config": {}}\n{"record": {"model": "m", "ta')
     header, found = read_records(tmp_path)
     assert header["command"] == "c" and found == []
+
+
+def test_a_bf16_bench_judges_with_an_fp32_recomputation_built_on_first_need(tiny_model_dir):
+    """The bench's bf16 tie bound is gpu_check's: the rounding of the one-row path against an fp32 recomputation of
+    the same rounded weights (built only when a mismatch needs it), not the many-row spread it vouches for."""
+    import torch
+
+    from infer.measure.exactness import DivergenceJudge, rounded_reference
+    from infer.runner import Runner
+
+    runner = Runner.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    built = []
+
+    def make():
+        built.append(1)
+        return rounded_reference(tiny_model_dir, torch.bfloat16, "cpu")
+
+    judge = DivergenceJudge(runner, make_reference=make)
+    assert built == []
+    assert judge.rounding > 0 and judge.bound_source == "fp32 recomputation" and built == [1]
+    assert judge.rounding >= 0 and built == [1]  # measured once
+    ref = rounded_reference(tiny_model_dir, torch.bfloat16, "cpu")
+    assert ref.dtype == torch.float32 and torch.equal(ref.embed_w, ref.embed_w.bfloat16().float())
