@@ -1,4 +1,4 @@
-"""The GPU lease, one subcommand per device command (docs/GPU.md, "The lease sequence", gives the exact `run` calls).
+"""The GPU lease, one subcommand per device command (docs/GPU.md, "Running on an offline GPU machine").
 
     python3 scripts/gpu_lease.py check      # device command 1 (carries runs/lease/meta and runs/lease/a)
     python3 scripts/gpu_lease.py compare    # device command 2, back to back (runs/lease/meta and runs/lease/b)
