@@ -234,15 +234,19 @@ finishes it (``RecordLog``), so a bench killed midway leaves its finished rows (
 
 class RecordLog:
     """Appends each finished record to ``out_dir/records.jsonl`` (flushed per line), after a header line with the
-    command and configuration; a new log starts the file afresh."""
+    command and configuration. The file (and the folder) is made at the first record, so a bench refused before
+    it runs leaves nothing; a new log starts the file afresh."""
 
     def __init__(self, cfg: BenchConfig, out_dir: Path, command: str):
-        out_dir.mkdir(parents=True, exist_ok=True)
         self.path = out_dir / RECORDS_FILE
-        self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115  (open for the bench's whole run)
-        self._write({"command": command, "config": _config_dict(cfg), "meta": machine_info(cfg.run)})
+        self._header = {"command": command, "config": _config_dict(cfg), "meta": machine_info(cfg.run)}
+        self._file = None
 
     def _write(self, value: dict) -> None:
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115  (open for the bench's whole run)
+            self._file.write(json.dumps(self._header) + "\n")
         self._file.write(json.dumps(value) + "\n")
         self._file.flush()
 
@@ -250,7 +254,8 @@ class RecordLog:
         self._write({"record": record.to_dict()})
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
 
 def read_records(out_dir: Path) -> tuple[dict, list[Record]]:
