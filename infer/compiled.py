@@ -3,7 +3,7 @@ decoding forward launches per layer.
 
 One compiled function per sublayer kind, shared by every layer (the layer's weights are arguments, not
 constants), so a model compiles a handful of graphs, not one per layer. The row count and the cache capacity are
-dynamic from the first compile (``mark_dynamic``, with size-1 rows not specialised), so a model's decoding makes
+dynamic from the first compile (``maybe_mark_dynamic``, with size-1 rows not specialised), so a model's decoding makes
 two graphs: one attention step, one MLP step, whatever the buckets, window widths and cache sizes. Call them in one
 grad mode: the engine's entry points (``generate``, ``start``, ``step``, ``target_logits``) and the measuring tools
 run under ``torch.no_grad()``, since dynamo guards on the grad mode and a call in another compiles again. Not
