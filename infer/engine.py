@@ -204,6 +204,7 @@ class Engine:
                             f"autoregressive drafter), not {self.drafter.name!r}")
         return E
 
+    @torch.no_grad()  # one grad mode on the whole decoding path: compiled steps guard on it (see infer.compiled)
     def generate(self, prompt_ids: Sequence[int] | Tensor, config: DecodeConfig | None = None,
                  generator: torch.Generator | None = None, reserve: int | None = None) -> GenerationResult:
         """Prefill, then propose-verify-accept cycles until a stop condition (``reserve``: see ``start``)."""
@@ -212,6 +213,7 @@ class Engine:
             self.step(gen)
         return self.finish(gen)
 
+    @torch.no_grad()
     def start(self, prompt_ids: Sequence[int] | Tensor, config: DecodeConfig | None = None,
               generator: torch.Generator | None = None, reserve: int | None = None,
               processor: PositionProcessor | None = None) -> Generation:
@@ -246,6 +248,7 @@ class Engine:
             self.drafter.start(state)
         return gen
 
+    @torch.no_grad()
     def step(self, gen: Generation) -> VerifyOutcome:
         """One cycle: the drafter proposes, one forward verifies, the accepted tokens are appended."""
         if gen.done:

@@ -190,6 +190,7 @@ class GPUCB:
                 best, best_value = points[i], float(values[i])
         return best
 
+    @torch.enable_grad()  # gradient ascent needs autograd, whatever mode its caller runs in (the engine: no_grad)
     def _refine(self, posterior: Posterior, starts: Tensor, beta1: float = 0.9, beta2: float = 0.999) -> Tensor:
         """(S, D) projected gradient ascent of UCB from each start (Adam steps, clamped to the cube).
 

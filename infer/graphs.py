@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from infer.attention import group_mask
-from infer.compiled import LayerSteps
+from infer.compiled import LayerSteps, StepCache
 from infer.kv_cache import KVCache
 from infer.plan import LayerPlan
 
@@ -151,17 +151,20 @@ class StaticSpan:
 
 
 class StaticExecutor:
-    """Runs ``Runner.span`` calls as static-shape forwards: their layers compiled when ``compile``, captured as
+    """Runs ``Runner.span`` calls as static-shape forwards: their layers compiled when ``compile`` (True, or a
+    ``StepCache`` whose compiled steps runners share), captured as
     CUDA graphs when ``capture``. Its counters should stop growing once a warm-up has run every shape a workload
     uses (the runner's pooled caches keep the forwards): ``builds`` (static forwards set up), ``captures`` (graphs
     recorded), ``compiles`` (graphs inductor compiled)."""
 
-    def __init__(self, runner: ForwardModel, capture: bool, compile: bool = False, buckets: tuple[int, ...] = BUCKETS):
+    def __init__(self, runner: ForwardModel, capture: bool, compile: bool | StepCache = False,
+                 buckets: tuple[int, ...] = BUCKETS):
         self.runner, self.capture, self.buckets = runner, capture, buckets
         self.max_spans = MAX_SPANS
         """Static forwards kept per cache."""
-        self.steps = LayerSteps(compile)
-        """The per-layer steps (compiled or not) every static forward runs."""
+        self.steps = compile.steps(runner) if isinstance(compile, StepCache) else LayerSteps(bool(compile))
+        """The per-layer steps (compiled or not) every static forward runs: a ``StepCache``'s, shared with the other
+        runners of the same model geometry, dtype and device, or this executor's own."""
         self._spans: WeakKeyDictionary = WeakKeyDictionary()  # cache -> OrderedDict[SpanKey, StaticSpan]
         self._pool = None
         self.builds = self.captures = 0
@@ -315,9 +318,8 @@ def static_forward(runner: ForwardModel, cache: KVCache, hidden: Tensor, meta: T
             leader = next(leaders)
             if leader not in masks:  # (G rows, C): one additive mask per group of layers
                 masks[leader] = group_mask(_visible(window_starts[leader], window, slots), groups, runner.dtype)
-            write = window_starts[i] + offsets  # (rows,) cache slots of the new rows
-            hidden = steps.attention(runner, w, hidden, cos, sin, write, masks[leader], cache.k[i], cache.v[i],
-                                     steps.compile)
+            hidden = steps.attention(runner, w, hidden, cos, sin, window_starts[i], offsets, masks[leader],
+                                     cache.k[i], cache.v[i], steps.compile)  # writes slots window_starts[i] + offsets
         if not (planned and i in skip_mlp):
             hidden = steps.mlp(runner, w, hidden, steps.compile)
     if key.split >= key.end:

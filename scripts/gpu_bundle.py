@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     for folder in ("meta", "a", "b"):
         print(f"{args.out / folder}: {folder_bytes(args.out / folder) / 2**20:.1f} MiB")
     print("carry runs/lease/meta with runs/lease/a in the first device command and with runs/lease/b in the "
-          "second (docs/GPU.md, 'The lease sequence')")
+          "second (docs/GPU.md, 'Running on an offline GPU machine with a time limit')")
     return 0
 
 

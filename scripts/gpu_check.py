@@ -1,40 +1,42 @@
-"""One command, one run on a GPU machine: exactness, host syncs, forward costs, decoding speed against `transformers`,
-training.
+"""One command for a GPU machine with a time limit: the headline numbers first, then the rest in falling order of value.
 
-    python3 scripts/gpu_check.py                                  # a GPU machine: the full run (<= 400 s budget)
-    python3 scripts/gpu_check.py --device cpu                     # tiny shapes, a few tokens, seconds (CI)
+    python3 scripts/gpu_check.py                                  # a GPU machine: the full run (240 s budget)
+    python3 scripts/gpu_check.py --device cpu                     # tiny stand-in shapes, a few tokens (CI)
+    python3 scripts/gpu_check.py --device cpu --compile-backend eager   # the same with compiled steps (graph counts)
 
 Runs from a bare checkout (importing ``lease`` puts the checkout on ``sys.path``). Results go to ``--out``, else
-``$OUT`` (the folder that comes back from a device lease), else ``runs/gpu/``: ``gpu_check.json``, rewritten after
-every part and every shape (a command killed during the 7B compile keeps the smaller shapes), ``GPU.md`` (the result
-block) and ``TRAINING.md`` (the training table). ``--budget-s`` is the run's own wall budget: nothing new starts
-after it, so it ends with results. A missing optional package (``lease.OPTIONAL``) is a note, not a failure.
+``$OUT`` (a results folder that comes back from a batch job or a remote machine), else ``runs/gpu/``:
+``gpu_check.json``, rewritten after every piece (a run cut at any point keeps everything finished before it),
+``GPU.md`` (the result block) and ``TRAINING.md`` (the training table). ``--budget-s`` is the run's wall budget and
+each part has its own (``PART_BUDGETS_S``): a piece that would start past either is cut with a note, so the run
+ends with results. A missing optional package (``lease.OPTIONAL``) is a note, not a failure.
 
-Parts, in order (a part that raises is recorded under ``errors`` and the run goes on):
+Parts, in falling order of value (a part that raises is recorded under ``errors`` and the run goes on; each records
+its start offset, seconds, budget and dynamo graph compiles under ``parts``):
 
-1. exact: logits of our runner vs `transformers` on two tiny seeded models (Llama, Qwen2) in fp32
-   and bf16 (``parity_max_abs`` is the fp32 maximum); the one-row vs many-row logit spread of those
-   models on the device (fp32 and bf16, the check's executor and eager: ``infer.measure.exactness.measure_spread``);
-   greedy output of every drafter vs ``autoregressive`` on the device in fp32 (SWIFT with token trees),
-   each mismatch classified with the drafter's own verification argmax and the fp32 runner's measured
-   rounding (``infer.measure.exactness``): on CUDA only mismatches beyond a tie flip fail (cuBLAS is not
-   batch-invariant, fp32 included), on a CPU every mismatch fails; one seeded sampled generation per
-   drafter, which must complete.
-2. syncs: host syncs per draft-verify cycle of every drafter (``infer.measure.syncs.measure_decode``) on a tiny
-   model in fp32, with the targets they are held to (reported, never failing the run).
-3. train: ``train_bench.train_check`` (training step speed/memory and an end-to-end
-   train -> save -> decode check, with a byte-level tokenizer built in code unless ``--tokenizer-dir``).
-4. shapes: random-init SmolLM2-135M, Llama-3.2-1B-like and Llama-2-7B-like models in bf16
-   (``--tiny``: 4-layer stand-ins of each): ms per full one-token forward; v(T) = cost of
-   verifying T tokens / one token, T = 1..32; c(E) = cost of a draft step through layers [0, E) +
-   norm + head / one full forward, E = L/4, L/2, 3L/4; CUDA kernels per forward and the attention
-   kernels' names (torch's profiler); our autoregressive and ``early_exit`` (E = L/4, k = 4) tokens/s
-   with the early exit's draft and verify step times (CUDA events), and the static forwards built and
-   CUDA graphs captured in warm-up and in timed runs (timed runs must capture none); the bf16 spread at
-   that shape; our peak memory with the transformers model off the device; the peers ``hf_generate``
-   (dynamic cache), ``hf_early_exit`` (transformers' assistant at E = L/4) and ``hf_static`` (static
-   cache; compiled by transformers on CUDA, its compiles inside the timed runs counted; not started
-   within ``COMPILE_RESERVE_S`` of the budget: skipped with a note).
+a. shapes: random-init SmolLM2-135M, Llama-3.2-1B-like and Llama-2-7B-like models in bf16 (on a CPU, fp32 4-layer
+   stand-ins named "stand-in for ..."), each in turn: our plain decoding (compiled and captured on CUDA) tokens/s,
+   then ``transformers`` compiled static-cache ``generate`` (``hf_static``) on the same model, then ms per full
+   forward, v(T) (verifying T tokens / one token) and c(E) (a draft through layers [0, E) + head / one full
+   forward, E = L/4, L/2, 3L/4), then kernels per forward (the profiler over the compiled forward run uncaptured,
+   never over a graph replay, beside the eager forward's count; at least one kernel per layer is checked); at the
+   first shape every drafter's per-cycle cost (draft and verify ms per cycle, tokens per cycle); on CUDA the bf16
+   one-row vs many-row spread. Static forwards built, graphs captured and compiles in the timed runs are counted
+   (must be 0).
+b. greedy: every drafter's fp32 greedy output vs ``autoregressive`` on the tiny seeded Llama, on the check's
+   executor and on eager, each mismatch classified with the drafter's own verification argmax and the fp32
+   runner's measured rounding (``infer.measure.exactness``): on CUDA only mismatches beyond a tie flip fail
+   (cuBLAS is not batch-invariant, fp32 included), on a CPU every mismatch fails.
+c. checks: one seeded sampled generation per drafter (must complete); host syncs per draft-verify cycle of every
+   drafter (``infer.measure.syncs``) with the targets they are held to (reported, never failing the run).
+d. train: ``train_bench.train_check`` (training step speed/memory and an end-to-end train -> save -> decode check).
+e. rest: logits of our runner vs ``transformers`` on both tiny models (fp32, bf16), their one-row vs many-row
+   spread, greedy identity on the tiny Qwen2, and the uncompiled ``generate`` peers at the shapes (dynamic cache,
+   transformers' early-exit assistant).
+
+Decoding runs under ``torch.no_grad()`` throughout (the engine's grad mode), and every runner of one model
+geometry and dtype shares its compiled steps (``infer.compiled.StepCache``): the whole run compiles each step
+kind once per geometry, ``compiles`` in the JSON counts them.
 
 Only torch, transformers, tokenizers, safetensors, numpy, pyyaml and tqdm are needed: no model cache, no network;
 accelerate, peft, optuna, datasets, wandb, gguf and deepspeed are optional.
@@ -53,6 +55,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -61,6 +64,7 @@ import torch
 import transformers
 from transformers import GenerationConfig, LlamaConfig
 
+from infer.compiled import BACKENDS, StepCache
 from infer.drafters import build_drafter
 from infer.engine import DecodeConfig, Engine
 from infer.measure.exactness import (
@@ -83,21 +87,23 @@ from layerskip_core.settings import RunSettings, resolve_compile
 
 BEGIN, END = "<!-- gpu_check:begin -->", "<!-- gpu_check:end -->"
 RESULT_FILE = "gpu_check.json"
-"""The result, rewritten after every part and every shape."""
+"""The result, rewritten after every piece."""
 TINY_MODELS = (("llama", 0), ("qwen2", 1))
-"""The tiny seeded models of the exactness part: (kind, seed)."""
+"""The tiny seeded models: (kind, seed); the first is the greedy part's, the second the rest's."""
 SWIFT_TREES = {"context_window": 4, "tree": True, "adaptive": False, "remember": "off"}
 """SWIFT settings that verify token trees from the first cycles (no fallback gate, nothing remembered)."""
 SAMPLING = SamplingConfig(temperature=0.8, top_p=0.95, seed=0)
 """The seeded sampled generation each drafter must complete."""
-FULL_BUDGET_S = 400.0
-"""Default wall budget of a full (GPU) run: no part, shape or peer starts after it, and no ``hf_static`` peer (the one
-transformers compiles) starts within ``COMPILE_RESERVE_S`` of it. Estimated on an H200 (not yet measured): parts 1-3
-and our decoding at the three shapes about 2.5 minutes, the dynamic-cache and assistant peers about 30 s, each
-static-cache compile 30-90 s; a piece started just before the budget can overrun it by its own length (a 7B compile:
-about 90 s), so the command line's ``timeout`` is set 2 minutes above it (docs/GPU.md)."""
-COMPILE_RESERVE_S = 90.0
-"""Seconds of budget an ``hf_static`` peer (a torch.compile) needs left to start."""
+FULL_BUDGET_S = 240.0
+"""Default wall budget of a full (GPU) run: no piece starts after it. A piece started just before it can overrun it by
+its own length (a 7B static-cache compile: about 90 s, estimated), so a job's time limit should sit about 2 minutes
+above it (docs/GPU.md)."""
+PART_BUDGETS_S = {"shapes": 150.0, "greedy": 25.0, "checks": 20.0, "train": 20.0, "rest": 25.0}
+"""Each part's own wall budget on a GPU (seconds from the part's start; no new piece of it starts after it). They
+rest on estimates, not measurements on a GPU (docs/GPU.md, "Budgets"): per shape a random init, our warm-up with
+its two compiles and the captures, the static-cache compile of transformers (30-90 s), about 10 s of timing."""
+COMPILE_RESERVE_S = 60.0
+"""Seconds of a part's budget an ``hf_static`` peer (a torch.compile by transformers) needs left to start."""
 
 
 @dataclass(frozen=True)
@@ -122,8 +128,9 @@ class Shape:
                            eos_token_id=2, pad_token_id=2)
 
     def tiny(self) -> Shape:
-        """A 4-layer stand-in with the same name and tying, small enough for a CPU in seconds."""
-        return Shape(self.name, 4, 64, 4, 2 if self.kv_heads < self.heads else 4, 128, 320, self.tied, self.rope_theta)
+        """A 4-layer stand-in, named as one (not with the real model's name), with the same tying and grouping."""
+        return Shape(f"stand-in for {self.name}", 4, 64, 4, 2 if self.kv_heads < self.heads else 4, 128, 320,
+                     self.tied, self.rope_theta)
 
 
 SHAPES = (
@@ -153,13 +160,15 @@ class Settings:
     """Lengths of the seeded prompts the spread is measured after."""
     budget_s: float
     """Wall budget in seconds: nothing new starts after it (0 = no budget)."""
+    part_budgets_s: dict = field(default_factory=dict)
+    """Each part's own budget in seconds from its start (a missing part or 0 = none)."""
 
     @classmethod
     def for_run(cls, tiny: bool, budget_s: float | None = None) -> Settings:
         if tiny:
             return cls(True, 8, 8, 1, (1, 2, 4, 8), (2, 3, 4, 8), (9,), budget_s or 0.0)
         return cls(False, 32, 64, 3, tuple(range(1, 33)), tuple(range(2, 33)), (5, 9, 14),
-                   FULL_BUDGET_S if budget_s is None else budget_s)
+                   FULL_BUDGET_S if budget_s is None else budget_s, dict(PART_BUDGETS_S))
 
 
 @dataclass
@@ -173,7 +182,23 @@ class Run:
     started: float = field(default_factory=time.perf_counter)
     """perf_counter() at the start."""
     notes: list[str] = field(default_factory=list)
-    """Skipped pieces and other remarks, in order (also printed under the table)."""
+    """Cut pieces and other remarks, in order (also printed under the table)."""
+    backend: str | None = None
+    """The compile backend of our static forwards (None: not compiled)."""
+    result: dict = field(default_factory=dict)
+    """The result so far (``save`` writes it)."""
+    saver: Callable[[dict], None] | None = None
+    """Writes the result (after every piece)."""
+    part_name: str | None = None
+    """The part running now."""
+    part_started: float = 0.0
+    """perf_counter() at its start."""
+
+    def __post_init__(self):
+        self.steps = StepCache(self.backend or "inductor")
+        """Compiled steps shared by every runner of one geometry, dtype and device in this run."""
+        self.graphs_at_start = lease.compile_count()
+        """Dynamo's graph count when the run started."""
 
     @property
     def executor(self) -> str:
@@ -181,16 +206,41 @@ class Run:
         return "graphs" if self.device.type == "cuda" else "static"
 
     @property
-    def compile(self) -> bool:
-        """Whether the static forwards compile (``layerskip_core.settings``' default: on CUDA)."""
-        return resolve_compile(None, self.device)
+    def compile(self) -> StepCache | bool:
+        """What runners get as ``compile``: the run's shared ``StepCache`` when compiling, else False."""
+        return self.steps if self.backend else False
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
 
     def over_budget(self, reserve: float = 0.0) -> bool:
-        """Whether fewer than ``reserve`` seconds of the wall budget are left."""
-        return lease.Budget(self.settings.budget_s, self.started).over(reserve)
+        """Whether fewer than ``reserve`` seconds are left of the run's budget or of the running part's."""
+        if lease.Budget(self.settings.budget_s, self.started).over(reserve):
+            return True
+        part = self.settings.part_budgets_s.get(self.part_name or "", 0.0)
+        return lease.Budget(part, self.part_started).over(reserve)
+
+    def cut(self, piece: str, reserve: float = 0.0) -> bool:
+        """True (with a note saying so) when ``piece`` must not start: the budget, less ``reserve``, is spent."""
+        if not self.over_budget(reserve):
+            return False
+        part = self.settings.part_budgets_s.get(self.part_name or "", 0.0)
+        self.notes.append(f"{piece} cut: under {reserve:.0f} s left of the {self.settings.budget_s:.0f} s run budget "
+                          f"or of part {self.part_name}'s {part:.0f} s (at {self.elapsed():.0f} s)")
+        return True
+
+    def save(self) -> None:
+        self.result["seconds"] = self.elapsed()
+        self.result["compiles"] = compile_counts(self)
+        if self.saver is not None:
+            self.saver(self.result)
+
+
+def compile_counts(run: Run) -> dict:
+    """Dynamo graphs compiled in this process (``transformers``' static-cache compiles included) and ours (the
+    shared steps): in all and per step set (runners of one geometry, dtype and device share one)."""
+    return {"dynamo_graphs": lease.compile_count() - run.graphs_at_start,
+            "ours": run.steps.compiles, "per_step_set": run.steps.counts(), "backend": run.backend}
 
 
 # --------------------------------------------------------------------------- helpers
@@ -259,49 +309,55 @@ def error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}{at}"
 
 
-def tiny_runner(kind: str, seed: int, device: torch.device, dtype: torch.dtype, executor: str) -> Runner:
-    return Runner.from_model(tiny_model(kind, seed, device=device), dtype=dtype, executor=executor,
-                             compile=resolve_compile(None, device))
+def tiny_runner(run: Run, kind: str, seed: int, dtype: torch.dtype, executor: str) -> Runner:
+    return Runner.from_model(tiny_model(kind, seed, device=run.device), dtype=dtype, executor=executor,
+                             compile=run.compile if executor != "eager" else False)
 
 
-def note_fallback(run: Run, runner: Runner, where: str) -> None:
-    """Note a runner that left the check's executor (a CUDA graph capture failed: it decodes eagerly since)."""
-    if runner.executor != run.executor:
+def note_fallback(run: Run, runner: Runner, where: str, executor: str | None = None) -> None:
+    """Note a runner that left its executor (default the check's; a CUDA graph capture failed: it decodes eagerly
+    since)."""
+    if runner.executor != (executor or run.executor):
         run.notes.append(f"{where}: the runner fell back from {run.executor} to {runner.executor} (a CUDA graph "
                          "capture failed; see the warning on stderr)")
 
 
-# --------------------------------------------------------------------------- 1. exactness
+# --------------------------------------------------------------------------- exactness
 def parity(device: torch.device) -> dict[str, float]:
-    """Max |runner logits - transformers logits| over a 16-token prompt, per tiny model and dtype."""
+    """Max |runner logits - transformers logits| over a 16-token prompt, per tiny model and dtype (eager)."""
     out = {}
     for kind, seed in TINY_MODELS:
         for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
             model = tiny_model(kind, seed, device=device).to(dtype)
             runner = Runner.from_model(model, dtype=dtype)
             ids = torch.tensor(prompt_ids(320, 16, seed), device=device)  # (T,)
-            with torch.no_grad():
-                ref = model(ids[None]).logits[0].float()  # (T, V)
-                ours = runner.forward(runner.new_cache(32), ids).float()  # (T, V)
-            out[f"{kind}/{name}"] = float((ref - ours).abs().max())
+            ref = model(ids[None]).logits[0].float()  # (T, V)
+            ours_ = runner.forward(runner.new_cache(32), ids).float()  # (T, V)
+            out[f"{kind}/{name}"] = float((ref - ours_).abs().max())
             del model, runner
     return out
 
 
+def spread_cases(run: Run) -> list[tuple[str, int, torch.dtype, str]]:
+    """(kind, seed, dtype, executor) of the spread: fp32 on the check's executor and eager, bf16 eager (the compiled
+    bf16 spread is measured at the real shapes, part a: a tiny bf16 model would compile twice more)."""
+    return [(kind, seed, dtype, executor) for kind, seed in TINY_MODELS
+            for dtype, executor in ((torch.float32, run.executor), (torch.float32, "eager"),
+                                    (torch.bfloat16, "eager"))]
+
+
 def spreads(run: Run) -> dict[str, dict]:
-    """The one-row vs many-row spread of the tiny models on the device: fp32 and bf16, check executor and eager."""
+    """The one-row vs many-row spread of the tiny models on the device (``spread_cases``)."""
     out = {}
     s = run.settings
-    for kind, seed in TINY_MODELS:
-        for dtype in (torch.float32, torch.bfloat16):
-            for executor in (run.executor, "eager"):
-                runner = tiny_runner(kind, seed, run.device, dtype, executor)
-                prompts = spread_prompts(runner.spec.vocab_size, s.spread_prompt_lengths, seed)
-                found = measure_spread(runner, prompts, s.spread_sizes)
-                found["per_size"] = {str(T): v for T, v in found["per_size"].items()}
-                out[f"{kind}/{found['dtype']}/{executor}"] = found
-                if executor == run.executor:
-                    note_fallback(run, runner, f"spread ({kind}, {found['dtype']})")
+    for kind, seed, dtype, executor in spread_cases(run):
+        runner = tiny_runner(run, kind, seed, dtype, executor)
+        prompts = spread_prompts(runner.spec.vocab_size, s.spread_prompt_lengths, seed)
+        found = measure_spread(runner, prompts, s.spread_sizes)
+        found["per_size"] = {str(T): v for T, v in found["per_size"].items()}
+        out[f"{kind}/{found['dtype']}/{executor}"] = found
+        if executor == run.executor:
+            note_fallback(run, runner, f"spread ({kind}, {found['dtype']})")
     return out
 
 
@@ -337,55 +393,68 @@ def decode_counting(engine: Engine, prompt: list[int], gen: DecodeConfig,
     return tokens, outcome_counts(outcomes)
 
 
-def greedy_identity(run: Run, new_tokens: int) -> dict:
-    """Every drafter's fp32 greedy output vs autoregressive on the device, each mismatch classified with the drafter's
-    own verification argmax and the rounding of the one-row path against an fp32 full-sequence recomputation
-    (``infer.measure.exactness``; recorded per model)."""
+def greedy_identity(run: Run, new_tokens: int, models=TINY_MODELS[:1],
+                    executors: tuple[str, ...] | None = None) -> dict:
+    """Every drafter's fp32 greedy output vs autoregressive on the device, per tiny model and executor (default: the
+    check's and eager), each mismatch classified with the drafter's own verification argmax and the rounding of the
+    one-row path against an fp32 full-sequence recomputation (``infer.measure.exactness``; recorded per runner)."""
     detail: dict[str, dict] = {}
-    totals = {"mismatches": 0, "tie_flips": 0, "failures": 0, "runs": 0}
     gen = DecodeConfig(max_new_tokens=new_tokens, stop_at_eos=False)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-        for kind, seed in TINY_MODELS:
-            runner = tiny_runner(kind, seed, run.device, torch.float32, run.executor)
-            rounding = measure_rounding(runner, prompts=spread_prompts(320, run.settings.spread_prompt_lengths, seed))
-            judge = DivergenceJudge(runner, gen, rounding["max_abs"])
-            prompts = [prompt_ids(320, n, seed + n) for n in (5, 9, 14)]
-            plain = Engine(runner, build_drafter("autoregressive", runner))
-            refs = [plain.generate(p, gen).tokens for p in prompts]
-            for name, options in drafter_specs(runner, Path(tmp)).items():
-                try:
-                    engine = Engine(runner, build_drafter(name, runner, options))
-                except ImportError as e:
-                    run.notes.append(f"greedy identity: {name} skipped ({e.name or e} not installed)")
-                    continue
-                outs, counts = [], {"verifications": 0, "trees": 0, "compactions": 0}
-                for p in prompts:
-                    tokens, verified, outcomes = decode_verified(engine, p, gen)
-                    outs.append((tokens, verified))
-                    counts = {k: counts[k] + c for k, c in outcome_counts(outcomes).items()}
-                engine.close()
-                wrong = [asdict(judge.classify(p, ref, out, verified))
-                         for p, ref, (out, verified) in zip(prompts, refs, outs, strict=True) if out != ref]
-                flips = sum(d["tie_flip"] for d in wrong)
-                failures = len(wrong) - flips if run.device.type == "cuda" else len(wrong)
-                detail[f"{kind}/{name}"] = {"rounding": rounding["max_abs"], "runs": len(prompts),
-                                            "mismatches": len(wrong), "tie_flips": flips, "failures": failures,
-                                            "divergences": wrong, **counts}
-                totals = {"mismatches": totals["mismatches"] + len(wrong), "tie_flips": totals["tie_flips"] + flips,
-                          "failures": totals["failures"] + failures, "runs": totals["runs"] + len(prompts)}
-            note_fallback(run, runner, f"greedy identity ({kind})")
-            del runner
-            free(run.device)
-    return {"greedy_fp32_mismatches": totals["mismatches"], "greedy_fp32_tie_flips": totals["tie_flips"],
-            "greedy_fp32_failures": totals["failures"], "greedy_runs": totals["runs"], "greedy_detail": detail,
-            "swift_trees": sum(d["trees"] for k, d in detail.items() if k.endswith("/swift")),
-            "swift_compactions": sum(d["compactions"] for k, d in detail.items() if k.endswith("/swift"))}
+        for kind, seed in models:
+            for executor in executors or (run.executor, "eager"):
+                runner = tiny_runner(run, kind, seed, torch.float32, executor)
+                detail |= {f"{kind}/{executor}/{name}": d for name, d in identity_runs(run, runner, seed, gen,
+                                                                                        Path(tmp)).items()}
+                note_fallback(run, runner, f"greedy identity ({kind})", executor)
+                del runner
+                free(run.device)
+    return identity_totals(detail)
+
+
+def identity_runs(run: Run, runner: Runner, seed: int, gen: DecodeConfig, folder: Path) -> dict[str, dict]:
+    """Each drafter's greedy runs on three seeded prompts against the autoregressive references, judged."""
+    rounding = measure_rounding(runner, prompts=spread_prompts(320, run.settings.spread_prompt_lengths, seed))
+    judge = DivergenceJudge(runner, gen, rounding["max_abs"])
+    prompts = [prompt_ids(320, n, seed + n) for n in (5, 9, 14)]
+    plain = Engine(runner, build_drafter("autoregressive", runner))
+    refs = [plain.generate(p, gen).tokens for p in prompts]
+    detail = {}
+    for name, options in drafter_specs(runner, folder).items():
+        try:
+            engine = Engine(runner, build_drafter(name, runner, options))
+        except ImportError as e:
+            run.notes.append(f"greedy identity: {name} skipped ({e.name or e} not installed)")
+            continue
+        outs, counts = [], {"verifications": 0, "trees": 0, "compactions": 0}
+        for p in prompts:
+            tokens, verified, outcomes = decode_verified(engine, p, gen)
+            outs.append((tokens, verified))
+            counts = {k: counts[k] + c for k, c in outcome_counts(outcomes).items()}
+        engine.close()
+        wrong = [asdict(judge.classify(p, ref, out, verified))
+                 for p, ref, (out, verified) in zip(prompts, refs, outs, strict=True) if out != ref]
+        flips = sum(d["tie_flip"] for d in wrong)
+        failures_ = len(wrong) - flips if run.device.type == "cuda" else len(wrong)
+        detail[name] = {"rounding": rounding["max_abs"], "runs": len(prompts), "mismatches": len(wrong),
+                        "tie_flips": flips, "failures": failures_, "divergences": wrong, **counts}
+        run.save()
+    return detail
+
+
+def identity_totals(detail: dict[str, dict], prefix: str = "greedy") -> dict:
+    total = {k: sum(d[k] for d in detail.values()) for k in ("mismatches", "tie_flips", "failures", "runs")}
+    swift = [d for k, d in detail.items() if k.endswith("/swift")]
+    return {f"{prefix}_fp32_mismatches": total["mismatches"], f"{prefix}_fp32_tie_flips": total["tie_flips"],
+            f"{prefix}_fp32_failures": total["failures"], f"{prefix}_runs": total["runs"], f"{prefix}_detail": detail,
+            f"{prefix}_swift_trees": sum(d["trees"] for d in swift),
+            f"{prefix}_swift_compactions": sum(d["compactions"] for d in swift)}
 
 
 def sampled(run: Run, new_tokens: int) -> dict[str, dict]:
     """One seeded sampled generation per drafter on the tiny Llama (fp32, the check's executor): it must complete
     with ``new_tokens`` tokens (no exactness claim: a drafter's sampled output is equal in distribution only)."""
-    runner = tiny_runner("llama", 0, run.device, torch.float32, run.executor)
+    runner = tiny_runner(run, "llama", 0, torch.float32, run.executor)
     gen = DecodeConfig(max_new_tokens=new_tokens, stop_at_eos=False, sampling=SAMPLING)
     out = {}
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
@@ -402,7 +471,7 @@ def sampled(run: Run, new_tokens: int) -> dict[str, dict]:
     return out
 
 
-# --------------------------------------------------------------------------- 2. syncs
+# --------------------------------------------------------------------------- syncs
 SYNC_TARGETS = {
     "early_exit": ("per_cycle <= 1", lambda s: s["per_cycle"] <= 1.0),
     "self_sd": ("per_cycle <= draft_steps_per_cycle + 2", lambda s: s["per_cycle"] <= s["draft_steps_per_cycle"] + 2),
@@ -414,7 +483,7 @@ SYNC_TARGETS = {
 def syncs(run: Run, new_tokens: int) -> dict:
     """Host syncs per cycle of every drafter, greedy, on the tiny Llama in fp32 on the check's executor (after a
     warm-up, so nothing is built while counting), and the targets."""
-    runner = tiny_runner("llama", 0, run.device, torch.float32, run.executor)
+    runner = tiny_runner(run, "llama", 0, torch.float32, run.executor)
     gen = DecodeConfig(max_new_tokens=new_tokens, stop_at_eos=False)
     prompt = prompt_ids(320, 12, 7)
     out, targets = {}, {}
@@ -443,21 +512,65 @@ def syncs(run: Run, new_tokens: int) -> dict:
     return {"syncs": out, "sync_targets": targets}
 
 
-# --------------------------------------------------------------------------- 3. shapes
+# --------------------------------------------------------------------------- shapes
 DRAFT_VOCAB = 8192
 """Token ids of the reduced-vocabulary draft head whose c(E) is measured beside the full head's."""
 
 
+@contextmanager
+def uncaptured(runner: Runner):
+    """Static forwards run as they are inside (compiled, not replayed as CUDA graphs): what a kernel count profiles,
+    since CUPTI on CUDA 13.0 reports the kernels of a graph replay wrongly."""
+    static = runner.static
+    capture = static.capture if static is not None else False
+    if static is not None:
+        static.capture = False
+    try:
+        yield
+    finally:
+        if static is not None:
+            static.capture = capture
+
+
+def kernel_count(fn: Callable[[], object], device: torch.device) -> dict:
+    """Kernels one call of ``fn`` launches: CUDA kernels through the profiler (``lease.kernel_profile``); on a CPU a
+    stand-in, the top-level operators (``infer.compiled.count_kernels``), so the check's plumbing runs there too."""
+    if device.type == "cuda":
+        return lease.kernel_profile(fn, device)
+    from infer.compiled import count_kernels
+
+    fn()
+    return {"kernels_per_forward": count_kernels(fn, device), "attention_kernels": [],
+            "kernel_note": "CPU stand-in: top-level operators, a compiled region counted once"}
+
+
+def kernels(runner: Runner, P: int, span: Callable[[int, int], Callable[[], object]], device: torch.device) -> dict:
+    """Kernels per one-token forward: the static forward uncaptured (compiled where the run compiles) and the eager
+    forward, with the check that the static count is at least one kernel per layer (a lower count means the
+    profiler missed kernels)."""
+    L = runner.num_layers
+    with uncaptured(runner):
+        found = kernel_count(span(1, L), device)
+    one = torch.tensor([10], device=device)  # (1,)
+    eager = kernel_count(lambda: runner.forward(runner.new_cache(P + 2), one), device)
+    n = found["kernels_per_forward"]
+    found |= {"kernels_per_layer": None if n is None else n / L, "kernels_counted_on": "uncaptured static forward",
+              "kernels_per_forward_eager": eager["kernels_per_forward"],
+              "attention_kernels_eager": eager["attention_kernels"],
+              "kernels_at_least_one_per_layer": None if n is None else n >= L}
+    return found
+
+
 def forward_costs(runner: Runner, settings: Settings, device: torch.device, tally: GraphTally) -> dict:
     """ms of a one-token full forward, v(T) for T in ``verify_sizes``, c(E) at E = L/4, L/2, 3L/4 with the full LM
-    head and with a ``DRAFT_VOCAB``-token draft head (``c_vocab``; random ids: speed does not depend on which), in
-    a pooled cache (the capacity the decoding below uses, so its static forwards and graphs serve both)."""
+    head and with a ``DRAFT_VOCAB``-token draft head (``c_vocab``; random ids: speed does not depend on which), and
+    the kernel counts (``kernels``), in a pooled cache (the capacity the decoding uses, so its static forwards and
+    graphs serve both)."""
     L, P = runner.num_layers, settings.prompt_len
     cache = runner.take_cache(P + max(settings.verify_sizes) + 8)
     context = torch.tensor(prompt_ids(runner.spec.vocab_size, P, 0), device=device)  # (P,)
     runner.forward(cache, context)
     repeats = 3 if settings.tiny else 10
-
     V = runner.spec.vocab_size
     head = runner.draft_head(torch.randperm(V, generator=torch.Generator().manual_seed(0))[:min(DRAFT_VOCAB, V // 4)])
 
@@ -474,65 +587,72 @@ def forward_costs(runner: Runner, settings: Settings, device: torch.device, tall
         exits = sorted({max(1, round(L * f)) for f in (0.25, 0.5, 0.75)})
         draft = {E: timed(span(1, E), device, repeats, runner=runner, tally=tally) for E in exits}
         small = {E: timed(span(1, E, head), device, repeats, runner=runner, tally=tally) for E in exits}
-        kernels = lease.kernel_profile(span(1, L), device)  # after the timings: on the forward they captured
-        one = torch.tensor([10], device=device)  # (1,)
-        eager = lease.kernel_profile(lambda: runner.forward(runner.new_cache(P + 2), one), device)  # the eager path
+        counted = kernels(runner, P, span, device)
     finally:
         runner.release_cache(cache)
-    per_layer = None if kernels["kernels_per_forward"] is None else kernels["kernels_per_forward"] / L
-    kernels["kernels_per_forward_eager"] = eager["kernels_per_forward"]
-    kernels["attention_kernels_eager"] = eager["attention_kernels"]
     return {"ms_forward": 1000 * full[1], "v": {str(T): t / full[1] for T, t in full.items()},
             "c": {str(E): t / full[1] for E, t in draft.items()},
-            "c_vocab": {str(E): t / full[1] for E, t in small.items()}, "draft_vocab": head.size,
-            **kernels, "kernels_per_layer": per_layer}
+            "c_vocab": {str(E): t / full[1] for E, t in small.items()}, "draft_vocab": head.size, **counted}
 
 
-def ours(runner: Runner, prompt: list[int], settings: Settings, tally: GraphTally) -> dict:
-    """Our autoregressive and early-exit (E = L/4, k = 4) tokens/s, median of repeats after ``Engine.warm_up``
-    (which builds every static forward and captures every CUDA graph the timed runs use)."""
+def shape_drafters(runner: Runner, folder: Path) -> dict[str, tuple[str, dict]]:
+    """The drafters whose per-cycle cost is measured at a shape: key -> (name, options). Self-SD skips alternate
+    sublayers of the back half (a plan file for this model), SWIFT verifies token trees."""
+    L = runner.num_layers
+    plan = folder / f"plan-{runner.fingerprint[:8]}.json"
+    PlanFile(LayerPlan(L, skip_attn=frozenset(range(L // 2, L, 2)), skip_mlp=frozenset(range(L // 2 + 1, L, 2))),
+             runner.identity(), source="gpu_check").save(plan)
+    E = max(1, L // 4)
+    return {"autoregressive": ("autoregressive", {}),
+            "early_exit": ("early_exit", {"exit_layer": E, "num_draft": 4}),
+            "self_sd": ("self_sd", {"plan": str(plan), "num_draft": 4}),
+            "swift": ("swift", dict(SWIFT_TREES))}
+
+
+def decode_speed(engine: Engine, prompt: list[int], settings: Settings, tally: GraphTally) -> dict:
+    """tokens/s (median of repeats after ``Engine.warm_up``, which builds every static forward and captures every
+    CUDA graph the timed runs use), and per cycle: draft and verify ms (``step_times``), tokens, drafted tokens."""
     gen = DecodeConfig(max_new_tokens=settings.new_tokens, stop_at_eos=False)
-    E = max(1, runner.num_layers // 4)
-    out = {}
-    for key, name, options in (("ours_ar", "autoregressive", {}),
-                               ("ours_early_exit", "early_exit", {"exit_layer": E, "num_draft": 4})):
-        engine = Engine(runner, build_drafter(name, runner, options))
-        before = graph_counts(runner)
-        engine.warm_up([prompt], gen)
-        warm = graph_counts(runner)
-        results = [engine.generate(prompt, gen) for _ in range(settings.repeats)]
-        tally.add(before, warm, graph_counts(runner))
-        out[f"{key}_tok_s"] = statistics.median(r.stats.tokens_per_second for r in results)
-        if name == "early_exit":
-            out |= step_times(engine, prompt, gen)
-            s = results[-1].stats
-            out["ours_early_exit_acceptance"] = s.acceptance_rate
-            out["early_exit_E"] = E
-    return out
+    runner = engine.runner
+    before = graph_counts(runner)
+    engine.warm_up([prompt], gen)
+    warm = graph_counts(runner)
+    results = [engine.generate(prompt, gen) for _ in range(settings.repeats)]
+    tally.add(before, warm, graph_counts(runner))
+    s = results[-1].stats
+    cycles = max(1, s.verify_calls)
+    return {"tok_s": statistics.median(r.stats.tokens_per_second for r in results),
+            "tokens_per_cycle": s.new_tokens / cycles, "drafted_per_cycle": s.drafted / cycles,
+            "acceptance": s.acceptance_rate, **step_times(engine, prompt, gen)}
 
 
 def step_times(engine: Engine, prompt: list[int], gen: DecodeConfig) -> dict:
-    """ms per draft forward and per verification of one more generation, from CUDA events on CUDA
+    """ms of drafting and of verifying per cycle of one more generation, from CUDA events on CUDA
     (``infer.measure.timing``; the engine's own split is taken without a device sync) and perf_counter elsewhere."""
     s = timed_generate(engine, prompt, gen)[0].stats
-    forwards = s.drafter.draft_forwards or max(1, s.drafted)
-    return {"ours_early_exit_draft_ms": 1000 * s.draft_time / forwards,
-            "ours_early_exit_verify_ms": 1000 * s.verify_time / max(1, s.verify_calls),
+    cycles = max(1, s.verify_calls)
+    return {"draft_ms_per_cycle": 1000 * s.draft_time / cycles, "verify_ms_per_cycle": 1000 * s.verify_time / cycles,
             "step_timer": "cuda events" if engine.runner.device.type == "cuda" else "perf_counter"}
 
 
-def peer_variants(exit_layer: int) -> dict[str, dict]:
-    """transformers' generate variants (result key -> generation kwargs), in the order they run: the static cache
-    last, since on CUDA transformers compiles the model for it, the slowest thing the check does."""
-    return {"hf_dynamic_tok_s": {},
-            "hf_early_exit_tok_s": {"assistant_early_exit": exit_layer, "num_assistant_tokens": 4},
-            "hf_static_tok_s": {"cache_implementation": "static"}}
+def drafter_costs(run: Run, runner: Runner, prompt: list[int], tally: GraphTally, into: dict) -> None:
+    """Every drafter's decoding speed and per-cycle cost at this shape, into ``into`` (saved after each)."""
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        for key, (name, options) in shape_drafters(runner, Path(tmp)).items():
+            if run.cut(f"drafter cost {key}"):
+                continue
+            try:
+                engine = Engine(runner, build_drafter(name, runner, options))
+                into[key] = decode_speed(engine, prompt, run.settings, tally)
+                engine.close()
+            except Exception as e:  # one drafter that cannot run here must not hide the others
+                into[key] = {"error": error_text(e)}
+            run.save()
 
 
-def peers(model, prompt: list[int], run: Run) -> dict:
-    """transformers generate on the same model object: dynamic cache, early-exit assistant, static cache. Each
-    variant on its own (one that fails, or runs out of memory, is a note); the static cache (compiled by transformers
-    on CUDA) not started once over the time budget."""
+def peer_generate(model, prompt: list[int], run: Run, key: str, kwargs: dict) -> dict:
+    """One ``transformers`` generate variant on ``model``: tokens/s (median) after warm-up, and the compiles inside
+    its timed runs (``hf_static`` is compiled by transformers on CUDA). A failure is a note."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # generate() warns about its assistant's and the static cache's kwargs
@@ -540,72 +660,31 @@ def peers(model, prompt: list[int], run: Run) -> dict:
     x = torch.tensor([prompt], device=device)  # (1, P)
     mask = torch.ones_like(x)
     model.generation_config.eos_token_id = None  # random weights: run to max_new_tokens like ours
-    out = {}
-    for key, kwargs in peer_variants(max(1, model.config.num_hidden_layers // 4)).items():
-        reserve = COMPILE_RESERVE_S if kwargs.get("cache_implementation") == "static" else 0.0
-        if run.over_budget(reserve):
-            run.notes.append(f"{model.config.num_hidden_layers}-layer shape: {key} skipped (under {reserve:.0f} s "
-                             f"left of the {settings.budget_s:.0f} s budget at {run.elapsed():.0f} s)")
-            continue
-        gen = GenerationConfig(max_new_tokens=settings.new_tokens, min_new_tokens=settings.new_tokens,
-                               do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
+    gen = GenerationConfig(max_new_tokens=settings.new_tokens, min_new_tokens=settings.new_tokens,
+                           do_sample=False, eos_token_id=None, pad_token_id=0, **kwargs)
 
-        def call(gen=gen):
-            with torch.no_grad():
-                return model.generate(x, attention_mask=mask, generation_config=gen)[0].tolist()
-        try:
-            for _ in range(2 if kwargs.get("cache_implementation") else 1):  # warm-up: the full prompt and length
-                call()
-            compiles = lease.compile_count()
-            seconds = timed(call, device, settings.repeats, warmup=0)
-            out[key] = settings.new_tokens / seconds
-            out[key.replace("_tok_s", "_compiles_in_timed")] = lease.compile_count() - compiles
-        except Exception as e:  # a peer that transformers cannot run here (or out of memory) must not hide the others
-            run.notes.append(f"{model.config.num_hidden_layers}-layer shape: {key} failed ({error_text(e)})")
-        free(device)
+    def call():
+        return model.generate(x, attention_mask=mask, generation_config=gen)[0].tolist()
+    try:
+        for _ in range(2 if kwargs.get("cache_implementation") else 1):  # warm-up: the full prompt and length
+            call()
+        compiles = lease.compile_count()
+        seconds = timed(call, device, settings.repeats, warmup=0)
+        out = {key: settings.new_tokens / seconds, key.replace("_tok_s", "_compiles_in_timed"):
+               lease.compile_count() - compiles}
+    except Exception as e:  # a peer transformers cannot run here (or out of memory) must not hide the others
+        run.notes.append(f"{model.config.num_hidden_layers}-layer shape: {key} failed ({error_text(e)})")
+        out = {}
+    free(device)
     return out
+
+
+PEERS_REST = {"hf_dynamic_tok_s": {}, "hf_early_exit_tok_s": {"num_assistant_tokens": 4}}
+"""The uncompiled transformers peers of part e: dynamic cache, the early-exit assistant (at E = L/4)."""
 
 
 def peak_gb(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
-
-
-def measure_shape(shape: Shape, run: Run) -> dict:
-    """One shape: our forward costs and decoding with the transformers model moved off the device (``peak_gb_ours``
-    is ours alone), then the peers on the same model moved back (``peak_gb_peers``)."""
-    settings, device = run.settings, run.device
-    if settings.tiny:
-        shape = shape.tiny()
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = random_model(shape.config(), device, dtype)
-    runner = Runner.from_model(model, dtype=dtype, executor=run.executor, compile=run.compile)
-    model.to("cpu")  # our peak memory without the peer's weights
-    free(device)
-    reset_peak(device)
-    prompt = prompt_ids(shape.vocab, settings.prompt_len, 1)
-    result = {"layers": shape.layers, "dtype": str(dtype).removeprefix("torch."), "executor": runner.executor}
-    tally = GraphTally()
-    result |= forward_costs(runner, settings, device, tally)
-    result |= ours(runner, prompt, settings, tally)
-    note_fallback(run, runner, shape.name)
-    result["executor_after"] = runner.executor
-    result["static"] = asdict(tally)
-    result |= {f"{key}_in_timed": n for key, n in tally.timed.items()}  # builds, captures, compiles
-    if runner.dtype != torch.bfloat16:  # the CPU's shapes run in fp32: the spread is measured in bf16 either way
-        runner = Runner.from_model(model, dtype=torch.bfloat16, device=device, executor=run.executor,
-                                   compile=run.compile)
-    prompts = spread_prompts(shape.vocab, settings.spread_prompt_lengths)
-    result["spread_bf16"] = measure_spread(runner, prompts, settings.spread_sizes)["max_abs"]
-    result["peak_gb_ours"] = peak_gb(device)
-    del runner
-    free(device)
-    model.to(device)
-    reset_peak(device)
-    result |= peers(model, prompt, run)
-    result["peak_gb_peers"] = peak_gb(device)
-    del model
-    free(device)
-    return result
 
 
 def reset_peak(device: torch.device) -> None:
@@ -613,16 +692,97 @@ def reset_peak(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-# --------------------------------------------------------------------------- 4. training
+def shape_model(shape: Shape, run: Run):
+    """(the shape used, its random-init transformers model on the device, dtype): bf16 on CUDA, fp32 stand-ins on a
+    CPU."""
+    shape = shape.tiny() if run.settings.tiny else shape
+    dtype = torch.bfloat16 if run.device.type == "cuda" else torch.float32
+    return shape, random_model(shape.config(), run.device, dtype), dtype
+
+
+def measure_shape(shape: Shape, run: Run, first: bool, result: dict) -> None:
+    """One shape's pieces in falling order of value, into ``result`` (saved after each): our plain decoding, the
+    compiled static-cache ``generate``, the forward costs and kernel counts, (``first``) every drafter's per-cycle
+    cost, the bf16 spread (CUDA)."""
+    settings, device = run.settings, run.device
+    shape, model, dtype = shape_model(shape, run)
+    runner = Runner.from_model(model, dtype=dtype, executor=run.executor, compile=run.compile)
+    model.to("cpu")  # our peak memory without the peer's weights
+    free(device)
+    reset_peak(device)
+    prompt = prompt_ids(shape.vocab, settings.prompt_len, 1)
+    result |= {"layers": shape.layers, "dtype": str(dtype).removeprefix("torch."), "executor": runner.executor}
+    tally = GraphTally()
+    E = max(1, runner.num_layers // 4)
+    ar = decode_speed(Engine(runner, build_drafter("autoregressive", runner)), prompt, settings, tally)
+    result |= {"ours_ar_tok_s": ar["tok_s"], "ours_ar_verify_ms": ar["verify_ms_per_cycle"],
+               "peak_gb_ours": peak_gb(device)}
+    record_tally(result, tally)
+    run.save()
+    model.to(device)
+    if not run.cut(f"{shape.name}: hf_static", COMPILE_RESERVE_S):
+        reset_peak(device)
+        result |= peer_generate(model, prompt, run, "hf_static_tok_s", {"cache_implementation": "static"})
+        result["peak_gb_peers"] = peak_gb(device)
+        run.save()
+    del model
+    free(device)
+    if not run.cut(f"{shape.name}: forward costs"):
+        result |= forward_costs(runner, settings, device, tally)
+        record_tally(result, tally)
+        run.save()
+    if first:
+        drafter_costs(run, runner, prompt, tally, result.setdefault("drafters", {"E": E}))
+        record_tally(result, tally)
+    if dtype == torch.bfloat16 and not run.cut(f"{shape.name}: bf16 spread"):
+        prompts = spread_prompts(shape.vocab, settings.spread_prompt_lengths)
+        result["spread_bf16"] = measure_spread(runner, prompts, settings.spread_sizes)["max_abs"]
+    note_fallback(run, runner, shape.name)
+    result["executor_after"] = runner.executor
+    run.save()
+
+
+def record_tally(result: dict, tally: GraphTally) -> None:
+    result["static"] = asdict(tally)
+    result |= {f"{key}_in_timed": n for key, n in tally.timed.items()}  # builds, captures, compiles
+
+
+def rest_peers(run: Run, names: list[str] | None) -> dict:
+    """Part e's transformers peers at every shape (the model built again), saved after each."""
+    shapes = run.result.setdefault("shapes", {})
+    for shape in SHAPES:
+        if names and shape.name not in names or run.cut(f"{shape.name}: uncompiled peers"):
+            continue
+        used, model, _ = shape_model(shape, run)
+        E = max(1, used.layers // 4)
+        for key, kwargs in PEERS_REST.items():
+            extra = {"assistant_early_exit": E} if "early_exit" in key else {}
+            shapes.setdefault(used.name, {}).update(peer_generate(model, prompt_ids(used.vocab, run.settings.prompt_len,
+                                                                                    1), run, key, kwargs | extra))
+            run.save()
+        del model
+        free(run.device)
+    return {}
+
+
+# --------------------------------------------------------------------------- training
+@torch.no_grad()
 def runner_decode(model_dir: Path, device: torch.device, dtype: torch.dtype, prompt: list[int], n: int) -> list[int]:
     """Greedy tokens from a trained checkpoint through our runner (eager: this checks the checkpoint,
-    not the CUDA-graph capture, which part 1 covers)."""
+    not the CUDA-graph capture, which part b covers)."""
     runner = Runner.from_pretrained(model_dir, dtype=dtype, device=device, executor="eager")
     cache = runner.new_cache(len(prompt) + n + 1)
     tokens = [int(runner.forward(cache, torch.tensor(prompt, device=runner.device))[-1].argmax())]
     while len(tokens) < n:
         tokens.append(int(runner.forward(cache, torch.tensor(tokens[-1:], device=runner.device))[-1].argmax()))
     return tokens
+
+
+def optional_in(error: str) -> str | None:
+    """The optional package (``lease.OPTIONAL``) a recorded error says is missing, if any."""
+    found = re.search(r"No module named '([\w.]+)'|requires? (?:the )?`?(\w+)`? (?:library|package)", error)
+    name = found and (found.group(1) or found.group(2)).split(".")[0].lower()
+    return name if name in lease.OPTIONAL else None
 
 
 def training(run: Run, tokenizer_dir: str | None, out: Path) -> dict:
@@ -632,6 +792,10 @@ def training(run: Run, tokenizer_dir: str | None, out: Path) -> dict:
         run.notes.append(f"training part skipped: {e}")
         return {}
     result = train_check(str(run.device), tiny=run.settings.tiny, tokenizer_dir=tokenizer_dir, decode=runner_decode)
+    missing = optional_in(result.get("train_e2e", {}).get("error", ""))
+    if result.get("e2e_ok") is False and missing:  # an image without accelerate: a note, not a failure
+        run.notes.append(f"end-to-end training check skipped: {missing} is not installed")
+        result["e2e_ok"] = None
     doc = out / "TRAINING.md"
     if not doc.exists():
         doc.write_text("<!-- gpu_check:train:begin -->\n<!-- gpu_check:train:end -->\n")
@@ -647,7 +811,8 @@ def failures(result: dict) -> list[str]:
     """Why the run fails (empty: it passes): fp32 greedy mismatches beyond tie flips, a sampled generation that
     did not complete, the end-to-end training check, a part that raised."""
     ex = result.get("exact", {})
-    out = [f"{ex['greedy_fp32_failures']} fp32 greedy mismatch(es)"] if ex.get("greedy_fp32_failures") else []
+    out = [f"{ex[f'{p}_fp32_failures']} fp32 greedy mismatch(es)" for p in ("greedy", "greedy_rest")
+           if ex.get(f"{p}_fp32_failures")]
     out += [f"sampled generation of {name} did not complete" for name, s in ex.get("sampling", {}).items()
             if not s.get("ok")]
     if result.get("e2e_ok") is False:
@@ -669,17 +834,18 @@ def sizes_text(sizes: list[int]) -> str:
 
 def exact_lines(ex: dict, spread_sizes: list[int]) -> list[str]:
     lines = []
-    if "parity_max_abs" in ex:
-        lines.append(f"Exactness: runner vs transformers logits max |diff| {ex['parity_max_abs']:.2e} (fp32).")
-    if "greedy_runs" in ex:
-        lines.append(f"Greedy fp32 output of the drafters vs autoregressive: {ex['greedy_fp32_mismatches']} "
-                     f"mismatch(es) in {ex['greedy_runs']} runs, {ex['greedy_fp32_tie_flips']} tie flip(s), "
-                     f"{ex['greedy_fp32_failures']} failure(s); SWIFT verified {ex['swift_trees']} token trees "
-                     f"({ex['swift_compactions']} compacted paths).")
+    for p, what in (("greedy", "tiny Llama, every executor"), ("greedy_rest", "tiny Qwen2")):
+        if f"{p}_runs" in ex:
+            lines.append(f"Greedy fp32 output of the drafters vs autoregressive ({what}): {ex[f'{p}_fp32_mismatches']} "
+                         f"mismatch(es) in {ex[f'{p}_runs']} runs, {ex[f'{p}_fp32_tie_flips']} tie flip(s), "
+                         f"{ex[f'{p}_fp32_failures']} failure(s); SWIFT verified {ex[f'{p}_swift_trees']} token "
+                         f"trees ({ex[f'{p}_swift_compactions']} compacted paths).")
     sampling = ex.get("sampling", {})
     if sampling:
         done = [n for n, s in sampling.items() if s.get("ok")]
         lines.append(f"Sampled generations completed: {len(done)} of {len(sampling)} ({', '.join(done) or 'none'}).")
+    if "parity_max_abs" in ex:
+        lines.append(f"Runner vs transformers logits max |diff| {ex['parity_max_abs']:.2e} (fp32).")
     if ex.get("spread"):
         lines += ["", f"One-row vs many-row spread (max |logit difference|, T = {sizes_text(spread_sizes)}):", "",
                   "| model/dtype/executor | spread |", "|---|---:|"]
@@ -702,40 +868,65 @@ def sync_lines(result: dict) -> list[str]:
     return lines
 
 
+def shape_row(name: str, s: dict) -> str:
+    first = lambda d: d[min(d, key=int)] if d else None  # noqa: E731  (c at the smallest E: L/4)
+    c, c_vocab = first(s.get("c", {})), first(s.get("c_vocab", {}))
+    ratio = s["ours_ar_tok_s"] / s["hf_static_tok_s"] if s.get("hf_static_tok_s") and s.get("ours_ar_tok_s") else None
+    v = s.get("v", {})
+    cells = [name, _num(s, "ours_ar_tok_s"), _num(s, "hf_static_tok_s"), "–" if ratio is None else f"{ratio:.2f}x",
+             _num(s, "ms_forward", ".2f"), _num(v, "2", ".2f"), _num(v, "8", ".2f"), _num(v, "32", ".2f"),
+             "–" if c is None else f"{c:.2f}", "–" if c_vocab is None else f"{c_vocab:.2f}",
+             _num(s, "kernels_per_layer", ".1f"), _num(s, "kernels_per_forward_eager"),
+             _num(s, "hf_dynamic_tok_s"), _num(s, "hf_early_exit_tok_s")]
+    return "| " + " | ".join(cells) + " |"
+
+
 def shape_lines(shapes: dict) -> list[str]:
-    lines = ["", "| shape | ms/forward | v(2) | v(8) | v(32) | c(L/4) | c(L/4), 8K draft vocab | ours AR tok/s | "
-             "ours early exit tok/s | HF dynamic | HF static | HF early exit | AR / HF static |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["", "| shape | ours AR tok/s | HF static tok/s | AR / HF static | ms/forward | v(2) | v(8) | v(32) | "
+             "c(L/4) | c(L/4), 8K draft vocab | kernels/layer | eager kernels/forward | HF dynamic | HF early exit |",
+             "|---|" + "---:|" * 13]
     notes = []
     for name, s in shapes.items():
         if "error" in s:
-            lines.append(f"| {name} | failed: {s['error']} |" + " |" * 11)
-            continue
-        c = s["c"][min(s["c"], key=int)]
-        c_vocab = s.get("c_vocab", {}).get(min(s["c"], key=int))
-        ratio = s["ours_ar_tok_s"] / s["hf_static_tok_s"] if s.get("hf_static_tok_s") else None
-        lines.append(f"| {name} | {s['ms_forward']:.2f} | {_num(s['v'], '2', '.2f')} | {_num(s['v'], '8', '.2f')} | "
-                     f"{_num(s['v'], '32', '.2f')} | {c:.2f} | {'–' if c_vocab is None else f'{c_vocab:.2f}'} | "
-                     f"{_num(s, 'ours_ar_tok_s')} | "
-                     f"{_num(s, 'ours_early_exit_tok_s')} | {_num(s, 'hf_dynamic_tok_s')} | "
-                     f"{_num(s, 'hf_static_tok_s')} | {_num(s, 'hf_early_exit_tok_s')} | "
-                     f"{'–' if ratio is None else f'{ratio:.2f}x'} |")
+            notes.append(f"{name} failed: {s['error']}")
+        lines.append(shape_row(name, s))
         if s.get("captures_in_timed") or s.get("builds_in_timed") or s.get("compiles_in_timed"):
             notes.append(f"{name}: the timed runs captured {s['captures_in_timed']} CUDA graph(s), built "
                          f"{s['builds_in_timed']} static forward(s) and compiled {s.get('compiles_in_timed', 0)} "
                          "time(s) (should be 0: warm-up missed a shape)")
+        if s.get("kernels_at_least_one_per_layer") is False:
+            notes.append(f"{name}: fewer kernels than layers counted: the profiler missed kernels")
+    for name, s in shapes.items():
+        if s.get("drafters"):
+            lines += ["", f"Per-cycle cost of each drafter at the {name} shape (E = {s['drafters']['E']}):", "",
+                      "| drafter | tok/s | tokens / cycle | drafted / cycle | draft ms / cycle | verify ms / cycle |",
+                      "|---|---:|---:|---:|---:|---:|"]
+            lines += [f"| {k} | " + (f"failed: {d['error']} | | | | |" if "error" in d else
+                                     f"{d['tok_s']:.0f} | {d['tokens_per_cycle']:.2f} | {d['drafted_per_cycle']:.2f} | "
+                                     f"{d['draft_ms_per_cycle']:.2f} | {d['verify_ms_per_cycle']:.2f} |")
+                      for k, d in s["drafters"].items() if k != "E"]
     return lines + [f"\nNote: {n}" for n in notes]
 
 
+def part_lines(result: dict) -> list[str]:
+    parts = result.get("parts", {})
+    c = result.get("compiles", {})
+    line = "; ".join(f"{name} {p.get('seconds', 0):.0f} s from {p['start_s']:.0f} s, {p.get('compiles', 0)} compile(s)"
+                     + (" (cut)" if p.get("cut") else "") for name, p in parts.items())
+    return ["", f"Parts: {line}. Dynamo graphs compiled: {c.get('dynamo_graphs', 0)} in all, {c.get('ours', 0)} of "
+            f"them ours ({c.get('backend') or 'not compiled'})."] if parts else []
+
+
 def markdown(result: dict) -> str:
-    """The GPU.md block: machine, versions, commit, command, exactness, syncs, then one row per shape."""
+    """The GPU.md block: machine, versions, commit, command, the shapes, exactness, syncs, parts."""
     lines = [f"Device: {result['device']}; torch {result['torch']}, transformers {result['transformers']}; "
-             f"commit {result['commit']}; {result['date']}{' (tiny shapes)' if result['tiny'] else ''}; "
-             f"{result.get('seconds', 0):.0f} s.", "", f"```\n{result['command']}\n```", ""]
-    if "exact" in result:
-        lines += exact_lines(result["exact"], result.get("settings", {}).get("spread_sizes", []))
-    lines += sync_lines(result)
+             f"commit {result['commit']}; {result['date']}{' (tiny stand-in shapes)' if result['tiny'] else ''}; "
+             f"{result.get('seconds', 0):.0f} s.", "", f"```\n{result['command']}\n```"]
     lines += shape_lines(result.get("shapes", {}))
+    if "exact" in result:
+        lines += [""] + exact_lines(result["exact"], result.get("settings", {}).get("spread_sizes", []))
+    lines += sync_lines(result)
+    lines += part_lines(result)
     for note in result["notes"]:
         lines.append(f"\nNote: {note}")
     for why in failures(result):
@@ -753,18 +944,25 @@ def update_doc(path: Path, block: str) -> None:
 
 
 # --------------------------------------------------------------------------- the run
-def part(name: str, fn: Callable[[], dict], result: dict, save: Callable[[dict], None], run: Run,
-         into: str | None = None) -> None:
-    """Run one part: its numbers merge into ``result`` (or its ``into`` section; an exception is recorded under
-    ``errors``), its seconds into ``part_seconds``, and the result is saved so far."""
-    if run.over_budget():
-        run.notes.append(f"part {name} skipped: the {run.settings.budget_s:.0f} s budget was spent "
+def part(name: str, fn: Callable[[], dict], run: Run, into: str | None = None, grad: bool = False) -> None:
+    """Run one part under its own budget (``PART_BUDGETS_S``): its numbers merge into the result (or its ``into``
+    section; an exception is recorded under ``errors``); its start offset, seconds, budget and dynamo graph compiles
+    go under ``parts``; the result is saved. Parts run under ``torch.no_grad()``, the engine's grad mode (``grad``:
+    with grad, for training)."""
+    result = run.result
+    record = {"start_s": round(run.elapsed(), 2), "budget_s": run.settings.part_budgets_s.get(name, 0.0)}
+    result.setdefault("parts", {})[name] = record
+    if lease.Budget(run.settings.budget_s, run.started).over():
+        run.notes.append(f"part {name} cut: the {run.settings.budget_s:.0f} s run budget was spent "
                          f"({run.elapsed():.0f} s)")
-        save(result)
+        record |= {"seconds": 0.0, "compiles": 0, "cut": True}
+        run.save()
         return
-    t0 = time.perf_counter()
+    t0, graphs = time.perf_counter(), lease.compile_count()
+    run.part_name, run.part_started = name, t0
     try:
-        found = fn()
+        with torch.set_grad_enabled(grad):
+            found = fn()
         (result.setdefault(into, {}) if into else result).update(found)
     except Exception as e:  # one part's failure must not lose the others' numbers
         missing = lease.optional_missing(e)
@@ -774,35 +972,68 @@ def part(name: str, fn: Callable[[], dict], result: dict, save: Callable[[dict],
             result.setdefault("errors", {})[name] = error_text(e)
             print(f"gpu_check: part {name} failed:\n{traceback.format_exc()}", file=sys.stderr)
     free(run.device)  # after the except clause: the exception's frames (and their tensors) are gone by now
-    result.setdefault("part_seconds", {})[name] = time.perf_counter() - t0
-    result["seconds"] = run.elapsed()
-    save(result)
+    record |= {"seconds": round(time.perf_counter() - t0, 2), "compiles": lease.compile_count() - graphs,
+               "cut": any(n.startswith(("part " + name + " cut",)) or f"of part {name}'s" in n for n in run.notes)}
+    run.part_name = None
+    run.save()
 
 
 def parity_part(run: Run) -> dict:
     par = parity(run.device)
     return {"parity_max_abs": max(v for k, v in par.items() if k.endswith("fp32")), "parity": par,
-            "tf32": torch.backends.cuda.matmul.allow_tf32, "spread": spreads(run)}
+            "tf32": torch.backends.cuda.matmul.allow_tf32}
 
 
-def shapes_part(run: Run, names: list[str] | None, result: dict, save: Callable[[dict], None]) -> dict:
-    """Every shape in turn, ``result`` saved after each (a timeout in the 7B compile keeps the smaller shapes); a
-    shape is not started once the budget is spent."""
-    shapes = result.setdefault("shapes", {})
+def shapes_part(run: Run, names: list[str] | None) -> dict:
+    """Every shape in turn (the result saved after each piece); a shape that fails records its error and the next
+    one runs."""
+    shapes = run.result.setdefault("shapes", {})
+    first = True
     for shape in SHAPES:
         if names and shape.name not in names:
             continue
-        if run.over_budget():
-            run.notes.append(f"shape {shape.name} skipped: the {run.settings.budget_s:.0f} s budget was spent")
+        label = shape.tiny().name if run.settings.tiny else shape.name
+        if run.cut(f"shape {label}"):
             continue
+        found = shapes.setdefault(label, {})
         try:
-            shapes[shape.name] = measure_shape(shape, run)
+            measure_shape(shape, run, first, found)
         except Exception as e:  # out of memory, ...: the next shape still runs
-            shapes[shape.name] = {"error": error_text(e)}
+            found["error"] = error_text(e)
+        first = False
         free(run.device)
-        result["seconds"] = run.elapsed()
-        save(result)
-    return {"shapes": shapes}
+        run.save()
+    return {}
+
+
+def rest_part(run: Run, names: list[str] | None, new_tokens: int) -> dict:
+    """Part e: parity and spreads of the tiny models, greedy identity on the second one, the uncompiled peers."""
+    exact = run.result.setdefault("exact", {})
+    if not run.cut("parity"):
+        exact |= parity_part(run)
+        run.save()
+    if not run.cut("spread"):
+        exact["spread"] = spreads(run)
+        run.save()
+    if not run.cut("greedy identity on the second tiny model"):
+        found = greedy_identity(run, new_tokens, TINY_MODELS[1:], (run.executor,))
+        exact |= identity_totals(found["greedy_detail"], "greedy_rest")
+        run.save()
+    rest_peers(run, names)
+    return {}
+
+
+def head(args: argparse.Namespace, run: Run, tiny: bool) -> dict:
+    settings = run.settings
+    return {"device": torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "transformers": transformers.__version__, "commit": lease.commit(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "command": "python scripts/gpu_check.py " + " ".join(shlex.quote(a) for a in args.argv),
+            "tiny": tiny, "executor": run.executor, "threads": torch.get_num_threads(),
+            "settings": asdict(settings) | {"verify_sizes": list(settings.verify_sizes),
+                                            "spread_sizes": list(settings.spread_sizes),
+                                            "spread_prompt_lengths": list(settings.spread_prompt_lengths)},
+            "complete": False, "notes": run.notes}
 
 
 def check(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
@@ -810,30 +1041,30 @@ def check(args: argparse.Namespace, save: Callable[[dict], None]) -> dict:
     tiny = args.tiny or device.type == "cpu"
     if device.type == "cpu":
         torch.set_num_threads(1)  # tiny ops gain nothing from threads, and on a busy machine their spin-waits stall
-    run = Run(device, Settings.for_run(tiny, args.budget_s))
-    settings = run.settings
-    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "transformers": transformers.__version__, "commit": lease.commit(),
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "command": "python scripts/gpu_check.py " + " ".join(shlex.quote(a) for a in args.argv),
-              "tiny": tiny, "executor": run.executor, "threads": torch.get_num_threads(),
-              "settings": asdict(settings) | {"verify_sizes": list(settings.verify_sizes),
-                                              "spread_sizes": list(settings.spread_sizes),
-                                              "spread_prompt_lengths": list(settings.spread_prompt_lengths)},
-              "complete": False, "notes": run.notes}
-    new_tokens = settings.new_tokens * (2 if tiny else 1)
+    backend = args.compile_backend or ("inductor" if resolve_compile(None, device) else None)
+    run = Run(device, Settings.for_run(tiny, args.budget_s), backend=backend, saver=save)
+    run.result = head(args, run, tiny)
+    new_tokens = run.settings.new_tokens * (2 if tiny else 1)
     if importlib.util.find_spec("optuna") is None:
         run.notes.append("optuna not installed: swift's Bayesian step is random search")
-    part("parity", lambda: parity_part(run), result, save, run, into="exact")
-    part("greedy", lambda: greedy_identity(run, new_tokens), result, save, run, into="exact")
-    part("sampling", lambda: {"sampling": sampled(run, new_tokens)}, result, save, run, into="exact")
-    part("syncs", lambda: syncs(run, 32 if tiny else 64), result, save, run)
-    if not args.skip_train:  # before the shapes: it decides the exit code, their peers only inform
-        part("train", lambda: training(run, args.tokenizer_dir, args.out), result, save, run)
-    part("shapes", lambda: shapes_part(run, args.shapes, result, save), result, save, run)
-    result["complete"] = True
-    result["failures"] = failures(result)
-    return result
+    run.save()
+    part("shapes", lambda: shapes_part(run, args.shapes), run)
+    part("greedy", lambda: greedy_identity(run, new_tokens), run, into="exact")
+    part("checks", lambda: checks_part(run, new_tokens, 32 if tiny else 64), run)
+    if not args.skip_train:
+        part("train", lambda: training(run, args.tokenizer_dir, args.out), run, grad=True)
+    part("rest", lambda: rest_part(run, args.shapes, new_tokens), run)
+    run.result["complete"] = True
+    run.result["failures"] = failures(run.result)
+    return run.result
+
+
+def checks_part(run: Run, new_tokens: int, sync_tokens: int) -> dict:
+    """Part c: one sampled generation per drafter, then the host syncs per cycle."""
+    if not run.cut("sampling"):
+        run.result.setdefault("exact", {})["sampling"] = sampled(run, new_tokens)
+        run.save()
+    return {} if run.cut("syncs") else syncs(run, sync_tokens)
 
 
 def run_check(args: argparse.Namespace) -> int:
@@ -871,9 +1102,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer-dir", default=None, help="training end-to-end check: a model folder whose tokenizer "
                    "to use (default: a byte-level tokenizer built in code, so no model cache is needed)")
     p.add_argument("--budget-s", type=float, default=None, metavar="SECONDS",
-                   help="wall budget: no part, shape or peer starts after it, no hf_static peer (a torch.compile) "
-                   f"within {COMPILE_RESERVE_S:.0f} s of it (default: {FULL_BUDGET_S:.0f} on a GPU, none with tiny "
-                   "shapes; 0 = none)")
+                   help="wall budget: no piece starts after it; each part also has its own budget, and an hf_static "
+                   f"peer (a torch.compile) needs {COMPILE_RESERVE_S:.0f} s of its part's left (default: "
+                   f"{FULL_BUDGET_S:.0f} on a GPU, none with tiny shapes; 0 = none)")
+    p.add_argument("--compile-backend", choices=BACKENDS, default=None,
+                   help="compile our static forwards with this torch.compile backend (default: inductor on CUDA, "
+                   "no compiling on a CPU; 'eager' traces and counts graphs in seconds: a rehearsal)")
     args = p.parse_args(argv)
     args.argv = argv
     return run_main("gpu_check", lambda: run_check(args))

@@ -2,7 +2,8 @@
 
     python scripts/gpu_compare.py                               # on a GPU machine: one run, target <= 8 min (H200)
     python scripts/gpu_compare.py --bundle runs/gpu-bundle      # same, after unpacking scripts/gpu_bundle.py's files
-    python scripts/gpu_compare.py --dry-run --out /tmp/gpu-dry  # the same pipeline on CPU with tiny settings
+    python scripts/gpu_compare.py --dry-run --out /tmp/gpu-dry  # a quick CPU rehearsal: the first form's steps on
+                                                                # a tiny seeded model, a few tokens (measures nothing)
 
 Where the toolkit is not pip-installed (a GPU image with its own torch), run it from the checkout's
 root as ``PYTHONPATH=. python scripts/gpu_compare.py ...`` (the same holds for gpu_check and gpu_bundle).
@@ -52,6 +53,8 @@ TASKS = (CODE_TASK, "humaneval", "gsm8k")
 SECTION_BEGIN = "<!-- gpu-compare:begin -->"
 SECTION_END = "<!-- gpu-compare:end -->"
 PROG = "gpu_compare"
+STEP_LOG = "steps.log"
+"""Every step's log, merged, in the results folder (it comes back with compare.json)."""
 
 
 @dataclass
@@ -116,7 +119,7 @@ def gpu_settings() -> Settings:
                     search_prompts=4, search_tokens=32, humaneval_items=None, gsm8k_items=None, gsm8k_tokens=256,
                     gsm8k_batch=50,
                     drafters=["autoregressive", *EARLY_EXITS, *SEARCHED],
-                    peers=["hf_generate", "hf_static", "hf_early_exit:E=12:k=3"])
+                    peers=["hf_generate", "hf_early_exit:E=12:k=3", "hf_static"])  # the compiled peer last
 
 
 def first_settings() -> Settings:
@@ -139,6 +142,18 @@ def tiny_settings(form: Settings) -> Settings:
                    peers=[x for x in dry.peers if x.split(":")[0] in kinds])
 
 
+def tiny_stand_in(folder: Path) -> Path:
+    """A tiny seeded Llama (8 layers) with a byte-level tokenizer, saved once in ``folder``: the model of a CPU
+    rehearsal with ``--model default`` (the real default model would take minutes there and measure nothing)."""
+    if not (folder / "config.json").is_file():
+        from infer.measure.seeded_models import byte_tokenizer, tiny_model
+
+        tiny_model("llama", 0, layers=8, max_position_embeddings=4096).save_pretrained(folder)
+        byte_tokenizer().save_pretrained(folder)
+    print(f"[{PROG}] CPU rehearsal: a tiny seeded model ({folder}) in place of the default model", file=sys.stderr)
+    return folder
+
+
 def form_settings(form: str, cuda: bool) -> Settings:
     """The settings of ``--form`` (first | full) on a GPU, or their tiny CPU version."""
     settings = first_settings() if form == "first" else gpu_settings()
@@ -157,7 +172,7 @@ def dry_settings() -> Settings:
                     gsm8k_tokens=8, gsm8k_batch=2,
                     drafters=["autoregressive", "early_exit:E={e1}:k=2", "early_exit:E={e2}:k=2:adaptive=true",
                               *SEARCHED],
-                    peers=["hf_generate", "hf_static", "hf_early_exit:E={e1}:k=2"])
+                    peers=["hf_generate", "hf_early_exit:E={e1}:k=2", "hf_static"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -184,8 +199,10 @@ class Pipeline:
     """The run's state: output folder, settings, wall budget, the steps done so far and notes for the reader."""
 
     def __init__(self, out: Path, settings: Settings, env: dict[str, str], quiet: bool = False,
-                 budget: lease.Budget | None = None):
+                 budget: lease.Budget | None = None, merged_log: Path | None = None):
         self.out, self.s, self.env, self.quiet = out, settings, env, quiet
+        self.merged_log = merged_log
+        """One file (in the results folder) every step's log is appended to as the step ends."""
         self.budget = budget or lease.Budget(0.0)
         self.steps: list[Step] = []
         self.notes: list[str] = []
@@ -228,14 +245,26 @@ class Pipeline:
                                       timeout=self.left())
             except subprocess.TimeoutExpired:
                 self.steps.append(Step(name, command, round(time.perf_counter() - t0, 2), returncode=-9))
+                self.merge_log(log_file, self.steps[-1])
                 raise OutOfBudget(f"step {name} was stopped at the {self.budget.seconds:.0f} s budget") from None
         seconds = time.perf_counter() - t0
         self.steps.append(Step(name, command, round(seconds, 2), returncode=proc.returncode))
+        self.merge_log(log_file, self.steps[-1])
         if proc.returncode not in ok_codes:
             tail = [ln for ln in log_file.read_text(errors="replace").splitlines() if ln.strip()][-3:]
             raise UserError(f"step {name!r} failed (exit {proc.returncode}; {log_file}): "
                             f"{' | '.join(tail) or 'no output'}")
         return proc.returncode
+
+    def merge_log(self, log_file: Path, step: Step, limit: int = 256 * 1024) -> None:
+        """Append a finished (or stopped) step's log to ``merged_log`` under a header (its last ``limit`` bytes)."""
+        if self.merged_log is None:
+            return
+        data = log_file.read_bytes()[-limit:].decode("utf-8", errors="replace") if log_file.is_file() else ""
+        self.merged_log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.merged_log, "a", encoding="utf-8") as f:
+            f.write(f"===== step {step.name}: exit {step.returncode}, {step.seconds:.1f} s\n$ {step.command}\n{data}"
+                    + ("" if data.endswith("\n") or not data else "\n"))
 
     def supports(self, argv: list[str], flag: str) -> bool:
         """Whether a command's --help lists ``flag`` (options other helpers add are used once they exist)."""
@@ -583,7 +612,8 @@ def run_compare(args, s: Settings, device) -> dict:
     # the steps' commands find this checkout's packages even where it is not pip-installed (a GPU image)
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, WANDB_MODE=os.environ.get("WANDB_MODE", "disabled"), PYTHONPATH=path)
-    p = Pipeline(out, s, env, quiet=args.quiet, budget=lease.Budget(args.budget_s))
+    p = Pipeline(out, s, env, quiet=args.quiet, budget=lease.Budget(args.budget_s),
+                 merged_log=Path(args.results) / STEP_LOG)
     previous = json.loads(Path(args.previous).read_text()) if args.previous else None
     head = {"device": _device_name(device), "commit": lease.commit(), "form": args.form,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "dry_run": device.type != "cuda",
@@ -657,8 +687,26 @@ def compare_steps(args, p: Pipeline, rows: list[dict], quality_: dict, save) -> 
         drafters = [d for d in drafters if not d.startswith(("self_sd", "swift"))]
     sources = {CODE_TASK: str(prompts_file), "humaneval": "humaneval", "gsm8k": "gsm8k"}
     for task in s.tasks:
-        rows += bench_rows(bench(p, models, sources[task], task, drafters, peers))
+        try:
+            results = bench(p, models, sources[task], task, drafters, peers)
+        except OutOfBudget:  # the bench stopped midway: the rows of its finished records are kept
+            rows += partial_rows(p, task)
+            save()
+            raise
+        rows += bench_rows(results)
         save()
+
+
+def partial_rows(p: Pipeline, task: str) -> list[dict]:
+    """Rows of a bench stopped midway, from the records it wrote as it went (``records.jsonl``)."""
+    from infer.measure.report import RECORDS_FILE, rebuild
+
+    out = p.out / f"bench_{task}"
+    if not (out / RECORDS_FILE).is_file():
+        return []
+    summary = [asdict(r) for r in rebuild(out)]
+    p.note(f"bench_{task} was stopped before its end: {len(summary)} row(s) from its finished records")
+    return bench_rows({"summary": summary})
 
 
 # --------------------------------------------------------------------------------------------
@@ -746,12 +794,13 @@ def write_section(path: Path, section: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/gpu_compare.py", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--form", choices=("first", "full"), default="full",
-                        help="first: the first lease's one command (short training, held-out code only, no compiled "
-                        "peer, no search); full: the whole comparison (default)")
+    parser.add_argument("--form", choices=("first", "full"), default=None,
+                        help="first: one short command (short training, held-out code only, no compiled peer, no "
+                        "search); full: the whole comparison (default on a GPU; first in a dry run)")
     parser.add_argument("--dry-run", action="store_true",
-                        help="the form's tiny CPU version (implied without CUDA): a couple of training steps, one "
-                        "prompt, few tokens, fp32; it checks the wiring and measures nothing")
+                        help="a quick rehearsal of the form on the CPU (implied without CUDA): a couple of training "
+                        "steps, one prompt, few tokens, fp32, and with --model default a tiny seeded model in its "
+                        "place; it checks the wiring and measures nothing")
     parser.add_argument("--out", default=None, help="run folder: checkpoints, logs, step outputs (default "
                         "runs/gpu-compare, or runs/gpu-compare-dry); a run stopped midway resumes from it")
     parser.add_argument("--results", default=None, help="where compare.json and gpu_section.md go, rewritten after "
@@ -784,17 +833,21 @@ def main(argv: list[str] | None = None) -> int:
 
         device = resolve_device("cpu" if args.dry_run else "auto")
         cuda = device.type == "cuda"
+        args.form = args.form or ("full" if cuda else "first")
         if not cuda and not args.dry_run:
             print(f"[{PROG}] no CUDA device: the tiny CPU version of --form {args.form} (checks the wiring, "
                   "measures nothing)", file=sys.stderr)
         args.out = args.out or ("runs/gpu-compare" if cuda else "runs/gpu-compare-dry")
         args.results = str(lease.out_dir(args.results)) if args.results or os.environ.get("OUT") else args.out
-        if Path(args.out).exists() and any(Path(args.out).iterdir()) and not (Path(args.out) / "train").exists():
+        if Path(args.out).exists() and any(Path(args.out).iterdir()) \
+                and not any((Path(args.out) / name).exists() for name in ("train", "tiny-model")):
             raise UserError(f"--out {args.out} is not empty and holds no earlier run of this script; "
                             "pick an empty or new folder")
         if args.previous and not Path(args.previous).is_file():
             raise UserError(f"--previous {args.previous}: no such file; give an earlier stage's compare.json")
         settings = form_settings(args.form, cuda)
+        if not cuda and args.model == "default" and not args.bundle:
+            args.model = str(tiny_stand_in(Path(args.out) / "tiny-model"))
         for name in ("prompts", "max_new_tokens", "repeats", "trials"):
             if getattr(args, name) is not None:
                 setattr(settings, name, getattr(args, name))

@@ -1,4 +1,4 @@
-"""The GPU lease, one subcommand per device command (docs/GPU.md, "The lease sequence", gives the exact `run` calls).
+"""The GPU lease, one subcommand per device command (docs/GPU.md, "Running on an offline GPU machine").
 
     python3 scripts/gpu_lease.py check      # device command 1 (carries runs/lease/meta and runs/lease/a)
     python3 scripts/gpu_lease.py compare    # device command 2, back to back (runs/lease/meta and runs/lease/b)
@@ -16,7 +16,6 @@ use instead of the carried GGUF (the CPU rehearsal in the tests; on a CPU both s
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -38,6 +37,12 @@ STASH = Path(os.environ.get("LEASE_STASH") or "/tmp/lease")
 """Kept on the device machine between back-to-back commands: the GGUF's first half, wheels, the run folder
 (``$LEASE_STASH`` moves it: the tests' rehearsal)."""
 PROG = "gpu_lease"
+
+
+def cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def stage_env() -> dict[str, str]:
@@ -85,6 +90,9 @@ def check(args, notes: list[str]) -> int:
     """Device command 1: keep the first GGUF half for command 2, run gpu_check under the budget."""
     stash(args, notes)
     argv = [sys.executable, "scripts/gpu_check.py", "--budget-s", str(args.budget_s), "--out", str(args.out)]
+    if not cuda():  # a CPU rehearsal: compiled steps with the cheap backend, so the graph count is rehearsed too
+        argv += ["--compile-backend", "eager"]
+    argv += ["--force"] if args.force else []
     tokenizer = BUNDLE / "meta" / "tokenizer"
     if (tokenizer / "tokenizer.json").is_file():
         argv += ["--tokenizer-dir", str(tokenizer)]
@@ -105,38 +113,67 @@ def compare(args, notes: list[str]) -> int:
     return run_program(argv, args.budget_s, env, notes)
 
 
-def replace_block(page: Path, text: str, begin: str, end: str) -> None:
-    """Put ``text``'s part between ``begin`` and ``end`` into ``page`` in place of its own (both must have them)."""
-    source, target = text, page.read_text()
-    if begin not in source or begin not in target:
-        raise UserError(f"{page} or the result lacks the {begin} marker; nothing was changed")
-    block = source[source.index(begin):source.index(end) + len(end)]
-    page.write_text(target[:target.index(begin)] + block + target[target.index(end) + len(end):])
+PAGES = (("GPU.md", "GPU.md", ("<!-- gpu_check:begin -->", "<!-- gpu_check:end -->")),
+         ("TRAINING.md", "TRAINING.md", ("<!-- gpu_check:train:begin -->", "<!-- gpu_check:train:end -->")),
+         ("gpu_section.md", "RESULTS.md", ("<!-- gpu-compare:begin -->", "<!-- gpu-compare:end -->")))
+"""(returned file, page in docs/, its markers): the returned file's marked block replaces the page's."""
+COPIES = (("gpu_check.json", "gpu/latest.json"), ("compare.json", "gpu/compare.json"))
+"""(returned file, its place under docs/)."""
+
+
+def read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not UTF-8 text; nothing was changed") from None
+
+
+def marked(text: str, begin: str, end: str, where: Path) -> tuple[int, int]:
+    """(start of ``begin``, end of ``end``) of the one marked block in ``text``; refused unless both markers occur
+    once each, in that order."""
+    if text.count(begin) != 1 or text.count(end) != 1 or text.index(end) < text.index(begin):
+        raise UserError(f"{where} must hold {begin} once and then {end} once; nothing was changed")
+    return text.index(begin), text.index(end) + len(end)
+
+
+def checked_json(path: Path) -> dict:
+    """A returned result file, refused when it is not JSON or not a GPU run's (a CPU rehearsal, a dry run)."""
+    import json
+
+    try:
+        value = json.loads(read_text(path))
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); nothing was changed") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{path} is not a result object; nothing was changed")
+    if value.get("dry_run") or value.get("tiny") or value.get("device") == "cpu":
+        raise UserError(f"{path} holds a CPU rehearsal or dry run, not GPU results; nothing was changed")
+    return value
 
 
 def publish(folder: Path) -> list[str]:
-    """Copy a lease's results (the files that came back from $OUT) into docs/; returns what was written."""
-    docs, written = lease.REPO / "docs", []
+    """Put a run's returned files (its results folder) into docs/: every file is checked before any is written, so a
+    refusal leaves docs/ as it was; returns what was written."""
+    docs = lease.REPO / "docs"
     if not folder.is_dir():
-        raise UserError(f"{folder} is not a folder; give the folder the lease's files came back into")
-    copies = (("gpu_check.json", docs / "gpu" / "latest.json"), ("compare.json", docs / "gpu" / "compare.json"))
-    for name, target in copies:
+        raise UserError(f"{folder} is not a folder; give the folder the run's files came back into")
+    writes: dict[Path, str] = {}
+    for name, target in COPIES:
         if (folder / name).is_file():
-            json.loads((folder / name).read_text())  # refuse a damaged file before copying it
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(folder / name, target)
-            written.append(str(target))
-    for name, page, marks in (("GPU.md", "GPU.md", ("<!-- gpu_check:begin -->", "<!-- gpu_check:end -->")),
-                              ("TRAINING.md", "TRAINING.md", ("<!-- gpu_check:train:begin -->",
-                                                              "<!-- gpu_check:train:end -->")),
-                              ("gpu_section.md", "RESULTS.md", ("<!-- gpu-compare:begin -->",
-                                                                "<!-- gpu-compare:end -->"))):
+            checked_json(folder / name)
+            writes[docs / target] = read_text(folder / name)
+    for name, page, (begin, end) in PAGES:
         if (folder / name).is_file():
-            replace_block(docs / page, (folder / name).read_text(), *marks)
-            written.append(str(docs / page))
-    if not written:
+            source, target = read_text(folder / name), writes.get(docs / page) or read_text(docs / page)
+            a, b = marked(source, begin, end, folder / name)
+            c, d = marked(target, begin, end, docs / page)
+            writes[docs / page] = target[:c] + source[a:b] + target[d:]
+    if not writes:
         raise UserError(f"{folder} holds none of gpu_check.json, compare.json, GPU.md, TRAINING.md, gpu_section.md")
-    return written
+    for path, text in writes.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    return [str(p) for p in writes]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         one.add_argument("--budget-s", type=float, default=None, help=f"wall budget of the work in seconds (default "
                          f"{BUDGET_S.get(stage, 0):.0f} on a GPU; none on a CPU, whose rehearsal measures nothing)")
         one.add_argument("--out", type=Path, default=None, help="results folder (default $OUT, else runs/gpu/)")
+        one.add_argument("--force", action="store_true", help="write over an earlier run's results in --out")
     sub.choices["compare"].add_argument("--form", choices=("first", "full"), default="first")
     sub.choices["compare"].add_argument("--previous", default=None, help="an earlier stage's compare.json")
     sub.add_parser("publish").add_argument("folder", type=Path)
@@ -157,10 +195,12 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(f"wrote {w}" for w in publish(args.folder)))
             return 0
         if args.budget_s is None:
-            import torch
-
-            args.budget_s = BUDGET_S.get(args.stage, 0.0) if torch.cuda.is_available() else 0.0
+            args.budget_s = BUDGET_S.get(args.stage, 0.0) if cuda() else 0.0
         args.out = lease.out_dir(args.out)
+        record = args.out / f"lease_{args.stage}.json"
+        if record.exists() and not args.force:
+            raise UserError(f"{record} exists (an earlier run's results folder); give an empty folder, or pass "
+                            "--force to write over it")
         args.out.mkdir(parents=True, exist_ok=True)
         notes: list[str] = []
         t0 = time.perf_counter()

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from infer.drafters.autoregressive import AutoregressiveDrafter
-from infer.drafters.base import Drafter
+from infer.drafters.base import Drafter, DrafterStats
 from infer.drafters.early_exit import EarlyExitDrafter
 from infer.drafters.self_sd import SelfSDDrafter
 from infer.drafters.swift import SwiftConfig, SwiftDrafter
@@ -80,3 +80,17 @@ def all_options() -> dict[str, Option]:
             opt.docs[name] = docs.get(f.name, "")
             opt.defaults[name] = f.default if f.default is not dataclasses.MISSING else f.default_factory()
     return found
+
+
+def stats_from_dict(values: dict) -> DrafterStats:
+    """A drafter's statistics read back from their JSON form (``GenerationStats.to_dict``): the stats class
+    (``DrafterStats`` or a registered drafter's subclass of it) whose fields are exactly ``values``' keys."""
+    classes, found = [DrafterStats], []
+    while classes:
+        c = classes.pop()
+        found.append(c)
+        classes += c.__subclasses__()
+    for c in found:
+        if {f.name for f in dataclasses.fields(c)} == set(values):
+            return c(**values)
+    raise UserError(f"no drafter reports the statistics {sorted(values)}: the records were written by another version")

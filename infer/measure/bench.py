@@ -10,11 +10,14 @@ near-tie can flip, so a mismatch is classified at its first divergent position b
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from infer.engine import GenerationStats
-from infer.measure.exactness import DivergenceJudge, first_divergence
+from infer.measure.exactness import DivergenceJudge, first_divergence, rounded_reference
 from infer.measure.methods import BASELINE, BenchConfig, Method, check_layers
 from infer.measure.peers import Peer
 from infer.measure.timing import timed_generate
@@ -59,6 +62,17 @@ class Record:
         row = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "stats"}
         return row | self.stats.to_dict()
 
+    @classmethod
+    def from_dict(cls, row: dict) -> Record:
+        """The record ``to_dict`` wrote (its derived statistics dropped): a killed bench's rows, read back."""
+        from infer.drafters.registry import stats_from_dict
+
+        values = {f.name: row[f.name] for f in dataclasses.fields(GenerationStats) if f.name in row}
+        if isinstance(values.get("drafter"), dict):  # the drafter's own stats class
+            values["drafter"] = stats_from_dict(values["drafter"])
+        return cls(stats=GenerationStats(**values), **{f.name: row[f.name] for f in dataclasses.fields(cls)
+                                   if f.name != "stats" and f.name in row})
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -75,8 +89,9 @@ def token_agreement(reference: list[int], out: list[int]) -> tuple[int, int]:
     return (len(reference) if first is None else first), sum(a == b for a, b in zip(reference, out, strict=False))
 
 
-def run_bench(cfg: BenchConfig, progress: bool = True) -> list[Record]:
-    """Run every method on every prompt, ``cfg.repeats`` times, interleaved; return raw records."""
+def run_bench(cfg: BenchConfig, progress: bool = True, log: Callable[[Record], None] | None = None) -> list[Record]:
+    """Run every method on every prompt, ``cfg.repeats`` times, interleaved; return raw records. ``log`` gets each
+    record as soon as it is finished (``report.RecordLog``: a killed bench leaves every finished record readable)."""
     from infer.loading import load_resolved
     from layerskip_core.models import resolve_model
 
@@ -100,7 +115,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True) -> list[Record]:
         for task, items in tasks.items():
             prompts = [Prompt(it.id, model.encode(it.prompt, use_chat_template(task, cfg.chat)), it.reference)
                        for it in items]
-            records += _run_task(cfg, model, peer, label, task, prompts, progress)
+            records += _run_task(cfg, model, peer, label, task, prompts, progress, log)
         del model, peer
     return records
 
@@ -130,14 +145,18 @@ def _engine_for(method: Method, model: LoadedModel, label: str, start: str, warm
 
 
 def _run_task(cfg: BenchConfig, model: LoadedModel, peer: Peer | None, label: str, task: str,
-              prompts: list[Prompt], progress: bool) -> list[Record]:
+              prompts: list[Prompt], progress: bool, log: Callable[[Record], None] | None = None) -> list[Record]:
     from tqdm.auto import tqdm
 
     if cfg.warmup:
         _warmup(cfg, model, peer, [p.ids for p in prompts], label)
     reference: dict[str, list[int]] = {}
-    # Judged with the reference's (full model's) settings; the logit spread is measured on first need.
-    judge = DivergenceJudge(model.runner, cfg.generation())
+    # Judged with the reference's (full model's) settings; the rounding is measured on first need, in bf16/fp16
+    # against an fp32 recomputation of the same rounded weights (gpu_check's bound, independent of verification).
+    runner = model.runner
+    make = (lambda: rounded_reference(model.path, runner.dtype, runner.device)) \
+        if runner.dtype != torch.float32 and model.path is not None else None
+    judge = DivergenceJudge(runner, cfg.generation(), make_reference=make)
     records = []
     bar = tqdm(total=cfg.repeats * len(prompts) * len(cfg.methods), desc=f"{label}/{task}", disable=not progress,
                leave=False)
@@ -161,6 +180,8 @@ def _run_task(cfg: BenchConfig, model: LoadedModel, peer: Peer | None, label: st
                     _judge(rec, tokens, reference.get(prompt.id), prompt, model, cfg.sampling.greedy, judge,
                            verified)
                 records.append(rec)
+                if log is not None:
+                    log(rec)
                 bar.update()
         for engine in engines.values():
             engine.close()  # each drafter's finish(): SWIFT's save_plan, the adaptive gate's memory

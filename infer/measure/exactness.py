@@ -163,7 +163,7 @@ def spread_prompts(vocab_size: int, lengths: Sequence[int] = SPREAD_PROMPT_LENGT
     return [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in lengths]
 
 
-@torch.no_grad()
+@torch.no_grad()  # the engine's grad mode: compiled steps guard on it
 def chain_spread(runner, prompt_ids: Sequence[int], sizes: Sequence[int] = SPREAD_SIZES) -> dict[int, float]:
     """Max |logit difference| per T between rows computed alone and inside a T-row forward, after one prompt.
 
@@ -216,7 +216,7 @@ def measure_spread(runner, prompts: Sequence[Sequence[int]] | None = None,
             "dtype": str(runner.dtype).removeprefix("torch."), "prompts": len(prompts)}
 
 
-@torch.no_grad()
+@torch.no_grad()  # the engine's grad mode: compiled steps guard on it
 def chain_rounding(runner, reference, prompt_ids: Sequence[int], n: int) -> float:
     """Max |logit difference| between ``runner``'s one-row incremental path (the prompt prefilled, then one token
     per forward, as plain decoding runs) and one full-sequence forward of the fp32 ``reference`` over the same
@@ -261,23 +261,38 @@ def measure_rounding(runner, reference=None, prompts: Sequence[Sequence[int]] | 
             "prompts": len(prompts), "tokens": n, "path": "one-row incremental vs fp32 full-sequence recomputation"}
 
 
+def rounded_reference(path, dtype: torch.dtype, device) -> object:
+    """An fp32 runner of a model folder's weights rounded to ``dtype`` first, as a ``dtype`` runner holds them: the
+    independent fp32 recomputation :func:`measure_rounding` needs to judge a bf16/fp16 runner."""
+    from transformers import AutoModelForCausalLM
+
+    from infer.runner import Runner
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(dtype).float()  # rounded, then fp32
+    return Runner.from_model(model, dtype=torch.float32, device=device)
+
+
 class DivergenceJudge:
     """Classifies one runner's divergences from its plain-decoding references, all generated with ``config``.
 
     The tie bound's ``rounding``: given, or measured on the first divergence that needs it (once) by
-    :func:`measure_rounding` against ``reference`` (an fp32 runner of the same weights; the runner itself when it
-    is fp32). A non-fp32 runner without a reference falls back to the one-row vs many-row :func:`measure_spread`,
-    a bound measured through the verification path it vouches for (``bound_source`` says which was used).
+    :func:`measure_rounding` against ``reference`` (an fp32 runner of the same weights, or ``make_reference``
+    building one on that first need, e.g. :func:`rounded_reference`; the runner itself when it is fp32). A non-fp32
+    runner with neither falls back to the one-row vs many-row :func:`measure_spread`, a bound measured through the
+    verification path it vouches for (``bound_source`` says which was used).
     """
 
     def __init__(self, runner, config: DecodeConfig | None = None, rounding: float | None = None,
-                 reference=None):
+                 reference=None, make_reference=None):
         self.runner, self.config, self.reference = runner, config, reference
+        self.make_reference = make_reference
         self._rounding = rounding
         self.bound_source = "given" if rounding is not None else None
 
     @property
     def rounding(self) -> float:
+        if self._rounding is None and self.reference is None and self.make_reference is not None:
+            self.reference = self.make_reference()
         if self._rounding is None:
             if self.reference is None and self.runner.dtype != torch.float32:
                 # the spread bounds the two runs' difference, up to twice a logit's rounding: the bound stays 2 x spread

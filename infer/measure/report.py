@@ -232,8 +232,61 @@ def bugs(rows: list[Summary]) -> list[Summary]:
             and (r.exact_mismatches if r.mismatches is None else r.mismatches)]
 
 
-RESULT_FILES = ("results.json", "results.csv", "results.md")
-"""What ``write_outputs`` names in its folder (beside the plots): an earlier run's results, refused without --force."""
+RESULT_FILES = ("results.json", "results.csv", "results.md", "records.jsonl")
+"""What a bench writes in its folder (beside the plots): an earlier run's results, refused without --force."""
+RECORDS_FILE = "records.jsonl"
+"""One JSON object per line: a header ``{"command", "config", "meta"}``, then every finished record as the bench
+finishes it (``RecordLog``), so a bench killed midway leaves its finished rows (``read_records``, ``rebuild``)."""
+
+
+class RecordLog:
+    """Appends each finished record to ``out_dir/records.jsonl`` (flushed per line), after a header line with the
+    command and configuration. The file (and the folder) is made at the first record, so a bench refused before
+    it runs leaves nothing; a new log starts the file afresh."""
+
+    def __init__(self, cfg: BenchConfig, out_dir: Path, command: str):
+        self.path = out_dir / RECORDS_FILE
+        self._header = {"command": command, "config": _config_dict(cfg), "meta": machine_info(cfg.run)}
+        self._file = None
+
+    def _write(self, value: dict) -> None:
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115  (open for the bench's whole run)
+            self._file.write(json.dumps(self._header) + "\n")
+        self._file.write(json.dumps(value) + "\n")
+        self._file.flush()
+
+    def __call__(self, record: Record) -> None:
+        self._write({"record": record.to_dict()})
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def read_records(out_dir: Path) -> tuple[dict, list[Record]]:
+    """(header, records) of ``out_dir/records.jsonl``; a last line cut mid-write (a killed bench) is dropped."""
+    from infer.measure.bench import Record
+
+    lines = (out_dir / RECORDS_FILE).read_text(encoding="utf-8").splitlines()
+    header, records = {}, []
+    for i, line in enumerate(lines):
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                break  # the line being written when the bench was killed
+            raise
+        if "record" in value:
+            records.append(Record.from_dict(value["record"]))
+        else:
+            header = value
+    return header, records
+
+
+def _config_dict(cfg: BenchConfig) -> dict:
+    return asdict(cfg) | {"methods": [m.label for m in cfg.methods], "run": cfg.run.to_dict()}
 
 
 def write_outputs(cfg: BenchConfig, records: list[Record], out_dir: Path, command: str) -> list[Summary]:
@@ -243,7 +296,7 @@ def write_outputs(cfg: BenchConfig, records: list[Record], out_dir: Path, comman
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = summarize(records)
     meta = machine_info(cfg.run) | {"command": command}
-    config = asdict(cfg) | {"methods": [m.label for m in cfg.methods], "run": cfg.run.to_dict()}
+    config = _config_dict(cfg)
     best = recommend(rows)
     payload = {"meta": meta, "config": config, "summary": [asdict(r) for r in rows],
                "recommended": [{"model": m, "task": t, "method": v} for (m, t), v in best.items()],
@@ -274,4 +327,20 @@ def write_outputs(cfg: BenchConfig, records: list[Record], out_dir: Path, comman
              "; ".join(f"{m}/{t}: `{v}`" for (m, t), v in best.items()) + "\n"]
     lines += [f"\n![{p.stem}]({p.name})\n" for p in figures]
     (out_dir / "results.md").write_text("\n".join(lines))
+    return rows
+
+
+def rebuild(out_dir: Path) -> list[Summary]:
+    """results.json and a results.md table from ``out_dir/records.jsonl`` alone (a bench killed midway: its finished
+    records, marked ``"partial": true``); returns the rows."""
+    header, records = read_records(out_dir)
+    rows = summarize(records)
+    best = recommend(rows)
+    payload = {"meta": header.get("meta", {}) | {"command": header.get("command")}, "config": header.get("config", {}),
+               "summary": [asdict(r) for r in rows], "partial": True, "rebuilt_from": RECORDS_FILE,
+               "recommended": [{"model": m, "task": t, "method": v} for (m, t), v in best.items()],
+               "records": [r.to_dict() for r in records]}
+    (out_dir / "results.json").write_text(json.dumps(payload, indent=1) + "\n")
+    (out_dir / "results.md").write_text(f"# Benchmark results (rebuilt from {RECORDS_FILE}: {len(records)} finished "
+                                        f"records)\n\n`{header.get('command')}`\n" + markdown_table(rows))
     return rows

@@ -11,7 +11,13 @@ comes out on a CPU, where nothing actually waits, as on a GPU:
 - ``reads``: a device value read on the host (counted once per read, whatever ops it dispatches);
 - ``h2d``: a host-to-device copy that blocks, i.e. a tensor built from host data directly on the
   counted device (``torch.tensor(values, device=d)``; on CUDA pageable memory forces a sync), or a
-  ``.to(cuda)`` copy that is not ``non_blocking`` from pinned memory.
+  ``.to(cuda)`` copy that is not ``non_blocking`` from pinned memory;
+- ``explicit``: a ``torch.cuda.synchronize()`` call (``torch.cuda.graph`` makes one when it captures);
+- ``captures``: CUDA graphs the static executor captured during the decode (``measure_decode``; a capture
+  synchronises the device and empties the allocator's cache, so it is a sync however it is made).
+
+On a GPU only reads of tensors on the counted device are syncs (``.tolist()`` of a host tensor is not); on a CPU,
+where host and device are one, every read is counted (an upper bound of the GPU's count).
 
 Copies that the runner makes through pinned memory (``infer.runner.ints_to_device``) are not syncs
 and are not counted. ``section(name)`` attributes what happens inside it to ``name``.
@@ -42,12 +48,12 @@ class _Functions(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         c = self.counter
         if c.inside == 0:
-            if name in READS and args and isinstance(args[0], torch.Tensor) and args[0].device.type != "meta":
+            if name in READS and args and isinstance(args[0], torch.Tensor) and c.on_device(args[0]):
                 c.add("reads")
             elif name in FACTORIES and kwargs.get("device") is not None \
                     and torch.device(kwargs["device"]).type == c.device_type:
                 c.add("h2d")
-        c.inside += name in READS or name in FACTORIES
+        c.inside += name in READS or name in FACTORIES  # a host tensor's read dispatches nothing counted either
         try:
             return func(*args, **kwargs)
         finally:
@@ -64,7 +70,8 @@ class _Dispatch(TorchDispatchMode):
         c = self.counter
         if c.inside == 0:
             if func is torch.ops.aten._local_scalar_dense.default:
-                c.add("reads")
+                if c.on_device(args[0]):
+                    c.add("reads")
             elif func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
                 src, dst, non_blocking = copy_ends(func, args, kwargs)
                 if src.device.type != "cpu" and dst.type == "cpu":
@@ -100,6 +107,13 @@ class SyncCounter:
         self._section: str | None = None
         self._modes = (_Functions(self), _Dispatch(self))
 
+    def on_device(self, tensor: torch.Tensor) -> bool:
+        """Whether reading ``tensor`` on the host waits for the counted device: a tensor on that device (on a CPU,
+        where host and device are one, every tensor but a meta one: an upper bound of a GPU's count)."""
+        if tensor.device.type == "meta":
+            return False
+        return self.device_type == "cpu" or tensor.device.type == self.device_type
+
     def add(self, kind: str) -> None:
         self.counts[kind] += 1
         if self._section is not None:
@@ -122,6 +136,8 @@ class SyncCounter:
             self._section = previous
 
     def __enter__(self) -> SyncCounter:
+        self._synchronize = torch.cuda.synchronize
+        torch.cuda.synchronize = self._explicit  # an explicit sync (a CUDA-graph capture makes one too)
         for mode in self._modes:
             mode.__enter__()
         return self
@@ -129,6 +145,11 @@ class SyncCounter:
     def __exit__(self, *exc) -> None:
         for mode in reversed(self._modes):
             mode.__exit__(*exc)
+        torch.cuda.synchronize = self._synchronize
+
+    def _explicit(self, *args, **kwargs):
+        self.add("explicit")
+        return self._synchronize(*args, **kwargs)
 
 
 def measure_decode(engine, prompt_ids: list[int], config) -> dict:
@@ -136,7 +157,7 @@ def measure_decode(engine, prompt_ids: list[int], config) -> dict:
     in the drafter's ``update`` (e.g. SWIFT's optimiser; reported apart) and in the prefill.
 
     Returns ``{"per_cycle", "per_token", "draft_steps_per_cycle", "update_per_cycle", "prefill", "cycles",
-    "tokens", "reads", "h2d"}``.
+    "tokens", "reads", "h2d", "explicit", "captures"}`` (a CUDA graph captured in a cycle counts as that cycle's sync).
     """
     counter = SyncCounter(engine.runner.device)
     drafter = engine.drafter
@@ -147,13 +168,17 @@ def measure_decode(engine, prompt_ids: list[int], config) -> dict:
             return update(state, outcome)
 
     drafter.update = counted_update  # an instance attribute shadowing the method, removed below
+    static = engine.runner.static
     try:
         with counter:
             with counter.section("prefill"):
                 gen = engine.start(prompt_ids, config)
             while not gen.done:
+                captures = static.captures if static is not None else 0
                 with counter.section("cycle"):
                     engine.step(gen)
+                    for _ in range((static.captures if static is not None else 0) - captures):
+                        counter.add("captures")
             result = engine.finish(gen)
     finally:
         del drafter.update
@@ -164,4 +189,5 @@ def measure_decode(engine, prompt_ids: list[int], config) -> dict:
             "draft_steps_per_cycle": forwards / cycles,
             "update_per_cycle": counter.section_total("update") / cycles,
             "prefill": counter.section_total("prefill"), "cycles": result.stats.verify_calls,
-            "tokens": result.stats.new_tokens, "reads": counter.counts["reads"], "h2d": counter.counts["h2d"]}
+            "tokens": result.stats.new_tokens, "reads": counter.counts["reads"], "h2d": counter.counts["h2d"],
+            "explicit": counter.counts["explicit"], "captures": counter.counts["captures"]}

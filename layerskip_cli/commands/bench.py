@@ -105,11 +105,15 @@ def config_from_args(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from infer.measure.bench import run_bench  # torch-heavy: imported when the command runs
-    from infer.measure.report import bugs, markdown_table, write_outputs
+    from infer.measure.report import RecordLog, bugs, markdown_table, write_outputs
 
     cfg = config_from_args(args)
     command = "layerskip " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    records = run_bench(cfg, progress=not args.quiet)
+    log = RecordLog(cfg, args.out, command)  # every finished record, as it finishes: a killed bench keeps them
+    try:
+        records = run_bench(cfg, progress=not args.quiet, log=log)
+    finally:
+        log.close()
     rows = write_outputs(cfg, records, args.out, command)
     print(markdown_table(rows))
     print(f"wrote {args.out}/results.json, results.csv, results.md and plots", file=sys.stderr)

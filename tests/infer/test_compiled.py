@@ -119,3 +119,20 @@ def test_swift_captures_at_most_one_forward_per_plan_change_in_timed_runs(monkey
     timed = [s.key for s in runner.static.spans() if s.graph is not None and id(s) not in warm]
     assert runner.static.captures - captures == len(timed)
     assert all(k.plan is not None for k in timed) and len({k.plan for k in timed}) == len(timed)
+
+
+def test_runners_sharing_a_step_cache_compile_each_step_once():
+    """Rows (1..k+1) and cache capacity (256, 512) are dynamic from the first compile, the engine runs in one grad
+    mode whatever its caller's, and a second runner of the same geometry reuses the first's graphs: two graphs in
+    all (the cheap 'eager' backend counts them in seconds)."""
+    from infer.compiled import StepCache
+
+    steps = StepCache("eager")
+    config = GenerationConfig(max_new_tokens=12, stop_at_eos=False)
+    for seed in (0, 1):
+        runner = Runner.from_model(make_model("llama", seed=seed, layers=4), executor="static", compile=steps)
+        for name, options in (("autoregressive", {}), ("early_exit", {"exit_layer": 2, "num_draft": 3})):
+            engine = Engine(runner, build_drafter(name, runner, options))
+            engine.generate([5, 6, 7], config)  # a 256-slot cache
+            engine.generate([9] * 230, config)  # a 512-slot one
+    assert list(steps.counts().values()) == [2] and steps.compiles == 2

@@ -124,7 +124,7 @@ def test_dry_run_writes_the_whole_comparison(tmp_path):
     before = docs_json.read_bytes() if docs_json.exists() else None
     overrides = ["data.sources.0.type=files", f"data.sources.0.path={tree}", "data.sources.0.holdout_packages=[beta]",
                  "early_exit.exits=[2,4,6]", f"data.cache_dir={tmp_path / 'tokens'}"]
-    argv = ["--dry-run", "--out", str(out), "--model", str(model), "--quiet"]
+    argv = ["--dry-run", "--form", "full", "--out", str(out), "--model", str(model), "--quiet"]
     for o in overrides:
         argv += ["--set", o]
     assert gc.main(argv) == 0
@@ -146,7 +146,31 @@ def test_dry_run_writes_the_whole_comparison(tmp_path):
     assert prompts and all(p["id"].startswith("beta/") for p in prompts)  # cut from the held-out package only
     assert (out / "train" / "final" / "config.json").is_file() and (out / "logs" / "train.log").is_file()
     assert c["command"].startswith("scripts/gpu_compare.py --dry-run")
+    assert "===== step bench_gsm8k: exit 0" in (out / "steps.log").read_text()  # every step's log, merged
     section = (out / "gpu_section.md").read_text()
     assert section.startswith(gc.SECTION_BEGIN) and "dry run" in section
     after = docs_json.read_bytes() if docs_json.exists() else None
     assert before == after  # a dry run never writes the docs
+
+
+def test_a_bench_stopped_at_the_budget_keeps_its_finished_rows(tmp_path):
+    from infer.engine import GenerationStats
+    from infer.measure.bench import Record
+
+    p = _pipeline(tmp_path)
+    folder = p.out / "bench_code_heldout"
+    folder.mkdir(parents=True)
+    rec = Record("base", "code_heldout", "autoregressive", "p0", 0,
+                 GenerationStats(new_tokens=8, wall_time=0.5, verify_calls=7), exact=True)
+    (folder / "records.jsonl").write_text(json.dumps({"command": "layerskip bench", "config": {}}) + "\n"
+                                          + json.dumps({"record": rec.to_dict()}) + "\n")
+    rows = gc.partial_rows(p, "code_heldout")
+    assert len(rows) == 1 and rows[0]["method"] == "autoregressive" and rows[0]["tok_s"] == 16.0
+    assert rows[0]["mismatches"] == 0 and "stopped before its end: 1 row(s)" in p.notes[0]
+    assert gc.partial_rows(p, "humaneval") == []  # a bench that wrote nothing gives nothing
+
+
+def test_a_dry_run_is_the_first_form_on_a_tiny_stand_in(tmp_path, capsys):
+    model = gc.tiny_stand_in(tmp_path / "tiny")
+    assert json.loads((model / "config.json").read_text())["num_hidden_layers"] == 8
+    assert gc.tiny_stand_in(model) == model and "in place of the default model" in capsys.readouterr().err

@@ -48,7 +48,9 @@ def test_command_two_leaves_the_first_lease_comparison(lease_rehearsal):
     proc, out = lease_rehearsal["procs"][1], lease_rehearsal["outs"][1]
     assert proc.returncode == 0, proc.stderr[-3000:]
     names = {f.name for f in returned_files(out)}
-    assert names == {"compare.json", "gpu_section.md", "lease_compare.json"}
+    assert names == {"compare.json", "gpu_section.md", "lease_compare.json", "steps.log"}
+    log = (out / "steps.log").read_text()
+    assert "===== step train: exit 0" in log and "===== step bench_code_heldout: exit 0" in log
     c = json.loads((out / "compare.json").read_text())
     assert c["complete"] is True and c["form"] == "first" and c["dry_run"] is True
     assert {r["task"] for r in c["rows"]} == {"code_heldout"} and {r["model"] for r in c["rows"]} == {"base", "trained"}
@@ -107,15 +109,15 @@ def test_the_commit_comes_from_the_carried_file_without_git(monkeypatch, tmp_pat
 
 def test_a_missing_optional_package_is_a_note_not_a_failure():
     gpu_check = load_script("gpu_check")
-    run = gpu_check.Run(torch.device("cpu"), gpu_check.Settings.for_run(True))
-    result, saved = {}, []
+    saved = []
+    run = gpu_check.Run(torch.device("cpu"), gpu_check.Settings.for_run(True), saver=saved.append)
 
     def needs_accelerate():
         raise ModuleNotFoundError("No module named 'accelerate'", name="accelerate")
-    gpu_check.part("train", needs_accelerate, result, saved.append, run)
-    assert "errors" not in result and run.notes == ["part train skipped: accelerate is not installed"]
-    gpu_check.part("train", lambda: 1 / 0, result, saved.append, run)
-    assert "ZeroDivisionError" in result["errors"]["train"] and len(saved) == 2
+    gpu_check.part("train", needs_accelerate, run)
+    assert "errors" not in run.result and run.notes == ["part train skipped: accelerate is not installed"]
+    gpu_check.part("train", lambda: 1 / 0, run)
+    assert "ZeroDivisionError" in run.result["errors"]["train"] and len(saved) == 2
 
 
 def test_kernel_profile_fields_on_a_cpu():
@@ -161,17 +163,48 @@ def _data_file(tmp_path: Path, spec) -> Path:
     return path
 
 
-def test_publish_puts_the_returned_blocks_into_the_docs(tmp_path, monkeypatch):
+def _publish_setup(tmp_path, monkeypatch):
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "GPU.md").write_text("intro\n<!-- gpu_check:begin -->\nold\n<!-- gpu_check:end -->\nafter\n")
+    (docs / "RESULTS.md").write_text("a\n<!-- gpu-compare:begin -->\nold\n<!-- gpu-compare:end -->\nb\n")
     back = tmp_path / "back"
     back.mkdir()
     (back / "GPU.md").write_text("# GPU results\n\n<!-- gpu_check:begin -->\nnew\n<!-- gpu_check:end -->\n")
-    (back / "gpu_check.json").write_text('{"complete": true}')
+    (back / "gpu_check.json").write_text('{"complete": true, "device": "H200"}')
     monkeypatch.setattr(lease, "REPO", tmp_path)
+    return docs, back
+
+
+def test_publish_puts_the_returned_blocks_into_the_docs(tmp_path, monkeypatch):
+    docs, back = _publish_setup(tmp_path, monkeypatch)
     written = gpu_lease.publish(back)
     assert (docs / "GPU.md").read_text() == "intro\n<!-- gpu_check:begin -->\nnew\n<!-- gpu_check:end -->\nafter\n"
-    assert json.loads((docs / "gpu" / "latest.json").read_text()) == {"complete": True} and len(written) == 2
+    assert json.loads((docs / "gpu" / "latest.json").read_text())["complete"] is True and len(written) == 2
     with pytest.raises(UserError, match="holds none"):
         gpu_lease.publish(tmp_path / "docs" / "gpu")
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("gpu_section.md", "<!-- gpu-compare:end -->\nx\n<!-- gpu-compare:begin -->\n", "once and then"),  # reversed
+    ("gpu_section.md", "<!-- gpu-compare:begin -->\nx\n", "once and then"),  # no end marker
+    ("compare.json", '{"rows": [', "not valid JSON"),
+    ("compare.json", b"\xff\xfe{}", "not UTF-8"),
+    ("compare.json", '{"dry_run": true, "rows": []}', "CPU rehearsal or dry run"),
+    ("gpu_check.json", '{"device": "cpu", "tiny": true}', "CPU rehearsal or dry run"),
+])
+def test_publish_refuses_a_bad_file_and_changes_nothing(tmp_path, monkeypatch, capsys, name, content, message):
+    docs, back = _publish_setup(tmp_path, monkeypatch)
+    before = {p: p.read_bytes() for p in docs.rglob("*") if p.is_file()}
+    (back / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    assert gpu_lease.main(["publish", str(back)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "nothing was changed" in err and len(err.strip().splitlines()) == 1
+    assert {p: p.read_bytes() for p in docs.rglob("*") if p.is_file()} == before
+
+
+def test_a_stage_refuses_an_earlier_runs_results_folder(tmp_path, capsys):
+    (tmp_path / "lease_check.json").write_text('{"stage": "check", "returncode": 0}')
+    assert gpu_lease.main(["check", "--out", str(tmp_path)]) == 2
+    assert "lease_check.json exists" in capsys.readouterr().err
+    assert json.loads((tmp_path / "lease_check.json").read_text())["returncode"] == 0  # not overwritten

@@ -141,3 +141,32 @@ def test_pinned_non_blocking_copy_is_not_a_sync_in_either_call_shape(monkeypatch
         dst.copy_(src)
         src.to("meta")
     assert syncs.counts["h2d"] == 3, syncs.counts  # blocking copies still count
+
+
+def test_on_a_gpu_only_reads_of_device_tensors_are_syncs():
+    """Counting for a CUDA device, a host tensor's .tolist()/.item()/bool() waits for nothing: not counted."""
+    host = torch.tensor([1, 2, 3])
+    with SyncCounter("cuda") as syncs:
+        host.tolist(), host[0].item(), bool(host[1]), int(host[2])
+    assert syncs.total == 0
+    with SyncCounter("cpu") as syncs:  # on a CPU host and device are one: every read counts (an upper bound)
+        host.tolist(), host[0].item()
+    assert syncs.counts["reads"] == 2
+
+
+def test_explicit_synchronisation_and_captures_are_syncs(runner, monkeypatch):
+    from executor_cases import fake_capture
+
+    from infer.graphs import StaticExecutor, StaticSpan
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: calls.append(1))
+    with SyncCounter("cpu") as syncs:
+        torch.cuda.synchronize()
+    assert syncs.counts["explicit"] == 1 and calls == [1]
+    monkeypatch.setattr(StaticSpan, "capture", fake_capture)
+    captured = Runner.from_model(make_model("llama", seed=0, layers=L), executor="eager")
+    captured.static = StaticExecutor(captured, capture=True)
+    engine = Engine(captured, build_drafter("autoregressive", captured))
+    m = measure_decode(engine, PROMPT, GenerationConfig(max_new_tokens=6, stop_at_eos=False))  # no warm-up
+    assert m["captures"] >= 1 and m["per_cycle"] * m["cycles"] >= m["captures"] + m["cycles"]
