@@ -128,7 +128,7 @@ def test_runners_sharing_a_step_cache_compile_each_step_once():
     from infer.compiled import StepCache
 
     steps = StepCache("eager")
-    config = GenerationConfig(max_new_tokens=12, stop_at_eos=False)
+    config = DecodeConfig(max_new_tokens=12, stop_at_eos=False)
     for seed in (0, 1):
         runner = Runner.from_model(make_model("llama", seed=seed, layers=4), executor="static", compile=steps)
         for name, options in (("autoregressive", {}), ("early_exit", {"exit_layer": 2, "num_draft": 3})):

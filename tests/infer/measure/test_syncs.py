@@ -168,5 +168,5 @@ def test_explicit_synchronisation_and_captures_are_syncs(runner, monkeypatch):
     captured = Runner.from_model(make_model("llama", seed=0, layers=L), executor="eager")
     captured.static = StaticExecutor(captured, capture=True)
     engine = Engine(captured, build_drafter("autoregressive", captured))
-    m = measure_decode(engine, PROMPT, GenerationConfig(max_new_tokens=6, stop_at_eos=False))  # no warm-up
+    m = measure_decode(engine, PROMPT, DecodeConfig(max_new_tokens=6, stop_at_eos=False))  # no warm-up
     assert m["captures"] >= 1 and m["per_cycle"] * m["cycles"] >= m["captures"] + m["cycles"]
