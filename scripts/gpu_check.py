@@ -81,7 +81,7 @@ from infer.plan import LayerPlan, PlanFile
 from infer.runner import Runner
 from infer.sampling import SamplingConfig, TreeShape
 from layerskip_cli.args import add_run_flags
-from layerskip_core.cli import check_output_dir, run_main
+from layerskip_core.cli import Parser, check_output_dir, run_main
 from layerskip_core.device import resolve_device
 from layerskip_core.settings import RunSettings, resolve_compile
 
@@ -361,18 +361,43 @@ def spreads(run: Run) -> dict[str, dict]:
     return out
 
 
-def drafter_specs(runner: Runner, folder: Path) -> dict[str, dict]:
-    """Every drafter with settings that make it draft on a 4-layer model (self_sd gets a small plan file, swift
-    verifies token trees)."""
+def drafter_specs(runner: Runner, folder: Path, adapter: Path | None = None) -> dict[str, tuple[str, dict]]:
+    """Every drafter with settings that make it draft on a 4-layer model, key -> (drafter, options): self_sd gets a
+    small plan file, swift verifies token trees, and early exit also drafts through ``adapter`` (an exit adapter
+    file for this model, ``tiny_adapter``) where one is given."""
     L = runner.num_layers
     plan = folder / f"plan-{runner.fingerprint[:8]}.json"
     PlanFile(LayerPlan(L, skip_attn=frozenset({L - 2}), skip_mlp=frozenset({L - 1})), runner.identity(),
              source="gpu_check").save(plan)
-    return {
-        "early_exit": {"exit_layer": L // 2, "num_draft": 3},
-        "self_sd": {"plan": str(plan), "num_draft": 4},
-        "swift": dict(SWIFT_TREES),
+    specs = {
+        "early_exit": ("early_exit", {"exit_layer": L // 2, "num_draft": 3}),
+        "self_sd": ("self_sd", {"plan": str(plan), "num_draft": 4}),
+        "swift": ("swift", dict(SWIFT_TREES)),
     }
+    if adapter is not None:
+        specs["early_exit_adapter"] = ("early_exit", {"adapter": str(adapter), "num_draft": 3})
+    return specs
+
+
+def tiny_adapter(run: Run, kind: str, seed: int, folder: Path) -> Path | None:
+    """An exit adapter file for the tiny model (its plain exit at L/2 with seeded noise: a stand-in for a trained
+    one), so the adapter's layer is decoded, compiled and captured like the model's; None, with a note, where the
+    training code cannot be imported."""
+    try:
+        from train.adapter import AdapterLM
+        from train.config import AdapterConfig
+    except ImportError as e:
+        run.notes.append(f"exit adapter skipped ({e.name or e} not installed)")
+        return None
+    model = tiny_model(kind, seed, device=run.device)
+    lm = AdapterLM(model, AdapterConfig(enabled=True, exit_layer=model.config.num_hidden_layers // 2))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in lm.adapter.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen).to(p.device, p.dtype))
+    path = folder / f"adapter-{kind}-{seed}.safetensors"
+    lm.save(path, {"source": "gpu_check"})
+    return path
 
 
 def outcome_counts(outcomes: list) -> dict[str, int]:
@@ -402,17 +427,19 @@ def greedy_identity(run: Run, new_tokens: int, models=TINY_MODELS[:1],
     gen = DecodeConfig(max_new_tokens=new_tokens, stop_at_eos=False)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         for kind, seed in models:
+            adapter = tiny_adapter(run, kind, seed, Path(tmp)) if kind == "llama" else None  # the adapter's layer
             for executor in executors or (run.executor, "eager"):
                 runner = tiny_runner(run, kind, seed, torch.float32, executor)
                 detail |= {f"{kind}/{executor}/{name}": d for name, d in identity_runs(run, runner, seed, gen,
-                                                                                        Path(tmp)).items()}
+                                                                                        Path(tmp), adapter).items()}
                 note_fallback(run, runner, f"greedy identity ({kind})", executor)
                 del runner
                 free(run.device)
     return identity_totals(detail)
 
 
-def identity_runs(run: Run, runner: Runner, seed: int, gen: DecodeConfig, folder: Path) -> dict[str, dict]:
+def identity_runs(run: Run, runner: Runner, seed: int, gen: DecodeConfig, folder: Path,
+                  adapter: Path | None = None) -> dict[str, dict]:
     """Each drafter's greedy runs on three seeded prompts against the autoregressive references, judged."""
     rounding = measure_rounding(runner, prompts=spread_prompts(320, run.settings.spread_prompt_lengths, seed))
     judge = DivergenceJudge(runner, gen, rounding["max_abs"])
@@ -420,11 +447,11 @@ def identity_runs(run: Run, runner: Runner, seed: int, gen: DecodeConfig, folder
     plain = Engine(runner, build_drafter("autoregressive", runner))
     refs = [plain.generate(p, gen).tokens for p in prompts]
     detail = {}
-    for name, options in drafter_specs(runner, folder).items():
+    for key, (name, options) in drafter_specs(runner, folder, adapter).items():
         try:
             engine = Engine(runner, build_drafter(name, runner, options))
         except ImportError as e:
-            run.notes.append(f"greedy identity: {name} skipped ({e.name or e} not installed)")
+            run.notes.append(f"greedy identity: {key} skipped ({e.name or e} not installed)")
             continue
         outs, counts = [], {"verifications": 0, "trees": 0, "compactions": 0}
         for p in prompts:
@@ -436,7 +463,7 @@ def identity_runs(run: Run, runner: Runner, seed: int, gen: DecodeConfig, folder
                  for p, ref, (out, verified) in zip(prompts, refs, outs, strict=True) if out != ref]
         flips = sum(d["tie_flip"] for d in wrong)
         failures_ = len(wrong) - flips if run.device.type == "cuda" else len(wrong)
-        detail[name] = {"rounding": rounding["max_abs"], "runs": len(prompts), "mismatches": len(wrong),
+        detail[key] = {"rounding": rounding["max_abs"], "runs": len(prompts), "mismatches": len(wrong),
                         "tie_flips": flips, "failures": failures_, "divergences": wrong, **counts}
         run.save()
     return detail
@@ -458,15 +485,15 @@ def sampled(run: Run, new_tokens: int) -> dict[str, dict]:
     gen = DecodeConfig(max_new_tokens=new_tokens, stop_at_eos=False, sampling=SAMPLING)
     out = {}
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-        specs = {"autoregressive": {}} | drafter_specs(runner, Path(tmp))
-        for name, options in specs.items():
+        specs = {"autoregressive": ("autoregressive", {})} | drafter_specs(runner, Path(tmp))
+        for key, (name, options) in specs.items():
             try:
                 engine = Engine(runner, build_drafter(name, runner, options))
                 tokens, counts = decode_counting(engine, prompt_ids(320, 9, 3), gen)
                 engine.close()
-                out[name] = {"tokens": len(tokens), "ok": len(tokens) == new_tokens, **counts}
+                out[key] = {"tokens": len(tokens), "ok": len(tokens) == new_tokens, **counts}
             except Exception as e:  # recorded, and fails the run
-                out[name] = {"ok": False, "error": error_text(e)}
+                out[key] = {"ok": False, "error": error_text(e)}
     note_fallback(run, runner, "sampling")
     return out
 
@@ -494,7 +521,7 @@ def syncs(run: Run, new_tokens: int) -> dict:
                                    ("early_exit", "early_exit", {"exit_layer": L // 2, "num_draft": 4}),
                                    ("early_exit_confidence", "early_exit",
                                     {"exit_layer": L // 2, "num_draft": 4, "confidence": 0.5}),
-                                   ("self_sd", "self_sd", specs["self_sd"]), ("swift", "swift", specs["swift"])):
+                                   ("self_sd", *specs["self_sd"]), ("swift", *specs["swift"])):
             try:
                 engine = Engine(runner, build_drafter(name, runner, options))
                 engine.warm_up([prompt], gen)
@@ -1089,7 +1116,7 @@ def run_check(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     add_run_flags(p, skip=("dtype", "executor", "threads"))  # --device, declared once for every command
     p.set_defaults(device=RunSettings().device)  # its flag's value when not given (the help shows it)
     p.add_argument("--tiny", action="store_true", help="4-layer stand-ins and a few tokens (implied on a CPU)")

@@ -44,6 +44,7 @@ from pathlib import Path
 
 import lease  # first: puts the checkout on sys.path (a bare checkout on a GPU image)
 
+from layerskip_core.cli import Parser
 from layerskip_core.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -792,7 +793,7 @@ def write_section(path: Path, section: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="scripts/gpu_compare.py", description=__doc__.split("\n\n")[0],
+    parser = Parser(prog="scripts/gpu_compare.py", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--form", choices=("first", "full"), default=None,
                         help="first: one short command (short training, held-out code only, no compiled peer, no "

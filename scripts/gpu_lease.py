@@ -25,6 +25,7 @@ from pathlib import Path
 
 import lease
 
+from layerskip_core.cli import Parser
 from layerskip_core.errors import UserError
 
 BUDGET_S = {"check": 240.0, "compare": 240.0}
@@ -177,7 +178,7 @@ def publish(folder: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="scripts/gpu_lease.py", description=__doc__.split("\n\n")[0],
+    parser = Parser(prog="scripts/gpu_lease.py", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = parser.add_subparsers(dest="stage", required=True)
     for stage in ("check", "compare", "stash"):
