@@ -1,5 +1,6 @@
 """The Makefile's setup paths (dry runs: what this machine allows without a GPU or a network)."""
 
+import os
 import re
 import shutil
 import subprocess
@@ -8,12 +9,16 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+MAKE_ENV = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "TORCH", "EXTRAS")}
+"""The environment of a top-level make: a suite started by ``make test EXTRAS=...`` passes its variables to every
+make below it through MAKEFLAGS, which would change what these dry runs plan."""
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 
 
 def dry_run(*variables: str) -> list[str]:
     proc = subprocess.run(["make", "--no-print-directory", "-n", "-B", "setup", "VENV=/tmp/dry-venv", *variables],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)  # no "Entering directory" under make
+                          cwd=REPO, env=MAKE_ENV, capture_output=True, text=True,
+                          timeout=60)  # no "Entering directory" under make
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.splitlines()
 
@@ -43,7 +48,7 @@ def test_keep_setup_uses_the_torch_already_installed():
 
 def test_demo_shows_a_drafter_that_does_not_lose_beside_the_untrained_early_exit():
     proc = subprocess.run(["make", "--no-print-directory", "-n", "-B", "demo", "VENV=/tmp/dry-venv"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+                          env=MAKE_ENV, capture_output=True, text=True, timeout=60)
     bench = proc.stdout.split("layerskip bench", 1)[1].replace("\\\n", " ")
     drafters = bench.split("--drafters ", 1)[1].split()[0].split(",")
     assert "swift" in drafters and any(d.startswith("early_exit") for d in drafters)
@@ -60,7 +65,7 @@ def test_a_setup_with_another_torch_flavour_is_not_up_to_date(tmp_path):
 
     def planned(*variables: str) -> str:
         return subprocess.run(["make", "--no-print-directory", "-n", "setup", f"VENV={venv}", *variables], cwd=REPO,
-                              capture_output=True, text=True, timeout=60, check=True).stdout
+                              env=MAKE_ENV, capture_output=True, text=True, timeout=60, check=True).stdout
 
     assert "pip install" not in planned()  # the CPU setup is up to date
     cuda = planned("TORCH=cu128")
