@@ -32,7 +32,6 @@ callable; in-place changes to the model's weights (``load_state_dict``, an optim
 from __future__ import annotations
 
 import inspect
-import sys
 import weakref
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -212,7 +211,7 @@ def generate_arguments(model: PreTrainedModel) -> dict:
     """``streamer``, ``assistant_model`` and ``synced_gpus`` of the ``GenerationMixin.generate`` call running this
     callable (transformers 5.x does not pass them on to a ``custom_generate`` callable); {} outside one."""
     code = inspect.unwrap(GenerationMixin.generate).__code__
-    frame = sys._getframe(1)
+    frame = inspect.currentframe().f_back
     while frame is not None:
         if frame.f_code is code and frame.f_locals.get("self") is model:
             return {k: frame.f_locals.get(k) for k in ("streamer", "assistant_model", "synced_gpus")}

@@ -187,14 +187,18 @@ class Runner:
         pool and static forwards are its own. Its caches are ``KVCache``s of its layers, so every executor runs it
         as it runs the model."""
         other = copy.copy(self)
-        other.spec = dataclasses.replace(self.spec, num_layers=len(layers))
-        other.layers, other.final_norm = list(layers), final_norm
-        other.counters = RunnerCounters([0] * len(layers))
-        other.caches, other._draft_heads, other._extra_layers = CachePool(), {}, {}
-        other._beside = WeakKeyDictionary()
-        other.static = None if self.static is None else StaticExecutor(other, self.static.capture,
-                                                                       self.static.compile)
+        other.own_layers(layers, final_norm)
         return other
+
+    def own_layers(self, layers: list[LayerWeights], final_norm: Tensor) -> None:
+        """Make this runner (a copy, see ``over_layers``) run ``layers`` with ``final_norm``, with its own spec,
+        counters, cache pool, draft heads, extra layers and static forwards."""
+        self.spec = dataclasses.replace(self.spec, num_layers=len(layers))
+        self.layers, self.final_norm = list(layers), final_norm
+        self.counters = RunnerCounters([0] * len(layers))
+        self.caches, self._draft_heads, self._extra_layers = CachePool(), {}, {}
+        self._beside = WeakKeyDictionary()
+        self.static = None if self.static is None else StaticExecutor(self, self.static.capture, self.static.compile)
 
     def extra_layer(self, state: dict[str, Tensor], final_norm: Tensor) -> Runner:
         """``over_layers`` for one more decoder layer (an exit adapter's) given by its tensors under HF names within
