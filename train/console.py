@@ -12,7 +12,10 @@ elsewhere that case cannot be seen.
 LM head is stored once by design and comes back on load (the resume tests check it bit for bit).
 
 ``eval_summary`` is the one line an evaluation prints; ``resume_hint`` what an interrupted run prints, and
-``interrupt_on_sigterm`` makes SIGTERM (a scheduler's stop, ``kill``) end the run the way Ctrl-C does.
+``interrupt_on_sigterm`` makes SIGTERM (a scheduler's stop, ``kill``) end the run the way Ctrl-C does;
+``sigterm_held`` keeps it out of a checkpoint or export being written (it arrives when the write is done): an
+exception raised at an arbitrary point of a save could leave a writer thread's lock taken and the process unable
+to exit.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import os
 import re
 import signal
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -113,6 +117,25 @@ def interrupt_on_sigterm() -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
+
+
+@contextmanager
+def sigterm_held():
+    """While inside, a SIGTERM is recorded, not delivered; on leaving, the handler it would have reached runs
+    (once). Only the main thread handles signals, so elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[tuple[int, object]] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append((signum, frame)))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if received and callable(previous):
+        previous(*received[0])
+    elif received and previous == signal.SIG_DFL:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class _DropSharedTensorNote(logging.Filter):

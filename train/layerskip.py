@@ -49,6 +49,7 @@ from train.console import (
     interrupt_on_sigterm,
     launcher_command,
     resume_hint,
+    sigterm_held,
 )
 from train.optim import RunningStats, lr_factor, make_optimizer, param_digest
 from train.recipe import describe, dump_config, load_config, to_dict
@@ -331,8 +332,9 @@ def train_steps(run: Session, on_step: Callable[[int], None] | None) -> None:
         if cfg.logging.eval_every and run.step % cfg.logging.eval_every == 0 and run.step < cfg.optim.max_steps:
             run.tracker.log({"step": run.step, **(evaluate(run) or {})})
         if cfg.checkpoint.save_every and run.step % cfg.checkpoint.save_every == 0:
-            save_checkpoint(run.accelerator, cfg, run.step, {"tokens": run.tokens_seen,
-                                                             "metrics_lines": run.tracker.lines})
+            with sigterm_held():
+                save_checkpoint(run.accelerator, cfg, run.step, {"tokens": run.tokens_seen,
+                                                                 "metrics_lines": run.tracker.lines})
         if on_step is not None:
             on_step(run.step)
     bar.close()
@@ -377,6 +379,11 @@ def finish(run: Session) -> dict:
 
 def save_final(run: Session) -> Path:
     """The trained exit adapter's file, or the plain Hugging Face ``final/`` folder (LoRA merged)."""
+    with sigterm_held():
+        return _save_final(run)
+
+
+def _save_final(run: Session) -> Path:
     if run.cfg.adapter.enabled:
         from train.adapter import save_adapter
 

@@ -16,7 +16,14 @@ from safetensors.torch import load_file
 
 from layerskip_cli.main import main as cli
 from layerskip_core.errors import UserError
-from train.console import RELAUNCHED, check_launch, cpu_relaunch, requested_processes
+from train.console import (
+    RELAUNCHED,
+    check_launch,
+    cpu_relaunch,
+    interrupt_on_sigterm,
+    requested_processes,
+    sigterm_held,
+)
 from train.layerskip import run_training
 from train.recipe import dump_config
 
@@ -111,14 +118,37 @@ def test_sigterm_ends_a_run_with_the_resume_hint(tiny_recipe, tmp_path):
     cfg = tiny_recipe("optim.max_steps=100000", "checkpoint.save_every=1", "checkpoint.save_final=false")
     recipe = tmp_path / "r.yaml"
     dump_config(cfg, recipe)
-    env = os.environ | {"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(REPO)}
+    env = os.environ | {"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(REPO),
+                        "PYTHONFAULTHANDLER": "1"}  # a process that will not end shows every thread's stack
     proc = subprocess.Popen([sys.executable, str(REPO / "train/layerskip.py"), "--config", str(recipe)],
                             stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env)
     deadline = time.monotonic() + 240
     while not list((Path(cfg.checkpoint.output_dir) / "checkpoints").glob("step-*")) and time.monotonic() < deadline:
         time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)
-    err = proc.communicate(timeout=120)[1]
+    try:
+        err = proc.communicate(timeout=120)[1]
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)  # faulthandler prints the stacks on its way out
+        pytest.fail("the run did not end within 120 s of SIGTERM; its stderr:\n" + proc.communicate()[1][-6000:])
     assert proc.returncode == 130, err[-2000:]
     assert f"continue with: python train/layerskip.py --config {recipe} --resume" in err
     assert "Traceback" not in err and err.count("interrupted") == 1  # the hint says it, once
+
+
+def test_a_sigterm_during_a_save_arrives_when_the_save_is_done():
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        interrupt_on_sigterm()
+        done = []
+        with pytest.raises(KeyboardInterrupt):
+            with sigterm_held():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)  # the signal is handled here: recorded, not raised
+                done.append("saved")
+        assert done == ["saved"]
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # the run's handler is back
+        with sigterm_held():  # nothing received: nothing raised on leaving
+            pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
