@@ -11,6 +11,8 @@ import torch
 
 from script_modules import load_script
 
+pytestmark = pytest.mark.xdist_group("lease_rehearsal")  # one worker runs the rehearsal (make test)
+
 SHAPES = {"stand-in for SmolLM2-135M", "stand-in for Llama-3.2-1B-like", "stand-in for Llama-2-7B-like"}
 
 

@@ -14,6 +14,8 @@ from layerskip_core.packages import sha256_of
 from lease_rehearsal import returned_files
 from script_modules import load_script
 
+pytestmark = pytest.mark.xdist_group("lease_rehearsal")  # one worker runs the rehearsal (make test)
+
 lease = load_script("lease")
 gpu_lease = load_script("gpu_lease")
 gb = load_script("gpu_bundle")
