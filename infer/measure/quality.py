@@ -220,7 +220,8 @@ def task_accuracy(rows: list, model: str) -> dict[str, dict]:
     for task in dict.fromkeys(r.task for r in rows):
         row = next((r for r in rows if r.model == model and r.task == task and r.method == BASELINE), None)
         if row is not None and row.answer_accuracy is not None:
-            out[task] = {"accuracy": row.answer_accuracy, "prompts": row.prompts}
+            out[task] = {"accuracy": row.answer_accuracy, "prompts": row.prompts,
+                         "new_tokens": row.new_tokens // max(1, row.prompts)}
         else:
             out[task] = {"accuracy": None, "reason": UNSCORED.get(task, "not scored: the prompts have no '#### N' "
                                                                        "reference answers" if row else "not run")}
@@ -233,9 +234,10 @@ def _accuracy_cell(scores: dict[str, dict], all_zero: set[str]) -> str:
         if s["accuracy"] is None:
             cells.append(f"{task}: {s['reason']}")
         elif task in all_zero:
-            cells.append(f"{task}: 0 of {s['prompts']} (0 for every model here: it does not tell them apart)")
+            cells.append(f"{task}: 0 of {s['prompts']} at {s['new_tokens']} new tokens (0 for every model here: it "
+                         "does not tell them apart)")
         else:
-            cells.append(f"{task}: {s['accuracy']:.2f} of {s['prompts']}")
+            cells.append(f"{task}: {s['accuracy']:.2f} of {s['prompts']} at {s['new_tokens']} new tokens")
     return "; ".join(cells)
 
 

@@ -121,7 +121,7 @@ def test_a_model_not_measured_says_so(monkeypatch):
     row = Summary("m", "gsm8k", "autoregressive", 2, 8, 10.0, [10.0], 1.0, None, None, None, None, None, None,
                   None, None, None, answer_accuracy=0.0)
     table = quality_table({}, [row], ["m"])
-    assert "| m | not measured | not measured |" in table and "gsm8k: 0.00 of 2" in table
+    assert "| m | not measured | not measured |" in table and "gsm8k: 0.00 of 2 at 4 new tokens" in table
     assert quality.flag({"verdict": "same", "delta_nats": 0.0}) is None
 
 
