@@ -208,17 +208,40 @@ def compare(args: argparse.Namespace) -> dict:
     L = base["num_layers"]
     by_path = {str(Path(r["adapter"])): E for E, r in adapters.items()}
     bench = bench_rows(benches[0], by_path, "a") | bench_rows(benches[1], by_path, "c")
+    verifiers = {"a": verifier(base, base, L), "b": verifier(base, base, L), "c": verifier(ckpt, base, L)}
     rows = []
     for E in exits:
         agree = {"a": base["agreement"][E], "b": adapters[E]["adapter_agreement"], "c": ckpt["agreement"][E]}
         for fam, alpha in agree.items():
             rows.append({"E": E, "family": fam, "agreement": alpha, "tokens": adapters[E]["provenance"].get("tokens")
-                         if fam == "b" else None, "cpu": bench.get((fam, E)),
+                         if fam == "b" else None, "cpu": bench.get((fam, E)), "verifier": verifiers[fam],
                          "gpu_projection": gpu_projection(alpha, E, L, 1 if fam == "b" else 0)})
     return {"config": args.config, "checkpoint": args.checkpoint, "examples": base["examples"],
             "tokens": base["tokens"][L], "num_layers": L, "gpu_costs": H200.__dict__,
             "validation_loss": {"base": base["loss"][L], "checkpoint": ckpt["loss"][L]},
+            "task_accuracy": TASK_ACCURACY,
             "adapters": {str(E): r for E, r in adapters.items()}, "rows": rows}
+
+
+TASK_ACCURACY = ("not scored here: the held-out text is a recipe's validation split, not a task (`layerskip bench "
+                 "--data gsm8k` scores each verifier's GSM8K answers)")
+"""What this comparison says of task accuracy (it scores none)."""
+
+
+def verifier(result: dict, base: dict, num_layers: int) -> dict:
+    """The verifying model's final-layer quality on the split (``eval_exits``' result), against the base model's:
+    loss and perplexity, the change in nats, and the flag of a worse verifier (``infer.measure.quality``)."""
+    from infer.measure.quality import flag, verdict
+
+    loss, delta = result["loss"][num_layers], result["loss"][num_layers] - base["loss"][num_layers]
+    out = {"loss": loss, "perplexity": result["perplexity"][num_layers], "delta_nats": delta,
+           "verdict": verdict(delta)}
+    return out | {"flag": flag(out)}
+
+
+def _verifier_cell(v: dict) -> str:
+    change = "base" if v["delta_nats"] == 0 else (f"**{v['flag']}**" if v["flag"] else f"{v['delta_nats']:+.3f}")
+    return f"{v['loss']:.3f} / {v['perplexity']:.2f} ({change})"
 
 
 def _fmt(x, spec: str = ".3f") -> str:
@@ -230,13 +253,15 @@ def table(result: dict) -> str:
     loss = result["validation_loss"]
     lines = [f"Held-out: {result['examples']} blocks of {result['config']}'s validation split "
              f"({result['tokens']} tokens). Verifier's validation loss: base {loss['base']:.3f} (families a, b), "
-             f"checkpoint {loss['checkpoint']:.3f} (family c).", "",
-             "| E | drafter | agreement (teacher-forced) | CPU decoding: M / k̄ | implied p | α | c | speed-up | "
-             "exact | GPU projection (k) |", "|---:|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+             f"checkpoint {loss['checkpoint']:.3f} (family c), in nats per token. Task accuracy: {TASK_ACCURACY}.",
+             "", "| E | drafter | verifier: loss / perplexity (Δ nats vs base) | agreement (teacher-forced) | "
+             "CPU decoding: M / k̄ | implied p | α | c | speed-up | exact | GPU projection (k) |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in result["rows"]:
         cpu, gpu = r["cpu"] or {}, r["gpu_projection"]
         exact = "–" if not cpu else ("yes" if cpu["exact"] else "NO")
-        lines.append(f"| {r['E']} | ({r['family']}) {FAMILIES[r['family']]} | {r['agreement']:.3f} | "
+        lines.append(f"| {r['E']} | ({r['family']}) {FAMILIES[r['family']]} | {_verifier_cell(r['verifier'])} | "
+                     f"{r['agreement']:.3f} | "
                      f"{_fmt(cpu.get('tokens_per_verify'), '.2f')} / {_fmt(cpu.get('draft_forwards'), '.2f')} | "
                      f"{_fmt(cpu.get('per_token'))} | {_fmt(cpu.get('acceptance'))} | {_fmt(cpu.get('c'), '.2f')} | "
                      f"{_fmt(cpu.get('speedup'), '.2f')}{'x' if cpu else ''} | {exact} | "

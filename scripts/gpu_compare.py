@@ -410,10 +410,10 @@ def answer_number(text: str) -> str | None:
 def quality(model_path: Path, s: Settings) -> dict:
     """Loss on HumanEval prompts (and on the canonical solutions given the prompt) and GSM8K accuracy."""
     import torch
-    import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from layerskip_core.device import parse_dtype, resolve_device
+    from layerskip_core.heldout import loss_sums, next_token_targets
     from layerskip_core.prompts import load_prompts
 
     device = resolve_device(s.device)
@@ -425,12 +425,12 @@ def quality(model_path: Path, s: Settings) -> dict:
             p_ids = tok(item.prompt)["input_ids"]
             s_ids = tok(item.reference, add_special_tokens=False)["input_ids"]
             ids = torch.tensor([p_ids + s_ids], device=device)  # (1, T)
-            logits = model(ids).logits[0, :-1].float()  # (T-1, V): position t predicts token t+1
-            nll = F.cross_entropy(logits, ids[0, 1:], reduction="none")  # (T-1,)
-            sums["prompt"][0] += float(nll[: len(p_ids) - 1].sum())
-            sums["prompt"][1] += len(p_ids) - 1
-            sums["solution"][0] += float(nll[len(p_ids) - 1:].sum())
-            sums["solution"][1] += len(s_ids)
+            logits = model(ids).logits[0]  # (T, V): position t predicts token t+1
+            targets = next_token_targets(ids)[0]  # (T,)
+            for part, span in (("prompt", slice(0, len(p_ids) - 1)), ("solution", slice(len(p_ids) - 1, None))):
+                nats, count = loss_sums(logits[span], targets[span])  # the one held-out loss
+                sums[part][0] += float(nats)
+                sums[part][1] += int(count)
         items = load_prompts("gsm8k", s.gsm8k_items)
         tok.padding_side = "left"
         pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -535,7 +535,9 @@ def bench_rows(results: dict) -> list[dict]:
                      "tok_s": r["tokens_per_second"], "vs_ar": r["speedup_vs_autoregressive"],
                      "alpha": r["acceptance_rate"], "mismatches": mismatches, "tie_flips": r.get("tie_flips"),
                      "tokens_per_verify": r.get("tokens_per_verify"), "draft_cost": r.get("draft_cost_ratio"),
-                     "verify_cost": r.get("verify_cost_ratio"), "prompts": r.get("prompts")})
+                     "verify_cost": r.get("verify_cost_ratio"), "prompts": r.get("prompts"),
+                     "verifier_loss": r.get("verifier_loss"), "verifier_delta_nats": r.get("verifier_delta_nats"),
+                     "verifier_flag": r.get("verifier_flag")})
     return rows
 
 
@@ -732,6 +734,15 @@ def _exact(row: dict) -> str:
     return ", ".join(cells) or "identical"
 
 
+def _verifier(row: dict | None) -> str:
+    """The trained row's verifier change against the base model: its flag, its delta, or 'not measured'."""
+    if row is None or row.get("verifier_loss") is None:
+        return "not measured"
+    if row.get("verifier_flag"):
+        return f"**{row['verifier_flag']}**"
+    return _f(row.get("verifier_delta_nats"), "+.3f")
+
+
 def markdown_section(c: dict) -> str:
     s = c["settings"]
     lines = [SECTION_BEGIN, "## GPU: trained vs training-free, one run", "",
@@ -753,9 +764,12 @@ def markdown_section(c: dict) -> str:
                      f"{_f(eb['loss'][e])} | {_f(et.get('agreement', {}).get(e))} / "
                      f"{_f(et.get('loss', {}).get(e))} |")
     lines += ["", "### Decoding speed", "",
+              "trained verifier: the trained model's held-out loss minus the base model's, in nats per token, on the "
+              "bench's split (the front of HumanEval, none of it timed; `infer/measure/quality.py`): every lossless "
+              "method's output is its verifier's, so a speed-up of a worse verifier is flagged.", "",
               "| task | method | base tok/s | base vs AR | base α | trained tok/s | trained vs AR | trained α "
-              "| exact |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+              "| trained verifier | exact |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
     by_key = {(r["model"], r["task"], method_key(r["method"])): r for r in c["rows"]}
     methods = list(dict.fromkeys(method_key(r["method"]) for r in c["rows"]))
     for task in TASKS:
@@ -766,7 +780,7 @@ def markdown_section(c: dict) -> str:
             exact = "; ".join(x for x in (_exact(b) if b else "", _exact(t) if t else "") if x)
             lines.append(f"| {task} | `{m}` | {_f(b and b['tok_s'], '.1f')} | {_f(b and b['vs_ar'], '.2f', 'x')} | "
                          f"{_f(b and b['alpha'])} | {_f(t and t['tok_s'], '.1f')} | "
-                         f"{_f(t and t['vs_ar'], '.2f', 'x')} | {_f(t and t['alpha'])} | {exact} |")
+                         f"{_f(t and t['vs_ar'], '.2f', 'x')} | {_f(t and t['alpha'])} | {_verifier(t)} | {exact} |")
     lines += ["", "### Targets", "", "| target | measured | met |", "|---|---:|---|"]
     for name, t in c["targets"].items():
         met = "–" if t["met"] is None else ("yes" if t["met"] else "**no**")

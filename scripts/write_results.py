@@ -56,6 +56,7 @@ def _section(old: str, title: str, built: list[str] | None, source: Path) -> lis
 
 
 def _bench_section(run: Path, title: str, img_dir: Path, old: str, name: str) -> list[str]:
+    from infer.measure.quality import quality_table
     from infer.measure.report import Summary, markdown_table
 
     path = run / "results.json"
@@ -63,6 +64,7 @@ def _bench_section(run: Path, title: str, img_dir: Path, old: str, name: str) ->
         return _section(old, title, None, path)
     payload = json.loads(path.read_text())
     rows = [Summary(**r) for r in payload["summary"]]
+    labels = payload["config"].get("labels") or list(dict.fromkeys(r.model for r in rows))
     meta = payload["meta"]
     out = [f"## {title}\n", f"```\n{meta['command']}\n```\n",
            f"{meta.get('gpu') or meta['cpu']}, {meta.get('device', 'cpu')} {meta.get('dtype', 'fp32')}, "
@@ -70,7 +72,7 @@ def _bench_section(run: Path, title: str, img_dir: Path, old: str, name: str) ->
            f"{meta['date']}, commit {meta.get('git') or 'not recorded'}; "
            f"{payload['config']['n']} held-out prompts per task, "
            f"{payload['config']['max_new_tokens']} new tokens, median of {payload['config']['repeats']} repeat(s).\n",
-           markdown_table(rows)]
+           quality_table(payload.get("quality", {}), rows, labels), markdown_table(rows)]
     best = payload.get("recommended", [])
     if best:
         out.append("Fastest of ours per model and task: " +

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from infer.drafters import gate
+from infer.measure import quality
 from layerskip_core.models import default_model_dir, is_model_dir
 from tiny_models import make_model, save_tiny
 
@@ -20,8 +21,10 @@ def _deterministic_threads():
 
 @pytest.fixture(autouse=True)
 def _private_gate_memory(tmp_path, monkeypatch):
-    """Each test starts with no remembered fallback-gate state and never writes the user's cache."""
+    """Each test starts with no remembered fallback-gate state or verifier quality and never writes the user's
+    cache."""
     monkeypatch.setattr(gate, "cache_root", lambda: tmp_path / "toolkit-cache")
+    monkeypatch.setattr(quality, "cache_root", lambda: tmp_path / "toolkit-cache")
 
 
 @pytest.fixture(scope="session")

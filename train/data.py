@@ -25,14 +25,13 @@ import numpy as np
 import torch
 
 from layerskip_core.errors import UserError
+from layerskip_core.heldout import IGNORE
 from layerskip_core.packages import cache_root
 from layerskip_core.prompts import BUILTIN_SETS, load_prompts
 from train.config import DataConfig, SourceConfig
 from train.dedup import duplicates
 
 CACHE_VERSION = 1
-IGNORE = -100
-"""Label value that cross-entropy ignores (prompt tokens, padding): PyTorch's ``ignore_index``."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "tokenizer.model", "vocab.json", "merges.txt")
 

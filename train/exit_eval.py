@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
-from train.data import IGNORE, Examples
-from train.model import LayerSkipLM, next_token_targets
+from layerskip_core.heldout import IGNORE, loss_sums, next_token_targets
+from train.data import Examples
+from train.model import LayerSkipLM
 
 
 @torch.no_grad()
@@ -47,7 +47,7 @@ def exit_metrics(lm: LayerSkipLM, examples: Examples, exits: list[int], batch_si
         final_top = lm.exit_logits(last).argmax(-1)  # (B, T)
         for j, e in enumerate(exits):
             logits = lm.exit_logits(hiddens[e]).float()  # (B, T, V)
-            ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+            ce, _ = loss_sums(logits, targets)  # the one held-out loss (layerskip_core.heldout)
             top = logits.argmax(-1)  # (B, T)
             stats[0, j] += ce.double().cpu()
             stats[1, j] += ((top == final_top) & valid).sum().cpu()

@@ -24,14 +24,13 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from layerskip_core.device import parse_dtype
 from layerskip_core.errors import UserError
+from layerskip_core.heldout import next_token_targets
 from layerskip_core.models import SUPPORTED_MODEL_TYPES, is_model_dir, resolve_model
 from train.config import EarlyExitConfig, LayerDropoutConfig
-from train.data import IGNORE
 from train.losses import checkpointed_head_ce, default_chunk, fused_head_ce, is_plain_head
 from train.schedules import check_exits, dropout_rates, exit_weights, sample_skips, skip_generator
 
@@ -57,11 +56,6 @@ def decoder_parts(model: nn.Module) -> Parts:
                         f"use a Llama-family checkpoint ({', '.join(SUPPORTED_MODEL_TYPES)})")
     inner = base.model
     return Parts(inner.embed_tokens, inner.rotary_emb, inner.layers, inner.norm, base.lm_head, config)
-
-
-def next_token_targets(labels: Tensor) -> Tensor:
-    """Labels shifted left by one (position t predicts label t+1); the last position gets -100. (B, T)"""
-    return F.pad(labels[:, 1:], (0, 1), value=IGNORE)
 
 
 class LayerSkipLM(nn.Module):

@@ -10,6 +10,7 @@ near-tie can flip, so a mismatch is classified at its first divergent position b
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
@@ -20,6 +21,7 @@ from infer.engine import GenerationStats
 from infer.measure.exactness import DivergenceJudge, first_divergence, rounded_reference
 from infer.measure.methods import BASELINE, BenchConfig, Method, check_layers
 from infer.measure.peers import Peer
+from infer.measure.quality import same_source
 from infer.measure.timing import timed_generate
 from layerskip_core.cli import split_named
 from layerskip_core.errors import UserError
@@ -89,9 +91,11 @@ def token_agreement(reference: list[int], out: list[int]) -> tuple[int, int]:
     return (len(reference) if first is None else first), sum(a == b for a, b in zip(reference, out, strict=False))
 
 
-def run_bench(cfg: BenchConfig, progress: bool = True, log: Callable[[Record], None] | None = None) -> list[Record]:
+def run_bench(cfg: BenchConfig, progress: bool = True, log: Callable[[Record], None] | None = None,
+              on_quality: Callable[[str, dict], None] | None = None) -> list[Record]:
     """Run every method on every prompt, ``cfg.repeats`` times, interleaved; return raw records. ``log`` gets each
-    record as soon as it is finished (``report.RecordLog``: a killed bench leaves every finished record readable)."""
+    record as soon as it is finished (``report.RecordLog``: a killed bench leaves every finished record readable);
+    ``on_quality(label, quality)`` each model's verifier quality (``infer.measure.quality``) before it is timed."""
     from infer.loading import load_resolved
     from layerskip_core.models import resolve_model
 
@@ -112,12 +116,28 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log: Callable[[Record], N
         model, ready = ready or load(source), None
         peer = Peer(model.path, model.runner.dtype, model.runner.device) \
             if any(m.is_peer for m in cfg.methods) else None
+        if on_quality is not None and cfg.quality.enabled:
+            timed = {it.id for src in cfg.data if same_source(src, cfg.quality.source) for it in tasks[task_name(src)]}
+            on_quality(label, _quality(model, cfg, label, timed, progress))
         for task, items in tasks.items():
             prompts = [Prompt(it.id, model.encode(it.prompt, use_chat_template(task, cfg.chat)), it.reference)
                        for it in items]
             records += _run_task(cfg, model, peer, label, task, prompts, progress, log)
         del model, peer
     return records
+
+
+def _quality(model: LoadedModel, cfg: BenchConfig, label: str, timed: set[str], progress: bool) -> dict:
+    """The model's verifier quality (cached or computed), said on stderr when ``progress``."""
+    from infer.measure.quality import verifier_quality
+
+    q = verifier_quality(model, cfg.quality, timed)
+    if progress or q["note"]:
+        how = "read from the cache" if q["cache"] == "read" else f"computed in {q['seconds']:.1f} s"
+        note = f"; {q['note']}" if q["note"] else ""
+        print(f"{label}: held-out loss {q['loss']:.3f} nats/token on {q['tokens']} tokens ({how}){note}",
+              file=sys.stderr)
+    return q
 
 
 def check_methods(cfg: BenchConfig, model: LoadedModel, label: str, source: str) -> None:

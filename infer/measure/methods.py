@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from infer.measure.quality import QualityConfig
 from layerskip_core.cli import split_named
 from layerskip_core.errors import UserError
 from layerskip_core.layers import check_exit_layer
@@ -213,6 +214,8 @@ class BenchConfig:
     """What every timed drafter starts from: 'cold' (nothing remembered is read or written) or 'warm' (what earlier
     commands left in the toolkit cache, read but never changed); either way every repeat starts alike, unless a
     method's own ``remember=on`` says otherwise. Records name each run's ``start_state``."""
+    quality: QualityConfig = field(default_factory=QualityConfig)
+    """The held-out split each model's verifier is scored on and the base model of the deltas (``quality``)."""
 
     def __post_init__(self) -> None:
         if self.n < 1 or self.max_new_tokens < 1 or self.repeats < 1:
@@ -224,6 +227,8 @@ class BenchConfig:
         if not self.models or not self.data:
             raise UserError("give at least one --model and one --data source")
         self.labels = model_labels(self.models)
+        if self.quality.base is not None and self.quality.base not in self.labels:
+            raise UserError(f"--base {self.quality.base!r} names no model; the models are {', '.join(self.labels)}")
         if self.sampling is None:
             from infer.sampling import SamplingConfig  # torch-heavy: see the module docstring
 

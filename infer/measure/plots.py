@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import math
 import re
 from collections import defaultdict
 from pathlib import Path
+
+from layerskip_core.heldout import perplexity
 
 MAX_BARS = 10
 
@@ -83,7 +84,7 @@ def exit_quality(evals: dict[str, dict], path: Path) -> Path:
         exits = sorted(d["agreement"], key=int)
         xs = [int(e) for e in exits]
         right.plot(xs, [d["agreement"][e] for e in exits], marker="o", label=name)
-        left.plot(xs, [math.exp(min(d["loss"][e], 50.0)) for e in exits], marker="o", label=name)
+        left.plot(xs, [perplexity(d["loss"][e]) for e in exits], marker="o", label=name)
     left.set_yscale("log")
     left.set_xlabel("exit layer")
     left.set_ylabel("perplexity (log scale)")

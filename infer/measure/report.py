@@ -21,6 +21,7 @@ from infer.drafters.swift import SwiftStats
 from infer.engine import tokens_per_verify
 from infer.measure.methods import BASELINE, PEERS
 from infer.measure.provenance import machine_info
+from infer.measure.quality import WORSE_NATS, compare_to_base, flag, quality_table
 from infer.plan import cycle_speedup
 
 if TYPE_CHECKING:
@@ -65,6 +66,12 @@ class Summary:
     note: str | None = None
     """Why the speed-up does not measure drafting: 'never drafted' (a drafter that took only plain steps: its
     ratio is noise around 1) or 'too few samples' (fewer than ``MIN_SAMPLES`` timed generations); None otherwise."""
+    verifier_loss: float | None = None
+    """The model's (the verifier's) held-out loss in nats per token (``infer.measure.quality``; None: not measured)."""
+    verifier_delta_nats: float | None = None
+    """That loss minus the base model's on the same split (None: not measured, or no base to compare with)."""
+    verifier_flag: str | None = None
+    """'verifier worse by +0.28 nats' on a lossless row whose speed-up comes with a worse model; None otherwise."""
 
 
 MIN_SAMPLES = 3
@@ -173,6 +180,27 @@ def recommend(rows: list[Summary]) -> dict[tuple[str, str], str]:
 
 
 
+def attach_quality(rows: list[Summary], quality: dict[str, dict], labels: list[str], base: str | None) -> None:
+    """Each model's verifier quality on its rows (deltas against ``base``, or the first model); lossy rows (their
+    output is not the verifier's) carry the loss but no flag."""
+    compare_to_base(quality, labels, base)
+    for r in rows:
+        q = quality.get(r.model)
+        if q is not None:
+            r.verifier_loss, r.verifier_delta_nats = q["loss"], q["delta_nats"]
+            r.verifier_flag = None if r.lossy else flag(q)
+
+
+def _verifier_cell(r: Summary) -> str:
+    if r.lossy:
+        return "– (lossy)"
+    if r.verifier_loss is None:
+        return "not measured"
+    if r.verifier_flag:
+        return f"**{r.verifier_flag}**"
+    return "–" if r.verifier_delta_nats is None else f"{r.verifier_delta_nats:+.3f}"
+
+
 def _fmt(x, spec: str = ".2f", suffix: str = "") -> str:
     return "–" if x is None else format(x, spec) + suffix
 
@@ -202,8 +230,10 @@ def markdown_table(rows: list[Summary]) -> str:
         task_rows = [r for r in rows if r.task == task]
         agree = any(r.agreement is not None for r in task_rows)
         acc = any(r.answer_accuracy is not None for r in task_rows)
+        verifier = any(r.verifier_loss is not None for r in task_rows)
         head = ["model", "method", "tok/s", "vs AR", "vs HF generate", "α", "M", "k̄", "c", "expected", "opt share",
-                "exact"] + (["agree (prefix)"] if agree else []) + (["answer acc"] if acc else [])
+                "exact"] + (["agree (prefix)"] if agree else []) + (["answer acc"] if acc else []) \
+            + (["verifier Δ nats"] if verifier else [])
         out.append(f"\n#### {task}\n")
         out.append("| " + " | ".join(head) + " |")
         out.append("|" + "---|" * len(head))
@@ -218,6 +248,8 @@ def markdown_table(rows: list[Summary]) -> str:
                 cells.append("–" if r.agreement is None else f"{r.agreement:.2f} ({r.prefix_agreement:.2f})")
             if acc:
                 cells.append(_fmt(r.answer_accuracy))
+            if verifier:
+                cells.append(_verifier_cell(r))
             out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
@@ -248,6 +280,8 @@ class RecordLog:
         self.path = out_dir / RECORDS_FILE
         self._header = {"command": command, "config": _config_dict(cfg), "meta": machine_info(cfg.run)}
         self._file = None
+        self.quality: dict[str, dict] = {}
+        """Each model's verifier quality as the bench measured it (``add_quality``)."""
 
     def _write(self, value: dict) -> None:
         if self._file is None:
@@ -259,6 +293,11 @@ class RecordLog:
 
     def __call__(self, record: Record) -> None:
         self._write({"record": record.to_dict()})
+
+    def add_quality(self, label: str, quality: dict) -> None:
+        """Keep and log a model's verifier quality (``infer.measure.quality``) as soon as it is measured."""
+        self.quality[label] = quality
+        self._write({"quality": {label: quality}})
 
     def close(self) -> None:
         if self._file is not None:
@@ -280,8 +319,10 @@ def read_records(out_dir: Path) -> tuple[dict, list[Record]]:
             raise
         if "record" in value:
             records.append(Record.from_dict(value["record"]))
+        elif "quality" in value:
+            header.setdefault("quality", {}).update(value["quality"])
         else:
-            header = value
+            header = value | {"quality": header.get("quality", {})}
     return header, records
 
 
@@ -289,16 +330,20 @@ def _config_dict(cfg: BenchConfig) -> dict:
     return asdict(cfg) | {"methods": [m.label for m in cfg.methods], "run": cfg.run.to_dict()}
 
 
-def write_outputs(cfg: BenchConfig, records: list[Record], out_dir: Path, command: str) -> list[Summary]:
-    """results.json, results.csv, results.md and plots under ``out_dir``."""
+def write_outputs(cfg: BenchConfig, records: list[Record], out_dir: Path, command: str,
+                  quality: dict[str, dict] | None = None) -> list[Summary]:
+    """results.json, results.csv, results.md and plots under ``out_dir``; ``quality``: each model's verifier quality
+    (label -> ``infer.measure.quality.verifier_quality``), a model without one reported as not measured."""
     from infer.measure import plots
 
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = summarize(records)
+    quality = dict(quality or {})
+    attach_quality(rows, quality, cfg.labels, cfg.quality.base)
     meta = machine_info(cfg.run) | {"command": command}
     config = _config_dict(cfg)
     best = recommend(rows)
-    payload = {"meta": meta, "config": config, "summary": [asdict(r) for r in rows],
+    payload = {"meta": meta, "config": config, "quality": quality, "summary": [asdict(r) for r in rows],
                "recommended": [{"model": m, "task": t, "method": v} for (m, t), v in best.items()],
                "records": [r.to_dict() for r in records]}
     (out_dir / "results.json").write_text(json.dumps(payload, indent=1) + "\n")
@@ -322,8 +367,12 @@ def write_outputs(cfg: BenchConfig, records: list[Record], out_dir: Path, comman
              "anything else is counted as mismatched, a bug). 'never drafted': the drafter took only plain steps, "
              f"so its ratio is noise around 1; 'too few samples': fewer than {MIN_SAMPLES} timed generations. "
              "agree: lossy early exit's tokens equal to the full "
-             "model's, overall (before the first divergence); answer acc: final number equals the reference's.\n",
-             markdown_table(rows), "\n**Recommended (fastest of ours) per model and task:** " +
+             "model's, overall (before the first divergence); answer acc: final number equals the reference's. "
+             "verifier Δ nats: the model's held-out loss minus the base model's (the verifier's quality is every "
+             "lossless method's output quality; worse by more than "
+             f"{WORSE_NATS} nats is flagged).\n",
+             quality_table(quality, rows, cfg.labels), markdown_table(rows),
+             "\n**Recommended (fastest of ours) per model and task:** " +
              "; ".join(f"{m}/{t}: `{v}`" for (m, t), v in best.items()) + "\n"]
     lines += [f"\n![{p.stem}]({p.name})\n" for p in figures]
     (out_dir / "results.md").write_text("\n".join(lines))
@@ -335,12 +384,16 @@ def rebuild(out_dir: Path) -> list[Summary]:
     records, marked ``"partial": true``); returns the rows."""
     header, records = read_records(out_dir)
     rows = summarize(records)
+    config, quality = header.get("config", {}), header.get("quality", {})
+    labels = config.get("labels") or list(dict.fromkeys(r.model for r in rows))
+    attach_quality(rows, quality, labels, (config.get("quality") or {}).get("base"))
     best = recommend(rows)
     payload = {"meta": header.get("meta", {}) | {"command": header.get("command")}, "config": header.get("config", {}),
-               "summary": [asdict(r) for r in rows], "partial": True, "rebuilt_from": RECORDS_FILE,
+               "quality": quality, "summary": [asdict(r) for r in rows], "partial": True, "rebuilt_from": RECORDS_FILE,
                "recommended": [{"model": m, "task": t, "method": v} for (m, t), v in best.items()],
                "records": [r.to_dict() for r in records]}
     (out_dir / "results.json").write_text(json.dumps(payload, indent=1) + "\n")
-    (out_dir / "results.md").write_text(f"# Benchmark results (rebuilt from {RECORDS_FILE}: {len(records)} finished "
-                                        f"records)\n\n`{header.get('command')}`\n" + markdown_table(rows))
+    head = f"# Benchmark results (rebuilt from {RECORDS_FILE}: {len(records)} finished records)\n\n"
+    (out_dir / "results.md").write_text(head + f"`{header.get('command')}`\n" + quality_table(quality, rows, labels)
+                                        + markdown_table(rows))
     return rows

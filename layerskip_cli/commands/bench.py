@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from infer.measure.methods import BenchConfig, parse_methods, sweep_methods
+from infer.measure.quality import QualityConfig
 from layerskip_cli.args import add_run_flags, add_sampling_flags, run_settings, sampling_config
 from layerskip_core.cli import check_output_dir
 from layerskip_core.errors import UserError
@@ -63,6 +64,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ks", type=_ints, default=[2, 4, 6], help="draft lengths for --sweep")
     p.add_argument("--vocabs", type=_ints, default=None, help="draft-vocabulary sizes for --sweep (top N of the counts "
                    "shipped for the model; 0 = the full head), e.g. 0,4096,8192 (default: the drafters' default, auto)")
+    p.add_argument("--quality-data", default="humaneval", help="held-out text each model (the verifier) is scored on: "
+                   "the front items of a prompt source (humaneval, gsm8k, a .jsonl file, a text folder), none timed; "
+                   "'none': not measured (default humaneval)")
+    p.add_argument("--quality-blocks", type=int, default=16, help="blocks of 128 held-out tokens (default 16)")
+    p.add_argument("--base", default=None, help="the model (its NAME) quality deltas are taken against "
+                   "(default: the first --model)")
     p.add_argument("--out", type=Path, required=True, help="output folder (created; one holding an earlier run's "
                    "results is refused unless --force)")
     p.add_argument("--force", action="store_true", help="write over the results of an earlier run in --out")
@@ -100,7 +107,8 @@ def config_from_args(args: argparse.Namespace):
     return BenchConfig(models=args.models or ["default"], methods=methods,
                        data=[d.strip() for d in args.data.split(",") if d.strip()], n=args.n,
                        max_new_tokens=args.max_new_tokens, repeats=args.repeats, run=run, sampling=sampling,
-                       chat=args.chat, stop_at_eos=args.stop_at_eos, start=args.start)
+                       chat=args.chat, stop_at_eos=args.stop_at_eos, start=args.start,
+                       quality=QualityConfig(args.quality_data, args.quality_blocks, base=args.base))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -111,10 +119,10 @@ def run(args: argparse.Namespace) -> int:
     command = "layerskip " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     log = RecordLog(cfg, args.out, command)  # every finished record, as it finishes: a killed bench keeps them
     try:
-        records = run_bench(cfg, progress=not args.quiet, log=log)
+        records = run_bench(cfg, progress=not args.quiet, log=log, on_quality=log.add_quality)
     finally:
         log.close()
-    rows = write_outputs(cfg, records, args.out, command)
+    rows = write_outputs(cfg, records, args.out, command, log.quality)
     print(markdown_table(rows))
     print(f"wrote {args.out}/results.json, results.csv, results.md and plots", file=sys.stderr)
     wrong = bugs(rows)

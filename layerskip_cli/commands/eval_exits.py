@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from layerskip_cli.args import add_model_flags, model_settings
 from layerskip_core.cli import Parser, check_output_dir, check_output_file, run_main
 from layerskip_core.device import dtype_name
 from layerskip_core.errors import UserError
+from layerskip_core.heldout import perplexity
 from layerskip_core.prompts import load_prompts
 from train.config import EarlyExitConfig, LayerDropoutConfig
 from train.recipe import load_config
@@ -129,7 +129,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     lm = LayerSkipLM(model.to(device), LayerDropoutConfig(), EarlyExitConfig(), max_steps=1).eval()
     with torch.inference_mode():
         metrics = exit_metrics(lm, examples, exits, args.batch_size, tokenizer.pad_token_id, device=device)
-    metrics["perplexity"] = {e: math.exp(min(loss, 50.0)) for e, loss in metrics["loss"].items()}
+    metrics["perplexity"] = {e: perplexity(loss) for e, loss in metrics["loss"].items()}
     return {"model": str(path), "data": args.data, "config": args.config, "examples": len(examples),
             "num_layers": lm.num_layers, "device": str(device), "dtype": dtype_name(dtype), **metrics}
 

@@ -41,3 +41,41 @@ def test_a_missing_run_folder_is_refused_and_the_page_left_as_it_is(tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode != 0 and page.read_text() == "# measured\n"
     assert proc.stderr.count("\n") == 1 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _bench_payload(quality: dict | None) -> dict:
+    from dataclasses import asdict
+
+    from infer.measure.report import Summary
+
+    rows = [Summary(m, "gsm8k", method, 2, 16, 10.0, [10.0], 1.0, None, None, None, None, None, None, None, None,
+                    0, answer_accuracy=0.0) for m in ("base", "trained") for method in ("autoregressive", "swift")]
+    payload = {"meta": {"command": "layerskip bench", "cpu": "cpu", "threads": 1, "torch": "t", "transformers": "t",
+                        "date": "d"},
+               "config": {"n": 2, "max_new_tokens": 16, "repeats": 1, "labels": ["base", "trained"]},
+               "summary": [asdict(r) for r in rows], "recommended": []}
+    return payload | ({"quality": quality} if quality is not None else {})
+
+
+def test_a_bench_section_shows_each_verifiers_quality_or_says_it_was_not_measured(tmp_path):
+    import json
+
+    from infer.measure.quality import compare_to_base
+
+    split = {"tokens": 2032, "blocks": 16, "block_size": 128, "source": "humaneval", "split": "s", "note": None}
+    quality = {"base": {"loss": 2.0, "perplexity": 7.39} | split, "trained": {"loss": 2.5, "perplexity": 12.18} | split}
+    compare_to_base(quality, ["base", "trained"], None)
+    for name, payload in (("measured", _bench_payload(quality)), ("old", _bench_payload(None))):
+        runs = tmp_path / name
+        (runs / "bench").mkdir(parents=True)
+        (runs / "bench" / "results.json").write_text(json.dumps(payload))
+        page = tmp_path / f"{name}.md"
+        subprocess.run([sys.executable, str(SCRIPT), "--runs", str(runs), "--out", str(page)], check=True,
+                       capture_output=True)
+        text = page.read_text()
+        if name == "measured":
+            assert "| trained | 2.500 | 12.18 | +0.500 | **verifier worse by +0.50 nats** |" in text
+            assert "| base | 2.000 | 7.39 | 0 (base) | base |" in text
+            assert "gsm8k: 0 of 2 at 8 new tokens (0 for every model here: it does not tell them apart)" in text
+        else:
+            assert "| trained | not measured | not measured |" in text and "2.500" not in text

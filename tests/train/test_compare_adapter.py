@@ -70,6 +70,14 @@ def test_compare_scores_three_families_and_reads_the_bench(tiny_recipe, tiny_mod
     assert 0 <= rows["b"]["cpu"]["per_token"] <= 1 and rows["b"]["cpu"]["tokens_per_verify"] >= 1
     assert all(0 <= r["agreement"] <= 1 and r["gpu_projection"]["speedup"] > 0 for r in rows.values())
     assert result["validation_loss"]["base"] != result["validation_loss"]["checkpoint"]
+    verifier = {f: r["verifier"] for f, r in rows.items()}  # the verifier's quality beside each family's speed
+    delta = result["validation_loss"]["checkpoint"] - result["validation_loss"]["base"]
+    assert verifier["a"]["delta_nats"] == verifier["b"]["delta_nats"] == 0
+    assert verifier["c"]["delta_nats"] == pytest.approx(delta) and verifier["c"]["loss"] > 0
+    assert verifier["c"]["flag"] == (f"verifier worse by {delta:+.2f} nats" if delta > 0.01 else None)
+    table = (out / "table.md").read_text()
+    assert "verifier: loss / perplexity (Δ nats vs base)" in table and "Task accuracy: not scored here" in table
+    assert (verifier["c"]["flag"] or f"{delta:+.3f}") in table
     assert (out / "compare.png").stat().st_size > 0 and "(b) exit adapter" in (out / "table.md").read_text()
     assert compare_adapter.main(["--config", str(recipe), "--checkpoint", str(checkpoint), "--adapters", str(adapter),
                                  "--out", str(out)]) == 2  # a user error: nothing overwritten

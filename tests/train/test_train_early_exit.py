@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from layerskip_core.errors import UserError
+from layerskip_core.heldout import IGNORE
 from tiny_models import make_model
 from train.config import EarlyExitConfig, LayerDropoutConfig
-from train.model import IGNORE, LayerSkipLM
+from train.model import LayerSkipLM
 from train.schedules import enabled_exits, exit_weights, raw_exit_scale
 
 L = 4
