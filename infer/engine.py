@@ -220,7 +220,7 @@ class Engine:
             raise UserError(f"config must be a DecodeConfig (or None), not {type(config).__name__}: "
                             "e.g. DecodeConfig(max_new_tokens=32)")
         prompt = token_ids(prompt_ids)
-        self._check_prompt(prompt, config)
+        self.check_prompt(prompt, config)
         if self.closed:
             raise ValueError("the engine is closed (its drafter has finished); build a new one")
         if config.stop_strings and self.decode is None:
@@ -340,7 +340,8 @@ class Engine:
         return logits[0]
 
     # ----------------------------------------------------------------- the cycle's parts
-    def _check_prompt(self, prompt: list[int], config: DecodeConfig) -> None:
+    def check_prompt(self, prompt: list[int], config: DecodeConfig) -> None:
+        """Refuse, in one line, a prompt this engine cannot decode under ``config`` (empty, ids out of range, long)."""
         if not prompt:
             raise UserError("the prompt is empty; give at least one token of text")
         vocab = self.runner.spec.vocab_size
