@@ -9,14 +9,13 @@ once for all greedy rows, and accepts and rolls back per row (ragged). A row tha
 tokens) leaves the batch at once and the next prompt of the queue takes its slot (its prefill runs on its own).
 
 Each row's output is what ``Engine`` gives that prompt alone: greedy output identical, token for token (in fp32 on a
-CPU bitwise: the small-matmul kernel's rows do not depend on the batch); sampling draws from row ``i``'s own
-generator, seeded with ``seed + i`` when the config has a seed, so a row's sampled output does not depend on the
-batch size or on the other rows (``row_seed``).
+CPU bitwise: the small-matmul kernel's rows do not depend on the batch); sampling draws from each row's own
+generator, seeded with the config's seed as ``Engine`` seeds one prompt, so a row samples exactly what that prompt
+samples alone, whatever the batch size, its place in the batch and the other rows.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 from collections import deque
@@ -33,11 +32,6 @@ from infer.verify import VerifyRow, verify_rows
 from layerskip_core.errors import UserError
 
 GIB = 1024 ** 3
-
-
-def row_seed(seed: int | None, row: int) -> int | None:
-    """The sampling seed of row ``row`` (its index in the prompts list) when the config's seed is ``seed``."""
-    return None if seed is None else (seed + row) % 2 ** 64
 
 
 def kv_bytes(runner: Runner, capacity: int) -> int:
@@ -109,7 +103,8 @@ class BatchEngine:
                  generators: Sequence[torch.Generator] | None = None,
                  processors: Sequence[PositionProcessor | None] | None = None) -> list[GenerationResult]:
         """Decode every prompt (token ids); results in the prompts' order. ``generators``: one per prompt (default:
-        seeded with ``row_seed``); ``processors``: logits processing per prompt (``infer.processing``)."""
+        each a new one from ``config.sampling``'s seed); ``processors``: logits processing per prompt
+        (``infer.processing``)."""
         config = DecodeConfig() if config is None else config
         if not isinstance(config, DecodeConfig):
             raise UserError(f"config must be a DecodeConfig (or None), not {type(config).__name__}")
@@ -124,7 +119,7 @@ class BatchEngine:
         while queue or live:
             while queue and free:
                 i, engine = queue.popleft(), free.pop(0)
-                gen = engine.start(prompts[i], config, self._generator(i, config, generators),
+                gen = engine.start(prompts[i], config, None if generators is None else generators[i],
                                    processor=None if processors is None else processors[i])
                 live.append((i, engine, gen))
             for i, engine, gen in [row for row in live if row[2].done]:
@@ -135,30 +130,29 @@ class BatchEngine:
                 self.step([(engine, gen) for _, engine, gen in live])
         return results
 
-    def _generator(self, i: int, config: DecodeConfig, given: Sequence[torch.Generator] | None) -> torch.Generator:
-        if given is not None:
-            return given[i]
-        sampling = dataclasses.replace(config.sampling, seed=row_seed(config.sampling.seed, i))
-        return sampling.generator(self.runner.device)
-
-    @torch.no_grad()
     def step(self, rows: Sequence[tuple[Engine, Generation]]) -> list[VerifyOutcome]:
-        """One cycle over running rows (each an engine and its generation): every row's drafter proposes (batched
-        per drafter class), one forward verifies every row, each row takes its accepted tokens. The rows' timings are
-        the batch cycle's."""
-        for _, gen in rows:
-            if gen.done:
-                raise ValueError(f"a row has finished ({gen.finish_reason})")
-            gen.state.budget = gen.config.max_new_tokens - len(gen.tokens)
-        t0 = time.perf_counter()
-        drafts = propose(rows)
-        t1 = time.perf_counter()
-        outcomes = verify_rows([VerifyRow.of(gen.state, draft, gen.processor)
-                                for (_, gen), draft in zip(rows, drafts, strict=True)])
-        t2 = time.perf_counter()
-        for (engine, gen), outcome in zip(rows, outcomes, strict=True):
-            engine.advance(gen, outcome, t1 - t0, t2 - t1)
-        return outcomes
+        """One cycle over running rows (``step_rows``)."""
+        return step_rows(rows)
+
+
+@torch.no_grad()
+def step_rows(rows: Sequence[tuple[Engine, Generation]]) -> list[VerifyOutcome]:
+    """One cycle over running rows, each an engine (with its own drafter) and its generation: every row's drafter
+    proposes (batched per drafter class), one forward verifies every row, each row takes its accepted tokens. The
+    rows' timings are the batch cycle's."""
+    for _, gen in rows:
+        if gen.done:
+            raise ValueError(f"a row has finished ({gen.finish_reason})")
+        gen.state.budget = gen.config.max_new_tokens - len(gen.tokens)
+    t0 = time.perf_counter()
+    drafts = propose(rows)
+    t1 = time.perf_counter()
+    outcomes = verify_rows([VerifyRow.of(gen.state, draft, gen.processor)
+                            for (_, gen), draft in zip(rows, drafts, strict=True)])
+    t2 = time.perf_counter()
+    for (engine, gen), outcome in zip(rows, outcomes, strict=True):
+        engine.advance(gen, outcome, t1 - t0, t2 - t1)
+    return outcomes
 
 
 def propose(rows: Sequence[tuple[Engine, Generation]]) -> list:

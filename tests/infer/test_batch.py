@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from infer import batch as batch_module
-from infer.batch import BatchEngine, row_seed
+from infer.batch import BatchEngine
 from infer.drafters import build_drafter
 from infer.engine import DecodeConfig, Engine
 from infer.plan import LayerPlan
@@ -121,10 +121,8 @@ def test_a_sampled_row_is_the_same_at_any_batch_size(runner, prompts, name, opti
         with BatchEngine(runner, lambda: build_drafter(name, runner, options), size) as engine:
             outputs.append([r.tokens for r in engine.generate(prompts[:4], config)])
     assert outputs[0] == outputs[1]
-    for i, prompt in enumerate(prompts[:4]):  # and it is what the one-row engine samples with the row's seed
-        sampling = SamplingConfig(temperature=0.9, top_p=0.95, seed=row_seed(11, i))
-        one = Engine(runner, build_drafter(name, runner, options)).generate(prompt, DecodeConfig(10, sampling))
-        assert one.tokens == outputs[0][i]
+    for i, prompt in enumerate(prompts[:4]):  # and it is what the one-row engine samples with the same seed
+        assert Engine(runner, build_drafter(name, runner, options)).generate(prompt, config).tokens == outputs[1][i]
 
 
 def test_the_verification_is_one_packed_forward(runner, prompts):
@@ -162,3 +160,27 @@ def test_bad_batches_are_one_line_errors(runner, prompts, monkeypatch):
     monkeypatch.setattr(batch_module, "available_bytes", lambda device: 1024)
     with pytest.raises(UserError, match=r"KV caches need .* GiB \(4 rows"):
         engine.generate(prompts, DecodeConfig(max_new_tokens=8))
+
+
+def test_the_python_api_decodes_a_list_of_prompts(tiny_model_dir):
+    from infer import load_model
+
+    model = load_model(tiny_model_dir, device="cpu")
+    texts = ["a", "def add(a, b): return a + b", "xy"]
+    config = DecodeConfig(max_new_tokens=8)
+    batched = model.generate(texts, "early_exit", config, batch_size=2, exit_layer=2, num_draft=3)
+    assert [r.text for r in batched] == [model.generate(t, "autoregressive", config).text for t in texts]
+    with pytest.raises(UserError, match="batch_size needs a list"):
+        model.generate("a", config=config, batch_size=2)
+
+
+def test_the_default_model_batched_equals_alone(default_model_path):
+    from infer import load_model
+
+    model = load_model(default_model_path, device="cpu", dtype="fp32")
+    texts = ["def fibonacci(n):", "The capital of France is", "Write a haiku about a cat sitting in the sun."]
+    config = DecodeConfig(max_new_tokens=8)
+    alone_ = [model.generate(t, "autoregressive", config).tokens for t in texts]
+    for drafter, options in [("autoregressive", {}), ("early_exit", {"exit_layer": 24, "num_draft": 3})]:
+        batched = model.generate(texts, drafter, config, batch_size=2, **options)
+        assert [r.tokens for r in batched] == alone_, drafter
