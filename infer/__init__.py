@@ -20,6 +20,7 @@ _EXPORTS = {
     "load_model": "infer.loading",
     "LoadedModel": "infer.loading",
     "Engine": "infer.engine",
+    "BatchEngine": "infer.batch",
     "DecodeConfig": "infer.engine",
     "GenerationResult": "infer.engine",
     "GenerationStats": "infer.engine",

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from infer.kv_cache import KVCache
+from infer.packed import Segment, packed_span
 from infer.runner import DraftHead, Runner, SpanOutput
 from layerskip_core.adapter_spec import LAYER_NAMES, AdapterShape, read_file, read_metadata
 from layerskip_core.errors import UserError
@@ -74,6 +75,18 @@ class ExitAdapter:
         return out
 
 
+    def forward_rows(self, caches: list[KVCache], hidden: Tensor, starts: list[int],
+                     vocab: DraftHead | None = None) -> Tensor:
+        """``forward`` of one position for each of R sequences at once: ``hidden`` (R, d) entering layer E, row j at
+        position ``starts[j]`` in its own adapter cache ``caches[j]``, as packed rows; returns the (R, V) logits."""
+        for cache, start in zip(caches, starts, strict=True):
+            if cache.lengths[0] != start:
+                raise RuntimeError(f"adapter cache holds {cache.lengths[0]} positions; asked to write from {start}")
+        segments = [Segment(cache, [start]) for cache, start in zip(caches, starts, strict=True)]
+        self.runner.counters.lm_head_tokens += hidden.shape[0]
+        return packed_span(self.layer, segments, hidden, 0, 1, logits=True, vocab=vocab).logits
+
+
 def adapter_path(spec: str, runner: Runner) -> Path:
     """The file for an ``adapter`` option: a path, or 'default' (the shipped adapter made for this model)."""
     if spec != "default":
@@ -107,6 +120,15 @@ class AdapterForward:
         r = self.runner
         exact = r.span(cache, r.embed(token), [position], 0, self.exact_layers).hidden  # (1, d)
         return exact, self.adapter.forward(self.cache, exact, position, logits=True, vocab=self.vocab).logits
+
+    def rows(self, forwards: list[AdapterForward], caches: list[KVCache], tokens: Tensor,
+             positions: list[int]) -> tuple[Tensor, Tensor]:
+        """The draft forward of R sequences' tokens (R,) at once, each in its own caches (the model's ``caches``, each
+        forward's adapter cache), as packed rows: (R, d) exact streams at layer E, (R, V) logits."""
+        r = self.runner
+        segments = [Segment(cache, [p]) for cache, p in zip(caches, positions, strict=True)]
+        exact = packed_span(r, segments, r.embed(tokens), 0, self.exact_layers).hidden  # (R, d)
+        return exact, self.adapter.forward_rows([f.cache for f in forwards], exact, positions, self.vocab)
 
     def start(self, cache: KVCache, tokens: list[int]) -> None:
         """A prompt was prefilled: fill the adapter's cache for its positions. The prefill did not keep the

@@ -15,21 +15,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor
 
-from infer.drafters.base import DecodeState, Draft, Drafter, DrafterStats, VerifyOutcome
+from infer.drafters.base import DecodeState, Drafter, DrafterStats, VerifyOutcome
 from infer.graphs import BUCKETS
 from infer.kv_cache import capacity_bucket
-from infer.processing import PROCESSED, PositionProcessor, process_tree
+from infer.processing import PROCESSED, PositionProcessor
 from infer.runner import Runner
-from infer.sampling import (
-    SamplingConfig,
-    TreeShape,
-    chain_accept,
-    chain_accept_draws,
-    greedy_accept,
-    probs_from_logits,
-    sampling_accept,
-    select,
-)
+from infer.sampling import SamplingConfig, select
+from infer.verify import VerifyRow, verify_rows
 from layerskip_core.errors import UserError
 from layerskip_core.layers import check_exit_layer
 from layerskip_core.options import check_fields
@@ -228,7 +220,7 @@ class Engine:
             raise UserError(f"config must be a DecodeConfig (or None), not {type(config).__name__}: "
                             "e.g. DecodeConfig(max_new_tokens=32)")
         prompt = token_ids(prompt_ids)
-        self._check_prompt(prompt, config)
+        self.check_prompt(prompt, config)
         if self.closed:
             raise ValueError("the engine is closed (its drafter has finished); build a new one")
         if config.stop_strings and self.decode is None:
@@ -253,15 +245,22 @@ class Engine:
         """One cycle: the drafter proposes, one forward verifies, the accepted tokens are appended."""
         if gen.done:
             raise ValueError(f"the generation has finished ({gen.finish_reason})")
-        state, stats = gen.state, gen.stats
+        state = gen.state
         state.budget = gen.config.max_new_tokens - len(gen.tokens)
         t0 = time.perf_counter()
         draft = self.drafter.propose(state)
         t1 = time.perf_counter()
-        outcome = self._verify(state, draft, gen.processor)
+        outcome = verify_rows([VerifyRow.of(state, draft, gen.processor)])[0]
+        self.advance(gen, outcome, t1 - t0, time.perf_counter() - t1)
+        return outcome
+
+    def advance(self, gen: Generation, outcome: VerifyOutcome, draft_time: float, verify_time: float) -> None:
+        """Record a verified step of ``gen`` (its timings in seconds), append its tokens, check the stop conditions
+        and let the drafter learn from it (``BatchEngine`` calls it for each row of a batched step)."""
+        state, stats = gen.state, gen.stats
         t2 = time.perf_counter()
-        stats.draft_time += t1 - t0
-        stats.verify_time += t2 - t1
+        stats.draft_time += draft_time
+        stats.verify_time += verify_time
         stats.verify_calls += 1
         stats.drafted += outcome.drafted
         stats.accepted += outcome.accepted
@@ -271,7 +270,6 @@ class Engine:
         if not gen.done:
             self.drafter.update(state, outcome)
             stats.update_time += time.perf_counter() - t2
-        return outcome
 
     def finish(self, gen: Generation) -> GenerationResult:
         """The result of a finished generation (output cut at its first stop condition)."""
@@ -342,7 +340,8 @@ class Engine:
         return logits[0]
 
     # ----------------------------------------------------------------- the cycle's parts
-    def _check_prompt(self, prompt: list[int], config: DecodeConfig) -> None:
+    def check_prompt(self, prompt: list[int], config: DecodeConfig) -> None:
+        """Refuse, in one line, a prompt this engine cannot decode under ``config`` (empty, ids out of range, long)."""
         if not prompt:
             raise UserError("the prompt is empty; give at least one token of text")
         vocab = self.runner.spec.vocab_size
@@ -372,80 +371,6 @@ class Engine:
         hidden = runner.forward_layers(state.cache, runner.embed(ids), positions, 0, state.depth, bulk=True)  # (P, d)
         state.n = state.prompt_len
         return runner.logits(hidden[-1:])  # (1, V)
-
-    def _verify(self, state: DecodeState, draft: Draft | None,
-                processor: PositionProcessor | None = None) -> VerifyOutcome:
-        """One forward of the target over the pending token and the draft tree.
-
-        Greedy decoding reads the device once (drafted tokens and target argmax together), and so does
-        sampling over a chain (every draw made on the device first); sampling over a tree reads per node.
-        """
-        runner, cache, n = self.runner, state.cache, state.n
-        if draft is not None and draft.size == 0 and draft.hidden is None:
-            draft = None
-        m = draft.size if draft is not None else 0
-        tree = TreeShape(draft.parents if draft is not None and draft.parents is not None else list(range(m)))
-        pending = runner.to_device([state.pending])  # (1,)
-        ids = pending if m == 0 else torch.cat([pending, draft.tokens.to(runner.device)])  # (T,)
-        positions = [n + d for d in tree.depths()]  # T host ints
-        mask = None if tree.is_chain else tree.ancestor_mask()  # (T, T)
-
-        E, h = 0, 0
-        if draft is not None and draft.hidden is not None and draft.exact_layers > 0:
-            E, h = draft.exact_layers, draft.hidden.shape[0]
-            if any(cache.lengths[i] != n + h for i in range(E)):
-                raise RuntimeError(f"drafter left layers < {E} at lengths {cache.lengths[:E]}, "
-                                   f"expected {n + h}")
-        cache.rollback(n, start=E)  # drop whatever the draft wrote in layers >= E
-        hidden = self._hidden_at(E, h, draft, ids, positions, mask, state)  # (T, d)
-        logits = runner.span(cache, hidden, positions, E, state.depth, mask=mask, logits=True).logits  # (T, V)
-        sampling = state.sampling
-        if processor is not None:  # each position scored after the prefix it sees
-            logits = process_tree(processor, state.tokens, tree, ids, logits)  # (T, V)
-            sampling = sampling if sampling.greedy else PROCESSED
-
-        argmax: list[int] = []
-        T = len(positions)
-        if state.sampling.greedy:
-            host = torch.cat([ids, logits.argmax(-1)]).tolist()  # the one host sync of the step
-            tokens, argmax = host[:T], host[T:]
-            path, bonus = greedy_accept(tree, tokens, argmax)
-        elif tree.is_chain:
-            p = probs_from_logits(logits, sampling)  # (T, V)
-            q = draft.q if draft is not None else None
-            host = chain_accept_draws(ids, p, q, state.generator).tolist()  # the one host sync of the step
-            tokens = host[:T]
-            path, bonus = chain_accept(T, host)
-        else:  # trees: recursive rejection over siblings, node by node
-            tokens = ids.tolist()
-            p = probs_from_logits(logits, sampling)  # (T, V)
-            path, bonus = sampling_accept(tree, tokens, p, draft.q, state.generator)
-        self._commit_path(cache, n, path)
-        state.n = n + len(path)
-        return VerifyOutcome(draft, path, [tokens[i] for i in path[1:]] + [bonus], n, argmax,
-                             exit_hidden=hidden if E > 0 else None)
-
-    def _hidden_at(self, E: int, h: int, draft: Draft | None, ids: Tensor, positions: list[int],
-                   mask: Tensor | None, state: DecodeState) -> Tensor:
-        """Residual stream at the input of layer E for all T tree positions."""
-        runner = self.runner
-        if E == 0:
-            return runner.embed(ids)  # (T, d)
-        T = ids.shape[0]
-        if h == T:
-            return draft.hidden
-        fresh = runner.embed(ids[h:])  # (T-h, d)
-        sub_mask = None if mask is None else mask[h:, :T]  # (T-h, T) over slots [n, n+T)
-        fresh = runner.span(state.cache, fresh, positions[h:], 0, E, mask=sub_mask).hidden  # (T-h, d)
-        return torch.cat([draft.hidden, fresh])  # (T, d)
-
-    @staticmethod
-    def _commit_path(cache, n: int, path: list[int]) -> None:
-        """Move the accepted path's KV rows to consecutive slots and drop the rest."""
-        src = [n + p for p in path]
-        dst = list(range(n, n + len(path)))
-        cache.compact(src, dst)
-        cache.rollback(n + len(path))
 
     def _stop_reason(self, out: list[int], config: DecodeConfig, new: int = 1) -> str | None:
         fresh = out[len(out) - new:]

@@ -1,7 +1,9 @@
 """The rows of a transformers batch, decoded so that every stopping criterion and logits processor sees what plain
 ``generate`` shows it.
 
-Each row decodes with its own engine (a draft-verify step commits several tokens at once); ``lockstep`` then hands
+Each row decodes with its own engine (a draft-verify step commits several tokens at once), and the rows that need
+tokens step together, one batched cycle (``infer.batch.step_rows``: one packed verification forward for the rows,
+their drafts drafted together); ``lockstep`` then hands
 the committed tokens to the stopping criteria one column at a time, as a (B, length) batch, exactly as
 ``generate``'s loop calls them: criteria that keep state across calls or answer for the whole batch (an evaluation
 harness's stop sequences) behave as they do there, and every row stops where plain ``generate`` stops it. Finished
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from infer.batch import step_rows
 from infer.engine import Engine, Generation, GenerationResult
 
 
@@ -71,6 +74,17 @@ class RowRun:
         return self.result
 
 
+def fill(rows: list[RowRun], t: int) -> None:
+    """Step every row that has not committed its t-th token yet, all of them together in one batched cycle
+    (``infer.batch.step_rows``: one packed verification forward), until each has."""
+    while short := [row for row in rows if len(row.gen.tokens) <= t]:
+        for row in short:
+            if row.gen.done:
+                raise RuntimeError(f"the engine stopped a row after {len(row.gen.tokens)} tokens "
+                                   f"({row.gen.finish_reason}) before the stopping criteria did")
+        step_rows([(row.engine, row.gen) for row in short])
+
+
 def lockstep(rows: list[RowRun], input_ids: Tensor, criteria, pad: int, limit: int, streamer=None) -> Tensor:
     """(B, P + new) sequences: the rows' tokens column by column until the criteria end every row (or ``limit`` new
     tokens); a one-row batch streams each token as it is committed."""
@@ -78,6 +92,7 @@ def lockstep(rows: list[RowRun], input_ids: Tensor, criteria, pad: int, limit: i
     unfinished = [True] * len(rows)
     seq = input_ids
     for t in range(limit):
+        fill([row for row, live in zip(rows, unfinished, strict=True) if live or not pads], t)
         column = [row.token(t) if live or not pads else pad for row, live in zip(rows, unfinished, strict=True)]
         seq = torch.cat([seq, torch.tensor(column, dtype=seq.dtype, device=seq.device)[:, None]], 1)  # (B, P + t + 1)
         if streamer is not None:

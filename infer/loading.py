@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel
 
+from infer.batch import BatchEngine
 from infer.drafters import ResolvedSpec, Spec, build_drafter, drafter_spec, parse_spec
 from infer.engine import DecodeConfig, Engine, GenerationResult
 from infer.runner import Runner
@@ -70,13 +71,26 @@ class LoadedModel:
         A ``draft_vocab`` size, file or 'auto' is resolved here, once, with this model's tokenizer (so a finetuned
         checkpoint uses its base model's counts). Use the engine as a context manager, or call ``close()``, when
         done: that runs the drafter's ``finish`` (saves a plan or the adaptive gate's memory)."""
+        options = self.resolve(drafter, options, more)
+        return Engine(self.runner, build_drafter(drafter, self.runner, options), self.eos_token_ids, self.decode)
+
+    def batch_engine(self, drafter: str = "autoregressive", options: dict | object | None = None, *,
+                     batch_size: int = 8, **more) -> BatchEngine:
+        """A ``BatchEngine`` decoding ``batch_size`` prompts at a time, one ``drafter`` per row built from the options
+        (given as to ``engine``, resolved once); close it (or use ``with``) when done, as an engine."""
+        options = self.resolve(drafter, options, more)
+        return BatchEngine(self.runner, lambda: build_drafter(drafter, self.runner, options), batch_size,
+                           self.eos_token_ids, self.decode)
+
+    def resolve(self, drafter: str, options: dict | object | None, more: dict) -> ResolvedSpec:
+        """A drafter's options (a dict and/or keywords, its Config, Spec or resolved spec) resolved on this model."""
         if more:
             if options is not None and not isinstance(options, dict):
                 raise UserError("give a drafter's options as a dict and/or keywords, or as its Config, not both")
             options = dict(options or {}) | more
-        if not isinstance(options, ResolvedSpec):  # a spec resolved already builds its drafter as it is
-            options = drafter_spec(drafter, options or {}).resolve(self.runner, self.tokenizer)
-        return Engine(self.runner, build_drafter(drafter, self.runner, options), self.eos_token_ids, self.decode)
+        if isinstance(options, ResolvedSpec):  # a spec resolved already builds its drafter as it is
+            return options
+        return drafter_spec(drafter, options or {}).resolve(self.runner, self.tokenizer)
 
     def method(self, spec: str | Spec, config: DecodeConfig | None = None) -> tuple[Engine, DecodeConfig]:
         """The engine and generation config of a method spec (``'early_exit:E=24:k=4'``,
@@ -86,14 +100,23 @@ class LoadedModel:
         config = dataclasses.replace(config or DecodeConfig(), target_exit=spec.target_exit)
         return self.engine(spec.drafter, spec), config
 
-    def generate(self, prompt: str, drafter: str = "autoregressive", config: DecodeConfig | None = None, *,
-                 chat: bool = False, **options) -> GenerationResult:
+    def generate(self, prompt: str | list[str], drafter: str = "autoregressive", config: DecodeConfig | None = None,
+                 *, chat: bool = False, batch_size: int | None = None,
+                 **options) -> GenerationResult | list[GenerationResult]:
         """Generate from text with a fresh drafter (``options`` are its options); ``.text``, ``.tokens``, ``.stats``.
 
-        For several prompts with one drafter (e.g. SWIFT keeps its plan), use ``engine()``."""
+        A list of prompts is decoded as a batch (``batch_engine``; ``batch_size`` rows at a time, default all of
+        them, one result per prompt in order). For several prompts with one drafter in turn (e.g. SWIFT keeps its
+        plan), use ``engine()``."""
+        if isinstance(prompt, list | tuple) and prompt and all(isinstance(p, str) for p in prompt):
+            ids = [self.encode(p, chat) for p in prompt]
+            with self.batch_engine(drafter, options, batch_size=batch_size or len(ids)) as engine:
+                return engine.generate(ids, config)
         if not isinstance(prompt, str):
-            raise UserError(f"prompt must be text (a str), not {type(prompt).__name__}; for token ids use "
-                            "engine().generate(ids)")
+            raise UserError(f"prompt must be text (a str) or a non-empty list of texts, not {type(prompt).__name__}; "
+                            "for token ids use engine().generate(ids)")
+        if batch_size not in (None, 1):
+            raise UserError("batch_size needs a list of prompts")
         if not isinstance(drafter, str):
             raise UserError(f"drafter must be a drafter name (a str, e.g. 'early_exit'), not {type(drafter).__name__}"
                             f"; put a DecodeConfig in config=")

@@ -6,7 +6,8 @@ sublayer skip plan, against a preallocated KV cache whose length is tracked per 
 exit makes shallow layers run ahead of deep ones, and rollback is setting a length back.
 
 Batch size is 1 (speculative decoding of one sequence); tensors are ``(T, ...)`` for the T
-tokens of one call.
+tokens of one call. A batch of sequences runs as packed rows (``infer.packed``): the projections over all rows'
+tokens at once, ``cached_attention`` per row over its own cache.
 
 Decoding forwards (draft steps, verification) go through ``Runner.span``, which an *executor*
 runs: ``eager`` (the plain loop below, the CPU default: fastest there, and exact thanks to the
@@ -385,7 +386,7 @@ class Runner:
             if run_attn:
                 start_slot = cache.lengths[i]
                 if start_slot not in masks:
-                    masks[start_slot] = self._attn_mask(start_slot, T, mask)
+                    masks[start_slot] = self.attn_mask(start_slot, T, mask)
                 hidden = self._attention(i, cache, hidden, cos, sin, masks[start_slot], bulk)
             if run_mlp:
                 hidden = self.mlp(self.layers[i], hidden, bulk)
@@ -405,7 +406,7 @@ class Runner:
         """(cos, sin) (T, 1, D) at ``positions`` (T,) on the device; sin has the sign of the roll form folded in."""
         return self._cos[positions][:, None], self._sin[positions][:, None]
 
-    def _attn_mask(self, start_slot: int, T: int, mask: Tensor | None) -> Tensor | None:
+    def attn_mask(self, start_slot: int, T: int, mask: Tensor | None) -> Tensor | None:
         """(T, start_slot + T) bool; None where no mask is needed (one row, or causal rows from slot 0)."""
         S = start_slot + T
         if mask is None:
@@ -424,6 +425,17 @@ class Runner:
         s, w = self.spec, self.layers[i]
         T = hidden.shape[0]
         q, k, v = self.qkv_rope(w, hidden, cos, sin, bulk)  # (Hq, T, D), (Hkv, T, D), (Hkv, T, D)
+        out = self.cached_attention(i, cache, q, k, v, attn_mask)  # (Hq, T, D)
+        out = out.transpose(0, 1).reshape(T, s.num_heads * s.head_dim)  # (T, Hq D)
+        return hidden + w.o(out, bulk)
+
+    @staticmethod
+    def cached_attention(i: int, cache: KVCache, q: Tensor, k: Tensor, v: Tensor,
+                         attn_mask: Tensor | None) -> Tensor:
+        """Write k, v (Hkv, T, D) at layer ``i``'s length in ``cache``, then attend q (Hq, T, D) over the layer's
+        filled slots with ``attn_mask`` (``attn_mask``'s form; None: causal from slot 0, or all visible): (Hq, T, D).
+        The packed batch forward (``infer.packed``) calls it once per row over that row's own cache."""
+        T = q.shape[1]
         start = cache.lengths[i]
         stop = start + T
         if stop > cache.capacity:
@@ -433,9 +445,7 @@ class Runner:
         cache.lengths[i] = stop
         keys = cache.k[i, :, :stop]  # (Hkv, S, D)
         values = cache.v[i, :, :stop]  # (Hkv, S, D)
-        out = attend(q, keys, values, attn_mask, causal=start == 0 and T > 1)  # (Hq, T, D)
-        out = out.transpose(0, 1).reshape(T, s.num_heads * s.head_dim)  # (T, Hq D)
-        return hidden + w.o(out, bulk)
+        return attend(q, keys, values, attn_mask, causal=start == 0 and T > 1)  # (Hq, T, D)
 
     def qkv_rope(self, w: LayerWeights, hidden: Tensor, cos: Tensor, sin: Tensor,
                  bulk: bool = False) -> tuple[Tensor, Tensor, Tensor]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -182,6 +183,14 @@ class Drafter:
     def propose(self, state: DecodeState) -> Draft | None:
         """Draft tokens after the pending one, or None for a plain autoregressive step."""
         raise NotImplementedError
+
+    @classmethod
+    def propose_rows(cls, rows: Sequence[tuple[Drafter, DecodeState]]) -> list[Draft | None]:
+        """Drafts for several sequences at once (the batched engine, ``infer.batch``), each sequence with its own
+        drafter of this class (a drafter keeps per-sequence state). By default each row's ``propose`` in turn;
+        drafters that draft token by token with part of the model override it to run the rows' draft forwards as
+        one packed forward."""
+        return [drafter.propose(state) for drafter, state in rows]
 
     def update(self, state: DecodeState, outcome: VerifyOutcome) -> None:
         """Learn from a verification (the cache now holds state.n exact rows)."""

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from infer.drafters.base import DecodeState, Draft
 from infer.kv_cache import KVCache, ints_to_device
+from infer.packed import Segment, packed_span
 from infer.plan import LayerPlan
 from infer.runner import DraftHead, Runner
 from infer.sampling import probs_from_logits, sample
@@ -43,6 +44,15 @@ class EarlyExitForward:
         out = r.span(cache, r.embed(token), [position], 0, self.exact_layers, logits=True, vocab=self.vocab)
         return out.hidden, out.logits  # (1, d), (1, V)
 
+    def rows(self, forwards: list, caches: list[KVCache], tokens: Tensor,
+             positions: list[int]) -> tuple[Tensor, Tensor]:
+        """The forward of R sequences' tokens (R,) at once, each at its position in its own cache, as packed rows
+        (``forwards``: each sequence's forward, all alike): (R, d), (R, V)."""
+        r = self.runner
+        segments = [Segment(cache, [p]) for cache, p in zip(caches, positions, strict=True)]
+        out = packed_span(r, segments, r.embed(tokens), 0, self.exact_layers, logits=True, vocab=self.vocab)
+        return out.hidden, out.logits
+
 
 class PlanForward:
     """All layers under a sublayer skip plan; the layers before the first layer with a skip are exact.
@@ -57,6 +67,16 @@ class PlanForward:
         out = r.span(cache, r.embed(token), [position], 0, r.num_layers, exact_until=self.exact_layers,
                      plan=self.plan, logits=True, vocab=self.vocab)
         return out.exact, out.logits  # (1, d), (1, V)
+
+    def rows(self, forwards: list, caches: list[KVCache], tokens: Tensor,
+             positions: list[int]) -> tuple[Tensor, Tensor]:
+        """The forward of R sequences' tokens (R,) at once under the plan, as packed rows (``forwards``: each
+        sequence's forward, all alike): (R, d) exact streams, (R, V) logits."""
+        r = self.runner
+        segments = [Segment(cache, [p]) for cache, p in zip(caches, positions, strict=True)]
+        out = packed_span(r, segments, r.embed(tokens), 0, r.num_layers, exact_until=self.exact_layers,
+                          plan=self.plan, logits=True, vocab=self.vocab)
+        return out.exact, out.logits
 
 
 @dataclass
@@ -77,44 +97,102 @@ class ChainResult:
     """The chain ended because it drafted an end-of-sequence token (proposed as its last token)."""
 
 
+@dataclass
+class ChainAsk:
+    """One sequence's request for a draft chain (``draft_chains``)."""
+
+    state: DecodeState
+    forward: object
+    """The sequence's draft forward (``EarlyExitForward``, ``PlanForward``, ``AdapterForward``): called on one row,
+    or through its ``rows`` on the packed rows of every sequence still drafting."""
+    max_draft: int
+    """k: most tokens to draft."""
+    confidence: float = 0.0
+    """Stop at the first token whose draft probability is under this (0: no threshold, no host read)."""
+
+
+@dataclass
+class _Chain:
+    """A chain being drafted: what ``draft_chains`` keeps per sequence."""
+
+    ask: ChainAsk
+    k: int
+    token: Tensor
+    hiddens: list[Tensor] = field(default_factory=list)
+    tokens: list[Tensor] = field(default_factory=list)
+    dists: list[Tensor] = field(default_factory=list)
+    conf: list[float] = field(default_factory=list)
+    q: Tensor | None = None
+    """(1, V) distribution the last token was chosen from, when kept."""
+    stop: bool = False
+    at_eos: bool = False
+    done: bool = False
+
+
 def draft_chain(state: DecodeState, forward, max_draft: int, confidence: float = 0.0,
                 keep_last: bool = False, keep_dists: bool = False) -> ChainResult:
     """Draft up to ``max_draft`` tokens after the pending one, stopping at the first token whose probability is
-    under ``confidence`` (proposed only with ``keep_last``) or at EOS.
+    under ``confidence`` (proposed only with ``keep_last``) or at EOS: ``draft_chains`` of one sequence."""
+    return draft_chains([ChainAsk(state, forward, max_draft, confidence)], keep_last, keep_dists)[0]
 
-    Only a chain with a threshold reads the host (once per step, token and confidence together); without one it
-    cannot see an EOS early and drafts all k tokens, and the engine cuts the output at the first accepted EOS.
+
+def draft_chains(asks: list[ChainAsk], keep_last: bool = False, keep_dists: bool = False) -> list[ChainResult]:
+    """A draft chain for every sequence of ``asks``, drafted together: each step runs one draft forward over the
+    packed rows of the sequences still drafting (one sequence: its own forward), and each chain stops on its own.
+
+    Only chains with a threshold read the host (once per step for all of them, tokens and confidences together);
+    without one a chain cannot see an EOS early and drafts all k tokens, and the engine cuts the output at the first
+    accepted EOS.
     """
-    runner = state.runner
-    greedy = state.sampling.greedy
-    read = confidence > 0  # the host needs each step's confidence now (LayerSkip's and Self-SD's one sync a step)
-    keep_dists = keep_dists or not greedy  # sampling: q is what verification accepts against
-    k = min(max_draft, state.budget - 1)
-    token = ints_to_device([state.pending], runner.device)  # (1,), via pinned memory on CUDA: no host sync
-    hiddens, tokens, dists, conf = [], [], [], []
-    stop = at_eos = False
-    for i in range(max(k, 0)):
-        exact, logits = forward(state.cache, token, state.n + i)  # (1, d), (1, V)
-        hiddens.append(exact)
-        token, q, p_token = _next_token(logits, state, need_p=read, keep_dists=keep_dists)
-        if read:
-            p_host, token_host = torch.cat([p_token.double(), token.double()]).tolist()  # the step's one sync
-            conf.append(p_host)
-            stop = p_host < confidence
-            at_eos = int(token_host) in state.eos
-        if stop and not keep_last:
-            break
-        tokens.append(token)
-        if keep_dists:
-            dists.append(q)
-        if stop or at_eos:
-            break
-    if not hiddens:
+    chains = [_Chain(a, min(a.max_draft, a.state.budget - 1), ints_to_device([a.state.pending], a.state.runner.device))
+              for a in asks]  # each token (1,) via pinned memory on CUDA: no host sync
+    active, step = [c for c in chains if c.k > 0], 0
+    while active:
+        outs = _chain_forwards(active, step)
+        reads = []
+        for c, (exact, logits) in zip(active, outs, strict=True):  # (1, d), (1, V)
+            c.hiddens.append(exact)
+            read, keep = c.ask.confidence > 0, keep_dists or not c.ask.state.sampling.greedy
+            c.token, c.q, p_token = _next_token(logits, c.ask.state, need_p=read, keep_dists=keep)
+            if read:
+                reads.append(torch.cat([p_token.double(), c.token.double()]))  # (2,)
+        host = torch.cat(reads).tolist() if reads else []  # the step's one sync, for every chain with a threshold
+        for c in active:
+            if c.ask.confidence > 0:
+                p_host, token_host = host[:2]
+                host = host[2:]
+                c.conf.append(p_host)
+                c.stop, c.at_eos = p_host < c.ask.confidence, int(token_host) in c.ask.state.eos
+            c.done = c.stop or c.at_eos or len(c.hiddens) >= c.k
+            if c.stop and not keep_last:
+                continue
+            c.tokens.append(c.token)
+            if c.q is not None:
+                c.dists.append(c.q)
+        active, step = [c for c in active if not c.done], step + 1
+    return [_chain_result(c) for c in chains]
+
+
+def _chain_forwards(active: list[_Chain], step: int) -> list[tuple[Tensor, Tensor]]:
+    """Each active chain's draft forward at its ``step``-th position: (exact (1, d), logits (1, V)) per chain."""
+    if len(active) == 1:
+        c = active[0]
+        return [c.ask.forward(c.ask.state.cache, c.token, c.ask.state.n + step)]
+    exact, logits = active[0].ask.forward.rows([c.ask.forward for c in active], [c.ask.state.cache for c in active],
+                                               torch.cat([c.token for c in active]),
+                                               [c.ask.state.n + step for c in active])  # (R, d), (R, V)
+    return list(zip(exact.split(1), logits.split(1), strict=True))
+
+
+def _chain_result(c: _Chain) -> ChainResult:
+    state, device = c.ask.state, c.ask.state.runner.device
+    if not c.hiddens:
         return ChainResult(Draft(torch.empty(0, dtype=torch.long)))
-    draft = Draft(tokens=torch.cat(tokens) if tokens else torch.empty(0, dtype=torch.long, device=runner.device),
-                  q=None if greedy or not dists else torch.cat(dists), exact_layers=forward.exact_layers,
-                  hidden=torch.cat(hiddens))
-    return ChainResult(draft, dists, conf, len(hiddens), stop, at_eos and not stop)
+    greedy = state.sampling.greedy
+    draft = Draft(tokens=torch.cat(c.tokens) if c.tokens else torch.empty(0, dtype=torch.long, device=device),
+                  q=None if greedy or not c.dists else torch.cat(c.dists), exact_layers=c.ask.forward.exact_layers,
+                  hidden=torch.cat(c.hiddens))
+    return ChainResult(draft, c.dists, c.conf, len(c.hiddens), c.stop, c.at_eos and not c.stop)
 
 
 def _next_token(logits: Tensor, state: DecodeState, need_p: bool,

@@ -11,11 +11,12 @@ layers < E for the last drafted token, which no draft pass has seen).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from infer.adapter import AdapterForward, ExitAdapter, adapter_path
 from infer.drafters.base import DecodeState, Draft, Drafter, DrafterStats, DraftInputs, DraftVocabOption, VerifyOutcome
-from infer.drafters.chain import EarlyExitForward, check_size, draft_chain
+from infer.drafters.chain import ChainAsk, EarlyExitForward, check_size, draft_chains
 from infer.drafters.gate import COLD, FallbackGate, GateMemory, RememberOption
 from infer.drafters.inputs import draft_head
 from layerskip_core.errors import UserError
@@ -126,15 +127,27 @@ class EarlyExitDrafter(Drafter):
             self.forward.start(state.cache, state.tokens[:state.n])
 
     def propose(self, state: DecodeState) -> Draft | None:
-        if self.config.adaptive:
-            self._cycle_start = time.perf_counter()
-            if self.gate.mode == "plain":
-                return None
-        if self.adapter is not None:
-            self.forward.catch_up(state.cache, state.tokens, state.n)
-        chain = draft_chain(state, self.forward, self.config.num_draft, self.config.confidence)
-        self.forwards += chain.forwards
-        return chain.draft if chain.forwards else None
+        return self.propose_rows([(self, state)])[0]
+
+    @classmethod
+    def propose_rows(cls, rows: Sequence[tuple[EarlyExitDrafter, DecodeState]]) -> list[Draft | None]:
+        """Each row's gate and adapter catch-up on its own, then the drafting rows' chains together (one packed
+        draft forward per step, each chain with its own confidence stop)."""
+        asks, drafting = [], []
+        for j, (drafter, state) in enumerate(rows):
+            if drafter.config.adaptive:
+                drafter._cycle_start = time.perf_counter()
+                if drafter.gate.mode == "plain":
+                    continue
+            if drafter.adapter is not None:
+                drafter.forward.catch_up(state.cache, state.tokens, state.n)
+            asks.append(ChainAsk(state, drafter.forward, drafter.config.num_draft, drafter.config.confidence))
+            drafting.append(j)
+        drafts: list[Draft | None] = [None] * len(rows)
+        for j, chain in zip(drafting, draft_chains(asks), strict=True):
+            rows[j][0].forwards += chain.forwards
+            drafts[j] = chain.draft if chain.forwards else None
+        return drafts
 
     def update(self, state: DecodeState, outcome: VerifyOutcome) -> None:
         if outcome.draft is None:

@@ -31,10 +31,11 @@ draft wrote in deeper layers is rolled back by the engine and rewritten by the v
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from infer.drafters.base import DecodeState, Draft, Drafter, DrafterStats, DraftInputs, DraftVocabOption, VerifyOutcome
-from infer.drafters.chain import PlanForward, check_size, draft_chain
+from infer.drafters.chain import ChainAsk, PlanForward, check_size, draft_chains
 from infer.drafters.gate import COLD
 from infer.drafters.inputs import draft_head, given_plan, load_plan, plan_head
 from infer.plan import check_plan_option
@@ -180,11 +181,20 @@ class SelfSDDrafter(Drafter):
         self.forwards = 0
 
     def propose(self, state: DecodeState) -> Draft | None:
+        return self.propose_rows([(self, state)])[0]
+
+    @classmethod
+    def propose_rows(cls, rows: Sequence[tuple[SelfSDDrafter, DecodeState]]) -> list[Draft | None]:
+        """The rows' chains under the one plan together (one packed draft forward per step), each stopping at its
+        own sequence's threshold."""
         # Like Self-SD, the token whose confidence falls below the threshold is still proposed
         # (one more verified row costs far less than the draft forward already spent) and ends the chain.
-        chain = draft_chain(state, self.forward, self.config.num_draft, self.threshold.value, keep_last=True)
-        self.forwards += chain.forwards
-        return chain.draft if chain.forwards else None
+        asks = [ChainAsk(state, d.forward, d.config.num_draft, d.threshold.value) for d, state in rows]
+        drafts: list[Draft | None] = []
+        for (drafter, _), chain in zip(rows, draft_chains(asks, keep_last=True), strict=True):
+            drafter.forwards += chain.forwards
+            drafts.append(chain.draft if chain.forwards else None)
+        return drafts
 
     def update(self, state: DecodeState, outcome: VerifyOutcome) -> None:
         self.threshold.update(outcome.accepted, outcome.drafted)

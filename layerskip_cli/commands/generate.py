@@ -68,6 +68,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stream", action="store_true",
                    help="treat the prompts as one input stream: the drafter keeps its state (e.g. SWIFT's plan and "
                    "optimiser) across prompts; reports per-prompt statistics and a stream summary")
+    p.add_argument("--batch-size", type=int, default=1, metavar="B",
+                   help="decode B prompts at a time in one batched engine (each row's output is the same as alone; "
+                   "rows that finish leave, the next prompts join); not with --stream")
     add_generation_flags(p)
     add_drafter_flags(p)
     p.set_defaults(func=run)
@@ -105,6 +108,20 @@ def _notes(args: argparse.Namespace, engine, dtype: str, generation) -> None:
               "nearly tie (a near-tie can flip; identical in fp32)", file=sys.stderr)
 
 
+def _print_result(args: argparse.Namespace, model, item: PromptItem, result, several: bool) -> None:
+    if args.json:
+        stats = result.stats.to_dict() | {"device": str(model.runner.device), "dtype": dtype_name(model.runner.dtype),
+                                          "executor": model.runner.executor, "batch_size": args.batch_size}
+        print(json.dumps({"kind": "prompt", "id": item.id, "prompt": item.prompt, "drafter": args.drafter,
+                          "tokens": result.tokens, "text": result.text, "finish_reason": result.finish_reason,
+                          "stats": stats}), flush=True)
+        return
+    if several:
+        print(f"### {item.id}")
+    print(result.text, flush=True)
+    print(_stats_line(args.drafter, result.stats), file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     from infer.loading import load_resolved
 
@@ -119,29 +136,29 @@ def run(args: argparse.Namespace) -> int:
     prompts = _prompts(args)
     resolved = model_settings(args).resolve()  # once; a missing GPU is refused before the model loads
 
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.batch_size > 1 and args.stream:
+        raise UserError("--stream keeps one drafter over the prompts in turn; drop --stream or --batch-size")
     model = load_resolved(resolved)
-    device, dtype = str(model.runner.device), dtype_name(model.runner.dtype)
     encoded = [model.encode(item.prompt, args.chat) for item in prompts]
     drafter = spec.resolve(model.runner, model.tokenizer)  # once: every engine below builds its drafter from it
     engine = model.engine(spec.drafter, drafter)
-    _notes(args, engine, dtype, generation)
+    _notes(args, engine, dtype_name(model.runner.dtype), generation)
+    if args.batch_size > 1:
+        engine.close()
+        with model.batch_engine(spec.drafter, drafter, batch_size=args.batch_size) as batch:
+            results = batch.generate(encoded, generation)
+        for item, result in zip(prompts, results, strict=True):
+            _print_result(args, model, item, result, len(prompts) > 1)
+        return 0
     results = []
     for item, ids in zip(prompts, encoded, strict=True):
         if not args.stream and results:
             engine.close()
             engine = model.engine(spec.drafter, drafter)  # independent prompts: fresh drafter state
-        result = engine.generate(ids, generation)
-        results.append(result)
-        if args.json:
-            stats = result.stats.to_dict() | {"device": device, "dtype": dtype, "executor": model.runner.executor}
-            print(json.dumps({"kind": "prompt", "id": item.id, "prompt": item.prompt, "drafter": args.drafter,
-                              "tokens": result.tokens, "text": result.text, "finish_reason": result.finish_reason,
-                              "stats": stats}), flush=True)
-        else:
-            if len(prompts) > 1:
-                print(f"### {item.id}")
-            print(result.text, flush=True)
-            print(_stats_line(args.drafter, result.stats), file=sys.stderr, flush=True)
+        results.append(engine.generate(ids, generation))
+        _print_result(args, model, item, results[-1], len(prompts) > 1)
     engine.close()  # after the output is printed: --save-plan, the gate's memory
     if args.stream:
         _stream_summary(args, results)

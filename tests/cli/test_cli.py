@@ -34,6 +34,20 @@ def test_generate_json_schema(capsys, tiny_model_dir, tmp_path):
     assert [json.loads(line)["tokens"] for line in out_ar.splitlines()] == [r["tokens"] for r in rows]
 
 
+def test_generate_a_batch_equals_one_prompt_at_a_time(capsys, tiny_model_dir, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "{text}"}}\n' for text in ["a", "def add(a, b): return a + b", "xy"]))
+    common = ["generate", "--model", str(tiny_model_dir), "--prompts-file", str(prompts), "--json",
+              "--max-new-tokens", "10", "--drafter", "early_exit", "--exit-layer", "2", "--num-draft", "3"]
+    code, batched, err = run_cli(capsys, *common, "--batch-size", "2")
+    assert code == 0, err
+    code, alone, err = run_cli(capsys, *common)
+    assert code == 0, err
+    rows = [json.loads(line) for line in batched.splitlines()]
+    assert [r["tokens"] for r in rows] == [json.loads(line)["tokens"] for line in alone.splitlines()]
+    assert [r["stats"]["batch_size"] for r in rows] == [2, 2, 2]
+
+
 def test_generate_chat_and_sampling(capsys, tiny_model_dir):
     argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--chat", "--json", "--temperature", "0.8",
             "--top-p", "0.9", "--seed", "3", "--max-new-tokens", "8"]
@@ -56,6 +70,8 @@ def test_generate_chat_and_sampling(capsys, tiny_model_dir):
     (["--model", "/definitely/not/here"], "does not exist"),
     (["--temperature", "-1"], "temperature must be >= 0"),
     (["--max-new-tokens", "0"], "max-new-tokens must be >= 1"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--batch-size", "2", "--stream"], "drop --stream or --batch-size"),
 ])
 def test_bad_input_is_one_clear_line(capsys, tiny_model_dir, args, message):
     argv = ["generate", "--model", str(tiny_model_dir), "--prompt", "hello"] + args

@@ -1,0 +1,168 @@
+"""Batched self-speculative decoding: many prompts in one engine, each row accepting its own number of drafted tokens.
+
+``BatchEngine`` decodes a list of prompts ``batch_size`` at a time. Each row is a sequence with its own KV cache
+(its own per-layer lengths, so early exit's shallow layers run ahead per row), its own ``DecodeState`` and its own
+drafter (drafters keep per-sequence state: an adapter's cache, Self-SD's threshold, SWIFT's plan search); a cycle
+asks every row's drafter for a draft at once (``Drafter.propose_rows``: early exit and Self-SD draft all rows in one
+packed forward per draft step), verifies every row in one packed target forward (``infer.verify``), reads the host
+once for all greedy rows, and accepts and rolls back per row (ragged). A row that finishes (EOS, stop string, max
+tokens) leaves the batch at once and the next prompt of the queue takes its slot (its prefill runs on its own).
+
+Each row's output is what ``Engine`` gives that prompt alone: greedy output identical, token for token (in fp32 on a
+CPU bitwise: the small-matmul kernel's rows do not depend on the batch); sampling draws from each row's own
+generator, seeded with the config's seed as ``Engine`` seeds one prompt, so a row samples exactly what that prompt
+samples alone, whatever the batch size, its place in the batch and the other rows.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import torch
+
+from infer.drafters.base import Drafter, VerifyOutcome
+from infer.engine import DecodeConfig, Engine, Generation, GenerationResult, token_ids
+from infer.kv_cache import capacity_bucket
+from infer.processing import PositionProcessor
+from infer.runner import Runner
+from infer.verify import VerifyRow, verify_rows
+from layerskip_core.errors import UserError
+
+GIB = 1024 ** 3
+
+
+def kv_bytes(runner: Runner, capacity: int) -> int:
+    """Bytes of one sequence's KV cache of ``capacity`` positions: 2 (K, V) x L x H_kv x capacity x D x dtype size."""
+    s = runner.spec
+    return 2 * s.num_layers * s.num_kv_heads * capacity * s.head_dim * torch.empty(0, dtype=runner.dtype).element_size()
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Memory free for new caches on ``device`` (CUDA: free device memory; CPU: the kernel's MemAvailable), or None
+    when it cannot be told."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+class BatchEngine:
+    """Decodes prompts in batches of ``batch_size`` rows, one drafter per row slot (``make_drafter()`` builds each);
+    every row's output equals ``Engine``'s for that prompt alone (see the module docstring).
+
+    A slot's drafter carries on to the next prompt the slot takes, as an ``Engine``'s drafter does over a prompt
+    stream; ``close()`` (or leaving a ``with`` block) runs every slot drafter's ``finish`` once.
+    """
+
+    def __init__(self, runner: Runner, make_drafter: Callable[[], Drafter], batch_size: int,
+                 eos_token_ids: Sequence[int] = (), decode: Callable[[list[int]], str] | None = None):
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise UserError(f"batch size must be an integer >= 1, got {batch_size!r}")
+        self.runner, self.batch_size = runner, batch_size
+        if batch_size > 1 and runner.executor != "eager":
+            print(f"layerskip: note: batched decoding runs its packed forwards on the eager executor (the "
+                  f"{runner.executor} executor serves one row at a time)", file=sys.stderr)
+        self.slots = [Engine(runner, make_drafter(), eos_token_ids, decode) for _ in range(batch_size)]
+        """One engine (one drafter) per row of the batch."""
+
+    def __enter__(self) -> BatchEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Decoding is over: every slot drafter's ``finish`` runs (once)."""
+        for engine in self.slots:
+            engine.close()
+
+    def check_memory(self, prompts: Sequence[Sequence[int]], config: DecodeConfig) -> int:
+        """Refuse, in one line, a batch whose KV caches do not fit: at most ``batch_size`` rows hold a cache at once,
+        each of ``capacity_bucket(prompt + max_new_tokens + lookahead + slack)`` positions; returns the bytes."""
+        caps = sorted((capacity_bucket(self.slots[0].cache_length(len(p), config.max_new_tokens)) for p in prompts),
+                      reverse=True)[:self.batch_size]
+        need = sum(kv_bytes(self.runner, c) for c in caps)
+        free = available_bytes(self.runner.device)
+        if free is not None and need > free:
+            raise UserError(f"the batch's KV caches need {need / GIB:.2f} GiB ({len(caps)} rows of up to {caps[0]} "
+                            f"positions) but {free / GIB:.2f} GiB is free on {self.runner.device}; lower the batch "
+                            "size or --max-new-tokens")
+        return need
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int] | torch.Tensor], config: DecodeConfig | None = None,
+                 generators: Sequence[torch.Generator] | None = None,
+                 processors: Sequence[PositionProcessor | None] | None = None) -> list[GenerationResult]:
+        """Decode every prompt (token ids); results in the prompts' order. ``generators``: one per prompt (default:
+        each a new one from ``config.sampling``'s seed); ``processors``: logits processing per prompt
+        (``infer.processing``)."""
+        config = DecodeConfig() if config is None else config
+        if not isinstance(config, DecodeConfig):
+            raise UserError(f"config must be a DecodeConfig (or None), not {type(config).__name__}")
+        prompts = [token_ids(p) for p in prompts]
+        if not prompts:
+            raise UserError("no prompts to decode")
+        for prompt in prompts:
+            self.slots[0].check_prompt(prompt, config)
+        self.check_memory(prompts, config)
+        results: list[GenerationResult | None] = [None] * len(prompts)
+        queue, free, live = deque(range(len(prompts))), list(self.slots), []
+        while queue or live:
+            while queue and free:
+                i, engine = queue.popleft(), free.pop(0)
+                gen = engine.start(prompts[i], config, None if generators is None else generators[i],
+                                   processor=None if processors is None else processors[i])
+                live.append((i, engine, gen))
+            for i, engine, gen in [row for row in live if row[2].done]:
+                results[i] = engine.finish(gen)
+                free.append(engine)
+            live = [row for row in live if not row[2].done]
+            if live:
+                self.step([(engine, gen) for _, engine, gen in live])
+        return results
+
+    def step(self, rows: Sequence[tuple[Engine, Generation]]) -> list[VerifyOutcome]:
+        """One cycle over running rows (``step_rows``)."""
+        return step_rows(rows)
+
+
+@torch.no_grad()
+def step_rows(rows: Sequence[tuple[Engine, Generation]]) -> list[VerifyOutcome]:
+    """One cycle over running rows, each an engine (with its own drafter) and its generation: every row's drafter
+    proposes (batched per drafter class), one forward verifies every row, each row takes its accepted tokens. The
+    rows' timings are the batch cycle's."""
+    for _, gen in rows:
+        if gen.done:
+            raise ValueError(f"a row has finished ({gen.finish_reason})")
+        gen.state.budget = gen.config.max_new_tokens - len(gen.tokens)
+    t0 = time.perf_counter()
+    drafts = propose(rows)
+    t1 = time.perf_counter()
+    outcomes = verify_rows([VerifyRow.of(gen.state, draft, gen.processor)
+                            for (_, gen), draft in zip(rows, drafts, strict=True)])
+    t2 = time.perf_counter()
+    for (engine, gen), outcome in zip(rows, outcomes, strict=True):
+        engine.advance(gen, outcome, t1 - t0, t2 - t1)
+    return outcomes
+
+
+def propose(rows: Sequence[tuple[Engine, Generation]]) -> list:
+    """Every row's draft (or None): the rows grouped by drafter class, each group through its ``propose_rows``."""
+    drafts: list = [None] * len(rows)
+    groups: dict[type, list[int]] = {}
+    for j, (engine, _) in enumerate(rows):
+        groups.setdefault(type(engine.drafter), []).append(j)
+    for kind, members in groups.items():
+        out = kind.propose_rows([(rows[j][0].drafter, rows[j][1].state) for j in members])
+        for j, draft in zip(members, out, strict=True):
+            drafts[j] = draft
+    return drafts

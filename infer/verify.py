@@ -1,0 +1,166 @@
+"""Verification of one or several sequences' drafts: one target forward over all of them, acceptance per sequence.
+
+``Engine`` verifies one sequence per step and ``BatchEngine`` (``infer.batch``) a batch; both go through
+``verify_rows``: ``VerifyRow.of`` lays a sequence's pending token and draft tree out (positions, tree mask, which
+layers the draft already computed exactly, the rollback of the rest), ``target_forward`` runs the target over every
+row's tokens as packed rows (``infer.packed``; one sequence is a plain ``Runner.span``), and ``accept`` decides each
+row's accepted path and bonus token with one host read for all greedy rows and chain-sampling rows together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from infer.drafters.base import DecodeState, Draft, VerifyOutcome
+from infer.packed import Segment, packed_span
+from infer.processing import PROCESSED, PositionProcessor, process_tree
+from infer.sampling import (
+    TreeShape,
+    chain_accept,
+    chain_accept_draws,
+    greedy_accept,
+    probs_from_logits,
+    sampling_accept,
+)
+
+
+@dataclass
+class VerifyRow:
+    """One sequence's verification: the pending token and the draft tree after it, where they go, what is reused."""
+
+    state: DecodeState
+    draft: Draft | None
+    tree: TreeShape
+    ids: Tensor
+    """(T,) the pending token, then the drafted tokens, on the device."""
+    positions: list[int]
+    """T host RoPE positions (the pending token's sequence index plus each node's depth)."""
+    mask: Tensor | None
+    """(T, T) tree ancestor mask, None for a chain."""
+    exact: int = 0
+    """E: cache layers [0, E) already hold exact KV for the first ``reused`` positions."""
+    reused: int = 0
+    """h: rows of ``draft.hidden`` (the stream entering layer E) verification takes as they are."""
+    processor: PositionProcessor | None = None
+    """Logits processing at every verified position (``infer.processing``), or None."""
+
+    @classmethod
+    def of(cls, state: DecodeState, draft: Draft | None, processor: PositionProcessor | None = None) -> VerifyRow:
+        """Lay ``draft`` out after ``state``'s pending token and roll back what the draft wrote in layers >= E."""
+        runner, cache, n = state.runner, state.cache, state.n
+        if draft is not None and draft.size == 0 and draft.hidden is None:
+            draft = None
+        m = draft.size if draft is not None else 0
+        tree = TreeShape(draft.parents if draft is not None and draft.parents is not None else list(range(m)))
+        pending = runner.to_device([state.pending])  # (1,)
+        ids = pending if m == 0 else torch.cat([pending, draft.tokens.to(runner.device)])  # (T,)
+        mask = None if tree.is_chain else tree.ancestor_mask()  # (T, T)
+        row = cls(state, draft, tree, ids, [n + d for d in tree.depths()], mask, processor=processor)
+        if draft is not None and draft.hidden is not None and draft.exact_layers > 0:
+            row.exact, row.reused = draft.exact_layers, draft.hidden.shape[0]
+            if any(cache.lengths[i] != n + row.reused for i in range(row.exact)):
+                raise RuntimeError(f"drafter left layers < {row.exact} at lengths {cache.lengths[:row.exact]}, "
+                                   f"expected {n + row.reused}")
+        cache.rollback(n, start=row.exact)  # drop whatever the draft wrote in layers >= E
+        return row
+
+    def segment(self, first: int = 0) -> Segment:
+        """This row's positions from tree position ``first`` on, as a packed segment (the mask's rows cut to match)."""
+        mask = None if self.mask is None else self.mask[first:, :self.ids.shape[0]]  # (T - first, T)
+        return Segment(self.state.cache, self.positions[first:], mask)
+
+
+def target_forward(rows: Sequence[VerifyRow]) -> tuple[Tensor, list[Tensor]]:
+    """One forward of the target over every row's T_r positions: (N, V) logits, rows in order, and per row the (T_r,
+    d) stream entering its layer E (layer 0: the embeddings).
+
+    A row whose draft reused layers [0, E) computes only its other positions there; rows reach their E at different
+    layers, so the layers run in stages between the distinct E values, each stage one packed forward over the rows
+    (and row parts) it concerns.
+    """
+    runner, depth = rows[0].state.runner, rows[0].state.depth
+    if any(r.state.depth != depth for r in rows):
+        raise ValueError("the rows of one verification must have one target depth")
+    at_exit: list[Tensor | None] = [None] * len(rows)  # (T_r, d) once a row's stream has reached its E
+    fresh = [runner.embed(r.ids[r.reused:]) if r.exact > 0 and r.reused < r.ids.shape[0] else None for r in rows]
+    for j, r in enumerate(rows):
+        if r.exact == 0:
+            at_exit[j] = runner.embed(r.ids)  # (T, d)
+        elif fresh[j] is None:
+            at_exit[j] = r.draft.hidden  # (T, d): the draft computed every position up to E
+    stages = sorted({0, *(r.exact for r in rows)})
+    for lo, hi in zip(stages, stages[1:], strict=False):
+        parts = [(j, fresh[j] if r.exact >= hi else at_exit[j]) for j, r in enumerate(rows)
+                 if (r.exact >= hi and fresh[j] is not None) or r.exact <= lo]
+        if parts:
+            segs = [rows[j].segment(rows[j].reused if rows[j].exact >= hi else 0) for j, _ in parts]
+            out = packed_span(runner, segs, torch.cat([h for _, h in parts]), lo, hi).hidden  # (sum, d)
+            for (j, _), piece in zip(parts, out.split([s.size for s in segs]), strict=True):
+                if rows[j].exact >= hi:
+                    fresh[j] = piece
+                else:
+                    at_exit[j] = piece
+        for j, r in enumerate(rows):
+            if r.exact == hi and at_exit[j] is None:
+                at_exit[j] = torch.cat([r.draft.hidden, fresh[j]])  # (T, d)
+    segs = [r.segment() for r in rows]
+    logits = packed_span(runner, segs, torch.cat(at_exit), stages[-1], depth, logits=True).logits  # (N, V)
+    return logits, at_exit
+
+
+def accept(rows: Sequence[VerifyRow], logits: Tensor, at_exit: list[Tensor]) -> list[VerifyOutcome]:
+    """Each row's accepted path and bonus token from the packed (N, V) target logits; the cache is compacted to the
+    path. One host read serves every greedy and chain-sampling row (trees under sampling read per node)."""
+    pieces = logits.split([r.ids.shape[0] for r in rows])  # (T_r, V) each
+    reads: list[Tensor | None] = []  # per row: what it reads from the device, or None (a tree under sampling)
+    probs: list[Tensor | None] = []  # per row: (T, V) target probabilities of a tree under sampling
+    for r, row_logits in zip(rows, pieces, strict=True):
+        sampling = r.state.sampling
+        if r.processor is not None:  # each position scored after the prefix it sees
+            row_logits = process_tree(r.processor, r.state.tokens, r.tree, r.ids, row_logits)  # (T, V)
+            sampling = sampling if sampling.greedy else PROCESSED
+        p = None if r.state.sampling.greedy else probs_from_logits(row_logits, sampling)  # (T, V)
+        if p is None:
+            reads.append(torch.cat([r.ids, row_logits.argmax(-1)]))  # (2T,): tokens, then the target's argmax
+        elif r.tree.is_chain:
+            reads.append(chain_accept_draws(r.ids, p, r.draft.q if r.draft is not None else None, r.state.generator))
+        else:
+            reads.append(None)
+        probs.append(p)
+    read = [x for x in reads if x is not None]
+    host = torch.cat(read).tolist() if read else []  # the one host sync of the step
+    outcomes, a = [], 0
+    for r, x, p, hidden in zip(rows, reads, probs, at_exit, strict=True):
+        T, argmax = r.ids.shape[0], []
+        if x is None:  # a tree under sampling: recursive rejection over siblings, node by node
+            tokens = r.ids.tolist()
+            path, bonus = sampling_accept(r.tree, tokens, p, r.draft.q, r.state.generator)
+        else:
+            values, a = host[a:a + x.shape[0]], a + x.shape[0]
+            tokens = values[:T]
+            if p is None:
+                argmax = values[T:]
+                path, bonus = greedy_accept(r.tree, tokens, argmax)
+            else:
+                path, bonus = chain_accept(T, values)
+        outcomes.append(commit(r, path, [tokens[i] for i in path[1:]] + [bonus], argmax, hidden))
+    return outcomes
+
+
+def commit(row: VerifyRow, path: list[int], tokens: list[int], argmax: list[int], hidden: Tensor) -> VerifyOutcome:
+    """Move the accepted path's KV rows to consecutive slots, drop the rest, and advance the row's state."""
+    state, n = row.state, row.state.n
+    state.cache.compact([n + p for p in path], list(range(n, n + len(path))))
+    state.cache.rollback(n + len(path))
+    state.n = n + len(path)
+    return VerifyOutcome(row.draft, path, tokens, n, argmax, exit_hidden=hidden if row.exact > 0 else None)
+
+
+def verify_rows(rows: Sequence[VerifyRow]) -> list[VerifyOutcome]:
+    """Verify every row's draft in one target forward; each row's outcome (its cache and ``state.n`` advanced)."""
+    logits, at_exit = target_forward(rows)
+    return accept(rows, logits, at_exit)

@@ -1,0 +1,186 @@
+"""The batched engine: every row's greedy output equals that prompt decoded alone by plain decoding, for every
+drafter, with rows of very different lengths and finishing times and rows joining from a queue; sampled rows are
+the same at any batch size; a batch whose caches do not fit is refused in one line."""
+
+import random
+
+import pytest
+import torch
+
+from infer import batch as batch_module
+from infer.batch import BatchEngine
+from infer.drafters import build_drafter
+from infer.engine import DecodeConfig, Engine
+from infer.plan import LayerPlan
+from infer.runner import Runner
+from infer.sampling import SamplingConfig
+from layerskip_core.errors import UserError
+from tiny_models import make_model
+
+L = 6
+LENGTHS = [1, 37, 5, 12, 3, 24]  # very different prompt lengths; more prompts than rows: later ones join
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model("llama", seed=0, layers=L)
+
+
+@pytest.fixture(scope="module")
+def runner(model):
+    return Runner.from_model(model)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(3)
+    return [[rng.randrange(320) for _ in range(n)] for n in LENGTHS]
+
+
+REFERENCE: dict = {}
+
+
+def alone(runner, prompt, config, eos=(), decode=None):
+    """Plain decoding of ``prompt`` on its own (tokens, finish reason), computed once per case."""
+    key = (tuple(prompt), config, eos, decode)
+    if key not in REFERENCE:
+        result = Engine(runner, build_drafter("autoregressive", runner), eos, decode).generate(prompt, config)
+        REFERENCE[key] = result.tokens, result.finish_reason
+    return REFERENCE[key]
+
+
+@pytest.fixture(scope="module")
+def eos(runner, prompts):
+    """An end-of-sequence id that ends some rows early and not others (different finishing times)."""
+    return (alone(runner, prompts[1], DecodeConfig(max_new_tokens=16))[0][6],)
+
+
+def adapter_file(model, path):
+    from train.adapter import AdapterLM
+    from train.config import AdapterConfig
+
+    lm = AdapterLM(model, AdapterConfig(enabled=True, exit_layer=3, mlp_size=0))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in lm.adapter.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    lm.save(path, {"test": True})
+    model.requires_grad_(False)
+    return path
+
+
+CASES = {
+    "autoregressive": ("autoregressive", {}),
+    "early_exit": ("early_exit", {"E": 2, "k": 3}),
+    "early_exit_confidence": ("early_exit", {"E": 4, "k": 5, "confidence": 0.013}),  # stops some chains early
+    "early_exit_adaptive": ("early_exit", {"E": 2, "k": 3, "adaptive": True, "recheck_interval": 1,
+                                           "remember": "off"}),
+    "self_sd": ("self_sd", {"plan": LayerPlan(L, frozenset({2, 3}), frozenset({4})), "k": 4}),
+    "swift": ("swift", {"context_window": 8, "opt_budget": 0.95, "fallback_opt_budget": 0.95, "remember": "off",
+                        "confidence": 0.013}),
+}
+
+
+@pytest.mark.parametrize("case", [*CASES, "adapter"])
+def test_every_row_equals_plain_decoding_alone(model, runner, prompts, eos, case, tmp_path):
+    name, options = ("early_exit", {"adapter": str(adapter_file(model, tmp_path / "a.safetensors")), "k": 3}) \
+        if case == "adapter" else CASES[case]
+    config = DecodeConfig(max_new_tokens=16)
+    with BatchEngine(runner, lambda: build_drafter(name, runner, options), 3, eos) as engine:
+        results = engine.generate(prompts, config)
+    finished = set()
+    for prompt, result in zip(prompts, results, strict=True):
+        assert (result.tokens, result.finish_reason) == alone(runner, prompt, config, eos), (case, len(prompt))
+        finished.add(result.finish_reason)
+    assert finished == {"eos", "length"}
+    if CASES.get(case, ("",))[0] != "autoregressive":
+        assert sum(r.stats.drafted for r in results) > 0
+
+
+def letters(ids):
+    return "".join(chr(97 + t % 26) for t in ids)
+
+
+def test_stop_strings_and_one_token_rows(runner, prompts):
+    decode = letters
+    ref = alone(runner, prompts[2], DecodeConfig(max_new_tokens=16))[0]
+    stop = decode(ref[5:7])
+    for config in (DecodeConfig(max_new_tokens=16, stop_strings=(stop,)), DecodeConfig(max_new_tokens=1)):
+        with BatchEngine(runner, lambda: build_drafter("early_exit", runner, {"E": 3, "k": 4}), 4,
+                         decode=decode) as engine:
+            results = engine.generate(prompts, config)
+        for prompt, result in zip(prompts, results, strict=True):
+            assert (result.tokens, result.finish_reason) == alone(runner, prompt, config, decode=decode)
+
+
+@pytest.mark.parametrize("name, options", [CASES["early_exit"], CASES["self_sd"]])
+def test_a_sampled_row_is_the_same_at_any_batch_size(runner, prompts, name, options):
+    config = DecodeConfig(max_new_tokens=10, sampling=SamplingConfig(temperature=0.9, top_p=0.95, seed=11))
+    outputs = []
+    for size in (1, 3):
+        with BatchEngine(runner, lambda: build_drafter(name, runner, options), size) as engine:
+            outputs.append([r.tokens for r in engine.generate(prompts[:4], config)])
+    assert outputs[0] == outputs[1]
+    for i, prompt in enumerate(prompts[:4]):  # and it is what the one-row engine samples with the same seed
+        assert Engine(runner, build_drafter(name, runner, options)).generate(prompt, config).tokens == outputs[1][i]
+
+
+def test_the_verification_is_one_packed_forward(runner, prompts):
+    """A greedy cycle over three running rows: one packed target forward (every row's token through every layer
+    once) and one host read for the batch."""
+    engine = BatchEngine(runner, lambda: build_drafter("autoregressive", runner), 3)
+    gens = [(e, e.start(p, DecodeConfig(max_new_tokens=8))) for e, p in zip(engine.slots, prompts[:3], strict=True)]
+    runner.counters.reset()
+    reads = []
+    original = torch.Tensor.tolist
+
+    def counted(self):
+        reads.append(self.shape)
+        return original(self)
+
+    torch.Tensor.tolist = counted
+    try:
+        engine.step(gens)
+    finally:
+        torch.Tensor.tolist = original
+    assert runner.counters.layer_tokens == [3] * L
+    assert len(reads) == 1
+
+
+def test_bad_batches_are_one_line_errors(runner, prompts, monkeypatch):
+    make = lambda: build_drafter("autoregressive", runner)  # noqa: E731
+    for size in (0, -2, 1.5, True):
+        with pytest.raises(UserError, match="batch size"):
+            BatchEngine(runner, make, size)
+    engine = BatchEngine(runner, make, 4)
+    with pytest.raises(UserError, match="no prompts"):
+        engine.generate([])
+    with pytest.raises(UserError, match="empty"):
+        engine.generate([prompts[0], []])
+    monkeypatch.setattr(batch_module, "available_bytes", lambda device: 1024)
+    with pytest.raises(UserError, match=r"KV caches need .* GiB \(4 rows"):
+        engine.generate(prompts, DecodeConfig(max_new_tokens=8))
+
+
+def test_the_python_api_decodes_a_list_of_prompts(tiny_model_dir):
+    from infer import load_model
+
+    model = load_model(tiny_model_dir, device="cpu")
+    texts = ["a", "def add(a, b): return a + b", "xy"]
+    config = DecodeConfig(max_new_tokens=8)
+    batched = model.generate(texts, "early_exit", config, batch_size=2, exit_layer=2, num_draft=3)
+    assert [r.text for r in batched] == [model.generate(t, "autoregressive", config).text for t in texts]
+    with pytest.raises(UserError, match="batch_size needs a list"):
+        model.generate("a", config=config, batch_size=2)
+
+
+def test_the_default_model_batched_equals_alone(default_model_path):
+    from infer import load_model
+
+    model = load_model(default_model_path, device="cpu", dtype="fp32")
+    texts = ["def fibonacci(n):", "The capital of France is", "Write a haiku about a cat sitting in the sun."]
+    config = DecodeConfig(max_new_tokens=8)
+    alone_ = [model.generate(t, "autoregressive", config).tokens for t in texts]
+    for drafter, options in [("autoregressive", {}), ("early_exit", {"exit_layer": 24, "num_draft": 3})]:
+        batched = model.generate(texts, drafter, config, batch_size=2, **options)
+        assert [r.tokens for r in batched] == alone_, drafter
