@@ -397,8 +397,11 @@ class Engine:
                 raise RuntimeError(f"drafter left layers < {E} at lengths {cache.lengths[:E]}, "
                                    f"expected {n + h}")
         cache.rollback(n, start=E)  # drop whatever the draft wrote in layers >= E
-        hidden = self._hidden_at(E, h, draft, ids, positions, mask, state)  # (T, d)
-        logits = runner.span(cache, hidden, positions, E, state.depth, mask=mask, logits=True).logits  # (T, V)
+        observe = sorted({int(x) for x in self.drafter.observe_layers if 0 < x < state.depth})
+        observed: dict[int, Tensor] = {}
+        hidden = self._hidden_at(E, h, draft, ids, positions, mask, state, observe, observed)  # (T, d)
+        logits = self._observed_span(cache, hidden, positions, E, state.depth, mask, observe, observed,
+                                     logits=True)  # (T, V)
         sampling = state.sampling
         if processor is not None:  # each position scored after the prefix it sees
             logits = process_tree(processor, state.tokens, tree, ids, logits)  # (T, V)
@@ -423,21 +426,39 @@ class Engine:
         self._commit_path(cache, n, path)
         state.n = n + len(path)
         return VerifyOutcome(draft, path, [tokens[i] for i in path[1:]] + [bonus], n, argmax,
-                             exit_hidden=hidden if E > 0 else None)
+                             exit_hidden=hidden if E > 0 else None, observed=observed)
 
     def _hidden_at(self, E: int, h: int, draft: Draft | None, ids: Tensor, positions: list[int],
-                   mask: Tensor | None, state: DecodeState) -> Tensor:
-        """Residual stream at the input of layer E for all T tree positions."""
+                   mask: Tensor | None, state: DecodeState, observe: list[int],
+                   observed: dict[int, Tensor]) -> Tensor:
+        """Residual stream at the input of layer E for all T tree positions; for each ``observe`` layer < E whose
+        draft rows the draft gives, the stream entering it at all T positions goes into ``observed``."""
         runner = self.runner
         if E == 0:
             return runner.embed(ids)  # (T, d)
         T = ids.shape[0]
+        given = {} if draft.observed is None else draft.observed
         if h == T:
+            observed.update({x: given[x] for x in observe if x < E and x in given})
             return draft.hidden
         fresh = runner.embed(ids[h:])  # (T-h, d)
         sub_mask = None if mask is None else mask[h:, :T]  # (T-h, T) over slots [n, n+T)
-        fresh = runner.span(state.cache, fresh, positions[h:], 0, E, mask=sub_mask).hidden  # (T-h, d)
+        rows: dict[int, Tensor] = {}
+        fresh = self._observed_span(state.cache, fresh, positions[h:], 0, E, sub_mask, observe, rows)  # (T-h, d)
+        observed.update({x: torch.cat([given[x], rows[x]]) for x in rows if x in given})  # (T, d) each
         return torch.cat([draft.hidden, fresh])  # (T, d)
+
+    def _observed_span(self, cache, hidden: Tensor, positions: list[int], start: int, end: int,
+                       mask: Tensor | None, observe: list[int], observed: dict[int, Tensor],
+                       logits: bool = False) -> Tensor:
+        """``runner.span`` over layers [start, end), split at the ``observe`` layers inside it (the stream entering
+        each goes into ``observed``): the logits (T, V) with ``logits``, else the stream after ``end`` (T, d)."""
+        for x in [x for x in observe if start <= x < end]:
+            if x > start:
+                hidden = self.runner.span(cache, hidden, positions, start, x, mask=mask).hidden  # (T, d)
+            observed[x], start = hidden, x
+        out = self.runner.span(cache, hidden, positions, start, end, mask=mask, logits=logits)
+        return out.hidden if out.logits is None else out.logits
 
     @staticmethod
     def _commit_path(cache, n: int, path: list[int]) -> None:
