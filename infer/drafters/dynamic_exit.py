@@ -36,8 +36,9 @@ from layerskip_core.errors import UserError
 from layerskip_core.options import check_fields
 
 AUTO = "auto"
-PRIOR_HITS, PRIOR_MISSES = 0.5, 1.5
-"""Pseudo-counts every exit's acceptance estimate starts from (alpha 0.25 before anything is observed)."""
+PRIOR_HITS, PRIOR_MISSES = 0.25, 0.75
+"""Pseudo-counts every exit's acceptance estimate starts from (alpha 0.25 before anything is observed; light, so
+an exit accepted everywhere reaches alpha 0.98 with the default decay)."""
 MAX_SCHEDULE = 200
 """Most changes of choice a generation's stats list (``DynamicExitStats.schedule``)."""
 
@@ -60,7 +61,7 @@ class DynamicExitConfig(DraftVocabOption, RememberOption):
     min_speedup: float = 1.0
     """Draft only when the cost model predicts at least this speed-up over a plain step (0: the cost model always
     drafts its best (E, k); with adaptive the gate may still take plain steps)."""
-    decay: float = 0.95
+    decay: float = 0.97
     """Weight each observed position's hit or miss keeps per later observed position (the estimates' memory: about
     1 / (1 - decay) positions)."""
     observe_every: int = 2
