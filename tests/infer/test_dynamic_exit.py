@@ -177,3 +177,24 @@ def test_default_model_drafts_rarely_and_exactly(default_model_path):
     assert res.stats.drafter.plain_steps >= 0.8 * res.stats.verify_calls, res.stats.drafter
     forced = build_drafter("dynamic_exit", model.runner, FORCED | {"exits": "8/24", "k": 3})
     assert Engine(model.runner, forced).generate(prompt, cfg).tokens == ref
+
+
+def test_command_line(capsys, tiny_model_dir):
+    """`layerskip generate --drafter dynamic_exit` prints plain decoding's tokens and the typed stats; `bench`
+    takes it as a compact spec (exits separated by '/', since specs are separated by commas)."""
+    import json
+
+    from infer.measure.methods import parse_methods
+    from layerskip_cli.main import main
+
+    common = ["generate", "--model", str(tiny_model_dir), "--prompt", "def add", "--json", "--max-new-tokens", "12",
+              "--ignore-eos"]
+    assert main(common) == 0
+    ref = json.loads(capsys.readouterr().out)["tokens"]
+    assert main(common + ["--drafter", "dynamic_exit", "--exits", "1/3", "--min-speedup", "0", "--no-adaptive"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["tokens"] == ref and row["stats"]["drafter"]["exits"] == [1, 3] and row["stats"]["drafted"] > 0
+    methods = parse_methods("autoregressive,dynamic_exit:exits=1/3:k=3", "")
+    assert [m.label for m in methods] == ["autoregressive", "dynamic_exit:exits=1/3:k=3"]
+    assert main(common + ["--drafter", "dynamic_exit", "--exits", "4"]) == 2
+    assert "candidate exits lie in 1 <= E < 4" in capsys.readouterr().err
