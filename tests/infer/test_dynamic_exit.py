@@ -198,3 +198,17 @@ def test_command_line(capsys, tiny_model_dir):
     assert [m.label for m in methods] == ["autoregressive", "dynamic_exit:exits=1/3:k=3"]
     assert main(common + ["--drafter", "dynamic_exit", "--exits", "4"]) == 2
     assert "candidate exits lie in 1 <= E < 4" in capsys.readouterr().err
+
+
+def test_static_executor_decodes_as_eager(runner):
+    """The split verification forwards and observing drafts run on the static executor too, with the same output
+    and the same estimates."""
+    static = Runner.from_model(make_model("llama", seed=0, layers=6), executor="static")
+    results = []
+    for r in (runner, static):
+        drafter = build_drafter("dynamic_exit", r, FORCED | {"exits": "1/3/5", "k": 3})
+        drafter._best = lambda: Choice(3, 3, 9.0)  # draft from the middle exit: observed rows on both sides of it
+        drafter.choice = drafter._best()
+        results.append(Engine(r, drafter).generate(PROMPTS[0], DecodeConfig(max_new_tokens=30)))
+    assert results[0].tokens == results[1].tokens == plain(runner, PROMPTS[0], 30).tokens
+    assert results[0].stats.drafter.acceptance == results[1].stats.drafter.acceptance
