@@ -147,8 +147,8 @@ def step_rows(rows: Sequence[tuple[Engine, Generation]]) -> list[VerifyOutcome]:
     t0 = time.perf_counter()
     drafts = propose(rows)
     t1 = time.perf_counter()
-    outcomes = verify_rows([VerifyRow.of(gen.state, draft, gen.processor)
-                            for (_, gen), draft in zip(rows, drafts, strict=True)])
+    outcomes = verify_rows([VerifyRow.of(gen.state, draft, gen.processor, engine.drafter.observe_layers)
+                            for (engine, gen), draft in zip(rows, drafts, strict=True)])
     t2 = time.perf_counter()
     for (engine, gen), outcome in zip(rows, outcomes, strict=True):
         engine.advance(gen, outcome, t1 - t0, t2 - t1)

@@ -250,7 +250,7 @@ class Engine:
         t0 = time.perf_counter()
         draft = self.drafter.propose(state)
         t1 = time.perf_counter()
-        outcome = verify_rows([VerifyRow.of(state, draft, gen.processor)])[0]
+        outcome = verify_rows([VerifyRow.of(state, draft, gen.processor, self.drafter.observe_layers)])[0]
         self.advance(gen, outcome, t1 - t0, time.perf_counter() - t1)
         return outcome
 

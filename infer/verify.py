@@ -47,10 +47,15 @@ class VerifyRow:
     """h: rows of ``draft.hidden`` (the stream entering layer E) verification takes as they are."""
     processor: PositionProcessor | None = None
     """Logits processing at every verified position (``infer.processing``), or None."""
+    observe: tuple[int, ...] = ()
+    """Layers (0 < l < depth) at whose input the stream of every verified position is kept
+    (``Drafter.observe_layers``; ``VerifyOutcome.observed``): the forward is cut there, same layers on same rows."""
 
     @classmethod
-    def of(cls, state: DecodeState, draft: Draft | None, processor: PositionProcessor | None = None) -> VerifyRow:
-        """Lay ``draft`` out after ``state``'s pending token and roll back what the draft wrote in layers >= E."""
+    def of(cls, state: DecodeState, draft: Draft | None, processor: PositionProcessor | None = None,
+           observe=()) -> VerifyRow:
+        """Lay ``draft`` out after ``state``'s pending token and roll back what the draft wrote in layers >= E;
+        ``observe``: the drafter's ``observe_layers``."""
         runner, cache, n = state.runner, state.cache, state.n
         if draft is not None and draft.size == 0 and draft.hidden is None:
             draft = None
@@ -59,7 +64,8 @@ class VerifyRow:
         pending = runner.to_device([state.pending])  # (1,)
         ids = pending if m == 0 else torch.cat([pending, draft.tokens.to(runner.device)])  # (T,)
         mask = None if tree.is_chain else tree.ancestor_mask()  # (T, T)
-        row = cls(state, draft, tree, ids, [n + d for d in tree.depths()], mask, processor=processor)
+        row = cls(state, draft, tree, ids, [n + d for d in tree.depths()], mask, processor=processor,
+                  observe=tuple(sorted({int(x) for x in observe if 0 < x < state.depth})))
         if draft is not None and draft.hidden is not None and draft.exact_layers > 0:
             row.exact, row.reused = draft.exact_layers, draft.hidden.shape[0]
             if any(cache.lengths[i] != n + row.reused for i in range(row.exact)):
@@ -74,45 +80,72 @@ class VerifyRow:
         return Segment(self.state.cache, self.positions[first:], mask)
 
 
-def target_forward(rows: Sequence[VerifyRow]) -> tuple[Tensor, list[Tensor]]:
-    """One forward of the target over every row's T_r positions: (N, V) logits, rows in order, and per row the (T_r,
-    d) stream entering its layer E (layer 0: the embeddings).
+@dataclass
+class _Streams:
+    """Where each row's residual stream stands while ``target_forward`` climbs the layers."""
+
+    fresh: list[Tensor | None]
+    """Per row: (T_r - h, d) the positions below its E the draft did not compute (None: none, or E = 0)."""
+    current: list[Tensor | None]
+    """Per row: (T_r, d) the stream of every position, once the row has reached its E."""
+    at_exit: list[Tensor | None]
+    """Per row: (T_r, d) the stream entering its layer E (None for E = 0)."""
+    observed: list[dict[int, Tensor]]
+    """Per row: (T_r, d) the stream entering each of its ``observe`` layers."""
+
+
+def target_forward(rows: Sequence[VerifyRow]) -> tuple[Tensor, _Streams]:
+    """One forward of the target over every row's T_r positions: (N, V) logits, rows in order, and the streams kept
+    on the way (each row's at its E and at its ``observe`` layers).
 
     A row whose draft reused layers [0, E) computes only its other positions there; rows reach their E at different
-    layers, so the layers run in stages between the distinct E values, each stage one packed forward over the rows
-    (and row parts) it concerns.
+    layers, so the layers run in stages between the distinct E values (and observed layers), each stage one packed
+    forward over the rows (and row parts) it concerns.
     """
     runner, depth = rows[0].state.runner, rows[0].state.depth
     if any(r.state.depth != depth for r in rows):
         raise ValueError("the rows of one verification must have one target depth")
-    at_exit: list[Tensor | None] = [None] * len(rows)  # (T_r, d) once a row's stream has reached its E
     fresh = [runner.embed(r.ids[r.reused:]) if r.exact > 0 and r.reused < r.ids.shape[0] else None for r in rows]
-    for j, r in enumerate(rows):
-        if r.exact == 0:
-            at_exit[j] = runner.embed(r.ids)  # (T, d)
-        elif fresh[j] is None:
-            at_exit[j] = r.draft.hidden  # (T, d): the draft computed every position up to E
-    stages = sorted({0, *(r.exact for r in rows)})
-    for lo, hi in zip(stages, stages[1:], strict=False):
-        parts = [(j, fresh[j] if r.exact >= hi else at_exit[j]) for j, r in enumerate(rows)
-                 if (r.exact >= hi and fresh[j] is not None) or r.exact <= lo]
+    s = _Streams(fresh, [None] * len(rows), [None] * len(rows), [{} for _ in rows])
+    cuts = sorted({0, *(r.exact for r in rows), *(x for r in rows for x in r.observe)})
+    for lo, hi in zip(cuts, [*cuts[1:], None], strict=True):
+        _arrive(rows, s, lo)
+        if hi is None:
+            break
+        parts = [(j, s.fresh[j] if r.exact >= hi else s.current[j]) for j, r in enumerate(rows)
+                 if (r.exact >= hi and s.fresh[j] is not None) or r.exact <= lo]
         if parts:
             segs = [rows[j].segment(rows[j].reused if rows[j].exact >= hi else 0) for j, _ in parts]
             out = packed_span(runner, segs, torch.cat([h for _, h in parts]), lo, hi).hidden  # (sum, d)
-            for (j, _), piece in zip(parts, out.split([s.size for s in segs]), strict=True):
+            for (j, _), piece in zip(parts, out.split([g.size for g in segs]), strict=True):
                 if rows[j].exact >= hi:
-                    fresh[j] = piece
+                    s.fresh[j] = piece
                 else:
-                    at_exit[j] = piece
-        for j, r in enumerate(rows):
-            if r.exact == hi and at_exit[j] is None:
-                at_exit[j] = torch.cat([r.draft.hidden, fresh[j]])  # (T, d)
+                    s.current[j] = piece
     segs = [r.segment() for r in rows]
-    logits = packed_span(runner, segs, torch.cat(at_exit), stages[-1], depth, logits=True).logits  # (N, V)
-    return logits, at_exit
+    logits = packed_span(runner, segs, torch.cat(s.current), cuts[-1], depth, logits=True).logits  # (N, V)
+    return logits, s
 
 
-def accept(rows: Sequence[VerifyRow], logits: Tensor, at_exit: list[Tensor]) -> list[VerifyOutcome]:
+def _arrive(rows: Sequence[VerifyRow], s: _Streams, layer: int) -> None:
+    """The stage boundary at ``layer``: rows whose E it is gather their whole stream; observed streams are kept."""
+    for j, r in enumerate(rows):
+        if layer == 0 and r.exact == 0:
+            s.current[j] = r.state.runner.embed(r.ids)  # (T, d)
+        elif layer == r.exact and layer > 0:
+            s.current[j] = r.draft.hidden if s.fresh[j] is None else torch.cat([r.draft.hidden, s.fresh[j]])
+            s.at_exit[j] = s.current[j]  # (T, d)
+        if layer not in r.observe:
+            continue
+        if r.exact <= layer:
+            s.observed[j][layer] = s.current[j]  # (T, d)
+            continue
+        given = r.draft.observed or {}  # below E: the draft's rows, then those verification computes
+        if layer in given:
+            s.observed[j][layer] = given[layer] if s.fresh[j] is None else torch.cat([given[layer], s.fresh[j]])
+
+
+def accept(rows: Sequence[VerifyRow], logits: Tensor, streams: _Streams) -> list[VerifyOutcome]:
     """Each row's accepted path and bonus token from the packed (N, V) target logits; the cache is compacted to the
     path. One host read serves every greedy and chain-sampling row (trees under sampling read per node)."""
     pieces = logits.split([r.ids.shape[0] for r in rows])  # (T_r, V) each
@@ -134,7 +167,7 @@ def accept(rows: Sequence[VerifyRow], logits: Tensor, at_exit: list[Tensor]) -> 
     read = [x for x in reads if x is not None]
     host = torch.cat(read).tolist() if read else []  # the one host sync of the step
     outcomes, a = [], 0
-    for r, x, p, hidden in zip(rows, reads, probs, at_exit, strict=True):
+    for r, x, p, hidden, seen in zip(rows, reads, probs, streams.at_exit, streams.observed, strict=True):
         T, argmax = r.ids.shape[0], []
         if x is None:  # a tree under sampling: recursive rejection over siblings, node by node
             tokens = r.ids.tolist()
@@ -147,20 +180,22 @@ def accept(rows: Sequence[VerifyRow], logits: Tensor, at_exit: list[Tensor]) -> 
                 path, bonus = greedy_accept(r.tree, tokens, argmax)
             else:
                 path, bonus = chain_accept(T, values)
-        outcomes.append(commit(r, path, [tokens[i] for i in path[1:]] + [bonus], argmax, hidden))
+        outcomes.append(commit(r, path, [tokens[i] for i in path[1:]] + [bonus], argmax, hidden, seen))
     return outcomes
 
 
-def commit(row: VerifyRow, path: list[int], tokens: list[int], argmax: list[int], hidden: Tensor) -> VerifyOutcome:
+def commit(row: VerifyRow, path: list[int], tokens: list[int], argmax: list[int], hidden: Tensor | None,
+           observed: dict[int, Tensor] | None = None) -> VerifyOutcome:
     """Move the accepted path's KV rows to consecutive slots, drop the rest, and advance the row's state."""
     state, n = row.state, row.state.n
     state.cache.compact([n + p for p in path], list(range(n, n + len(path))))
     state.cache.rollback(n + len(path))
     state.n = n + len(path)
-    return VerifyOutcome(row.draft, path, tokens, n, argmax, exit_hidden=hidden if row.exact > 0 else None)
+    return VerifyOutcome(row.draft, path, tokens, n, argmax, exit_hidden=hidden if row.exact > 0 else None,
+                         observed=observed or {})
 
 
 def verify_rows(rows: Sequence[VerifyRow]) -> list[VerifyOutcome]:
     """Verify every row's draft in one target forward; each row's outcome (its cache and ``state.n`` advanced)."""
-    logits, at_exit = target_forward(rows)
-    return accept(rows, logits, at_exit)
+    logits, streams = target_forward(rows)
+    return accept(rows, logits, streams)

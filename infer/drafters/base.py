@@ -38,6 +38,9 @@ class Draft:
     """E: cache layers [0, E) already hold exact KV for tree positions [0, h) (h = len(hidden))."""
     hidden: Tensor | None = None
     """(h, d) residual stream at the input of layer E for tree positions [0, h); chain order."""
+    observed: dict[int, Tensor] | None = None
+    """For the drafter's ``observe_layers`` l < E: (h, d) residual stream entering layer l for tree positions [0, h),
+    as its draft forwards computed it (verification computes the other rows; ``VerifyOutcome.observed``)."""
 
     @property
     def size(self) -> int:
@@ -61,6 +64,10 @@ class VerifyOutcome:
     exit_hidden: Tensor | None = None
     """(T, d) residual stream entering layer ``draft.exact_layers`` at every verified tree position, as verification
     used it (the draft's rows, then those verification computed); None for a plain step or E = 0."""
+    observed: dict[int, Tensor] = field(default_factory=dict)
+    """(T, d) residual stream entering each of the drafter's ``observe_layers`` at every verified tree position, as
+    the verification forward (split there) and the draft forwards (``Draft.observed``) computed it; a layer < E whose
+    draft rows the draft did not give is left out."""
 
     @property
     def accepted(self) -> int:
@@ -165,6 +172,10 @@ class Drafter:
     WARM_UP: ClassVar[dict] = {}
     """Config fields set for an untimed run, which must leave no trace (no remembered state read or written, no
     file written)."""
+    observe_layers: tuple[int, ...] = ()
+    """Layers l (0 < l < the target's depth) at whose input the next verification keeps the residual stream of every
+    verified position (``VerifyOutcome.observed``): its forward is run in pieces split there, the same layers on the
+    same rows, so the output is unchanged (a property or attribute where it varies; read after ``propose``)."""
     lookahead: int = 0
     """Most cache slots past the pending token one ``propose``/``update`` may write (a property where it varies)."""
 

@@ -178,10 +178,25 @@ def _chain_forwards(active: list[_Chain], step: int) -> list[tuple[Tensor, Tenso
     if len(active) == 1:
         c = active[0]
         return [c.ask.forward(c.ask.state.cache, c.token, c.ask.state.n + step)]
-    exact, logits = active[0].ask.forward.rows([c.ask.forward for c in active], [c.ask.state.cache for c in active],
-                                               torch.cat([c.token for c in active]),
-                                               [c.ask.state.n + step for c in active])  # (R, d), (R, V)
-    return list(zip(exact.split(1), logits.split(1), strict=True))
+    groups: dict[tuple, list[int]] = {}  # chains whose forwards run the same layers, packed together
+    for i, c in enumerate(active):
+        groups.setdefault(_pack_key(c.ask.forward), []).append(i)
+    outs: list[tuple[Tensor, Tensor] | None] = [None] * len(active)
+    for members in groups.values():
+        group = [active[i] for i in members]
+        exact, logits = group[0].ask.forward.rows([c.ask.forward for c in group], [c.ask.state.cache for c in group],
+                                                  torch.cat([c.token for c in group]),
+                                                  [c.ask.state.n + step for c in group])  # (R, d), (R, V)
+        for i, row in zip(members, zip(exact.split(1), logits.split(1), strict=True), strict=True):
+            outs[i] = row
+    return outs
+
+
+def _pack_key(forward) -> tuple:
+    """What must be alike for draft forwards to run as packed rows: their kind, exit, head, plan, observed layers
+    (rows of one batch may draft from different exits: a dynamic exit's)."""
+    return (type(forward), forward.exact_layers, id(getattr(forward, "vocab", None)),
+            id(getattr(forward, "plan", None)), tuple(getattr(forward, "layers", ())))
 
 
 def _chain_result(c: _Chain) -> ChainResult:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from infer.drafters.autoregressive import AutoregressiveDrafter
 from infer.drafters.base import Drafter, DrafterStats
+from infer.drafters.dynamic_exit import DynamicExitDrafter
 from infer.drafters.early_exit import EarlyExitDrafter
 from infer.drafters.self_sd import SelfSDDrafter
 from infer.drafters.swift import SwiftConfig, SwiftDrafter
@@ -21,6 +22,7 @@ from layerskip_core.options import field_docs, hints
 DRAFTERS: dict[str, type[Drafter]] = {
     AutoregressiveDrafter.name: AutoregressiveDrafter,
     EarlyExitDrafter.name: EarlyExitDrafter,
+    DynamicExitDrafter.name: DynamicExitDrafter,
     SelfSDDrafter.name: SelfSDDrafter,
     SwiftDrafter.name: SwiftDrafter,
 }

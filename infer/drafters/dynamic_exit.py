@@ -1,0 +1,365 @@
+"""Dynamic exit: the exit layer E and the draft length k chosen per context, online, from per-exit acceptance
+estimated while decoding (the idea of DEL, "Context-Aware Dynamic Exit Layer for Efficient Self-Speculative
+Decoding", Entezari Zarch et al., COLM 2025; docs/DYNAMIC_EXIT.md says where this differs).
+
+Every few cycles (``observe_every``) the verification forward is split at the candidate exits
+(``Drafter.observe_layers``), so it hands back the residual stream entering each of them at every verified
+position; the draft head scores those rows in one call and each exit's top token is compared with the token the
+target emitted there (its "shadow" draft). Discounted hit counts give each exit's per-token acceptance alpha_e.
+A cost model prices a draft forward at exit e (e of the L layers plus the draft head, as a fraction of a plain
+step's parameters read) and a verification of T rows (1 + slope (T - 1) plain steps); the (E, k) with the most
+expected tokens per unit of cost drafts next, or a plain step when none is predicted to beat plain decoding. The
+``--adaptive`` fallback gate (``infer.drafters.gate``) sits on top: it times plain steps and draft cycles and takes
+plain steps while measured drafting does not pay, so a cost model that is wrong for this machine costs little.
+
+Drafting from E is LayerSkip's early exit (``infer.drafters.chain.EarlyExitForward``): the draft's KV of layers
+< E and its stream at E are exact, so verification runs only layers >= E for the drafted rows, whichever E drafts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+from torch import Tensor
+
+from infer.drafters.base import DecodeState, Draft, Drafter, DrafterStats, DraftInputs, DraftVocabOption, VerifyOutcome
+from infer.drafters.chain import EarlyExitForward, check_size, draft_chain
+from infer.drafters.gate import COLD, FallbackGate, GateMemory, RememberOption
+from infer.drafters.inputs import draft_head
+from infer.kv_cache import ints_to_device
+from infer.packed import Segment, packed_span
+from layerskip_core import inputs
+from layerskip_core.errors import UserError
+from layerskip_core.options import check_fields
+
+AUTO = "auto"
+PRIOR_HITS, PRIOR_MISSES = 0.25, 0.75
+"""Pseudo-counts every exit's acceptance estimate starts from (alpha 0.25 before anything is observed; light, so
+an exit accepted everywhere reaches alpha 0.98 with the default decay)."""
+MAX_SCHEDULE = 200
+"""Most changes of choice a generation's stats list (``DynamicExitStats.schedule``)."""
+
+
+@dataclass
+class DynamicExitConfig(DraftVocabOption, RememberOption):
+    """Settings of the dynamic-exit drafter."""
+
+    exits: str = AUTO
+    """Candidate exit layers E (1 <= E < L), separated by '/' or ',' (e.g. 8/16/24); auto: the exits the checkpoint
+    was trained with (early_exit.exits of the training run's config.yaml beside the model folder), else L/4, L/2 and
+    3L/4."""
+    num_draft: int = 8
+    """k: most tokens drafted per verification (the cost model picks k in 1..this)."""
+    confidence: float = 0.0
+    """Stop drafting when the draft's top-1 probability falls below this (0 = draft the chosen k)."""
+    verify_slope: float = 0.13
+    """Cost of each verified row beyond the first, in plain steps (0.13: verifying 8 rows cost 1.93 steps on a 2-core
+    CPU with the 135M default model; on an H200 in bf16, 2-32 rows cost 1.16-1.26 steps: docs/RESULTS.md)."""
+    min_speedup: float = 1.0
+    """Draft only when the cost model predicts at least this speed-up over a plain step (0: the cost model always
+    drafts its best (E, k); with adaptive the gate may still take plain steps)."""
+    decay: float = 0.97
+    """Weight each observed position's hit or miss keeps per later observed position (the estimates' memory: about
+    1 / (1 - decay) positions)."""
+    observe_every: int = 2
+    """Estimate every exit's acceptance on every this-many-th cycle's verified positions (1 = every cycle)."""
+    adaptive: bool = True
+    """Also time plain steps and draft cycles (the fallback gate of early_exit --adaptive) and take plain steps
+    while measured drafting does not beat them; off: the cost model alone decides."""
+    recheck_interval: int = 128
+    """With adaptive: plain steps before drafting is probed again (doubling after each failed probe)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "dynamic_exit")
+        DraftVocabOption.__post_init__(self)
+        RememberOption.__post_init__(self)
+        check_size(self.num_draft, "num-draft")
+        parse_exits(self.exits)
+        if not 0.0 <= self.confidence < 1.0:
+            raise UserError(f"confidence must be in [0, 1), got {self.confidence}")
+        if not 0.0 <= self.verify_slope <= 10.0:
+            raise UserError(f"verify-slope must be in [0, 10] (plain steps per extra verified row), "
+                            f"got {self.verify_slope}")
+        if not 0.0 <= self.min_speedup <= 100.0:
+            raise UserError(f"min-speedup must be in [0, 100], got {self.min_speedup}")
+        if not 0.0 < self.decay < 1.0:
+            raise UserError(f"decay must be in (0, 1), got {self.decay}")
+        if not 1 <= self.observe_every <= 10**6:
+            raise UserError(f"observe-every must be between 1 and 1000000 cycles, got {self.observe_every}")
+        if self.recheck_interval < 1:
+            raise UserError(f"recheck-interval must be >= 1, got {self.recheck_interval}")
+
+
+def parse_exits(text: str) -> list[int] | None:
+    """``'8/16/24'`` (or ``'8,16,24'``) -> [8, 16, 24]; None for auto; anything else is refused in one line."""
+    if text == AUTO:
+        return None
+    parts = text.replace(",", "/").split("/")
+    if not all(p.strip().isdigit() for p in parts):
+        raise UserError(f"exits must be layer numbers separated by '/' (e.g. 8/16/24) or 'auto', got {text!r}")
+    exits = [int(p) for p in parts]
+    if len(set(exits)) != len(exits):
+        raise UserError(f"exits has duplicates: {text!r}")
+    return sorted(exits)
+
+
+def trained_exits(runner) -> list[int] | None:
+    """The early exits the checkpoint's training run enabled (early_exit.exits in the config.yaml beside its model
+    folder, as ``layerskip train`` writes runs/NAME/{config.yaml,final/}), those below L; None when not recorded."""
+    folder = getattr(runner.config, "name_or_path", "") or ""
+    config = Path(folder).parent / "config.yaml" if folder and Path(folder).is_dir() else None
+    if config is None or not config.is_file():
+        return None
+    try:
+        exits = yaml.safe_load(inputs.read_text(config, "training config"))["early_exit"]["exits"]
+    except (UserError, yaml.YAMLError, KeyError, TypeError):
+        return None
+    if not isinstance(exits, list) or not all(isinstance(e, int) and not isinstance(e, bool) for e in exits):
+        return None
+    return sorted({e for e in exits if 1 <= e < runner.num_layers}) or None
+
+
+def candidate_exits(text: str, runner) -> list[int]:
+    """The candidate exits of option ``exits`` on ``runner``'s model (refused unless 1 <= E < L)."""
+    L = runner.num_layers
+    exits = parse_exits(text) or trained_exits(runner) or sorted({max(1, min(L - 1, round(L * i / 4)))
+                                                                  for i in (1, 2, 3)})
+    bad = [e for e in exits if not 1 <= e < L]
+    if bad or L < 2:
+        raise UserError(f"exit {bad[0] if bad else 1} is out of range: the model has {L} layers, so candidate "
+                        f"exits lie in 1 <= E < {L}")
+    return exits
+
+
+def exit_prices(spec, exits: list[int], draft_rows: int) -> dict[int, float]:
+    """Each exit's draft forward as a fraction of a plain step: the weights it reads (E layers and a head of
+    ``draft_rows`` rows) over a plain step's (L layers and the full head); decoding one token is bound by them."""
+    d, D = spec.hidden_size, spec.head_dim
+    layer = d * D * (2 * spec.num_heads + 2 * spec.num_kv_heads) + 3 * d * spec.intermediate_size
+    step = spec.num_layers * layer + spec.vocab_size * d
+    return {e: (e * layer + draft_rows * d) / step for e in exits}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What to draft next and what the cost model expects of it."""
+
+    exit: int
+    """E to draft from."""
+    k: int
+    """Tokens to draft."""
+    speedup: float
+    """Predicted tokens per plain-step cost (1.0 = plain decoding's)."""
+
+
+def best_choice(alpha: dict[int, float], prices: dict[int, float], max_k: int, slope: float) -> Choice:
+    """The (E, k) with the most expected tokens per cost: a chain of k drafts each accepted with probability
+    alpha_E (independently) yields (1 - a^(k+1)) / (1 - a) tokens and costs k c_E + 1 + slope k plain steps."""
+    best = None
+    for e, a in alpha.items():
+        a = min(a, 0.999)
+        for k in range(1, max_k + 1):
+            speedup = (1 - a ** (k + 1)) / (1 - a) / (k * prices[e] + 1 + slope * k)
+            if best is None or speedup > best.speedup:
+                best = Choice(e, k, speedup)
+    return best
+
+
+class AcceptanceEstimates:
+    """Per exit: discounted counts of observed positions and of those where the exit's top token was the target's."""
+
+    def __init__(self, exits: list[int], decay: float):
+        self.decay = decay
+        self.hits = dict.fromkeys(exits, 0.0)
+        self.seen = dict.fromkeys(exits, 0.0)
+
+    def add(self, exit: int, hits: list[bool]) -> None:
+        for hit in hits:
+            self.hits[exit] = self.decay * self.hits[exit] + float(hit)
+            self.seen[exit] = self.decay * self.seen[exit] + 1.0
+
+    def alpha(self) -> dict[int, float]:
+        return {e: (self.hits[e] + PRIOR_HITS) / (self.seen[e] + PRIOR_HITS + PRIOR_MISSES) for e in self.hits}
+
+
+class ObservingForward(EarlyExitForward):
+    """Early exit at E that also keeps the stream entering each observed layer below E (one row per call)."""
+
+    def __init__(self, runner, exit_layer: int, layers: list[int], vocab=None):
+        super().__init__(runner, exit_layer, vocab)
+        self.layers = [x for x in layers if x < exit_layer]
+        self.kept: dict[int, list[Tensor]] = {x: [] for x in self.layers}
+
+    def __call__(self, cache, token: Tensor, position: int) -> tuple[Tensor, Tensor]:
+        r, start = self.runner, 0
+        hidden = r.embed(token)  # (1, d)
+        for x in self.layers:
+            hidden = r.span(cache, hidden, [position], start, x).hidden  # (1, d)
+            self.kept[x].append(hidden)
+            start = x
+        out = r.span(cache, hidden, [position], start, self.exact_layers, logits=True, vocab=self.vocab)
+        return out.hidden, out.logits  # (1, d), (1, V)
+
+    def rows(self, forwards: list, caches: list, tokens: Tensor, positions: list[int]) -> tuple[Tensor, Tensor]:
+        """The forward of R sequences' tokens (R,) at once as packed rows (a batch; ``forwards``: each sequence's
+        own, alike), each keeping its row at every observed layer: (R, d), (R, V)."""
+        r, start = self.runner, 0
+        segments = [Segment(cache, [p]) for cache, p in zip(caches, positions, strict=True)]
+        hidden = r.embed(tokens)  # (R, d)
+        for x in self.layers:
+            hidden = packed_span(r, segments, hidden, start, x).hidden  # (R, d)
+            for forward, row in zip(forwards, hidden.split(1), strict=True):
+                forward.kept[x].append(row)  # (1, d)
+            start = x
+        out = packed_span(r, segments, hidden, start, self.exact_layers, logits=True, vocab=self.vocab)
+        return out.hidden, out.logits  # (R, d), (R, V)
+
+    def observed(self) -> dict[int, Tensor]:
+        """(h, d) rows per observed layer below E, for the h draft forwards run."""
+        return {x: torch.cat(rows) for x, rows in self.kept.items() if rows}
+
+
+@dataclass
+class DynamicExitStats(DrafterStats):
+    """What the dynamic-exit drafter reports."""
+
+    plain_steps: int = 0
+    """Cycles that drafted nothing (the cost model or the gate chose a plain step)."""
+    exits: list[int] = field(default_factory=list)
+    """The candidate exits."""
+    acceptance: list[float] = field(default_factory=list)
+    """Estimated per-token acceptance of each candidate exit at the end (the order of ``exits``)."""
+    drafted_cycles: list[int] = field(default_factory=list)
+    """Cycles drafted from each candidate exit (the order of ``exits``)."""
+    schedule: list[list[int]] = field(default_factory=list)
+    """[cycle, E, k] each time the choice changed (E = k = 0: plain steps), the first ``MAX_SCHEDULE``."""
+    observed_rows: int = 0
+    """Verified positions whose stream was scored at every candidate exit for the estimates."""
+    observe_seconds: float = 0.0
+    """Time spent scoring them (inside the update time; the split forwards themselves cost no extra layers)."""
+    draft_vocab: int | None = None
+    """Size of the reduced draft vocabulary (None: the full head)."""
+    mode: str | None = None
+    """With adaptive: the gate's mode at the end ('draft' or 'plain')."""
+
+
+class DynamicExitDrafter(Drafter):
+    name = "dynamic_exit"
+    Config = DynamicExitConfig
+    aliases = {"k": "num_draft"}
+    WARM_UP = {"remember": "off"}
+
+    @classmethod
+    def resolve(cls, spec, runner, tokenizer=None) -> DraftInputs:
+        """The draft head; the candidate exits are checked against the model here, before decoding."""
+        candidate_exits(spec.config.exits, runner)
+        return DraftInputs(vocab=draft_head(spec, runner, tokenizer))
+
+    def __init__(self, runner, config: DynamicExitConfig, inputs: DraftInputs):
+        self.runner, self.config, self.vocab = runner, config, inputs.vocab
+        self.exits = candidate_exits(config.exits, runner)
+        rows = runner.spec.vocab_size if self.vocab is None else self.vocab.size
+        self.prices = exit_prices(runner.spec, self.exits, rows)
+        self.forwards_at = {e: EarlyExitForward(runner, e, self.vocab) for e in self.exits}
+        self.estimates = AcceptanceEstimates(self.exits, config.decay)
+        self.gate = FallbackGate(config.recheck_interval, enabled=config.adaptive)
+        self.memory = GateMemory.for_drafter(runner, self.name, config) if config.adaptive else None
+        if self.memory is not None:
+            try:
+                self.gate.load((self.memory.load() or {}).get("gate", {}))
+            except (KeyError, TypeError, ValueError):  # a damaged memory file: start afresh
+                self.gate = FallbackGate(config.recheck_interval, enabled=True)
+        self.choice = self._best()
+        self.observe_layers: tuple[int, ...] = ()
+        self._reset_counts()
+
+    def _reset_counts(self) -> None:
+        self.forwards = self.plain_steps = self.cycle = self.observed_rows = 0
+        self.observe_seconds = 0.0
+        self.drafted_at = dict.fromkeys(self.exits, 0)
+        self.schedule: list[list[int]] = []
+        self._cycle_start: float | None = None
+        self._forward: ObservingForward | None = None
+
+    @property
+    def lookahead(self) -> int:
+        return self.config.num_draft + 1
+
+    def _best(self) -> Choice:
+        return best_choice(self.estimates.alpha(), self.prices, self.config.num_draft, self.config.verify_slope)
+
+    def start(self, state: DecodeState) -> None:
+        self._reset_counts()
+
+    def propose(self, state: DecodeState) -> Draft | None:
+        self._cycle_start = time.perf_counter()
+        self.cycle += 1
+        observe = self.cycle % self.config.observe_every == 0
+        self.observe_layers = tuple(self.exits) if observe else ()
+        c = self.choice
+        if self.gate.mode == "plain" or c.speedup < self.config.min_speedup:
+            return self._plain()
+        self._forward = ObservingForward(self.runner, c.exit, self.exits, self.vocab) \
+            if observe and c.exit > self.exits[0] else None
+        chain = draft_chain(state, self._forward or self.forwards_at[c.exit], c.k, self.config.confidence)
+        self.forwards += chain.forwards
+        if not chain.forwards:
+            return self._plain()
+        if self._forward is not None:
+            chain.draft.observed = self._forward.observed()
+        self._note(c.exit, c.k)
+        self.drafted_at[c.exit] += 1
+        return chain.draft
+
+    def _plain(self) -> None:
+        self.plain_steps += 1
+        self._note(0, 0)
+        return None
+
+    def _note(self, exit: int, k: int) -> None:
+        last = self.schedule[-1][1:] if self.schedule else None
+        if last != [exit, k] and len(self.schedule) < MAX_SCHEDULE:
+            self.schedule.append([self.cycle, exit, k])
+
+    def update(self, state: DecodeState, outcome: VerifyOutcome) -> None:
+        if outcome.observed:
+            self._learn(outcome)
+        self.choice = self._best()
+        if self._cycle_start is not None:
+            seconds = time.perf_counter() - self._cycle_start
+            self.gate.record(len(outcome.tokens), seconds, drafted=outcome.draft is not None)
+            self.gate.decide(predicted=self.choice.speedup)
+
+    def _learn(self, outcome: VerifyOutcome) -> None:
+        """Score the verified path's rows at every observed exit with the draft head, in one call, and count where
+        each exit's top token is the token the target emitted after that position."""
+        t0 = time.perf_counter()
+        exits = [e for e in self.exits if e in outcome.observed]
+        if not exits:
+            return
+        path, P = outcome.path, len(outcome.path)
+        rows = torch.cat([outcome.observed[e][path] for e in exits])  # (n_exits P, d)
+        shadow = self.runner.logits(rows, self.vocab).argmax(-1).view(len(exits), P)  # (n_exits, P)
+        target = ints_to_device(outcome.tokens, shadow.device)  # (P,): accepted drafts, then the bonus token
+        hits = (shadow == target[None]).tolist()  # the update's one host sync
+        for e, row in zip(exits, hits, strict=True):
+            self.estimates.add(e, row)
+        self.observed_rows += P
+        self.observe_seconds += time.perf_counter() - t0
+
+    def finish(self) -> None:
+        """The last prompt is done: keep the gate's measurements for the next command."""
+        if self.memory is not None:
+            self.memory.save({"gate": self.gate.to_dict()})
+
+    def stats(self) -> DynamicExitStats:
+        alpha = self.estimates.alpha()
+        return DynamicExitStats(
+            self.forwards, COLD if self.memory is None else self.memory.start_state, self.plain_steps,
+            list(self.exits), [round(alpha[e], 4) for e in self.exits], [self.drafted_at[e] for e in self.exits],
+            [list(s) for s in self.schedule], self.observed_rows, self.observe_seconds,
+            None if self.vocab is None else self.vocab.size, self.gate.mode if self.config.adaptive else None)

@@ -1,0 +1,214 @@
+"""The dynamic-exit drafter: lossless at every exit it can pick, the streams it observes are the model's, its
+choice converges to the exit that pays on a scripted model, and it does not draft where no exit pays."""
+
+import pytest
+import torch
+import yaml
+from lossless_stats import P_THRESHOLD, sampling_pvalue
+
+from infer.drafters import build_drafter, drafter_spec
+from infer.drafters.dynamic_exit import Choice, DynamicExitDrafter, best_choice, candidate_exits, exit_prices
+from infer.drafters.registry import stats_from_dict
+from infer.engine import DecodeConfig, Engine
+from infer.runner import Runner
+from infer.sampling import SamplingConfig
+from layerskip_core.errors import UserError
+from tiny_models import make_model, save_tiny
+
+PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 250, 17], [42] * 12 + [7, 8]]
+FORCED = {"min_speedup": 0, "adaptive": False, "observe_every": 1}
+"""Options that make the cost model always draft its best (E, k) and observe every cycle."""
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return Runner.from_model(make_model("llama", seed=0, layers=6))
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    """Layers 3-5 add nothing to the residual stream (zero output projections): exits 3 and 5 always agree with the
+    last layer, exits 1 and 2 rarely; exit 3 is the cheapest that is always accepted."""
+    model = make_model("llama", seed=0, layers=6)
+    with torch.no_grad():
+        for layer in model.model.layers[3:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return Runner.from_model(model)
+
+
+def plain(runner, prompt, n=40):
+    return Engine(runner, build_drafter("autoregressive", runner)).generate(prompt, DecodeConfig(max_new_tokens=n))
+
+
+@pytest.mark.parametrize("exits", ["1", "2", "3", "4", "5", "1/3/5"])
+def test_greedy_output_is_plain_decoding_for_every_exit_it_can_pick(runner, exits):
+    for prompt, (k, confidence) in zip(PROMPTS, [(1, 0.0), (4, 0.0), (6, 0.3)], strict=True):
+        ref = plain(runner, prompt).tokens
+        drafter = build_drafter("dynamic_exit", runner, FORCED | {"exits": exits, "k": k, "confidence": confidence})
+        res = Engine(runner, drafter).generate(prompt, DecodeConfig(max_new_tokens=40))
+        assert res.tokens == ref, (exits, k, confidence)
+        assert res.stats.drafter.draft_forwards > 0 and res.stats.drafter.observed_rows > 0
+
+
+def test_observed_streams_are_the_models(runner):
+    """What verification hands back at each observed layer (split forwards, draft rows for layers below the drafting
+    exit) is the stream a plain forward over the same tokens computes entering that layer."""
+    drafter = build_drafter("dynamic_exit", runner, FORCED | {"exits": "1/2/4/5", "k": 3})
+    drafter._best = lambda: Choice(4, 3, 9.0)  # draft from exit 4: the rows of layers 1-2 come from the drafts
+    drafter.choice = drafter._best()
+    outcomes = []
+    learn = drafter._learn
+    drafter._learn = lambda outcome: (outcomes.append(outcome), learn(outcome))
+    res = Engine(runner, drafter).generate(PROMPTS[0], DecodeConfig(max_new_tokens=30))
+    tokens = PROMPTS[0] + res.tokens
+    cache = runner.new_cache(64)
+    ids = torch.tensor(tokens)
+    drafted = [o for o in outcomes if o.draft is not None]
+    assert drafted and all(set(o.observed) == {1, 2, 4, 5} for o in drafted)
+    for layer in (1, 2, 4, 5):
+        cache.reset()
+        ref = runner.forward_layers(cache, runner.embed(ids), torch.arange(len(tokens)), 0, layer)  # (S, d)
+        for o in outcomes:
+            rows = o.observed[layer][o.path]  # (P, d)
+            assert torch.allclose(rows, ref[o.start:o.start + len(o.path)], atol=1e-4), layer
+
+
+def test_choice_converges_to_the_exit_that_pays(scripted):
+    drafter = build_drafter("dynamic_exit", scripted, FORCED | {"exits": "1/2/3/5", "k": 6})
+    engine = Engine(scripted, drafter)
+    for prompt in PROMPTS:
+        res = engine.generate(prompt, DecodeConfig(max_new_tokens=60))
+        assert res.tokens == plain(scripted, prompt, 60).tokens
+    stats = res.stats.drafter
+    alpha = dict(zip(stats.exits, stats.acceptance, strict=True))
+    assert alpha[3] > 0.9 and alpha[5] > 0.9 and alpha[1] < 0.5 and alpha[2] < 0.5, alpha
+    assert drafter.choice.exit == 3 and drafter.choice.k >= 4, drafter.choice
+    drafted = dict(zip(stats.exits, stats.drafted_cycles, strict=True))
+    assert drafted[3] > 2 * (drafted[1] + drafted[2] + drafted[5]), drafted
+    assert res.stats.acceptance_rate > 0.9
+
+
+def test_no_drafting_where_no_exit_pays(runner):
+    """On the random tiny model no exit agrees with the last layer often enough: the cost model never drafts
+    (with the gate on, it never even probes), and the output is plain decoding's."""
+    for options in ({"adaptive": False}, {}):
+        drafter = build_drafter("dynamic_exit", runner, {"exits": "1/3/5", "observe_every": 1} | options)
+        res = Engine(runner, drafter).generate(PROMPTS[0], DecodeConfig(max_new_tokens=40))
+        assert res.tokens == plain(runner, PROMPTS[0]).tokens
+        assert res.stats.drafted == 0 and res.stats.drafter.plain_steps == res.stats.verify_calls
+        assert max(res.stats.drafter.acceptance) < 0.3 and res.stats.drafter.observed_rows >= 38
+
+
+@pytest.mark.slow
+def test_sampling_stays_lossless():
+    """Empirical joint of the first 3 tokens under dynamic-exit drafting (exits 1 and 2 of 3) == exact target."""
+    model = make_model("llama", seed=7, vocab_size=5, layers=3)
+    runner = Runner.from_model(model)
+    engine = Engine(runner, build_drafter("dynamic_exit", runner, FORCED | {"exits": "1/2", "k": 3}))
+    pvalue, totals = sampling_pvalue(engine, model, [1, 2, 3], SamplingConfig(temperature=1.0),
+                                     samples=1000, seed=99)
+    assert 0.2 < totals["accepted"] / totals["drafted"] < 0.95  # the draft differs from the target but is used
+    assert pvalue > P_THRESHOLD
+
+
+def test_cost_model():
+    spec = make_model("llama", seed=0, layers=6).config
+    prices = exit_prices(Runner.from_model(make_model("llama", seed=0, layers=6)).spec, [1, 3, 5], 320)
+    assert 0 < prices[1] < prices[3] < prices[5] < 1 and spec.num_hidden_layers == 6
+    low = best_choice({1: 0.05, 3: 0.1}, {1: 0.2, 3: 0.5}, 8, 0.13)
+    assert low.speedup < 1 and low.k == 1
+    high = best_choice({1: 0.1, 3: 0.95}, {1: 0.2, 3: 0.5}, 8, 0.13)
+    assert high.exit == 3 and high.k > 1 and high.speedup > 1
+
+
+def test_default_exits_are_the_trained_ones(tmp_path):
+    folder = save_tiny(tmp_path / "run" / "final", layers=4)
+    assert candidate_exits("auto", Runner.from_pretrained(folder)) == [1, 2, 3]  # L/4, L/2, 3L/4
+    (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump({"early_exit": {"exits": [3, 1, 9]}}))
+    assert candidate_exits("auto", Runner.from_pretrained(folder)) == [1, 3]  # the last layer's own 4 and 9 drop
+    assert candidate_exits("2/3", Runner.from_pretrained(folder)) == [2, 3]
+
+
+def test_stats_serialise(runner):
+    drafter = build_drafter("dynamic_exit", runner, FORCED | {"exits": "2/4"})
+    stats = Engine(runner, drafter).generate(PROMPTS[1], DecodeConfig(max_new_tokens=12)).stats
+    assert stats_from_dict(stats.to_dict()["drafter"]) == stats.drafter
+    assert stats.drafter.schedule[0][1:] in ([2, drafter.choice.k], [4, drafter.choice.k]) or stats.drafter.schedule
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"exits": "8,x"}, "exits must be layer numbers"),
+    ({"exits": "2/2"}, "duplicates"),
+    ({"exits": "6"}, "exit 6 is out of range"),
+    ({"exits": "0/2"}, "exit 0 is out of range"),
+    ({"decay": "1"}, "decay must be in (0, 1)"),
+    ({"observe_every": "0"}, "observe-every must be between"),
+    ({"min_speedup": "-1"}, "min-speedup must be in"),
+    ({"verify_slope": "-0.1"}, "verify-slope must be in"),
+    ({"k": "0"}, "num-draft must be between"),
+    ({"confidence": "1"}, "confidence must be in"),
+    ({"exit_layer": "3"}, "does not apply to drafter 'dynamic_exit'"),
+])
+def test_bad_options_are_refused_in_one_line(runner, options, message):
+    with pytest.raises(UserError) as e:
+        build_drafter("dynamic_exit", runner, options)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_compact_spec():
+    spec = drafter_spec("dynamic_exit", {"exits": "8/16/24", "k": "4"})
+    assert spec.cls is DynamicExitDrafter and spec.config.exits == "8/16/24" and spec.config.num_draft == 4
+
+
+@pytest.mark.real_model
+def test_default_model_drafts_rarely_and_exactly(default_model_path):
+    """The unchanged default model has no trained exits: the drafter learns that none pays (it drafts on few or no
+    cycles) and its output is plain decoding's."""
+    from infer.loading import load_model
+
+    model = load_model(str(default_model_path))
+    prompt = model.encode("def is_prime(n):\n    \"\"\"Return True if n is prime.\"\"\"\n")
+    cfg = DecodeConfig(max_new_tokens=32, stop_at_eos=False)
+    ref = Engine(model.runner, build_drafter("autoregressive", model.runner)).generate(prompt, cfg).tokens
+    drafter = build_drafter("dynamic_exit", model.runner, {"remember": "off"})
+    res = Engine(model.runner, drafter).generate(prompt, cfg)
+    assert res.tokens == ref
+    assert res.stats.drafter.plain_steps >= 0.8 * res.stats.verify_calls, res.stats.drafter
+    forced = build_drafter("dynamic_exit", model.runner, FORCED | {"exits": "8/24", "k": 3})
+    assert Engine(model.runner, forced).generate(prompt, cfg).tokens == ref
+
+
+def test_command_line(capsys, tiny_model_dir):
+    """`layerskip generate --drafter dynamic_exit` prints plain decoding's tokens and the typed stats; `bench`
+    takes it as a compact spec (exits separated by '/', since specs are separated by commas)."""
+    import json
+
+    from infer.measure.methods import parse_methods
+    from layerskip_cli.main import main
+
+    common = ["generate", "--model", str(tiny_model_dir), "--prompt", "def add", "--json", "--max-new-tokens", "12",
+              "--ignore-eos"]
+    assert main(common) == 0
+    ref = json.loads(capsys.readouterr().out)["tokens"]
+    assert main(common + ["--drafter", "dynamic_exit", "--exits", "1/3", "--min-speedup", "0", "--no-adaptive"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["tokens"] == ref and row["stats"]["drafter"]["exits"] == [1, 3] and row["stats"]["drafted"] > 0
+    methods = parse_methods("autoregressive,dynamic_exit:exits=1/3:k=3", "")
+    assert [m.label for m in methods] == ["autoregressive", "dynamic_exit:exits=1/3:k=3"]
+    assert main(common + ["--drafter", "dynamic_exit", "--exits", "4"]) == 2
+    assert "candidate exits lie in 1 <= E < 4" in capsys.readouterr().err
+
+
+def test_static_executor_decodes_as_eager(runner):
+    """The split verification forwards and observing drafts run on the static executor too, with the same output
+    and the same estimates."""
+    static = Runner.from_model(make_model("llama", seed=0, layers=6), executor="static")
+    results = []
+    for r in (runner, static):
+        drafter = build_drafter("dynamic_exit", r, FORCED | {"exits": "1/3/5", "k": 3})
+        drafter._best = lambda: Choice(3, 3, 9.0)  # draft from the middle exit: observed rows on both sides of it
+        drafter.choice = drafter._best()
+        results.append(Engine(r, drafter).generate(PROMPTS[0], DecodeConfig(max_new_tokens=30)))
+    assert results[0].tokens == results[1].tokens == plain(runner, PROMPTS[0], 30).tokens
+    assert results[0].stats.drafter.acceptance == results[1].stats.drafter.acceptance
