@@ -76,6 +76,8 @@ CASES = {
     "early_exit_adaptive": ("early_exit", {"E": 2, "k": 3, "adaptive": True, "recheck_interval": 1,
                                            "remember": "off"}),
     "self_sd": ("self_sd", {"plan": LayerPlan(L, frozenset({2, 3}), frozenset({4})), "k": 4}),
+    "dynamic_exit": ("dynamic_exit", {"exits": "1/3/5", "k": 3, "min_speedup": 0, "adaptive": False,
+                                      "observe_every": 1}),  # rows choose their own exits: packed per exit
     "swift": ("swift", {"context_window": 8, "opt_budget": 0.95, "fallback_opt_budget": 0.95, "remember": "off",
                         "confidence": 0.013}),
 }
