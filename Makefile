@@ -53,11 +53,11 @@ demo: fetch-model
 	$(BIN)/layerskip bench --model default --drafters $(DEMO_DRAFTERS) --peers hf_generate \
 		--data humaneval,gsm8k --n 3 --max-new-tokens 64 --repeats 1 --threads 1 --out runs/demo --force
 
-# One pytest worker per core (at most 4; xdist): tests that share a session fixture (the GPU lease rehearsal) keep to
-# one worker (--dist loadgroup). A single test file runs as usual: .venv/bin/python -m pytest tests/...
+# One pytest worker per core (at most 4; xdist), each taking whole test files (--dist loadfile: a file's module
+# fixtures, such as the GPU lease rehearsal, run once). A single file runs as usual: .venv/bin/python -m pytest tests/...
 TEST_WORKERS ?= auto
 test: fetch-model
-	WANDB_MODE=disabled $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --maxprocesses 4 --dist loadgroup
+	WANDB_MODE=disabled $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile
 
 # Training-free vs trained drafting, measured side by side; writes docs/RESULTS.md (hours on a CPU).
 compare: fetch-model
