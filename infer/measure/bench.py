@@ -54,6 +54,11 @@ class Record:
     """Final number equals the reference answer's (sets with '#### N' answers, e.g. GSM8K)."""
     start_state: str = "cold"
     """What the drafter started this run from: 'cold', or 'warm from <file>' (the drafter's own account)."""
+    batch_size: int | None = None
+    """The batched bench's B (this prompt decoded in a batch of B rows); None: decoded alone by one ``Engine``."""
+    run_wall: float | None = None
+    """Batched: wall seconds of the whole run this record belongs to (all the task's prompts, B at a time), the
+    same in every record of that run; ``stats.wall_time`` is this row's latency (its start to its finish)."""
 
     @property
     def lossy(self) -> bool:
@@ -97,6 +102,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log: Callable[[Record], N
     record as soon as it is finished (``report.RecordLog``: a killed bench leaves every finished record readable);
     ``on_quality(label, quality)`` each model's verifier quality (``infer.measure.quality``) before it is timed."""
     from infer.loading import load_resolved
+    from infer.measure.batched import run_batched_task
     from layerskip_core.models import resolve_model
 
     tasks = {task_name(src): load_prompts(src, cfg.n, from_end=True) for src in cfg.data}
@@ -122,7 +128,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log: Callable[[Record], N
         for task, items in tasks.items():
             prompts = [Prompt(it.id, model.encode(it.prompt, use_chat_template(task, cfg.chat)), it.reference)
                        for it in items]
-            records += _run_task(cfg, model, peer, label, task, prompts, progress, log)
+            run_task = _run_task if cfg.batch_sizes is None else run_batched_task
+            records += run_task(cfg, model, peer, label, task, prompts, progress, log)
         del model, peer
     return records
 
@@ -147,13 +154,15 @@ def check_methods(cfg: BenchConfig, model: LoadedModel, label: str, source: str)
     for method in cfg.methods:
         if not method.is_peer:
             try:
-                _engine_for(method, model, label, cfg.start)  # not closed: finish() may write (save_plan)
+                engine_for(method, model, label, cfg.start)  # not closed: finish() may write (save_plan)
             except UserError as e:
                 raise UserError(f"{method.label} on model {label!r}: {e}") from None
 
 
-def _engine_for(method: Method, model: LoadedModel, label: str, start: str, warm_up: bool = False):
-    """A fresh engine; '{model}' in an option value becomes the model's label (per-model plan files).
+def engine_for(method: Method, model: LoadedModel, label: str, start: str, warm_up: bool = False,
+               batch_size: int | None = None):
+    """A fresh engine (a ``BatchEngine`` of ``batch_size`` rows when given); '{model}' in an option value becomes
+    the model's label (per-model plan files).
 
     A drafter that remembers state across commands starts as ``start`` says ('cold': remember=off; 'warm':
     remember=read) unless the method sets remember itself; a warm-up drafter never reads or writes remembered
@@ -161,6 +170,8 @@ def _engine_for(method: Method, model: LoadedModel, label: str, start: str, warm
     spec = method.spec_for(label).remembering("off" if start == "cold" else "read")
     if warm_up:
         spec = spec.for_warm_up()
+    if batch_size is not None:
+        return model.batch_engine(spec.drafter, spec, batch_size=batch_size)
     return model.engine(spec.drafter, spec)
 
 
@@ -171,17 +182,12 @@ def _run_task(cfg: BenchConfig, model: LoadedModel, peer: Peer | None, label: st
     if cfg.warmup:
         _warmup(cfg, model, peer, [p.ids for p in prompts], label)
     reference: dict[str, list[int]] = {}
-    # Judged with the reference's (full model's) settings; the rounding is measured on first need, in bf16/fp16
-    # against an fp32 recomputation of the same rounded weights (gpu_check's bound, independent of verification).
-    runner = model.runner
-    make = (lambda: rounded_reference(model.path, runner.dtype, runner.device)) \
-        if runner.dtype != torch.float32 and model.path is not None else None
-    judge = DivergenceJudge(runner, cfg.generation(), make_reference=make)
+    judge = divergence_judge(cfg, model)
     records = []
     bar = tqdm(total=cfg.repeats * len(prompts) * len(cfg.methods), desc=f"{label}/{task}", disable=not progress,
                leave=False)
     for repeat in range(cfg.repeats):
-        engines = {m.label: _engine_for(m, model, label, cfg.start) for m in cfg.methods if not m.is_peer}
+        engines = {m.label: engine_for(m, model, label, cfg.start) for m in cfg.methods if not m.is_peer}
         configs = {m.label: cfg.generation(m) for m in cfg.methods if not m.is_peer}
         for prompt in prompts:
             for method in cfg.methods:
@@ -197,7 +203,7 @@ def _run_task(cfg: BenchConfig, model: LoadedModel, peer: Peer | None, label: st
                 if method.label == BASELINE and repeat == 0:
                     reference[prompt.id] = tokens
                 if repeat == 0:
-                    _judge(rec, tokens, reference.get(prompt.id), prompt, model, cfg.sampling.greedy, judge,
+                    judge_output(rec, tokens, reference.get(prompt.id), prompt, model, cfg.sampling.greedy, judge,
                            verified)
                 records.append(rec)
                 if log is not None:
@@ -209,7 +215,17 @@ def _run_task(cfg: BenchConfig, model: LoadedModel, peer: Peer | None, label: st
     return records
 
 
-def _judge(rec: Record, tokens: list[int], reference: list[int] | None, prompt: Prompt, model: LoadedModel,
+def divergence_judge(cfg: BenchConfig, model: LoadedModel) -> DivergenceJudge:
+    """The judge of greedy mismatches, with the reference's (full model's) settings; the rounding is measured on
+    first need, in bf16/fp16 against an fp32 recomputation of the same rounded weights (gpu_check's bound,
+    independent of the verification being judged)."""
+    runner = model.runner
+    make = (lambda: rounded_reference(model.path, runner.dtype, runner.device)) \
+        if runner.dtype != torch.float32 and model.path is not None else None
+    return DivergenceJudge(runner, cfg.generation(), make_reference=make)
+
+
+def judge_output(rec: Record, tokens: list[int], reference: list[int] | None, prompt: Prompt, model: LoadedModel,
            greedy: bool, judge: DivergenceJudge, verified: list[int] | None) -> None:
     """Exactness (classified at the first divergence, with the run's own verification argmax ``verified``; None for
     a peer), lossy agreement and answer accuracy of one output."""
@@ -241,5 +257,5 @@ def _warmup(cfg: BenchConfig, model: LoadedModel, peer: Peer | None, prompts: li
         elif method.is_peer:
             peer.generate(method, prompts[0], short, model.eos_token_ids)
         else:
-            with _engine_for(method, model, label, cfg.start, warm_up=True) as engine:
+            with engine_for(method, model, label, cfg.start, warm_up=True) as engine:
                 engine.warm_up(prompts, cfg.generation(method))

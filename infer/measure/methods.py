@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 PEERS = ("hf_generate", "hf_static", "hf_early_exit", "prompt_lookup")
 PEER_OPTIONS = {"hf_early_exit": ("E", "k"), "prompt_lookup": ("k",)}
+BATCH_PEERS = ("hf_generate", "hf_static")
+"""Peers that decode a batch: transformers' assisted decoding (its early-exit assistant, prompt lookup) refuses one."""
 BASELINE = "autoregressive"
 STARTS = ("cold", "warm")
 """``BenchConfig.start``: timed drafters start with nothing remembered, or from the toolkit cache read-only."""
@@ -159,6 +161,27 @@ def sweep_methods(exits: list[int], ks: list[int], vocabs: list[int] | None = No
     return methods
 
 
+def parse_batch_sizes(text: str) -> list[int]:
+    """``'1,4,8'`` -> [1, 4, 8]: batch sizes, each an integer >= 1, none twice (refused in one line otherwise)."""
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        sizes = [int(p) for p in parts]
+    except ValueError:
+        sizes = []
+    if not sizes or any(b < 1 for b in sizes) or len(set(sizes)) != len(sizes):
+        raise UserError(f"--batch-size {text!r}: expected one batch size or a comma-separated list of distinct "
+                        "integers >= 1, e.g. 8 or 1,4,8")
+    return sizes
+
+
+def check_batch_peers(methods: list[Method], sizes: list[int]) -> None:
+    """Refuse a peer that cannot decode a batch (``BATCH_PEERS`` can) when a batch size is above 1."""
+    bad = [m.label for m in methods if m.is_peer and m.name not in BATCH_PEERS]
+    if bad and max(sizes) > 1:
+        raise UserError(f"--batch-size {max(sizes)}: peer {bad[0]} decodes one sequence (transformers' assisted "
+                        f"decoding refuses batches); batched peers: {', '.join(BATCH_PEERS)}")
+
+
 def model_labels(models: list[str]) -> list[str]:
     """One row name per ``--model``: its NAME of NAME=PATH, 'default', else the shortest end of its folder path that
     tells it apart from the others (``runs/a/final``, ``runs/b/final`` -> ``a/final``, ``b/final``). Two models that
@@ -216,6 +239,9 @@ class BenchConfig:
     method's own ``remember=on`` says otherwise. Records name each run's ``start_state``."""
     quality: QualityConfig = field(default_factory=QualityConfig)
     """The held-out split each model's verifier is scored on and the base model of the deltas (``quality``)."""
+    batch_sizes: list[int] | None = None
+    """Batched bench: every method decodes each task's prompts ``B`` at a time, for each ``B`` here (our drafters
+    through ``BatchEngine``, the peers as left-padded batched ``generate``); None: one prompt at a time."""
 
     def __post_init__(self) -> None:
         if self.n < 1 or self.max_new_tokens < 1 or self.repeats < 1:
@@ -227,6 +253,8 @@ class BenchConfig:
         if not self.models or not self.data:
             raise UserError("give at least one --model and one --data source")
         self.labels = model_labels(self.models)
+        if self.batch_sizes is not None:
+            check_batch_peers(self.methods, self.batch_sizes)
         if self.quality.base is not None and self.quality.base not in self.labels:
             raise UserError(f"--base {self.quality.base!r} names no model; the models are {', '.join(self.labels)}")
         if self.sampling is None:

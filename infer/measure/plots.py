@@ -196,8 +196,43 @@ def _slug(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", s)
 
 
+def tokens_per_second_by_batch(rows, path: Path) -> Path | None:
+    """Batched rows: total tokens/s against the batch size B, one line per method (the colours of
+    ``method_colours``), one facet per (model, task), B on a log-2 axis; None without batched rows."""
+    rows = [r for r in rows if r.batch_size is not None]
+    if not rows:
+        return None
+    plt = _plt()
+    facets = list(dict.fromkeys((r.model, r.task) for r in rows))
+    methods = list(dict.fromkeys(r.method for r in rows))
+    colours = method_colours(methods)
+    sizes = sorted({r.batch_size for r in rows})
+    fig, axes = plt.subplots(1, len(facets), figsize=(4.5 * len(facets) + 2.8, 4.2), squeeze=False)
+    for ax, (model, task) in zip(axes[0], facets, strict=True):
+        for method in methods:
+            line = sorted((r.batch_size, r.tokens_per_second) for r in rows
+                          if (r.model, r.task, r.method) == (model, task, method))
+            if line:
+                ax.plot([b for b, _ in line], [t for _, t in line], marker="o", color=colours[method], label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("batch size B")
+        ax.set_title(f"{model} · {task}", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("total tokens/s (all rows)")
+    handles = [plt.Line2D([0], [0], color=colours[m], marker="o") for m in methods]
+    fig.legend(handles, methods, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
+    fig.suptitle("Batched decoding: throughput vs batch size")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
 def write_all(rows, records, out_dir: Path) -> list[Path]:
-    paths = [speedup_bars(rows, out_dir / "speedup.png")]
+    paths = [speedup_bars([r for r in rows if r.batch_size is None], out_dir / "speedup.png"),
+             tokens_per_second_by_batch(rows, out_dir / "batch_tokens_per_second.png")]
     paths += sweep_heatmaps(rows, out_dir)
     paths.append(acceptance_by_exit(rows, out_dir / "acceptance_by_exit.png"))
     paths.append(matchness_over_time(records, out_dir / "matchness.png"))

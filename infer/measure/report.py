@@ -72,6 +72,13 @@ class Summary:
     """That loss minus the base model's on the same split (None: not measured, or no base to compare with)."""
     verifier_flag: str | None = None
     """'verifier worse by +0.28 nats' on a lossless row whose speed-up comes with a worse model; None otherwise."""
+    batch_size: int | None = None
+    """The batched bench's B (its speed-ups are against autoregressive and hf_generate at the same B); None: one
+    prompt at a time."""
+    row_latency: float | None = None
+    """Batched: median seconds from a row's start to its finish, over the prompts and repeats."""
+    speedup_vs_b1: float | None = None
+    """Batched: tokens/s over the same method's at B = 1 (None: B = 1 not measured)."""
 
 
 MIN_SAMPLES = 3
@@ -81,23 +88,20 @@ MIN_SAMPLES = 3
 
 def summarize(records: list[Record]) -> list[Summary]:
     """One row per (model, task, method), with speed-ups against autoregressive and hf_generate on the same task."""
-    groups: dict[tuple[str, str, str], list[Record]] = defaultdict(list)
+    groups: dict[tuple[str, str, str, int | None], list[Record]] = defaultdict(list)
     for r in records:
-        groups[(r.model, r.task, r.method)].append(r)
-    base = {}
-    rows = []
-    for (model, task, method), recs in groups.items():
-        rows.append(_summarize_group(model, task, method, recs))
-        if method in (BASELINE, "hf_generate"):
-            base[(model, task, method)] = rows[-1]
-    ar_step = {key[:2]: _step_time(groups[key]) for key in groups if key[2] == BASELINE}
-    for row in rows:
-        ar = base.get((row.model, row.task, BASELINE))
-        hf = base.get((row.model, row.task, "hf_generate"))
+        groups[(r.model, r.task, r.method, r.batch_size)].append(r)
+    rows = {key: _summarize_group(*key[:3], recs) for key, recs in groups.items()}
+    ar_step = {key[:2] + key[3:]: _step_time(groups[key]) for key in groups if key[2] == BASELINE}
+    for (model, task, method, size), row in rows.items():
+        ar = rows.get((model, task, BASELINE, size))
+        hf = rows.get((model, task, "hf_generate", size))
+        one = rows.get((model, task, method, 1)) if size is not None else None
         row.speedup_vs_autoregressive = row.tokens_per_second / ar.tokens_per_second if ar else None
         row.speedup_vs_hf_generate = row.tokens_per_second / hf.tokens_per_second if hf else None
-        _cost_model(row, groups[(row.model, row.task, row.method)], ar_step.get((row.model, row.task)))
-    return rows
+        row.speedup_vs_b1 = row.tokens_per_second / one.tokens_per_second if one else None
+        _cost_model(row, groups[(model, task, method, size)], ar_step.get((model, task, size)))
+    return list(rows.values())
 
 
 def _step_time(recs: list[Record]) -> float | None:
@@ -114,7 +118,8 @@ def _summarize_group(model: str, task: str, method: str, recs: list[Record]) -> 
     by_repeat: dict[int, list[Record]] = defaultdict(list)
     for r in recs:
         by_repeat[r.repeat].append(r)
-    tps = [sum(r.stats.new_tokens for r in rs) / sum(r.stats.wall_time for r in rs)
+    size = recs[0].batch_size
+    tps = [sum(r.stats.new_tokens for r in rs) / (rs[0].run_wall if size else sum(r.stats.wall_time for r in rs))
            for _, rs in sorted(by_repeat.items())]
     ours = any(r.stats.verify_calls for r in recs)
     drafted = sum(r.stats.drafted for r in recs)
@@ -125,7 +130,7 @@ def _summarize_group(model: str, task: str, method: str, recs: list[Record]) -> 
     compared = [r for r in first if r.agree_total is not None]
     n_cmp = sum(r.stats.new_tokens for r in compared)
     answered = [r.answer_correct for r in first if r.answer_correct is not None]
-    wall = sum(r.stats.wall_time for r in recs)
+    wall = sum(rs[0].run_wall for rs in by_repeat.values()) if size else sum(r.stats.wall_time for r in recs)
     return Summary(
         model=model, task=task, method=method, prompts=len(first), new_tokens=sum(r.stats.new_tokens for r in first),
         tokens_per_second=statistics.median(tps), tps_per_repeat=tps, speedup_vs_autoregressive=None,
@@ -140,7 +145,8 @@ def _summarize_group(model: str, task: str, method: str, recs: list[Record]) -> 
         agreement=sum(r.agree_total for r in compared) / n_cmp if n_cmp else None,
         prefix_agreement=sum(r.agree_prefix for r in compared) / n_cmp if n_cmp else None,
         answer_accuracy=sum(answered) / len(answered) if answered else None,
-        note=_note(method, recs, drafted, ours),
+        note=_note(method, recs, drafted, ours), batch_size=size,
+        row_latency=statistics.median(r.stats.wall_time for r in recs) if size else None,
     )
 
 
@@ -171,7 +177,7 @@ def recommend(rows: list[Summary]) -> dict[tuple[str, str], str]:
     """Fastest of our lossless methods per (model, task) (what a user should run; lossy early exit excluded)."""
     best: dict[tuple[str, str], Summary] = {}
     for row in rows:
-        if row.method.split(":")[0] in PEERS or row.lossy or row.note:
+        if row.method.split(":")[0] in PEERS or row.lossy or row.note or row.batch_size is not None:
             continue
         key = (row.model, row.task)
         if key not in best or row.tokens_per_second > best[key].tokens_per_second:
@@ -224,10 +230,11 @@ def _exact_cell(r: Summary) -> str:
 
 
 def markdown_table(rows: list[Summary]) -> str:
-    """Per task: one row per (model, method); quality columns appear when some row has them."""
+    """Per task: one row per (model, method); quality columns appear when some row has them. Batched rows are in
+    tables of their own (``batch_table``)."""
     out = []
-    for task in dict.fromkeys(r.task for r in rows):
-        task_rows = [r for r in rows if r.task == task]
+    for task in dict.fromkeys(r.task for r in rows if r.batch_size is None):
+        task_rows = [r for r in rows if r.task == task and r.batch_size is None]
         agree = any(r.agreement is not None for r in task_rows)
         acc = any(r.answer_accuracy is not None for r in task_rows)
         verifier = any(r.verifier_loss is not None for r in task_rows)
@@ -251,7 +258,26 @@ def markdown_table(rows: list[Summary]) -> str:
             if verifier:
                 cells.append(_verifier_cell(r))
             out.append("| " + " | ".join(cells) + " |")
-    return "\n".join(out) + "\n"
+    return "\n".join(out) + "\n" + batch_table(rows)
+
+
+def batch_table(rows: list[Summary]) -> str:
+    """Per task, the batched rows by B, then method: total tokens/s, per-row latency, speed-ups at the same B and
+    against the method's own B = 1, acceptance, tokens per verification and per-row exactness ('' when none)."""
+    out = []
+    head = ["model", "method", "B", "tok/s", "row latency (s)", "vs AR (same B)", "vs HF generate (same B)",
+            "vs B=1", "α", "M", "exact"]
+    for task in dict.fromkeys(r.task for r in rows if r.batch_size is not None):
+        task_rows = sorted((r for r in rows if r.task == task and r.batch_size is not None),
+                           key=lambda r: r.batch_size)
+        out += [f"\n#### {task}, batched\n", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for r in task_rows:
+            cells = [r.model, r.method, str(r.batch_size), f"{r.tokens_per_second:.1f}", _fmt(r.row_latency),
+                     _noted(r.speedup_vs_autoregressive, r.note), _noted(r.speedup_vs_hf_generate, r.note),
+                     _fmt(r.speedup_vs_b1, suffix="x"), _fmt(r.acceptance_rate), _fmt(r.tokens_per_verify),
+                     _exact_cell(r)]
+            out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n" if out else ""
 
 
 def bugs(rows: list[Summary]) -> list[Summary]:
@@ -371,12 +397,20 @@ def write_outputs(cfg: BenchConfig, records: list[Record], out_dir: Path, comman
              "verifier Δ nats: the model's held-out loss minus the base model's (the verifier's quality is every "
              "lossless method's output quality; worse by more than "
              f"{WORSE_NATS} nats is flagged).\n",
-             quality_table(quality, rows, cfg.labels), markdown_table(rows),
+             BATCH_NOTE if cfg.batch_sizes else "", quality_table(quality, rows, cfg.labels), markdown_table(rows),
              "\n**Recommended (fastest of ours) per model and task:** " +
              "; ".join(f"{m}/{t}: `{v}`" for (m, t), v in best.items()) + "\n"]
     lines += [f"\n![{p.stem}]({p.name})\n" for p in figures]
     (out_dir / "results.md").write_text("\n".join(lines))
     return rows
+
+
+BATCH_NOTE = ("Batched (`--batch-size B`): each method decodes the task's prompts B at a time (ours through the "
+              "batched engine, a finished row's slot taken by the next prompt; `hf_generate` as left-padded batched "
+              "`generate`, B prompts per call). tok/s = all generated tokens / the run's wall time (median of the "
+              "repeats); row latency = median seconds from a row's start to its finish (a peer's row: its batch's "
+              "wall time); vs AR and vs HF generate at the same B, vs B=1 against the same method at B = 1; exact: "
+              "each row's greedy output equals that prompt decoded alone by plain decoding.\n")
 
 
 def rebuild(out_dir: Path) -> list[Summary]:

@@ -75,6 +75,34 @@ def timed_generate(engine, prompt_ids, config, generator: torch.Generator | None
         draft = clock.seconds("draft")
         result.stats.draft_time = draft
         result.stats.verify_time = clock.seconds("step") - draft - result.stats.update_time  # update: host, approx.
-    verified = result.tokens[:1] + [t for o in outcomes
-                                    for t in ([o.target_argmax[p] for p in o.path] if o.target_argmax else o.tokens)]
-    return result, verified[:len(result.tokens)]
+    return result, verified_tokens(result.tokens, outcomes)
+
+
+def verified_tokens(tokens: list[int], outcomes: list) -> list[int]:
+    """The verification's argmax for every output token of one generation (greedy; the emitted tokens when
+    sampling): the prefill's first token, then each cycle's ``VerifyOutcome`` along its accepted path."""
+    verified = tokens[:1] + [t for o in outcomes
+                             for t in ([o.target_argmax[p] for p in o.path] if o.target_argmax else o.tokens)]
+    return verified[:len(tokens)]
+
+
+def timed_batch(engine, prompts, config) -> tuple[list, list[list[int]], float]:
+    """``BatchEngine.generate`` of ``prompts`` as ``(results, verified, wall seconds)``: ``verified`` per prompt as
+    ``timed_generate`` gives it for one (each row's outcomes of every batched cycle), the wall time of the whole
+    batch (the results are host lists: the device has finished when the clock stops)."""
+    outcomes: dict[int, list] = {}  # id of a row's stats (the result keeps the same object) -> its outcomes
+    step = engine.step
+
+    def recorded(rows):
+        found = step(rows)
+        for (_, gen), outcome in zip(rows, found, strict=True):
+            outcomes.setdefault(id(gen.stats), []).append(outcome)
+        return found
+    engine.step = recorded
+    try:
+        t0 = time.perf_counter()
+        results = engine.generate(prompts, config)
+        wall = time.perf_counter() - t0
+    finally:
+        del engine.step
+    return results, [verified_tokens(r.tokens, outcomes.get(id(r.stats), [])) for r in results], wall

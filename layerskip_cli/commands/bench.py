@@ -8,7 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from infer.measure.methods import BenchConfig, parse_methods, sweep_methods
+from infer.measure.methods import BenchConfig, parse_batch_sizes, parse_methods, sweep_methods
 from infer.measure.quality import QualityConfig
 from layerskip_cli.args import add_run_flags, add_sampling_flags, run_settings, sampling_config
 from layerskip_core.cli import check_output_dir
@@ -48,6 +48,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--n", type=int, default=8, help="prompts per task (from the end of each set: held out)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
+    p.add_argument("--batch-size", default=None, help="batched bench: decode each task's prompts B at a time, for "
+                   "one B or a list (e.g. 1,4,8): our drafters through the batched engine, the transformers peers "
+                   "as left-padded batched generate (peers then default to hf_generate); reports total tokens/s, "
+                   "per-row latency and the speed-up vs B=1")
     p.add_argument("--start", default="cold", choices=["cold", "warm"],
                    help="what timed drafters start from: cold (default: nothing remembered is read or written) or "
                    "warm (what earlier commands left in the toolkit cache, read-only); every repeat starts alike")
@@ -93,7 +97,8 @@ def config_from_args(args: argparse.Namespace):
     sampling = sampling_config(args, _sampling_defaults())
     if args.sample and args.temperature is None:
         sampling = dataclasses.replace(sampling, temperature=1.0)
-    peers = "" if args.peers == "none" else args.peers
+    sizes = None if args.batch_size is None else parse_batch_sizes(args.batch_size)
+    peers = "" if args.peers == "none" else "hf_generate" if args.peers is None and sizes else args.peers
     methods = parse_methods(args.drafters, peers)
     if args.sweep:
         if any(n < 0 for n in args.vocabs or []):
@@ -101,14 +106,15 @@ def config_from_args(args: argparse.Namespace):
         known = {m.label for m in methods}
         grid = [m for m in sweep_methods(args.exits, args.ks, args.vocabs) if m.label not in known]
         methods += grid
-        if args.peers is None:  # the HF early-exit peer at the sweep's exits too
+        if args.peers is None and not sizes:  # the HF early-exit peer at the sweep's exits too
             methods += [m for m in parse_methods("", ",".join(f"hf_early_exit:E={e}" for e in args.exits))
                         if m.is_peer and m.label not in known]
     return BenchConfig(models=args.models or ["default"], methods=methods,
                        data=[d.strip() for d in args.data.split(",") if d.strip()], n=args.n,
                        max_new_tokens=args.max_new_tokens, repeats=args.repeats, run=run, sampling=sampling,
                        chat=args.chat, stop_at_eos=args.stop_at_eos, start=args.start,
-                       quality=QualityConfig(args.quality_data, args.quality_blocks, base=args.base))
+                       quality=QualityConfig(args.quality_data, args.quality_blocks, base=args.base),
+                       batch_sizes=sizes)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -128,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
     wrong = bugs(rows)
     if wrong:
         print("layerskip: error: greedy output differs from autoregressive beyond a near-tie (a bug) for "
-              + ", ".join(f"{r.model}/{r.task}/{r.method} ({r.mismatches or r.exact_mismatches} prompts)"
+              + ", ".join(f"{r.model}/{r.task}/{r.method}{f' at B={r.batch_size}' if r.batch_size else ''} "
+                          f"({r.mismatches or r.exact_mismatches} prompts)"
                           for r in wrong), file=sys.stderr)
         return 1
     return 0
