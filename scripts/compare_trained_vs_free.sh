@@ -17,6 +17,7 @@
 #   9. v(T): cost of verifying T tokens, with and without the small-matmul kernel
 #  10. long held-out prompts (stdlib files of 300-400 tokens); reduced draft vocabularies (c and acceptance with
 #      and without, base and trained, and a sweep of N); plain decoding vs transformers on long prompts
+#      batched decoding (B = 1, 4, 8) against transformers' batched generate at the same B
 #  11. a fresh drafter per prompt (SWIFT, adaptive early exit) on the long prompts from a cold cache, and on
 #      HumanEval/GSM8K
 # Knobs (environment): OUT, THREADS, N, TOKENS, REPEATS, TRIALS, TRAINED.
@@ -82,6 +83,9 @@ step "$OUT/draft_vocab_confidence/results.json" "$BIN/layerskip" bench --model "
 step "$OUT/ar_vs_hf_long/results.json" "$BIN/layerskip" bench --model default --drafters autoregressive \
   --peers hf_generate --data "$OUT/long_prompts.jsonl" --n 8 --max-new-tokens 64 --repeats 3 --threads "$THREADS" \
   --device cpu --quiet --out "$OUT/ar_vs_hf_long"
+step "$OUT/batch/results.json" "$BIN/layerskip" bench --model default --drafters autoregressive,early_exit:E=24:k=4 \
+  --peers hf_generate --batch-size 1,4,8 --data humaneval --n 8 --max-new-tokens 32 --repeats 2 \
+  --threads "$THREADS" --device cpu --quiet --out "$OUT/batch"
 cold=$(mktemp -d)
 step "$OUT/independent_long/independent.json" env LAYERSKIP_CACHE="$cold" \
   LAYERSKIP_MODEL_DIR="$("$BIN/python" -c 'from layerskip_core.models import default_model_dir; print(default_model_dir())')" \

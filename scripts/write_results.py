@@ -57,7 +57,7 @@ def _section(old: str, title: str, built: list[str] | None, source: Path) -> lis
 
 def _bench_section(run: Path, title: str, img_dir: Path, old: str, name: str) -> list[str]:
     from infer.measure.quality import quality_table
-    from infer.measure.report import Summary, markdown_table
+    from infer.measure.report import BATCH_NOTE, Summary, markdown_table
 
     path = run / "results.json"
     if not path.is_file():
@@ -72,6 +72,7 @@ def _bench_section(run: Path, title: str, img_dir: Path, old: str, name: str) ->
            f"{meta['date']}, commit {meta.get('git') or 'not recorded'}; "
            f"{payload['config']['n']} held-out prompts per task, "
            f"{payload['config']['max_new_tokens']} new tokens, median of {payload['config']['repeats']} repeat(s).\n",
+           BATCH_NOTE if payload["config"].get("batch_sizes") else "",
            quality_table(payload.get("quality", {}), rows, labels), markdown_table(rows)]
     best = payload.get("recommended", [])
     if best:
@@ -215,6 +216,8 @@ def main(argv: list[str] | None = None) -> None:
                            "reduced draft vocabulary", img, old, "draft_vocab_confidence")
     page += _bench_section(args.runs / "ar_vs_hf_long", "Plain decoding vs transformers on long prompts", img, old,
                            "ar_vs_hf_long")
+    page += _bench_section(args.runs / "batch", "Batched decoding vs transformers' batched generate", img, old,
+                           "batch")
     page += _independent(args.runs / "independent_long", "A fresh drafter per long prompt, from a cold cache", old,
                          "independent_long")
     page += _independent(args.runs / "independent", "A fresh drafter per prompt, HumanEval and GSM8K", old,

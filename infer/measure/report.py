@@ -79,6 +79,9 @@ class Summary:
     """Batched: median seconds from a row's start to its finish, over the prompts and repeats."""
     speedup_vs_b1: float | None = None
     """Batched: tokens/s over the same method's at B = 1 (None: B = 1 not measured)."""
+    decode_tokens_per_second: float | None = None
+    """Batched, ours: the tokens decoding produced (each row's first comes from its prefill) over the run's wall time
+    less its rows' prefill times (prefill runs per row, in turn), median of the repeats; None for a peer."""
 
 
 MIN_SAMPLES = 3
@@ -147,7 +150,15 @@ def _summarize_group(model: str, task: str, method: str, recs: list[Record]) -> 
         answer_accuracy=sum(answered) / len(answered) if answered else None,
         note=_note(method, recs, drafted, ours), batch_size=size,
         row_latency=statistics.median(r.stats.wall_time for r in recs) if size else None,
+        decode_tokens_per_second=statistics.median(_decode_rate(rs) for rs in by_repeat.values())
+        if size and ours else None,
     )
+
+
+def _decode_rate(recs: list[Record]) -> float:
+    """Tokens/s of one batched run without its prefills (``Summary.decode_tokens_per_second``)."""
+    decoding = recs[0].run_wall - sum(r.stats.prefill_time for r in recs)
+    return sum(max(r.stats.new_tokens - 1, 0) for r in recs) / decoding if decoding > 0 else 0.0
 
 
 def _note(method: str, recs: list[Record], drafted: int, ours: bool) -> str | None:
@@ -265,14 +276,15 @@ def batch_table(rows: list[Summary]) -> str:
     """Per task, the batched rows by B, then method: total tokens/s, per-row latency, speed-ups at the same B and
     against the method's own B = 1, acceptance, tokens per verification and per-row exactness ('' when none)."""
     out = []
-    head = ["model", "method", "B", "tok/s", "row latency (s)", "vs AR (same B)", "vs HF generate (same B)",
-            "vs B=1", "α", "M", "exact"]
+    head = ["model", "method", "B", "tok/s", "decode tok/s", "row latency (s)", "vs AR (same B)",
+            "vs HF generate (same B)", "vs B=1", "α", "M", "exact"]
     for task in dict.fromkeys(r.task for r in rows if r.batch_size is not None):
         task_rows = sorted((r for r in rows if r.task == task and r.batch_size is not None),
                            key=lambda r: r.batch_size)
         out += [f"\n#### {task}, batched\n", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in task_rows:
-            cells = [r.model, r.method, str(r.batch_size), f"{r.tokens_per_second:.1f}", _fmt(r.row_latency),
+            cells = [r.model, r.method, str(r.batch_size), f"{r.tokens_per_second:.1f}",
+                     _fmt(r.decode_tokens_per_second, ".1f"), _fmt(r.row_latency),
                      _noted(r.speedup_vs_autoregressive, r.note), _noted(r.speedup_vs_hf_generate, r.note),
                      _fmt(r.speedup_vs_b1, suffix="x"), _fmt(r.acceptance_rate), _fmt(r.tokens_per_verify),
                      _exact_cell(r)]
@@ -408,7 +420,8 @@ def write_outputs(cfg: BenchConfig, records: list[Record], out_dir: Path, comman
 BATCH_NOTE = ("Batched (`--batch-size B`): each method decodes the task's prompts B at a time (ours through the "
               "batched engine, a finished row's slot taken by the next prompt; `hf_generate` as left-padded batched "
               "`generate`, B prompts per call). tok/s = all generated tokens / the run's wall time (median of the "
-              "repeats); row latency = median seconds from a row's start to its finish (a peer's row: its batch's "
+              "repeats); decode tok/s = the same without the rows' prefills (ours: prefill runs per row, in turn; "
+              "– for a peer); row latency = median seconds from a row's start to its finish (a peer's row: its batch's "
               "wall time); vs AR and vs HF generate at the same B, vs B=1 against the same method at B = 1; exact: "
               "each row's greedy output equals that prompt decoded alone by plain decoding.\n")
 

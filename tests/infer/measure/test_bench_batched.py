@@ -41,6 +41,9 @@ def test_batched_rows_per_method_and_batch_size_with_the_peer_at_the_same_size(t
         assert row["speedup_vs_autoregressive"] == pytest.approx(row["tokens_per_second"] / ar["tokens_per_second"])
         assert row["speedup_vs_hf_generate"] == pytest.approx(row["tokens_per_second"] / hf["tokens_per_second"])
     assert rows[("early_exit:E=2:k=3", 3)]["acceptance_rate"] is not None
+    assert rows[("hf_generate", 3)]["decode_tokens_per_second"] is None  # no prefill time of its own to take out
+    assert all(rows[(m, b)]["decode_tokens_per_second"] > 0 for m in ("autoregressive", "early_exit:E=2:k=3")
+               for b in (1, 3))
     records = payload["records"]
     assert len(records) == 4 * 2 * 3  # prompts x batch sizes x methods, one repeat
     for r in records:
@@ -90,3 +93,21 @@ def test_a_bad_batch_size_is_refused_in_one_line(value, extra, message, tmp_path
     err = capsys.readouterr().err
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_batched_row_is_classified_from_its_own_verification(tiny_model_dir, four_prompts, tmp_path, monkeypatch):
+    """Each row's verification argmax comes back from the batched cycles: a row whose acceptance emits another token
+    than its verification chose is called an acceptance bug, whatever the margin."""
+    import infer.verify
+
+    accept = infer.verify.greedy_accept
+
+    def buggy(tree, tokens, argmax):
+        path, bonus = accept(tree, tokens, argmax)
+        return path, (bonus + 1) % 256 if len(tokens) > 1 else bonus
+    monkeypatch.setattr(infer.verify, "greedy_accept", buggy)
+    assert bench(tiny_model_dir, four_prompts, tmp_path / "out", "--batch-size", "3", "--peers", "none") == 1
+    records = json.loads((tmp_path / "out" / "results.json").read_text())["records"]
+    wrong = [r for r in records if r["exact"] is False]
+    assert wrong and all(r["method"].startswith("early_exit") and r["batch_size"] == 3 for r in wrong)
+    assert all("acceptance bug" in r["divergence"]["reason"] for r in wrong)
