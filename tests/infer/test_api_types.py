@@ -72,8 +72,9 @@ def tiny_loaded(tiny_model_dir):
 
 
 @pytest.mark.parametrize("call,message", [
-    (lambda m: m.generate(123), "prompt must be text (a str), not int"),
-    (lambda m: m.generate(["a"]), "prompt must be text (a str), not list"),
+    (lambda m: m.generate(123), "prompt must be text (a str) or a non-empty list of texts, not int"),
+    (lambda m: m.generate([]), "prompt must be text (a str) or a non-empty list of texts, not list"),
+    (lambda m: m.generate(["a", 1]), "must be text"),
     (lambda m: m.generate("hi", {"max_new_tokens": 3}), "drafter must be a drafter name"),
     (lambda m: m.generate("hi", DecodeConfig(max_new_tokens=3)), "drafter must be a drafter name"),
     (lambda m: m.generate("hi", "autoregressive", "fast"), "config must be a DecodeConfig"),
