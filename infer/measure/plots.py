@@ -68,12 +68,7 @@ def speedup_bars(rows, path: Path) -> Path | None:
         ax.set_title(model)
     axes[0][0].set_ylabel("speed-up vs our autoregressive")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colours[m]) for m in methods]
-    fig.legend(handles, methods, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
-    fig.suptitle("Measured speed-up per task")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return _save_with_legend(fig, handles, methods, "Measured speed-up per task", path)
 
 
 def exit_quality(evals: dict[str, dict], path: Path) -> Path:
@@ -222,11 +217,16 @@ def tokens_per_second_by_batch(rows, path: Path) -> Path | None:
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("total tokens/s (all rows)")
     handles = [plt.Line2D([0], [0], color=colours[m], marker="o") for m in methods]
-    fig.legend(handles, methods, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
-    fig.suptitle("Batched decoding: throughput vs batch size")
+    return _save_with_legend(fig, handles, methods, "Batched decoding: throughput vs batch size", path)
+
+
+def _save_with_legend(fig, handles, labels: list[str], title: str, path: Path) -> Path:
+    """One legend to the right of every panel, the title, and the figure saved to ``path`` (and closed)."""
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    _plt().close(fig)
     return path
 
 
