@@ -207,6 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     page += _bench_section(args.runs / "sweep", "Early-exit E x k sweep", img, old, "sweep")
     page += _swift_stream(args.runs / "swift_stream", img, old)
     page += _exit_eval(args.runs, img, old)
+    page += ["## LayerSkip that keeps the final layer (keep_final)\n", _notes(old, "keep_final")]
     page += _verify_cost(args.runs / "verify_cost.json", old)
     page += _bench_section(args.runs / "draft_vocab", "Reduced draft vocabulary: cost and acceptance, base and "
                            "trained", img, old, "draft_vocab")

@@ -223,6 +223,20 @@ class EarlyExitConfig:
 
 
 @dataclass
+class KeepFinalConfig:
+    """Bound the final layer's drift from the model the run started from, while the early exits learn."""
+
+    kl_weight: float = 0.0
+    """Weight of KL(start || final layer) in the loss, beside the exits' normalised weights (which sum to 1):
+    on every training token the final layer's next-token distribution is distilled toward that of the model
+    as it was loaded (a frozen copy; with LoRA the base with its adapters disabled, no copy). The term is 0
+    while the model equals its start. 0 = off."""
+
+    def __post_init__(self) -> None:
+        _check(self.kl_weight >= 0, f"keep_final.kl_weight must be >= 0 (got {self.kl_weight})")
+
+
+@dataclass
 class LoraConfig:
     """Low-rank adapters (peft). Merged into the weights when the final checkpoint is saved."""
 
@@ -321,6 +335,8 @@ class TrainConfig:
     """LayerSkip's depth-scaled layer dropout."""
     early_exit: EarlyExitConfig = field(default_factory=EarlyExitConfig)
     """LayerSkip's early-exit loss."""
+    keep_final: KeepFinalConfig = field(default_factory=KeepFinalConfig)
+    """Distillation of the final layer toward the starting model (bounds its drift)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Low-rank adapters instead of full finetuning."""
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
@@ -341,6 +357,8 @@ class TrainConfig:
         if self.adapter.enabled:
             _check(not self.lora.enabled and self.layer_dropout.p_max == 0 and not self.early_exit.exits,
                    "adapter.enabled trains an adapter on the frozen model: turn lora, layer_dropout and early_exit off")
+            _check(self.keep_final.kl_weight == 0,
+                   "keep_final.kl_weight: adapter.enabled never changes the model's final layer; set it to 0")
         if self.lora.enabled:
             _check(self.model.dtype == "fp32" or self.optim.mixed_precision != "no",
                    "LoRA on bf16/fp16 weights needs optim.mixed_precision (keep model.dtype: fp32 otherwise)")

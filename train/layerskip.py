@@ -118,6 +118,9 @@ def check_zero_stage(cfg: TrainConfig, zero_stage: int | None) -> None:
         return
     if cfg.lora.enabled:
         raise UserError("LoRA with DeepSpeed ZeRO-3 is not supported (merging needs whole weights); use ZeRO-2")
+    if cfg.keep_final.kl_weight > 0:
+        raise UserError("keep_final.kl_weight is not supported with DeepSpeed ZeRO-3 (its frozen copy of the start "
+                        "and the fused head loss need whole weights); use ZeRO-2 or set keep_final.kl_weight=0")
     if cfg.layer_dropout.p_max > 0:
         raise UserError(f"layer dropout (layer_dropout.p_max={cfg.layer_dropout.p_max}) is not supported with "
                         "DeepSpeed ZeRO-3 (it partitions parameters and gathers them only for layers that run); "
@@ -261,7 +264,7 @@ def set_up(cfg: TrainConfig, accelerator) -> Session:
         model = AdapterLM(hf_model.to(accelerator.device), cfg.adapter)
     else:
         model = LayerSkipLM(hf_model, cfg.layer_dropout, cfg.early_exit, cfg.optim.max_steps, cfg.seed,
-                            cfg.model.gradient_checkpointing)  # stays reachable inside the DDP/DeepSpeed wrapper
+                            cfg.model.gradient_checkpointing, cfg.keep_final)  # reachable inside the DDP wrapper
     optimizer = make_optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
     wrapped, optimizer = accelerator.prepare(model, optimizer)

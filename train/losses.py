@@ -62,11 +62,15 @@ def _compute_dtype(x: Tensor, weight: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, weight.dtype)
 
 
-def _chunk_ce_and_grad(x: Tensor, weight: Tensor, targets: Tensor, scale: Tensor | None,
-                       cdtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
-    """Sum of CE over one chunk and, when ``scale`` is given, ``scale * d CE_sum / d logits``.
+def _chunk_ce_and_grad(x: Tensor, weight: Tensor, targets: Tensor, scale: Tensor | None, cdtype: torch.dtype,
+                       teacher: tuple[Tensor, Tensor] | None = None,
+                       kl_scale: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Sums of CE and of KL(teacher || model) over one chunk and, when ``scale`` is given, their gradient
+    ``scale * d CE_sum / d logits + kl_scale * d KL_sum / d logits``.
 
-    x (n, d) normed hidden; weight (V, d) already in ``cdtype``; targets (n,) with -100 for ignored rows.
+    x (n, d) normed hidden; weight (V, d) already in ``cdtype``; targets (n,) with -100 for ignored rows;
+    ``teacher`` (x_t (n, d) its normed hidden, w_t (V, d) its head in ``cdtype``) or None (KL sum None then).
+    Ignored rows count in neither sum.
     """
     logits = (x.to(cdtype) @ weight.t()).float()  # (n, V)
     valid = targets != IGNORE  # (n,)
@@ -74,12 +78,21 @@ def _chunk_ce_and_grad(x: Tensor, weight: Tensor, targets: Tensor, scale: Tensor
     lse = torch.logsumexp(logits, dim=-1)  # (n,)
     picked = logits.gather(1, safe).squeeze(1)  # (n,)
     ce_sum = ((lse - picked) * valid).sum()  # ()
+    kl_sum = t_prob = None
+    if teacher is not None:
+        t_logp = torch.log_softmax((teacher[0].to(cdtype) @ teacher[1].t()).float(), dim=-1)  # (n, V)
+        t_prob = t_logp.exp()  # (n, V)
+        kl_rows = (t_prob * (t_logp - logits + lse.unsqueeze(1))).sum(-1)  # (n,)
+        kl_sum = (kl_rows * valid).sum()  # ()
     if scale is None:
-        return ce_sum, None
+        return ce_sum, kl_sum, None
     grad = logits.sub_(lse.unsqueeze(1)).exp_()  # (n, V): softmax, in the logits' own buffer
+    kl_grad = None if t_prob is None else t_prob.neg_().add_(grad)  # (n, V): softmax - teacher's
     grad.scatter_add_(1, safe, torch.full_like(picked, -1.0).unsqueeze(1))  # (n, V): softmax - onehot
     grad.mul_((valid * scale).unsqueeze(1))  # (n, V): ignored rows get no gradient
-    return ce_sum, grad
+    if kl_grad is not None:
+        grad.add_(kl_grad.mul_((valid * kl_scale).unsqueeze(1)))  # (n, V)
+    return ce_sum, kl_sum, grad
 
 
 def _accumulate(acc: Tensor | None, gt: Tensor, xc: Tensor) -> Tensor:
@@ -96,51 +109,77 @@ def _accumulate(acc: Tensor | None, gt: Tensor, xc: Tensor) -> Tensor:
     return acc.add_(gt @ xc)  # (V, d) fp32 += (V, d) compute dtype
 
 
-class FusedHeadCE(torch.autograd.Function):
-    """total = sum_E w_E * mean CE(x_E @ W^T, targets_E), chunked over tokens, gradients kept from the forward.
+def _exit_pass(x: Tensor, w: Tensor, targets: Tensor, w_e: float, chunk: int, cdtype: torch.dtype,
+               need: tuple[bool, bool], grad_w: Tensor | None, teacher: tuple[Tensor, Tensor, float] | None,
+               ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """One exit over all its chunks: (mean CE, mean KL or None, d total / d x or None, head gradient so far).
 
-    ``apply(weight, chunk, exit_weights, targets_list, *xs)``: weight (V, d); each x (N, d) normed
-    hidden of one exit with its targets (N,) in ``targets_list``; ``exit_weights`` a tuple of floats.
-    Returns (total (), per-exit CE (n_exits,), detached).
+    x (N, d); w (V, d) in ``cdtype``; targets (N,); ``need`` = (any gradient, the head's gradient);
+    ``teacher`` = (x_t (N, d), w_t (V, d) in ``cdtype``, KL weight) or None.
+    """
+    need_grad, need_w = need
+    count = (targets != IGNORE).sum()  # () on the device: no host sync
+    scale = (w_e / count.float()) if need_grad else None  # ()
+    kl_scale = (teacher[2] / count.float()) if need_grad and teacher is not None else None  # ()
+    grad_x = torch.empty_like(x) if need_grad else None  # (N, d)
+    ce_sum = x.new_zeros((), dtype=torch.float32)
+    kl_sum = None if teacher is None else x.new_zeros((), dtype=torch.float32)
+    for s in range(0, x.shape[0], chunk):
+        xc, tc = x[s:s + chunk], targets[s:s + chunk]  # (n, d), (n,)
+        t = None if teacher is None else (teacher[0][s:s + chunk], teacher[1])  # (n, d), (V, d)
+        part, kl_part, grad = _chunk_ce_and_grad(xc, w, tc, scale, cdtype, t, kl_scale)
+        ce_sum = ce_sum + part
+        if kl_part is not None:
+            kl_sum = kl_sum + kl_part
+        if grad is not None:
+            g = grad.to(cdtype)  # (n, V)
+            grad_x[s:s + chunk] = (g @ w).to(x.dtype)  # (n, d)
+            if need_w:
+                grad_w = _accumulate(grad_w, g.t(), xc.to(cdtype))  # (V, d) fp32
+    return ce_sum / count, None if kl_sum is None else kl_sum / count, grad_x, grad_w
+
+
+class FusedHeadCE(torch.autograd.Function):
+    """total = sum_E w_E * mean CE(x_E @ W^T, targets_E) [+ k * mean KL(teacher || last exit)], chunked over
+    tokens, gradients kept from the forward.
+
+    ``apply(weight, chunk, exit_weights, targets_list, teacher, *xs)``: weight (V, d); each x (N, d) normed
+    hidden of one exit with its targets (N,) in ``targets_list``; ``exit_weights`` a tuple of floats;
+    ``teacher`` None or (x_t (N, d) the teacher's normed hidden, w_t (V, d) its head, k) for the last x.
+    Returns (total (), per-exit CE (n_exits,), mean KL () (0 without a teacher)), the last two detached.
     """
 
     @staticmethod
     def forward(ctx, weight: Tensor, chunk: int, exit_weights: tuple[float, ...], targets_list: tuple[Tensor, ...],
-                *xs: Tensor) -> tuple[Tensor, Tensor]:
+                teacher: tuple[Tensor, Tensor, float] | None, *xs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         need_w = ctx.needs_input_grad[0]
-        need_grad = need_w or any(ctx.needs_input_grad[4:])
+        need = (need_w or any(ctx.needs_input_grad[5:]), need_w)
         cdtype = _compute_dtype(xs[0], weight)
-        kind = xs[0].device.type
         grad_w = None  # (V, d) fp32, from the first chunk's product on (no zero fill)
         grad_xs, losses = [], []
-        with torch.autocast(kind, enabled=False):  # dtypes are chosen explicitly above
+        kl = xs[0].new_zeros((), dtype=torch.float32)
+        with torch.autocast(xs[0].device.type, enabled=False):  # dtypes are chosen explicitly above
             w = weight.to(cdtype)  # (V, d): cast once per forward, not per chunk
-            for w_e, x, targets in zip(exit_weights, xs, targets_list, strict=True):
-                count = (targets != IGNORE).sum()  # () on the device: no host sync
-                scale = (w_e / count.float()) if need_grad else None  # ()
-                grad_x = torch.empty_like(x) if need_grad else None  # (N, d)
-                ce_sum = x.new_zeros((), dtype=torch.float32)
-                for s in range(0, x.shape[0], chunk):
-                    xc, tc = x[s:s + chunk], targets[s:s + chunk]  # (n, d), (n,)
-                    part, grad = _chunk_ce_and_grad(xc, w, tc, scale, cdtype)
-                    ce_sum = ce_sum + part
-                    if grad is not None:
-                        g = grad.to(cdtype)  # (n, V)
-                        grad_x[s:s + chunk] = (g @ w).to(x.dtype)  # (n, d)
-                        if need_w:
-                            grad_w = _accumulate(grad_w, g.t(), xc.to(cdtype))  # (V, d) fp32
-                losses.append(ce_sum / count)
+            t = None if teacher is None else (teacher[0], teacher[1].to(cdtype), float(teacher[2]))
+            for i, (w_e, x, targets) in enumerate(zip(exit_weights, xs, targets_list, strict=True)):
+                last = i == len(xs) - 1
+                ce, kl_e, grad_x, grad_w = _exit_pass(x, w, targets, w_e, chunk, cdtype, need, grad_w,
+                                                      t if last else None)
+                kl = kl if kl_e is None else kl_e
+                losses.append(ce)
                 grad_xs.append(grad_x)
         per_exit = torch.stack(losses)  # (n_exits,)
         total = sum(w_e * loss for w_e, loss in zip(exit_weights, losses, strict=True))  # (): no host-to-device copy
-        ctx.mark_non_differentiable(per_exit)
+        if teacher is not None:
+            total = total + float(teacher[2]) * kl
+        ctx.mark_non_differentiable(per_exit, kl)
         ctx.save_for_backward(grad_w, *grad_xs)
         ctx.weight_dtype = weight.dtype
         ctx.done = False
-        return total, per_exit
+        return total, per_exit, kl
 
     @staticmethod
-    def backward(ctx, grad_total: Tensor, _grad_per_exit: Tensor):
+    def backward(ctx, grad_total: Tensor, _grad_per_exit: Tensor, _grad_kl: Tensor):
         if ctx.done:  # the kept gradients are scaled in place below: a second backward would be wrong
             raise RuntimeError("FusedHeadCE supports one backward pass per forward (no retain_graph)")
         ctx.done = True
@@ -148,15 +187,21 @@ class FusedHeadCE(torch.autograd.Function):
         g = grad_total.float()
         gw = grad_w.mul_(g).to(ctx.weight_dtype) if grad_w is not None else None  # (V, d)
         gxs = [gx.mul_(g.to(gx.dtype)) if gx is not None else None for gx in grad_xs]  # each (N, d)
-        return (gw, None, None, None, *gxs)
+        return (gw, None, None, None, None, *gxs)
 
 
 def fused_head_ce(head: nn.Linear, xs: list[Tensor], targets: list[Tensor], exit_weights: list[float],
-                  chunk: int) -> tuple[Tensor, Tensor]:
-    """Weighted total and per-exit CE of ``head`` over normed hidden states xs[i] (B, T, d) and targets (B, T)."""
+                  chunk: int, teacher: tuple[Tensor, Tensor, float] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Weighted total, per-exit CE and mean KL of ``head`` over normed hidden states xs[i] (B, T, d), targets (B, T).
+
+    ``teacher`` (x_t (B, T, d) normed hidden, w_t (V, d) head, weight k) adds k * KL(teacher || the last x's
+    distribution) to the total (mean over the tokens that have a target); without it the KL is 0.
+    """
     flat_x = [x.reshape(-1, x.shape[-1]) for x in xs]  # each (N, d)
     flat_t = tuple(t.reshape(-1) for t in targets)  # each (N,)
-    return FusedHeadCE.apply(head.weight, chunk, tuple(float(w) for w in exit_weights), flat_t, *flat_x)
+    if teacher is not None:
+        teacher = (teacher[0].reshape(-1, teacher[0].shape[-1]).detach(), teacher[1].detach(), float(teacher[2]))
+    return FusedHeadCE.apply(head.weight, chunk, tuple(float(w) for w in exit_weights), flat_t, teacher, *flat_x)
 
 
 def _chunk_ce_sum(norm: nn.Module, head: nn.Module, h: Tensor, targets: Tensor) -> Tensor:

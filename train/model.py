@@ -30,7 +30,7 @@ from layerskip_core.device import parse_dtype
 from layerskip_core.errors import UserError
 from layerskip_core.heldout import next_token_targets
 from layerskip_core.models import SUPPORTED_MODEL_TYPES, is_model_dir, resolve_model
-from train.config import EarlyExitConfig, LayerDropoutConfig
+from train.config import EarlyExitConfig, KeepFinalConfig, LayerDropoutConfig
 from train.losses import checkpointed_head_ce, default_chunk, fused_head_ce, is_plain_head
 from train.schedules import check_exits, dropout_rates, exit_weights, sample_skips, skip_generator
 
@@ -62,12 +62,14 @@ class LayerSkipLM(nn.Module):
     """A HF causal LM trained with layer dropout and an early-exit loss.
 
     ``forward(input_ids, labels, step, micro)`` returns a dict with ``loss`` (the weighted sum of
-    exit losses), ``exit_losses`` ((n_exits,) detached CE per exit in ``exits_run`` order, final
-    last), and ``skipped`` ((L,) number of rows that skipped each layer).
+    exit losses, plus ``keep_final.kl_weight`` times the KL of the final layer from the starting model),
+    ``exit_losses`` ((n_exits,) detached CE per exit in ``exits_run`` order, final last), ``keep_final_kl``
+    (() detached mean KL, 0 when off or in eval mode) and ``skipped`` ((L,) number of rows that skipped each layer).
     """
 
     def __init__(self, model: nn.Module, dropout: LayerDropoutConfig, early_exit: EarlyExitConfig,
-                 max_steps: int, seed: int = 0, gradient_checkpointing: bool = False):
+                 max_steps: int, seed: int = 0, gradient_checkpointing: bool = False,
+                 keep_final: KeepFinalConfig | None = None):
         super().__init__()
         self.model = model  # the HF model (or peft wrapper): its state dict is the checkpoint's
         self.dropout_cfg = dropout
@@ -79,6 +81,12 @@ class LayerSkipLM(nn.Module):
         self.num_layers = len(parts.layers)
         self.exits = check_exits(early_exit, self.num_layers)
         dropout_rates(dropout, self.num_layers, 0, max_steps)  # validates layer_dropout.layers
+        self.kl_weight = keep_final.kl_weight if keep_final is not None else 0.0
+        self.start = None  # the frozen teacher: a plain attribute, never a submodule (not in any state dict)
+        if self.kl_weight > 0:
+            from train.keep_final import StartModel
+
+            self.start = StartModel(model, parts.lm_head)
 
     # -- schedules -------------------------------------------------------------------------
 
@@ -101,14 +109,16 @@ class LayerSkipLM(nn.Module):
         return run(h)
 
     def hidden_states(self, input_ids: Tensor, skip: Tensor | None = None, collect: set[int] = frozenset(),
-                      plan: DropoutPlan | None = None) -> tuple[dict[int, Tensor], Tensor]:
+                      plan: DropoutPlan | None = None,
+                      model: nn.Module | None = None) -> tuple[dict[int, Tensor], Tensor]:
         """Run the decoder; return ({E: hidden after E layers} for E in ``collect``, un-normed last hidden).
 
         ``skip`` is a (B, L) bool CPU tensor: row b skips layer l when ``skip[b, l]``. The rows of the
         returned states are in the batch's order; :meth:`forward` passes its own ``plan`` to keep them
-        in the plan's row order instead (and permutes the labels to match).
+        in the plan's row order instead (and permutes the labels to match). ``model``: another HF model of the
+        same shape to run instead of our own (the frozen start of ``keep_final``).
         """
-        parts = decoder_parts(self.model)
+        parts = decoder_parts(self.model if model is None else model)
         T = input_ids.shape[1]
         h = parts.embed(input_ids)  # (B, T, d)
         positions = torch.arange(T, device=h.device).unsqueeze(0)  # (1, T)
@@ -147,11 +157,13 @@ class LayerSkipLM(nn.Module):
         parts = decoder_parts(self.model)
         return parts.lm_head(parts.norm(h))
 
-    def exit_losses(self, hiddens: dict[int, Tensor], targets: dict[int, Tensor],
-                    weights: dict[int, float]) -> tuple[Tensor, Tensor]:
-        """(weighted total, per-exit CE in sorted exit order) without a full (B, T, V) logits tensor.
+    def exit_losses(self, hiddens: dict[int, Tensor], targets: dict[int, Tensor], weights: dict[int, float],
+                    teacher: tuple[Tensor, Tensor, float] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """(weighted total, per-exit CE in sorted exit order, mean KL) without a full (B, T, V) logits tensor.
 
-        ``hiddens[E]`` (B, T, d) un-normed, ``targets[E]`` (B, T) next-token targets in the same row order.
+        ``hiddens[E]`` (B, T, d) un-normed, ``targets[E]`` (B, T) next-token targets in the same row order;
+        ``teacher`` (normed hidden (B, T, d) in the final layer's row order, head (V, d), weight) adds the weighted
+        KL of the final layer from it (plain heads only: ``StartModel`` refuses others).
         """
         parts = decoder_parts(self.model)
         exits = sorted(weights)
@@ -159,10 +171,11 @@ class LayerSkipLM(nn.Module):
         chunk = self.exit_cfg.loss_chunk or default_chunk(parts.config.vocab_size, device)
         if is_plain_head(parts.lm_head):
             xs = [parts.norm(hiddens[e]) for e in exits]  # each (B, T, d)
-            return fused_head_ce(parts.lm_head, xs, [targets[e] for e in exits], [weights[e] for e in exits], chunk)
+            return fused_head_ce(parts.lm_head, xs, [targets[e] for e in exits], [weights[e] for e in exits], chunk,
+                                 teacher)
         ces = [checkpointed_head_ce(parts.norm, parts.lm_head, hiddens[e], targets[e], chunk) for e in exits]
         total = sum(weights[e] * ce for e, ce in zip(exits, ces, strict=True))
-        return total, torch.stack([ce.detach() for ce in ces])
+        return total, torch.stack([ce.detach() for ce in ces]), total.new_zeros(())
 
     def forward(self, input_ids: Tensor, labels: Tensor, step: int = 0, micro: int = 0) -> dict[str, Tensor]:
         B = input_ids.shape[0]
@@ -180,11 +193,15 @@ class LayerSkipLM(nn.Module):
         base_targets = next_token_targets(labels)  # (B, T)
         targets = {e: base_targets if plan is None else base_targets.index_select(0, plan.order_after(e))
                    for e in weights}  # the rows of each exit's hidden state are in the plan's order there
-        total, exit_losses = self.exit_losses(hiddens, targets, weights)
+        teacher = None
+        if self.start is not None and self.training:
+            x_t, w_t = self.start.final_normed(self, input_ids)  # (B, T, d) in the batch's row order, (V, d)
+            teacher = (x_t if plan is None else x_t.index_select(0, plan.order_after(L)), w_t, self.kl_weight)
+        total, exit_losses, kl = self.exit_losses(hiddens, targets, weights, teacher)
         loss = total if self.training else exit_losses[-1]  # eval: the final layer's loss
         skipped = skip.sum(0) if skip is not None else torch.zeros(L, dtype=torch.long)  # (L,)
         return {"loss": loss, "exit_losses": exit_losses.detach(), "exits": torch.tensor(sorted(weights)),
-                "skipped": skipped}
+                "skipped": skipped, "keep_final_kl": kl.detach()}
 
 
 def attention_masks(config, T: int, device: torch.device, dtype: torch.dtype) -> list[Tensor | None]:

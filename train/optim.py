@@ -49,6 +49,7 @@ class RunningStats:
         import torch
 
         self.loss = torch.zeros(())
+        self.kl = torch.zeros(())
         self.exit_sum: dict[int, object] = {}
         self.exit_n: dict[int, int] = {}
         self.skipped = torch.zeros(num_layers, dtype=torch.long)
@@ -58,6 +59,8 @@ class RunningStats:
 
     def add(self, out: dict, rows: int, tokens: int) -> None:
         self.loss = self.loss.to(out["loss"].device) + out["loss"].detach().float()  # stays on the device
+        if "keep_final_kl" in out:
+            self.kl = self.kl.to(out["keep_final_kl"].device) + out["keep_final_kl"].float()
         for j, e in enumerate(out["exits"].tolist()):  # "exits" and "skipped" are CPU tensors
             self.exit_sum[e] = self.exit_sum.get(e, 0.0) + out["exit_losses"][j]
             self.exit_n[e] = self.exit_n.get(e, 0) + 1
@@ -73,6 +76,7 @@ class RunningStats:
             "exit_loss": {str(e): float(s) / self.exit_n[e] for e, s in sorted(self.exit_sum.items())},
             "skip_rate": [round(float(s) / max(1, self.rows), 4) for s in self.skipped],
             "p_layer": [round(p, 4) for p in rates],
+            "keep_final_kl": float(self.kl) / max(1, self.micro),
             "grad_norm": None if self.grad_norm is None else float(self.grad_norm),
             "tokens_per_s": self.tokens * world / dt if dt > 0 else 0.0,
         }

@@ -146,7 +146,7 @@ def test_fused_and_checkpointed_ce_equal_full_logits(model, batch, chunk, padded
         h.grad = None
     model.zero_grad(set_to_none=True)
 
-    total, per_exit = fused_head_ce(model.lm_head, [model.model.norm(h) for h in hs], [targets, targets], w, chunk)
+    total, per_exit, _ = fused_head_ce(model.lm_head, [model.model.norm(h) for h in hs], [targets, targets], w, chunk)
     total.backward()
     got = [h.grad.clone() for h in hs] + [model.lm_head.weight.grad.clone(), model.model.norm.weight.grad.clone()]
     torch.testing.assert_close(total, ref, rtol=1e-5, atol=1e-5)
@@ -232,7 +232,7 @@ def test_fused_ce_under_bf16_autocast_matches_unfused(model, batch):
     h.grad = None
     model.zero_grad(set_to_none=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        total, _ = fused_head_ce(model.lm_head, [model.model.norm(h)], [targets], [1.0], 16)
+        total, _, _ = fused_head_ce(model.lm_head, [model.model.norm(h)], [targets], [1.0], 16)
     total.backward()
     assert total.dtype == torch.float32 and h.grad.dtype == torch.float32
     assert model.lm_head.weight.grad.dtype == torch.float32

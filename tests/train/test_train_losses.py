@@ -48,7 +48,7 @@ def _inputs(seed: int = 0):
 def test_bf16_forward_casts_the_head_once_and_keeps_one_fp32_head_sized_tensor(chunk):
     head, xs, targets = _inputs()
     with HeadSized() as seen, torch.autocast("cpu", dtype=torch.bfloat16):
-        total, _ = fused_head_ce(head, xs, targets, [0.4, 0.6], chunk)
+        total, _, _ = fused_head_ce(head, xs, targets, [0.4, 0.6], chunk)
     assert seen.casts == 1  # two exits x several chunks, one cast
     assert seen.fp32_new == 1  # the gradient accumulator; every later chunk is added in place
     total.backward()
@@ -67,7 +67,7 @@ def test_bf16_head_gradient_is_the_in_order_sum_of_upcast_chunk_products():
     head, xs, targets = _inputs(2)
     exit_weights, chunk = [0.4, 0.6], 16
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        total, _ = fused_head_ce(head, xs, targets, exit_weights, chunk)
+        total, _, _ = fused_head_ce(head, xs, targets, exit_weights, chunk)
     total.backward()
     w = head.weight.detach().to(torch.bfloat16)  # (V, D)
     want = torch.zeros(V, D)
@@ -75,6 +75,6 @@ def test_bf16_head_gradient_is_the_in_order_sum_of_upcast_chunk_products():
         scale = w_e / (t != IGNORE).sum().float()
         for s in range(0, N, chunk):
             xc = x.detach()[s:s + chunk]
-            _, grad = _chunk_ce_and_grad(xc, w, t[s:s + chunk], scale, torch.bfloat16)  # (n, V)
+            _, _, grad = _chunk_ce_and_grad(xc, w, t[s:s + chunk], scale, torch.bfloat16)  # (n, V)
             want += (grad.to(torch.bfloat16).t() @ xc.to(torch.bfloat16)).float()
     assert torch.equal(head.weight.grad, want)
