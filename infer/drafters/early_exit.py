@@ -129,16 +129,21 @@ class EarlyExitDrafter(Drafter):
     def propose(self, state: DecodeState) -> Draft | None:
         return self.propose_rows([(self, state)])[0]
 
+    def begin_cycle(self) -> bool:
+        """Start this cycle's clock (the adaptive gate weighs its time); whether this sequence drafts in it."""
+        if not self.config.adaptive:
+            return True
+        self._cycle_start = time.perf_counter()
+        return self.gate.mode != "plain"
+
     @classmethod
     def propose_rows(cls, rows: Sequence[tuple[EarlyExitDrafter, DecodeState]]) -> list[Draft | None]:
         """Each row's gate and adapter catch-up on its own, then the drafting rows' chains together (one packed
         draft forward per step, each chain with its own confidence stop)."""
         asks, drafting = [], []
         for j, (drafter, state) in enumerate(rows):
-            if drafter.config.adaptive:
-                drafter._cycle_start = time.perf_counter()
-                if drafter.gate.mode == "plain":
-                    continue
+            if not drafter.begin_cycle():
+                continue
             if drafter.adapter is not None:
                 drafter.forward.catch_up(state.cache, state.tokens, state.n)
             asks.append(ChainAsk(state, drafter.forward, drafter.config.num_draft, drafter.config.confidence))
