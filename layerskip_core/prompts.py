@@ -107,8 +107,11 @@ def _text_folder(path: Path, max_chars: int) -> list[PromptItem]:
 
 
 def load_prompts(source: str, n: int | None = None, from_end: bool = False,
-                 max_chars: int = 2000) -> list[PromptItem]:
-    """Load ``n`` items of a built-in set name, a jsonl file, or a folder of text files."""
+                 max_chars: int = 2000, skip_end: int = 0) -> list[PromptItem]:
+    """Load ``n`` items of a built-in set name, a jsonl file, or a folder of text files.
+
+    ``from_end`` takes the last ``n`` items (the held-out end); ``skip_end`` first leaves out the last ``skip_end``
+    items, so settings can be tuned on items ``[-(n + s), -s)`` and reported on the held-out ``[-s:]``."""
     if source in BUILTIN_SETS:
         items = _builtin(source)
     else:
@@ -120,6 +123,11 @@ def load_prompts(source: str, n: int | None = None, from_end: bool = False,
         else:
             raise UserError(f"unknown prompt source {source!r}: use {', '.join(BUILTIN_SETS)}, "
                             "a .jsonl file with a 'prompt' field per line, or a folder of text files")
+    if skip_end:
+        if skip_end < 0 or skip_end >= len(items):
+            raise UserError(f"{source} has {len(items)} items: cannot leave out the last {skip_end} "
+                            f"(use 0 <= skip < {len(items)})")
+        items = items[:-skip_end]
     if n is not None:
         items = items[-n:] if from_end else items[:n]
     return items

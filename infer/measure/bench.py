@@ -105,7 +105,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log: Callable[[Record], N
     from infer.measure.batched import run_batched_task
     from layerskip_core.models import resolve_model
 
-    tasks = {task_name(src): load_prompts(src, cfg.n, from_end=True) for src in cfg.data}
+    tasks = {task_name(src): load_prompts(src, cfg.n, from_end=True, skip_end=cfg.skip) for src in cfg.data}
     sources = [split_named(arg)[1] for arg in cfg.models]
     labels = cfg.labels
 

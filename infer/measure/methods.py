@@ -218,6 +218,9 @@ class BenchConfig:
     """Device, dtype, executor and threads every method (peers included) runs with, resolved by the caller."""
     n: int = 8
     """Prompts per task, taken from the end of each set (held out from training)."""
+    skip: int = 0
+    """Leave out the last ``skip`` prompts of each set first: tune on ``--skip N`` what is then reported on the
+    held-out end without it (0: the last ``n``)."""
     max_new_tokens: int = 128
     """Tokens generated per prompt."""
     repeats: int = 3

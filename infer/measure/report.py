@@ -395,8 +395,8 @@ def write_outputs(cfg: BenchConfig, records: list[Record], out_dir: Path, comman
     lines = ["# Benchmark results\n", f"`{command}`\n",
              f"Machine: {meta['gpu'] or meta['cpu']} ({meta['device']}); torch {meta['torch']}, transformers "
              f"{meta['transformers']}, {cfg.run.threads} thread(s), {meta['dtype']}; {meta['date']}. "
-             f"{cfg.n} prompts per task (held-out end of "
-             f"each set), {cfg.max_new_tokens} new tokens, median tokens/s of {cfg.repeats} repeats; "
+             f"{cfg.n} prompts per task ({_prompt_span(cfg)}), {cfg.max_new_tokens} new tokens, "
+             f"median tokens/s of {cfg.repeats} repeats; "
              f"{'greedy' if cfg.sampling.greedy else f'sampling T={cfg.sampling.temperature}'}.\n",
              "α = accepted/drafted, M = tokens per verification, k̄ = draft forwards per verification, "
              "c = draft forward cost / full forward cost, expected = M / (k̄·c + v). exact: greedy output equals "
@@ -444,3 +444,10 @@ def rebuild(out_dir: Path) -> list[Summary]:
     (out_dir / "results.md").write_text(head + f"`{header.get('command')}`\n" + quality_table(quality, rows, labels)
                                         + markdown_table(rows))
     return rows
+
+
+def _prompt_span(cfg) -> str:
+    """Which prompts of each set a run timed: the held-out end, or the tuning span before it (``--skip``)."""
+    if not cfg.skip:
+        return "held-out end of each set"
+    return f"the {cfg.n} before each set's last {cfg.skip}: a tuning span, not the held-out end"

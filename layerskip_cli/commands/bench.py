@@ -46,6 +46,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--data", default="humaneval,gsm8k", help="comma-separated prompt sources: humaneval, gsm8k, "
                    "a .jsonl file with 'prompt' fields, or a folder of text files")
     p.add_argument("--n", type=int, default=8, help="prompts per task (from the end of each set: held out)")
+    p.add_argument("--skip", type=int, default=0, help="leave out the last SKIP prompts of each set first: choose "
+                   "settings (e.g. --sweep) with --skip N, then report them on the held-out last N without it")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
     p.add_argument("--batch-size", default=None, help="batched bench: decode each task's prompts B at a time, for "
@@ -110,7 +112,7 @@ def config_from_args(args: argparse.Namespace):
             methods += [m for m in parse_methods("", ",".join(f"hf_early_exit:E={e}" for e in args.exits))
                         if m.is_peer and m.label not in known]
     return BenchConfig(models=args.models or ["default"], methods=methods,
-                       data=[d.strip() for d in args.data.split(",") if d.strip()], n=args.n,
+                       data=[d.strip() for d in args.data.split(",") if d.strip()], n=args.n, skip=args.skip,
                        max_new_tokens=args.max_new_tokens, repeats=args.repeats, run=run, sampling=sampling,
                        chat=args.chat, stop_at_eos=args.stop_at_eos, start=args.start,
                        quality=QualityConfig(args.quality_data, args.quality_blocks, base=args.base),

@@ -50,3 +50,14 @@ def test_utf8_bom_and_crlf_are_accepted(tmp_path):
     path = tmp_path / "f.jsonl"
     path.write_bytes(b'\xef\xbb\xbf{"prompt": "caf\xc3\xa9"}\r\n\r\n{"prompt": "b"}\r\n')
     assert [item.prompt for item in read_prompts_file(path)] == ["café", "b"]
+
+
+def test_skip_leaves_out_the_held_out_end_for_tuning():
+    """--skip S: the n prompts before the last S (a tuning span), disjoint from the held-out last S."""
+    every = load_prompts("humaneval")
+    held_out = load_prompts("humaneval", 4, from_end=True)
+    tuning = load_prompts("humaneval", 4, from_end=True, skip_end=4)
+    assert held_out == every[-4:] and tuning == every[-8:-4]
+    assert not {p.prompt for p in tuning} & {p.prompt for p in held_out}
+    with pytest.raises(UserError, match="cannot leave out the last"):
+        load_prompts("humaneval", 4, from_end=True, skip_end=len(every))

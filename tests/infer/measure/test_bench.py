@@ -288,3 +288,20 @@ def test_bench_calls_an_emitted_token_its_verification_did_not_choose_an_accepta
     wrong = [r for r in json.loads((out / "results.json").read_text())["records"]
              if r["method"].startswith("early_exit") and r["exact"] is False]
     assert wrong and all("acceptance bug" in r["divergence"]["reason"] for r in wrong)
+
+
+def test_bench_skip_times_the_span_before_the_held_out_end(tiny_model_dir, tmp_path):
+    """--skip 2 times the 2 prompts before the last 2 (to tune settings there) and says so; without it, the last 2."""
+    prompts = tmp_path / "four.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"def f{i}(x):"}) + "\n" for i in range(4)))
+    ids = {}
+    for skip in ("0", "2"):
+        out = tmp_path / f"skip{skip}"
+        assert main(["bench", "--model", str(tiny_model_dir), "--drafters", "autoregressive", "--peers", "none",
+                     "--data", str(prompts), "--n", "2", "--skip", skip, "--max-new-tokens", "4", "--repeats", "1",
+                     "--quality-data", "none", "--out", str(out), "--quiet"]) == 0
+        records = json.loads((out / "results.json").read_text())["records"]
+        ids[skip] = {r["prompt_id"] for r in records}
+        md = (out / "results.md").read_text()
+        assert ("a tuning span, not the held-out end" in md) == (skip == "2")
+    assert ids == {"0": {"p2", "p3"}, "2": {"p0", "p1"}}
