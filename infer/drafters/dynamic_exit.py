@@ -5,10 +5,12 @@ Decoding", Entezari Zarch et al., COLM 2025; docs/DYNAMIC_EXIT.md says where thi
 Every few cycles (``observe_every``) the verification forward is split at the candidate exits
 (``Drafter.observe_layers``), so it hands back the residual stream entering each of them at every verified
 position; the draft head scores those rows in one call and each exit's top token is compared with the token the
-target emitted there (its "shadow" draft). Discounted hit counts give each exit's per-token acceptance alpha_e.
-A cost model prices a draft forward at exit e (e of the L layers plus the draft head, as a fraction of a plain
-step's parameters read) and a verification of T rows (1 + slope (T - 1) plain steps); the (E, k) with the most
-expected tokens per unit of cost drafts next, or a plain step when none is predicted to beat plain decoding. The
+target emitted there (its "shadow" draft), and its probability with each candidate confidence stop. Discounted
+counts give, per exit and stop, how often a draft would be proposed and accepted and how such positions run on
+(``infer.drafters.exit_choice``). A cost model prices a draft forward at exit e (e of the L layers plus the draft
+head, as a fraction of a plain step's parameters read) and a verification of T rows (1 + slope (T - 1) plain
+steps); the (E, k, stop) with the most expected tokens per unit of cost drafts next, or a plain step when none is
+predicted to beat plain decoding. The
 ``--adaptive`` fallback gate (``infer.drafters.gate``) sits on top: it times plain steps and draft cycles and takes
 plain steps while measured drafting does not pay, so a cost model that is wrong for this machine costs little.
 
@@ -28,6 +30,7 @@ from torch import Tensor
 
 from infer.drafters.base import DecodeState, Draft, Drafter, DrafterStats, DraftInputs, DraftVocabOption, VerifyOutcome
 from infer.drafters.chain import EarlyExitForward, check_size, draft_chain
+from infer.drafters.exit_choice import Choice, RunEstimates, best_choice, parse_stops
 from infer.drafters.gate import COLD, FallbackGate, GateMemory, RememberOption
 from infer.drafters.inputs import draft_head
 from infer.kv_cache import ints_to_device
@@ -37,9 +40,8 @@ from layerskip_core.errors import UserError
 from layerskip_core.options import check_fields
 
 AUTO = "auto"
-PRIOR_HITS, PRIOR_MISSES = 0.25, 0.75
-"""Pseudo-counts every exit's acceptance estimate starts from (alpha 0.25 before anything is observed; light, so
-an exit accepted everywhere reaches alpha 0.98 with the default decay)."""
+EXPLORE_FLOOR = 0.85
+"""Predicted speed-up from which an exploration draft is worth its price (``explore_every``)."""
 MAX_SCHEDULE = 200
 """Most changes of choice a generation's stats list (``DynamicExitStats.schedule``)."""
 
@@ -54,8 +56,10 @@ class DynamicExitConfig(DraftVocabOption, RememberOption):
     3L/4."""
     num_draft: int = 8
     """k: most tokens drafted per verification (the cost model picks k in 1..this)."""
-    confidence: float = 0.0
-    """Stop drafting when the draft's top-1 probability falls below this (0 = draft the chosen k)."""
+    stops: str = AUTO
+    """Confidence stops chosen among per context: a chain stops at the first draft whose top-1 probability is under
+    the stop ('/'-separated thresholds in [0, 1), 0 = draft all k; one value: always that stop); auto = 0/0.5/0.7/0.9.
+    """
     verify_slope: float = 0.13
     """Cost of each verified row beyond the first, in plain steps (0.13: verifying 8 rows cost 1.93 steps on a 2-core
     CPU with the 135M default model; on an H200 in bf16, 2-32 rows cost 1.16-1.26 steps: docs/RESULTS.md)."""
@@ -67,6 +71,10 @@ class DynamicExitConfig(DraftVocabOption, RememberOption):
     1 / (1 - decay) positions)."""
     observe_every: int = 2
     """Estimate every exit's acceptance on every this-many-th cycle's verified positions (1 = every cycle)."""
+    explore_every: int = 32
+    """While the cost model takes plain steps but predicts at least 0.85x for its best choice, draft that choice
+    once every this many cycles: how acceptance runs on (a good draft after a good one) is only seen in drafted
+    text (0 = never)."""
     adaptive: bool = True
     """Also time plain steps and draft cycles (the fallback gate of early_exit --adaptive) and take plain steps
     while measured drafting does not beat them; off: the cost model alone decides."""
@@ -79,8 +87,12 @@ class DynamicExitConfig(DraftVocabOption, RememberOption):
         RememberOption.__post_init__(self)
         check_size(self.num_draft, "num-draft")
         parse_exits(self.exits)
-        if not 0.0 <= self.confidence < 1.0:
-            raise UserError(f"confidence must be in [0, 1), got {self.confidence}")
+        try:
+            parse_stops(self.stops)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        if self.explore_every < 0:
+            raise UserError(f"explore-every must be >= 0 cycles (0 = never), got {self.explore_every}")
         if not 0.0 <= self.verify_slope <= 10.0:
             raise UserError(f"verify-slope must be in [0, 10] (plain steps per extra verified row), "
                             f"got {self.verify_slope}")
@@ -144,48 +156,6 @@ def exit_prices(spec, exits: list[int], draft_rows: int) -> dict[int, float]:
     return {e: (e * layer + draft_rows * d) / step for e in exits}
 
 
-@dataclass(frozen=True)
-class Choice:
-    """What to draft next and what the cost model expects of it."""
-
-    exit: int
-    """E to draft from."""
-    k: int
-    """Tokens to draft."""
-    speedup: float
-    """Predicted tokens per plain-step cost (1.0 = plain decoding's)."""
-
-
-def best_choice(alpha: dict[int, float], prices: dict[int, float], max_k: int, slope: float) -> Choice:
-    """The (E, k) with the most expected tokens per cost: a chain of k drafts each accepted with probability
-    alpha_E (independently) yields (1 - a^(k+1)) / (1 - a) tokens and costs k c_E + 1 + slope k plain steps."""
-    best = None
-    for e, a in alpha.items():
-        a = min(a, 0.999)
-        for k in range(1, max_k + 1):
-            speedup = (1 - a ** (k + 1)) / (1 - a) / (k * prices[e] + 1 + slope * k)
-            if best is None or speedup > best.speedup:
-                best = Choice(e, k, speedup)
-    return best
-
-
-class AcceptanceEstimates:
-    """Per exit: discounted counts of observed positions and of those where the exit's top token was the target's."""
-
-    def __init__(self, exits: list[int], decay: float):
-        self.decay = decay
-        self.hits = dict.fromkeys(exits, 0.0)
-        self.seen = dict.fromkeys(exits, 0.0)
-
-    def add(self, exit: int, hits: list[bool]) -> None:
-        for hit in hits:
-            self.hits[exit] = self.decay * self.hits[exit] + float(hit)
-            self.seen[exit] = self.decay * self.seen[exit] + 1.0
-
-    def alpha(self) -> dict[int, float]:
-        return {e: (self.hits[e] + PRIOR_HITS) / (self.seen[e] + PRIOR_HITS + PRIOR_MISSES) for e in self.hits}
-
-
 class ObservingForward(EarlyExitForward):
     """Early exit at E that also keeps the stream entering each observed layer below E (one row per call)."""
 
@@ -232,15 +202,19 @@ class DynamicExitStats(DrafterStats):
     exits: list[int] = field(default_factory=list)
     """The candidate exits."""
     acceptance: list[float] = field(default_factory=list)
-    """Estimated per-token acceptance of each candidate exit at the end (the order of ``exits``)."""
+    """Estimated per-token acceptance of each candidate exit without a stop, at the end (the order of ``exits``)."""
     drafted_cycles: list[int] = field(default_factory=list)
     """Cycles drafted from each candidate exit (the order of ``exits``)."""
-    schedule: list[list[int]] = field(default_factory=list)
-    """[cycle, E, k] each time the choice changed (E = k = 0: plain steps), the first ``MAX_SCHEDULE``."""
+    stops: list[float] = field(default_factory=list)
+    """The candidate confidence stops."""
+    schedule: list[list[float]] = field(default_factory=list)
+    """[cycle, E, k, stop] each time the choice changed (E = k = 0: plain steps), the first ``MAX_SCHEDULE``."""
     observed_rows: int = 0
     """Verified positions whose stream was scored at every candidate exit for the estimates."""
     observe_seconds: float = 0.0
     """Time spent scoring them (inside the update time; the split forwards themselves cost no extra layers)."""
+    explored_cycles: int = 0
+    """Cycles drafted to explore while the cost model predicted under ``min_speedup`` (``explore_every``)."""
     draft_vocab: int | None = None
     """Size of the reduced draft vocabulary (None: the full head)."""
     mode: str | None = None
@@ -265,7 +239,7 @@ class DynamicExitDrafter(Drafter):
         rows = runner.spec.vocab_size if self.vocab is None else self.vocab.size
         self.prices = exit_prices(runner.spec, self.exits, rows)
         self.forwards_at = {e: EarlyExitForward(runner, e, self.vocab) for e in self.exits}
-        self.estimates = AcceptanceEstimates(self.exits, config.decay)
+        self.estimates = RunEstimates(self.exits, parse_stops(config.stops), config.decay)
         self.gate = FallbackGate(config.recheck_interval, enabled=config.adaptive)
         self.memory = GateMemory.for_drafter(runner, self.name, config) if config.adaptive else None
         if self.memory is not None:
@@ -278,10 +252,11 @@ class DynamicExitDrafter(Drafter):
         self._reset_counts()
 
     def _reset_counts(self) -> None:
-        self.forwards = self.plain_steps = self.cycle = self.observed_rows = 0
+        self.forwards = self.plain_steps = self.cycle = self.observed_rows = self.explored = 0
+        self._since_draft = 0
         self.observe_seconds = 0.0
         self.drafted_at = dict.fromkeys(self.exits, 0)
-        self.schedule: list[list[int]] = []
+        self.schedule: list[list[float]] = []
         self._cycle_start: float | None = None
         self._forward: ObservingForward | None = None
 
@@ -290,7 +265,7 @@ class DynamicExitDrafter(Drafter):
         return self.config.num_draft + 1
 
     def _best(self) -> Choice:
-        return best_choice(self.estimates.alpha(), self.prices, self.config.num_draft, self.config.verify_slope)
+        return best_choice(self.estimates, self.prices, self.config.num_draft, self.config.verify_slope)
 
     def start(self, state: DecodeState) -> None:
         self._reset_counts()
@@ -301,29 +276,41 @@ class DynamicExitDrafter(Drafter):
         observe = self.cycle % self.config.observe_every == 0
         self.observe_layers = tuple(self.exits) if observe else ()
         c = self.choice
-        if self.gate.mode == "plain" or c.speedup < self.config.min_speedup:
+        if self.gate.mode == "plain" or not self._drafts(c):
             return self._plain()
         self._forward = ObservingForward(self.runner, c.exit, self.exits, self.vocab) \
             if observe and c.exit > self.exits[0] else None
-        chain = draft_chain(state, self._forward or self.forwards_at[c.exit], c.k, self.config.confidence)
+        chain = draft_chain(state, self._forward or self.forwards_at[c.exit], c.k, c.stop)
         self.forwards += chain.forwards
         if not chain.forwards:
             return self._plain()
         if self._forward is not None:
             chain.draft.observed = self._forward.observed()
-        self._note(c.exit, c.k)
+        self._note(c.exit, c.k, c.stop)
         self.drafted_at[c.exit] += 1
+        self._since_draft = 0
         return chain.draft
+
+    def _drafts(self, c: Choice) -> bool:
+        """Whether this cycle drafts ``c``: the cost model predicts a gain, or it is nearly even and the last draft
+        was ``explore_every`` cycles ago (an exploration, so that runs of good drafts can be seen at all)."""
+        if c.speedup >= self.config.min_speedup:
+            return True
+        explore = self.config.explore_every and c.speedup >= EXPLORE_FLOOR \
+            and self._since_draft >= self.config.explore_every
+        self.explored += bool(explore)
+        return bool(explore)
 
     def _plain(self) -> None:
         self.plain_steps += 1
-        self._note(0, 0)
+        self._since_draft += 1
+        self._note(0, 0, 0.0)
         return None
 
-    def _note(self, exit: int, k: int) -> None:
+    def _note(self, exit: int, k: int, stop: float) -> None:
         last = self.schedule[-1][1:] if self.schedule else None
-        if last != [exit, k] and len(self.schedule) < MAX_SCHEDULE:
-            self.schedule.append([self.cycle, exit, k])
+        if last != [exit, k, stop] and len(self.schedule) < MAX_SCHEDULE:
+            self.schedule.append([self.cycle, exit, k, stop])
 
     def update(self, state: DecodeState, outcome: VerifyOutcome) -> None:
         if outcome.observed:
@@ -336,18 +323,19 @@ class DynamicExitDrafter(Drafter):
 
     def _learn(self, outcome: VerifyOutcome) -> None:
         """Score the verified path's rows at every observed exit with the draft head, in one call, and count where
-        each exit's top token is the token the target emitted after that position."""
+        each exit's top token is the token the target emitted after that position, with its probability."""
         t0 = time.perf_counter()
         exits = [e for e in self.exits if e in outcome.observed]
         if not exits:
             return
         path, P = outcome.path, len(outcome.path)
         rows = torch.cat([outcome.observed[e][path] for e in exits])  # (n_exits P, d)
-        shadow = self.runner.logits(rows, self.vocab).argmax(-1).view(len(exits), P)  # (n_exits, P)
+        probs, shadow = self.runner.logits(rows, self.vocab).float().softmax(-1).max(-1)  # (n_exits P,) each
         target = ints_to_device(outcome.tokens, shadow.device)  # (P,): accepted drafts, then the bonus token
-        hits = (shadow == target[None]).tolist()  # the update's one host sync
-        for e, row in zip(exits, hits, strict=True):
-            self.estimates.add(e, row)
+        hits = shadow.view(len(exits), P) == target[None]  # (n_exits, P)
+        host = torch.stack([probs.view(len(exits), P).double(), hits.double()]).tolist()  # the update's one sync
+        for e, p_row, hit_row in zip(exits, host[0], host[1], strict=True):
+            self.estimates.add(e, p_row, [h > 0.5 for h in hit_row])
         self.observed_rows += P
         self.observe_seconds += time.perf_counter() - t0
 
@@ -361,5 +349,6 @@ class DynamicExitDrafter(Drafter):
         return DynamicExitStats(
             self.forwards, COLD if self.memory is None else self.memory.start_state, self.plain_steps,
             list(self.exits), [round(alpha[e], 4) for e in self.exits], [self.drafted_at[e] for e in self.exits],
-            [list(s) for s in self.schedule], self.observed_rows, self.observe_seconds,
+            list(self.estimates.stops), [list(s) for s in self.schedule], self.observed_rows, self.observe_seconds,
+            self.explored,
             None if self.vocab is None else self.vocab.size, self.gate.mode if self.config.adaptive else None)

@@ -7,7 +7,8 @@ import yaml
 from lossless_stats import P_THRESHOLD, sampling_pvalue
 
 from infer.drafters import build_drafter, drafter_spec
-from infer.drafters.dynamic_exit import Choice, DynamicExitDrafter, best_choice, candidate_exits, exit_prices
+from infer.drafters.dynamic_exit import DynamicExitDrafter, candidate_exits, exit_prices
+from infer.drafters.exit_choice import Choice, RunEstimates, RunRates, best_choice, predicted_speedup
 from infer.drafters.registry import stats_from_dict
 from infer.engine import DecodeConfig, Engine
 from infer.runner import Runner
@@ -16,8 +17,9 @@ from layerskip_core.errors import UserError
 from tiny_models import make_model, save_tiny
 
 PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 250, 17], [42] * 12 + [7, 8]]
-FORCED = {"min_speedup": 0, "adaptive": False, "observe_every": 1}
-"""Options that make the cost model always draft its best (E, k) and observe every cycle."""
+FORCED = {"min_speedup": 0, "adaptive": False, "observe_every": 1, "stops": "0"}
+"""Options that make the cost model always draft its best (E, k), with no confidence stop, and observe every
+cycle."""
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +45,11 @@ def plain(runner, prompt, n=40):
 
 @pytest.mark.parametrize("exits", ["1", "2", "3", "4", "5", "1/3/5"])
 def test_greedy_output_is_plain_decoding_for_every_exit_it_can_pick(runner, exits):
-    for prompt, (k, confidence) in zip(PROMPTS, [(1, 0.0), (4, 0.0), (6, 0.3)], strict=True):
+    for prompt, (k, stops) in zip(PROMPTS, [(1, "0"), (4, "0/0.5"), (6, "0.3")], strict=True):
         ref = plain(runner, prompt).tokens
-        drafter = build_drafter("dynamic_exit", runner, FORCED | {"exits": exits, "k": k, "confidence": confidence})
+        drafter = build_drafter("dynamic_exit", runner, FORCED | {"exits": exits, "k": k, "stops": stops})
         res = Engine(runner, drafter).generate(prompt, DecodeConfig(max_new_tokens=40))
-        assert res.tokens == ref, (exits, k, confidence)
+        assert res.tokens == ref, (exits, k, stops)
         assert res.stats.drafter.draft_forwards > 0 and res.stats.drafter.observed_rows > 0
 
 
@@ -55,7 +57,7 @@ def test_observed_streams_are_the_models(runner):
     """What verification hands back at each observed layer (split forwards, draft rows for layers below the drafting
     exit) is the stream a plain forward over the same tokens computes entering that layer."""
     drafter = build_drafter("dynamic_exit", runner, FORCED | {"exits": "1/2/4/5", "k": 3})
-    drafter._best = lambda: Choice(4, 3, 9.0)  # draft from exit 4: the rows of layers 1-2 come from the drafts
+    drafter._best = lambda: Choice(4, 3, 0.0, 9.0)  # draft from exit 4: the rows of layers 1-2 come from the drafts
     drafter.choice = drafter._best()
     outcomes = []
     learn = drafter._learn
@@ -89,6 +91,18 @@ def test_choice_converges_to_the_exit_that_pays(scripted):
     assert res.stats.acceptance_rate > 0.9
 
 
+def test_exploration_drafts_now_and_then_when_nearly_even(scripted):
+    """With a bar the cost model never reaches (min_speedup 5), it still drafts its best choice every explore_every
+    plain cycles when that choice is predicted near even or better; 0 turns it off. Output stays plain decoding's."""
+    ref = plain(scripted, PROMPTS[2], 60).tokens
+    for every, explores in ((4, True), (0, False)):
+        options = FORCED | {"exits": "1/3", "k": 4, "min_speedup": 5, "explore_every": every}
+        res = Engine(scripted, build_drafter("dynamic_exit", scripted, options)).generate(
+            PROMPTS[2], DecodeConfig(max_new_tokens=60))
+        assert res.tokens == ref
+        assert (res.stats.drafter.explored_cycles > 0) == explores and (res.stats.drafted > 0) == explores
+
+
 def test_no_drafting_where_no_exit_pays(runner):
     """On the random tiny model no exit agrees with the last layer often enough: the cost model never drafts
     (with the gate on, it never even probes), and the output is plain decoding's."""
@@ -112,14 +126,52 @@ def test_sampling_stays_lossless():
     assert pvalue > P_THRESHOLD
 
 
+def _estimates(windows: dict[int, list[tuple[list[float], list[bool]]]], stops=(0.0,)) -> RunEstimates:
+    est = RunEstimates(sorted(windows), stops, 0.999)
+    for e, ws in windows.items():
+        for probs, hits in ws:
+            est.add(e, probs, hits)
+    return est
+
+
 def test_cost_model():
     spec = make_model("llama", seed=0, layers=6).config
     prices = exit_prices(Runner.from_model(make_model("llama", seed=0, layers=6)).spec, [1, 3, 5], 320)
     assert 0 < prices[1] < prices[3] < prices[5] < 1 and spec.num_hidden_layers == 6
-    low = best_choice({1: 0.05, 3: 0.1}, {1: 0.2, 3: 0.5}, 8, 0.13)
+    one = [1.0]
+    low = best_choice(_estimates({1: [(one, [i % 20 == 0]) for i in range(200)],
+                                  3: [(one, [i % 10 == 0]) for i in range(200)]}), {1: 0.2, 3: 0.5}, 8, 0.13)
     assert low.speedup < 1 and low.k == 1
-    high = best_choice({1: 0.1, 3: 0.95}, {1: 0.2, 3: 0.5}, 8, 0.13)
+    high = best_choice(_estimates({1: [(one, [i % 10 == 0]) for i in range(200)],
+                                   3: [(one, [i % 20 != 0]) for i in range(200)]}), {1: 0.2, 3: 0.5}, 8, 0.13)
     assert high.exit == 3 and high.k > 1 and high.speedup > 1
+    # independent drafts (no pairs yet): the closed form (1 - a^(k+1)) / (1 - a) / (k c + 1 + s k)
+    a, c, s = 0.7, 0.6, 0.13
+    for k in (1, 4):
+        assert predicted_speedup(RunRates(a, a, 1.0, 1.0), k, c, s) == pytest.approx(
+            (1 - a ** (k + 1)) / (1 - a) / (k * c + 1 + s * k))
+
+
+def test_runs_of_good_drafts_raise_the_prediction():
+    """Same share of good positions (0.5), in long runs or alternating: runs make longer drafts pay."""
+    runs = [[True] * 8 + [False] * 8 for _ in range(20)]
+    alternating = [[True, False] * 8 for _ in range(20)]
+    rates_runs = _estimates({3: [([1.0] * 16, h) for h in runs]}).rates(3, 0.0)
+    rates_alt = _estimates({3: [([1.0] * 16, h) for h in alternating]}).rates(3, 0.0)
+    assert rates_runs.good == pytest.approx(rates_alt.good, abs=0.02)
+    assert rates_runs.good_after_good > 0.8 > 0.1 > rates_alt.good_after_good
+    assert predicted_speedup(rates_runs, 6, 0.3, 0.1) > 1.3 * predicted_speedup(rates_alt, 6, 0.3, 0.1)
+
+
+def test_the_confidence_stop_is_chosen_where_confidence_tells_hits_from_misses():
+    """Confident positions (p 0.9) are hits, unconfident ones (p 0.2) misses: stopping at 0.5 drafts only the hits,
+    so (E, k, 0.5) beats drafting k blindly; where confidence says nothing, no stop is best."""
+    telling = [([0.9] * 6 + [0.2] * 2, [True] * 6 + [False] * 2) for _ in range(30)]
+    est = _estimates({3: telling}, stops=(0.0, 0.5))
+    choice = best_choice(est, {3: 0.4}, 8, 0.13)
+    assert choice.stop == 0.5 and choice.k >= 6 and choice.speedup > 1, choice
+    blind = [([0.2, 0.9] * 4, [True] * 6 + [False] * 2) for _ in range(30)]  # confidence unrelated to hits
+    assert best_choice(_estimates({3: blind}, stops=(0.0, 0.5)), {3: 0.4}, 8, 0.13).stop == 0.0
 
 
 def test_default_exits_are_the_trained_ones(tmp_path):
@@ -134,7 +186,8 @@ def test_stats_serialise(runner):
     drafter = build_drafter("dynamic_exit", runner, FORCED | {"exits": "2/4"})
     stats = Engine(runner, drafter).generate(PROMPTS[1], DecodeConfig(max_new_tokens=12)).stats
     assert stats_from_dict(stats.to_dict()["drafter"]) == stats.drafter
-    assert stats.drafter.schedule[0][1:] in ([2, drafter.choice.k], [4, drafter.choice.k]) or stats.drafter.schedule
+    assert stats.drafter.schedule and all(len(entry) == 4 for entry in stats.drafter.schedule)
+    assert stats.drafter.stops == [0.0] and stats.drafter.schedule[-1][1] in (2, 4)
 
 
 @pytest.mark.parametrize("options,message", [
@@ -147,7 +200,10 @@ def test_stats_serialise(runner):
     ({"min_speedup": "-1"}, "min-speedup must be in"),
     ({"verify_slope": "-0.1"}, "verify-slope must be in"),
     ({"k": "0"}, "num-draft must be between"),
-    ({"confidence": "1"}, "confidence must be in"),
+    ({"stops": "1"}, "stops must each be in [0, 1)"),
+    ({"stops": "0/x"}, "stops must be confidence thresholds"),
+    ({"explore_every": "-1"}, "explore-every must be >= 0"),
+    ({"confidence": "0.5"}, "does not apply to drafter 'dynamic_exit'"),
     ({"exit_layer": "3"}, "does not apply to drafter 'dynamic_exit'"),
 ])
 def test_bad_options_are_refused_in_one_line(runner, options, message):

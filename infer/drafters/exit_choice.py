@@ -1,0 +1,147 @@
+"""What the dynamic-exit drafter estimates and how it prices a draft: per candidate exit E and confidence stop t,
+how often a draft from E would be proposed and accepted, and how acceptance runs (a good position followed by a
+good one), from the positions verification has validated; and the speed-up over plain decoding a chain of k drafts
+from E stopped at t is expected to give.
+
+A position is *confident* at stop t when the exit's top token has probability >= t (t = 0: always), and *good* when
+it is confident and that token is the one the target emitted there: a draft chain from E with stop t proposes while
+positions are confident, and its proposals are accepted while they are good. Drafts are not independent (boiler-
+plate runs long, a hard span fails repeatedly), so each (E, t) keeps, besides the share of confident and good
+positions, how often a confident (good) position is followed by a confident (good) one: a two-state Markov chain of
+each. A chain of k drafts then yields
+
+    tokens(k) = 1 + p1 (1 + p + ... + p^(k-1))          p1 = P(good), p = P(good | previous good)
+    forwards(k) = 1 + q1 (1 + q + ... + q^(k-2))        q1 = P(confident), q = P(confident | previous confident)
+    proposed(k) = q1 (1 + q + ... + q^(k-1))
+
+and costs ``c_E forwards + 1 + slope proposed`` plain steps (a draft forward at E, and verifying 1 + proposed rows).
+Without pairs observed yet, p and q fall back to p1 and q1 (independent drafts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PRIOR_GOOD, PRIOR_SEEN = 0.25, 1.0
+"""Pseudo-counts every (exit, stop) starts from: P(good) 0.25 before anything is observed; light, so an exit
+accepted everywhere reaches 0.98 with the default decay."""
+PRIOR_PAIRS = 1.0
+"""Pseudo-pairs the run statistics start from, at the marginal (independent drafts until pairs are seen)."""
+AUTO_STOPS = (0.0, 0.5, 0.7, 0.9)
+"""Confidence stops chosen among per context by default (0: draft all k tokens)."""
+
+
+def parse_stops(text: str) -> tuple[float, ...]:
+    """``'auto'`` -> AUTO_STOPS; ``'0/0.7'`` -> (0.0, 0.7); each in [0, 1). ValueError says what is wrong."""
+    if text == "auto":
+        return AUTO_STOPS
+    try:
+        stops = tuple(sorted({float(p) for p in text.replace(",", "/").split("/")}))
+    except ValueError:
+        raise ValueError(f"stops must be confidence thresholds separated by '/' (e.g. 0/0.7) or 'auto', "
+                         f"got {text!r}") from None
+    if not all(0.0 <= s < 1.0 for s in stops):
+        raise ValueError(f"stops must each be in [0, 1) (0 = no stop), got {text!r}")
+    return stops
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What to draft next and what the cost model expects of it."""
+
+    exit: int
+    """E to draft from."""
+    k: int
+    """Most tokens to draft."""
+    stop: float
+    """Confidence stop of the chain (0: none)."""
+    speedup: float
+    """Predicted tokens per plain-step cost (1.0 = plain decoding's)."""
+
+
+@dataclass(frozen=True)
+class RunRates:
+    """One (exit, stop)'s estimated rates."""
+
+    good: float
+    """p1: share of positions whose draft would be proposed and accepted."""
+    good_after_good: float
+    """p: share of good positions following a good one."""
+    confident: float
+    """q1: share of positions whose draft would be proposed."""
+    confident_after_confident: float
+    """q: share of confident positions following a confident one."""
+
+
+class _Counts:
+    """Discounted counts of one (exit, stop): positions, confident, good, and consecutive pairs of them."""
+
+    __slots__ = ("seen", "conf", "good", "after_conf", "conf_conf", "after_good", "good_good")
+
+    def __init__(self) -> None:
+        for name in self.__slots__:
+            setattr(self, name, 0.0)
+
+    def add(self, conf: list[bool], good: list[bool], decay: float) -> None:
+        for i, (c, g) in enumerate(zip(conf, good, strict=True)):
+            self.seen, self.conf, self.good = decay * self.seen + 1, decay * self.conf + c, decay * self.good + g
+            if i:  # a pair with the previous position of the same window
+                self.after_conf = decay * self.after_conf + conf[i - 1]
+                self.conf_conf = decay * self.conf_conf + (conf[i - 1] and c)
+                self.after_good = decay * self.after_good + good[i - 1]
+                self.good_good = decay * self.good_good + (good[i - 1] and g)
+
+    def rates(self, stop: float) -> RunRates:
+        p1 = (self.good + PRIOR_GOOD) / (self.seen + PRIOR_SEEN)
+        q1 = 1.0 if stop == 0 else (self.conf + PRIOR_SEEN * 0.5) / (self.seen + PRIOR_SEEN)
+        p = (self.good_good + PRIOR_PAIRS * p1) / (self.after_good + PRIOR_PAIRS)
+        q = 1.0 if stop == 0 else (self.conf_conf + PRIOR_PAIRS * q1) / (self.after_conf + PRIOR_PAIRS)
+        return RunRates(p1, p, q1, q)
+
+
+class RunEstimates:
+    """Per candidate exit and confidence stop: the discounted counts behind ``RunRates``."""
+
+    def __init__(self, exits: list[int], stops: tuple[float, ...], decay: float):
+        self.exits, self.stops, self.decay = exits, stops, decay
+        self.counts = {(e, s): _Counts() for e in exits for s in stops}
+
+    def add(self, exit: int, probs: list[float], hits: list[bool]) -> None:
+        """One window of consecutive verified positions at ``exit``: its top token's probability and whether that
+        token was the target's, per position."""
+        for s in self.stops:
+            conf = [p >= s for p in probs]
+            self.counts[exit, s].add(conf, [c and h for c, h in zip(conf, hits, strict=True)], self.decay)
+
+    def rates(self, exit: int, stop: float) -> RunRates:
+        return self.counts[exit, stop].rates(stop)
+
+    def alpha(self) -> dict[int, float]:
+        """Each exit's per-token acceptance without a stop (P(good) at stop 0)."""
+        return {e: self.rates(e, 0.0).good if 0.0 in self.stops else self.rates(e, self.stops[0]).good
+                for e in self.exits}
+
+
+def _geometric(r: float, n: int) -> float:
+    """1 + r + ... + r^(n-1) (0 for n <= 0)."""
+    return sum(r ** i for i in range(max(n, 0)))
+
+
+def predicted_speedup(rates: RunRates, k: int, price: float, slope: float) -> float:
+    """Expected tokens per plain-step cost of a chain of at most k drafts (module docstring)."""
+    tokens = 1 + rates.good * _geometric(rates.good_after_good, k)
+    forwards = 1 + rates.confident * _geometric(rates.confident_after_confident, k - 1)
+    proposed = rates.confident * _geometric(rates.confident_after_confident, k)
+    return tokens / (price * forwards + 1 + slope * proposed)
+
+
+def best_choice(estimates: RunEstimates, prices: dict[int, float], max_k: int, slope: float) -> Choice:
+    """The (E, k, stop) with the most expected tokens per plain-step cost."""
+    best = None
+    for (e, s) in estimates.counts:
+        rates = estimates.rates(e, s)
+        for k in range(1, max_k + 1):
+            speedup = predicted_speedup(rates, k, prices[e], slope)
+            if best is None or speedup > best.speedup:
+                best = Choice(e, k, s, speedup)
+    return best
