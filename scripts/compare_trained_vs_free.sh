@@ -20,7 +20,8 @@
 #      batched decoding (B = 1, 4, 8) against transformers' batched generate at the same B
 #  11. a fresh drafter per prompt (SWIFT, adaptive early exit) on the long prompts from a cold cache, and on
 #      HumanEval/GSM8K
-# Knobs (environment): OUT, THREADS, N, TOKENS, REPEATS, TRIALS, TRAINED.
+#  12. dynamic exit vs the best fixed early exit (chosen on tuning prompts), held out, with verifier quality
+# Knobs (environment): OUT, THREADS, N, TOKENS, REPEATS, TRIALS, TRAINED, KEEPFINAL.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/compare}
@@ -93,4 +94,23 @@ step "$OUT/independent_long/independent.json" env LAYERSKIP_CACHE="$cold" \
   --repeats 2 --threads "$THREADS" --device cpu --out "$OUT/independent_long"
 step "$OUT/independent/independent.json" "$BIN/python" scripts/bench_independent.py --data humaneval,gsm8k --n 4 \
   --max-new-tokens 96 --repeats 3 --threads "$THREADS" --device cpu --out "$OUT/independent"
+# 12. the exit chosen per context (dynamic_exit) against the best fixed (E, k, confidence) early exit, the fixed
+#     setting chosen on tuning prompts (--skip 4: the 4 before the held-out 4), then both timed on the held-out 4
+#     beside plain decoding, SWIFT and transformers, each model's verifier quality in the same table; the
+#     keep_final checkpoint (recipes/cpu-demo-stdlib-keepfinal.yaml) in a run of its own when it exists
+FIXED_GRID="early_exit:E=24:k=4,early_exit:E=24:k=8:confidence=0.5,early_exit:E=24:k=8:confidence=0.7,early_exit:E=24:k=8:confidence=0.9,early_exit:E=24:k=4:confidence=0.7,early_exit:E=20:k=8:confidence=0.7,early_exit:E=16:k=8:confidence=0.7"
+step "$OUT/tune_fixed/results.json" "$BIN/layerskip" bench --model "trained=$TRAINED" \
+  --drafters "autoregressive,$FIXED_GRID" --peers none --data "$OUT/long_prompts.jsonl,humaneval" --n 4 --skip 4 \
+  --max-new-tokens 96 --repeats 1 --quality-data none --threads "$THREADS" --device cpu --quiet --out "$OUT/tune_fixed"
+BEST=$("$BIN/python" scripts/best_fixed.py "$OUT/tune_fixed/results.json")
+step "$OUT/dynamic_exit/results.json" "$BIN/layerskip" bench --model base=default --model "trained=$TRAINED" \
+  --drafters "autoregressive,$BEST,dynamic_exit,swift" --peers hf_generate --data "$OUT/long_prompts.jsonl,humaneval" \
+  --n 4 --max-new-tokens 96 --repeats 2 --threads "$THREADS" --device cpu --quiet --out "$OUT/dynamic_exit"
+KEEPFINAL=${KEEPFINAL:-runs/cpu-demo-keepfinal/final}
+if [ -e "$KEEPFINAL/config.json" ]; then
+  step "$OUT/keep_final_bench/results.json" "$BIN/layerskip" bench --model base=default \
+    --model "keepfinal=$KEEPFINAL" --drafters "autoregressive,$BEST,dynamic_exit" --peers none \
+    --data "$OUT/long_prompts.jsonl" --n 4 --max-new-tokens 96 --repeats 2 --threads "$THREADS" \
+    --device cpu --quiet --out "$OUT/keep_final_bench"
+fi
 run "$BIN/python" scripts/write_results.py --runs "$OUT" --out docs/RESULTS.md

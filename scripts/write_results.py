@@ -70,7 +70,7 @@ def _bench_section(run: Path, title: str, img_dir: Path, old: str, name: str) ->
            f"{meta.get('gpu') or meta['cpu']}, {meta.get('device', 'cpu')} {meta.get('dtype', 'fp32')}, "
            f"{meta['threads']} thread(s), torch {meta['torch']}, transformers {meta['transformers']}, "
            f"{meta['date']}, commit {meta.get('git') or 'not recorded'}; "
-           f"{payload['config']['n']} held-out prompts per task, "
+           f"{_span(payload['config'])} per task, "
            f"{payload['config']['max_new_tokens']} new tokens, median of {payload['config']['repeats']} repeat(s).\n",
            BATCH_NOTE if payload["config"].get("batch_sizes") else "",
            quality_table(payload.get("quality", {}), rows, labels), markdown_table(rows)]
@@ -86,6 +86,12 @@ def _bench_section(run: Path, title: str, img_dir: Path, old: str, name: str) ->
         out.append(f"![{png.stem}]({target.parent.name}/{target.name})\n")
     out.append(_notes(old, name))
     return out
+
+
+def _span(config: dict) -> str:
+    """The prompts a bench timed: the held-out end of each set, or (``--skip``) the tuning span before it."""
+    n, skip = config["n"], config.get("skip", 0)
+    return f"{n} held-out prompts" if not skip else f"{n} tuning prompts (before the last {skip}: not held out)"
 
 
 def _table(head: list[str], rows: list[list[str]], sep: str = "---") -> list[str]:
@@ -223,6 +229,12 @@ def main(argv: list[str] | None = None) -> None:
                          "independent_long")
     page += _independent(args.runs / "independent", "A fresh drafter per prompt, HumanEval and GSM8K", old,
                          "independent")
+    page += _bench_section(args.runs / "tune_fixed", "Choosing the fixed early exit on tuning prompts", img, old,
+                           "tune_fixed")
+    page += _bench_section(args.runs / "dynamic_exit", "Dynamic exit vs the best fixed early exit, held out, with the "
+                           "verifier's quality", img, old, "dynamic_exit")
+    page += _bench_section(args.runs / "keep_final_bench", "The keep_final checkpoint as a drafter", img, old,
+                           "keep_final_bench")
     page += ["## Where self-speculation pays: CPU vs GPU, untrained vs trained\n", _notes(old, "where_it_pays")]
     page += ["## Exit adapter on the frozen model (Kangaroo-style)\n", _notes(old, "exit_adapter")]
     gpu = GPU_SECTION.search(old)

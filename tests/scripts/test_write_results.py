@@ -79,3 +79,33 @@ def test_a_bench_section_shows_each_verifiers_quality_or_says_it_was_not_measure
             assert "gsm8k: 0 of 2 at 8 new tokens (0 for every model here: it does not tell them apart)" in text
         else:
             assert "| trained | not measured | not measured |" in text and "2.500" not in text
+
+
+def test_a_tuning_bench_is_called_tuning_and_its_best_fixed_setting_is_picked(tmp_path):
+    """A bench run with --skip is written as tuning prompts (not held out); scripts/best_fixed.py picks the early_exit
+    setting with the best geometric mean over tasks, and refuses a bench without one in one line."""
+    import json
+    from dataclasses import asdict
+
+    from infer.measure.report import Summary
+
+    speed = {("a", "early_exit:E=24:k=4"): 1.2, ("b", "early_exit:E=24:k=4"): 0.8,
+             ("a", "early_exit:E=24:k=8:confidence=0.7"): 1.1, ("b", "early_exit:E=24:k=8:confidence=0.7"): 1.0}
+    rows = [Summary("trained", task, method, 2, 16, 10.0, [10.0], ratio, None, None, None, None, None, None, None,
+                    None, 0) for (task, method), ratio in speed.items()]
+    payload = _bench_payload(None) | {"summary": [asdict(r) for r in rows]}
+    payload["config"]["skip"] = 4
+    runs = tmp_path / "runs"
+    (runs / "tune_fixed").mkdir(parents=True)
+    results = runs / "tune_fixed" / "results.json"
+    results.write_text(json.dumps(payload))
+    page = tmp_path / "page.md"
+    subprocess.run([sys.executable, str(SCRIPT), "--runs", str(runs), "--out", str(page)], check=True,
+                   capture_output=True)
+    assert "2 tuning prompts (before the last 4: not held out) per task" in page.read_text()
+    best = REPO / "scripts" / "best_fixed.py"
+    proc = subprocess.run([sys.executable, str(best), str(results)], capture_output=True, text=True, check=True)
+    assert proc.stdout == "early_exit:E=24:k=8:confidence=0.7\n"  # sqrt(1.1) > sqrt(0.96)
+    results.write_text(json.dumps(_bench_payload(None)))
+    proc = subprocess.run([sys.executable, str(best), str(results)], capture_output=True, text=True)
+    assert proc.returncode == 2 and "no early_exit rows" in proc.stderr and "Traceback" not in proc.stderr
