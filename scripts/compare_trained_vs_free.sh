@@ -100,7 +100,7 @@ step "$OUT/independent/independent.json" "$BIN/python" scripts/bench_independent
 #     keep_final checkpoint (recipes/cpu-demo-stdlib-keepfinal.yaml) in a run of its own when it exists
 FIXED_GRID="early_exit:E=24:k=4,early_exit:E=24:k=8:confidence=0.5,early_exit:E=24:k=8:confidence=0.7,early_exit:E=24:k=8:confidence=0.9,early_exit:E=24:k=4:confidence=0.7,early_exit:E=20:k=8:confidence=0.7,early_exit:E=16:k=8:confidence=0.7"
 step "$OUT/tune_fixed/results.json" "$BIN/layerskip" bench --model "trained=$TRAINED" \
-  --drafters "autoregressive,$FIXED_GRID" --peers none --data "$OUT/long_prompts.jsonl,humaneval" --n 4 --skip 4 \
+  --drafters "autoregressive,$FIXED_GRID,dynamic_exit" --peers none --data "$OUT/long_prompts.jsonl,humaneval" --n 4 --skip 4 \
   --max-new-tokens 96 --repeats 1 --quality-data none --threads "$THREADS" --device cpu --quiet --out "$OUT/tune_fixed"
 BEST=$("$BIN/python" scripts/best_fixed.py "$OUT/tune_fixed/results.json")
 step "$OUT/dynamic_exit/results.json" "$BIN/layerskip" bench --model base=default --model "trained=$TRAINED" \
