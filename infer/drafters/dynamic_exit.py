@@ -313,9 +313,9 @@ class DynamicExitDrafter(Drafter):
             self.schedule.append([self.cycle, exit, k, stop])
 
     def update(self, state: DecodeState, outcome: VerifyOutcome) -> None:
-        if outcome.observed:
+        if outcome.observed:  # the estimates change only here
             self._learn(outcome)
-        self.choice = self._best()
+            self.choice = self._best()
         if self._cycle_start is not None:
             seconds = time.perf_counter() - self._cycle_start
             self.gate.record(len(outcome.tokens), seconds, drafted=outcome.draft is not None)

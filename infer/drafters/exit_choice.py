@@ -136,12 +136,19 @@ def predicted_speedup(rates: RunRates, k: int, price: float, slope: float) -> fl
 
 
 def best_choice(estimates: RunEstimates, prices: dict[int, float], max_k: int, slope: float) -> Choice:
-    """The (E, k, stop) with the most expected tokens per plain-step cost."""
+    """The (E, k, stop) with the most expected tokens per plain-step cost (``predicted_speedup`` for every k, its
+    sums grown one term per k)."""
     best = None
     for (e, s) in estimates.counts:
-        rates = estimates.rates(e, s)
+        r = estimates.rates(e, s)
+        good = conf = 0.0  # 1 + p + ... + p^(k-1) and 1 + q + ... + q^(k-1)
+        conf_before = 0.0  # 1 + q + ... + q^(k-2)
         for k in range(1, max_k + 1):
-            speedup = predicted_speedup(rates, k, prices[e], slope)
+            conf_before = conf
+            good += r.good_after_good ** (k - 1)
+            conf += r.confident_after_confident ** (k - 1)
+            tokens = 1 + r.good * good
+            speedup = tokens / (prices[e] * (1 + r.confident * conf_before) + 1 + slope * r.confident * conf)
             if best is None or speedup > best.speedup:
                 best = Choice(e, k, s, speedup)
     return best
