@@ -96,7 +96,7 @@ step "$OUT/independent/independent.json" "$BIN/python" scripts/bench_independent
   --max-new-tokens 96 --repeats 3 --threads "$THREADS" --device cpu --out "$OUT/independent"
 # 12. the exit chosen per context (dynamic_exit) against the best fixed (E, k, confidence) early exit, the fixed
 #     setting chosen on tuning prompts (--skip 4: the 4 before the held-out 4), then both timed on the held-out 4
-#     beside plain decoding, SWIFT and transformers, each model's verifier quality in the same table; the
+#     beside plain decoding and transformers, each model's verifier quality in the same table; the
 #     keep_final checkpoint (recipes/cpu-demo-stdlib-keepfinal.yaml) in a run of its own when it exists
 FIXED_GRID="early_exit:E=24:k=4,early_exit:E=24:k=8:confidence=0.5,early_exit:E=24:k=8:confidence=0.7,early_exit:E=24:k=8:confidence=0.9,early_exit:E=24:k=4:confidence=0.7,early_exit:E=20:k=8:confidence=0.7,early_exit:E=16:k=8:confidence=0.7"
 step "$OUT/tune_fixed/results.json" "$BIN/layerskip" bench --model "trained=$TRAINED" \
@@ -104,7 +104,7 @@ step "$OUT/tune_fixed/results.json" "$BIN/layerskip" bench --model "trained=$TRA
   --max-new-tokens 96 --repeats 1 --quality-data none --threads "$THREADS" --device cpu --quiet --out "$OUT/tune_fixed"
 BEST=$("$BIN/python" scripts/best_fixed.py "$OUT/tune_fixed/results.json")
 step "$OUT/dynamic_exit/results.json" "$BIN/layerskip" bench --model base=default --model "trained=$TRAINED" \
-  --drafters "autoregressive,$BEST,dynamic_exit,swift" --peers hf_generate --data "$OUT/long_prompts.jsonl,humaneval" \
+  --drafters "autoregressive,$BEST,dynamic_exit" --peers hf_generate --data "$OUT/long_prompts.jsonl,humaneval" \
   --n 4 --max-new-tokens 96 --repeats 2 --threads "$THREADS" --device cpu --quiet --out "$OUT/dynamic_exit"
 KEEPFINAL=${KEEPFINAL:-runs/cpu-demo-keepfinal/final}
 if [ -e "$KEEPFINAL/config.json" ]; then
