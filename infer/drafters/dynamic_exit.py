@@ -273,10 +273,12 @@ class DynamicExitDrafter(Drafter):
     def propose(self, state: DecodeState) -> Draft | None:
         self._cycle_start = time.perf_counter()
         self.cycle += 1
-        observe = self.cycle % self.config.observe_every == 0
-        self.observe_layers = tuple(self.exits) if observe else ()
         c = self.choice
-        if self.gate.mode == "plain" or not self._drafts(c):
+        drafts = self.gate.mode != "plain" and self._drafts(c)
+        # an exploration is always observed: what it drafts is what it is for
+        observe = self.cycle % self.config.observe_every == 0 or (drafts and c.speedup < self.config.min_speedup)
+        self.observe_layers = tuple(self.exits) if observe else ()
+        if not drafts:
             return self._plain()
         self._forward = ObservingForward(self.runner, c.exit, self.exits, self.vocab) \
             if observe and c.exit > self.exits[0] else None

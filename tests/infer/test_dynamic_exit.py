@@ -93,14 +93,16 @@ def test_choice_converges_to_the_exit_that_pays(scripted):
 
 def test_exploration_drafts_now_and_then_when_nearly_even(scripted):
     """With a bar the cost model never reaches (min_speedup 5), it still drafts its best choice every explore_every
-    plain cycles when that choice is predicted near even or better; 0 turns it off. Output stays plain decoding's."""
+    plain cycles when that choice is predicted near even or better, and observes it; 0 turns it off. Output stays plain
+    decoding's."""
     ref = plain(scripted, PROMPTS[2], 60).tokens
     for every, explores in ((4, True), (0, False)):
-        options = FORCED | {"exits": "1/3", "k": 4, "min_speedup": 5, "explore_every": every}
+        options = FORCED | {"exits": "1/3", "k": 4, "min_speedup": 5, "explore_every": every, "observe_every": 1000}
         res = Engine(scripted, build_drafter("dynamic_exit", scripted, options)).generate(
             PROMPTS[2], DecodeConfig(max_new_tokens=60))
         assert res.tokens == ref
         assert (res.stats.drafter.explored_cycles > 0) == explores and (res.stats.drafted > 0) == explores
+        assert (res.stats.drafter.observed_rows > 0) == explores  # an exploration is observed, whatever the cadence
 
 
 def test_no_drafting_where_no_exit_pays(runner):
