@@ -104,7 +104,7 @@ step "$OUT/tune_fixed/results.json" "$BIN/layerskip" bench --model "trained=$TRA
   --max-new-tokens 96 --repeats 1 --quality-data none --threads "$THREADS" --device cpu --quiet --out "$OUT/tune_fixed"
 BEST=$("$BIN/python" scripts/best_fixed.py "$OUT/tune_fixed/results.json")
 step "$OUT/dynamic_exit/results.json" "$BIN/layerskip" bench --model base=default --model "trained=$TRAINED" \
-  --drafters "autoregressive,$BEST,dynamic_exit" --peers hf_generate --data "$OUT/long_prompts.jsonl,humaneval" \
+  --drafters "autoregressive,$BEST,dynamic_exit" --peers hf_generate --data "$OUT/long_prompts.jsonl" \
   --n 4 --max-new-tokens 96 --repeats 2 --threads "$THREADS" --device cpu --quiet --out "$OUT/dynamic_exit"
 KEEPFINAL=${KEEPFINAL:-runs/cpu-demo-keepfinal/final}
 if [ -e "$KEEPFINAL/config.json" ]; then
