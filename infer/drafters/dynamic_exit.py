@@ -31,7 +31,7 @@ from torch import Tensor
 from infer.drafters.base import DecodeState, Draft, Drafter, DrafterStats, DraftInputs, DraftVocabOption, VerifyOutcome
 from infer.drafters.chain import EarlyExitForward, check_size, draft_chain
 from infer.drafters.exit_choice import Choice, RunEstimates, best_choice, parse_stops
-from infer.drafters.gate import COLD, FallbackGate, GateMemory, RememberOption
+from infer.drafters.gate import COLD, FallbackGate, GateMemory, Rate, RememberOption
 from infer.drafters.inputs import draft_head
 from infer.kv_cache import ints_to_device
 from infer.packed import Segment, packed_span
@@ -70,11 +70,12 @@ class DynamicExitConfig(DraftVocabOption, RememberOption):
     """Weight each observed position's hit or miss keeps per later observed position (the estimates' memory: about
     1 / (1 - decay) positions)."""
     observe_every: int = 2
-    """Estimate every exit's acceptance on every this-many-th cycle's verified positions (1 = every cycle)."""
-    explore_every: int = 32
-    """While the cost model takes plain steps but predicts at least 0.85x for its best choice, draft that choice
-    once every this many cycles: how acceptance runs on (a good draft after a good one) is only seen in drafted
-    text (0 = never)."""
+    """Estimate every exit's acceptance on one cycle's verified positions of every this many (two cycles in a row
+    of every 2n; 1 = every cycle)."""
+    explore_every: int = 16
+    """While it takes plain steps (the cost model's or the gate's choice) but predicts at least 0.85x for its best
+    choice, draft that choice once every this many cycles: how acceptance runs on (a good draft after a good one) is
+    only seen in drafted text (0 = never)."""
     adaptive: bool = True
     """Also time plain steps and draft cycles (the fallback gate of early_exit --adaptive) and take plain steps
     while measured drafting does not beat them; off: the cost model alone decides."""
@@ -150,10 +151,51 @@ def candidate_exits(text: str, runner) -> list[int]:
 def exit_prices(spec, exits: list[int], draft_rows: int) -> dict[int, float]:
     """Each exit's draft forward as a fraction of a plain step: the weights it reads (E layers and a head of
     ``draft_rows`` rows) over a plain step's (L layers and the full head); decoding one token is bound by them."""
+    layer, step = _weights(spec)
+    return {e: (e * layer + draft_rows * spec.hidden_size) / step for e in exits}
+
+
+def verify_prices(spec, exits: list[int]) -> dict[int, float]:
+    """Each exit's verification (its first row) as a fraction of a plain step: layers [E, L) and the full head,
+    since the draft computed the rows' exact KV and stream below E (LayerSkip's reuse)."""
+    layer, step = _weights(spec)
+    return {e: ((spec.num_layers - e) * layer + spec.vocab_size * spec.hidden_size) / step for e in exits}
+
+
+def _weights(spec) -> tuple[int, int]:
+    """A decoder layer's weight count (attention and MLP) and a plain step's (every layer and the LM head)."""
     d, D = spec.hidden_size, spec.head_dim
     layer = d * D * (2 * spec.num_heads + 2 * spec.num_kv_heads) + 3 * d * spec.intermediate_size
-    step = spec.num_layers * layer + spec.vocab_size * d
-    return {e: (e * layer + draft_rows * d) / step for e in exits}
+    return layer, spec.num_layers * layer + spec.vocab_size * d
+
+
+class PriceTiming:
+    """Measured prices: the weight-count price of a draft forward (``exit_prices``) times the ratio of measured draft
+    seconds per unit of that price to a measured plain step's seconds, once both were timed (``MIN_TIMED`` each);
+    1 before. The weight count misses what a step costs besides reading weights (Python, the sampler, kernel
+    launches), which a measured ratio includes."""
+
+    MIN_TIMED = 2
+    BOUNDS = (0.2, 2.0)
+
+    def __init__(self, weight: float = 0.2):
+        self.draft_rate, self.plain_rate = Rate(weight), Rate(weight)
+
+    def draft(self, seconds: float, price: float) -> None:
+        """A draft chain took ``seconds`` for forwards worth ``price`` plain steps by weight count."""
+        if price > 0:
+            self.draft_rate.add(price, seconds)  # "tokens" = price units
+
+    def plain(self, seconds: float) -> None:
+        """A plain step (nothing drafted, nothing observed) took ``seconds``."""
+        self.plain_rate.add(1, seconds)
+
+    def scale(self) -> float:
+        """Measured price over weight-count price (1 until timed)."""
+        if min(self.draft_rate.cycles, self.plain_rate.cycles) < self.MIN_TIMED:
+            return 1.0
+        ratio = self.plain_rate.value / self.draft_rate.value  # (steps/s) / (price units/s)
+        return min(max(ratio, self.BOUNDS[0]), self.BOUNDS[1])
 
 
 class ObservingForward(EarlyExitForward):
@@ -238,6 +280,8 @@ class DynamicExitDrafter(Drafter):
         self.exits = candidate_exits(config.exits, runner)
         rows = runner.spec.vocab_size if self.vocab is None else self.vocab.size
         self.prices = exit_prices(runner.spec, self.exits, rows)
+        self.verify_prices = verify_prices(runner.spec, self.exits)
+        self.timing = PriceTiming()
         self.forwards_at = {e: EarlyExitForward(runner, e, self.vocab) for e in self.exits}
         self.estimates = RunEstimates(self.exits, parse_stops(config.stops), config.decay)
         self.gate = FallbackGate(config.recheck_interval, enabled=config.adaptive)
@@ -248,12 +292,14 @@ class DynamicExitDrafter(Drafter):
             except (KeyError, TypeError, ValueError):  # a damaged memory file: start afresh
                 self.gate = FallbackGate(config.recheck_interval, enabled=True)
         self.choice = self._best()
+        self._gate_exit: int | None = None  # the exit drafting when the gate last started a probe
         self.observe_layers: tuple[int, ...] = ()
         self._reset_counts()
 
     def _reset_counts(self) -> None:
         self.forwards = self.plain_steps = self.cycle = self.observed_rows = self.explored = 0
         self._since_draft = 0
+        self._next_start = -1  # the position after the last observed window
         self.observe_seconds = 0.0
         self.drafted_at = dict.fromkeys(self.exits, 0)
         self.schedule: list[list[float]] = []
@@ -265,7 +311,10 @@ class DynamicExitDrafter(Drafter):
         return self.config.num_draft + 1
 
     def _best(self) -> Choice:
-        return best_choice(self.estimates, self.prices, self.config.num_draft, self.config.verify_slope)
+        scale = self.timing.scale()
+        prices = {e: scale * c for e, c in self.prices.items()}
+        verify = {e: scale * v for e, v in self.verify_prices.items()}
+        return best_choice(self.estimates, prices, self.config.num_draft, self.config.verify_slope, verify)
 
     def start(self, state: DecodeState) -> None:
         self._reset_counts()
@@ -274,15 +323,17 @@ class DynamicExitDrafter(Drafter):
         self._cycle_start = time.perf_counter()
         self.cycle += 1
         c = self.choice
-        drafts = self.gate.mode != "plain" and self._drafts(c)
+        drafts = self._drafts(c)
         # an exploration is always observed: what it drafts is what it is for
-        observe = self.cycle % self.config.observe_every == 0 or (drafts and c.speedup < self.config.min_speedup)
+        observe = self._observes() or (drafts and self._since_draft > 0)
         self.observe_layers = tuple(self.exits) if observe else ()
         if not drafts:
             return self._plain()
         self._forward = ObservingForward(self.runner, c.exit, self.exits, self.vocab) \
             if observe and c.exit > self.exits[0] else None
+        t0 = time.perf_counter()
         chain = draft_chain(state, self._forward or self.forwards_at[c.exit], c.k, c.stop)
+        self.timing.draft(time.perf_counter() - t0, chain.forwards * self.prices[c.exit])
         self.forwards += chain.forwards
         if not chain.forwards:
             return self._plain()
@@ -293,10 +344,17 @@ class DynamicExitDrafter(Drafter):
         self._since_draft = 0
         return chain.draft
 
+    def _observes(self) -> bool:
+        """Observe two cycles in a row of every ``2 observe_every`` (a share of 1 / observe_every): consecutive
+        windows, so that plain steps too show whether a good position follows a good one."""
+        n = 2 * self.config.observe_every
+        return self.cycle % n in (n - 1, 0)  # cycles count from 1: n - 1 and n, 2n - 1 and 2n, ...
+
     def _drafts(self, c: Choice) -> bool:
-        """Whether this cycle drafts ``c``: the cost model predicts a gain, or it is nearly even and the last draft
-        was ``explore_every`` cycles ago (an exploration, so that runs of good drafts can be seen at all)."""
-        if c.speedup >= self.config.min_speedup:
+        """Whether this cycle drafts ``c``: the cost model predicts a gain and the gate is not in plain mode, or ``c``
+        is nearly even and the last draft was ``explore_every`` cycles ago (an exploration, so that runs of good
+        drafts can be seen at all; one cycle, whatever the gate's mode)."""
+        if c.speedup >= self.config.min_speedup and self.gate.mode != "plain":
             return True
         explore = self.config.explore_every and c.speedup >= EXPLORE_FLOOR \
             and self._since_draft >= self.config.explore_every
@@ -320,8 +378,13 @@ class DynamicExitDrafter(Drafter):
             self.choice = self._best()
         if self._cycle_start is not None:
             seconds = time.perf_counter() - self._cycle_start
+            if outcome.draft is None and not outcome.observed:
+                self.timing.plain(seconds)
             self.gate.record(len(outcome.tokens), seconds, drafted=outcome.draft is not None)
-            self.gate.decide(predicted=self.choice.speedup)
+            c = self.choice  # a new exit predicted to pay is probed early: the gate measured another one
+            moved = c.exit != self._gate_exit and c.speedup >= self.config.min_speedup
+            if self.gate.decide(predicted=c.speedup, early_probe=self.gate.mode == "plain" and moved):
+                self._gate_exit = c.exit
 
     def _learn(self, outcome: VerifyOutcome) -> None:
         """Score the verified path's rows at every observed exit with the draft head, in one call, and count where
@@ -336,8 +399,10 @@ class DynamicExitDrafter(Drafter):
         target = ints_to_device(outcome.tokens, shadow.device)  # (P,): accepted drafts, then the bonus token
         hits = shadow.view(len(exits), P) == target[None]  # (n_exits, P)
         host = torch.stack([probs.view(len(exits), P).double(), hits.double()]).tolist()  # the update's one sync
+        continues = outcome.start == self._next_start
         for e, p_row, hit_row in zip(exits, host[0], host[1], strict=True):
-            self.estimates.add(e, p_row, [h > 0.5 for h in hit_row])
+            self.estimates.add(e, p_row, [h > 0.5 for h in hit_row], continues)
+        self._next_start = outcome.start + P
         self.observed_rows += P
         self.observe_seconds += time.perf_counter() - t0
 

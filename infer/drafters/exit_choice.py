@@ -14,7 +14,12 @@ each. A chain of k drafts then yields
     forwards(k) = 1 + q1 (1 + q + ... + q^(k-2))        q1 = P(confident), q = P(confident | previous confident)
     proposed(k) = q1 (1 + q + ... + q^(k-1))
 
-and costs ``c_E forwards + 1 + slope proposed`` plain steps (a draft forward at E, and verifying 1 + proposed rows).
+and costs ``c_E forwards + verify + slope proposed`` plain steps: a draft forward at E, and verifying 1 + proposed
+rows. LayerSkip's verification reuses the exact KV and stream the draft forwards computed below E, so where every
+verified row went through a draft forward (the chain stopped on confidence: its last forward's token was not
+proposed) it runs only layers [E, L) and the head, ``v_E`` of a plain step; where all k drafts were proposed, the
+last one still needs every layer, about a plain step. So ``verify = v_E + (1 - v_E) P(all k proposed)``, with
+``P(all k proposed) = q1 q^(k-1)`` (1 without a stop).
 Without pairs observed yet, p and q fall back to p1 and q1 (independent drafts).
 """
 
@@ -22,9 +27,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PRIOR_GOOD, PRIOR_SEEN = 0.25, 1.0
-"""Pseudo-counts every (exit, stop) starts from: P(good) 0.25 before anything is observed; light, so an exit
-accepted everywhere reaches 0.98 with the default decay."""
+PRIOR_GOOD, PRIOR_SEEN = 1.0, 4.0
+"""Pseudo-counts every (exit, stop) starts from: P(good) 0.25 before anything is observed, worth 4 positions, so
+one lucky hit of a cheap shallow exit does not make it the choice (an exit accepted everywhere still reaches 0.92
+with the default decay)."""
 PRIOR_PAIRS = 1.0
 """Pseudo-pairs the run statistics start from, at the marginal (independent drafts until pairs are seen)."""
 AUTO_STOPS = (0.0, 0.5, 0.7, 0.9)
@@ -76,24 +82,30 @@ class RunRates:
 class _Counts:
     """Discounted counts of one (exit, stop): positions, confident, good, and consecutive pairs of them."""
 
-    __slots__ = ("seen", "conf", "good", "after_conf", "conf_conf", "after_good", "good_good")
+    __slots__ = ("seen", "conf", "good", "after_conf", "conf_conf", "after_good", "good_good", "last")
 
     def __init__(self) -> None:
-        for name in self.__slots__:
+        for name in self.__slots__[:-1]:
             setattr(self, name, 0.0)
+        self.last: tuple[bool, bool] | None = None  # (confident, good) of the last position added
 
-    def add(self, conf: list[bool], good: list[bool], decay: float) -> None:
-        for i, (c, g) in enumerate(zip(conf, good, strict=True)):
+    def add(self, conf: list[bool], good: list[bool], decay: float, continues: bool) -> None:
+        """One window of consecutive positions; ``continues``: it starts right after the last window added, so its
+        first position pairs with that window's last."""
+        prev = self.last if continues else None
+        for c, g in zip(conf, good, strict=True):
             self.seen, self.conf, self.good = decay * self.seen + 1, decay * self.conf + c, decay * self.good + g
-            if i:  # a pair with the previous position of the same window
-                self.after_conf = decay * self.after_conf + conf[i - 1]
-                self.conf_conf = decay * self.conf_conf + (conf[i - 1] and c)
-                self.after_good = decay * self.after_good + good[i - 1]
-                self.good_good = decay * self.good_good + (good[i - 1] and g)
+            if prev is not None:  # a pair with the position before
+                self.after_conf = decay * self.after_conf + prev[0]
+                self.conf_conf = decay * self.conf_conf + (prev[0] and c)
+                self.after_good = decay * self.after_good + prev[1]
+                self.good_good = decay * self.good_good + (prev[1] and g)
+            prev = (c, g)
+        self.last = prev
 
     def rates(self, stop: float) -> RunRates:
         p1 = (self.good + PRIOR_GOOD) / (self.seen + PRIOR_SEEN)
-        q1 = 1.0 if stop == 0 else (self.conf + PRIOR_SEEN * 0.5) / (self.seen + PRIOR_SEEN)
+        q1 = 1.0 if stop == 0 else (self.conf + PRIOR_SEEN / 2) / (self.seen + PRIOR_SEEN)
         p = (self.good_good + PRIOR_PAIRS * p1) / (self.after_good + PRIOR_PAIRS)
         q = 1.0 if stop == 0 else (self.conf_conf + PRIOR_PAIRS * q1) / (self.after_conf + PRIOR_PAIRS)
         return RunRates(p1, p, q1, q)
@@ -106,12 +118,13 @@ class RunEstimates:
         self.exits, self.stops, self.decay = exits, stops, decay
         self.counts = {(e, s): _Counts() for e in exits for s in stops}
 
-    def add(self, exit: int, probs: list[float], hits: list[bool]) -> None:
+    def add(self, exit: int, probs: list[float], hits: list[bool], continues: bool = False) -> None:
         """One window of consecutive verified positions at ``exit``: its top token's probability and whether that
-        token was the target's, per position."""
+        token was the target's, per position; ``continues``: it starts right after the last window added."""
         for s in self.stops:
             conf = [p >= s for p in probs]
-            self.counts[exit, s].add(conf, [c and h for c, h in zip(conf, hits, strict=True)], self.decay)
+            good = [c and h for c, h in zip(conf, hits, strict=True)]
+            self.counts[exit, s].add(conf, good, self.decay, continues)
 
     def rates(self, exit: int, stop: float) -> RunRates:
         return self.counts[exit, stop].rates(stop)
@@ -127,17 +140,19 @@ def _geometric(r: float, n: int) -> float:
     return sum(r ** i for i in range(max(n, 0)))
 
 
-def predicted_speedup(rates: RunRates, k: int, price: float, slope: float) -> float:
+def predicted_speedup(rates: RunRates, k: int, price: float, slope: float, verify: float = 1.0) -> float:
     """Expected tokens per plain-step cost of a chain of at most k drafts (module docstring)."""
     tokens = 1 + rates.good * _geometric(rates.good_after_good, k)
     forwards = 1 + rates.confident * _geometric(rates.confident_after_confident, k - 1)
     proposed = rates.confident * _geometric(rates.confident_after_confident, k)
-    return tokens / (price * forwards + 1 + slope * proposed)
+    every = rates.confident * rates.confident_after_confident ** (k - 1)  # all k proposed: the last row not reused
+    return tokens / (price * forwards + verify + (1 - verify) * every + slope * proposed)
 
 
-def best_choice(estimates: RunEstimates, prices: dict[int, float], max_k: int, slope: float) -> Choice:
+def best_choice(estimates: RunEstimates, prices: dict[int, float], max_k: int, slope: float,
+                verify: dict[int, float] | None = None) -> Choice:
     """The (E, k, stop) with the most expected tokens per plain-step cost (``predicted_speedup`` for every k, its
-    sums grown one term per k)."""
+    sums grown one term per k); ``verify``: each exit's verification price (default 1: a plain step)."""
     best = None
     for (e, s) in estimates.counts:
         r = estimates.rates(e, s)
@@ -148,7 +163,10 @@ def best_choice(estimates: RunEstimates, prices: dict[int, float], max_k: int, s
             good += r.good_after_good ** (k - 1)
             conf += r.confident_after_confident ** (k - 1)
             tokens = 1 + r.good * good
-            speedup = tokens / (prices[e] * (1 + r.confident * conf_before) + 1 + slope * r.confident * conf)
+            v = 1.0 if verify is None else verify[e]
+            every = r.confident * r.confident_after_confident ** (k - 1)
+            cost = prices[e] * (1 + r.confident * conf_before) + v + (1 - v) * every + slope * r.confident * conf
+            speedup = tokens / cost
             if best is None or speedup > best.speedup:
                 best = Choice(e, k, s, speedup)
     return best

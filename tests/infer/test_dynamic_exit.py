@@ -107,12 +107,14 @@ def test_exploration_drafts_now_and_then_when_nearly_even(scripted):
 
 def test_no_drafting_where_no_exit_pays(runner):
     """On the random tiny model no exit agrees with the last layer often enough: the cost model never drafts
-    (with the gate on, it never even probes), and the output is plain decoding's."""
+    (a forward or two whose chain stops on confidence at once, nothing proposed; explorations off), and the output
+    is plain decoding's."""
     for options in ({"adaptive": False}, {}):
-        drafter = build_drafter("dynamic_exit", runner, {"exits": "1/3/5", "observe_every": 1} | options)
+        drafter = build_drafter("dynamic_exit", runner, {"exits": "1/3/5", "observe_every": 1, "explore_every": 0}
+                                | options)
         res = Engine(runner, drafter).generate(PROMPTS[0], DecodeConfig(max_new_tokens=40))
         assert res.tokens == plain(runner, PROMPTS[0]).tokens
-        assert res.stats.drafted == 0 and res.stats.drafter.plain_steps == res.stats.verify_calls
+        assert res.stats.drafted == 0 and res.stats.drafter.plain_steps >= 0.9 * res.stats.verify_calls
         assert max(res.stats.drafter.acceptance) < 0.3 and res.stats.drafter.observed_rows >= 38
 
 
@@ -152,6 +154,12 @@ def test_cost_model():
     for k in (1, 4):
         assert predicted_speedup(RunRates(a, a, 1.0, 1.0), k, c, s) == pytest.approx(
             (1 - a ** (k + 1)) / (1 - a) / (k * c + 1 + s * k))
+        # no stop: every chain proposes all k, whose last row verification runs through every layer (no reuse)
+        assert predicted_speedup(RunRates(a, a, 1.0, 1.0), k, c, s, verify=0.3) == pytest.approx(
+            predicted_speedup(RunRates(a, a, 1.0, 1.0), k, c, s))
+    # with a stop, chains that stop early verify only layers [E, L): the reused KV makes them cheaper
+    stopping = RunRates(0.6, 0.8, 0.7, 0.8)
+    assert predicted_speedup(stopping, 6, c, s, verify=0.3) > 1.2 * predicted_speedup(stopping, 6, c, s)
 
 
 def test_runs_of_good_drafts_raise_the_prediction():
@@ -249,7 +257,8 @@ def test_command_line(capsys, tiny_model_dir):
               "--ignore-eos"]
     assert main(common) == 0
     ref = json.loads(capsys.readouterr().out)["tokens"]
-    assert main(common + ["--drafter", "dynamic_exit", "--exits", "1/3", "--min-speedup", "0", "--no-adaptive"]) == 0
+    assert main(common + ["--drafter", "dynamic_exit", "--exits", "1/3", "--stops", "0", "--min-speedup", "0",
+                          "--no-adaptive"]) == 0
     row = json.loads(capsys.readouterr().out)
     assert row["tokens"] == ref and row["stats"]["drafter"]["exits"] == [1, 3] and row["stats"]["drafted"] > 0
     methods = parse_methods("autoregressive,dynamic_exit:exits=1/3:k=3", "")
@@ -287,3 +296,15 @@ def test_best_choice_is_the_argmax_of_the_prediction():
              for e in (2, 4) for s in (0.0, 0.4, 0.8) for k in range(1, 9)}
     assert choice.speedup == pytest.approx(every[choice.exit, choice.k, choice.stop])
     assert choice.speedup == pytest.approx(max(every.values()))
+
+
+def test_consecutive_windows_pair_across_their_border():
+    """Windows of one position each (plain steps): only windows that follow one another make pairs, so good runs
+    show in plain decoding too."""
+    one = [1.0]
+    apart, together = RunEstimates([3], (0.0,), 0.999), RunEstimates([3], (0.0,), 0.999)
+    for hit in [True] * 10 + [False] * 10:
+        apart.add(3, one, [hit])
+        together.add(3, one, [hit], continues=True)
+    assert apart.rates(3, 0.0).good_after_good == pytest.approx(apart.rates(3, 0.0).good)  # no pairs: the marginal
+    assert together.rates(3, 0.0).good_after_good > 0.8  # 9 of 10 good positions followed by a good one
