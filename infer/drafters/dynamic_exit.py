@@ -76,6 +76,9 @@ class DynamicExitConfig(DraftVocabOption, RememberOption):
     """While it takes plain steps (the cost model's or the gate's choice) but predicts at least 0.85x for its best
     choice, draft that choice once every this many cycles: how acceptance runs on (a good draft after a good one) is
     only seen in drafted text (0 = never)."""
+    calibrate: bool = True
+    """Scale the weight-count prices of draft forwards and verifications by measured times (draft seconds per unit
+    of price against a plain step's seconds); off: weight counts only (deterministic choices)."""
     adaptive: bool = True
     """Also time plain steps and draft cycles (the fallback gate of early_exit --adaptive) and take plain steps
     while measured drafting does not beat them; off: the cost model alone decides."""
@@ -311,7 +314,7 @@ class DynamicExitDrafter(Drafter):
         return self.config.num_draft + 1
 
     def _best(self) -> Choice:
-        scale = self.timing.scale()
+        scale = self.timing.scale() if self.config.calibrate else 1.0
         prices = {e: scale * c for e, c in self.prices.items()}
         verify = {e: scale * v for e, v in self.verify_prices.items()}
         return best_choice(self.estimates, prices, self.config.num_draft, self.config.verify_slope, verify)

@@ -17,9 +17,9 @@ from layerskip_core.errors import UserError
 from tiny_models import make_model, save_tiny
 
 PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 250, 17], [42] * 12 + [7, 8]]
-FORCED = {"min_speedup": 0, "adaptive": False, "observe_every": 1, "stops": "0"}
-"""Options that make the cost model always draft its best (E, k), with no confidence stop, and observe every
-cycle."""
+FORCED = {"min_speedup": 0, "adaptive": False, "observe_every": 1, "stops": "0", "calibrate": False}
+"""Options that make the cost model always draft its best (E, k), with no confidence stop, from weight-count prices
+(no timing in the choice), and observe every cycle."""
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +110,8 @@ def test_no_drafting_where_no_exit_pays(runner):
     (a forward or two whose chain stops on confidence at once, nothing proposed; explorations off), and the output
     is plain decoding's."""
     for options in ({"adaptive": False}, {}):
-        drafter = build_drafter("dynamic_exit", runner, {"exits": "1/3/5", "observe_every": 1, "explore_every": 0}
-                                | options)
+        drafter = build_drafter("dynamic_exit", runner, {"exits": "1/3/5", "observe_every": 1, "explore_every": 0,
+                                                         "calibrate": False} | options)
         res = Engine(runner, drafter).generate(PROMPTS[0], DecodeConfig(max_new_tokens=40))
         assert res.tokens == plain(runner, PROMPTS[0]).tokens
         assert res.stats.drafted == 0 and res.stats.drafter.plain_steps >= 0.9 * res.stats.verify_calls
