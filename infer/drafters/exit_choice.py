@@ -151,22 +151,13 @@ def predicted_speedup(rates: RunRates, k: int, price: float, slope: float, verif
 
 def best_choice(estimates: RunEstimates, prices: dict[int, float], max_k: int, slope: float,
                 verify: dict[int, float] | None = None) -> Choice:
-    """The (E, k, stop) with the most expected tokens per plain-step cost (``predicted_speedup`` for every k, its
-    sums grown one term per k); ``verify``: each exit's verification price (default 1: a plain step)."""
+    """The (E, k, stop) with the most expected tokens per plain-step cost (``predicted_speedup``);
+    ``verify``: each exit's verification price (default 1: a plain step)."""
     best = None
     for (e, s) in estimates.counts:
-        r = estimates.rates(e, s)
-        good = conf = 0.0  # 1 + p + ... + p^(k-1) and 1 + q + ... + q^(k-1)
-        conf_before = 0.0  # 1 + q + ... + q^(k-2)
+        rates, v = estimates.rates(e, s), 1.0 if verify is None else verify[e]
         for k in range(1, max_k + 1):
-            conf_before = conf
-            good += r.good_after_good ** (k - 1)
-            conf += r.confident_after_confident ** (k - 1)
-            tokens = 1 + r.good * good
-            v = 1.0 if verify is None else verify[e]
-            every = r.confident * r.confident_after_confident ** (k - 1)
-            cost = prices[e] * (1 + r.confident * conf_before) + v + (1 - v) * every + slope * r.confident * conf
-            speedup = tokens / cost
+            speedup = predicted_speedup(rates, k, prices[e], slope, v)
             if best is None or speedup > best.speedup:
                 best = Choice(e, k, s, speedup)
     return best
