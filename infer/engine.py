@@ -368,9 +368,19 @@ class Engine:
         runner = self.runner
         ids = runner.to_device(state.tokens[:state.prompt_len])  # (P,)
         positions = torch.arange(state.prompt_len, device=runner.device)  # (P,)
-        hidden = runner.forward_layers(state.cache, runner.embed(ids), positions, 0, state.depth, bulk=True)  # (P, d)
+        hidden, start, kept = runner.embed(ids), 0, {}  # (P, d)
+        for layer in [*self._prompt_layers(state), state.depth]:  # split where the drafter observes: same layers
+            hidden = runner.forward_layers(state.cache, hidden, positions, start, layer, bulk=True)  # (P, d)
+            kept[layer], start = hidden[-self.drafter.prompt_rows:], layer  # (m, d)
         state.n = state.prompt_len
+        state.prompt_observed = kept if len(kept) > 1 else None
         return runner.logits(hidden[-1:])  # (1, V)
+
+    def _prompt_layers(self, state: DecodeState) -> list[int]:
+        """The drafter's ``prompt_layers`` inside the target, when it asks for some prompt rows."""
+        if self.drafter.prompt_rows <= 0:
+            return []
+        return sorted({x for x in self.drafter.prompt_layers if 0 < x < state.depth})
 
     def _stop_reason(self, out: list[int], config: DecodeConfig, new: int = 1) -> str | None:
         fresh = out[len(out) - new:]

@@ -97,6 +97,10 @@ class DecodeState:
     """Token ids that end the generation (empty when it does not stop at EOS): a draft chain stops after one."""
     depth: int | None = None
     """Layers of the target (the model's count, or a lossy target exit's; None: the model's count)."""
+    prompt_observed: dict[int, Tensor] | None = None
+    """What the prefill kept for the drafter's ``prompt_layers``: layer l -> (m, d) stream entering it at the prompt's
+    last m positions, and the target's depth -> (m, d) stream after its last layer (before the final norm); None
+    when the drafter asked for nothing."""
 
     def __post_init__(self) -> None:
         if self.depth is None:
@@ -176,6 +180,13 @@ class Drafter:
     """Layers l (0 < l < the target's depth) at whose input the next verification keeps the residual stream of every
     verified position (``VerifyOutcome.observed``): its forward is run in pieces split there, the same layers on the
     same rows, so the output is unchanged (a property or attribute where it varies; read after ``propose``)."""
+    prompt_layers: tuple[int, ...] = ()
+    """Layers l (0 < l < the target's depth) at whose input the prefill keeps the residual stream of the prompt's
+    last ``prompt_rows`` positions, with the stream after the last layer (``DecodeState.prompt_observed``): for a
+    drafter that estimates from the prompt before it drafts. The prefill is run in pieces split there, the same
+    layers on the same rows, so the output is unchanged (read before each prefill)."""
+    prompt_rows: int = 0
+    """How many of the prompt's last positions ``prompt_layers`` keeps (0: none)."""
     lookahead: int = 0
     """Most cache slots past the pending token one ``propose``/``update`` may write (a property where it varies)."""
 

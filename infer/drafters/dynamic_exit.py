@@ -72,6 +72,11 @@ class DynamicExitConfig(DraftVocabOption, RememberOption):
     observe_every: int = 2
     """Estimate every exit's acceptance on one cycle's verified positions of every this many (two cycles in a row
     of every 2n; 1 = every cycle)."""
+    prompt_rows: int = 16
+    """First estimates from the prompt: the prefill keeps each candidate exit's stream at the prompt's last this many
+    positions, and each exit's top token there is compared with the target's (one head call of (exits + 1) x this
+    rows per prompt), so the first drafts come from this context's own acceptance instead of a flat prior (0: none).
+    """
     explore_every: int = 16
     """While it takes plain steps (the cost model's or the gate's choice) but predicts at least 0.85x for its best
     choice, draft that choice once every this many cycles: how acceptance runs on (a good draft after a good one) is
@@ -95,6 +100,9 @@ class DynamicExitConfig(DraftVocabOption, RememberOption):
             parse_stops(self.stops)
         except ValueError as e:
             raise UserError(str(e)) from None
+        if not 0 <= self.prompt_rows <= 4096:
+            raise UserError(f"prompt-rows must be between 0 and 4096 prompt positions (0 = none), "
+                            f"got {self.prompt_rows}")
         if self.explore_every < 0:
             raise UserError(f"explore-every must be >= 0 cycles (0 = never), got {self.explore_every}")
         if not 0.0 <= self.verify_slope <= 10.0:
@@ -256,8 +264,11 @@ class DynamicExitStats(DrafterStats):
     """[cycle, E, k, stop] each time the choice changed (E = k = 0: plain steps), the first ``MAX_SCHEDULE``."""
     observed_rows: int = 0
     """Verified positions whose stream was scored at every candidate exit for the estimates."""
+    prompt_rows: int = 0
+    """Prompt positions scored at every candidate exit before the first draft (``prompt_rows`` option)."""
     observe_seconds: float = 0.0
-    """Time spent scoring them (inside the update time; the split forwards themselves cost no extra layers)."""
+    """Time spent scoring those and the verified positions (inside the update time, the prompt's before the first
+    cycle; the split forwards themselves cost no extra layers)."""
     explored_cycles: int = 0
     """Cycles drafted to explore while the cost model predicted under ``min_speedup`` (``explore_every``)."""
     draft_vocab: int | None = None
@@ -297,10 +308,11 @@ class DynamicExitDrafter(Drafter):
         self.choice = self._best()
         self._gate_exit: int | None = None  # the exit drafting when the gate last started a probe
         self.observe_layers: tuple[int, ...] = ()
+        self.prompt_layers, self.prompt_rows = tuple(self.exits), config.prompt_rows
         self._reset_counts()
 
     def _reset_counts(self) -> None:
-        self.forwards = self.plain_steps = self.cycle = self.observed_rows = self.explored = 0
+        self.forwards = self.plain_steps = self.cycle = self.observed_rows = self.explored = self.prompt_scored = 0
         self._since_draft = 0
         self._next_start = -1  # the position after the last observed window
         self.observe_seconds = 0.0
@@ -321,6 +333,14 @@ class DynamicExitDrafter(Drafter):
 
     def start(self, state: DecodeState) -> None:
         self._reset_counts()
+        kept = state.prompt_observed
+        if kept and state.depth in kept:  # the prompt's own last positions: this context's first estimates
+            t0 = time.perf_counter()
+            target = self.runner.logits(kept[state.depth]).argmax(-1)  # (m,): what greedy verification accepts
+            self._count({e: kept[e] for e in self.exits if e in kept}, target, continues=False)
+            self.prompt_scored = len(target)
+            self.observe_seconds += time.perf_counter() - t0
+            self.choice = self._best()
 
     def propose(self, state: DecodeState) -> Draft | None:
         self._cycle_start = time.perf_counter()
@@ -393,21 +413,26 @@ class DynamicExitDrafter(Drafter):
         """Score the verified path's rows at every observed exit with the draft head, in one call, and count where
         each exit's top token is the token the target emitted after that position, with its probability."""
         t0 = time.perf_counter()
-        exits = [e for e in self.exits if e in outcome.observed]
-        if not exits:
-            return
         path, P = outcome.path, len(outcome.path)
-        rows = torch.cat([outcome.observed[e][path] for e in exits])  # (n_exits P, d)
-        probs, shadow = self.runner.logits(rows, self.vocab).float().softmax(-1).max(-1)  # (n_exits P,) each
-        target = ints_to_device(outcome.tokens, shadow.device)  # (P,): accepted drafts, then the bonus token
-        hits = shadow.view(len(exits), P) == target[None]  # (n_exits, P)
-        host = torch.stack([probs.view(len(exits), P).double(), hits.double()]).tolist()  # the update's one sync
-        continues = outcome.start == self._next_start
-        for e, p_row, hit_row in zip(exits, host[0], host[1], strict=True):
-            self.estimates.add(e, p_row, [h > 0.5 for h in hit_row], continues)
+        target = ints_to_device(outcome.tokens, self.runner.device)  # (P,): accepted drafts, then the bonus token
+        streams = {e: outcome.observed[e][path] for e in self.exits if e in outcome.observed}  # (P, d) each
+        self._count(streams, target, continues=outcome.start == self._next_start)
         self._next_start = outcome.start + P
         self.observed_rows += P
         self.observe_seconds += time.perf_counter() - t0
+
+    def _count(self, streams: dict[int, Tensor], target: Tensor, continues: bool) -> None:
+        """Count, per exit, where the draft head's top token on its stream (P, d) is ``target`` (P,) (consecutive
+        positions), with its probability; ``continues``: they follow the last window counted."""
+        if not streams:
+            return
+        exits, P = list(streams), len(target)
+        rows = torch.cat([streams[e] for e in exits])  # (n_exits P, d)
+        probs, shadow = self.runner.logits(rows, self.vocab).float().softmax(-1).max(-1)  # (n_exits P,) each
+        hits = shadow.view(len(exits), P) == target.to(shadow.device)[None]  # (n_exits, P)
+        host = torch.stack([probs.view(len(exits), P).double(), hits.double()]).tolist()  # the update's one sync
+        for e, p_row, hit_row in zip(exits, host[0], host[1], strict=True):
+            self.estimates.add(e, p_row, [h > 0.5 for h in hit_row], continues)
 
     def finish(self) -> None:
         """The last prompt is done: keep the gate's measurements for the next command."""
@@ -419,6 +444,7 @@ class DynamicExitDrafter(Drafter):
         return DynamicExitStats(
             self.forwards, COLD if self.memory is None else self.memory.start_state, self.plain_steps,
             list(self.exits), [round(alpha[e], 4) for e in self.exits], [self.drafted_at[e] for e in self.exits],
-            list(self.estimates.stops), [list(s) for s in self.schedule], self.observed_rows, self.observe_seconds,
+            list(self.estimates.stops), [list(s) for s in self.schedule], self.observed_rows, self.prompt_scored,
+            self.observe_seconds,
             self.explored,
             None if self.vocab is None else self.vocab.size, self.gate.mode if self.config.adaptive else None)

@@ -308,3 +308,35 @@ def test_consecutive_windows_pair_across_their_border():
         together.add(3, one, [hit], continues=True)
     assert apart.rates(3, 0.0).good_after_good == pytest.approx(apart.rates(3, 0.0).good)  # no pairs: the marginal
     assert together.rates(3, 0.0).good_after_good > 0.8  # 9 of 10 good positions followed by a good one
+
+
+def test_first_choice_comes_from_the_prompt(scripted):
+    """The prefill keeps each exit's stream at the prompt's last positions and the drafter scores them before its
+    first cycle: on the scripted model the first choice is already exit 3 (the cheapest always accepted); without
+    prompt rows it starts from the flat prior, which favours the cheapest exit."""
+    prompt = list(range(3, 40))
+    for rows, first in ((16, 3), (0, 1)):
+        drafter = build_drafter("dynamic_exit", scripted, FORCED | {"exits": "1/2/3/5", "k": 6, "prompt_rows": rows})
+        gen = Engine(scripted, drafter).start(prompt, DecodeConfig(max_new_tokens=20))
+        assert drafter.choice.exit == first, (rows, drafter.choice)
+        assert drafter.stats().prompt_rows == rows
+        assert (gen.state.prompt_observed is not None) == (rows > 0)
+
+
+def test_prompt_streams_are_the_models_and_the_prefill_is_unchanged(runner):
+    """What the split prefill keeps is the stream entering each exit (and after the last layer) at the prompt's last
+    rows, as one unsplit forward computes it; the first token and the decoded output are plain decoding's."""
+    prompt = list(range(7, 30))
+    drafter = build_drafter("dynamic_exit", runner, FORCED | {"exits": "2/4", "prompt_rows": 5})
+    engine = Engine(runner, drafter)
+    gen = engine.start(prompt, DecodeConfig(max_new_tokens=30))
+    kept = gen.state.prompt_observed
+    assert set(kept) == {2, 4, 6} and all(rows.shape == (5, runner.spec.hidden_size) for rows in kept.values())
+    ids, cache = torch.tensor(prompt), runner.new_cache(64)
+    for layer in (2, 4, 6):
+        cache.reset()
+        ref = runner.forward_layers(cache, runner.embed(ids), torch.arange(len(prompt)), 0, layer)  # (P, d)
+        assert torch.allclose(kept[layer], ref[-5:], atol=1e-5), layer
+    while not gen.done:
+        engine.step(gen)
+    assert engine.finish(gen).tokens == plain(runner, prompt, 30).tokens
