@@ -42,6 +42,10 @@ from layerskip_core.options import check_fields
 AUTO = "auto"
 EXPLORE_FLOOR = 0.85
 """Predicted speed-up from which an exploration draft is worth its price (``explore_every``)."""
+SPARSE_OBSERVE = 4
+"""Observation windows come this many times less often while the cost model takes plain steps (its best choice is
+predicted under ``min_speedup``): each costs a head call that plain decoding does not, and a plain step adds one
+position to the estimates, not a drafted window's several (explorations are still observed)."""
 MAX_SCHEDULE = 200
 """Most changes of choice a generation's stats list (``DynamicExitStats.schedule``)."""
 
@@ -368,9 +372,10 @@ class DynamicExitDrafter(Drafter):
         return chain.draft
 
     def _observes(self) -> bool:
-        """Observe two cycles in a row of every ``2 observe_every`` (a share of 1 / observe_every): consecutive
-        windows, so that plain steps too show whether a good position follows a good one."""
-        n = 2 * self.config.observe_every
+        """Observe two cycles in a row of every ``2 observe_every`` (a share of 1 / observe_every; ``SPARSE_OBSERVE``
+        times fewer while the cost model takes plain steps): consecutive windows, so that plain steps too show
+        whether a good position follows a good one."""
+        n = 2 * self.config.observe_every * (SPARSE_OBSERVE if self.choice.speedup < self.config.min_speedup else 1)
         return self.cycle % n in (n - 1, 0)  # cycles count from 1: n - 1 and n, 2n - 1 and 2n, ...
 
     def _drafts(self, c: Choice) -> bool:

@@ -107,15 +107,17 @@ def test_exploration_drafts_now_and_then_when_nearly_even(scripted):
 
 def test_no_drafting_where_no_exit_pays(runner):
     """On the random tiny model no exit agrees with the last layer often enough: the cost model never drafts
-    (a forward or two whose chain stops on confidence at once, nothing proposed; explorations off), and the output
-    is plain decoding's."""
+    (a forward or two whose chain stops on confidence at once, nothing proposed; explorations off), observes less
+    often, and the output is plain decoding's."""
     for options in ({"adaptive": False}, {}):
         drafter = build_drafter("dynamic_exit", runner, {"exits": "1/3/5", "observe_every": 1, "explore_every": 0,
                                                          "calibrate": False} | options)
         res = Engine(runner, drafter).generate(PROMPTS[0], DecodeConfig(max_new_tokens=40))
         assert res.tokens == plain(runner, PROMPTS[0]).tokens
         assert res.stats.drafted == 0 and res.stats.drafter.plain_steps >= 0.9 * res.stats.verify_calls
-        assert max(res.stats.drafter.acceptance) < 0.3 and res.stats.drafter.observed_rows >= 38
+        assert max(res.stats.drafter.acceptance) < 0.3
+        # observed, but SPARSE_OBSERVE times less often than the option says: two cycles of every 8, not every cycle
+        assert 6 <= res.stats.drafter.observed_rows <= 0.4 * res.stats.verify_calls, res.stats.drafter.observed_rows
 
 
 @pytest.mark.slow
