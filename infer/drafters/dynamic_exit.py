@@ -46,6 +46,11 @@ SPARSE_OBSERVE = 4
 """Observation windows come this many times less often while the cost model takes plain steps (its best choice is
 predicted under ``min_speedup``): each costs a head call that plain decoding does not, and a plain step adds one
 position to the estimates, not a drafted window's several (explorations are still observed)."""
+PRIORS = (AUTO, "depth", "flat")
+"""Values of the ``prior`` option."""
+SWITCH_MARGIN = 0.03
+"""Another exit becomes the choice only when predicted this much faster than the current exit's best k and stop:
+estimates a few observed positions apart differ by noise, and each switch drafts from an exit measured less."""
 MAX_SCHEDULE = 200
 """Most changes of choice a generation's stats list (``DynamicExitStats.schedule``)."""
 
@@ -76,18 +81,24 @@ class DynamicExitConfig(DraftVocabOption, RememberOption):
     observe_every: int = 2
     """Estimate every exit's acceptance on one cycle's verified positions of every this many (two cycles in a row
     of every 2n; 1 = every cycle)."""
-    prompt_rows: int = 16
+    prior: str = AUTO
+    """Each exit's P(good) before anything is observed (worth 4 positions): depth = E / L (deeper exits agree more
+    with the last layer, so the deepest candidate drafts first and what it observes decides from there on); flat =
+    0.25 for every exit; auto = depth for a checkpoint whose training run recorded its early exits (config.yaml
+    beside the model folder: they were trained to agree), else flat."""
+    prompt_rows: int = 0
     """First estimates from the prompt: the prefill keeps each candidate exit's stream at the prompt's last this many
-    positions, and each exit's top token there is compared with the target's (one head call of (exits + 1) x this
-    rows per prompt), so the first drafts come from this context's own acceptance instead of a flat prior (0: none).
-    """
+    positions, and each exit's top token there is compared with the target's (a draft-head call of exits x this
+    rows and a full-head call of this rows per prompt), so the first drafts follow this context's own acceptance
+    instead of a flat prior (0: none)."""
     explore_every: int = 16
     """While it takes plain steps (the cost model's or the gate's choice) but predicts at least 0.85x for its best
     choice, draft that choice once every this many cycles: how acceptance runs on (a good draft after a good one) is
     only seen in drafted text (0 = never)."""
     calibrate: bool = True
-    """Scale the weight-count prices of draft forwards and verifications by measured times (draft seconds per unit
-    of price against a plain step's seconds); off: weight counts only (deterministic choices)."""
+    """Divide every drafting choice's predicted speed-up by the measured cost of drafting: seconds per unit of
+    weight-count cost of the drafted cycles against a plain step's seconds (``CycleTiming``); off: weight counts
+    only (deterministic choices)."""
     adaptive: bool = True
     """Also time plain steps and draft cycles (the fallback gate of early_exit --adaptive) and take plain steps
     while measured drafting does not beat them; off: the cost model alone decides."""
@@ -104,6 +115,8 @@ class DynamicExitConfig(DraftVocabOption, RememberOption):
             parse_stops(self.stops)
         except ValueError as e:
             raise UserError(str(e)) from None
+        if self.prior not in PRIORS:
+            raise UserError(f"prior must be one of {', '.join(PRIORS)}, got {self.prior!r}")
         if not 0 <= self.prompt_rows <= 4096:
             raise UserError(f"prompt-rows must be between 0 and 4096 prompt positions (0 = none), "
                             f"got {self.prompt_rows}")
@@ -184,33 +197,43 @@ def _weights(spec) -> tuple[int, int]:
     return layer, spec.num_layers * layer + spec.vocab_size * d
 
 
-class PriceTiming:
-    """Measured prices: the weight-count price of a draft forward (``exit_prices``) times the ratio of measured draft
-    seconds per unit of that price to a measured plain step's seconds, once both were timed (``MIN_TIMED`` each);
-    1 before. The weight count misses what a step costs besides reading weights (Python, the sampler, kernel
-    launches), which a measured ratio includes."""
+class CycleTiming:
+    """Measured cost of drafting: seconds per unit of the cost model's price (plain steps by weight count: the draft
+    forwards, the verification and its rows, as a cycle realised them; ``realised_cost``) over a plain step's seconds,
+    once both were timed ``MIN_TIMED`` times; 1 before. Weight counts miss what each call costs besides reading
+    weights (Python, the sampler, kernel launches, a confidence stop's host reads); this ratio folds that into the
+    prediction of every drafting choice, so a chain that stops at once is not taken for as cheap as a plain step."""
 
     MIN_TIMED = 2
-    BOUNDS = (0.2, 2.0)
+    BOUNDS = (0.5, 3.0)
 
     def __init__(self, weight: float = 0.2):
-        self.draft_rate, self.plain_rate = Rate(weight), Rate(weight)
+        self.drafted, self.plain = Rate(weight), Rate(weight)
 
-    def draft(self, seconds: float, price: float) -> None:
-        """A draft chain took ``seconds`` for forwards worth ``price`` plain steps by weight count."""
-        if price > 0:
-            self.draft_rate.add(price, seconds)  # "tokens" = price units
+    def cycle(self, seconds: float, cost: float) -> None:
+        """A drafted cycle took ``seconds`` for a realised cost of ``cost`` plain steps by weight count."""
+        if cost > 0:
+            self.drafted.add(cost, seconds)  # "tokens" = cost units
 
-    def plain(self, seconds: float) -> None:
-        """A plain step (nothing drafted, nothing observed) took ``seconds``."""
-        self.plain_rate.add(1, seconds)
+    def plain_step(self, seconds: float) -> None:
+        """A plain step took ``seconds``."""
+        self.plain.add(1, seconds)
 
     def scale(self) -> float:
-        """Measured price over weight-count price (1 until timed)."""
-        if min(self.draft_rate.cycles, self.plain_rate.cycles) < self.MIN_TIMED:
+        """Measured over weight-count cost of drafting (1 until timed)."""
+        if min(self.drafted.cycles, self.plain.cycles) < self.MIN_TIMED:
             return 1.0
-        ratio = self.plain_rate.value / self.draft_rate.value  # (steps/s) / (price units/s)
+        ratio = self.plain.value / self.drafted.value  # (steps/s) / (cost units/s)
         return min(max(ratio, self.BOUNDS[0]), self.BOUNDS[1])
+
+
+def realised_cost(price: float, verify: float, slope: float, forwards: int, proposed: int) -> float:
+    """What a cycle cost by weight count, in plain steps (``predicted_speedup``'s denominator as it happened):
+    ``forwards`` draft forwards at ``price`` each, a verification of ``proposed`` + 1 rows that reuses the draft's
+    layers below E (``verify``) unless the last proposal had no draft forward of its own (nothing stopped the chain:
+    it needs every layer, about a plain step)."""
+    every = forwards == proposed  # the chain did not stop on confidence
+    return price * forwards + verify + (1 - verify) * every + slope * verify * proposed
 
 
 class ObservingForward(EarlyExitForward):
@@ -299,9 +322,11 @@ class DynamicExitDrafter(Drafter):
         rows = runner.spec.vocab_size if self.vocab is None else self.vocab.size
         self.prices = exit_prices(runner.spec, self.exits, rows)
         self.verify_prices = verify_prices(runner.spec, self.exits)
-        self.timing = PriceTiming()
+        self.timing = CycleTiming()
         self.forwards_at = {e: EarlyExitForward(runner, e, self.vocab) for e in self.exits}
-        self.estimates = RunEstimates(self.exits, parse_stops(config.stops), config.decay)
+        depth = config.prior == "depth" or (config.prior == AUTO and trained_exits(runner) is not None)
+        prior = {e: e / runner.num_layers for e in self.exits} if depth else None
+        self.estimates = RunEstimates(self.exits, parse_stops(config.stops), config.decay, prior)
         self.gate = FallbackGate(config.recheck_interval, enabled=config.adaptive)
         self.memory = GateMemory.for_drafter(runner, self.name, config) if config.adaptive else None
         if self.memory is not None:
@@ -323,6 +348,7 @@ class DynamicExitDrafter(Drafter):
         self.drafted_at = dict.fromkeys(self.exits, 0)
         self.schedule: list[list[float]] = []
         self._cycle_start: float | None = None
+        self._cost = 0.0  # the drafted cycle's realised cost by weight count (``realised_cost``)
         self._forward: ObservingForward | None = None
 
     @property
@@ -330,10 +356,13 @@ class DynamicExitDrafter(Drafter):
         return self.config.num_draft + 1
 
     def _best(self) -> Choice:
+        args = (self.estimates, self.prices, self.config.num_draft, self.config.verify_slope, self.verify_prices)
+        best, current = best_choice(*args), getattr(self, "choice", None)
+        if current is not None and best.exit != current.exit:
+            stay = best_choice(*args, exits=[current.exit])  # the current exit's best k and stop under new estimates
+            best = best if best.speedup > stay.speedup * (1 + SWITCH_MARGIN) else stay
         scale = self.timing.scale() if self.config.calibrate else 1.0
-        prices = {e: scale * c for e, c in self.prices.items()}
-        verify = {e: scale * v for e, v in self.verify_prices.items()}
-        return best_choice(self.estimates, prices, self.config.num_draft, self.config.verify_slope, verify)
+        return Choice(best.exit, best.k, best.stop, best.speedup / scale)
 
     def start(self, state: DecodeState) -> None:
         self._reset_counts()
@@ -358,9 +387,9 @@ class DynamicExitDrafter(Drafter):
             return self._plain()
         self._forward = ObservingForward(self.runner, c.exit, self.exits, self.vocab) \
             if observe and c.exit > self.exits[0] else None
-        t0 = time.perf_counter()
         chain = draft_chain(state, self._forward or self.forwards_at[c.exit], c.k, c.stop)
-        self.timing.draft(time.perf_counter() - t0, chain.forwards * self.prices[c.exit])
+        self._cost = realised_cost(self.prices[c.exit], self.verify_prices[c.exit], self.config.verify_slope,
+                                   chain.forwards, len(chain.draft.tokens))
         self.forwards += chain.forwards
         if not chain.forwards:
             return self._plain()
@@ -401,13 +430,17 @@ class DynamicExitDrafter(Drafter):
             self.schedule.append([self.cycle, exit, k, stop])
 
     def update(self, state: DecodeState, outcome: VerifyOutcome) -> None:
+        if self._cycle_start is not None:  # timed before an observation's scoring, which either choice pays
+            seconds = time.perf_counter() - self._cycle_start
+            if outcome.draft is None:
+                self.timing.plain_step(seconds)
+            else:
+                self.timing.cycle(seconds, self._cost)
         if outcome.observed:  # the estimates change only here
             self._learn(outcome)
             self.choice = self._best()
         if self._cycle_start is not None:
             seconds = time.perf_counter() - self._cycle_start
-            if outcome.draft is None and not outcome.observed:
-                self.timing.plain(seconds)
             self.gate.record(len(outcome.tokens), seconds, drafted=outcome.draft is not None)
             c = self.choice  # a new exit predicted to pay is probed early: the gate measured another one
             moved = c.exit != self._gate_exit and c.speedup >= self.config.min_speedup

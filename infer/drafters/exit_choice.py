@@ -14,8 +14,9 @@ each. A chain of k drafts then yields
     forwards(k) = 1 + q1 (1 + q + ... + q^(k-2))        q1 = P(confident), q = P(confident | previous confident)
     proposed(k) = q1 (1 + q + ... + q^(k-1))
 
-and costs ``c_E forwards + verify + slope proposed`` plain steps: a draft forward at E, and verifying 1 + proposed
-rows. LayerSkip's verification reuses the exact KV and stream the draft forwards computed below E, so where every
+and costs ``c_E forwards + verify + slope v_E proposed`` plain steps: a draft forward at E, and verifying 1 + proposed
+rows (each extra row runs only the layers the first does, so it costs ``slope`` times ``v_E`` below). LayerSkip's
+verification reuses the exact KV and stream the draft forwards computed below E, so where every
 verified row went through a draft forward (the chain stopped on confidence: its last forward's token was not
 proposed) it runs only layers [E, L) and the head, ``v_E`` of a plain step; where all k drafts were proposed, the
 last one still needs every layer, about a plain step. So ``verify = v_E + (1 - v_E) P(all k proposed)``, with
@@ -27,10 +28,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PRIOR_GOOD, PRIOR_SEEN = 1.0, 4.0
-"""Pseudo-counts every (exit, stop) starts from: P(good) 0.25 before anything is observed, worth 4 positions, so
-one lucky hit of a cheap shallow exit does not make it the choice (an exit accepted everywhere still reaches 0.92
-with the default decay)."""
+PRIOR_SEEN = 4.0
+"""Pseudo-positions every (exit, stop) starts from (the prior is worth 4 observed positions), at its exit's prior
+P(good) (``RunEstimates`` ``prior``; default 0.25, so one lucky hit of a cheap shallow exit does not make it the
+choice; an exit accepted everywhere still reaches 0.92 with the default decay)."""
 PRIOR_PAIRS = 1.0
 """Pseudo-pairs the run statistics start from, at the marginal (independent drafts until pairs are seen)."""
 AUTO_STOPS = (0.0, 0.5, 0.7, 0.9)
@@ -82,11 +83,12 @@ class RunRates:
 class _Counts:
     """Discounted counts of one (exit, stop): positions, confident, good, and consecutive pairs of them."""
 
-    __slots__ = ("seen", "conf", "good", "after_conf", "conf_conf", "after_good", "good_good", "last")
+    __slots__ = ("seen", "conf", "good", "after_conf", "conf_conf", "after_good", "good_good", "prior", "last")
 
-    def __init__(self) -> None:
-        for name in self.__slots__[:-1]:
+    def __init__(self, prior: float = 0.25) -> None:
+        for name in self.__slots__[:-2]:
             setattr(self, name, 0.0)
+        self.prior = prior  # P(good) before anything is observed
         self.last: tuple[bool, bool] | None = None  # (confident, good) of the last position added
 
     def add(self, conf: list[bool], good: list[bool], decay: float, continues: bool) -> None:
@@ -104,7 +106,7 @@ class _Counts:
         self.last = prev
 
     def rates(self, stop: float) -> RunRates:
-        p1 = (self.good + PRIOR_GOOD) / (self.seen + PRIOR_SEEN)
+        p1 = (self.good + self.prior * PRIOR_SEEN) / (self.seen + PRIOR_SEEN)
         q1 = 1.0 if stop == 0 else (self.conf + PRIOR_SEEN / 2) / (self.seen + PRIOR_SEEN)
         p = (self.good_good + PRIOR_PAIRS * p1) / (self.after_good + PRIOR_PAIRS)
         q = 1.0 if stop == 0 else (self.conf_conf + PRIOR_PAIRS * q1) / (self.after_conf + PRIOR_PAIRS)
@@ -114,9 +116,10 @@ class _Counts:
 class RunEstimates:
     """Per candidate exit and confidence stop: the discounted counts behind ``RunRates``."""
 
-    def __init__(self, exits: list[int], stops: tuple[float, ...], decay: float):
+    def __init__(self, exits: list[int], stops: tuple[float, ...], decay: float, prior: dict[int, float] | None = None):
+        """``prior``: each exit's P(good) before anything is observed (default 0.25 for every exit)."""
         self.exits, self.stops, self.decay = exits, stops, decay
-        self.counts = {(e, s): _Counts() for e in exits for s in stops}
+        self.counts = {(e, s): _Counts(0.25 if prior is None else prior[e]) for e in exits for s in stops}
 
     def add(self, exit: int, probs: list[float], hits: list[bool], continues: bool = False) -> None:
         """One window of consecutive verified positions at ``exit``: its top token's probability and whether that
@@ -146,15 +149,17 @@ def predicted_speedup(rates: RunRates, k: int, price: float, slope: float, verif
     forwards = 1 + rates.confident * _geometric(rates.confident_after_confident, k - 1)
     proposed = rates.confident * _geometric(rates.confident_after_confident, k)
     every = rates.confident * rates.confident_after_confident ** (k - 1)  # all k proposed: the last row not reused
-    return tokens / (price * forwards + verify + (1 - verify) * every + slope * proposed)
+    return tokens / (price * forwards + verify + (1 - verify) * every + slope * verify * proposed)
 
 
 def best_choice(estimates: RunEstimates, prices: dict[int, float], max_k: int, slope: float,
-                verify: dict[int, float] | None = None) -> Choice:
+                verify: dict[int, float] | None = None, exits: list[int] | None = None) -> Choice:
     """The (E, k, stop) with the most expected tokens per plain-step cost (``predicted_speedup``);
-    ``verify``: each exit's verification price (default 1: a plain step)."""
+    ``verify``: each exit's verification price (default 1: a plain step); ``exits``: only among these."""
     best = None
     for (e, s) in estimates.counts:
+        if exits is not None and e not in exits:
+            continue
         rates, v = estimates.rates(e, s), 1.0 if verify is None else verify[e]
         for k in range(1, max_k + 1):
             speedup = predicted_speedup(rates, k, prices[e], slope, v)

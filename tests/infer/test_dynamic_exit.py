@@ -156,9 +156,10 @@ def test_cost_model():
     for k in (1, 4):
         assert predicted_speedup(RunRates(a, a, 1.0, 1.0), k, c, s) == pytest.approx(
             (1 - a ** (k + 1)) / (1 - a) / (k * c + 1 + s * k))
-        # no stop: every chain proposes all k, whose last row verification runs through every layer (no reuse)
+        # no stop: every chain proposes all k, whose last row runs through every layer (a plain step's price), the
+        # other rows only through layers [E, L) (each extra row costs s times the reused verification's 0.3)
         assert predicted_speedup(RunRates(a, a, 1.0, 1.0), k, c, s, verify=0.3) == pytest.approx(
-            predicted_speedup(RunRates(a, a, 1.0, 1.0), k, c, s))
+            (1 - a ** (k + 1)) / (1 - a) / (k * c + 1 + s * 0.3 * k))
     # with a stop, chains that stop early verify only layers [E, L): the reused KV makes them cheaper
     stopping = RunRates(0.6, 0.8, 0.7, 0.8)
     assert predicted_speedup(stopping, 6, c, s, verify=0.3) > 1.15 * predicted_speedup(stopping, 6, c, s)
@@ -239,10 +240,11 @@ def test_default_model_drafts_rarely_and_exactly(default_model_path):
     prompt = model.encode("def is_prime(n):\n    \"\"\"Return True if n is prime.\"\"\"\n")
     cfg = DecodeConfig(max_new_tokens=32, stop_at_eos=False)
     ref = Engine(model.runner, build_drafter("autoregressive", model.runner)).generate(prompt, cfg).tokens
-    drafter = build_drafter("dynamic_exit", model.runner, {"remember": "off"})
-    res = Engine(model.runner, drafter).generate(prompt, cfg)
-    assert res.tokens == ref
-    assert res.stats.drafter.plain_steps >= 0.8 * res.stats.verify_calls, res.stats.drafter
+    for calibrate in (False, True):  # weight counts alone (deterministic), then with measured times
+        drafter = build_drafter("dynamic_exit", model.runner, {"remember": "off", "calibrate": calibrate})
+        res = Engine(model.runner, drafter).generate(prompt, cfg)
+        assert res.tokens == ref
+        assert res.stats.drafter.plain_steps >= 0.8 * res.stats.verify_calls, (calibrate, res.stats.drafter)
     forced = build_drafter("dynamic_exit", model.runner, FORCED | {"exits": "8/24", "k": 3})
     assert Engine(model.runner, forced).generate(prompt, cfg).tokens == ref
 
