@@ -96,21 +96,30 @@ step "$OUT/independent/independent.json" "$BIN/python" scripts/bench_independent
   --max-new-tokens 96 --repeats 3 --threads "$THREADS" --device cpu --out "$OUT/independent"
 # 12. the exit chosen per context (dynamic_exit) against the best fixed (E, k, confidence) early exit, the fixed
 #     setting chosen on tuning prompts (--skip 4: the 4 before the held-out 4), then both timed on the held-out 4
-#     beside plain decoding and transformers, each model's verifier quality in the same table; the
-#     keep_final checkpoint (recipes/cpu-demo-stdlib-keepfinal.yaml) in a run of its own when it exists
+#     beside plain decoding and transformers, each model's verifier quality in the same table; the training-free
+#     families on the unchanged model on the same held-out prompts and quality split; the keep_final checkpoint
+#     (recipes/cpu-demo-stdlib-keepfinal.yaml) in a run of its own when it exists. Its own 12-prompt file: the
+#     last 4 were used by no other step and by none of dynamic_exit's development (which saw the first 8)
+step "$OUT/prompts12/long_prompts.jsonl" "$BIN/python" scripts/long_prompts.py --n 12 \
+  --out "$OUT/prompts12/long_prompts.jsonl"
+LONG12="$OUT/prompts12/long_prompts.jsonl"
 FIXED_GRID="early_exit:E=24:k=4,early_exit:E=24:k=8:confidence=0.5,early_exit:E=24:k=8:confidence=0.7,early_exit:E=24:k=8:confidence=0.9,early_exit:E=24:k=4:confidence=0.7,early_exit:E=20:k=8:confidence=0.7,early_exit:E=16:k=8:confidence=0.7"
 step "$OUT/tune_fixed/results.json" "$BIN/layerskip" bench --model "trained=$TRAINED" \
-  --drafters "autoregressive,$FIXED_GRID,dynamic_exit" --peers none --data "$OUT/long_prompts.jsonl,humaneval" --n 4 --skip 4 \
+  --drafters "autoregressive,$FIXED_GRID,dynamic_exit" --peers none --data "$LONG12,humaneval" --n 4 --skip 4 \
   --max-new-tokens 96 --repeats 1 --quality-data none --threads "$THREADS" --device cpu --quiet --out "$OUT/tune_fixed"
 BEST=$("$BIN/python" scripts/best_fixed.py "$OUT/tune_fixed/results.json")
 step "$OUT/dynamic_exit/results.json" "$BIN/layerskip" bench --model base=default --model "trained=$TRAINED" \
-  --drafters "autoregressive,$BEST,dynamic_exit" --peers hf_generate --data "$OUT/long_prompts.jsonl" \
+  --drafters "autoregressive,$BEST,dynamic_exit" --peers hf_generate --data "$LONG12" \
   --n 4 --max-new-tokens 96 --repeats 2 --threads "$THREADS" --device cpu --quiet --out "$OUT/dynamic_exit"
+step "$OUT/families_held_out/results.json" "$BIN/layerskip" bench --model base=default \
+  --drafters "autoregressive,self_sd:plan=plans/smollm2-135m-humaneval.json,swift,early_exit:adapter=default:k=4:confidence=0.6" \
+  --peers none --data "$LONG12" --n 4 --max-new-tokens 96 --repeats 2 --threads "$THREADS" --device cpu --quiet \
+  --out "$OUT/families_held_out"
 KEEPFINAL=${KEEPFINAL:-runs/cpu-demo-keepfinal/final}
 if [ -e "$KEEPFINAL/config.json" ]; then
   step "$OUT/keep_final_bench/results.json" "$BIN/layerskip" bench --model base=default \
     --model "keepfinal=$KEEPFINAL" --drafters "autoregressive,$BEST,dynamic_exit" --peers none \
-    --data "$OUT/long_prompts.jsonl" --n 4 --max-new-tokens 96 --repeats 2 --threads "$THREADS" \
+    --data "$LONG12" --n 4 --max-new-tokens 96 --repeats 2 --threads "$THREADS" \
     --device cpu --quiet --out "$OUT/keep_final_bench"
 fi
 run "$BIN/python" scripts/write_results.py --runs "$OUT" --out docs/RESULTS.md
