@@ -14,7 +14,7 @@ Steps (each records its command and wall time; a step whose output exists in --o
      held-out packages (scripts/eval_exits.py), loss on HumanEval prompts, greedy GSM8K answer accuracy;
   3. a Self-SD plan searched for each model on this device (skipped, with a note, without optuna);
   4. `layerskip bench` of base and trained in bf16: autoregressive, early_exit at several E/k (and the
-     adaptive gate), self_sd, swift and the peers hf_generate, hf_static, hf_early_exit, on held-out code
+     adaptive gate), dynamic_exit, self_sd, swift and the peers hf_generate, hf_static, hf_early_exit, on held-out code
      (prompts cut from the held-out packages), HumanEval and GSM8K, methods interleaved per prompt;
   5. docs/gpu/compare.json and the GPU section of docs/RESULTS.md (with --dry-run: only under --out).
 
@@ -111,6 +111,9 @@ class Settings:
 EARLY_EXITS = ["early_exit:E=12:k=3", "early_exit:E=16:k=3", "early_exit:E=24:k=2", "early_exit:E=16:k=3:adaptive=true"]
 """The first GPU run's best E/k after training (12/3, 16/3, 24/2), and the adaptive gate at 16/3."""
 SEARCHED = ["self_sd:plan={plan}", "swift"]
+DYNAMIC = "dynamic_exit:verify_slope=0.02"
+"""The exit chosen per context; verifying extra rows is nearly free on an H200 in bf16 (2-32 rows cost 1.16-1.26
+plain steps: docs/RESULTS.md), unlike the CPU default slope of 0.13."""
 
 
 def gpu_settings() -> Settings:
@@ -119,7 +122,7 @@ def gpu_settings() -> Settings:
                     eval_batch=16, prompts=8, max_new_tokens=48, repeats=2, trials=40, search_timeout=40.0,
                     search_prompts=4, search_tokens=32, humaneval_items=None, gsm8k_items=None, gsm8k_tokens=256,
                     gsm8k_batch=50,
-                    drafters=["autoregressive", *EARLY_EXITS, *SEARCHED],
+                    drafters=["autoregressive", *EARLY_EXITS, DYNAMIC, *SEARCHED],
                     peers=["hf_generate", "hf_early_exit:E=12:k=3", "hf_static"])  # the compiled peer last
 
 
@@ -172,7 +175,7 @@ def dry_settings() -> Settings:
                     search_timeout=20.0, search_prompts=1, search_tokens=4, humaneval_items=2, gsm8k_items=2,
                     gsm8k_tokens=8, gsm8k_batch=2,
                     drafters=["autoregressive", "early_exit:E={e1}:k=2", "early_exit:E={e2}:k=2:adaptive=true",
-                              *SEARCHED],
+                              DYNAMIC, *SEARCHED],
                     peers=["hf_generate", "hf_early_exit:E={e1}:k=2", "hf_static"])
 
 
