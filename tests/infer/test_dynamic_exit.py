@@ -7,7 +7,7 @@ import yaml
 from lossless_stats import P_THRESHOLD, sampling_pvalue
 
 from infer.drafters import build_drafter, drafter_spec
-from infer.drafters.dynamic_exit import DynamicExitDrafter, candidate_exits, exit_prices
+from infer.drafters.dynamic_exit import CycleTiming, DynamicExitDrafter, candidate_exits, exit_prices, realised_cost
 from infer.drafters.exit_choice import Choice, RunEstimates, RunRates, best_choice, predicted_speedup
 from infer.drafters.registry import stats_from_dict
 from infer.engine import DecodeConfig, Engine
@@ -193,6 +193,41 @@ def test_default_exits_are_the_trained_ones(tmp_path):
     (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump({"early_exit": {"exits": [3, 1, 9]}}))
     assert candidate_exits("auto", Runner.from_pretrained(folder)) == [1, 3]  # the last layer's own 4 and 9 drop
     assert candidate_exits("2/3", Runner.from_pretrained(folder)) == [2, 3]
+
+
+def test_prior_follows_depth_where_the_exits_were_trained(tmp_path):
+    """auto: a checkpoint whose training run recorded its exits starts from P(good) = E / L (its deepest candidate
+    is the first choice); without that record, or with prior flat, every exit starts at 0.25."""
+    folder = save_tiny(tmp_path / "run" / "final", layers=4)
+    untrained = build_drafter("dynamic_exit", Runner.from_pretrained(folder), FORCED | {"exits": "1/3"})
+    assert untrained.estimates.rates(1, 0.0).good == untrained.estimates.rates(3, 0.0).good == 0.25
+    (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump({"early_exit": {"exits": [1, 3]}}))
+    runner = Runner.from_pretrained(folder)
+    trained = build_drafter("dynamic_exit", runner, FORCED)
+    assert trained.estimates.rates(1, 0.0).good == 0.25 and trained.estimates.rates(3, 0.0).good == 0.75
+    assert trained.choice.exit == 3
+    flat = build_drafter("dynamic_exit", runner, FORCED | {"prior": "flat"})
+    assert flat.estimates.rates(3, 0.0).good == 0.25
+
+
+def test_drafting_decisions_use_the_measured_cost():
+    """A drafted cycle's realised weight-count cost is the cost model's denominator as it happened, and the ratio of
+    measured seconds per unit of it to a plain step's seconds divides every drafting prediction."""
+    price, verify, slope = 0.5, 0.3, 0.1
+    # nothing stopped the chain: its last proposal has no draft forward, so verification reads every layer
+    full = realised_cost(price, verify, slope, forwards=4, proposed=4)
+    assert full == pytest.approx(4 * price + 1 + slope * verify * 4)
+    stopped = realised_cost(price, verify, slope, forwards=3, proposed=2)  # the third forward's token not proposed
+    assert stopped == pytest.approx(3 * price + verify + slope * verify * 2)
+    sure = RunRates(1.0, 1.0, 1.0, 1.0)  # every draft accepted: 5 tokens for the realised cost of a full chain of 4
+    assert predicted_speedup(sure, 4, price, slope, verify) == pytest.approx(
+        5 / realised_cost(price, verify, slope, forwards=4, proposed=4))
+    timing = CycleTiming()
+    assert timing.scale() == 1.0
+    for _ in range(3):
+        timing.plain_step(0.1)
+        timing.cycle(0.3, 1.5)  # 0.2 s per unit of weight-count cost, a plain step 0.1 s
+    assert timing.scale() == pytest.approx(2.0)
 
 
 def test_stats_serialise(runner):
