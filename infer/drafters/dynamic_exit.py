@@ -84,7 +84,7 @@ class DynamicExitConfig(DraftVocabOption, RememberOption):
     prior: str = AUTO
     """Each exit's P(good) before anything is observed (worth 4 positions): depth = E / L (deeper exits agree more
     with the last layer, so the deepest candidate drafts first and what it observes decides from there on); flat =
-    0.25 for every exit; auto = depth for a checkpoint whose training run recorded its early exits (config.yaml
+    0.1 for every exit; auto = depth for a checkpoint whose training run recorded its early exits (config.yaml
     beside the model folder: they were trained to agree), else flat."""
     prompt_rows: int = 0
     """First estimates from the prompt: the prefill keeps each candidate exit's stream at the prompt's last this many

@@ -30,8 +30,12 @@ from dataclasses import dataclass
 
 PRIOR_SEEN = 4.0
 """Pseudo-positions every (exit, stop) starts from (the prior is worth 4 observed positions), at its exit's prior
-P(good) (``RunEstimates`` ``prior``; default 0.25, so one lucky hit of a cheap shallow exit does not make it the
-choice; an exit accepted everywhere still reaches 0.92 with the default decay)."""
+P(good) (``RunEstimates`` ``prior``; default ``FLAT_PRIOR``; an exit accepted everywhere still reaches 0.92 with the
+default decay)."""
+FLAT_PRIOR = 0.1
+"""P(good) of every exit of a model whose exits were not trained, before anything is observed: low enough that no
+exit is predicted to pay before one is seen to (untrained exits of the default model agree 0.02-0.2 with the last
+layer), so one lucky hit of a cheap shallow exit does not make it the choice."""
 PRIOR_PAIRS = 1.0
 """Pseudo-pairs the run statistics start from, at the marginal (independent drafts until pairs are seen)."""
 AUTO_STOPS = (0.0, 0.5, 0.7, 0.9)
@@ -85,7 +89,7 @@ class _Counts:
 
     __slots__ = ("seen", "conf", "good", "after_conf", "conf_conf", "after_good", "good_good", "prior", "last")
 
-    def __init__(self, prior: float = 0.25) -> None:
+    def __init__(self, prior: float = FLAT_PRIOR) -> None:
         for name in self.__slots__[:-2]:
             setattr(self, name, 0.0)
         self.prior = prior  # P(good) before anything is observed
@@ -117,9 +121,9 @@ class RunEstimates:
     """Per candidate exit and confidence stop: the discounted counts behind ``RunRates``."""
 
     def __init__(self, exits: list[int], stops: tuple[float, ...], decay: float, prior: dict[int, float] | None = None):
-        """``prior``: each exit's P(good) before anything is observed (default 0.25 for every exit)."""
+        """``prior``: each exit's P(good) before anything is observed (default ``FLAT_PRIOR`` for every exit)."""
         self.exits, self.stops, self.decay = exits, stops, decay
-        self.counts = {(e, s): _Counts(0.25 if prior is None else prior[e]) for e in exits for s in stops}
+        self.counts = {(e, s): _Counts(FLAT_PRIOR if prior is None else prior[e]) for e in exits for s in stops}
 
     def add(self, exit: int, probs: list[float], hits: list[bool], continues: bool = False) -> None:
         """One window of consecutive verified positions at ``exit``: its top token's probability and whether that

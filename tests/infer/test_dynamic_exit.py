@@ -97,7 +97,8 @@ def test_exploration_drafts_now_and_then_when_nearly_even(scripted):
     decoding's."""
     ref = plain(scripted, PROMPTS[2], 60).tokens
     for every, explores in ((4, True), (0, False)):
-        options = FORCED | {"exits": "1/3", "k": 4, "min_speedup": 5, "explore_every": every, "observe_every": 1000}
+        options = FORCED | {"exits": "1/3", "k": 4, "min_speedup": 5, "explore_every": every, "observe_every": 1000,
+                            "prior": "depth"}  # nearly even from the start: exit 3's prior P(good) is 3 / 6
         res = Engine(scripted, build_drafter("dynamic_exit", scripted, options)).generate(
             PROMPTS[2], DecodeConfig(max_new_tokens=60))
         assert res.tokens == ref
@@ -197,17 +198,17 @@ def test_default_exits_are_the_trained_ones(tmp_path):
 
 def test_prior_follows_depth_where_the_exits_were_trained(tmp_path):
     """auto: a checkpoint whose training run recorded its exits starts from P(good) = E / L (its deepest candidate
-    is the first choice); without that record, or with prior flat, every exit starts at 0.25."""
+    is the first choice); without that record, or with prior flat, every exit starts at 0.1."""
     folder = save_tiny(tmp_path / "run" / "final", layers=4)
     untrained = build_drafter("dynamic_exit", Runner.from_pretrained(folder), FORCED | {"exits": "1/3"})
-    assert untrained.estimates.rates(1, 0.0).good == untrained.estimates.rates(3, 0.0).good == 0.25
+    assert untrained.estimates.rates(1, 0.0).good == untrained.estimates.rates(3, 0.0).good == 0.1
     (tmp_path / "run" / "config.yaml").write_text(yaml.safe_dump({"early_exit": {"exits": [1, 3]}}))
     runner = Runner.from_pretrained(folder)
     trained = build_drafter("dynamic_exit", runner, FORCED)
-    assert trained.estimates.rates(1, 0.0).good == 0.25 and trained.estimates.rates(3, 0.0).good == 0.75
+    assert trained.estimates.rates(1, 0.0).good == 0.25 and trained.estimates.rates(3, 0.0).good == 0.75  # E / 4
     assert trained.choice.exit == 3
     flat = build_drafter("dynamic_exit", runner, FORCED | {"prior": "flat"})
-    assert flat.estimates.rates(3, 0.0).good == 0.25
+    assert flat.estimates.rates(3, 0.0).good == 0.1
 
 
 def test_drafting_decisions_use_the_measured_cost():
