@@ -233,6 +233,8 @@ def main(argv: list[str] | None = None) -> None:
                            "tune_fixed")
     page += _bench_section(args.runs / "dynamic_exit", "Dynamic exit vs the best fixed early exit, held out, with the "
                            "verifier's quality", img, old, "dynamic_exit")
+    page += _bench_section(args.runs / "dynamic_exit_fresh", "Dynamic exit confirmed on fresh prompts, three "
+                           "verifiers", img, old, "dynamic_exit_fresh")
     page += _bench_section(args.runs / "families_held_out", "Training-free families on the same held-out prompts "
                            "(unchanged verifier)", img, old, "families_held_out")
     page += _bench_section(args.runs / "keep_final_bench", "The keep_final checkpoint as a drafter", img, old,
