@@ -368,12 +368,15 @@ class Engine:
         runner = self.runner
         ids = runner.to_device(state.tokens[:state.prompt_len])  # (P,)
         positions = torch.arange(state.prompt_len, device=runner.device)  # (P,)
+        layers = self._prompt_layers(state)
         hidden, start, kept = runner.embed(ids), 0, {}  # (P, d)
-        for layer in [*self._prompt_layers(state), state.depth]:  # split where the drafter observes: same layers
+        for layer in [*layers, state.depth]:  # split where the drafter observes: same layers on the same rows
             hidden = runner.forward_layers(state.cache, hidden, positions, start, layer, bulk=True)  # (P, d)
-            kept[layer], start = hidden[-self.drafter.prompt_rows:], layer  # (m, d)
+            if layers:
+                kept[layer] = hidden[-self.drafter.prompt_rows:]  # (m, d)
+            start = layer
         state.n = state.prompt_len
-        state.prompt_observed = kept if len(kept) > 1 else None
+        state.prompt_observed = kept or None
         return runner.logits(hidden[-1:])  # (1, V)
 
     def _prompt_layers(self, state: DecodeState) -> list[int]:

@@ -339,6 +339,7 @@ class DynamicExitDrafter(Drafter):
                 self.gate.load((self.memory.load() or {}).get("gate", {}))
             except (KeyError, TypeError, ValueError):  # a damaged memory file: start afresh
                 self.gate = FallbackGate(config.recheck_interval, enabled=True)
+        self.choice: Choice | None = None  # none yet: the first choice has no current exit to stay with
         self.choice = self._best()
         self._gate_exit: int | None = None  # the exit drafting when the gate last started a probe
         self.observe_layers: tuple[int, ...] = ()
@@ -362,7 +363,7 @@ class DynamicExitDrafter(Drafter):
 
     def _best(self) -> Choice:
         args = (self.estimates, self.prices, self.config.num_draft, self.config.verify_slope, self.verify_prices)
-        best, current = best_choice(*args), getattr(self, "choice", None)
+        best, current = best_choice(*args), self.choice
         if current is not None and best.exit != current.exit:
             stay = best_choice(*args, exits=[current.exit])  # the current exit's best k and stop under new estimates
             best = best if best.speedup > stay.speedup * (1 + SWITCH_MARGIN) else stay
