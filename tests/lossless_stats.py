@@ -43,22 +43,40 @@ def target_joint(model, prompt: list[int], cfg: SamplingConfig, steps: int) -> d
 
 
 def sampling_pvalue(engine, model, prompt: list[int], cfg: SamplingConfig, steps: int = 3, samples: int = 4000,
-                    seed: int = 0) -> tuple[float, dict]:
+                    seed: int = 0, new_tokens: int | None = None) -> tuple[float, dict]:
     """p-value of the engine's sampled joint of the first ``steps`` tokens against the exact target joint.
 
-    Also returns totals of the engine's statistics (accepted, drafted, draft_forwards), so a test can check
-    that drafting was really exercised (the draft differs from the target and is used).
+    ``new_tokens`` (default ``steps``): tokens generated per sample (more than ``steps`` drafts longer chains; the
+    first ``steps`` are tested). Also returns totals of the engine's statistics (accepted, drafted, draft_forwards),
+    so a test can check that drafting was really exercised (the draft differs from the target and is used).
     """
-    joint = target_joint(model, prompt, cfg, steps)
+    config = DecodeConfig(max_new_tokens=new_tokens or steps, sampling=cfg)
+    gen = torch.Generator().manual_seed(seed)
+    results = [engine.generate(prompt, config, generator=gen) for _ in range(samples)]
+    return joint_pvalue(results, target_joint(model, prompt, cfg, steps), steps), totals_of(results)
+
+
+def batch_sampling_pvalue(batch, model, prompt: list[int], cfg: SamplingConfig, steps: int = 3, samples: int = 4000,
+                          seed: int = 0, new_tokens: int | None = None) -> tuple[float, dict]:
+    """``sampling_pvalue`` through a ``BatchEngine``: the samples are the rows of one batched run of ``prompt``
+    repeated, each row with its own generator (seeded ``seed + row``)."""
+    config = DecodeConfig(max_new_tokens=new_tokens or steps, sampling=cfg)
+    generators = [torch.Generator().manual_seed(seed + i) for i in range(samples)]
+    results = batch.generate([prompt] * samples, config, generators)
+    return joint_pvalue(results, target_joint(model, prompt, cfg, steps), steps), totals_of(results)
+
+
+def joint_pvalue(results, joint: dict[tuple[int, ...], float], steps: int) -> float:
+    """Chi-square p-value of the results' first ``steps`` tokens against ``joint`` (sequence -> probability)."""
     cells = sorted(joint)
     index = {c: i for i, c in enumerate(cells)}
     counts = np.zeros(len(cells))
-    totals = {"accepted": 0, "drafted": 0, "draft_forwards": 0}
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(samples):
-        res = engine.generate(prompt, DecodeConfig(max_new_tokens=steps, sampling=cfg), generator=gen)
-        counts[index[tuple(res.tokens)]] += 1
-        totals["accepted"] += res.stats.accepted
-        totals["drafted"] += res.stats.drafted
-        totals["draft_forwards"] += res.stats.drafter.draft_forwards
-    return chi2_pvalue(counts, np.array([joint[c] for c in cells])), totals
+    for res in results:
+        counts[index[tuple(res.tokens[:steps])]] += 1
+    return chi2_pvalue(counts, np.array([joint[c] for c in cells]))
+
+
+def totals_of(results) -> dict:
+    """Accepted, drafted and draft forwards summed over generation results."""
+    return {"accepted": sum(r.stats.accepted for r in results), "drafted": sum(r.stats.drafted for r in results),
+            "draft_forwards": sum(r.stats.drafter.draft_forwards for r in results)}

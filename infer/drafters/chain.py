@@ -89,7 +89,8 @@ class ChainResult:
     confidence: list[float] = field(default_factory=list)
     """Draft confidence at every forward (including the one that stopped the chain), read on the host only when
     a threshold needed it: the draft's softmax probability of the token it chose there (the top-1 probability
-    when greedy, the sampled token's when sampling, as SWIFT's and Self-SD's code do). Empty otherwise."""
+    when greedy; when sampling, the sampled token's for a chain that keeps its last token, as SWIFT's and Self-SD's
+    code do, else the top-1 probability: see ``draft_chains``). Empty otherwise."""
     forwards: int = 0
     stopped: bool = False
     """The last forward fell below the confidence threshold (rather than the length cap ending the chain)."""
@@ -131,8 +132,8 @@ class _Chain:
 
 def draft_chain(state: DecodeState, forward, max_draft: int, confidence: float = 0.0,
                 keep_last: bool = False, keep_dists: bool = False) -> ChainResult:
-    """Draft up to ``max_draft`` tokens after the pending one, stopping at the first token whose probability is
-    under ``confidence`` (proposed only with ``keep_last``) or at EOS: ``draft_chains`` of one sequence."""
+    """Draft up to ``max_draft`` tokens after the pending one, stopping where the draft's confidence is under
+    ``confidence`` (the token there proposed only with ``keep_last``) or at EOS: ``draft_chains`` of one sequence."""
     return draft_chains([ChainAsk(state, forward, max_draft, confidence)], keep_last, keep_dists)[0]
 
 
@@ -143,6 +144,16 @@ def draft_chains(asks: list[ChainAsk], keep_last: bool = False, keep_dists: bool
     Only chains with a threshold read the host (once per step for all of them, tokens and confidences together);
     without one a chain cannot see an EOS early and drafts all k tokens, and the engine cuts the output at the first
     accepted EOS.
+
+    The stop keeps sampling exact. Speculative sampling accepts a proposed x with min(1, p(x)/q(x)), which is right
+    only if x was drawn from q. With ``keep_last`` the token that fell below the threshold is proposed and the chain
+    ends after it: whether the chain goes on depends on tokens already proposed, never on which tokens get proposed,
+    so the stop may look at the sampled token's probability (SWIFT's and Self-SD's rule). Without ``keep_last`` the
+    low-confidence token is dropped, and dropping a sampled x because q(x) is small would propose x from q restricted
+    to its likely tokens (the output then over-weights them). There the stop is decided on the draft's top-1
+    probability, a quantity fixed before the draw: the chain stops before proposing anything at that position, and
+    a token it does propose is an unconditioned draw from q. Greedy drafts are deterministic (q is one-hot), and the
+    top-1 probability is the chosen token's: both rules are the same there.
     """
     chains = [_Chain(a, min(a.max_draft, a.state.budget - 1), ints_to_device([a.state.pending], a.state.runner.device))
               for a in asks]  # each token (1,) via pinned memory on CUDA: no host sync
@@ -153,7 +164,8 @@ def draft_chains(asks: list[ChainAsk], keep_last: bool = False, keep_dists: bool
         for c, (exact, logits) in zip(active, outs, strict=True):  # (1, d), (1, V)
             c.hiddens.append(exact)
             read, keep = c.ask.confidence > 0, keep_dists or not c.ask.state.sampling.greedy
-            c.token, c.q, p_token = _next_token(logits, c.ask.state, need_p=read, keep_dists=keep)
+            c.token, c.q, p_token = _next_token(logits, c.ask.state, need_p=read, keep_dists=keep,
+                                                top1=not keep_last)
             if read:
                 reads.append(torch.cat([p_token.double(), c.token.double()]))  # (2,)
         host = torch.cat(reads).tolist() if reads else []  # the step's one sync, for every chain with a threshold
@@ -210,13 +222,13 @@ def _chain_result(c: _Chain) -> ChainResult:
     return ChainResult(draft, c.dists, c.conf, len(c.hiddens), c.stop, c.at_eos and not c.stop)
 
 
-def _next_token(logits: Tensor, state: DecodeState, need_p: bool,
-                keep_dists: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """(token (1,), q (1, V) or None, draft probability of the token (1,) or None), all on the device.
+def _next_token(logits: Tensor, state: DecodeState, need_p: bool, keep_dists: bool,
+                top1: bool = True) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """(token (1,), q (1, V) or None, draft confidence (1,) or None), all on the device.
 
     Greedy takes the argmax of the logits (no softmax unless its probability or distribution is needed);
-    sampling draws from the processed distribution q, and the confidence is the raw softmax probability of
-    the drawn token.
+    sampling draws from the processed distribution q. The confidence is a raw softmax probability: the top-1
+    (``top1``, or greedy, where it is the chosen token's), else the drawn token's (see ``draft_chains``).
     """
     if state.sampling.greedy:
         token = logits.argmax(-1)  # (1,)
@@ -227,5 +239,8 @@ def _next_token(logits: Tensor, state: DecodeState, need_p: bool,
         return token, soft if keep_dists else None, p
     q = probs_from_logits(logits, state.sampling)  # (1, V)
     token = sample(q, state.generator)  # (1,)
-    p = torch.softmax(logits, -1).gather(-1, token[:, None])[:, 0] if need_p else None  # (1,)
+    if not need_p:
+        return token, q, None
+    soft = torch.softmax(logits, -1)  # (1, V)
+    p = soft.amax(-1) if top1 else soft.gather(-1, token[:, None])[:, 0]  # (1,)
     return token, q, p

@@ -30,12 +30,23 @@ def state(sampling: SamplingConfig) -> DecodeState:
                        generator=sampling.generator(), tokens=[1], prompt_len=1, n=0, budget=100)
 
 
-def test_sampled_chain_stops_on_the_probability_of_the_sampled_token():
-    """Top-1 is 0.5 >= 0.3 everywhere, but a sampled non-top token (p = 0.033) must end the chain."""
+def test_sampled_chain_that_drops_its_last_token_stops_on_the_top1_probability():
+    """Top-1 is 0.5 >= 0.3 everywhere: a chain that drops its low-confidence token (early exit's) must not stop
+    because a sampled non-top token (p = 0.033) came up, or it would propose q restricted to likely tokens."""
     result = draft_chain(state(SamplingConfig(temperature=1.0, seed=0)), FixedForward(), 8, confidence=0.3)
-    assert result.stopped and result.forwards < 8
+    assert not result.stopped and result.forwards == 8 and result.draft.size == 8
+    assert all(math.isclose(c, 0.5, rel_tol=1e-6) for c in result.confidence)
+    assert set(result.draft.tokens.tolist()) != {3}  # unconditioned draws from q: not only the top token
+    stopped = draft_chain(state(SamplingConfig(temperature=1.0, seed=0)), FixedForward(), 8, confidence=0.6)
+    assert stopped.stopped and stopped.forwards == 1 and stopped.draft.size == 0  # top-1 0.5 < 0.6: nothing drawn
+
+
+def test_sampled_chain_that_keeps_its_last_token_stops_after_a_low_probability_draw():
+    """SWIFT's and Self-SD's rule: the sampled token is proposed, and a low probability ends the chain after it."""
+    result = draft_chain(state(SamplingConfig(temperature=1.0, seed=0)), FixedForward(), 8, confidence=0.3,
+                         keep_last=True)
+    assert result.stopped and result.forwards < 8 and result.draft.size == result.forwards
     assert result.confidence[-1] < 0.3 and all(math.isclose(c, 0.5, rel_tol=1e-6) for c in result.confidence[:-1])
-    assert result.draft.tokens.tolist() == [3] * (result.forwards - 1)  # the uncertain token is not proposed
 
 
 def test_greedy_confidence_is_the_top1_probability():

@@ -1,0 +1,131 @@
+"""The sampling matrix: every drafter, and every option that changes what gets proposed (confidence stops, dynamic
+choices, token trees, a reduced draft vocabulary, an exit adapter, batched rows, the transformers entry with a
+caller's processors in several orders: ``test_sampling_matrix_hf.py``), samples from the exact target distribution.
+
+Each case draws the first tokens of many generations on a 5-token, 4-layer model whose target joint is computed
+exactly by enumeration, and asks a chi-square test whether the sample fits it (seeded, so deterministic). Each
+case also checks that drafting was really exercised: drafts were proposed, some accepted and some rejected.
+Tokens 2 and 3 are drafted positions (4 tokens are generated: the prefill's token, then a chain of 2).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lossless_stats import P_THRESHOLD, batch_sampling_pvalue, sampling_pvalue
+
+from infer.batch import BatchEngine
+from infer.draft_vocab import DraftVocab
+from infer.drafters import build_drafter, drafter_spec
+from infer.engine import Engine
+from infer.plan import LayerPlan
+from infer.runner import Runner
+from infer.sampling import SamplingConfig
+from tiny_models import make_model
+from train.adapter import AdapterLM
+from train.config import AdapterConfig
+
+PROMPT = [1, 2, 3]
+STEPS, NEW_TOKENS, SAMPLES = 3, 4, 1200
+STOP = 0.4
+"""A confidence stop this model's exit-1 draft falls below at about three positions in four."""
+T1 = SamplingConfig(temperature=1.0)
+WARPED = {"t07-topk3": SamplingConfig(temperature=0.7, top_k=3), "topp08": SamplingConfig(temperature=1.0, top_p=0.8)}
+FORCED_DYNAMIC = {"min_speedup": 0, "adaptive": False, "observe_every": 1, "calibrate": False, "exits": "1/2", "k": 2}
+"""dynamic_exit always drafting its best (E, k) from weight-count prices, observing every cycle (no clock involved)."""
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model("llama", seed=7, vocab_size=5, layers=4)
+
+
+@pytest.fixture(scope="module")
+def runner(model):
+    return Runner.from_model(model)
+
+
+@pytest.fixture(scope="module")
+def adapter_file(model, tmp_path_factory):
+    """An exit adapter at E = 1, perturbed by seeded noise (a stand-in for training: its drafts differ from the plain
+    exit's and the target's)."""
+    path = tmp_path_factory.mktemp("adapter") / "a.safetensors"
+    lm = AdapterLM(model, AdapterConfig(enabled=True, exit_layer=1))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in lm.adapter.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    lm.save(path, {"test": True})
+    model.requires_grad_(False)
+    return str(path)
+
+
+def options(case: str, runner: Runner, adapter: str) -> tuple[str, dict]:
+    """The drafter and its options for a case of the matrix."""
+    likely = 2  # a token the target often picks first: leaving it out of the draft vocabulary tests the residual
+    table = {
+        "early_exit": ("early_exit", {"exit_layer": 1, "num_draft": 3}),
+        "early_exit-stop": ("early_exit", {"exit_layer": 1, "num_draft": 3, "confidence": STOP}),
+        "early_exit-vocab-stop": ("early_exit", {"exit_layer": 1, "num_draft": 3, "confidence": STOP, "draft_vocab":
+                                                 DraftVocab(ids=[t for t in range(5) if t != likely],
+                                                            model=runner.identity())}),
+        "early_exit-adapter-stop": ("early_exit", {"adapter": adapter, "num_draft": 3, "confidence": STOP}),
+        "dynamic_exit-stop": ("dynamic_exit", FORCED_DYNAMIC | {"stops": str(STOP)}),
+        "dynamic_exit-stops": ("dynamic_exit", FORCED_DYNAMIC | {"stops": "0/0.3/0.5"}),
+        "self_sd": ("self_sd", {"plan": LayerPlan(4, frozenset({2}), frozenset({1, 3})), "num_draft": 3,
+                                "confidence": 0.5}),
+        "swift-tree": ("swift", {"confidence": 0.99, "num_draft": 2, "adaptive": False, "max_opt_steps": 0,
+                                 "skip_ratio": 0.3}),
+        "swift-tree-vocab": ("swift", {"confidence": 0.99, "num_draft": 2, "adaptive": False, "max_opt_steps": 0,
+                                       "skip_ratio": 0.3, "draft_vocab": DraftVocab(ids=[0, 1, 2, 3],
+                                                                                   model=runner.identity())}),
+    }
+    return table[case]
+
+
+def check(pvalue: float, totals: dict) -> None:
+    """The sample fits the target, and drafting was exercised (drafts proposed, some accepted, some rejected)."""
+    assert totals["drafted"] > SAMPLES // 6, totals
+    assert 0.05 < totals["accepted"] / totals["drafted"] < 0.98, totals
+    assert pvalue > P_THRESHOLD
+
+
+CASES = ["early_exit", "early_exit-stop", "early_exit-vocab-stop", "early_exit-adapter-stop", "dynamic_exit-stop",
+         "dynamic_exit-stops", "self_sd", "swift-tree", "swift-tree-vocab"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_drafter_samples_the_target(case, model, runner, adapter_file):
+    name, opts = options(case, runner, adapter_file)
+    engine = Engine(runner, build_drafter(name, runner, opts))
+    check(*sampling_pvalue(engine, model, PROMPT, T1, STEPS, SAMPLES, seed=11, new_tokens=NEW_TOKENS))
+
+
+@pytest.mark.parametrize(("case", "warp"), [("early_exit-stop", "t07-topk3"), ("dynamic_exit-stops", "topp08"),
+                                            ("self_sd", "t07-topk3"), ("swift-tree", "topp08"),
+                                            ("early_exit-vocab-stop", "topp08")])
+def test_temperature_top_k_and_top_p_with_drafting(case, warp, model, runner, adapter_file):
+    name, opts = options(case, runner, adapter_file)
+    engine = Engine(runner, build_drafter(name, runner, opts))
+    check(*sampling_pvalue(engine, model, PROMPT, WARPED[warp], STEPS, SAMPLES, seed=12, new_tokens=NEW_TOKENS))
+
+
+@pytest.mark.parametrize("case", ["early_exit-stop", "dynamic_exit-stops", "swift-tree"])
+def test_batched_rows_sample_the_target(case, model, runner, adapter_file):
+    """Rows of one batch (drafted in packed forwards, verified together), each its own generation."""
+    name, opts = options(case, runner, adapter_file)
+    resolved = drafter_spec(name, opts).resolve(runner, None)  # once: a fresh drafter per row is built from it
+    with BatchEngine(runner, lambda: resolved.build(runner), batch_size=8) as batch:
+        check(*batch_sampling_pvalue(batch, model, PROMPT, T1, STEPS, SAMPLES, seed=13, new_tokens=NEW_TOKENS))
+
+
+def test_the_old_confidence_stop_rule_is_detected(model, runner, monkeypatch):
+    """The matrix would have caught the defect it was written for: a chain that drops a sampled token because the
+    token's own draft probability is low proposes from q restricted to likely tokens, and the test sees it."""
+    import infer.drafters.chain as chain
+
+    real = chain._next_token
+    monkeypatch.setattr(chain, "_next_token", lambda *a, top1=True, **k: real(*a, top1=False, **k))
+    engine = Engine(runner, build_drafter("early_exit", runner, {"exit_layer": 1, "num_draft": 3, "confidence": STOP}))
+    pvalue, totals = sampling_pvalue(engine, model, PROMPT, T1, STEPS, SAMPLES, seed=11, new_tokens=NEW_TOKENS)
+    assert totals["drafted"] > 0 and pvalue < P_THRESHOLD
