@@ -69,7 +69,8 @@ FOLDER = Path(__file__).resolve().parent / "hf_custom_generate"
 """The folder form: ``model.generate(..., custom_generate=str(FOLDER), trust_remote_code=True, drafter=...)``."""
 
 FAST_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
-"""Warpers the engine applies itself on the device (``SamplingConfig``) when they are the only processors."""
+"""Warpers the engine applies itself on the device (``SamplingConfig``: temperature, then top-k, then top-p) when they
+are the only processors, each at most once, in an order that computes the same distribution (``fast_sampling``)."""
 
 FUSED = {"self_attn.q_proj": ("qkv", 0), "self_attn.k_proj": ("qkv", 1), "self_attn.v_proj": ("qkv", 2),
          "mlp.gate_proj": ("gate_up", 0), "mlp.up_proj": ("gate_up", 1)}
@@ -167,7 +168,7 @@ class HFGenerate:
         criteria = StoppingCriteriaList(criteria)
         eos = eos_ids(criteria)
         pad = pad_id(config, eos)
-        fast = all(type(p) in FAST_WARPERS and getattr(p, "min_tokens_to_keep", 1) == 1 for p in processors)
+        fast = fast_sampling(processors)
         decode = DecodeConfig(max_new_tokens=max_length - P, sampling=sampling_config(config, processors))
         runner = self.runner_for(model)
         resolved = self.spec.resolve(runner, self.tokenizer)  # once per call
@@ -217,6 +218,20 @@ def generate_arguments(model: PreTrainedModel) -> dict:
             return {k: frame.f_locals.get(k) for k in ("streamer", "assistant_model", "synced_gpus")}
         frame = frame.f_back
     return {}
+
+
+def fast_sampling(processors) -> bool:
+    """Whether ``processors`` (in the order ``generate`` applies them: a caller's own first, then the config's) compute
+    what ``SamplingConfig`` computes: only temperature, top-k and top-p warpers keeping one token at least, each at
+    most once (two temperatures multiply, which one value does not say), and top-p, if any, last (the nucleus of a
+    sharpened or truncated distribution is another set than the nucleus before it; temperature and top-k commute,
+    as top-k keeps the same tokens at any temperature). Anything else runs through the processors themselves."""
+    if any(type(p) not in FAST_WARPERS or getattr(p, "min_tokens_to_keep", 1) != 1 for p in processors):
+        return False
+    kinds = [type(p) for p in processors]
+    if len(set(kinds)) != len(kinds):
+        return False
+    return TopPLogitsWarper not in kinds or kinds[-1] is TopPLogitsWarper
 
 
 def sampling_config(config, processors) -> SamplingConfig:
