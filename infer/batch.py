@@ -8,10 +8,15 @@ packed forward per draft step), verifies every row in one packed target forward 
 once for all greedy rows, and accepts and rolls back per row (ragged). A row that finishes (EOS, stop string, max
 tokens) leaves the batch at once and the next prompt of the queue takes its slot (its prefill runs on its own).
 
-Each row's output is what ``Engine`` gives that prompt alone: greedy output identical, token for token (in fp32 on a
-CPU bitwise: the small-matmul kernel's rows do not depend on the batch); sampling draws from each row's own
-generator, seeded with the config's seed as ``Engine`` seeds one prompt, so a row samples exactly what that prompt
-samples alone, whatever the batch size, its place in the batch and the other rows.
+Each row's output is what a fresh ``Engine`` gives that prompt alone: greedy output identical, token for token (in
+fp32 on a CPU bitwise: the small-matmul kernel's rows do not depend on the batch); sampling draws from each row's own
+generator, seeded with the config's seed as ``Engine`` seeds one prompt, and every prompt meets a fresh drafter (a
+slot's drafter is finished and replaced when the next prompt takes the slot), so a row samples exactly what that
+prompt samples alone, whatever the batch size, its place in the batch and when the other rows finish. Drafters whose
+choices come from measured time (an adaptive gate, dynamic_exit's ``calibrate``, SWIFT's fallback to plain steps)
+are the exception: what they draft, and so which random draws a row makes, depends on the clock (docs/BATCHING.md).
+``carry_state=True`` keeps a slot's drafter over the prompts it takes in turn instead (a stream per slot: which
+state a prompt meets then depends on the schedule).
 """
 
 from __future__ import annotations
@@ -57,22 +62,27 @@ def available_bytes(device: torch.device) -> int | None:
 
 class BatchEngine:
     """Decodes prompts in batches of ``batch_size`` rows, one drafter per row slot (``make_drafter()`` builds each);
-    every row's output equals ``Engine``'s for that prompt alone (see the module docstring).
+    every row's output equals a fresh ``Engine``'s for that prompt alone (see the module docstring).
 
-    A slot's drafter carries on to the next prompt the slot takes, as an ``Engine``'s drafter does over a prompt
-    stream; ``close()`` (or leaving a ``with`` block) runs every slot drafter's ``finish`` once.
+    Each prompt meets a fresh drafter: when a slot takes its next prompt, its drafter's ``finish`` runs and a new one
+    is built (``carry_state=True``: the slot's drafter carries on, as an ``Engine``'s does over a prompt stream).
+    ``close()`` (or leaving a ``with`` block) runs every remaining slot drafter's ``finish`` once.
     """
 
     def __init__(self, runner: Runner, make_drafter: Callable[[], Drafter], batch_size: int,
-                 eos_token_ids: Sequence[int] = (), decode: Callable[[list[int]], str] | None = None):
+                 eos_token_ids: Sequence[int] = (), decode: Callable[[list[int]], str] | None = None,
+                 carry_state: bool = False):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise UserError(f"batch size must be an integer >= 1, got {batch_size!r}")
-        self.runner, self.batch_size = runner, batch_size
+        self.runner, self.batch_size, self.carry_state = runner, batch_size, carry_state
+        self.make_engine = lambda: Engine(runner, make_drafter(), eos_token_ids, decode)
         if batch_size > 1 and runner.executor != "eager":
             print(f"layerskip: note: batched decoding runs its packed forwards on the eager executor (the "
                   f"{runner.executor} executor serves one row at a time)", file=sys.stderr)
-        self.slots = [Engine(runner, make_drafter(), eos_token_ids, decode) for _ in range(batch_size)]
+        self.slots = [self.make_engine() for _ in range(batch_size)]
         """One engine (one drafter) per row of the batch."""
+        self.used: set[int] = set()
+        """Slots (indices) whose drafter has decoded a prompt: the next prompt there gets a fresh one."""
 
     def __enter__(self) -> BatchEngine:
         return self
@@ -118,7 +128,7 @@ class BatchEngine:
         queue, free, live = deque(range(len(prompts))), list(self.slots), []
         while queue or live:
             while queue and free:
-                i, engine = queue.popleft(), free.pop(0)
+                i, engine = queue.popleft(), self.fresh(free.pop(0))
                 gen = engine.start(prompts[i], config, None if generators is None else generators[i],
                                    processor=None if processors is None else processors[i])
                 live.append((i, engine, gen))
@@ -129,6 +139,16 @@ class BatchEngine:
             if live:
                 self.step([(engine, gen) for _, engine, gen in live])
         return results
+
+    def fresh(self, engine: Engine) -> Engine:
+        """The slot of ``engine`` ready for its next prompt: the same engine the first time or with ``carry_state``,
+        else its drafter finished and the slot's engine replaced by a new one (a fresh drafter)."""
+        slot = next(j for j, e in enumerate(self.slots) if e is engine)
+        if slot in self.used and not self.carry_state:
+            engine.close()
+            engine = self.slots[slot] = self.make_engine()
+        self.used.add(slot)
+        return engine
 
     def step(self, rows: Sequence[tuple[Engine, Generation]]) -> list[VerifyOutcome]:
         """One cycle over running rows (``step_rows``)."""

@@ -75,12 +75,13 @@ class LoadedModel:
         return Engine(self.runner, build_drafter(drafter, self.runner, options), self.eos_token_ids, self.decode)
 
     def batch_engine(self, drafter: str = "autoregressive", options: dict | object | None = None, *,
-                     batch_size: int = 8, **more) -> BatchEngine:
-        """A ``BatchEngine`` decoding ``batch_size`` prompts at a time, one ``drafter`` per row built from the options
-        (given as to ``engine``, resolved once); close it (or use ``with``) when done, as an engine."""
+                     batch_size: int = 8, carry_state: bool = False, **more) -> BatchEngine:
+        """A ``BatchEngine`` decoding ``batch_size`` prompts at a time, a fresh ``drafter`` for every prompt built from
+        the options (given as to ``engine``, resolved once; ``carry_state``: one per row slot, kept over the prompts
+        the slot takes); close it (or use ``with``) when done, as an engine."""
         options = self.resolve(drafter, options, more)
         return BatchEngine(self.runner, lambda: build_drafter(drafter, self.runner, options), batch_size,
-                           self.eos_token_ids, self.decode)
+                           self.eos_token_ids, self.decode, carry_state=carry_state)
 
     def resolve(self, drafter: str, options: dict | object | None, more: dict) -> ResolvedSpec:
         """A drafter's options (a dict and/or keywords, its Config, Spec or resolved spec) resolved on this model."""

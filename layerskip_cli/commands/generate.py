@@ -69,8 +69,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="treat the prompts as one input stream: the drafter keeps its state (e.g. SWIFT's plan and "
                    "optimiser) across prompts; reports per-prompt statistics and a stream summary")
     p.add_argument("--batch-size", type=int, default=1, metavar="B",
-                   help="decode B prompts at a time in one batched engine (each row's output is the same as alone; "
-                   "rows that finish leave, the next prompts join); not with --stream")
+                   help="decode B prompts at a time in one batched engine (each prompt gets a fresh drafter and its "
+                   "output is the same as alone, also sampled with --seed unless a drafter decides from measured "
+                   "time: --adaptive, dynamic_exit's calibrate, SWIFT's fallback; rows that finish leave, the next "
+                   "prompts join); not with --stream")
     add_generation_flags(p)
     add_drafter_flags(p)
     p.set_defaults(func=run)

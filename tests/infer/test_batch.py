@@ -115,16 +115,45 @@ def test_stop_strings_and_one_token_rows(runner, prompts):
             assert (result.tokens, result.finish_reason) == alone(runner, prompt, config, decode=decode)
 
 
-@pytest.mark.parametrize("name, options", [CASES["early_exit"], CASES["self_sd"]])
-def test_a_sampled_row_is_the_same_at_any_batch_size(runner, prompts, name, options):
-    config = DecodeConfig(max_new_tokens=10, sampling=SamplingConfig(temperature=0.9, top_p=0.95, seed=11))
+CLOCK_FREE = {
+    "early_exit_confidence": CASES["early_exit_confidence"],
+    "self_sd": CASES["self_sd"],  # its threshold gamma adapts and carries from one prompt to the next
+    "dynamic_exit": ("dynamic_exit", CASES["dynamic_exit"][1] | {"calibrate": False}),  # estimates carry over
+    "swift": ("swift", {"context_window": 8, "adaptive": False, "confidence": 0.013, "remember": "off",
+                        "max_opt_steps": 40, "opt_budget": 0.95}),  # its plan search carries over
+}
+"""Drafters whose choices are counts, not clocks, several of them with state that carries from prompt to prompt."""
+
+
+@pytest.mark.parametrize("case", sorted(CLOCK_FREE))
+def test_a_sampled_row_is_the_same_at_any_batch_size(runner, prompts, case):
+    """Each prompt meets a fresh drafter, so what it samples does not depend on the batch size, its slot or when the
+    other rows finish: the same as a fresh engine per prompt (what ``layerskip generate`` does without --stream)."""
+    name, options = CLOCK_FREE[case]
+    config = DecodeConfig(max_new_tokens=20, sampling=SamplingConfig(temperature=0.9, top_p=0.95, seed=11))
     outputs = []
-    for size in (1, 3):
+    for size in (1, 2, 4):
         with BatchEngine(runner, lambda: build_drafter(name, runner, options), size) as engine:
-            outputs.append([r.tokens for r in engine.generate(prompts[:4], config)])
-    assert outputs[0] == outputs[1]
-    for i, prompt in enumerate(prompts[:4]):  # and it is what the one-row engine samples with the same seed
+            outputs.append([r.tokens for r in engine.generate(prompts[:5], config)])
+    assert outputs[0] == outputs[1] == outputs[2]
+    for i, prompt in enumerate(prompts[:5]):  # and it is what a fresh one-row engine samples with the same seed
         assert Engine(runner, build_drafter(name, runner, options)).generate(prompt, config).tokens == outputs[1][i]
+
+
+def test_carry_state_keeps_a_slots_drafter():
+    """``carry_state=True``: a slot's drafter decodes the prompts the slot takes in turn (a stream per slot)."""
+    runner = Runner.from_model(make_model("llama", seed=0, layers=4))
+    built = []
+
+    def make():
+        built.append(build_drafter("early_exit", runner, {"E": 2, "k": 2}))
+        return built[-1]
+
+    for carry, drafters in ((True, 2), (False, 5)):
+        built.clear()
+        with BatchEngine(runner, make, 2, carry_state=carry) as engine:
+            engine.generate([[1, 2, 3]] * 5, DecodeConfig(max_new_tokens=3))
+        assert len(built) == drafters
 
 
 def test_the_verification_is_one_packed_forward(runner, prompts):
