@@ -43,7 +43,9 @@ FIELDS: dict[str, tuple[str, str]] = {
                                "takes them as hf_generate(stop_strings=..., tokenizer=...))"),
     "num_return_sequences": (HONOURED, "rows repeated by generate; each row draws its own tokens"),
     "return_dict_in_generate": (HONOURED, "LayerSkipGenerateOutput: sequences and our stats; its cache is None"),
-    "token_healing": (HONOURED, "generate heals the prompt before it calls the decoding loop"),
+    "token_healing": (REFUSED, "generate heals the prompt before the decoding loop and needs the tokenizer for it, "
+                               "which it does not keep for a custom loop; heal first: "
+                               "ids = model.heal_tokens(ids, tokenizer)"),
     "num_beams": (REFUSED, "beam search is another decoding algorithm"),
     "num_beam_groups": (REFUSED, "group beam search is another decoding algorithm"),
     "diversity_penalty": (REFUSED, "a setting of group beam search"),
@@ -86,7 +88,7 @@ NEUTRAL: dict[str, tuple] = {
     "penalty_alpha": (None, 0.0),
     "low_memory": (None, False), "use_mtp": (None, False), "is_assistant": (None, False),
     "output_scores": (None, False), "output_logits": (None, False), "output_attentions": (None, False),
-    "output_hidden_states": (None, False), "guidance_scale": (None, 1.0),
+    "output_hidden_states": (None, False), "guidance_scale": (None, 1.0), "token_healing": (None, False),
     "cache_implementation": (None, "dynamic", "static"),
 }
 """Values of refused fields that ask for nothing (the field is refused only when set to something else)."""

@@ -12,6 +12,7 @@ or DDP's parameters; it runs without layer dropout and without gradients.
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
@@ -39,7 +40,7 @@ class StartModel:
 
         with torch.no_grad():
             if self.lora:
-                with lm.model.disable_adapter():
+                with lm.model.disable_adapter(), eval_mode(lm.model):  # a teacher without dropout, as the copy
                     _, h = lm.hidden_states(input_ids)  # (B, T, d)
                     parts = decoder_parts(lm.model)
                     return parts.norm(h), parts.lm_head.weight
@@ -48,3 +49,15 @@ class StartModel:
             parts = decoder_parts(self.copy)
             _, h = lm.hidden_states(input_ids, model=self.copy)  # (B, T, d)
             return parts.norm(h), parts.lm_head.weight
+
+
+@contextmanager
+def eval_mode(module: nn.Module):
+    """``module`` in eval mode (no dropout) inside the block; every submodule's own train/eval flag restored after."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield module
+    finally:
+        for m, training in modes:
+            m.training = training

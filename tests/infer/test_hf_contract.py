@@ -309,3 +309,19 @@ def test_sampling_with_processors_follows_the_processed_distribution():
     obs = torch.cat([observed[keep], observed[~keep].sum()[None]])
     exp = torch.cat([expected[keep], expected[~keep].sum()[None]])
     assert scipy_stats.chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue > 1e-3
+
+
+def test_token_healing_is_refused_with_the_way_to_heal_first(model):
+    """transformers heals the prompt before a custom loop runs and needs the tokenizer for it, which it does not keep
+    for one: the folder form refuses in one line naming the workaround, and the workaround decodes."""
+    from infer.hf_decoding import FOLDER
+    from tiny_models import byte_tokenizer
+
+    tok = byte_tokenizer()
+    with pytest.raises(UserError, match="token_healing.*model.heal_tokens") as err:
+        model.generate(torch.tensor(PROMPT), custom_generate=str(FOLDER), trust_remote_code=True, max_new_tokens=4,
+                       token_healing=True, tokenizer=tok, drafter="early_exit", exit_layer=2)
+    assert "\n" not in str(err.value)
+    healed = model.heal_tokens(torch.tensor(PROMPT), tok)
+    out = model.generate(healed, custom_generate=early(), max_new_tokens=4, do_sample=False)
+    assert torch.equal(out, model.generate(healed, max_new_tokens=4, do_sample=False))

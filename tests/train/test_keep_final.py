@@ -115,3 +115,19 @@ def test_resumed_run_equals_uninterrupted_run_without_saving_the_start(tiny_reci
     again = {r["step"]: r for r in read_metrics(out) if "loss" in r}
     assert again[4]["loss"] == whole_log[4]["loss"] and again[4]["keep_final_kl"] == whole_log[4]["keep_final_kl"]
     assert whole_log[4]["keep_final_kl"] > 0
+
+
+def test_the_lora_teacher_runs_without_dropout_in_a_training_model(tiny_model_dir):
+    """With LoRA the teacher is the model itself with its adapters off: while training (train mode, attention dropout
+    0.5 here) it must still be the deterministic starting model, and the model's train mode is kept."""
+    lm = _lm(tiny_model_dir, 2.0, lora=True)
+    for module in lm.model.modules():
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.5
+    ids = _ids(lm)
+    first, _ = lm.start.final_normed(lm, ids)
+    second, _ = lm.start.final_normed(lm, ids)
+    assert torch.equal(first, second)
+    assert lm.training and all(m.training for m in lm.model.modules())
+    lm.eval()
+    torch.testing.assert_close(lm.start.final_normed(lm, ids)[0], first)

@@ -9,9 +9,10 @@ imports ``infer``, so the toolkit must be installed (or on ``PYTHONPATH``) where
 drafter option (``exit_layer``, ``num_draft``, ``plan``, ...) go to the drafter; the rest to ``generate``. Each call
 builds the runner afresh (re-fusing the model's q/k/v and gate/up: a moment, no lasting copy); the callable form,
 ``custom_generate=hf_generate(...)``, builds it once per model. ``stop_strings`` with ``tokenizer`` are honoured here
-(transformers does not hand the tokenizer to a callable); ``cache_implementation="paged"`` is refused (transformers
-would run its own continuous batching instead of our loop). The streamer gets ``end()`` exactly once, also when
-something fails before decoding starts.
+(transformers does not hand the tokenizer to a callable); ``token_healing`` is refused in one line (transformers heals
+before the loop, with a tokenizer it does not keep for a custom one: heal with ``model.heal_tokens`` first);
+``cache_implementation="paged"`` is refused (transformers would run its own continuous batching instead of our loop).
+The streamer gets ``end()`` exactly once, also when something fails before decoding starts.
 """
 
 from transformers import GenerationMixin
@@ -40,6 +41,11 @@ def generate(model, drafter="autoregressive", streamer=None, tokenizer=None, sto
     """``generate`` with ``custom_generate=hf_generate(drafter, **drafter options)`` (see ``infer.hf_decoding``)."""
     once = EndOnce(streamer) if streamer is not None else None
     try:
+        config = kwargs.get("generation_config")
+        if kwargs.get("token_healing") or getattr(config, "token_healing", False):
+            raise UserError("token_healing is not available with hf_generate (transformers heals before the decoding "
+                            "loop and does not keep the tokenizer for a custom one); heal the prompt first: "
+                            "input_ids = model.heal_tokens(input_ids, tokenizer)")
         if kwargs.get("cache_implementation") == "paged":
             raise UserError("cache_implementation='paged' is not supported by hf_generate (transformers would run its "
                             "own continuous batching instead of our drafter); drop it")
