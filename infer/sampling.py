@@ -57,8 +57,13 @@ class SamplingConfig:
 
 
 def probs_from_logits(logits: Tensor, cfg: SamplingConfig) -> Tensor:
-    """(..., V) logits -> (..., V) fp32 probabilities after temperature, top-k and top-p."""
-    logits = logits.float() / cfg.temperature
+    """(..., V) logits -> (..., V) fp32 probabilities after temperature, top-k and top-p.
+
+    The largest logit is subtracted before dividing by the temperature, and the largest stays 0, so a tiny temperature
+    (1e-39, or 1e-50, which is 0 in fp32) gives the argmax's limit (every other logit falls to -inf; ties share it)
+    instead of inf / inf or 0 / 0."""
+    shifted = logits.float() - logits.float().amax(-1, keepdim=True)  # (..., V), <= 0
+    logits = torch.where(shifted == 0, shifted, shifted / cfg.temperature)  # (..., V)
     if cfg.top_k and cfg.top_k < logits.shape[-1]:
         kth = torch.topk(logits, cfg.top_k, dim=-1).values[..., -1:]  # (..., 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -74,9 +79,17 @@ def probs_from_logits(logits: Tensor, cfg: SamplingConfig) -> Tensor:
 
 
 def sample(probs: Tensor, generator: torch.Generator) -> Tensor:
-    """(..., V) probabilities -> (...,) sampled ids."""
+    """(..., V) probabilities -> (...,) sampled ids; logits that were not finite (weights that overflow, e.g. a damaged
+    exit adapter) are one line, not torch's message about the probability tensor."""
     flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    try:
+        return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    except RuntimeError as e:
+        if "inf" not in str(e) and "nan" not in str(e):
+            raise
+        raise UserError("sampling met logits that are not finite numbers (the model's or a draft's weights overflow "
+                        "in this dtype, e.g. a damaged or diverged exit adapter); check the weights, or decode "
+                        "greedily") from None
 
 
 def select(logits: Tensor, cfg: SamplingConfig, generator: torch.Generator) -> Tensor:

@@ -6,9 +6,10 @@ import torch
 from lossless_stats import P_THRESHOLD, chi2_pvalue, sampling_pvalue
 
 from infer.drafters import build_drafter
-from infer.engine import Engine
+from infer.engine import DecodeConfig, Engine
 from infer.runner import Runner
-from infer.sampling import SamplingConfig, TreeShape, probs_from_logits, sampling_accept
+from infer.sampling import SamplingConfig, TreeShape, probs_from_logits, sampling_accept, select
+from layerskip_core.errors import UserError
 from tiny_models import make_model
 
 
@@ -62,3 +63,24 @@ def test_speculative_sampling_matches_target_distribution(cfg):
     pvalue, totals = sampling_pvalue(engine, model, [1, 2, 3], cfg, samples=6000, seed=1234)
     assert 0.2 < totals["accepted"] / totals["drafted"] < 0.95  # the draft differs from the target but is used
     assert pvalue > P_THRESHOLD
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 1e-50])
+def test_a_tiny_temperature_is_the_greedy_limit_for_every_drafter(temperature):
+    """Dividing logits by 1e-39 overflowed to inf / inf (and 1e-50 is 0 in fp32): NaN probabilities; the limit is the
+    argmax, so sampled output equals greedy output."""
+    model = make_model("llama", seed=3)
+    runner = Runner.from_model(model)
+    cfg = DecodeConfig(max_new_tokens=10, sampling=SamplingConfig(temperature=temperature, seed=0))
+    for name, options in [("autoregressive", {}), ("early_exit", {"exit_layer": 2, "confidence": 0.3}),
+                          ("swift", {"adaptive": False, "remember": "off"})]:
+        engine = Engine(runner, build_drafter(name, runner, options))
+        greedy = engine.generate([5, 6, 7], DecodeConfig(max_new_tokens=10))
+        assert Engine(runner, build_drafter(name, runner, options)).generate([5, 6, 7], cfg).tokens == greedy.tokens
+
+
+def test_logits_that_are_not_finite_are_one_line_under_sampling():
+    logits = torch.tensor([[0.0, float("nan"), 1.0]])
+    with pytest.raises(UserError, match="not finite") as err:
+        select(logits, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0))
+    assert "\n" not in str(err.value)
