@@ -129,3 +129,13 @@ def test_the_old_confidence_stop_rule_is_detected(model, runner, monkeypatch):
     engine = Engine(runner, build_drafter("early_exit", runner, {"exit_layer": 1, "num_draft": 3, "confidence": STOP}))
     pvalue, totals = sampling_pvalue(engine, model, PROMPT, T1, STEPS, SAMPLES, seed=11, new_tokens=NEW_TOKENS)
     assert totals["drafted"] > 0 and pvalue < P_THRESHOLD
+
+
+def test_the_reported_reproduction_matches_the_target():
+    """The review's case: a 2-layer 5-token model, early exit at layer 1 with confidence stop 0.3, sampling at T=1
+    (token 0 came out at 0.688 against a target 0.472 with the old rule)."""
+    model = make_model("llama", seed=7, vocab_size=5, layers=2)
+    runner = Runner.from_model(model)
+    engine = Engine(runner, build_drafter("early_exit", runner, {"exit_layer": 1, "num_draft": 3, "confidence": 0.3}))
+    pvalue, totals = sampling_pvalue(engine, model, PROMPT, T1, STEPS, SAMPLES, seed=8, new_tokens=NEW_TOKENS)
+    assert totals["drafted"] > 0 and pvalue > P_THRESHOLD
