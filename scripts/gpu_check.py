@@ -65,7 +65,7 @@ import transformers
 from transformers import GenerationConfig, LlamaConfig
 
 from infer.compiled import BACKENDS, StepCache
-from infer.drafters import build_drafter
+from infer.drafters import DRAFTERS, build_drafter
 from infer.engine import DecodeConfig, Engine
 from infer.measure.exactness import (
     DivergenceJudge,
@@ -361,19 +361,36 @@ def spreads(run: Run) -> dict[str, dict]:
     return out
 
 
+def registered_options(runner: Runner, plan: Path, E: int) -> dict[str, dict]:
+    """Options that make every registered drafter draft (``infer.drafters.DRAFTERS``), drafting from exit ``E`` or
+    under the skip plan file ``plan``; a drafter added to the registry without an entry here fails the check at
+    once, so the GPU check never skips one."""
+    options = {
+        "autoregressive": {},
+        "early_exit": {"exit_layer": E, "num_draft": 3},
+        "dynamic_exit": {"exits": "/".join(str(x) for x in sorted({max(1, E // 2), E})), "num_draft": 3,
+                         "min_speedup": 0, "adaptive": False,
+                         "observe_every": 1, "calibrate": False},  # always drafts, choices from counts
+        "self_sd": {"plan": str(plan), "num_draft": 4},
+        "swift": dict(SWIFT_TREES),
+    }
+    missing = sorted(set(DRAFTERS) - set(options))
+    if missing:
+        raise RuntimeError(f"gpu_check has no drafting options for the registered drafter(s) {missing}: add them to "
+                           "registered_options")
+    return options
+
+
 def drafter_specs(runner: Runner, folder: Path, adapter: Path | None = None) -> dict[str, tuple[str, dict]]:
-    """Every drafter with settings that make it draft on a 4-layer model, key -> (drafter, options): self_sd gets a
-    small plan file, swift verifies token trees, and early exit also drafts through ``adapter`` (an exit adapter
-    file for this model, ``tiny_adapter``) where one is given."""
+    """Every registered drafter but autoregressive, with settings that make it draft on a 4-layer model, key ->
+    (drafter, options): self_sd gets a small plan file, swift verifies token trees, and early exit also drafts
+    through ``adapter`` (an exit adapter file for this model, ``tiny_adapter``) where one is given."""
     L = runner.num_layers
     plan = folder / f"plan-{runner.fingerprint[:8]}.json"
     PlanFile(LayerPlan(L, skip_attn=frozenset({L - 2}), skip_mlp=frozenset({L - 1})), runner.identity(),
              source="gpu_check").save(plan)
-    specs = {
-        "early_exit": ("early_exit", {"exit_layer": L // 2, "num_draft": 3}),
-        "self_sd": ("self_sd", {"plan": str(plan), "num_draft": 4}),
-        "swift": ("swift", dict(SWIFT_TREES)),
-    }
+    specs = {name: (name, options) for name, options in registered_options(runner, plan, L // 2).items()
+             if name != "autoregressive"}
     if adapter is not None:
         specs["early_exit_adapter"] = ("early_exit", {"adapter": str(adapter), "num_draft": 3})
     return specs
@@ -521,7 +538,7 @@ def syncs(run: Run, new_tokens: int) -> dict:
                                    ("early_exit", "early_exit", {"exit_layer": L // 2, "num_draft": 4}),
                                    ("early_exit_confidence", "early_exit",
                                     {"exit_layer": L // 2, "num_draft": 4, "confidence": 0.5}),
-                                   ("self_sd", *specs["self_sd"]), ("swift", *specs["swift"])):
+                                   *((k, *specs[k]) for k in ("dynamic_exit", "self_sd", "swift"))):
             try:
                 engine = Engine(runner, build_drafter(name, runner, options))
                 engine.warm_up([prompt], gen)
@@ -623,17 +640,16 @@ def forward_costs(runner: Runner, settings: Settings, device: torch.device, tall
 
 
 def shape_drafters(runner: Runner, folder: Path) -> dict[str, tuple[str, dict]]:
-    """The drafters whose per-cycle cost is measured at a shape: key -> (name, options). Self-SD skips alternate
-    sublayers of the back half (a plan file for this model), SWIFT verifies token trees."""
+    """Every registered drafter whose per-cycle cost is measured at a shape: key -> (name, options). Self-SD skips
+    alternate sublayers of the back half (a plan file for this model), SWIFT verifies token trees, early and dynamic
+    exit draft from E = L/4 (dynamic_exit choosing between L/8 and L/4)."""
     L = runner.num_layers
     plan = folder / f"plan-{runner.fingerprint[:8]}.json"
     PlanFile(LayerPlan(L, skip_attn=frozenset(range(L // 2, L, 2)), skip_mlp=frozenset(range(L // 2 + 1, L, 2))),
              runner.identity(), source="gpu_check").save(plan)
-    E = max(1, L // 4)
-    return {"autoregressive": ("autoregressive", {}),
-            "early_exit": ("early_exit", {"exit_layer": E, "num_draft": 4}),
-            "self_sd": ("self_sd", {"plan": str(plan), "num_draft": 4}),
-            "swift": ("swift", dict(SWIFT_TREES))}
+    options = registered_options(runner, plan, max(1, L // 4))
+    options["early_exit"] = options["early_exit"] | {"num_draft": 4}
+    return {name: (name, opts) for name, opts in options.items()}
 
 
 def decode_speed(engine: Engine, prompt: list[int], settings: Settings, tally: GraphTally) -> dict:

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from infer.drafters import DRAFTERS
 from lease_rehearsal import returned_files
 from script_modules import load_script
 
@@ -61,11 +62,14 @@ def test_compile_once(offline_run):
 def test_exactness_parts(offline_run):
     exact = offline_run[2]["exact"]
     assert exact["greedy_fp32_mismatches"] == 0 and exact["greedy_fp32_failures"] == 0
-    assert exact["greedy_runs"] == 24  # 4 drafters (early exit also through an exit adapter) x 2 executors x 3
+    assert exact["greedy_runs"] == 3 * 2 * len(DRAFTERS)  # every registered drafter but autoregressive, early exit
+    # also through an exit adapter, x 2 executors x 3
+    assert {key.split("/")[-1] for key in exact["greedy_detail"]} == set(DRAFTERS) - {"autoregressive"} | {
+        "early_exit_adapter"}
     assert {"llama/static/swift", "llama/eager/early_exit", "llama/static/early_exit_adapter"} <= set(
         exact["greedy_detail"])
     assert exact["greedy_detail"]["llama/static/early_exit_adapter"]["verifications"] > 0
-    assert exact["greedy_rest_runs"] == 9 and exact["greedy_rest_fp32_failures"] == 0
+    assert exact["greedy_rest_runs"] == 3 * (len(DRAFTERS) - 1) and exact["greedy_rest_fp32_failures"] == 0
     assert "qwen2/static/self_sd" in exact["greedy_rest_detail"] and 0.0 <= exact["parity_max_abs"] < 1e-3
     assert exact["greedy_swift_trees"] > 0  # SWIFT (random search without optuna) verified token trees
     spread = exact["spread"]
@@ -73,14 +77,14 @@ def test_exactness_parts(offline_run):
                            for d in ("float32/static", "float32/eager", "bfloat16/eager")}
     assert all(0.0 <= s["max_abs"] < 1.0 for s in spread.values()) and spread["llama/bfloat16/eager"]["max_abs"] > 0
     sampling = exact["sampling"]
-    assert set(sampling) == {"autoregressive", "early_exit", "self_sd", "swift"}
+    assert set(sampling) == set(DRAFTERS)  # every registered drafter
     assert all(s["ok"] and s["tokens"] == 16 for s in sampling.values())
 
 
 def test_sync_counts_and_targets(offline_run):
     result = offline_run[2]
     s = result["syncs"]
-    assert set(s) == {"early_exit", "early_exit_confidence", "self_sd", "swift", "autoregressive"}
+    assert set(s) == set(DRAFTERS) | {"early_exit_confidence"}
     assert s["autoregressive"]["per_cycle"] == 1.0 and s["early_exit"]["draft_steps_per_cycle"] > 1
     targets = result["sync_targets"]
     assert set(targets) == {"early_exit", "self_sd", "swift"} and all(isinstance(t["met"], bool)
@@ -99,7 +103,7 @@ def test_shapes(offline_run):
         assert s["kernels_counted_on"] == "uncaptured static forward" and s["kernels_at_least_one_per_layer"] is True
         assert s["kernels_per_forward_eager"] > s["kernels_per_forward"] > 0  # compiled regions counted once
     drafters = shapes["stand-in for SmolLM2-135M"]["drafters"]
-    assert set(drafters) == {"E", "autoregressive", "early_exit", "self_sd", "swift"}
+    assert set(drafters) == set(DRAFTERS) | {"E"}
     assert all(d["tok_s"] > 0 and d["verify_ms_per_cycle"] > 0 for k, d in drafters.items() if k != "E")
     assert drafters["early_exit"]["draft_ms_per_cycle"] > 0 and drafters["early_exit"]["tokens_per_cycle"] >= 1
 
