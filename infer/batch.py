@@ -3,10 +3,11 @@
 ``BatchEngine`` decodes a list of prompts ``batch_size`` at a time. Each row is a sequence with its own KV cache
 (its own per-layer lengths, so early exit's shallow layers run ahead per row), its own ``DecodeState`` and its own
 drafter (drafters keep per-sequence state: an adapter's cache, Self-SD's threshold, SWIFT's plan search); a cycle
-asks every row's drafter for a draft at once (``Drafter.propose_rows``: early exit and Self-SD draft all rows in one
-packed forward per draft step), verifies every row in one packed target forward (``infer.verify``), reads the host
-once for all greedy rows, and accepts and rolls back per row (ragged). A row that finishes (EOS, stop string, max
-tokens) leaves the batch at once and the next prompt of the queue takes its slot (its prefill runs on its own).
+(``infer.cycle``) asks every row's drafter for a draft at once (``Drafter.propose_rows``: early exit and Self-SD draft
+all rows in one packed forward per draft step), verifies every row in one packed target forward (``infer.verify``),
+reads the host once for all greedy rows, and accepts and rolls back per row (ragged). A row that finishes (EOS, stop
+string, max tokens) leaves the batch at once and the next prompt of the queue takes its slot (its prefill runs on its
+own).
 
 Each row's output is what a fresh ``Engine`` gives that prompt alone: greedy output identical, token for token (in
 fp32 on a CPU bitwise: the small-matmul kernel's rows do not depend on the batch); sampling draws from each row's own
@@ -22,18 +23,17 @@ state a prompt meets then depends on the schedule).
 from __future__ import annotations
 
 import sys
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
 
+from infer.cycle import CycleObserver, step_rows
 from infer.drafters.base import Drafter, VerifyOutcome
 from infer.engine import DecodeConfig, Engine, Generation, GenerationResult, token_ids
 from infer.kv_cache import capacity_bucket
 from infer.processing import PositionProcessor
 from infer.runner import Runner
-from infer.verify import VerifyRow, verify_rows
 from layerskip_core.errors import UserError
 
 GIB = 1024 ** 3
@@ -83,6 +83,8 @@ class BatchEngine:
         """One engine (one drafter) per row of the batch."""
         self.used: set[int] = set()
         """Slots (indices) whose drafter has decoded a prompt: the next prompt there gets a fresh one."""
+        self.observers: list[CycleObserver] = []
+        """What sees every batched cycle (measurement: ``infer.measure.timing``)."""
 
     def __enter__(self) -> BatchEngine:
         return self
@@ -151,38 +153,5 @@ class BatchEngine:
         return engine
 
     def step(self, rows: Sequence[tuple[Engine, Generation]]) -> list[VerifyOutcome]:
-        """One cycle over running rows (``step_rows``)."""
-        return step_rows(rows)
-
-
-@torch.no_grad()
-def step_rows(rows: Sequence[tuple[Engine, Generation]]) -> list[VerifyOutcome]:
-    """One cycle over running rows, each an engine (with its own drafter) and its generation: every row's drafter
-    proposes (batched per drafter class), one forward verifies every row, each row takes its accepted tokens. The
-    rows' timings are the batch cycle's."""
-    for _, gen in rows:
-        if gen.done:
-            raise ValueError(f"a row has finished ({gen.finish_reason})")
-        gen.state.budget = gen.config.max_new_tokens - len(gen.tokens)
-    t0 = time.perf_counter()
-    drafts = propose(rows)
-    t1 = time.perf_counter()
-    outcomes = verify_rows([VerifyRow.of(gen.state, draft, gen.processor, engine.drafter.observe_layers)
-                            for (engine, gen), draft in zip(rows, drafts, strict=True)])
-    t2 = time.perf_counter()
-    for (engine, gen), outcome in zip(rows, outcomes, strict=True):
-        engine.advance(gen, outcome, t1 - t0, t2 - t1)
-    return outcomes
-
-
-def propose(rows: Sequence[tuple[Engine, Generation]]) -> list:
-    """Every row's draft (or None): the rows grouped by drafter class, each group through its ``propose_rows``."""
-    drafts: list = [None] * len(rows)
-    groups: dict[type, list[int]] = {}
-    for j, (engine, _) in enumerate(rows):
-        groups.setdefault(type(engine.drafter), []).append(j)
-    for kind, members in groups.items():
-        out = kind.propose_rows([(rows[j][0].drafter, rows[j][1].state) for j in members])
-        for j, draft in zip(members, out, strict=True):
-            drafts[j] = draft
-    return drafts
+        """One cycle over running rows (``infer.cycle.step_rows``), seen by ``observers``."""
+        return step_rows(rows, self.observers)

@@ -15,13 +15,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor
 
+from infer.cycle import CycleObserver, step_rows
 from infer.drafters.base import DecodeState, Drafter, DrafterStats, VerifyOutcome
 from infer.graphs import BUCKETS
 from infer.kv_cache import capacity_bucket
 from infer.processing import PROCESSED, PositionProcessor
 from infer.runner import Runner
 from infer.sampling import SamplingConfig, select
-from infer.verify import VerifyRow, verify_rows
 from layerskip_core.errors import UserError
 from layerskip_core.layers import check_exit_layer
 from layerskip_core.options import check_fields
@@ -172,6 +172,8 @@ class Engine:
         self.eos = frozenset(int(t) for t in eos_token_ids)
         self.decode = decode
         self.closed = False
+        self.observers: list[CycleObserver] = []
+        """What sees every cycle of this engine (measurement: ``infer.measure.timing``)."""
 
     def __enter__(self) -> Engine:
         return self
@@ -240,19 +242,10 @@ class Engine:
             self.drafter.start(state)
         return gen
 
-    @torch.no_grad()
     def step(self, gen: Generation) -> VerifyOutcome:
-        """One cycle: the drafter proposes, one forward verifies, the accepted tokens are appended."""
-        if gen.done:
-            raise ValueError(f"the generation has finished ({gen.finish_reason})")
-        state = gen.state
-        state.budget = gen.config.max_new_tokens - len(gen.tokens)
-        t0 = time.perf_counter()
-        draft = self.drafter.propose(state)
-        t1 = time.perf_counter()
-        outcome = verify_rows([VerifyRow.of(state, draft, gen.processor, self.drafter.observe_layers)])[0]
-        self.advance(gen, outcome, t1 - t0, time.perf_counter() - t1)
-        return outcome
+        """One cycle (``infer.cycle.step_rows`` over this one row, seen by ``observers``): the drafter proposes, one
+        forward verifies, the accepted tokens are appended."""
+        return step_rows([(self, gen)], self.observers)[0]
 
     def advance(self, gen: Generation, outcome: VerifyOutcome, draft_time: float, verify_time: float) -> None:
         """Record a verified step of ``gen`` (its timings in seconds), append its tokens, check the stop conditions

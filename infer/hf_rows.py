@@ -2,7 +2,7 @@
 ``generate`` shows it.
 
 Each row decodes with its own engine (a draft-verify step commits several tokens at once), and the rows that need
-tokens step together, one batched cycle (``infer.batch.step_rows``: one packed verification forward for the rows,
+tokens step together, one batched cycle (``infer.cycle.step_rows``: one packed verification forward for the rows,
 their drafts drafted together); ``lockstep`` then hands
 the committed tokens to the stopping criteria one column at a time, as a (B, length) batch, exactly as
 ``generate``'s loop calls them: criteria that keep state across calls or answer for the whole batch (an evaluation
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from infer.batch import step_rows
+from infer.cycle import step_rows
 from infer.engine import Engine, Generation, GenerationResult
 
 
@@ -56,11 +56,7 @@ class RowRun:
 
     def token(self, t: int) -> int:
         """The row's t-th generated token, stepping the engine until it is committed."""
-        while len(self.gen.tokens) <= t:
-            if self.gen.done:
-                raise RuntimeError(f"the engine stopped a row after {len(self.gen.tokens)} tokens "
-                                   f"({self.gen.finish_reason}) before the stopping criteria did")
-            self.engine.step(self.gen)
+        fill([self], t)
         self.used = t + 1
         return self.gen.tokens[t]
 
@@ -76,7 +72,7 @@ class RowRun:
 
 def fill(rows: list[RowRun], t: int) -> None:
     """Step every row that has not committed its t-th token yet, all of them together in one batched cycle
-    (``infer.batch.step_rows``: one packed verification forward), until each has."""
+    (``infer.cycle.step_rows``: one packed verification forward), until each has."""
     while short := [row for row in rows if len(row.gen.tokens) <= t]:
         for row in short:
             if row.gen.done:
