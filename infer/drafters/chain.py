@@ -54,6 +54,43 @@ class EarlyExitForward:
         return out.hidden, out.logits
 
 
+class ObservingForward(EarlyExitForward):
+    """Early exit at E that also keeps the stream entering each observed layer below E (dynamic_exit's observations)."""
+
+    def __init__(self, runner, exit_layer: int, layers: list[int], vocab=None):
+        super().__init__(runner, exit_layer, vocab)
+        self.layers = [x for x in layers if x < exit_layer]
+        self.kept: dict[int, list[Tensor]] = {x: [] for x in self.layers}
+
+    def __call__(self, cache, token: Tensor, position: int) -> tuple[Tensor, Tensor]:
+        r, start = self.runner, 0
+        hidden = r.embed(token)  # (1, d)
+        for x in self.layers:
+            hidden = r.span(cache, hidden, [position], start, x).hidden  # (1, d)
+            self.kept[x].append(hidden)
+            start = x
+        out = r.span(cache, hidden, [position], start, self.exact_layers, logits=True, vocab=self.vocab)
+        return out.hidden, out.logits  # (1, d), (1, V)
+
+    def rows(self, forwards: list, caches: list, tokens: Tensor, positions: list[int]) -> tuple[Tensor, Tensor]:
+        """The forward of R sequences' tokens (R,) at once as packed rows (a batch; ``forwards``: each sequence's
+        own, alike), each keeping its row at every observed layer: (R, d), (R, V)."""
+        r, start = self.runner, 0
+        segments = [Segment(cache, [p]) for cache, p in zip(caches, positions, strict=True)]
+        hidden = r.embed(tokens)  # (R, d)
+        for x in self.layers:
+            hidden = packed_span(r, segments, hidden, start, x).hidden  # (R, d)
+            for forward, row in zip(forwards, hidden.split(1), strict=True):
+                forward.kept[x].append(row)  # (1, d)
+            start = x
+        out = packed_span(r, segments, hidden, start, self.exact_layers, logits=True, vocab=self.vocab)
+        return out.hidden, out.logits  # (R, d), (R, V)
+
+    def observed(self) -> dict[int, Tensor]:
+        """(h, d) rows per observed layer below E, for the h draft forwards run."""
+        return {x: torch.cat(rows) for x, rows in self.kept.items() if rows}
+
+
 class PlanForward:
     """All layers under a sublayer skip plan; the layers before the first layer with a skip are exact.
 

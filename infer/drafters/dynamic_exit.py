@@ -21,6 +21,7 @@ Drafting from E is LayerSkip's early exit (``infer.drafters.chain.EarlyExitForwa
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,12 +30,11 @@ import yaml
 from torch import Tensor
 
 from infer.drafters.base import DecodeState, Draft, Drafter, DrafterStats, DraftInputs, DraftVocabOption, VerifyOutcome
-from infer.drafters.chain import EarlyExitForward, check_size, draft_chain
+from infer.drafters.chain import ChainAsk, EarlyExitForward, ObservingForward, check_size, draft_chains
 from infer.drafters.exit_choice import Choice, RunEstimates, best_choice, parse_stops
 from infer.drafters.gate import COLD, FallbackGate, GateMemory, Rate, RememberOption
 from infer.drafters.inputs import draft_head
 from infer.kv_cache import ints_to_device
-from infer.packed import Segment, packed_span
 from layerskip_core import inputs
 from layerskip_core.errors import UserError
 from layerskip_core.options import check_fields
@@ -70,13 +70,11 @@ class DynamicExitConfig(DraftVocabOption, RememberOption):
     the stop ('/'-separated thresholds in [0, 1), 0 = draft all k; one value: always that stop); auto = 0/0.5/0.7/0.9.
     """
     verify_slope: float = 0.13
-    """Cost of each verified row beyond the first, in plain steps (0.13: verifying 8 rows cost 1.93 steps on a 2-core
-    CPU with the 135M default model; on an H200 in bf16, 2-32 rows cost 1.16-1.26 steps: docs/RESULTS.md)."""
+    """Cost of each verified row beyond the first, in plain steps (measured values per machine: docs/RESULTS.md)."""
     min_speedup: float = 1.05
     """Draft only when the cost model predicts at least this speed-up over a plain step (0: the cost model always
-    drafts its best (E, k); with adaptive the gate may still take plain steps). Above 1 because a prediction near
-    even is within the model's error: at 1.0, on the unchanged model, a shallow exit whose chains stop at once
-    (predicted 1.00-1.05, each cycle really 5 % slower than a plain step) drafted for whole prompts (0.95x)."""
+    drafts its best (E, k); with adaptive the gate may still take plain steps); above 1 because a prediction near
+    even is within the model's error (docs/DYNAMIC_EXIT.md)."""
     decay: float = 0.97
     """Weight each observed position's hit or miss keeps per later observed position (the estimates' memory: about
     1 / (1 - decay) positions)."""
@@ -104,9 +102,7 @@ class DynamicExitConfig(DraftVocabOption, RememberOption):
     adaptive: bool = False
     """Also time plain steps and draft cycles (the fallback gate of early_exit --adaptive) and take plain steps
     while measured drafting does not beat them; off (default): the cost model alone decides, its drafting predictions
-    already divided by the measured cost of drafting (``calibrate``). On 8 tuning prompts of long code (CPU, 135M,
-    100-step LayerSkip checkpoint) the gate's 6-cycle probes shut off drafting that paid: 1.01x with it, 1.09x
-    without, against 1.11x for the best fixed setting (docs/DYNAMIC_EXIT.md)."""
+    already divided by the measured cost of drafting (``calibrate``); why off: docs/DYNAMIC_EXIT.md."""
     recheck_interval: int = 128
     """With adaptive: plain steps before drafting is probed again (doubling after each failed probe)."""
 
@@ -241,43 +237,6 @@ def realised_cost(price: float, verify: float, slope: float, forwards: int, prop
     return price * forwards + verify + (1 - verify) * every + slope * verify * proposed
 
 
-class ObservingForward(EarlyExitForward):
-    """Early exit at E that also keeps the stream entering each observed layer below E (one row per call)."""
-
-    def __init__(self, runner, exit_layer: int, layers: list[int], vocab=None):
-        super().__init__(runner, exit_layer, vocab)
-        self.layers = [x for x in layers if x < exit_layer]
-        self.kept: dict[int, list[Tensor]] = {x: [] for x in self.layers}
-
-    def __call__(self, cache, token: Tensor, position: int) -> tuple[Tensor, Tensor]:
-        r, start = self.runner, 0
-        hidden = r.embed(token)  # (1, d)
-        for x in self.layers:
-            hidden = r.span(cache, hidden, [position], start, x).hidden  # (1, d)
-            self.kept[x].append(hidden)
-            start = x
-        out = r.span(cache, hidden, [position], start, self.exact_layers, logits=True, vocab=self.vocab)
-        return out.hidden, out.logits  # (1, d), (1, V)
-
-    def rows(self, forwards: list, caches: list, tokens: Tensor, positions: list[int]) -> tuple[Tensor, Tensor]:
-        """The forward of R sequences' tokens (R,) at once as packed rows (a batch; ``forwards``: each sequence's
-        own, alike), each keeping its row at every observed layer: (R, d), (R, V)."""
-        r, start = self.runner, 0
-        segments = [Segment(cache, [p]) for cache, p in zip(caches, positions, strict=True)]
-        hidden = r.embed(tokens)  # (R, d)
-        for x in self.layers:
-            hidden = packed_span(r, segments, hidden, start, x).hidden  # (R, d)
-            for forward, row in zip(forwards, hidden.split(1), strict=True):
-                forward.kept[x].append(row)  # (1, d)
-            start = x
-        out = packed_span(r, segments, hidden, start, self.exact_layers, logits=True, vocab=self.vocab)
-        return out.hidden, out.logits  # (R, d), (R, V)
-
-    def observed(self) -> dict[int, Tensor]:
-        """(h, d) rows per observed layer below E, for the h draft forwards run."""
-        return {x: torch.cat(rows) for x, rows in self.kept.items() if rows}
-
-
 @dataclass
 class DynamicExitStats(DrafterStats):
     """What the dynamic-exit drafter reports."""
@@ -382,6 +341,27 @@ class DynamicExitDrafter(Drafter):
             self.choice = self._best()
 
     def propose(self, state: DecodeState) -> Draft | None:
+        return self.propose_rows([(self, state)])[0]
+
+    @classmethod
+    def propose_rows(cls, rows: Sequence[tuple[DynamicExitDrafter, DecodeState]]) -> list[Draft | None]:
+        """Each row chooses its exit, length and stop on its own estimates; the drafting rows' chains then run together
+        (``draft_chains``: one packed draft forward per step for the rows at the same exit)."""
+        drafts: list[Draft | None] = [None] * len(rows)
+        asks, drafting = [], []
+        for j, (drafter, state) in enumerate(rows):
+            ask = drafter._ask(state)
+            if ask is None:
+                drafter._plain()
+            else:
+                asks.append(ask)
+                drafting.append(j)
+        for j, chain in zip(drafting, draft_chains(asks), strict=True):
+            drafts[j] = rows[j][0]._drafted(chain)
+        return drafts
+
+    def _ask(self, state: DecodeState) -> ChainAsk | None:
+        """Start this sequence's cycle: its chain request under the current choice, or None for a plain step."""
         self._cycle_start = time.perf_counter()
         self.cycle += 1
         c = self.choice
@@ -390,10 +370,14 @@ class DynamicExitDrafter(Drafter):
         observe = self._observes() or (drafts and self._since_draft > 0)
         self.observe_layers = tuple(self.exits) if observe else ()
         if not drafts:
-            return self._plain()
+            return None
         self._forward = ObservingForward(self.runner, c.exit, self.exits, self.vocab) \
             if observe and c.exit > self.exits[0] else None
-        chain = draft_chain(state, self._forward or self.forwards_at[c.exit], c.k, c.stop)
+        return ChainAsk(state, self._forward or self.forwards_at[c.exit], c.k, c.stop)
+
+    def _drafted(self, chain) -> Draft | None:
+        """This sequence's draft from its chain (None: the chain drafted nothing, a plain step)."""
+        c = self.choice
         self._cost = realised_cost(self.prices[c.exit], self.verify_prices[c.exit], self.config.verify_slope,
                                    chain.forwards, len(chain.draft.tokens))
         self.forwards += chain.forwards

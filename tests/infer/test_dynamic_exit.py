@@ -380,3 +380,25 @@ def test_prompt_streams_are_the_models_and_the_prefill_is_unchanged(runner):
     while not gen.done:
         engine.step(gen)
     assert engine.finish(gen).tokens == plain(runner, prompt, 30).tokens
+
+
+def test_batch_rows_draft_in_packed_forwards_per_exit(monkeypatch):
+    """Rows of a batch that chose the same exit draft together: one packed draft forward per draft step for all of
+    them, none per row."""
+    from infer.batch import BatchEngine
+    from infer.drafters.chain import EarlyExitForward
+
+    runner = Runner.from_model(make_model("llama", seed=7, layers=4))
+    calls = {"rows": 0, "one": 0}
+    packed, single = EarlyExitForward.rows, EarlyExitForward.__call__
+    monkeypatch.setattr(EarlyExitForward, "rows", lambda self, *a: calls.__setitem__("rows", calls["rows"] + 1)
+                        or packed(self, *a))
+    monkeypatch.setattr(EarlyExitForward, "__call__", lambda self, *a: calls.__setitem__("one", calls["one"] + 1)
+                        or single(self, *a))
+    options = FORCED | {"exits": "2", "k": 3, "observe_every": 1000}
+    with BatchEngine(runner, lambda: build_drafter("dynamic_exit", runner, options), 3) as batch:
+        rows = [(e, e.start(p, DecodeConfig(max_new_tokens=20))) for e, p in zip(batch.slots, PROMPTS, strict=True)]
+        outcomes = batch.step(rows)
+    steps = {o.drafted for o in outcomes}  # each row's k chosen on its own estimates: the same here
+    assert len(steps) == 1 and steps.pop() > 0
+    assert calls == {"rows": outcomes[0].drafted, "one": 0}  # each draft step one packed forward over the 3 rows
