@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from infer.cycle import CycleObserver, step_rows
-from infer.drafters.base import DecodeState, Drafter, DrafterStats, VerifyOutcome
+from infer.drafters.base import DecodeState, Drafter, DrafterStats, VerifyOutcome, cut_layers
 from infer.graphs import BUCKETS
 from infer.kv_cache import capacity_bucket
 from infer.processing import PROCESSED, PositionProcessor
@@ -376,7 +376,7 @@ class Engine:
         """The drafter's ``prompt_layers`` inside the target, when it asks for some prompt rows."""
         if self.drafter.prompt_rows <= 0:
             return []
-        return sorted({x for x in self.drafter.prompt_layers if 0 < x < state.depth})
+        return list(cut_layers(self.drafter.prompt_layers, state.depth))
 
     def _stop_reason(self, out: list[int], config: DecodeConfig, new: int = 1) -> str | None:
         fresh = out[len(out) - new:]

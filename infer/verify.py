@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from infer.drafters.base import DecodeState, Draft, VerifyOutcome
+from infer.drafters.base import DecodeState, Draft, VerifyOutcome, cut_layers
 from infer.packed import Segment, packed_span
 from infer.processing import PROCESSED, PositionProcessor, process_tree
 from infer.sampling import (
@@ -65,7 +65,7 @@ class VerifyRow:
         ids = pending if m == 0 else torch.cat([pending, draft.tokens.to(runner.device)])  # (T,)
         mask = None if tree.is_chain else tree.ancestor_mask()  # (T, T)
         row = cls(state, draft, tree, ids, [n + d for d in tree.depths()], mask, processor=processor,
-                  observe=tuple(sorted({int(x) for x in observe if 0 < x < state.depth})))
+                  observe=cut_layers(observe, state.depth))
         if draft is not None and draft.hidden is not None and draft.exact_layers > 0:
             row.exact, row.reused = draft.exact_layers, draft.hidden.shape[0]
             if any(cache.lengths[i] != n + row.reused for i in range(row.exact)):

@@ -78,6 +78,13 @@ class VerifyOutcome:
         return 0 if self.draft is None else self.draft.size
 
 
+def cut_layers(layers, depth: int) -> tuple[int, ...]:
+    """Where a target forward of ``depth`` layers is cut to keep the stream entering ``layers`` (a drafter's
+    ``observe_layers`` or ``prompt_layers``): the distinct ones strictly inside it, in order. Cutting there runs the
+    same layers on the same rows, so the forward's output is unchanged."""
+    return tuple(sorted({int(x) for x in layers if 0 < x < depth}))
+
+
 @dataclass
 class DecodeState:
     """The engine's view of one sequence being decoded, shared with the drafter."""

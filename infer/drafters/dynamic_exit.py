@@ -32,7 +32,7 @@ from torch import Tensor
 from infer.drafters.base import DecodeState, Draft, Drafter, DrafterStats, DraftInputs, DraftVocabOption, VerifyOutcome
 from infer.drafters.chain import ChainAsk, EarlyExitForward, ObservingForward, check_size, draft_chains
 from infer.drafters.exit_choice import Choice, RunEstimates, best_choice, parse_stops
-from infer.drafters.gate import COLD, FallbackGate, GateMemory, Rate, RememberOption
+from infer.drafters.gate import COLD, GateOwner, Rate, RememberOption
 from infer.drafters.inputs import draft_head
 from infer.kv_cache import ints_to_device
 from layerskip_core import inputs
@@ -268,7 +268,7 @@ class DynamicExitStats(DrafterStats):
     """With adaptive: the gate's mode at the end ('draft' or 'plain')."""
 
 
-class DynamicExitDrafter(Drafter):
+class DynamicExitDrafter(GateOwner, Drafter):
     name = "dynamic_exit"
     Config = DynamicExitConfig
     aliases = {"k": "num_draft"}
@@ -291,13 +291,7 @@ class DynamicExitDrafter(Drafter):
         depth = config.prior == "depth" or (config.prior == AUTO and trained_exits(runner) is not None)
         prior = {e: e / runner.num_layers for e in self.exits} if depth else None
         self.estimates = RunEstimates(self.exits, parse_stops(config.stops), config.decay, prior)
-        self.gate = FallbackGate(config.recheck_interval, enabled=config.adaptive)
-        self.memory = GateMemory.for_drafter(runner, self.name, config) if config.adaptive else None
-        if self.memory is not None:
-            try:
-                self.gate.load((self.memory.load() or {}).get("gate", {}))
-            except (KeyError, TypeError, ValueError):  # a damaged memory file: start afresh
-                self.gate = FallbackGate(config.recheck_interval, enabled=True)
+        self.init_gate(runner, config)
         self.choice: Choice | None = None  # none yet: the first choice has no current exit to stay with
         self.choice = self._best()
         self._gate_exit: int | None = None  # the exit drafting when the gate last started a probe
@@ -461,11 +455,6 @@ class DynamicExitDrafter(Drafter):
         host = torch.stack([probs.view(len(exits), P).double(), hits.double()]).tolist()  # the update's one sync
         for e, p_row, hit_row in zip(exits, host[0], host[1], strict=True):
             self.estimates.add(e, p_row, [h > 0.5 for h in hit_row], continues)
-
-    def finish(self) -> None:
-        """The last prompt is done: keep the gate's measurements for the next command."""
-        if self.memory is not None:
-            self.memory.save({"gate": self.gate.to_dict()})
 
     def stats(self) -> DynamicExitStats:
         alpha = self.estimates.alpha()

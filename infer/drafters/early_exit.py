@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from infer.adapter import AdapterForward, ExitAdapter, adapter_path
 from infer.drafters.base import DecodeState, Draft, Drafter, DrafterStats, DraftInputs, DraftVocabOption, VerifyOutcome
 from infer.drafters.chain import ChainAsk, EarlyExitForward, check_size, draft_chains
-from infer.drafters.gate import COLD, FallbackGate, GateMemory, RememberOption
+from infer.drafters.gate import COLD, GateOwner, RememberOption
 from infer.drafters.inputs import draft_head
 from layerskip_core.errors import UserError
 from layerskip_core.layers import check_exit_layer
@@ -83,7 +83,7 @@ class EarlyExitStats(DrafterStats):
     """With adaptive: measured tokens/s of draft-verify cycles."""
 
 
-class EarlyExitDrafter(Drafter):
+class EarlyExitDrafter(GateOwner, Drafter):
     name = "early_exit"
     Config = EarlyExitDrafterConfig
     aliases = {"E": "exit_layer", "k": "num_draft"}
@@ -106,13 +106,7 @@ class EarlyExitDrafter(Drafter):
         self.adapter, self.vocab = inputs.adapter, inputs.vocab  # the adapter, the draft head: None or given
         self.forward = EarlyExitForward(runner, self.config.exit_layer, self.vocab) if self.adapter is None \
             else AdapterForward(runner, self.adapter, self.vocab)
-        self.gate = FallbackGate(self.config.recheck_interval, enabled=self.config.adaptive)
-        self.memory = GateMemory.for_drafter(runner, self.name, self.config) if self.config.adaptive else None
-        if self.memory is not None:
-            try:
-                self.gate.load((self.memory.load() or {}).get("gate", {}))
-            except (KeyError, TypeError, ValueError):  # a damaged memory file: start afresh
-                self.gate = FallbackGate(self.config.recheck_interval, enabled=True)
+        self.init_gate(runner, self.config)
         self.forwards = self.plain_steps = 0
         self._cycle_start: float | None = None
 
@@ -163,11 +157,6 @@ class EarlyExitDrafter(Drafter):
             seconds = time.perf_counter() - self._cycle_start
             self.gate.record(len(outcome.tokens), seconds, drafted=outcome.draft is not None)
             self.gate.decide()
-
-    def finish(self) -> None:
-        """The last prompt is done: keep the gate's measurements for the next command."""
-        if self.memory is not None:
-            self.memory.save({"gate": self.gate.to_dict()})
 
     def stats(self) -> EarlyExitStats:
         stats = EarlyExitStats(self.forwards, COLD if self.memory is None else self.memory.start_state,

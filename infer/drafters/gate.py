@@ -229,3 +229,28 @@ class GateMemory:
         except OSError as e:
             print(f"layerskip: note: could not keep the drafter's measurements in {self.path} ({e.strerror})",
                   file=sys.stderr)
+
+
+class GateOwner:
+    """What early_exit and dynamic_exit share about their adaptive gate, written once: the gate built from the
+    drafter's ``recheck_interval`` and ``adaptive`` options, the memory of earlier commands it starts from (a damaged
+    memory file: a cold gate), and ``finish``, which keeps the gate's measurements for the next command. A mixin
+    placed before ``Drafter`` in the drafter's bases."""
+
+    gate: FallbackGate
+    memory: GateMemory | None
+
+    def init_gate(self, runner, config) -> None:
+        """Build ``gate`` and ``memory`` for ``config`` (``memory`` None unless ``config.adaptive``)."""
+        self.gate = FallbackGate(config.recheck_interval, enabled=config.adaptive)
+        self.memory = GateMemory.for_drafter(runner, self.name, config) if config.adaptive else None
+        if self.memory is not None:
+            try:
+                self.gate.load((self.memory.load() or {}).get("gate", {}))
+            except (KeyError, TypeError, ValueError):  # a damaged memory file: start afresh
+                self.gate = FallbackGate(config.recheck_interval, enabled=True)
+
+    def finish(self) -> None:
+        """The last prompt is done: keep the gate's measurements for the next command."""
+        if self.memory is not None:
+            self.memory.save({"gate": self.gate.to_dict()})
