@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from infer.drafters.base import Draft, VerifyOutcome
 from infer.verify import VerifyRow, verify_rows
 
-if TYPE_CHECKING:  # only for annotations: the engine imports this module
-    from infer.engine import Engine, Generation
-
-    Row = tuple[Engine, Generation]
+Row = tuple
+"""(engine, generation): an ``infer.engine.Engine`` (its drafter, its stop rules, ``advance``) and the ``Generation`` it
+is advancing. Named, not imported: the engine builds on this module."""
 
 
 class CycleObserver:

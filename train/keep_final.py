@@ -12,6 +12,7 @@ or DDP's parameters; it runs without layer dropout and without gradients.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -24,10 +25,12 @@ from train.losses import is_plain_head
 class StartModel:
     """The starting model's final layer, frozen (not an ``nn.Module``: nothing here is saved or trained)."""
 
-    def __init__(self, model: nn.Module, head: nn.Module):
+    def __init__(self, model: nn.Module, head: nn.Module, parts_of: Callable[[nn.Module], object]):
         if not is_plain_head(head):
             raise UserError("keep_final.kl_weight needs a plain LM head (not LoRA-wrapped, not ZeRO-3-partitioned); "
                             "remove lm_head from lora.target_modules or set keep_final.kl_weight=0")
+        self.parts_of = parts_of
+        """``train.model.decoder_parts``, handed in by the model that owns this teacher (no import back up)."""
         self.lora = hasattr(model, "disable_adapter")
         self.copy = None if self.lora else copy.deepcopy(model).requires_grad_(False).eval()
 
@@ -36,17 +39,15 @@ class StartModel:
 
         ``lm`` is the :class:`train.model.LayerSkipLM` being trained: its decoder loop runs the start's layers.
         """
-        from train.model import decoder_parts
-
         with torch.no_grad():
             if self.lora:
                 with lm.model.disable_adapter(), eval_mode(lm.model):  # a teacher without dropout, as the copy
                     _, h = lm.hidden_states(input_ids)  # (B, T, d)
-                    parts = decoder_parts(lm.model)
+                    parts = self.parts_of(lm.model)
                     return parts.norm(h), parts.lm_head.weight
             if next(self.copy.parameters()).device != input_ids.device:
                 self.copy.to(input_ids.device)  # once: the trained model was moved after this copy was made
-            parts = decoder_parts(self.copy)
+            parts = self.parts_of(self.copy)
             _, h = lm.hidden_states(input_ids, model=self.copy)  # (B, T, d)
             return parts.norm(h), parts.lm_head.weight
 

@@ -86,7 +86,7 @@ class LayerSkipLM(nn.Module):
         if self.kl_weight > 0:
             from train.keep_final import StartModel
 
-            self.start = StartModel(model, parts.lm_head)
+            self.start = StartModel(model, parts.lm_head, decoder_parts)
 
     # -- schedules -------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from infer.drafters.autoregressive import AutoregressiveDrafter
 from infer.measure.quality import QualityConfig
 from layerskip_core.cli import split_named
 from layerskip_core.errors import UserError
@@ -24,7 +25,7 @@ PEERS = ("hf_generate", "hf_static", "hf_early_exit", "prompt_lookup")
 PEER_OPTIONS = {"hf_early_exit": ("E", "k"), "prompt_lookup": ("k",)}
 BATCH_PEERS = ("hf_generate", "hf_static")
 """Peers that decode a batch: transformers' assisted decoding (its early-exit assistant, prompt lookup) refuses one."""
-BASELINE = "autoregressive"
+BASELINE = AutoregressiveDrafter.name
 STARTS = ("cold", "warm")
 """``BenchConfig.start``: timed drafters start with nothing remembered, or from the toolkit cache read-only."""
 MODEL = "{model}"

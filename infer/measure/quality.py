@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from infer.drafters.autoregressive import AutoregressiveDrafter
 from layerskip_core import jsonfile
 from layerskip_core.errors import UserError
 from layerskip_core.heldout import loss_sums, next_token_targets, perplexity
@@ -214,11 +215,10 @@ UNSCORED = {"humaneval": "not scored: pass@1 needs running the completions again
 def task_accuracy(rows: list, model: str) -> dict[str, dict]:
     """Per task: the greedy answer accuracy of ``model``'s plain decoding (``Summary.answer_accuracy`` of its
     autoregressive row: every lossless drafter's output is the same) with its prompt count, or why none."""
-    from infer.measure.methods import BASELINE
-
     out: dict[str, dict] = {}
+    baseline = AutoregressiveDrafter.name
     for task in dict.fromkeys(r.task for r in rows):
-        row = next((r for r in rows if r.model == model and r.task == task and r.method == BASELINE), None)
+        row = next((r for r in rows if r.model == model and r.task == task and r.method == baseline), None)
         if row is not None and row.answer_accuracy is not None:
             out[task] = {"accuracy": row.answer_accuracy, "prompts": row.prompts,
                          "new_tokens": row.new_tokens // max(1, row.prompts)}
