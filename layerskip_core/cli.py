@@ -31,6 +31,10 @@ class Parser(argparse.ArgumentParser):
         kwargs["allow_abbrev"] = False
         super().__init__(*args, **kwargs)
 
+    def error(self, message: str):  # type: ignore[override]
+        """A bad flag is one line and exit code 2, as every other refusal (no usage block first)."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
 
 def run_main(prog: str, body: Callable[[], int | None]) -> int:
     """Call ``body``; a ``UserError`` becomes ``PROG: error: MESSAGE`` and exit code 2, Ctrl-C 130."""

@@ -142,14 +142,17 @@ def _scalar(value: Any, tp: Any, where: str) -> Any:
     if tp is float:
         if isinstance(value, bool):
             raise UserError(f"{where}: expected a number, got {value!r}")
+        number = None
         if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            number = float(value) if abs(value) < 2**1024 else math.inf
+        elif isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise UserError(f"{where}: expected a number, got {value!r}")
+        if number is None:
+            raise UserError(f"{where}: expected a number, got {value!r}")
+        return finite(number, where)
     if tp is str:
         if isinstance(value, (dict, list)) or value is None:
             raise UserError(f"{where}: expected a string, got {value!r}")
@@ -157,6 +160,13 @@ def _scalar(value: Any, tp: Any, where: str) -> Any:
     if tp is Any:
         return value
     raise TypeError(f"unsupported annotation {tp!r} at {where}")  # a bug in a config class, not user input
+
+
+def finite(value: float, where: str) -> float:
+    """``value`` when it is a finite number; NaN, infinity and text that overflows to it (``1e400``) are refused."""
+    if not math.isfinite(value):
+        raise UserError(f"{where}: must be a finite number, got {value} (infinity and NaN are not settings)")
+    return value
 
 
 def check_fields(obj: Any, label: str) -> None:
@@ -168,6 +178,8 @@ def check_fields(obj: Any, label: str) -> None:
         tp, value = types_[f.name], getattr(obj, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             raise UserError(f"{label}: {f.name} must be a finite number, got {value}")
+        if isinstance(value, (list, tuple)) and any(isinstance(x, float) and not math.isfinite(x) for x in value):
+            raise UserError(f"{label}: {f.name} must hold finite numbers, got {value}")
         if not _holds(value, tp):
             raise UserError(f"{label}: {f.name} must be {type_name(tp)}, got {value!r} ({type(value).__name__})")
 
@@ -195,13 +207,43 @@ def _holds(value: Any, tp: Any) -> bool:
     return isinstance(value, origin or tp)
 
 
+class StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader with a key written twice in one mapping refused (a section or key given twice would
+    otherwise silently take the last one), as the project's JSON reader refuses it."""
+
+    def construct_mapping(self, node, deep=False):  # noqa: ANN001 (PyYAML's signature)
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node)
+            except TypeError:  # an unhashable key: the base loader words that error
+                break
+            if first is not key_node:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice (lines {first.start_mark.line + 1} and "
+                    f"{key_node.start_mark.line + 1}); keep one", key_node.start_mark)
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(text: str) -> Any:
+    """``text`` read as YAML strictly (``StrictLoader``: no key twice in a mapping); a nesting too deep for the
+    parser is a ``yaml.YAMLError`` too, never a RecursionError."""
+    try:
+        return yaml.load(text, Loader=StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+    except RecursionError:
+        raise yaml.YAMLError("nested too deeply") from None
+
+
 def parse_text(text: str) -> Any:
     """A value typed by a user (``8``, ``3e-4``, ``true``, ``[8, 16]``, ``null``), read as YAML; else the string."""
     if not text.strip():
         return ""
     try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
+        return load_yaml(text)
+    except yaml.YAMLError as e:
+        if isinstance(e, yaml.constructor.ConstructorError) and "given twice" in str(e.problem):
+            raise UserError(f"{text!r}: {e.problem}") from None
         return text
 
 

@@ -6,16 +6,34 @@ touched; the field docstrings are ``--help-config``'s text.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
 from layerskip_core.errors import UserError
+from layerskip_core.options import check_fields
 from layerskip_core.settings import check_threads
+
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest float32: a recipe number beyond it is infinity in the model's tensors (and the loss NaN)."""
 
 
 def _check(ok: bool, msg: str) -> None:
     if not ok:
         raise UserError(msg)
+
+
+def _numbers(section: object, name: str) -> None:
+    """Refuse, in one line, a section whose fields are not of their types (a recipe's text is converted before;
+    this catches a section built in Python), a number that is NaN or infinite, or one that overflows float32 (a
+    loss weight or learning rate of 1e308 makes every loss after it NaN)."""
+    check_fields(section, name)
+    for f in dataclasses.fields(section):  # type: ignore[arg-type]
+        value = getattr(section, f.name)
+        for x in value if isinstance(value, list) else [value]:
+            if isinstance(x, float) and abs(x) > FLOAT32_MAX:
+                raise UserError(f"{name}.{f.name} is {x:g}, beyond the largest float32 ({FLOAT32_MAX:.3g}): it would "
+                                "be infinity in the model's tensors; give a finite setting in range")
 
 
 @dataclass
@@ -75,6 +93,7 @@ class SourceConfig:
     source, so held-out text shares no package with training text."""
 
     def __post_init__(self) -> None:
+        _numbers(self, "data.sources[i]")
         _check(self.type == "stdlib" or bool(self.path), f"data source of type {self.type!r} needs a 'path'")
         _check(0.0 < self.dedup_threshold <= 1.0,
                f"source dedup_threshold must be in (0, 1] (got {self.dedup_threshold})")
@@ -109,6 +128,7 @@ class DataConfig:
     """Tokenisation cache folder; empty means ``$LAYERSKIP_CACHE/tokens`` (``~/.cache/layerskip/tokens``)."""
 
     def __post_init__(self) -> None:
+        _numbers(self, "data")
         _check(len(self.sources) > 0, "data.sources is empty; give at least one source")
         _check(self.block_size >= 8, f"data.block_size must be >= 8 (got {self.block_size})")
         _check(0.0 <= self.val_fraction < 1.0, f"data.val_fraction must be in [0, 1) (got {self.val_fraction})")
@@ -148,6 +168,7 @@ class OptimConfig:
     """Autocast dtype through accelerate. ``auto``: bf16 on GPUs that support it, otherwise ``no``."""
 
     def __post_init__(self) -> None:
+        _numbers(self, "optim")
         for name in ("max_steps", "micro_batch_size", "grad_accum_steps"):
             _check(getattr(self, name) >= 1, f"optim.{name} must be >= 1 (got {getattr(self, name)})")
         _check(self.lr > 0, f"optim.lr must be positive (got {self.lr})")
@@ -179,6 +200,7 @@ class LayerDropoutConfig:
     for the whole micro-batch (no row regrouping; coarser regularisation, see docs/TRAINING.md)."""
 
     def __post_init__(self) -> None:
+        _numbers(self, "layer_dropout")
         _check(0.0 <= self.p_max <= 1.0, f"layer_dropout.p_max must be in [0, 1] (got {self.p_max})")
         _check(self.layers is None or all(i >= 0 for i in self.layers), "layer_dropout.layers must be >= 0")
         _check(self.curriculum_steps is None or self.curriculum_steps >= 1,
@@ -213,6 +235,7 @@ class EarlyExitConfig:
     the device, about 32M logits on a CPU and up to 128M on a GPU (at most 1/64 of its memory)."""
 
     def __post_init__(self) -> None:
+        _numbers(self, "early_exit")
         _check(all(e >= 1 for e in self.exits), f"early_exit.exits are layer counts >= 1 (got {self.exits})")
         _check(len(set(self.exits)) == len(self.exits), f"early_exit.exits has duplicates: {self.exits}")
         _check(self.e_scale >= 0, "early_exit.e_scale must be >= 0")
@@ -233,6 +256,7 @@ class KeepFinalConfig:
     while the model equals its start. 0 = off."""
 
     def __post_init__(self) -> None:
+        _numbers(self, "keep_final")
         _check(self.kl_weight >= 0, f"keep_final.kl_weight must be >= 0 (got {self.kl_weight})")
 
 
@@ -253,6 +277,7 @@ class LoraConfig:
     """Linear layers that get adapters (names inside the decoder layers)."""
 
     def __post_init__(self) -> None:
+        _numbers(self, "lora")
         _check(self.r >= 1 and self.alpha > 0, "lora.r must be >= 1 and lora.alpha > 0")
         _check(0.0 <= self.dropout < 1.0, "lora.dropout must be in [0, 1)")
         _check(len(self.target_modules) > 0, "lora.target_modules is empty")
@@ -272,6 +297,7 @@ class AdapterConfig:
     """distill: the full model's own next-token distribution (cross-entropy to it, i.e. KL); data: the next token."""
 
     def __post_init__(self) -> None:
+        _numbers(self, "adapter")
         _check(self.exit_layer >= 1, "adapter.exit_layer must be >= 1")
         _check(self.mlp_size >= 0, "adapter.mlp_size must be >= 0")
 
@@ -296,6 +322,7 @@ class LoggingConfig:
     """Show a tqdm progress bar on the main process."""
 
     def __post_init__(self) -> None:
+        _numbers(self, "logging")
         _check(self.log_every >= 1, "logging.log_every must be >= 1")
         _check(self.eval_every >= 0, "logging.eval_every must be >= 0")
 
@@ -317,6 +344,7 @@ class CheckpointConfig:
     """Write ``<output_dir>/final``: config, safetensors weights (LoRA merged) and tokenizer."""
 
     def __post_init__(self) -> None:
+        _numbers(self, "checkpoint")
         _check(self.save_every >= 0 and self.keep_last >= 0, "checkpoint.save_every and keep_last must be >= 0")
         _check(bool(self.output_dir), "checkpoint.output_dir is empty")
 
@@ -351,6 +379,7 @@ class TrainConfig:
     """torch CPU threads per process (``null``: torch's default)."""
 
     def __post_init__(self) -> None:
+        _numbers(self, "config")
         if self.threads is not None:
             check_threads(self.threads, "threads")
         _check(0 <= self.seed < 2**63, f"seed must be in [0, 2**63), got {self.seed}")

@@ -16,6 +16,7 @@ tracking.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import warnings
@@ -325,7 +326,10 @@ def train_steps(run: Session, on_step: Callable[[int], None] | None) -> None:
             run.scheduler.step()
         run.step += 1
         bar.update(1)
-        if run.step % cfg.logging.log_every == 0 or run.step == cfg.optim.max_steps:
+        log_now = run.step % cfg.logging.log_every == 0 or run.step == cfg.optim.max_steps
+        if log_now or (cfg.checkpoint.save_every and run.step % cfg.checkpoint.save_every == 0):
+            check_finite(run, stats)  # before anything is logged or saved from these steps
+        if log_now:
             lr = cfg.optim.lr * lr_factor(run.step - 1, cfg)  # the lr the last step used
             rec = stats.record(run.step, lr, run.model.rates(run.step - 1), run.accelerator.num_processes)
             rec.update(tokens=run.tokens_seen, epoch=round(run.order.epoch(run.step), 4))
@@ -341,6 +345,30 @@ def train_steps(run: Session, on_step: Callable[[int], None] | None) -> None:
         if on_step is not None:
             on_step(run.step)
     bar.close()
+
+
+def check_finite(run: Session, stats: RunningStats, evaluation: dict | None = None) -> None:
+    """Stop the run in one line, saving nothing from these steps, when the loss since the last check, a weight or an
+    ``evaluation``'s loss is not finite (NaN or infinity: a diverged step, or settings that overflow); every process
+    decides alike."""
+    import torch
+
+    loss = stats.loss.to(run.accelerator.device)
+    losses = [v for key in ("exit_loss", "adapter_loss") for v in (evaluation or {}).get(key, {}).values()]
+    if not all(math.isfinite(v) for v in losses):
+        loss = loss + torch.tensor(float("nan"), device=loss.device)  # the held-out loss says so
+    bad = (~torch.isfinite(loss)).float().reshape(1)
+    for p in run.model.parameters():
+        if p.requires_grad:
+            bad += (~torch.isfinite(p.detach())).any().float()
+    if run.accelerator.num_processes > 1:
+        bad = run.accelerator.reduce(bad, reduction="sum")
+    if float(bad) > 0:
+        what = "a weight is not finite" if torch.isfinite(loss) else f"the loss is {float(loss):g}"
+        raise UserError(f"training diverged by step {run.step}: {what} (NaN or infinity); stopped before saving "
+                        "anything from here (no final model). Lower optim.lr or the loss weights "
+                        "(keep_final.kl_weight, early_exit.e_scale), or resume from an earlier checkpoint "
+                        "(checkpoint.resume=<its folder>)")
 
 
 def micro_step(run: Session, stats: RunningStats, micro: int) -> None:
@@ -365,6 +393,7 @@ def micro_step(run: Session, stats: RunningStats, micro: int) -> None:
 def finish(run: Session) -> dict:
     """Final evaluation, the replicas' parameter digests (several processes), the exported ``final/`` folder."""
     final_eval = evaluate(run)
+    check_finite(run, RunningStats(run.model.num_layers), final_eval)  # a step's overflow shows in the weights now
     if final_eval:
         run.tracker.log({"step": run.step, **final_eval})
     if run.accelerator.num_processes > 1:  # replicas must be identical after DDP; record one digest per rank

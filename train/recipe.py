@@ -117,10 +117,9 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not key:
         raise UserError(f"override {text!r} has no key")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
-    except yaml.YAMLError:
-        parsed = value
-    return key, parsed
+        return key, options.parse_text(value)
+    except UserError as e:
+        raise UserError(f"override {text!r}: {e}") from None
 
 
 def read_yaml(path: str | Path) -> dict:
@@ -129,12 +128,10 @@ def read_yaml(path: str | Path) -> dict:
         raise UserError(f"config file {path} is a directory; pass a recipe file (recipes/<name>.yaml)")
     data = inputs.read_bytes(path, "config file", "pass a recipe file (recipes/<name>.yaml)")  # no FIFO, no device
     try:
-        raw = yaml.safe_load(data.decode("utf-8"))
+        raw = options.load_yaml(data.decode("utf-8"))  # strict: a key or section given twice is refused
     except UnicodeDecodeError as e:
         line = e.object[:e.start].count(b"\n") + 1
         raise UserError(f"{path}: not UTF-8 text (line {line}); save the recipe as UTF-8") from None
-    except RecursionError:
-        raise UserError(f"{path}: nested too deeply to be a recipe") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""

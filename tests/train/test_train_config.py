@@ -204,3 +204,69 @@ def test_zero3_refuses_layer_dropout_and_lora():
                                     lora=dataclasses.replace(base.lora, enabled=True))
     with pytest.raises(UserError, match="LoRA with DeepSpeed ZeRO-3"):
         layerskip.check_zero_stage(with_lora, 3)
+
+
+# ---------------------------------------------------------------- issue 49: numbers that are no settings, keys twice
+NON_FINITE = ["keep_final:\n  kl_weight: .inf\n", "keep_final:\n  kl_weight: 1.0e+308\n", "optim:\n  lr: .inf\n",
+              "optim:\n  lr: .nan\n", "early_exit:\n  e_scale: .inf\n", "early_exit:\n  e_scale: -.inf\n",
+              "optim:\n  eps: 1e999\n", "lora:\n  alpha: 1.0e+39\n", "seed: 100000000000000000000000\n"]
+
+
+@pytest.mark.parametrize("text", NON_FINITE)
+def test_non_finite_and_overflowing_recipe_numbers_are_refused(text, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(text)
+    with pytest.raises(UserError, match="finite|float32|2\\*\\*63"):
+        load_config(recipe)
+
+
+@pytest.mark.parametrize("override", ["keep_final.kl_weight=.inf", "keep_final.kl_weight=1e308", "optim.lr=.inf",
+                                      "early_exit.e_scale=1e400", "data.val_fraction=.nan",
+                                      "source.dedup_threshold=.nan"])
+def test_non_finite_overrides_are_refused(override):
+    if override.startswith("source."):
+        override = "data.sources=[{type: stdlib, dedup_threshold: .nan}]"
+    with pytest.raises(UserError, match="finite|float32"):
+        load_config(None, [override])
+
+
+def test_non_finite_numbers_are_refused_in_python_too():
+    from train.config import EarlyExitConfig, KeepFinalConfig, OptimConfig
+
+    for make in (lambda: KeepFinalConfig(kl_weight=float("inf")), lambda: OptimConfig(lr=float("nan")),
+                 lambda: EarlyExitConfig(e_scale=1e300), lambda: OptimConfig(betas=[0.9, float("nan")])):
+        with pytest.raises(UserError, match="finite|float32"):
+            make()
+
+
+def test_non_finite_recipe_is_one_line_on_the_command_line(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("keep_final: {kl_weight: .inf}\n")
+    proc = subprocess.run([sys.executable, str(REPO / "train/layerskip.py"), "--config", str(recipe)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "kl_weight" in proc.stderr and "finite" in proc.stderr
+
+
+@pytest.mark.parametrize("text, key", [
+    ("optim:\n  lr: 1.0e-4\n  lr: 2.0e-4\n", "'lr'"),
+    ("optim:\n  lr: 1.0e-4\nseed: 1\noptim:\n  max_steps: 3\n", "'optim'"),
+    ("data:\n  sources:\n    - {type: stdlib, dedup: exact, dedup: near}\n", "'dedup'"),
+])
+def test_a_key_or_section_given_twice_is_refused(text, key, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(text)
+    with pytest.raises(UserError, match=f"{key} is given twice"):
+        load_config(recipe)
+
+
+def test_an_override_holding_a_key_twice_is_refused():
+    with pytest.raises(UserError, match="given twice"):
+        load_config(None, ["data.sources=[{type: stdlib, dedup: exact, dedup: near}]"])
+
+
+def test_a_deeply_nested_recipe_is_one_line(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("a: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(UserError, match="nested too deeply"):
+        load_config(recipe)
