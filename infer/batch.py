@@ -113,10 +113,12 @@ class BatchEngine:
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int] | torch.Tensor], config: DecodeConfig | None = None,
                  generators: Sequence[torch.Generator] | None = None,
-                 processors: Sequence[PositionProcessor | None] | None = None) -> list[GenerationResult]:
+                 processors: Sequence[PositionProcessor | None] | None = None,
+                 on_result: Callable[[int, GenerationResult], None] | None = None) -> list[GenerationResult]:
         """Decode every prompt (token ids); results in the prompts' order. ``generators``: one per prompt (default:
         each a new one from ``config.sampling``'s seed); ``processors``: logits processing per prompt
-        (``infer.processing``)."""
+        (``infer.processing``); ``on_result(i, result)``: called as each prompt finishes (in the order they finish),
+        so a caller can write it out before the rest are done."""
         config = DecodeConfig() if config is None else config
         if not isinstance(config, DecodeConfig):
             raise UserError(f"config must be a DecodeConfig (or None), not {type(config).__name__}")
@@ -137,6 +139,8 @@ class BatchEngine:
             for i, engine, gen in [row for row in live if row[2].done]:
                 results[i] = engine.finish(gen)
                 free.append(engine)
+                if on_result is not None:
+                    on_result(i, results[i])
             live = [row for row in live if not row[2].done]
             if live:
                 self.step([(engine, gen) for _, engine, gen in live])

@@ -28,6 +28,7 @@ from infer.drafters import ResolvedSpec, Spec, build_drafter, drafter_spec, pars
 from infer.engine import DecodeConfig, Engine, GenerationResult
 from infer.runner import Runner
 from layerskip_core.errors import UserError
+from layerskip_core.prompts import check_text
 from layerskip_core.settings import ModelSettings, Resolved, RunSettings
 
 
@@ -52,6 +53,7 @@ class LoadedModel:
         """Token ids of ``prompt``; with ``chat`` it is wrapped as one user turn of the chat template."""
         if not prompt.strip():
             raise UserError("the prompt is empty; give some text")
+        check_text(prompt, "the prompt")  # a lone surrogate: one line, not the tokenizer's TypeError
         if chat:
             if not getattr(self.tokenizer, "chat_template", None):
                 raise UserError(f"{self.name} has no chat template; drop --chat")
@@ -111,7 +113,10 @@ class LoadedModel:
         plan), use ``engine()``."""
         if isinstance(prompt, list | tuple) and prompt and all(isinstance(p, str) for p in prompt):
             ids = [self.encode(p, chat) for p in prompt]
-            with self.batch_engine(drafter, options, batch_size=batch_size or len(ids)) as engine:
+            size = len(ids) if batch_size is None else batch_size  # 0 is refused below, not read as "all"
+            if isinstance(size, int) and size > len(ids):
+                size = len(ids)  # one row slot (engine and drafter) per row is built up front: never more than prompts
+            with self.batch_engine(drafter, options, batch_size=size) as engine:
                 return engine.generate(ids, config)
         if not isinstance(prompt, str):
             raise UserError(f"prompt must be text (a str) or a non-empty list of texts, not {type(prompt).__name__}; "

@@ -79,6 +79,17 @@ def _builtin(name: str) -> list[PromptItem]:
     return [PromptItem(r["id"], r["prompt"], r.get("upstream_answer", ""), name) for r in rows]
 
 
+def check_text(text: str, where: str) -> str:
+    """``text`` when it is Unicode a tokenizer can encode; a lone surrogate (``\\ud800`` in JSON, or bytes that are
+    not UTF-8 in a command-line argument, which Python keeps as surrogates) is refused in one line."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UserError(f"{where} holds {text[e.start:e.end]!r} at character {e.start}, which is not text (bytes "
+                        "that are not UTF-8, or half of a surrogate pair); give UTF-8 text") from None
+    return text
+
+
 def read_prompts_file(path: Path) -> list[PromptItem]:
     """A jsonl file whose lines carry a ``prompt`` field (optional ``id``, ``reference``)."""
     path = Path(path)
@@ -87,6 +98,7 @@ def read_prompts_file(path: Path) -> list[PromptItem]:
         prompt = row.get("prompt")
         if not isinstance(prompt, str):
             raise UserError(f"{path}: line {lineno} has no string 'prompt' field")
+        check_text(prompt, f"{path}: line {lineno}: the prompt")
         items.append(PromptItem(str(row.get("id", i)), prompt, str(row.get("reference", "")), path.stem))
     if not items:
         raise UserError(f"{path} holds no prompts")

@@ -37,7 +37,7 @@ from infer.drafters.inputs import draft_head
 from infer.kv_cache import ints_to_device
 from layerskip_core import inputs
 from layerskip_core.errors import UserError
-from layerskip_core.options import check_fields
+from layerskip_core.options import check_fields, load_yaml
 
 AUTO = "auto"
 EXPLORE_FLOOR = 0.85
@@ -141,7 +141,7 @@ def parse_exits(text: str) -> list[int] | None:
     if text == AUTO:
         return None
     parts = text.replace(",", "/").split("/")
-    if not all(p.strip().isdigit() for p in parts):
+    if not all(p.strip().isascii() and p.strip().isdigit() for p in parts):  # not '²', which int() refuses
         raise UserError(f"exits must be layer numbers separated by '/' (e.g. 8/16/24) or 'auto', got {text!r}")
     exits = [int(p) for p in parts]
     if len(set(exits)) != len(exits):
@@ -157,8 +157,8 @@ def trained_exits(runner) -> list[int] | None:
     if config is None or not config.is_file():
         return None
     try:
-        exits = yaml.safe_load(inputs.read_text(config, "training config"))["early_exit"]["exits"]
-    except (UserError, yaml.YAMLError, KeyError, TypeError):
+        exits = load_yaml(inputs.read_text(config, "training config"))["early_exit"]["exits"]
+    except (UserError, yaml.YAMLError, KeyError, TypeError):  # load_yaml: a nesting too deep is a YAMLError too
         return None
     if not isinstance(exits, list) or not all(isinstance(e, int) and not isinstance(e, bool) for e in exits):
         return None

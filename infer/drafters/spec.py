@@ -132,13 +132,17 @@ def drafter_spec(name: str, options: dict | object | None = None, target_exit: i
         raise UserError(f"drafter {name!r} takes a dict of options or its {cls.Config.__name__}, "
                         f"not {type(options).__name__}")
     types = hints(cls.Config)
-    kwargs, objects = {}, {}
+    kwargs, objects, named = {}, {}, {}
     for key, value in (options or {}).items():
         if value is None:
             continue
         field = cls.aliases.get(key, key)
         if field not in types:
             raise UserError(_not_an_option(name, key, sorted(set(types) | set(cls.aliases))))
+        if field in named:  # E and exit_layer are one option: the last must not silently win
+            raise UserError(f"drafter {name!r} was given option {field} twice ({named[field]!r} and {key!r}); "
+                            "give it once")
+        named[field] = key
         if isinstance(value, OBJECTS.get(field, ())):
             objects[field] = value
             continue
@@ -172,6 +176,8 @@ def split_spec(text: str) -> tuple[str, dict[str, str], int | None]:
         key, sep, value = part.partition("=")
         if not sep or not key:
             raise UserError(f"bad drafter spec {text!r}: options look like name:key=value:key=value")
+        if key in options or (key == "target_exit" and target is not None):
+            raise UserError(f"bad drafter spec {text!r}: {key} is given twice; give each option once")
         if key == "target_exit":
             target = from_text(value, int, f"{text!r}: target_exit")
             continue

@@ -74,6 +74,7 @@ def alone(model: LoadedModel, prompts: list[list[int]], cfg: BenchConfig) -> lis
 def _timed_run(cfg: BenchConfig, model: LoadedModel, peer: Peer | None, label: str, method: Method,
                prompts: list[list[int]], size: int) -> tuple[list[Row], float]:
     """One timed run of ``method`` over ``prompts`` at batch size ``size``: a row per prompt, the run's wall time."""
+    size = min(size, len(prompts))  # a task with fewer prompts than B: never more rows (slots) than prompts
     if method.is_peer:
         tokens, latency, wall = peer.generate_batch(method, prompts, size, cfg, model.eos_token_ids)
         return [(t, GenerationStats(new_tokens=len(t), wall_time=s), None)

@@ -87,7 +87,7 @@ def parse_methods(drafters: str, peers: str | None) -> list[Method]:
     if any(not s.strip() for s in drafters.split(",")) and drafters.strip():
         raise UserError(f"--drafters {drafters!r} has an empty entry; give comma-separated drafter specs such as "
                         "autoregressive,early_exit:E=8:k=6")
-    for text in [s.strip() for s in drafters.split(",") if s.strip()]:
+    for text in split_drafters(drafters):
         if MODEL in text:  # per-model values are checked at load
             split_spec(text)
             methods.append(Method(text, None))
@@ -107,6 +107,19 @@ def parse_methods(drafters: str, peers: str | None) -> list[Method]:
     if len(set(labels)) != len(labels):
         raise UserError(f"a method is listed twice: {labels}")
     return methods
+
+
+def split_drafters(drafters: str) -> list[str]:
+    """``--drafters`` into specs at its commas, except where a piece is only layer numbers: that piece continues the
+    option before it (``dynamic_exit:exits=8,16,24,early_exit:E=8`` -> the exits 8, 16 and 24, then early_exit),
+    as dynamic_exit's exits are documented to take ',' or '/'."""
+    specs: list[str] = []
+    for piece in [s.strip() for s in drafters.split(",") if s.strip()]:
+        if specs and piece.isascii() and piece.replace("/", "").isdigit():
+            specs[-1] += "," + piece
+        else:
+            specs.append(piece)
+    return specs
 
 
 def _early_exit(method: Method) -> bool:
@@ -259,6 +272,9 @@ class BenchConfig:
         self.labels = model_labels(self.models)
         if self.batch_sizes is not None:
             check_batch_peers(self.methods, self.batch_sizes)
+            if max(self.batch_sizes) > self.n:  # before any model loads: a row slot each is built per run
+                raise UserError(f"--batch-size {max(self.batch_sizes)} is more than the {self.n} prompts per task "
+                                "(--n): a batch has at most one row per prompt; lower it or raise --n")
         if self.quality.base is not None and self.quality.base not in self.labels:
             raise UserError(f"--base {self.quality.base!r} names no model; the models are {', '.join(self.labels)}")
         if self.sampling is None:

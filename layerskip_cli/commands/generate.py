@@ -25,7 +25,7 @@ from layerskip_core.cli import check_output_file
 from layerskip_core.device import dtype_name
 from layerskip_core.errors import UserError
 from layerskip_core.options import add_dataclass_flags, from_args
-from layerskip_core.prompts import PromptItem, read_prompts_file
+from layerskip_core.prompts import PromptItem, check_text, read_prompts_file
 
 
 def add_generation_flags(p: argparse.ArgumentParser) -> None:
@@ -69,9 +69,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="treat the prompts as one input stream: the drafter keeps its state (e.g. SWIFT's plan and "
                    "optimiser) across prompts; reports per-prompt statistics and a stream summary")
     p.add_argument("--batch-size", type=int, default=1, metavar="B",
-                   help="decode B prompts at a time in one batched engine (each prompt gets a fresh drafter and its "
-                   "output is the same as alone, also sampled with --seed unless a drafter decides from measured "
-                   "time: --adaptive, dynamic_exit's calibrate, SWIFT's fallback; rows that finish leave, the next "
+                   help="decode B prompts at a time in one batched engine, each printed as it finishes (in that "
+                   "order, under its id; each prompt gets a fresh drafter and its output is the same as alone, also "
+                   "sampled with --seed unless a drafter decides from measured time: --adaptive, dynamic_exit's "
+                   "calibrate, SWIFT's fallback; rows that finish leave, the next "
                    "prompts join); not with --stream")
     add_generation_flags(p)
     add_drafter_flags(p)
@@ -82,7 +83,7 @@ def _prompts(args: argparse.Namespace):
     if args.prompts_file is not None:
         items = read_prompts_file(args.prompts_file)
     else:
-        items = [PromptItem("0", args.prompt)]
+        items = [PromptItem("0", check_text(args.prompt, "--prompt"))]
     for item in items:
         if not item.prompt.strip():
             raise UserError(f"prompt {item.id!r} is empty; give some text")
@@ -135,13 +136,13 @@ def run(args: argparse.Namespace) -> int:
         reads = [(f"--{k.replace('_', '-')}", getattr(config, k, None)) for k in ("plan", "draft_vocab", "adapter")]
         reads = [(f, v) for f, v in reads if isinstance(v, str)] + [("--prompts-file", args.prompts_file)]
         check_output_file(config.save_plan, "--save-plan", force=args.force, inputs=tuple(reads))
-    prompts = _prompts(args)
-    resolved = model_settings(args).resolve()  # once; a missing GPU is refused before the model loads
-
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
+    prompts = _prompts(args)
+    resolved = model_settings(args).resolve()  # once; a missing GPU is refused before the model loads
     if args.batch_size > 1 and args.stream:
         raise UserError("--stream keeps one drafter over the prompts in turn; drop --stream or --batch-size")
+    args.batch_size = min(args.batch_size, len(prompts))  # one row slot per row, built up front: none unused
     model = load_resolved(resolved)
     encoded = [model.encode(item.prompt, args.chat) for item in prompts]
     drafter = spec.resolve(model.runner, model.tokenizer)  # once: every engine below builds its drafter from it
@@ -150,9 +151,10 @@ def run(args: argparse.Namespace) -> int:
     if args.batch_size > 1:
         engine.close()
         with model.batch_engine(spec.drafter, drafter, batch_size=args.batch_size) as batch:
-            results = batch.generate(encoded, generation)
-        for item, result in zip(prompts, results, strict=True):
-            _print_result(args, model, item, result, len(prompts) > 1)
+            # each row is printed as it finishes (in that order; every row names its prompt), so an interruption
+            # loses no finished row
+            batch.generate(encoded, generation,
+                           on_result=lambda i, result: _print_result(args, model, prompts[i], result, True))
         return 0
     results = []
     for item, ids in zip(prompts, encoded, strict=True):
