@@ -13,13 +13,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None = None) -> Tensor:
     """Masked attention of q (Hq, T, D) over k, v (Hkv, C, D), Hq = G Hkv; ``mask`` (T, C) bool, or (G T, C)
     additive float already repeated per group (``group_mask``).
 
     The G query heads that share a KV head become rows, (Hkv, G T, D) against (Hkv, C, D): plain multi-head
     attention, which the memory-efficient kernel takes (its mask rows need C to be a multiple of 8-16). Query
-    head h uses KV head h // G, as in transformers' ``repeat_kv``.
+    head h uses KV head h // G, as in transformers' ``repeat_kv``. ``scale``: the score scale (None: D ** -0.5).
     """
     Hq, T, D = q.shape
     Hkv = k.shape[0]
@@ -27,7 +27,8 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     folded = q.reshape(Hkv, G * T, D)  # (Hkv, G T, D): head h = j G + g -> KV head j, rows g T .. g T + T - 1
     if mask.shape[0] != G * T:
         mask = mask.repeat(G, 1)  # (G T, C)
-    out = F.scaled_dot_product_attention(folded[None], k[None], v[None], attn_mask=mask)  # (1, Hkv, G T, D)
+    out = F.scaled_dot_product_attention(folded[None], k[None], v[None], attn_mask=mask,
+                                         scale=scale)  # (1, Hkv, G T, D)
     return out[0].reshape(Hq, T, D)  # (Hq, T, D)
 
 
@@ -38,10 +39,11 @@ def group_mask(visible: Tensor, groups: int, dtype) -> Tensor:
     return additive.repeat(groups, 1)  # (G T, C)
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float | None = None) -> Tensor:
     """q (Hq, T, D) over k, v (Hkv, S, D): ``mask`` (T, S) bool, or None for all visible (``causal``: row t sees
-    slots [0, t], valid only when the T rows are slots [0, T))."""
+    slots [0, t], valid only when the T rows are slots [0, T)); ``scale``: the score scale (None: D ** -0.5)."""
     if mask is not None:
-        return grouped_attention(q, k, v, mask)
+        return grouped_attention(q, k, v, mask, scale)
     gqa = q.shape[0] != k.shape[0]
-    return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=causal, enable_gqa=gqa)[0]
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=causal, enable_gqa=gqa,
+                                          scale=scale)[0]

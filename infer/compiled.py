@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from infer import layer_math
 from infer.attention import grouped_attention
 
 if TYPE_CHECKING:
@@ -48,8 +49,9 @@ def attention_step(runner: ForwardModel, w: LayerWeights, hidden: Tensor, cos: T
     v.index_copy_(1, write, vn)
     # copies in contiguous layout: a reshape of a strided tensor is a view at one row and a copy at more, which
     # would make dynamo specialise on the row count (the copies fuse into neighbouring kernels)
-    out = grouped_attention(_dense(q), k, v, mask)  # (Hq, rows, D)
-    return hidden + w.o(_dense(out.transpose(0, 1)).view(rows, s.num_heads * s.head_dim), bulk)  # (rows, d)
+    out = grouped_attention(_dense(q), k, v, mask, s.attn_scale)  # (Hq, rows, D)
+    out = _dense(out.transpose(0, 1)).view(rows, s.num_heads * s.head_dim)  # (rows, Hq D)
+    return layer_math.attention_out(s, w, hidden, out, bulk)  # (rows, d): o, the family's post-norm, residual
 
 
 def _dense(x: Tensor) -> Tensor:
@@ -124,12 +126,12 @@ class LayerSteps:
 
 
 def step_key(runner: ForwardModel) -> tuple:
-    """What fixes a runner's compiled steps: its layer geometry, whether its projections carry biases, dtype and
-    device (runners equal in these trace the same graphs)."""
+    """What fixes a runner's compiled steps: its layer geometry and family math, whether its projections carry
+    biases, dtype and device (runners equal in these trace the same graphs)."""
     s, w = runner.spec, runner.layers[0]
     biases = tuple(getattr(w, name).bias is not None for name in ("qkv", "o", "gate_up", "down"))
     return (type(runner), s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size,
-            s.rms_norm_eps, biases, runner.dtype, runner.device)
+            s.rms_norm_eps, biases, runner.dtype, runner.device, s.family, s.attn_scale)
 
 
 class StepCache:

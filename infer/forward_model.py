@@ -37,11 +37,14 @@ class ForwardModel(Protocol):
     dtype: torch.dtype
     layers: list[LayerWeights]
     counters: LayerCounts
+    rope_rows: list[int]
+    """Per layer: its row in the RoPE tables ``rope`` returns."""
 
     @property
     def num_layers(self) -> int: ...
 
-    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]: ...
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """(cos, sin) (K, T, 1, D): one row per RoPE table."""
 
     def qkv_rope(self, w: LayerWeights, hidden: Tensor, cos: Tensor, sin: Tensor,
                  bulk: bool = False) -> tuple[Tensor, Tensor, Tensor]: ...

@@ -24,6 +24,7 @@ from weakref import WeakKeyDictionary
 import torch
 from torch import Tensor
 
+from infer import layer_math
 from infer.attention import group_mask
 from infer.compiled import LayerSteps, StepCache
 from infer.kv_cache import KVCache
@@ -68,8 +69,8 @@ class SpanKey:
     vocab: str | None = None
     """Key of the reduced-vocabulary draft head scoring the logits (None: the full LM head)."""
     groups: tuple[int, ...] = ()
-    """For each attention layer run, in order, the first of them with the same window start: layers of a
-    group share one attention mask (computed once per forward, not once per layer)."""
+    """For each attention layer run, in order, the first of them with the same window start and sliding window:
+    layers of a group share one attention mask (computed once per forward, not once per layer)."""
 
 
 def bucket(rows: int, buckets: tuple[int, ...] = BUCKETS) -> int | None:
@@ -209,7 +210,11 @@ class StaticExecutor:
         extra, mask, window_starts = self._window(cache, ran["attn"], extra, mask, rows)
         if window_starts is None:
             return None  # the padded rows would not fit: let the eager path raise or run
-        groups = tuple(next(j for j in ran["attn"] if window_starts[j] == window_starts[i]) for i in ran["attn"])
+        if mask is not None and any(not self._fits_window(i, extra + T) for i in ran["attn"]):
+            return None  # a tree wider than a layer's sliding window: the eager path refuses it
+        slide = self.runner.spec.window
+        groups = tuple(next(j for j in ran["attn"] if (window_starts[j], slide(j)) == (window_starts[i], slide(i)))
+                       for i in ran["attn"])
         vocab = vocab if logits else None
         key = SpanKey(rows, extra, start, split, end, plan_key(plan) if split < end else None, logits,
                       None if vocab is None else vocab.key, groups)
@@ -231,6 +236,11 @@ class StaticExecutor:
             return None
         self._account(cache, ran, T, logits)
         return exact[:T], out[:T], None if head is None else head[:T]
+
+    def _fits_window(self, layer: int, width: int) -> bool:
+        """Whether a masked call ``width`` columns wide fits the layer's sliding window (``layer_math.check_tree``)."""
+        window = self.runner.spec.window(layer)
+        return window is None or width <= window
 
     def _window(self, cache: KVCache, attn: list[int], extra: int, mask: Tensor | None,
                 rows: int) -> tuple[int, Tensor | None, list[int] | None]:
@@ -301,7 +311,7 @@ def static_forward(runner: ForwardModel, cache: KVCache, hidden: Tensor, meta: T
     positions = meta[:rows]  # (rows,)
     window_starts = meta[rows:rows + L]  # (L,)
     window = meta[rows + L:].view(rows, W).bool()  # (rows, W)
-    cos, sin = runner.rope(positions)  # (rows, 1, D) each
+    cos, sin = runner.rope(positions)  # (K, rows, 1, D) each: one row per RoPE table
     slots = torch.arange(cache.capacity, device=hidden.device)  # (C,)
     offsets = key.extra + torch.arange(rows, device=hidden.device)  # (rows,): new rows' window columns
     skip_attn = set(plan.skip_attn) if plan is not None else set()
@@ -317,8 +327,12 @@ def static_forward(runner: ForwardModel, cache: KVCache, hidden: Tensor, meta: T
         if not (planned and i in skip_attn):
             leader = next(leaders)
             if leader not in masks:  # (G rows, C): one additive mask per group of layers
-                masks[leader] = group_mask(_visible(window_starts[leader], window, slots), groups, runner.dtype)
-            hidden = steps.attention(runner, w, hidden, cos, sin, window_starts[i], offsets, masks[leader],
+                visible = _visible(window_starts[leader], window, slots)  # (rows, C)
+                if runner.spec.window(leader) is not None:  # sliding: keys (p - W, p] of each row's position p
+                    visible = visible & layer_math.near(positions, slots, runner.spec.window(leader))
+                masks[leader] = group_mask(visible, groups, runner.dtype)
+            r = runner.rope_rows[i]
+            hidden = steps.attention(runner, w, hidden, cos[r], sin[r], window_starts[i], offsets, masks[leader],
                                      cache.k[i], cache.v[i], steps.compile)  # writes slots window_starts[i] + offsets
         if not (planned and i in skip_mlp):
             hidden = steps.mlp(runner, w, hidden, steps.compile)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from infer import layer_math
 from infer.kv_cache import KVCache
 from infer.plan import LayerPlan
 from infer.runner import DraftHead, Runner, SpanOutput
@@ -52,19 +53,20 @@ def packed_span(runner: Runner, segments: Sequence[Segment], hidden: Tensor, sta
         return runner.span(s.cache, hidden, s.positions, start, end, exact_until=exact_until, plan=plan, mask=s.mask,
                            logits=logits, vocab=vocab)
     split = end if exact_until is None else exact_until
-    cos, sin = runner.rope(runner.to_device([p for s in segments for p in s.positions]))  # (N, 1, D) each
+    pos = runner.to_device([p for s in segments for p in s.positions])  # (N,)
+    cos, sin = runner.rope(pos)  # (K, N, 1, D) each
     masks = [None if s.mask is None else s.mask.to(runner.device) for s in segments]
-    memo: list[dict[int, Tensor | None]] = [{} for _ in segments]  # per segment: attention masks by start slot
-    exact = packed_layers(runner, segments, hidden, (cos, sin), start, split, None, masks, memo)  # (N, d)
-    out = exact if split >= end else packed_layers(runner, segments, exact, (cos, sin), split, end, plan, masks, memo)
+    memo: list[dict] = [{} for _ in segments]  # per segment: attention masks by (start slot, window)
+    rope = (cos, sin, pos)
+    exact = packed_layers(runner, segments, hidden, rope, start, split, None, masks, memo)  # (N, d)
+    out = exact if split >= end else packed_layers(runner, segments, exact, rope, split, end, plan, masks, memo)
     return SpanOutput(exact, out, runner.logits(out, vocab) if logits else None)
 
 
-def packed_layers(runner: Runner, segments: Sequence[Segment], hidden: Tensor, rope: tuple[Tensor, Tensor],
-                  start: int, end: int, plan: LayerPlan | None, masks: list[Tensor | None],
-                  memo: list[dict[int, Tensor | None]]) -> Tensor:
+def packed_layers(runner: Runner, segments: Sequence[Segment], hidden: Tensor, rope: tuple[Tensor, Tensor, Tensor],
+                  start: int, end: int, plan: LayerPlan | None, masks: list[Tensor | None], memo: list[dict]) -> Tensor:
     """Layers ``[start, end)`` over the packed rows ``hidden`` (N, d) under ``plan`` (a skipped attention sublayer
-    writes no K/V); ``rope``: (cos, sin) (N, 1, D) at the rows' positions."""
+    writes no K/V); ``rope``: (cos, sin) (K, N, 1, D) at the rows' positions, and the positions (N,)."""
     attn_skip, mlp_skip = (plan.skip_attn, plan.skip_mlp) if plan is not None else ((), ())
     N = hidden.shape[0]
     for i in range(start, end):
@@ -79,19 +81,20 @@ def packed_layers(runner: Runner, segments: Sequence[Segment], hidden: Tensor, r
 
 
 def packed_attention(runner: Runner, i: int, segments: Sequence[Segment], hidden: Tensor,
-                     rope: tuple[Tensor, Tensor], masks: list[Tensor | None],
-                     memo: list[dict[int, Tensor | None]]) -> Tensor:
+                     rope: tuple[Tensor, Tensor, Tensor], masks: list[Tensor | None], memo: list[dict]) -> Tensor:
     """Layer ``i``'s attention sublayer with its residual over packed rows (N, d): projections once, attention per
-    sequence over its own cache."""
+    sequence over its own cache (with the layer's sliding window, if any)."""
     s, w = runner.spec, runner.layers[i]
-    q, k, v = runner.qkv_rope(w, hidden, *rope)  # (Hq, N, D), (Hkv, N, D), (Hkv, N, D)
+    cos, sin, pos = rope
+    r, window = runner.rope_rows[i], s.window(i)
+    q, k, v = runner.qkv_rope(w, hidden, cos[r], sin[r])  # (Hq, N, D), (Hkv, N, D), (Hkv, N, D)
     outs, a = [], 0
     for seg, mask, known in zip(segments, masks, memo, strict=True):
         b = a + seg.size
-        slot = seg.cache.lengths[i]
-        if slot not in known:
-            known[slot] = runner.attn_mask(slot, seg.size, mask)  # (T, slot + T) or None
-        outs.append(runner.cached_attention(i, seg.cache, q[:, a:b], k[:, a:b], v[:, a:b], known[slot]))
+        key = (seg.cache.lengths[i], window)
+        if key not in known:
+            known[key] = runner.attn_mask(key[0], seg.size, mask, pos[a:b], window)  # (T, slot + T) or None
+        outs.append(runner.cached_attention(i, seg.cache, q[:, a:b], k[:, a:b], v[:, a:b], known[key], s.attn_scale))
         a = b
     out = torch.cat(outs, 1).transpose(0, 1).reshape(hidden.shape[0], s.num_heads * s.head_dim)  # (N, Hq D)
-    return hidden + w.o(out)
+    return layer_math.attention_out(s, w, hidden, out)

@@ -20,7 +20,6 @@ Prompt prefill always runs eagerly, on the causal attention kernel (no mask).
 from __future__ import annotations
 
 import copy
-import dataclasses
 import glob
 import hashlib
 import os
@@ -34,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from infer import layer_math
 from infer.attention import attend
 from infer.graphs import StaticExecutor
 from infer.kv_cache import CachePool, KVCache, capacity_bucket, ints_to_device
@@ -46,7 +46,7 @@ from infer.weights import (
     fused_weights,
     load_kernel,
     load_safetensors_dir,
-    rms_norm,
+    norm_weight,
     strip_prefix,
     tensor_digest,
 )
@@ -68,6 +68,7 @@ class DraftHead:
         self.ids = ids.to(runner.device, torch.long)  # (N,) sorted, unique
         self.key = key  # identifies the ids (static forwards are keyed by it)
         self.vocab_size = runner.spec.vocab_size
+        self.spec = runner.spec  # its final logit softcapping
         self.linear = Linear(runner.lm_head.weight.index_select(0, self.ids), None, runner.kernel)  # (N, d): a copy
 
     @property
@@ -76,7 +77,7 @@ class DraftHead:
 
     def logits(self, normed: Tensor) -> Tensor:
         """(T, d) final-normed hidden -> (T, V) fp32 logits, -inf outside the subset."""
-        sub = self.linear(normed).float()  # (T, N)
+        sub = layer_math.softcap(self.linear(normed).float(), self.spec)  # (T, N)
         full = sub.new_full((sub.shape[0], self.vocab_size), float("-inf"))  # (T, V)
         return full.index_copy_(1, self.ids, sub)
 
@@ -140,8 +141,14 @@ class Runner:
         self.kernel = load_kernel(dtype, self.device, kernel)
         self.embed_w, self.final_norm, self.lm_head, self.layers = fused_weights(state, config, dtype, self.device,
                                                                                  self.kernel)
-        self.inv_freq, self.rope_scale = self._rope_inv_freq(config)
-        self._cos = self._sin = torch.empty(0)
+        self.embed_scale = layer_math.embed_scale(self.spec, dtype, self.device)  # Gemma 3's sqrt(d), or None
+        names = dict.fromkeys([*self.spec.rope_tables, *self.spec.adapter_layer().layer_ropes])
+        self.rope_freqs = {t: layer_math.rope_inv_freq(config, self.spec, t) for t in names}
+        """(inverse frequencies, scaling) of each RoPE table (the layers' and an exit adapter's), by name: their
+        order is the order of the rows of the tables ``rope`` returns."""
+        self.rope_rows = self._rope_rows(self.spec)
+        """Per layer: its row in the tables ``rope`` returns."""
+        self._cos = self._sin = torch.empty(0, 0, 0)
         self.static: StaticExecutor | None = None
         self._ensure_rope(self.spec.max_position_embeddings)  # once: captured graphs read these tables
         self.counters = RunnerCounters([0] * self.spec.num_layers)
@@ -151,10 +158,9 @@ class Runner:
         self._extra_layers: dict[str, Runner] = {}
         self._beside: WeakKeyDictionary = WeakKeyDictionary()  # another runner's cache -> this runner's paired one
         self.set_executor(executor, compile)
-        if self.spec.sliding_window is not None:
-            print(f"layerskip: note: this {self.spec.model_type} model attends over a sliding window of "
-                  f"{self.spec.sliding_window} tokens; decoding is capped at {self.spec.max_position_embeddings} "
-                  "tokens (prompt + new), within which the runner's full attention is the model's", file=sys.stderr)
+        if getattr(config, "attn_logit_softcapping", None) is not None and self.spec.model_type == "gemma3_text":
+            print("layerskip: note: attn_logit_softcapping is set, but transformers' Gemma 3 attention does not apply "
+                  "it; neither does the runner (its logits stay transformers')", file=sys.stderr)
 
     # ----------------------------------------------------------------- loading
     @classmethod
@@ -182,19 +188,23 @@ class Runner:
         return cls(model.config, state, dtype=dtype or next(model.parameters()).dtype, device=device or home,
                    kernel=kernel, executor=executor, compile=compile)
 
-    def over_layers(self, layers: list[LayerWeights], final_norm: Tensor) -> Runner:
+    def over_layers(self, layers: list[LayerWeights], final_norm: Tensor, spec: ModelSpec | None = None) -> Runner:
         """A runner over other decoder layers with ``final_norm`` before this model's LM head: the embedding, LM
         head, RoPE tables, kernel and executor kind are this runner's; its spec (len(layers) layers), counters, cache
-        pool and static forwards are its own. Its caches are ``KVCache``s of its layers, so every executor runs it
-        as it runs the model."""
+        pool and static forwards are its own (``spec``: the layers' own, with their windows and RoPE tables; default
+        this model's, cut to len(layers)). Its caches are ``KVCache``s of its layers, so every executor runs it as it
+        runs the model."""
         other = copy.copy(self)
-        other.own_layers(layers, final_norm)
+        other.own_layers(layers, final_norm, spec)
         return other
 
-    def own_layers(self, layers: list[LayerWeights], final_norm: Tensor) -> None:
+    def own_layers(self, layers: list[LayerWeights], final_norm: Tensor, spec: ModelSpec | None = None) -> None:
         """Make this runner (a copy, see ``over_layers``) run ``layers`` with ``final_norm``, with its own spec,
         counters, cache pool, draft heads, extra layers and static forwards."""
-        self.spec = dataclasses.replace(self.spec, num_layers=len(layers))
+        s = self.spec
+        self.spec = spec or s.for_layers(tuple(s.window(i) for i in range(len(layers))),
+                                         tuple(s.layer_ropes[:len(layers)]))
+        self.rope_rows = self._rope_rows(self.spec)
         self.layers, self.final_norm = list(layers), final_norm
         self.counters = RunnerCounters([0] * len(layers))
         self.caches, self._draft_heads, self._extra_layers = CachePool(), {}, {}
@@ -211,8 +221,10 @@ class Runner:
             def get(name: str) -> Tensor | None:
                 return state[name].to(self.device, self.dtype) if name in state else None
 
-            layer = fused_layer(get, self.spec, self.kernel, mlp="mlp.gate_proj.weight" in state)
-            self._extra_layers[key] = self.over_layers([layer], final_norm.to(self.device, self.dtype))
+            spec = self.spec.adapter_layer()  # train.adapter's layer: no q/k or sandwich norms, SiLU, global RoPE
+            layer = fused_layer(get, spec, self.kernel, mlp="mlp.gate_proj.weight" in state)
+            norm = norm_weight(final_norm.to(self.device, self.dtype), spec)
+            self._extra_layers[key] = self.over_layers([layer], norm, spec)
         return self._extra_layers[key]
 
     # ----------------------------------------------------------------- executor
@@ -239,22 +251,9 @@ class Runner:
                       RuntimeWarning, stacklevel=3)
         self.static = None
 
-    @staticmethod
-    def _rope_inv_freq(config) -> tuple[Tensor, float]:
-        params = getattr(config, "rope_parameters", None) or {}
-        rope_type = params.get("rope_type", "default")
-        if rope_type == "default":
-            spec = ModelSpec.from_config(config)
-            base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-            dim = spec.head_dim
-            return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
-        if rope_type == "dynamic":
-            raise UserError("dynamic RoPE scaling is not supported by the runner")
-        # transformers-internal (its module moves between releases): imported only for scaled RoPE variants
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config)
-        return inv_freq.float().cpu(), float(scale)
+    def _rope_rows(self, spec: ModelSpec) -> list[int]:
+        names = list(self.rope_freqs)
+        return [names.index(spec.layer_ropes[i]) if spec.layer_ropes else 0 for i in range(spec.num_layers)]
 
     # ----------------------------------------------------------------- caches
     def new_cache(self, capacity: int) -> KVCache:
@@ -289,16 +288,11 @@ class Runner:
     def _ensure_rope(self, n: int) -> None:
         """RoPE tables for positions [0, n): built for the model's whole context at construction, so they never
         grow while graphs that read them exist (growing drops every static forward)."""
-        if self._cos.shape[0] >= n:
+        if self._cos.shape[1] >= n:
             return
-        pos = torch.arange(n, dtype=torch.float)
-        freqs = pos[:, None] * self.inv_freq[None, :]  # (n, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (n, D)
-        half = emb.shape[-1] // 2
-        sin = emb.sin() * self.rope_scale
-        sin[:, :half] = -sin[:, :half]  # rotate_half(x) * sin == roll(x, half) * signed sin
-        self._cos = (emb.cos() * self.rope_scale).to(self.device, self.dtype)
-        self._sin = sin.to(self.device, self.dtype)
+        tables = [layer_math.rope_table(*freqs, n) for freqs in self.rope_freqs.values()]
+        self._cos = torch.stack([c for c, _ in tables]).to(self.device, self.dtype)  # (K, n, D)
+        self._sin = torch.stack([s for _, s in tables]).to(self.device, self.dtype)  # (K, n, D)
         if self.static is not None:
             self.static.clear()  # captured graphs read the old tables
 
@@ -308,7 +302,8 @@ class Runner:
         return self.spec.num_layers
 
     def embed(self, ids: Tensor) -> Tensor:
-        return F.embedding(ids, self.embed_w)  # (T,) -> (T, d)
+        x = F.embedding(ids, self.embed_w)  # (T,) -> (T, d)
+        return x if self.embed_scale is None else x * self.embed_scale
 
     def logits(self, hidden: Tensor, vocab: DraftHead | None = None) -> Tensor:
         """Final norm + LM head (or a reduced-vocabulary draft head), returned in fp32 (T, V)."""
@@ -318,8 +313,8 @@ class Runner:
     def head(self, hidden: Tensor, vocab: DraftHead | None = None) -> Tensor:
         """Final norm + LM head in fp32, without counting (the static executor counts on the host); with
         ``vocab``, only its N rows of the head run and the other logits are -inf."""
-        h = rms_norm(hidden, self.final_norm, self.spec.rms_norm_eps)  # (T, d)
-        return self.lm_head(h).float() if vocab is None else vocab.logits(h)  # (T, V)
+        h = layer_math.norm(hidden, self.final_norm, self.spec)  # (T, d)
+        return layer_math.softcap(self.lm_head(h).float(), self.spec) if vocab is None else vocab.logits(h)  # (T, V)
 
     def draft_head(self, ids: Tensor | list[int]) -> DraftHead:
         """The draft head over token ``ids`` (N,), built on first use and kept for the runner's lifetime."""
@@ -377,17 +372,18 @@ class Runner:
         long inputs, and nothing compares prefill rows with token-by-token ones.
         """
         end = self.spec.num_layers if end is None else end
-        cos, sin = self.rope(positions)
-        masks: dict[int, Tensor | None] = {}
+        cos, sin = self.rope(positions)  # (K, T, 1, D) each
+        masks: dict[tuple[int, int | None], Tensor | None] = {}  # by (start slot, window)
         attn_skip, mlp_skip = (plan.skip_attn, plan.skip_mlp) if plan is not None else ((), ())
         T = hidden.shape[0]
         for i in range(start, end):
             run_attn, run_mlp = i not in attn_skip, i not in mlp_skip
             if run_attn:
-                start_slot = cache.lengths[i]
-                if start_slot not in masks:
-                    masks[start_slot] = self.attn_mask(start_slot, T, mask)
-                hidden = self._attention(i, cache, hidden, cos, sin, masks[start_slot], bulk)
+                key = (cache.lengths[i], self.spec.window(i))
+                if key not in masks:
+                    masks[key] = self.attn_mask(key[0], T, mask, positions, key[1])
+                r = self.rope_rows[i]
+                hidden = self._attention(i, cache, hidden, cos[r], sin[r], masks[key], bulk)
             if run_mlp:
                 hidden = self.mlp(self.layers[i], hidden, bulk)
             if run_attn or run_mlp:
@@ -403,38 +399,47 @@ class Runner:
         return self.logits(self.forward_layers(cache, self.embed(ids), positions, plan=plan, mask=mask))
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """(cos, sin) (T, 1, D) at ``positions`` (T,) on the device; sin has the sign of the roll form folded in."""
-        return self._cos[positions][:, None], self._sin[positions][:, None]
+        """(cos, sin) (K, T, 1, D) at ``positions`` (T,) on the device, one row per RoPE table (layer i reads row
+        ``rope_rows[i]``); sin has the sign of the roll form folded in."""
+        return self._cos[:, positions, None], self._sin[:, positions, None]
 
-    def attn_mask(self, start_slot: int, T: int, mask: Tensor | None) -> Tensor | None:
-        """(T, start_slot + T) bool; None where no mask is needed (one row, or causal rows from slot 0)."""
+    def attn_mask(self, start_slot: int, T: int, mask: Tensor | None, positions: Tensor | None = None,
+                  window: int | None = None) -> Tensor | None:
+        """(T, start_slot + T) bool; None where no mask is needed (one row, or causal rows from slot 0). A layer
+        with a sliding ``window`` shorter than the slots also hides keys W or more positions before each query
+        (``positions`` (T,): the rows' positions; ``layer_math.near``)."""
         S = start_slot + T
-        if mask is None:
-            if T == 1 or start_slot == 0:
-                return None
-            return torch.ones(T, S, dtype=torch.bool, device=self.device).tril(diagonal=start_slot)  # (T, S)
-        W = mask.shape[1]
-        if W > S:
-            raise ValueError(f"mask covers {W} slots but only {S} exist")
-        full = torch.ones(T, S, dtype=torch.bool, device=self.device)  # (T, S)
-        full[:, S - W:] = mask
-        return full
+        full = None
+        if mask is not None:
+            W = mask.shape[1]
+            if W > S:
+                raise ValueError(f"mask covers {W} slots but only {S} exist")
+            full = torch.ones(T, S, dtype=torch.bool, device=self.device)  # (T, S)
+            full[:, S - W:] = mask
+        elif T > 1 and (start_slot > 0 or (window is not None and S > window)):
+            full = torch.ones(T, S, dtype=torch.bool, device=self.device).tril(diagonal=start_slot)  # (T, S)
+        if window is None or S <= window:
+            return full
+        layer_math.check_tree(mask, window)
+        near = layer_math.near(positions, torch.arange(S, device=self.device), window)  # (T, S)
+        return near if full is None else full & near
 
     def _attention(self, i: int, cache: KVCache, hidden: Tensor, cos: Tensor, sin: Tensor,
                    attn_mask: Tensor | None, bulk: bool = False) -> Tensor:
         s, w = self.spec, self.layers[i]
         T = hidden.shape[0]
         q, k, v = self.qkv_rope(w, hidden, cos, sin, bulk)  # (Hq, T, D), (Hkv, T, D), (Hkv, T, D)
-        out = self.cached_attention(i, cache, q, k, v, attn_mask)  # (Hq, T, D)
+        out = self.cached_attention(i, cache, q, k, v, attn_mask, s.attn_scale)  # (Hq, T, D)
         out = out.transpose(0, 1).reshape(T, s.num_heads * s.head_dim)  # (T, Hq D)
-        return hidden + w.o(out, bulk)
+        return layer_math.attention_out(s, w, hidden, out, bulk)
 
     @staticmethod
     def cached_attention(i: int, cache: KVCache, q: Tensor, k: Tensor, v: Tensor,
-                         attn_mask: Tensor | None) -> Tensor:
+                         attn_mask: Tensor | None, scale: float | None = None) -> Tensor:
         """Write k, v (Hkv, T, D) at layer ``i``'s length in ``cache``, then attend q (Hq, T, D) over the layer's
-        filled slots with ``attn_mask`` (``attn_mask``'s form; None: causal from slot 0, or all visible): (Hq, T, D).
-        The packed batch forward (``infer.packed``) calls it once per row over that row's own cache."""
+        filled slots with ``attn_mask`` (``attn_mask``'s form; None: causal from slot 0, or all visible) and the
+        score ``scale`` (None: D ** -0.5): (Hq, T, D). The packed batch forward (``infer.packed``) calls it once per
+        row over that row's own cache."""
         T = q.shape[1]
         start = cache.lengths[i]
         stop = start + T
@@ -445,31 +450,17 @@ class Runner:
         cache.lengths[i] = stop
         keys = cache.k[i, :, :stop]  # (Hkv, S, D)
         values = cache.v[i, :, :stop]  # (Hkv, S, D)
-        return attend(q, keys, values, attn_mask, causal=start == 0 and T > 1)  # (Hq, T, D)
+        return attend(q, keys, values, attn_mask, causal=start == 0 and T > 1, scale=scale)  # (Hq, T, D)
 
     def qkv_rope(self, w: LayerWeights, hidden: Tensor, cos: Tensor, sin: Tensor,
                  bulk: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-        """A layer's attention norm, fused q/k/v projection and RoPE: (Hq, T, D), (Hkv, T, D), (Hkv, T, D)."""
-        s = self.spec
-        T = hidden.shape[0]
-        x = rms_norm(hidden, w.attn_norm, s.rms_norm_eps)  # (T, d)
-        qkv = w.qkv(x, bulk)  # (T, (Hq + 2 Hkv) D)
-        heads = s.num_heads + s.num_kv_heads
-        qk = qkv[:, :heads * s.head_dim].view(T, heads, s.head_dim)  # (T, Hq + Hkv, D)
-        # RoPE on q and k at once: rotate_half(x) * sin == roll(x, D/2) * [-sin_lo, sin_hi]
-        qk = qk * cos + qk.roll(s.head_dim // 2, dims=-1) * sin
-        q = qk[:, :s.num_heads].transpose(0, 1)  # (Hq, T, D)
-        k = qk[:, s.num_heads:].transpose(0, 1)  # (Hkv, T, D)
-        v = qkv[:, heads * s.head_dim:].view(T, s.num_kv_heads, s.head_dim).transpose(0, 1)  # (Hkv, T, D)
-        return q, k, v
+        """A layer's attention norm, q/k/v projection, q/k norms and RoPE (``layer_math.qkv_rope``; ``cos``/``sin``
+        (T, 1, D): the layer's table): (Hq, T, D), (Hkv, T, D), (Hkv, T, D)."""
+        return layer_math.qkv_rope(self.spec, w, hidden, cos, sin, bulk)
 
     def mlp(self, w: LayerWeights, hidden: Tensor, bulk: bool = False) -> Tensor:
-        """A layer's MLP sublayer with its residual: (T, d) -> (T, d); a layer without an MLP passes it through."""
-        if w.gate_up is None:
-            return hidden
-        x = rms_norm(hidden, w.mlp_norm, self.spec.rms_norm_eps)  # (T, d)
-        gate, up = w.gate_up(x, bulk).chunk(2, dim=-1)  # (T, I) each
-        return hidden + w.down(F.silu(gate) * up, bulk)  # (T, d)
+        """A layer's MLP sublayer with its residual (``layer_math.mlp``): (T, d) -> (T, d)."""
+        return layer_math.mlp(self.spec, w, hidden, bulk)
 
     # ----------------------------------------------------------------- identity
     def identity(self) -> dict:

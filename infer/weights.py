@@ -44,14 +44,19 @@ class Linear:
 @dataclass
 class LayerWeights:
     """One decoder layer, with q/k/v and gate/up fused into single matmuls. An exit adapter's layer may have no
-    MLP (``gate_up`` None): its stream passes the MLP sublayer unchanged."""
+    MLP (``gate_up`` None): its stream passes the MLP sublayer unchanged. Norm weights are as
+    ``infer.layer_math.norm`` takes them (``norm_weight``); the family's extra norms are None where it has none."""
 
     attn_norm: Tensor  # (d,)
     qkv: Linear  # d -> (Hq + 2 Hkv) D, with bias for Qwen2
     o: Linear  # Hq D -> d
-    mlp_norm: Tensor | None = None  # (d,)
+    mlp_norm: Tensor | None = None  # (d,): the MLP's input norm
     gate_up: Linear | None = None  # d -> 2 I
     down: Linear | None = None  # I -> d
+    q_norm: Tensor | None = None  # (D,): per-head norm of q before RoPE (Qwen3, Gemma 3)
+    k_norm: Tensor | None = None  # (D,): per-head norm of k before RoPE
+    post_attn_norm: Tensor | None = None  # (d,): norm of the attention output before the residual (Gemma 3)
+    post_mlp_norm: Tensor | None = None  # (d,): norm of the MLP output before the residual (Gemma 3)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -91,16 +96,25 @@ def qkv_widths(s: ModelSpec) -> list[int]:
     return [s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim]
 
 
+def norm_weight(weight: Tensor, spec: ModelSpec) -> Tensor:
+    """A checkpoint's norm weight as ``infer.layer_math.norm`` takes it: 1 + w in fp32 for the (1 + w) flavour
+    (Gemma 3 computes (normed * (1 + w.float())).to(dtype)), else as it is."""
+    return 1.0 + weight.float() if spec.family.norm_offset else weight
+
+
 def fused_layer(get: Callable[[str], Tensor | None], spec: ModelSpec, kernel, mlp: bool = True,
                 prefix: str = "") -> LayerWeights:
     """One decoder layer from its tensors by HF name within the layer (``get(name)``: the tensor on the target
     device and dtype, None when absent; ``prefix``: the layer's, for messages); ``mlp`` False: a layer without
-    one (an exit adapter's)."""
+    one (an exit adapter's). The family (``spec.family``) says which extra norms it must have."""
     def need(name: str) -> Tensor:
         t = get(name)
         if t is None:
-            raise UserError(f"checkpoint has no tensor {prefix + name!r}; is it a Llama-family model?")
+            raise UserError(f"checkpoint has no tensor {prefix + name!r}; is it a {spec.model_type} model?")
         return t
+
+    def norm(name: str) -> Tensor:
+        return norm_weight(need(name), spec)
 
     if get("mlp.gate_proj.bias") is not None or get("mlp.down_proj.bias") is not None:
         raise UserError("MLP biases are not supported by the runner")
@@ -108,17 +122,26 @@ def fused_layer(get: Callable[[str], Tensor | None], spec: ModelSpec, kernel, ml
     biases = [get(f"self_attn.{n}_proj.bias") for n in "qkv"]
     bias = None if all(b is None for b in biases) else torch.cat(
         [qkv.new_zeros(w) if b is None else b for b, w in zip(biases, qkv_widths(spec), strict=True)])
-    layer = LayerWeights(attn_norm=need("input_layernorm.weight"), qkv=Linear(qkv, bias, kernel),
+    layer = LayerWeights(attn_norm=norm("input_layernorm.weight"), qkv=Linear(qkv, bias, kernel),
                          o=Linear(need("self_attn.o_proj.weight"), get("self_attn.o_proj.bias"), kernel))
+    family = spec.family
+    if family.qk_norm:
+        layer.q_norm, layer.k_norm = norm("self_attn.q_norm.weight"), norm("self_attn.k_norm.weight")
+    if family.sandwich_norms:
+        layer.post_attn_norm = norm("post_attention_layernorm.weight")
     if mlp:
-        layer.mlp_norm = need("post_attention_layernorm.weight")
+        layer.mlp_norm = norm("pre_feedforward_layernorm.weight" if family.sandwich_norms
+                              else "post_attention_layernorm.weight")
         layer.gate_up = Linear(torch.cat([need("mlp.gate_proj.weight"), need("mlp.up_proj.weight")]), None, kernel)
         layer.down = Linear(need("mlp.down_proj.weight"), None, kernel)
+        if family.sandwich_norms:
+            layer.post_mlp_norm = norm("post_feedforward_layernorm.weight")
     return layer
 
 
 def fused_weights(state: dict[str, Tensor], config, dt: torch.dtype, dev: torch.device, kernel):
-    """(embedding, final norm, LM head, per-layer weights) of a Llama-family state dict, on ``dev`` in ``dt``."""
+    """(embedding, final norm, LM head, per-layer weights) of a supported model's state dict, on ``dev`` in ``dt``;
+    the final norm's weight as ``norm_weight`` gives it."""
     spec = ModelSpec.from_config(config)
 
     def getter(prefix: str) -> Callable[[str], Tensor | None]:
@@ -132,9 +155,9 @@ def fused_weights(state: dict[str, Tensor], config, dt: torch.dtype, dev: torch.
     embed, norm, head = get("embed_tokens.weight"), get("norm.weight"), get("lm_head.weight")
     if embed is None or norm is None:
         missing = "embed_tokens.weight" if embed is None else "norm.weight"
-        raise UserError(f"checkpoint has no tensor {missing!r}; is it a Llama-family model?")
+        raise UserError(f"checkpoint has no tensor {missing!r}; is it a {spec.model_type} model?")
     tied = head is None or getattr(config, "tie_word_embeddings", False)
-    return embed, norm, Linear(embed if tied else head, None, kernel), layers
+    return embed, norm_weight(norm, spec), Linear(embed if tied else head, None, kernel), layers
 
 
 def tensor_digest(tensors: dict[str, Tensor]) -> str:

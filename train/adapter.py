@@ -60,7 +60,8 @@ class ExitAdapterModule(nn.Module):
         self.out_norm.weight.copy_(parts.norm.weight)
         self.o_proj.weight.zero_()
         if self.shape.mlp_size:
-            self.mlp_norm.weight.copy_(layer.post_attention_layernorm.weight)
+            pre = getattr(layer, "pre_feedforward_layernorm", layer.post_attention_layernorm)  # Gemma 3: the MLP's own
+            self.mlp_norm.weight.copy_(pre.weight)
             self.gate_proj.weight.copy_(layer.mlp.gate_proj.weight[:self.shape.mlp_size])
             self.up_proj.weight.copy_(layer.mlp.up_proj.weight[:self.shape.mlp_size])
             self.down_proj.weight.zero_()
@@ -132,20 +133,21 @@ class AdapterLM(nn.Module):
         T, E = input_ids.shape[1], self.cfg.exit_layer
         h = parts.embed(input_ids)  # (B, T, d)
         positions = torch.arange(T, device=h.device)[None]  # (1, T)
-        rope = parts.rotary(h, positions)  # (cos, sin), each (1, T, D)
+        ropes = parts.rope(h, positions)  # per layer (cos, sin), each (1, T, D)
         masks = attention_masks(parts.config, T, h.device, h.dtype)
         exit_h, last = None, h
         for i, layer in enumerate(parts.layers[:self.num_layers if teacher else E]):
             if i == E:
                 exit_h = last
-            out = layer(last, attention_mask=masks[i], position_ids=positions, position_embeddings=rope)
+            out = layer(last, attention_mask=masks[i], position_ids=positions, position_embeddings=ropes[i])
             last = out[0] if isinstance(out, tuple) else out
         exit_h = last if exit_h is None else exit_h
-        return exit_h, parts.lm_head(parts.norm(last)).float() if teacher else None, rope
+        rope = parts.global_rope(h, positions)  # the adapter's layer attends fully with the global base
+        return exit_h, parts.head(parts.norm(last)).float() if teacher else None, rope
 
     def adapter_logits(self, exit_h: Tensor, rope: tuple) -> Tensor:
         """(B, T, d) -> (B, T, V) fp32 through the adapter and the frozen head (the gradient reaches the adapter)."""
-        return decoder_parts(self.frozen[0]).lm_head(self.adapter(exit_h, *rope, None)).float()
+        return decoder_parts(self.frozen[0]).head(self.adapter(exit_h, *rope, None)).float()
 
     def forward(self, input_ids: Tensor, labels: Tensor, step: int = 0, micro: int = 0) -> dict[str, Tensor]:
         targets = next_token_targets(labels)  # (B, T)

@@ -63,16 +63,21 @@ def _compute_dtype(x: Tensor, weight: Tensor) -> torch.dtype:
 
 
 def _chunk_ce_and_grad(x: Tensor, weight: Tensor, targets: Tensor, scale: Tensor | None, cdtype: torch.dtype,
-                       teacher: tuple[Tensor, Tensor] | None = None,
-                       kl_scale: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+                       teacher: tuple[Tensor, Tensor] | None = None, kl_scale: Tensor | None = None,
+                       softcap: float | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Sums of CE and of KL(teacher || model) over one chunk and, when ``scale`` is given, their gradient
     ``scale * d CE_sum / d logits + kl_scale * d KL_sum / d logits``.
 
     x (n, d) normed hidden; weight (V, d) already in ``cdtype``; targets (n,) with -100 for ignored rows;
     ``teacher`` (x_t (n, d) its normed hidden, w_t (V, d) its head in ``cdtype``) or None (KL sum None then).
-    Ignored rows count in neither sum.
+    Ignored rows count in neither sum. ``softcap`` c: the logits are c * tanh(x W^T / c) (Gemma 3's final logit
+    softcapping, the teacher's too), and the gradient is taken through it.
     """
     logits = (x.to(cdtype) @ weight.t()).float()  # (n, V)
+    squash = None
+    if softcap is not None:
+        squash = torch.tanh(logits / softcap)  # (n, V)
+        logits = squash * softcap  # (n, V)
     valid = targets != IGNORE  # (n,)
     safe = targets.clamp_min(0).unsqueeze(1)  # (n, 1)
     lse = torch.logsumexp(logits, dim=-1)  # (n,)
@@ -80,7 +85,10 @@ def _chunk_ce_and_grad(x: Tensor, weight: Tensor, targets: Tensor, scale: Tensor
     ce_sum = ((lse - picked) * valid).sum()  # ()
     kl_sum = t_prob = None
     if teacher is not None:
-        t_logp = torch.log_softmax((teacher[0].to(cdtype) @ teacher[1].t()).float(), dim=-1)  # (n, V)
+        t_logits = (teacher[0].to(cdtype) @ teacher[1].t()).float()  # (n, V)
+        if softcap is not None:
+            t_logits = torch.tanh(t_logits / softcap) * softcap
+        t_logp = torch.log_softmax(t_logits, dim=-1)  # (n, V)
         t_prob = t_logp.exp()  # (n, V)
         kl_rows = (t_prob * (t_logp - logits + lse.unsqueeze(1))).sum(-1)  # (n,)
         kl_sum = (kl_rows * valid).sum()  # ()
@@ -92,6 +100,8 @@ def _chunk_ce_and_grad(x: Tensor, weight: Tensor, targets: Tensor, scale: Tensor
     grad.mul_((valid * scale).unsqueeze(1))  # (n, V): ignored rows get no gradient
     if kl_grad is not None:
         grad.add_(kl_grad.mul_((valid * kl_scale).unsqueeze(1)))  # (n, V)
+    if squash is not None:
+        grad.mul_(1 - squash.square_())  # (n, V): d capped / d raw = 1 - tanh^2
     return ce_sum, kl_sum, grad
 
 
@@ -111,7 +121,7 @@ def _accumulate(acc: Tensor | None, gt: Tensor, xc: Tensor) -> Tensor:
 
 def _exit_pass(x: Tensor, w: Tensor, targets: Tensor, w_e: float, chunk: int, cdtype: torch.dtype,
                need: tuple[bool, bool], grad_w: Tensor | None, teacher: tuple[Tensor, Tensor, float] | None,
-               ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+               softcap: float | None = None) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """One exit over all its chunks: (mean CE, mean KL or None, d total / d x or None, head gradient so far).
 
     x (N, d); w (V, d) in ``cdtype``; targets (N,); ``need`` = (any gradient, the head's gradient);
@@ -127,7 +137,7 @@ def _exit_pass(x: Tensor, w: Tensor, targets: Tensor, w_e: float, chunk: int, cd
     for s in range(0, x.shape[0], chunk):
         xc, tc = x[s:s + chunk], targets[s:s + chunk]  # (n, d), (n,)
         t = None if teacher is None else (teacher[0][s:s + chunk], teacher[1])  # (n, d), (V, d)
-        part, kl_part, grad = _chunk_ce_and_grad(xc, w, tc, scale, cdtype, t, kl_scale)
+        part, kl_part, grad = _chunk_ce_and_grad(xc, w, tc, scale, cdtype, t, kl_scale, softcap)
         ce_sum = ce_sum + part
         if kl_part is not None:
             kl_sum = kl_sum + kl_part
@@ -143,17 +153,19 @@ class FusedHeadCE(torch.autograd.Function):
     """total = sum_E w_E * mean CE(x_E @ W^T, targets_E) [+ k * mean KL(teacher || last exit)], chunked over
     tokens, gradients kept from the forward.
 
-    ``apply(weight, chunk, exit_weights, targets_list, teacher, *xs)``: weight (V, d); each x (N, d) normed
+    ``apply(weight, chunk, exit_weights, targets_list, teacher, softcap, *xs)``: weight (V, d); each x (N, d) normed
     hidden of one exit with its targets (N,) in ``targets_list``; ``exit_weights`` a tuple of floats;
-    ``teacher`` None or (x_t (N, d) the teacher's normed hidden, w_t (V, d) its head, k) for the last x.
+    ``teacher`` None or (x_t (N, d) the teacher's normed hidden, w_t (V, d) its head, k) for the last x;
+    ``softcap`` the final logit softcapping (None: off).
     Returns (total (), per-exit CE (n_exits,), mean KL () (0 without a teacher)), the last two detached.
     """
 
     @staticmethod
     def forward(ctx, weight: Tensor, chunk: int, exit_weights: tuple[float, ...], targets_list: tuple[Tensor, ...],
-                teacher: tuple[Tensor, Tensor, float] | None, *xs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                teacher: tuple[Tensor, Tensor, float] | None, softcap: float | None,
+                *xs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         need_w = ctx.needs_input_grad[0]
-        need = (need_w or any(ctx.needs_input_grad[5:]), need_w)
+        need = (need_w or any(ctx.needs_input_grad[6:]), need_w)
         cdtype = _compute_dtype(xs[0], weight)
         grad_w = None  # (V, d) fp32, from the first chunk's product on (no zero fill)
         grad_xs, losses = [], []
@@ -164,7 +176,7 @@ class FusedHeadCE(torch.autograd.Function):
             for i, (w_e, x, targets) in enumerate(zip(exit_weights, xs, targets_list, strict=True)):
                 last = i == len(xs) - 1
                 ce, kl_e, grad_x, grad_w = _exit_pass(x, w, targets, w_e, chunk, cdtype, need, grad_w,
-                                                      t if last else None)
+                                                      t if last else None, softcap)
                 kl = kl if kl_e is None else kl_e
                 losses.append(ce)
                 grad_xs.append(grad_x)
@@ -187,39 +199,46 @@ class FusedHeadCE(torch.autograd.Function):
         g = grad_total.float()
         gw = grad_w.mul_(g).to(ctx.weight_dtype) if grad_w is not None else None  # (V, d)
         gxs = [gx.mul_(g.to(gx.dtype)) if gx is not None else None for gx in grad_xs]  # each (N, d)
-        return (gw, None, None, None, None, *gxs)
+        return (gw, None, None, None, None, None, *gxs)
 
 
 def fused_head_ce(head: nn.Linear, xs: list[Tensor], targets: list[Tensor], exit_weights: list[float],
-                  chunk: int, teacher: tuple[Tensor, Tensor, float] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                  chunk: int, teacher: tuple[Tensor, Tensor, float] | None = None,
+                  softcap: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Weighted total, per-exit CE and mean KL of ``head`` over normed hidden states xs[i] (B, T, d), targets (B, T).
 
     ``teacher`` (x_t (B, T, d) normed hidden, w_t (V, d) head, weight k) adds k * KL(teacher || the last x's
-    distribution) to the total (mean over the tokens that have a target); without it the KL is 0.
+    distribution) to the total (mean over the tokens that have a target); without it the KL is 0. ``softcap``: the
+    model's final logit softcapping (Gemma 3), or None.
     """
     flat_x = [x.reshape(-1, x.shape[-1]) for x in xs]  # each (N, d)
     flat_t = tuple(t.reshape(-1) for t in targets)  # each (N,)
     if teacher is not None:
         teacher = (teacher[0].reshape(-1, teacher[0].shape[-1]).detach(), teacher[1].detach(), float(teacher[2]))
-    return FusedHeadCE.apply(head.weight, chunk, tuple(float(w) for w in exit_weights), flat_t, teacher, *flat_x)
+    return FusedHeadCE.apply(head.weight, chunk, tuple(float(w) for w in exit_weights), flat_t, teacher, softcap,
+                             *flat_x)
 
 
-def _chunk_ce_sum(norm: nn.Module, head: nn.Module, h: Tensor, targets: Tensor) -> Tensor:
+def _chunk_ce_sum(norm: nn.Module, head: nn.Module, h: Tensor, targets: Tensor, softcap: float | None = None) -> Tensor:
     logits = head(norm(h)).float()  # (n, V)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
     return F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum")
 
 
-def checkpointed_head_ce(norm: nn.Module, head: nn.Module, h: Tensor, targets: Tensor, chunk: int) -> Tensor:
-    """Mean CE of ``head(norm(h))`` (h (B, T, d) un-normed, targets (B, T)), one checkpointed chunk at a time."""
+def checkpointed_head_ce(norm: nn.Module, head: nn.Module, h: Tensor, targets: Tensor, chunk: int,
+                         softcap: float | None = None) -> Tensor:
+    """Mean CE of ``head(norm(h))`` (h (B, T, d) un-normed, targets (B, T); ``softcap``: the logits capped as the
+    model's own forward caps them), one checkpointed chunk at a time."""
     flat_h = h.reshape(-1, h.shape[-1])  # (N, d)
     flat_t = targets.reshape(-1)  # (N,)
     total = flat_h.new_zeros((), dtype=torch.float32)
     for s in range(0, flat_h.shape[0], chunk):
         hc, tc = flat_h[s:s + chunk], flat_t[s:s + chunk]  # (n, d), (n,)
         if torch.is_grad_enabled() and hc.requires_grad:
-            total = total + checkpoint(_chunk_ce_sum, norm, head, hc, tc, use_reentrant=False)
+            total = total + checkpoint(_chunk_ce_sum, norm, head, hc, tc, softcap, use_reentrant=False)
         else:
-            total = total + _chunk_ce_sum(norm, head, hc, tc)
+            total = total + _chunk_ce_sum(norm, head, hc, tc, softcap)
     return total / (flat_t != IGNORE).sum()
 
 

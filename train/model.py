@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from layerskip_core.device import parse_dtype
 from layerskip_core.errors import UserError
 from layerskip_core.heldout import next_token_targets
-from layerskip_core.models import SUPPORTED_MODEL_TYPES, is_model_dir, resolve_model
+from layerskip_core.models import SUPPORTED_MODEL_TYPES, is_model_dir, layer_windows, resolve_model
 from train.config import EarlyExitConfig, KeepFinalConfig, LayerDropoutConfig
 from train.losses import checkpointed_head_ce, default_chunk, fused_head_ce, is_plain_head
 from train.schedules import check_exits, dropout_rates, exit_weights, sample_skips, skip_generator
@@ -46,6 +46,33 @@ class Parts:
     lm_head: nn.Module
     config: object
 
+    @property
+    def softcap(self) -> float | None:
+        """The final logit softcapping the model's own forward applies (Gemma 3), or None."""
+        return getattr(self.config, "final_logit_softcapping", None)
+
+    def head(self, normed: Tensor) -> Tensor:
+        """Final-normed hidden (..., d) -> logits (..., V) as the model's forward computes them (softcapped where it
+        caps)."""
+        logits = self.lm_head(normed)
+        cap = self.softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def rope(self, h: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Each layer's (cos, sin) for ``positions`` (1, T): Gemma 3's by layer type (local and global bases), else
+        the one rotary embedding (SmolLM3's layers without RoPE ignore it themselves)."""
+        types = getattr(self.config, "layer_types", None)
+        if self.config.model_type == "gemma3_text":
+            tables = {t: self.rotary(h, positions, t) for t in set(types)}
+            return [tables[t] for t in types]
+        return [self.rotary(h, positions)] * len(self.layers)
+
+    def global_rope(self, h: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """(cos, sin) of full attention (an exit adapter's layer: Gemma 3's global base)."""
+        if self.config.model_type == "gemma3_text":
+            return self.rotary(h, positions, "full_attention")
+        return self.rotary(h, positions)
+
 
 def decoder_parts(model: nn.Module) -> Parts:
     """Find the decoder parts of a HF ``*ForCausalLM`` (optionally wrapped by peft)."""
@@ -53,7 +80,7 @@ def decoder_parts(model: nn.Module) -> Parts:
     config = base.config
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise UserError(f"model type {config.model_type!r} is not supported for LayerSkip training; "
-                        f"use a Llama-family checkpoint ({', '.join(SUPPORTED_MODEL_TYPES)})")
+                        f"use a checkpoint of one of {', '.join(SUPPORTED_MODEL_TYPES)}")
     inner = base.model
     return Parts(inner.embed_tokens, inner.rotary_emb, inner.layers, inner.norm, base.lm_head, config)
 
@@ -122,14 +149,14 @@ class LayerSkipLM(nn.Module):
         T = input_ids.shape[1]
         h = parts.embed(input_ids)  # (B, T, d)
         positions = torch.arange(T, device=h.device).unsqueeze(0)  # (1, T)
-        pos_emb = parts.rotary(h, positions)  # (cos, sin), each (1, T, head_dim)
+        pos_emb = parts.rope(h, positions)  # per layer (cos, sin), each (1, T, head_dim)
         layer_masks = attention_masks(parts.config, T, h.device, h.dtype)
         own_plan = plan is None and skip is not None
         if own_plan:
             plan = DropoutPlan.build(skip, h.device)
         out: dict[int, Tensor] = {}
         for i, layer in enumerate(parts.layers):
-            h = self._layer_step(layer, h, i, plan, layer_masks[i], pos_emb, positions)
+            h = self._layer_step(layer, h, i, plan, layer_masks[i], pos_emb[i], positions)
             if i + 1 in collect:
                 out[i + 1] = h
         if own_plan:  # back to the batch's row order for the caller
@@ -153,9 +180,9 @@ class LayerSkipLM(nn.Module):
         return torch.cat([h_kept, h[kept:]], dim=0)  # (B, T, d): skipped rows pass through
 
     def exit_logits(self, h: Tensor) -> Tensor:
-        """Un-normed hidden (B, T, d) -> final norm -> shared LM head -> (B, T, V)."""
+        """Un-normed hidden (B, T, d) -> final norm -> shared LM head (-> the model's softcapping) -> (B, T, V)."""
         parts = decoder_parts(self.model)
-        return parts.lm_head(parts.norm(h))
+        return parts.head(parts.norm(h))
 
     def exit_losses(self, hiddens: dict[int, Tensor], targets: dict[int, Tensor], weights: dict[int, float],
                     teacher: tuple[Tensor, Tensor, float] | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -172,8 +199,9 @@ class LayerSkipLM(nn.Module):
         if is_plain_head(parts.lm_head):
             xs = [parts.norm(hiddens[e]) for e in exits]  # each (B, T, d)
             return fused_head_ce(parts.lm_head, xs, [targets[e] for e in exits], [weights[e] for e in exits], chunk,
-                                 teacher)
-        ces = [checkpointed_head_ce(parts.norm, parts.lm_head, hiddens[e], targets[e], chunk) for e in exits]
+                                 teacher, parts.softcap)
+        ces = [checkpointed_head_ce(parts.norm, parts.lm_head, hiddens[e], targets[e], chunk, parts.softcap)
+               for e in exits]
         total = sum(weights[e] * ce for e, ce in zip(exits, ces, strict=True))
         return total, torch.stack([ce.detach() for ce in ces]), total.new_zeros(())
 
@@ -212,8 +240,6 @@ def attention_masks(config, T: int, device: torch.device, dtype: torch.dtype) ->
     additive (0 / dtype min) for eager attention. It broadcasts over any subset of rows.
     """
     impl = getattr(config, "_attn_implementation", None) or "sdpa"
-    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    window = getattr(config, "sliding_window", None)
     cache: dict[int | None, Tensor | None] = {}
 
     def mask_for(w: int | None) -> Tensor | None:
@@ -231,7 +257,7 @@ def attention_masks(config, T: int, device: torch.device, dtype: torch.dtype) ->
                 cache[w] = allowed[None, None]  # (1, 1, T, T)
         return cache[w]
 
-    return [mask_for(window if t == "sliding_attention" and window else None) for t in types]
+    return [mask_for(w) for w in layer_windows(config)]  # each layer's window as transformers applies it
 
 
 class DropoutPlan:

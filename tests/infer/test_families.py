@@ -1,0 +1,109 @@
+"""Issue 47's families on the runner: Qwen3, Gemma 3 text, SmolLM3, and real sliding windows (Mistral, Qwen2, Gemma 3's
+local layers). Logits equal transformers' in fp32 on every executor, for contexts longer than the window."""
+
+import pytest
+import torch
+
+from infer.runner import Runner
+from layerskip_core.errors import UserError
+from layerskip_core.models import SUPPORTED_MODEL_TYPES, ModelSpec
+from tiny_models import FAMILY_KINDS, TINY_WINDOW, family_config, family_model
+
+N = 3 * TINY_WINDOW  # tokens: the context runs well past the window
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=FAMILY_KINDS)
+def model(request):
+    return family_model(request.param, seed=3)
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(3, 320, (N,), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def ref(model, ids):
+    with torch.no_grad():
+        return model(ids[None]).logits[0]  # (N, V)
+
+
+def test_prefill_and_one_token_steps_equal_transformers(model, ids, ref):
+    runner = Runner.from_model(model)
+    cache = runner.new_cache(256)
+    torch.testing.assert_close(runner.forward(cache, ids), ref, atol=ATOL, rtol=0)
+    cache.reset()  # a prefix shorter than the window, then token by token past it
+    steps = [runner.forward(cache, ids[:20])] + [runner.forward(cache, ids[i:i + 1]) for i in range(20, N)]
+    torch.testing.assert_close(torch.cat(steps), ref, atol=ATOL, rtol=0)
+    cache.reset()  # a prefix longer than the window, then chunks of several tokens (verification's shape)
+    chunks = [runner.forward(cache, ids[:100])] + [runner.forward(cache, ids[i:i + 5]) for i in range(100, N, 5)]
+    torch.testing.assert_close(torch.cat(chunks), ref, atol=ATOL, rtol=0)
+
+
+def test_static_executor_equals_transformers(model, ids, ref):
+    """Static-shape forwards (capacity-wide masks, padded rows, one mask per group of layers with the same window)."""
+    runner = Runner.from_model(model, executor="static")
+    cache = runner.new_cache(256)
+    L = runner.num_layers
+    runner.forward_layers(cache, runner.embed(ids[:90]), torch.arange(90))  # prefill runs eagerly
+    got = [runner.span(cache, runner.embed(ids[90:95]), list(range(90, 95)), 0, L, logits=True).logits]
+    got += [runner.span(cache, runner.embed(ids[i:i + 1]), [i], 0, L, logits=True).logits for i in range(95, N)]
+    assert runner.static.spans(cache)
+    torch.testing.assert_close(torch.cat(got), ref[90:], atol=ATOL, rtol=0)
+
+
+def test_tree_mask_verification_past_the_window(model, ids, ref):
+    """A masked (tree-shaped) forward after a context longer than the window: each branch sees its own ancestors and
+    the prefix within each layer's window, as if decoded alone."""
+    for executor in ("eager", "static"):
+        runner = Runner.from_model(model, executor=executor)
+        cache = runner.new_cache(256)
+        P = 2 * TINY_WINDOW
+        runner.forward_layers(cache, runner.embed(ids[:P]), torch.arange(P))
+        # two branches after the prefix: [P] -> [P+1] and [P] -> other token at depth 1
+        tokens = torch.stack([ids[P], ids[P + 1], ids[P + 2]])
+        mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+        out = runner.span(cache, runner.embed(tokens), [P, P + 1, P + 1], 0, runner.num_layers, mask=mask,
+                          logits=True).logits
+        torch.testing.assert_close(out[:2], ref[P:P + 2], atol=ATOL, rtol=0)
+        alone = torch.cat([ids[:P + 1], ids[P + 2:P + 3]])
+        with torch.no_grad():
+            want = model(alone[None]).logits[0, -1]
+        torch.testing.assert_close(out[2], want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["mistral_window", "qwen2_window", "gemma3_text"])
+def test_the_window_changes_the_logits(kind, ids):
+    """The parity above is meaningful: past the window, full attention would give other logits."""
+    windowed = family_model(kind, seed=3)
+    wide = family_model(kind, seed=3, window=4 * N)
+    with torch.no_grad():
+        a, b = windowed(ids[None]).logits[0], wide(ids[None]).logits[0]
+    torch.testing.assert_close(a[:TINY_WINDOW], b[:TINY_WINDOW], atol=ATOL, rtol=0)
+    assert (a[TINY_WINDOW + 1:] - b[TINY_WINDOW + 1:]).abs().max() > 1e-2
+    spec = Runner.from_model(windowed).spec
+    assert spec.max_position_embeddings == windowed.config.max_position_embeddings  # no cap at the window
+    assert TINY_WINDOW in spec.layer_windows
+
+
+def test_family_specs_read_from_the_config():
+    qwen2 = ModelSpec.from_config(family_config("qwen2_window", layers=6))
+    assert qwen2.layer_windows == (None,) * 3 + (TINY_WINDOW,) * 3  # from max_window_layers on
+    smol = ModelSpec.from_config(family_config("smollm3", layers=8))
+    assert smol.layer_ropes == ("default", "default", "default", "none") * 2
+    gemma = ModelSpec.from_config(family_config("gemma3_text", layers=6))
+    assert gemma.layer_windows == (TINY_WINDOW, TINY_WINDOW, None) * 2
+    assert gemma.family.norm_offset and gemma.family.activation == "gelu_tanh"
+    assert gemma.attn_scale == pytest.approx(24 ** -0.5) and gemma.final_softcap == 30.0
+    assert ModelSpec.from_config(family_config("qwen3")).head_dim == 24
+
+
+def test_an_unsupported_model_type_is_refused_in_one_line():
+    from transformers import GPT2Config
+
+    with pytest.raises(UserError) as e:
+        ModelSpec.from_config(GPT2Config())
+    message = str(e.value)
+    assert "\n" not in message and "gpt2" in message
+    assert all(t in message for t in SUPPORTED_MODEL_TYPES)
