@@ -3,6 +3,7 @@
 ``Parser`` is the one argument parser of every entry point (no prefix matching of long options);
 ``run_main`` wraps a command's body; ``split_named`` parses the ``NAME=PATH`` labels that several
 commands accept for models (``--model base=default --model trained=runs/x/final``);
+``holding_output_dir`` holds an output folder under a lock while a command writes there (two runs never mix);
 ``check_output_file`` / ``check_output_dir`` refuse an output path before any work is done: the one output-file
 policy is that an existing file is refused unless the command was given ``--force``, and ``check_distinct``
 refuses two outputs of one command that are the same file. Folders (``check_output_dir``) may already exist, but
@@ -17,10 +18,15 @@ import argparse
 import os
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from layerskip_core.errors import UserError
+from layerskip_core.locks import FileLock
+
+OUTPUT_LOCK = ".layerskip-output.lock"
+"""The lock file a command holds in its output folder while it writes there (``holding_output_dir``)."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -148,3 +154,28 @@ def check_output_dir(path: str | os.PathLike, what: str, *, writes: tuple[str, .
         raise UserError(f"{what} {target} already holds {', '.join(held)} from an earlier run; pass --force to "
                         "write over them or choose a new folder")
     return target
+
+
+@contextmanager
+def holding_output_dir(path: str | os.PathLike, what: str) -> Iterator[Path]:
+    """The output folder ``path`` (created), held under a lock for the ``with`` block: a second command writing into
+    the same folder meanwhile is refused in one line naming the holder, instead of mixing its results in; a holder
+    that died leaves nothing blocking (``layerskip_core.locks``)."""
+    target = Path(path).expanduser()
+    created = not target.exists()
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{what} {target}: cannot create it ({e.strerror or e}); choose another folder") from None
+    lock = FileLock(target / OUTPUT_LOCK)
+    holder = lock.acquire()
+    if holder is not None:
+        raise UserError(f"{what} {target} is in use by another run ({holder.describe()}), which writes its results "
+                        "there; wait for it to end or choose another folder")
+    try:
+        yield target
+    finally:
+        lock.release()
+        if created:  # a command refused before it wrote anything leaves no empty folder behind
+            with suppress(OSError):
+                target.rmdir()

@@ -42,6 +42,8 @@ class Holder:
     """When it took the lock (UTC, ISO 8601)."""
 
     def describe(self) -> str:
+        if self.pid == 0:  # no stamp could be read: say so rather than name a process 0 that does not exist
+            return "a process whose stamp in the lock file could not be read"
         return f"pid {self.pid} on {self.host}, since {self.started}"
 
     @classmethod
@@ -81,15 +83,16 @@ class FileLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = Holder.parse(_read(fd))
+                holder = _stamp(fd)
                 os.close(fd)
                 return holder or Holder(0, "unknown host", "unknown time")
             if _same_file(fd, self.path):  # not a file a releasing holder unlinked meanwhile
                 break
             os.close(fd)
         self.previous = Holder.parse(_read(fd))
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(Holder.me().__dict__).encode(), 0)
+        stamp = json.dumps(Holder.me().__dict__).encode()
+        os.pwrite(fd, stamp, 0)  # over the old stamp, then cut what is left of it: never an empty file between
+        os.ftruncate(fd, len(stamp))
         os.fsync(fd)
         self._fd = fd
         return None
@@ -139,6 +142,19 @@ def _what_is_there(path: Path, error: OSError) -> str:
     if path.is_dir():
         return "it is a folder"
     return error.strerror or str(error)
+
+
+STAMP_WAIT = 1.0
+"""Seconds a refused taker waits for the holder's stamp: a holder writes it right after taking the lock, so one that
+has just taken it may not have written it yet."""
+
+
+def _stamp(fd: int) -> Holder | None:
+    """The holder stamped in the locked file ``fd``, read again for up to ``STAMP_WAIT`` s while it is not there."""
+    deadline = time.monotonic() + STAMP_WAIT
+    while (holder := Holder.parse(_read(fd))) is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return holder
 
 
 def _read(fd: int) -> str:

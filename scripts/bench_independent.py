@@ -29,6 +29,7 @@ from infer.engine import DecodeConfig
 from infer.loading import load_resolved
 from infer.measure.methods import BASELINE
 from layerskip_cli.args import add_model_flags, model_settings
+from layerskip_core import jsonfile
 from layerskip_core.cli import Parser, check_output_dir, run_main
 from layerskip_core.prompts import load_prompts, task_name, use_chat_template
 
@@ -79,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     print(markdown(rows, args, resolved.threads))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "independent.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)},
+        jsonfile.write((args.out / "independent.json"), json.dumps({"args": vars(args) | {"out": str(args.out)},
                                                                 "rows": rows, "runs": runs}, indent=1) + "\n")
     return 0
 

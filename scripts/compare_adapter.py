@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infer.plan import cycle_speedup, iid_tokens_per_cycle
+from layerskip_core import jsonfile
 from layerskip_core.cli import Parser, check_output_dir, run_main
 from layerskip_core.errors import UserError
 from layerskip_core.settings import check_threads
@@ -302,8 +303,8 @@ def run(args: argparse.Namespace) -> int:
     check_output_dir(args.out, "--out", writes=OUTPUTS, force=args.force, inputs=tuple(reads))
     result = compare(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / "table.md").write_text(table(result) + "\n")
+    jsonfile.write((args.out / "results.json"), json.dumps(result, indent=1) + "\n")
+    jsonfile.write((args.out / "table.md"), table(result) + "\n")
     plot(result, args.out / "compare.png")
     print(table(result))
     print(f"wrote {args.out}/results.json, table.md and compare.png", file=sys.stderr)

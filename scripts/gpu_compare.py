@@ -44,6 +44,7 @@ from pathlib import Path
 
 import lease  # first: puts the checkout on sys.path (a bare checkout on a GPU image)
 
+from layerskip_core import jsonfile
 from layerskip_core.cli import Parser
 from layerskip_core.errors import UserError
 
@@ -609,7 +610,7 @@ class Report:
         self.data["targets"] = targets(self.data["rows"], quality_, total)
         self.results.mkdir(parents=True, exist_ok=True)
         lease.write_json(self.results / "compare.json", self.data)
-        (self.results / "gpu_section.md").write_text(markdown_section(self.data))
+        jsonfile.write((self.results / "gpu_section.md"), markdown_section(self.data))
 
 
 def run_compare(args, s: Settings, device) -> dict:
@@ -806,7 +807,7 @@ def write_section(path: Path, section: str) -> None:
         text = head + section.rstrip("\n") + tail
     else:
         text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
+    jsonfile.write(path, text)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+from layerskip_core import jsonfile
 from layerskip_core.cli import Parser, check_output_file, run_main
 from layerskip_core.errors import UserError
 
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         if len(items) == args.n:
             break
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("".join(json.dumps(item) + "\n" for item in items), encoding="utf-8")
+    jsonfile.write(args.out, "".join(json.dumps(item) + "\n" for item in items))
     print(f"wrote {len(items)} prompts of {min(i['tokens'] for i in items)}-{max(i['tokens'] for i in items)} "
           f"tokens to {args.out}", file=sys.stderr)
     return 0

@@ -31,6 +31,7 @@ from infer.loading import load_resolved
 from infer.measure.methods import BASELINE
 from infer.measure.plots import plot_matchness
 from layerskip_cli.args import add_run_flags, run_settings
+from layerskip_core import jsonfile
 from layerskip_core.cli import Parser, run_main, split_named
 from layerskip_core.device import dtype_name
 from layerskip_core.models import resolve_model
@@ -180,8 +181,8 @@ def _run(argv: list[str] | None) -> int:
                           "final_state": {m: final_state(runs[m][0]) for m in swifts},
                           "matchness_trajectory": {m: trajectory(runs[m][0]) for m in swifts},
                           "order": [f"{t}/{i}" for t, i, _ in items]}
-    (args.out / "stream.json").write_text(json.dumps(results, indent=1))
-    (args.out / "stream.md").write_text(markdown(results))
+    jsonfile.write((args.out / "stream.json"), json.dumps(results, indent=1))
+    jsonfile.write((args.out / "stream.md"), markdown(results))
     plot_matchness({f"{label} · {m}": traj for label, res in results.items()
                     for m, traj in res["matchness_trajectory"].items()},
                    args.out / "matchness.png", "SWIFT over a HumanEval/GSM8K stream")

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from layerskip_cli.args import add_model_flags, model_settings
+from layerskip_core import jsonfile
 from layerskip_core.cli import Parser, check_output_file, run_main
 from layerskip_core.settings import ModelSettings
 
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = measure(args)
         print(table(rows))
         if args.json is not None:
-            args.json.write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
+            jsonfile.write(args.json, json.dumps(rows, indent=1) + "\n")
         return 0 if all(r["per_cycle"] <= r["budget"] + 1e-9 for r in rows) else 1
 
     return run_main("sync_table", run)

@@ -12,13 +12,16 @@ partial run folder updates what it holds and loses nothing; a run folder that do
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from layerskip_core.cli import Parser
+from layerskip_core import jsonfile
+from layerskip_core.cli import Parser, run_main
+from layerskip_core.errors import UserError
 
 NOTE = re.compile(r"<!-- notes:(\w+) -->\n(.*?)<!-- /notes:\1 -->", re.S)
 GPU_SECTION = re.compile(r"<!-- gpu-compare:begin -->.*?<!-- gpu-compare:end -->\n?", re.S)
@@ -26,6 +29,24 @@ COMMANDS = "Commands of this run"
 VERIFY_COST = "Cost of verifying T tokens at once"
 EXITS = "Early-exit agreement before and after LayerSkip training"
 SWIFT_STREAM = "SWIFT over a stream of HumanEval and GSM8K prompts"
+
+
+@contextmanager
+def _reading(path: Path) -> Iterator[None]:
+    """A section built from ``path``: a file that is damaged (cut off by a kill, edited) or not what its step writes
+    is one line naming it, not a traceback, and the page is left as it is."""
+    try:
+        yield
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, StopIteration, RecursionError) as e:
+        what = f"{type(e).__name__}: {' '.join(str(e).split())[:120]}"
+        raise UserError(f"{path} is damaged or not what its step writes ({what}); delete it and rerun that step "
+                        "(scripts/compare_trained_vs_free.sh reruns a step whose output is missing); the page is "
+                        "left as it is") from None
+
+
+def _json(path: Path) -> dict:
+    """A run folder's JSON file, read strictly (finite numbers, no key twice, an object)."""
+    return jsonfile.read(path, "result file", hint="delete it and rerun the step that writes it")
 
 
 def _notes(old: str, name: str) -> str:
@@ -56,13 +77,17 @@ def _section(old: str, title: str, built: list[str] | None, source: Path) -> lis
 
 
 def _bench_section(run: Path, title: str, img_dir: Path, old: str, name: str) -> list[str]:
-    from infer.measure.quality import quality_table
-    from infer.measure.report import BATCH_NOTE, Summary, markdown_table
-
     path = run / "results.json"
     if not path.is_file():
         return _section(old, title, None, path)
-    payload = json.loads(path.read_text())
+    with _reading(path):
+        return _bench_lines(run, title, img_dir, old, name, _json(path))
+
+
+def _bench_lines(run: Path, title: str, img_dir: Path, old: str, name: str, payload: dict) -> list[str]:
+    from infer.measure.quality import quality_table
+    from infer.measure.report import BATCH_NOTE, Summary, markdown_table
+
     rows = [Summary(**r) for r in payload["summary"]]
     labels = payload["config"].get("labels") or list(dict.fromkeys(r.model for r in rows))
     meta = payload["meta"]
@@ -102,7 +127,11 @@ def _table(head: list[str], rows: list[list[str]], sep: str = "---") -> list[str
 def _verify_cost(path: Path, old: str) -> list[str]:
     if not path.is_file():
         return _section(old, VERIFY_COST, None, path)
-    data = json.loads(path.read_text())
+    with _reading(path):
+        return _verify_cost_lines(_json(path), old)
+
+
+def _verify_cost_lines(data: dict, old: str) -> list[str]:
     result = data["result"]
     kinds = list(result)
     sizes = list(next(iter(result.values())))
@@ -119,13 +148,21 @@ def _verify_cost(path: Path, old: str) -> list[str]:
 
 def _exit_eval(runs: Path, img_dir: Path, old: str) -> list[str]:
     """Per-exit loss / agreement with the final layer, one column pair per evaluated model, and a plot."""
-    from infer.measure.plots import exit_quality
 
     files = sorted(runs.glob("exits_*.json")) + sorted(runs.glob("exits_*/exits.json"))
-    evals = {(f.stem if f.name != "exits.json" else f.parent.name).removeprefix("exits_"): json.loads(f.read_text())
-             for f in files}
+    evals = {}
+    for f in files:
+        with _reading(f):
+            evals[(f.stem if f.name != "exits.json" else f.parent.name).removeprefix("exits_")] = _json(f)
     if not evals:
         return _section(old, EXITS, None, runs / "exits_*.json")
+    with _reading(files[0] if len(files) == 1 else runs / "exits_*"):
+        return _exit_lines(evals, img_dir, old)
+
+
+def _exit_lines(evals: dict, img_dir: Path, old: str) -> list[str]:
+    from infer.measure.plots import exit_quality
+
     first = next(iter(evals.values()))
     exits = sorted(first["agreement"], key=int)
     lines = [f"## {EXITS}\n",
@@ -169,7 +206,11 @@ def _independent(run: Path, title: str, old: str, name: str) -> list[str]:
     path = run / "independent.json"
     if not path.is_file():
         return _section(old, title, None, path)
-    payload = json.loads(path.read_text())
+    with _reading(path):
+        return _independent_lines(_json(path), title, old, name)
+
+
+def _independent_lines(payload: dict, title: str, old: str, name: str) -> list[str]:
     args, rows = payload["args"], payload["rows"]
     lines = [f"## {title}\n", f"```\npython scripts/bench_independent.py --data {args['data']} --n {args['n']} "
              f"--max-new-tokens {args['max_new_tokens']} --repeats {args['repeats']} --threads 1 --device cpu\n```\n"]
@@ -186,13 +227,18 @@ def _independent(run: Path, title: str, old: str, name: str) -> list[str]:
     return lines + ["", _notes(old, name)]
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=Path, default=Path("runs/compare"))
     p.add_argument("--out", type=Path, default=Path("docs/RESULTS.md"))
     args = p.parse_args(argv)
+    return run_main("write_results.py", lambda: write_page(args))
+
+
+def write_page(args: argparse.Namespace) -> None:
+    """The page from the run folder ``args.runs`` into ``args.out`` (written whole, or not at all)."""
     if not args.runs.is_dir():
-        sys.exit(f"error: {args.runs} does not exist (make compare writes it); {args.out} left as it is")
+        raise UserError(f"{args.runs} does not exist (make compare writes it); {args.out} left as it is")
     old = args.out.read_text() if args.out.is_file() else ""
     img = args.out.parent / "img"
     img.mkdir(parents=True, exist_ok=True)
@@ -244,9 +290,9 @@ def main(argv: list[str] | None = None) -> None:
     gpu = GPU_SECTION.search(old)
     if gpu:
         page.append(gpu.group(0))
-    args.out.write_text("\n".join(page).rstrip("\n") + "\n")
+    jsonfile.write(args.out, "\n".join(page).rstrip("\n") + "\n")
     print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

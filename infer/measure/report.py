@@ -10,6 +10,7 @@ over autoregressive decoding is M / (k̄·c + v).
 from __future__ import annotations
 
 import csv
+import io
 import json
 import statistics
 from collections import defaultdict
@@ -23,6 +24,7 @@ from infer.measure.methods import BASELINE, PEERS
 from infer.measure.provenance import machine_info
 from infer.measure.quality import WORSE_NATS, compare_to_base, flag, quality_table
 from infer.plan import cycle_speedup
+from layerskip_core import jsonfile
 
 if TYPE_CHECKING:
     from infer.measure.bench import Record
@@ -384,13 +386,13 @@ def write_outputs(cfg: BenchConfig, records: list[Record], out_dir: Path, comman
     payload = {"meta": meta, "config": config, "quality": quality, "summary": [asdict(r) for r in rows],
                "recommended": [{"model": m, "task": t, "method": v} for (m, t), v in best.items()],
                "records": [r.to_dict() for r in records]}
-    (out_dir / "results.json").write_text(json.dumps(payload, indent=1) + "\n")
-    with open(out_dir / "results.csv", "w", newline="") as f:
-        fields = [k for k in asdict(rows[0]) if k != "tps_per_repeat"] if rows else []
-        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        for r in rows:
-            writer.writerow(asdict(r))
+    table = io.StringIO(newline="")
+    fields = [k for k in asdict(rows[0]) if k != "tps_per_repeat"] if rows else []
+    writer = csv.DictWriter(table, fieldnames=fields, extrasaction="ignore")
+    writer.writeheader()
+    for r in rows:
+        writer.writerow(asdict(r))
+    jsonfile.write(out_dir / "results.csv", table.getvalue())
     figures = plots.write_all(rows, records, out_dir)
     lines = ["# Benchmark results\n", f"`{command}`\n",
              f"Machine: {meta['gpu'] or meta['cpu']} ({meta['device']}); torch {meta['torch']}, transformers "
@@ -413,8 +415,9 @@ def write_outputs(cfg: BenchConfig, records: list[Record], out_dir: Path, comman
              "\n**Recommended (fastest of ours) per model and task:** " +
              "; ".join(f"{m}/{t}: `{v}`" for (m, t), v in best.items()) + "\n"]
     lines += [f"\n![{p.stem}]({p.name})\n" for p in figures]
-    (out_dir / "results.md").write_text("\n".join(lines))
-    return rows
+    jsonfile.write(out_dir / "results.md", "\n".join(lines))
+    jsonfile.write(out_dir / "results.json", json.dumps(payload, indent=1) + "\n")  # whole, and last: it marks a
+    return rows  # finished run (what the comparison script's steps look for)
 
 
 BATCH_NOTE = ("Batched (`--batch-size B`): each method decodes the task's prompts B at a time (ours through the "
@@ -439,10 +442,10 @@ def rebuild(out_dir: Path) -> list[Summary]:
                "quality": quality, "summary": [asdict(r) for r in rows], "partial": True, "rebuilt_from": RECORDS_FILE,
                "recommended": [{"model": m, "task": t, "method": v} for (m, t), v in best.items()],
                "records": [r.to_dict() for r in records]}
-    (out_dir / "results.json").write_text(json.dumps(payload, indent=1) + "\n")
     head = f"# Benchmark results (rebuilt from {RECORDS_FILE}: {len(records)} finished records)\n\n"
-    (out_dir / "results.md").write_text(head + f"`{header.get('command')}`\n" + quality_table(quality, rows, labels)
-                                        + markdown_table(rows))
+    jsonfile.write(out_dir / "results.md", head + f"`{header.get('command')}`\n" + quality_table(quality, rows, labels)
+                   + markdown_table(rows))
+    jsonfile.write(out_dir / "results.json", json.dumps(payload, indent=1) + "\n")
     return rows
 
 

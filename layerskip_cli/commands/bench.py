@@ -11,7 +11,7 @@ from pathlib import Path
 from infer.measure.methods import BenchConfig, parse_batch_sizes, parse_methods, sweep_methods
 from infer.measure.quality import QualityConfig
 from layerskip_cli.args import add_run_flags, add_sampling_flags, run_settings, sampling_config
-from layerskip_core.cli import check_output_dir
+from layerskip_core.cli import check_output_dir, holding_output_dir
 from layerskip_core.errors import UserError
 from layerskip_core.prompts import CHAT_MODES
 
@@ -121,16 +121,18 @@ def config_from_args(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from infer.measure.bench import run_bench  # torch-heavy: imported when the command runs
-    from infer.measure.report import RecordLog, bugs, markdown_table, write_outputs
+    from infer.measure.report import RESULT_FILES, RecordLog, bugs, markdown_table, write_outputs
 
     cfg = config_from_args(args)
     command = "layerskip " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    log = RecordLog(cfg, args.out, command)  # every finished record, as it finishes: a killed bench keeps them
-    try:
-        records = run_bench(cfg, progress=not args.quiet, log=log, on_quality=log.add_quality)
-    finally:
-        log.close()
-    rows = write_outputs(cfg, records, args.out, command, log.quality)
+    with holding_output_dir(args.out, "--out"):  # a second bench into this folder meanwhile is refused
+        check_output_dir(args.out, "--out", writes=RESULT_FILES, force=args.force)  # again, now no one else writes
+        log = RecordLog(cfg, args.out, command)  # every finished record, as it finishes: a killed bench keeps them
+        try:
+            records = run_bench(cfg, progress=not args.quiet, log=log, on_quality=log.add_quality)
+        finally:
+            log.close()
+        rows = write_outputs(cfg, records, args.out, command, log.quality)
     print(markdown_table(rows))
     print(f"wrote {args.out}/results.json, results.csv, results.md and plots", file=sys.stderr)
     wrong = bugs(rows)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from infer.measure.plots import exit_quality
 from layerskip_cli.args import add_model_flags, model_settings
+from layerskip_core import jsonfile
 from layerskip_core.cli import Parser, check_output_dir, check_output_file, run_main
 from layerskip_core.device import dtype_name
 from layerskip_core.errors import UserError
@@ -151,10 +152,10 @@ def run(args: argparse.Namespace) -> int:
     text = json.dumps(result, indent=2) + "\n"
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text)
+        jsonfile.write(args.json, text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "exits.json").write_text(text)
+        jsonfile.write((args.out / "exits.json"), text)
         exit_quality({Path(result["model"]).name: result}, args.out / "exits.png")
         print(f"wrote {args.out}/exits.json and exits.png", file=sys.stderr)
     return 0

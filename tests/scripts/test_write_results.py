@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "write_results.py"
 
@@ -109,3 +111,17 @@ def test_a_tuning_bench_is_called_tuning_and_its_best_fixed_setting_is_picked(tm
     results.write_text(json.dumps(_bench_payload(None)))
     proc = subprocess.run([sys.executable, str(best), str(results)], capture_output=True, text=True)
     assert proc.returncode == 2 and "no early_exit rows" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("content", ['{"summary": [', '{"summary": 3, "config": {}, "meta": {}}', '{"meta": {}}',
+                                     '[1, 2]', '{"summary": [], "config": {"n": NaN}, "meta": {}}',
+                                     '{"summary": [{"x": 1}], "config": {}, "meta": {}}'])
+def test_a_damaged_results_json_is_one_line_and_the_page_is_left_as_it_is(tmp_path, content):
+    page = tmp_path / "RESULTS.md"
+    page.write_text("# measured\n")
+    (tmp_path / "runs" / "bench").mkdir(parents=True)
+    (tmp_path / "runs" / "bench" / "results.json").write_text(content)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--runs", str(tmp_path / "runs"), "--out", str(page)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert "results.json" in proc.stderr and page.read_text() == "# measured\n"
