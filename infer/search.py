@@ -57,6 +57,7 @@ from infer.plan import CostModel, LayerPlan, PlanFile, PlanSpace, head_record, w
 from infer.runner import Runner
 from infer.search_objectives import Calibration, ModelObjective, SpeedObjective, calibration_set, measure_cost
 from layerskip_core.errors import UserError
+from layerskip_core.options import check_fields
 
 OBJECTIVES = ("model", "speed")
 SAMPLERS = ("tpe", "gp")
@@ -116,6 +117,7 @@ class SearchConfig:
     """paper: GP-UCB suggestions to evaluate (the reference's 1,000); a repeated plan is not re-evaluated."""
 
     def __post_init__(self) -> None:
+        check_fields(self, "search")  # types, and no NaN or infinite number (a timeout of .inf, a ratio of NaN)
         if self.objective is None:
             self.objective = "speed" if self.paper else "model"
         check_draft_vocab_option(self.draft_vocab)

@@ -15,6 +15,7 @@ command write over what it reads.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import tempfile
@@ -40,6 +41,17 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):  # type: ignore[override]
         """A bad flag is one line and exit code 2, as every other refusal (no usage block first)."""
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def finite_float(text: str) -> float:
+    """An argparse ``type`` for a number flag: a finite float (``inf``, ``nan`` and ``1e999`` refused in one line)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
 
 
 def run_main(prog: str, body: Callable[[], int | None]) -> int:

@@ -81,7 +81,7 @@ from infer.plan import LayerPlan, PlanFile
 from infer.runner import Runner
 from infer.sampling import SamplingConfig, TreeShape
 from layerskip_cli.args import add_run_flags
-from layerskip_core.cli import Parser, check_output_dir, run_main
+from layerskip_core.cli import Parser, check_output_dir, finite_float, run_main
 from layerskip_core.device import resolve_device
 from layerskip_core.settings import RunSettings, resolve_compile
 
@@ -1144,7 +1144,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-train", action="store_true", help="skip the training part")
     p.add_argument("--tokenizer-dir", default=None, help="training end-to-end check: a model folder whose tokenizer "
                    "to use (default: a byte-level tokenizer built in code, so no model cache is needed)")
-    p.add_argument("--budget-s", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--budget-s", type=finite_float, default=None, metavar="SECONDS",
                    help="wall budget: no piece starts after it; each part also has its own budget, and an hf_static "
                    f"peer (a torch.compile) needs {COMPILE_RESERVE_S:.0f} s of its part's left (default: "
                    f"{FULL_BUDGET_S:.0f} on a GPU, none with tiny shapes; 0 = none)")

@@ -45,7 +45,7 @@ from pathlib import Path
 import lease  # first: puts the checkout on sys.path (a bare checkout on a GPU image)
 
 from layerskip_core import jsonfile
-from layerskip_core.cli import Parser
+from layerskip_core.cli import Parser, finite_float
 from layerskip_core.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -827,7 +827,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--previous", default=None, metavar="COMPARE_JSON",
                         help="an earlier stage's compare.json (from its $OUT): its rows and quality are carried over, "
                         "and rows this run measures again replace them")
-    parser.add_argument("--budget-s", type=float, default=0.0, metavar="SECONDS",
+    parser.add_argument("--budget-s", type=finite_float, default=0.0, metavar="SECONDS",
                         help="wall budget: no step starts after it and a running step is stopped at it; the results "
                         "so far are written (0 = none)")
     parser.add_argument("--publish", action="store_true", help="also copy compare.json to docs/gpu/ and the section "

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import lease
 
-from layerskip_core.cli import Parser
+from layerskip_core.cli import Parser, finite_float
 from layerskip_core.errors import UserError
 
 BUDGET_S = {"check": 240.0, "compare": 240.0}
@@ -183,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="stage", required=True)
     for stage in ("check", "compare", "stash"):
         one = sub.add_parser(stage)
-        one.add_argument("--budget-s", type=float, default=None, help=f"wall budget of the work in seconds (default "
+        one.add_argument("--budget-s", type=finite_float, default=None,
+                         help=f"wall budget of the work in seconds (default "
                          f"{BUDGET_S.get(stage, 0):.0f} on a GPU; none on a CPU, whose rehearsal measures nothing)")
         one.add_argument("--out", type=Path, default=None, help="results folder (default $OUT, else runs/gpu/)")
         one.add_argument("--force", action="store_true", help="write over an earlier run's results in --out")

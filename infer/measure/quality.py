@@ -27,6 +27,7 @@ from infer.drafters.autoregressive import AutoregressiveDrafter
 from layerskip_core import jsonfile
 from layerskip_core.errors import UserError
 from layerskip_core.heldout import loss_sums, next_token_targets, perplexity
+from layerskip_core.options import check_fields
 from layerskip_core.packages import cache_root
 from layerskip_core.prompts import load_prompts
 
@@ -55,6 +56,7 @@ class QualityConfig:
     """The label of the model deltas are taken against (None: the first model)."""
 
     def __post_init__(self) -> None:
+        check_fields(self, "quality")
         if self.blocks < 1 or self.block_size < 2:
             raise UserError("--quality-blocks must be >= 1 and the block size >= 2")
 
@@ -129,8 +131,14 @@ def cache_path(model: LoadedModel, digest: str) -> Path | None:
     return cache_root() / "quality" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
 
 
-def read_cached(path: Path | None, digest: str) -> tuple[dict | None, str | None]:
-    """(cached sums, None) from ``path``; (None, note) when it is missing (note None) or damaged (never trusted)."""
+MAX_LOSS = 100.0
+"""The most nats per token a cached score may hold (a uniform guess over a million tokens is 13.8): a larger one is
+an edited or damaged file, recomputed, never reported."""
+
+
+def read_cached(path: Path | None, digest: str, tokens: int | None = None) -> tuple[dict | None, str | None]:
+    """(cached sums, None) from ``path``; (None, note) when it is missing (note None) or damaged (never trusted): not
+    of this split, not ``tokens`` scored tokens (the split's count, when given), or a loss above ``MAX_LOSS``."""
     if path is None or not path.exists():
         return None, None
     what = "verifier quality cache file"
@@ -139,8 +147,10 @@ def read_cached(path: Path | None, digest: str) -> tuple[dict | None, str | None
         with jsonfile.checked(path, what):
             if jsonfile.text(data["split"], "split") != digest:
                 raise ValueError("it belongs to another split")
-            return {"nats": jsonfile.number(data["nats"], "nats", lo=0.0),
-                    "tokens": jsonfile.integer(data["tokens"], "tokens", lo=1),
+            scored = jsonfile.integer(data["tokens"], "tokens", lo=1, hi=tokens)
+            if tokens is not None and scored != tokens:
+                raise ValueError(f"tokens is {scored}, but the split scores {tokens}")
+            return {"nats": jsonfile.number(data["nats"], "nats", lo=0.0, hi=MAX_LOSS * scored), "tokens": scored,
                     "seconds": jsonfile.number(data["seconds"], "seconds", lo=0.0)}, None
     except UserError as e:
         return None, f"damaged cache recomputed ({e})"
@@ -152,7 +162,7 @@ def verifier_quality(model: LoadedModel, cfg: QualityConfig, exclude: set[str]) 
     blocks, used = held_out_blocks(model, cfg, exclude)
     digest = split_digest(blocks)
     path = cache_path(model, digest)
-    sums, note = read_cached(path, digest)
+    sums, note = read_cached(path, digest, sum(len(b) - 1 for b in blocks))
     cache = "read"
     if sums is None:
         start = time.perf_counter()

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from layerskip_cli.args import add_model_flags, model_settings
-from layerskip_core.cli import check_distinct, check_output_file
+from layerskip_core.cli import check_distinct, check_output_file, finite_float
 from layerskip_core.device import dtype_name
 from layerskip_core.errors import UserError
 from layerskip_core.prompts import load_prompts, task_name, use_chat_template
@@ -29,10 +29,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="'model' (default): expected speed-up from teacher-forced agreement and "
                    "draft cost, noise-free and fast; 'speed' (default with --paper): measured tokens/s of "
                    "self-speculative decoding")
-    p.add_argument("--skip-ratio", type=float, default=None,
+    p.add_argument("--skip-ratio", type=finite_float, default=None,
                    help="skip exactly this fraction of the 2L sublayers (default: the search chooses how many)")
     p.add_argument("--seed", type=int, default=0, help="seed of the optuna sampler (default 0)")
-    p.add_argument("--timeout", type=float, default=None, help="stop starting trials after SEC seconds")
+    p.add_argument("--timeout", type=finite_float, default=None, help="stop starting trials after SEC seconds")
     p.add_argument("--sampler", default="tpe", help="'tpe' (multivariate TPE, default) or 'gp' (Gaussian process)")
     p.add_argument("--n", type=int, default=8, help="calibration prompts (default 8)")
     p.add_argument("--max-new-tokens", type=int, default=None,

@@ -159,3 +159,33 @@ def test_an_interrupted_json_generation_keeps_every_finished_row(tiny_model_dir,
     assert 1 <= len(rows) < 400 and len({r["id"] for r in rows}) == len(rows)
     assert all(len(r["tokens"]) == 40 for r in rows)
     assert proc.returncode != 0
+
+
+# ---------------------------------------------------------------- non-finite numbers on every command (item 1)
+@pytest.mark.parametrize("argv", [
+    ["search", "--data", "humaneval", "--out", "{tmp}/p.json", "--timeout", "inf"],
+    ["search", "--data", "humaneval", "--out", "{tmp}/p.json", "--skip-ratio", "nan"],
+    ["search", "--data", "humaneval", "--out", "{tmp}/p.json", "--timeout", "1e999"],
+    ["generate", "--prompt", "hi", "--drafter", "early_exit", "--confidence", "nan"],
+    ["generate", "--prompt", "hi", "--drafter", "swift", "--opt-budget", ".inf"],
+    ["generate", "--prompt", "hi", "--drafter", "dynamic_exit", "--min-speedup", "1e400"],
+    ["bench", "--sample", "--temperature", "inf", "--out", "{tmp}/b"],
+    ["bench", "--drafters", "early_exit:confidence=.inf", "--out", "{tmp}/b"],
+    ["bench", "--drafters", "early_exit:confidence=1e999", "--out", "{tmp}/b"],
+])
+def test_a_number_that_is_not_finite_is_refused_by_every_command(capsys, tmp_path, argv):
+    refused(capsys, [a.replace("{tmp}", str(tmp_path)) for a in argv], "finite number")
+
+
+def test_a_script_budget_that_is_not_finite_is_refused():
+    proc = subprocess.run([sys.executable, str(REPO / "scripts/gpu_lease.py"), "check", "--budget-s", "inf"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "finite number" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_a_search_config_that_is_not_finite_is_refused_in_python():
+    from infer.search import SearchConfig
+
+    for bad in ({"timeout": float("inf")}, {"skip_ratio": float("nan")}):
+        with pytest.raises(UserError, match="finite number"):
+            SearchConfig(**bad)
