@@ -91,9 +91,9 @@ def test_sampling_with_multi_candidate_trees_matches_target():
     runner = Runner.from_model(model)
     options = {"confidence": 0.99, "num_draft": 2, "adaptive": False, "max_opt_steps": 0, "skip_ratio": 0.3}
     engine = Engine(runner, build_drafter("swift", runner, options))
-    pvalue, totals = sampling_pvalue(engine, model, [1, 2, 3], SamplingConfig(temperature=1.0), seed=99)
+    pvalue, totals = sampling_pvalue(engine, model, [1, 2, 3], SamplingConfig(temperature=1.0), samples=2000, seed=99)
     siblings = totals["drafted"] - totals["draft_forwards"]
-    assert siblings > 800 and totals["accepted"] > 300  # multi-candidate trees were drafted and used
+    assert siblings > 400 and totals["accepted"] > 150  # multi-candidate trees were drafted and used
     assert pvalue > P_THRESHOLD
 
 
@@ -109,9 +109,9 @@ def test_sampled_trees_with_a_reduced_head_match_target():
     options = {"confidence": 0.99, "num_draft": 2, "adaptive": False, "max_opt_steps": 0, "skip_ratio": 0.3,
                "draft_vocab": vocab}
     engine = Engine(runner, build_drafter("swift", runner, options))
-    pvalue, totals = sampling_pvalue(engine, model, [1, 2, 3], SamplingConfig(temperature=1.0), seed=5)
+    pvalue, totals = sampling_pvalue(engine, model, [1, 2, 3], SamplingConfig(temperature=1.0), samples=2000, seed=5)
     siblings = totals["drafted"] - totals["draft_forwards"]
-    assert siblings > 500 and totals["accepted"] > 300  # trees from the subset head were drafted and used
+    assert siblings > 250 and totals["accepted"] > 150  # trees from the subset head were drafted and used
     assert pvalue > P_THRESHOLD
 
 
