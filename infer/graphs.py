@@ -210,8 +210,6 @@ class StaticExecutor:
         extra, mask, window_starts = self._window(cache, ran["attn"], extra, mask, rows)
         if window_starts is None:
             return None  # the padded rows would not fit: let the eager path raise or run
-        if mask is not None and any(not self._fits_window(i, extra + T) for i in ran["attn"]):
-            return None  # a tree wider than a layer's sliding window: the eager path refuses it
         slide = self.runner.spec.window
         groups = tuple(next(j for j in ran["attn"] if (window_starts[j], slide(j)) == (window_starts[i], slide(i)))
                        for i in ran["attn"])
@@ -236,11 +234,6 @@ class StaticExecutor:
             return None
         self._account(cache, ran, T, logits)
         return exact[:T], out[:T], None if head is None else head[:T]
-
-    def _fits_window(self, layer: int, width: int) -> bool:
-        """Whether a masked call ``width`` columns wide fits the layer's sliding window (``layer_math.check_tree``)."""
-        window = self.runner.spec.window(layer)
-        return window is None or width <= window
 
     def _window(self, cache: KVCache, attn: list[int], extra: int, mask: Tensor | None,
                 rows: int) -> tuple[int, Tensor | None, list[int] | None]:
@@ -326,10 +319,12 @@ def static_forward(runner: ForwardModel, cache: KVCache, hidden: Tensor, meta: T
         planned, w = i >= key.split, runner.layers[i]
         if not (planned and i in skip_attn):
             leader = next(leaders)
+            if cache.pos is not None and runner.spec.window(i) is not None:  # the new rows' positions, per layer
+                cache.pos[i].index_copy_(0, window_starts[i] + offsets, positions)
             if leader not in masks:  # (G rows, C): one additive mask per group of layers
                 visible = _visible(window_starts[leader], window, slots)  # (rows, C)
-                if runner.spec.window(leader) is not None:  # sliding: keys (p - W, p] of each row's position p
-                    visible = visible & layer_math.near(positions, slots, runner.spec.window(leader))
+                if runner.spec.window(leader) is not None:  # sliding: keys at (p - W, p] of each row's position p
+                    visible = visible & layer_math.near(positions, cache.pos[leader], runner.spec.window(leader))
                 masks[leader] = group_mask(visible, groups, runner.dtype)
             r = runner.rope_rows[i]
             hidden = steps.attention(runner, w, hidden, cos[r], sin[r], window_starts[i], offsets, masks[leader],

@@ -32,7 +32,10 @@ class KVCache:
     """Preallocated keys/values for all layers, with a per-layer filled length.
 
     ``k[l, :, :lengths[l]]`` holds the keys of layer ``l``. Rollback is O(1): only the
-    length moves; rows past it are garbage that the next write overwrites.
+    length moves; rows past it are garbage that the next write overwrites. A model with sliding-window layers also
+    keeps each slot's RoPE position (``pos``): a verification tree's rows or a re-run window sit at slots other than
+    their positions, and a window is a distance in positions. Every position stays in the cache (nothing a window
+    hides is dropped): memory grows with the context as for full attention.
     """
 
     def __init__(self, spec: ModelSpec, capacity: int, dtype: torch.dtype, device: torch.device):
@@ -40,6 +43,9 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, Hkv, S_max, D)
         self.v = torch.zeros(shape, dtype=dtype, device=device)  # (L, Hkv, S_max, D)
         self.lengths = [0] * spec.num_layers
+        windowed = any(w is not None for w in spec.layer_windows)
+        self.pos = torch.zeros(spec.num_layers, capacity, dtype=torch.long, device=device) if windowed else None
+        """(L, S_max) the position of each slot's key per layer (models with sliding windows only; else None)."""
 
     @property
     def capacity(self) -> int:
@@ -66,6 +72,8 @@ class KVCache:
         d = ints_to_device(dst, self.k.device)  # (n,)
         self.k[:, :, d] = self.k[:, :, s]  # gather first, then scatter: safe for overlaps
         self.v[:, :, d] = self.v[:, :, s]
+        if self.pos is not None:
+            self.pos[:, d] = self.pos[:, s]
 
 
 class CachePool:

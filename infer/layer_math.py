@@ -123,13 +123,6 @@ def rope_table(inv_freq: Tensor, scale: float, n: int) -> tuple[Tensor, Tensor]:
 
 # --------------------------------------------------------------------------- sliding windows
 def near(positions: Tensor, keys: Tensor, window: int) -> Tensor:
-    """(T, S) bool: key slot within the sliding window of each query position, as transformers' masks (a query at p
-    sees keys (p - W, p]). Slot = position for every key before a verification's own rows; its tree rows (slot >=
-    position) are ancestors within the window whenever the tree is narrower than it (``check_tree``)."""
+    """(T, S) bool: which keys (their positions ``keys`` (S,)) lie within the sliding window of each query position
+    (``positions`` (T,)), as transformers' masks: a query at p sees keys at (p - W, p]."""
     return keys[None, :] > positions[:, None] - window  # (T, S)
-
-
-def check_tree(mask: Tensor | None, window: int | None) -> None:
-    """A masked call's columns must fit one window (a verification tree narrower than every layer's window)."""
-    if mask is not None and window is not None and mask.shape[1] > window:
-        raise ValueError(f"a masked forward over {mask.shape[1]} slots is wider than a sliding window of {window}")

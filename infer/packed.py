@@ -56,7 +56,7 @@ def packed_span(runner: Runner, segments: Sequence[Segment], hidden: Tensor, sta
     pos = runner.to_device([p for s in segments for p in s.positions])  # (N,)
     cos, sin = runner.rope(pos)  # (K, N, 1, D) each
     masks = [None if s.mask is None else s.mask.to(runner.device) for s in segments]
-    memo: list[dict] = [{} for _ in segments]  # per segment: attention masks by (start slot, window)
+    memo: list[dict] = [{} for _ in segments]  # per segment: attention masks by start slot
     rope = (cos, sin, pos)
     exact = packed_layers(runner, segments, hidden, rope, start, split, None, masks, memo)  # (N, d)
     out = exact if split >= end else packed_layers(runner, segments, exact, rope, split, end, plan, masks, memo)
@@ -86,15 +86,16 @@ def packed_attention(runner: Runner, i: int, segments: Sequence[Segment], hidden
     sequence over its own cache (with the layer's sliding window, if any)."""
     s, w = runner.spec, runner.layers[i]
     cos, sin, pos = rope
-    r, window = runner.rope_rows[i], s.window(i)
+    r = runner.rope_rows[i]
     q, k, v = runner.qkv_rope(w, hidden, cos[r], sin[r])  # (Hq, N, D), (Hkv, N, D), (Hkv, N, D)
     outs, a = [], 0
     for seg, mask, known in zip(segments, masks, memo, strict=True):
         b = a + seg.size
-        key = (seg.cache.lengths[i], window)
-        if key not in known:
-            known[key] = runner.attn_mask(key[0], seg.size, mask, pos[a:b], window)  # (T, slot + T) or None
-        outs.append(runner.cached_attention(i, seg.cache, q[:, a:b], k[:, a:b], v[:, a:b], known[key], s.attn_scale))
+        slot = seg.cache.lengths[i]
+        if slot not in known:
+            known[slot] = runner.attn_mask(slot, seg.size, mask)  # (T, slot + T) or None
+        layer_mask = runner.window_mask(seg.cache, i, known[slot], pos[a:b])  # the layer's sliding window, if any
+        outs.append(runner.cached_attention(i, seg.cache, q[:, a:b], k[:, a:b], v[:, a:b], layer_mask, s.attn_scale))
         a = b
     out = torch.cat(outs, 1).transpose(0, 1).reshape(hidden.shape[0], s.num_heads * s.head_dim)  # (N, Hq D)
     return layer_math.attention_out(s, w, hidden, out)

@@ -373,17 +373,18 @@ class Runner:
         """
         end = self.spec.num_layers if end is None else end
         cos, sin = self.rope(positions)  # (K, T, 1, D) each
-        masks: dict[tuple[int, int | None], Tensor | None] = {}  # by (start slot, window)
+        masks: dict[int, Tensor | None] = {}  # by start slot
         attn_skip, mlp_skip = (plan.skip_attn, plan.skip_mlp) if plan is not None else ((), ())
         T = hidden.shape[0]
         for i in range(start, end):
             run_attn, run_mlp = i not in attn_skip, i not in mlp_skip
             if run_attn:
-                key = (cache.lengths[i], self.spec.window(i))
-                if key not in masks:
-                    masks[key] = self.attn_mask(key[0], T, mask, positions, key[1])
+                start_slot = cache.lengths[i]
+                if start_slot not in masks:
+                    masks[start_slot] = self.attn_mask(start_slot, T, mask)
                 r = self.rope_rows[i]
-                hidden = self._attention(i, cache, hidden, cos[r], sin[r], masks[key], bulk)
+                layer_mask = self.window_mask(cache, i, masks[start_slot], positions)
+                hidden = self._attention(i, cache, hidden, cos[r], sin[r], layer_mask, bulk)
             if run_mlp:
                 hidden = self.mlp(self.layers[i], hidden, bulk)
             if run_attn or run_mlp:
@@ -403,26 +404,36 @@ class Runner:
         ``rope_rows[i]``); sin has the sign of the roll form folded in."""
         return self._cos[:, positions, None], self._sin[:, positions, None]
 
-    def attn_mask(self, start_slot: int, T: int, mask: Tensor | None, positions: Tensor | None = None,
-                  window: int | None = None) -> Tensor | None:
-        """(T, start_slot + T) bool; None where no mask is needed (one row, or causal rows from slot 0). A layer
-        with a sliding ``window`` shorter than the slots also hides keys W or more positions before each query
-        (``positions`` (T,): the rows' positions; ``layer_math.near``)."""
+    def attn_mask(self, start_slot: int, T: int, mask: Tensor | None) -> Tensor | None:
+        """(T, start_slot + T) bool; None where no mask is needed (one row, or causal rows from slot 0)."""
         S = start_slot + T
-        full = None
-        if mask is not None:
-            W = mask.shape[1]
-            if W > S:
-                raise ValueError(f"mask covers {W} slots but only {S} exist")
-            full = torch.ones(T, S, dtype=torch.bool, device=self.device)  # (T, S)
-            full[:, S - W:] = mask
-        elif T > 1 and (start_slot > 0 or (window is not None and S > window)):
-            full = torch.ones(T, S, dtype=torch.bool, device=self.device).tril(diagonal=start_slot)  # (T, S)
-        if window is None or S <= window:
-            return full
-        layer_math.check_tree(mask, window)
-        near = layer_math.near(positions, torch.arange(S, device=self.device), window)  # (T, S)
-        return near if full is None else full & near
+        if mask is None:
+            if T == 1 or start_slot == 0:
+                return None
+            return torch.ones(T, S, dtype=torch.bool, device=self.device).tril(diagonal=start_slot)  # (T, S)
+        W = mask.shape[1]
+        if W > S:
+            raise ValueError(f"mask covers {W} slots but only {S} exist")
+        full = torch.ones(T, S, dtype=torch.bool, device=self.device)  # (T, S)
+        full[:, S - W:] = mask
+        return full
+
+    def window_mask(self, cache: KVCache, i: int, base: Tensor | None, positions: Tensor) -> Tensor | None:
+        """Layer ``i``'s mask for T new rows at ``positions`` (T,): ``base`` (``attn_mask``'s) where the layer attends
+        fully; with a sliding window W, the rows' positions are recorded in the cache and keys W or more positions
+        before a row are hidden too (``layer_math.near``), once the layer's slots outnumber W (slot >= position, so
+        before that every key is near)."""
+        window = self.spec.window(i)
+        if window is None:
+            return base
+        T, start = positions.shape[0], cache.lengths[i]
+        cache.pos[i, start:start + T] = positions
+        if start + T <= window:
+            return base
+        near = layer_math.near(positions, cache.pos[i, :start + T], window)  # (T, S)
+        if base is None and T > 1:  # causal rows from slot 0
+            base = torch.ones(T, start + T, dtype=torch.bool, device=self.device).tril(diagonal=start)
+        return near if base is None else base & near
 
     def _attention(self, i: int, cache: KVCache, hidden: Tensor, cos: Tensor, sin: Tensor,
                    attn_mask: Tensor | None, bulk: bool = False) -> Tensor:

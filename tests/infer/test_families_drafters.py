@@ -1,0 +1,125 @@
+"""Every drafter on every family of issue 47 (and the windowed ones): greedy output equals plain decoding, and plain
+decoding equals transformers' greedy ``generate``, for generations that run past the sliding window."""
+
+import pytest
+import torch
+
+from infer import hf_generate
+from infer.batch import BatchEngine
+from infer.draft_vocab import DraftVocab
+from infer.drafters import build_drafter
+from infer.engine import DecodeConfig, Engine
+from infer.plan import LayerPlan, PlanFile
+from infer.runner import Runner
+from tiny_models import FAMILY_KINDS, TINY_WINDOW, family_model
+
+L = 6
+NEW = 2 * TINY_WINDOW  # prompt + new tokens run well past the window
+PROMPTS = [[5, 17, 99, 3, 44, 120, 7], list(range(60, 90))]
+SWIFT = {"context_window": 8, "opt_budget": 0.95, "fallback_opt_budget": 0.95, "remember": "off",
+         "confidence": 0.013}
+
+
+@pytest.fixture(scope="module", params=FAMILY_KINDS)
+def kind(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def model(kind):
+    return family_model(kind, seed=5, layers=L)
+
+
+@pytest.fixture(scope="module")
+def runner(model):
+    return Runner.from_model(model)
+
+
+@pytest.fixture(scope="module")
+def plain(runner):
+    config = DecodeConfig(max_new_tokens=NEW)
+    return [Engine(runner, build_drafter("autoregressive", runner)).generate(p, config).tokens for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def adapter_path(model, tmp_path_factory):
+    """An exit adapter at E = 3 trained for no steps but perturbed (its drafts differ from the plain exit's)."""
+    from train.adapter import AdapterLM
+    from train.config import AdapterConfig
+
+    path = tmp_path_factory.mktemp("adapter") / "a.safetensors"
+    lm = AdapterLM(model, AdapterConfig(enabled=True, exit_layer=3))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in lm.adapter.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    lm.save(path, {"test": True})
+    model.requires_grad_(False)
+    return str(path)
+
+
+def cases(runner, adapter: str) -> dict[str, tuple[str, dict]]:
+    vocab = DraftVocab(ids=list(range(3, 300)), model=runner.identity())
+    return {
+        "early_exit": ("early_exit", {"E": 2, "k": 3}),
+        "early_exit_vocab": ("early_exit", {"E": 3, "k": 4, "draft_vocab": vocab}),
+        "early_exit_adapter": ("early_exit", {"adapter": adapter, "k": 3}),
+        "dynamic_exit": ("dynamic_exit", {"exits": "1/3/5", "k": 3, "min_speedup": 0, "adaptive": False,
+                                          "observe_every": 1, "calibrate": False, "stops": "0"}),
+        "self_sd": ("self_sd", {"plan": LayerPlan(L, frozenset({2, 3}), frozenset({4})), "k": 4}),
+        "swift": ("swift", SWIFT),
+    }
+
+
+def test_plain_decoding_equals_transformers_generate(model, plain):
+    for prompt, ours in zip(PROMPTS, plain, strict=True):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)[0, len(prompt):].tolist()
+        assert ours == ref
+        assert len(prompt) + NEW > TINY_WINDOW
+
+
+def test_every_drafter_greedy_equals_plain_decoding(runner, plain, adapter_path):
+    config = DecodeConfig(max_new_tokens=NEW)
+    for case, (name, options) in cases(runner, adapter_path).items():
+        drafted = 0
+        for prompt, ref in zip(PROMPTS, plain, strict=True):
+            result = Engine(runner, build_drafter(name, runner, options)).generate(prompt, config)
+            assert result.tokens == ref, (case, prompt[:3])
+            drafted += result.stats.drafted
+        assert drafted > 0, case
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_drafters_on_the_static_executor(model, plain, compiled):
+    """The static forwards, and their steps compiled (dynamo with the cheap 'eager' backend on a CPU: the same traced
+    layer math the GPU's inductor compiles)."""
+    from infer.compiled import StepCache
+
+    runner = Runner.from_model(model, executor="static", compile=StepCache("eager") if compiled else False)
+    config = DecodeConfig(max_new_tokens=NEW)
+    for name, options in [("early_exit", {"E": 2, "k": 3}), ("swift", SWIFT)]:
+        for prompt, ref in zip(PROMPTS, plain, strict=True):
+            assert Engine(runner, build_drafter(name, runner, options)).generate(prompt, config).tokens == ref, name
+
+
+def test_batched_rows_equal_plain_decoding(runner, plain, adapter_path):
+    config = DecodeConfig(max_new_tokens=NEW)
+    for case, (name, options) in cases(runner, adapter_path).items():
+        with BatchEngine(runner, lambda name=name, options=options: build_drafter(name, runner, options), 2) as batch:
+            results = batch.generate(PROMPTS, config)
+        assert [r.tokens for r in results] == plain, case
+
+
+def test_hf_generate_equals_plain_generate(kind, tmp_path):
+    model = family_model(kind, seed=5, layers=L)  # fresh: hf_generate points its parameters at the runner's
+    plan = tmp_path / "plan.json"
+    PlanFile(LayerPlan(L, frozenset({2}), frozenset({3})), Runner.from_model(model).identity(), task="t").save(plan)
+    ids = torch.tensor(PROMPTS[:1])
+    ref = model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+    for name, options in [("early_exit", {"exit_layer": 2, "num_draft": 3}), ("self_sd", {"plan": str(plan)}),
+                          ("swift", {"plan": str(plan), "adaptive": False, "context_window": 8, "remember": "off"})]:
+        out = model.generate(ids, custom_generate=hf_generate(name, **options), max_new_tokens=NEW,
+                             eos_token_id=None, pad_token_id=0)
+        assert torch.equal(out, ref), name
