@@ -1,17 +1,16 @@
 """SWIFT: on-the-fly self-speculative decoding (Xia et al., ICLR 2025).
 
-The skip set is optimised *during* generation from the tokens the full model already
-produced: each candidate set of skipped attention/MLP sublayers is scored by one parallel
-draft-mode forward over a window of verified context (matchness = fraction of positions where
-the draft's argmax equals the full model's token). Candidates come from random search and,
-every ``bo_interval`` steps, from Bayesian optimisation fitted to every scored candidate (optuna
-TPE when optuna is installed, random search otherwise). Drafting is confidence-aware and verified as a
-dynamic top-k token tree (``infer.drafters.tree``).
+The skip set is optimised *during* generation from the tokens the full model already produced: each candidate set of
+skipped attention/MLP sublayers is scored by one parallel draft-mode forward over a window of verified context
+(matchness = fraction of positions where the draft's argmax equals the full model's token). Candidates come from
+random search and, every ``bo_interval`` steps, from Bayesian optimisation fitted to every scored candidate (optuna
+TPE when optuna is installed, random search otherwise). Drafting is confidence-aware and verified as a dynamic top-k
+token tree (``infer.drafters.tree``).
 
-Beyond the paper: the drafter measures its own tokens/s in drafting and in plain decoding and
-falls back to plain steps while drafting does not pay, re-checking later; optimisation time is
-capped at a fraction of decoding time (a larger share while drafting pays than while it does
-not), so ``swift`` stays close to ``autoregressive`` on models without exploitable redundancy.
+Beyond the paper: the drafter measures its own tokens/s in drafting and in plain decoding and falls back to plain
+steps while drafting does not pay, re-checking later; optimisation time is capped at a fraction of decoding time (a
+larger share while drafting pays than while it does not), so ``swift`` stays close to ``autoregressive`` on models
+without exploitable redundancy.
 
 ``paper=true`` runs SWIFT as its released code does instead: ``infer.drafters.swift_paper``, a subclass that
 shares this search, scoring and drafting code.
@@ -19,6 +18,7 @@ shares this search, scoring and drafting code.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -227,6 +227,7 @@ class SwiftDrafter(Drafter):
         self.draft_forward, self.verify = Rate(), Rate()  # forwards per second, verifications per second
         self.score_at_probe = -1.0
         self.opt_time_total = 0.0  # this drafter's own, over every prompt it decoded (never restored)
+        self.drafted_cycles = 0  # this drafter's own drafted verifications (what --save-plan's line reports)
         self.decode_time = 0.0
         self.opt_step = Rate()  # seconds per scored candidate (its ``seconds``; remembered)
         self.trajectory: list[tuple[int, float]] = []
@@ -305,6 +306,7 @@ class SwiftDrafter(Drafter):
             self.gate.record(len(outcome.tokens), seconds, drafted=outcome.draft is not None)
             if outcome.draft is not None:
                 self.verify.add(1, seconds - self._draft_seconds)
+                self.drafted_cycles += 1
         self._choose_mode()
         if self.optimising and self._window_ready(state) and self.within_budget():
             t0 = time.perf_counter()
@@ -482,8 +484,13 @@ class SwiftDrafter(Drafter):
                  objective={"name": "matchness", "value": None if self.best_score < 0 else self.best_score},
                  search={"steps": self.search.steps, "skip_ratio": self.config.skip_ratio,
                          "context_window": self.config.context_window, "bo_interval": self.config.bo_interval,
-                         "stop_reason": self.stop_reason}, source="swift",
-                 draft_head=head_record(self.vocab)).save(path)
+                         "stop_reason": self.stop_reason, "drafted_verifications": self.drafted_cycles},
+                 source="swift", draft_head=head_record(self.vocab)).save(path)
+        found = "no plan scored: the starting plan" if self.best_score < 0 else f"matchness {self.best_score:.3f}"
+        tried = f"drafted with in {self.drafted_cycles} verification(s)" if self.drafted_cycles else "never drafted" \
+            " with (every step was plain), so its speed is untried: compare it with --drafter self_sd --plan first"
+        print(f"layerskip: swift: wrote {path}: {self.best.describe()}, {found} after {self.search.steps} optimisation "
+              f"step(s); {tried}", file=sys.stderr, flush=True)
 
     def _reset_prompt_stats(self) -> None:
         self.forwards = 0
