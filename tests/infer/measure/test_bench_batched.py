@@ -71,7 +71,7 @@ def test_a_batched_row_that_differs_from_its_prompt_alone_is_a_mismatch(tiny_mod
             results[1].tokens[3] = (results[1].tokens[3] + 1) % 64
         return results, verified, wall
 
-    monkeypatch.setattr("infer.measure.batched.timed_batch", corrupt)
+    monkeypatch.setattr("infer.measure.bench.timed_batch", corrupt)
     code = bench(tiny_model_dir, four_prompts, tmp_path / "out", "--batch-size", "1,2", "--peers", "none")
     err = capsys.readouterr().err
     assert code == 1 and "autoregressive at B=2 (1 prompts)" in err and "at B=1" not in err
