@@ -377,7 +377,7 @@ def study_path_for(out: Path) -> Path:
 
 
 def build_objective(runner: Runner, prompts: list[list[int]], cfg: SearchConfig,
-                    vocab: DraftVocab | None = None, study=None) -> tuple[Evaluate, dict]:
+                    vocab: DraftVocab | None = None, study=None, progress: bool = False) -> tuple[Evaluate, dict]:
     """The objective function, scoring with the draft head of ``vocab`` (None: the full head), and what it measured
     during setup (recorded in the plan file). The model objective's calibration (the full model's continuations
     and the measured costs) is stored with ``study``, so a resumed study reuses it instead of paying it again."""
@@ -389,7 +389,9 @@ def build_objective(runner: Runner, prompts: list[list[int]], cfg: SearchConfig,
         calibration = [Calibration(list(p), c) for p, c in zip(prompts, stored["continuations"], strict=True)]
         cost = CostModel(**stored["cost"])
     else:
-        calibration = calibration_set(runner, prompts, cfg.max_new_tokens)
+        shown = tqdm(prompts, desc="calibration (the full model's outputs)", disable=not progress, leave=False,
+                     dynamic_ncols=True)  # most of a short search's time: not a silent wait
+        calibration = calibration_set(runner, shown, cfg.max_new_tokens)
         cost = (measure_cost(runner, max(prompts, key=len), cfg.num_draft + 1) if cfg.cost == "measured"
                 else weights_cost(runner.spec, cfg.num_draft + 1))
         if study is not None:
@@ -413,7 +415,7 @@ def search_plan(runner: Runner, prompts: list[list[int]], cfg: SearchConfig, out
     if not cfg.paper:
         settings = cfg.study_settings() | {"model": runner.identity(), "task": task, "prompts": len(prompts)}
         study = open_study(study_path, settings, fresh)
-    evaluate, setup = build_objective(runner, prompts, cfg, vocab, study)
+    evaluate, setup = build_objective(runner, prompts, cfg, vocab, study, progress)
     setup_time = time.perf_counter() - t_start
 
     def save(result: SearchResult) -> PlanFile:

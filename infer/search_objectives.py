@@ -151,7 +151,8 @@ class ModelObjective:
                 speedup = cycle_speedup(tokens, forwards, c, verify) if cycles else 0.0
                 if speedup > best[0]:
                     best = (speedup, {"k": k, "gamma": gamma, "acceptance_rate": accepted / drafted if drafted else 0.0,
-                                      "tokens_per_verify": tokens / cycles if cycles else 0.0})
+                                      "tokens_per_verify": tokens / cycles if cycles else 0.0, "drafted": drafted,
+                                      "tokens": tokens})
         value, metrics = best
         metrics.update(matchness=matchness, draft_cost=c, expected_speedup=value)
         return value, metrics
@@ -201,6 +202,7 @@ class SpeedObjective:
         calls = sum(r.stats.verify_calls for r in results)
         metrics = {"tokens_per_second": tps, "speedup": tps / baseline, "autoregressive_tokens_per_second": baseline,
                    "acceptance_rate": sum(r.stats.accepted for r in results) / drafted if drafted else 0.0,
+                   "drafted": drafted, "tokens": sum(r.stats.new_tokens for r in results),
                    "tokens_per_verify": sum(r.stats.new_tokens - 1 for r in results) / calls if calls else 0.0,
                    "final_confidence": statistics.mean(r.stats.drafter.confidence for r in results)}
         return (tps / baseline if self.reference == "interleaved" else tps), metrics

@@ -84,6 +84,9 @@ class Summary:
     decode_tokens_per_second: float | None = None
     """Batched, ours: the tokens decoding produced (each row's first comes from its prefill) over the run's wall time
     less its rows' prefill times (prefill runs per row, in turn), median of the repeats; None for a peer."""
+    drafted: int | None = None
+    """Draft tokens proposed over the first repeat's prompts, beside ``new_tokens`` (how much was drafted at all: an
+    acceptance of 0.67 over 3 drafted tokens in 128 is not drafting); None for a peer."""
 
 
 MIN_SAMPLES = 3
@@ -146,7 +149,7 @@ def _summarize_group(model: str, task: str, method: str, recs: list[Record]) -> 
         opt_time_share=(_opt_time(recs) / wall) if ours and wall else None,
         exact_mismatches=len(wrong) if judged else None,
         tie_flips=flips if judged else None, mismatches=len(wrong) - flips if judged else None,
-        lossy=any(r.lossy for r in first),
+        lossy=any(r.lossy for r in first), drafted=sum(r.stats.drafted for r in first) if ours else None,
         agreement=sum(r.agree_total for r in compared) / n_cmp if n_cmp else None,
         prefix_agreement=sum(r.agree_prefix for r in compared) / n_cmp if n_cmp else None,
         answer_accuracy=sum(answered) / len(answered) if answered else None,
@@ -242,6 +245,16 @@ def _exact_cell(r: Summary) -> str:
     return ", ".join(cells) or "yes"
 
 
+ALPHA = "α (drafted/tokens)"
+"""The acceptance column: α, and beside it how many tokens were drafted for how many generated."""
+
+
+def _alpha(r: Summary) -> str:
+    """α with the drafted tokens and the generated ones beside it (``0.67 (3/128)``): a high α over a handful of
+    drafts is not drafting."""
+    return _fmt(r.acceptance_rate) if r.drafted is None else f"{_fmt(r.acceptance_rate)} ({r.drafted}/{r.new_tokens})"
+
+
 def markdown_table(rows: list[Summary]) -> str:
     """Per task: one row per (model, method); quality columns appear when some row has them. Batched rows are in
     tables of their own (``batch_table``)."""
@@ -251,7 +264,7 @@ def markdown_table(rows: list[Summary]) -> str:
         agree = any(r.agreement is not None for r in task_rows)
         acc = any(r.answer_accuracy is not None for r in task_rows)
         verifier = any(r.verifier_loss is not None for r in task_rows)
-        head = ["model", "method", "tok/s", "vs AR", "vs HF generate", "α", "M", "k̄", "c", "expected", "opt share",
+        head = ["model", "method", "tok/s", "vs AR", "vs HF generate", ALPHA, "M", "k̄", "c", "expected", "opt share",
                 "exact"] + (["agree (prefix)"] if agree else []) + (["answer acc"] if acc else []) \
             + (["verifier Δ nats"] if verifier else [])
         out.append(f"\n#### {task}\n")
@@ -260,7 +273,7 @@ def markdown_table(rows: list[Summary]) -> str:
         for r in task_rows:
             cells = [r.model, r.method, f"{r.tokens_per_second:.1f}",
                      _noted(r.speedup_vs_autoregressive, r.note), _noted(r.speedup_vs_hf_generate, r.note),
-                     _fmt(r.acceptance_rate),
+                     _alpha(r),
                      _fmt(r.tokens_per_verify), _fmt(r.mean_draft_forwards), _fmt(r.draft_cost_ratio),
                      "–" if r.note == "never drafted" else _fmt(r.expected_speedup, suffix="x"),
                      _fmt(r.opt_time_share, ".1%"), _exact_cell(r)]
@@ -279,7 +292,7 @@ def batch_table(rows: list[Summary]) -> str:
     against the method's own B = 1, acceptance, tokens per verification and per-row exactness ('' when none)."""
     out = []
     head = ["model", "method", "B", "tok/s", "decode tok/s", "row latency (s)", "vs AR (same B)",
-            "vs HF generate (same B)", "vs B=1", "α", "M", "exact"]
+            "vs HF generate (same B)", "vs B=1", ALPHA, "M", "exact"]
     for task in dict.fromkeys(r.task for r in rows if r.batch_size is not None):
         task_rows = sorted((r for r in rows if r.task == task and r.batch_size is not None),
                            key=lambda r: r.batch_size)
@@ -288,7 +301,7 @@ def batch_table(rows: list[Summary]) -> str:
             cells = [r.model, r.method, str(r.batch_size), f"{r.tokens_per_second:.1f}",
                      _fmt(r.decode_tokens_per_second, ".1f"), _fmt(r.row_latency),
                      _noted(r.speedup_vs_autoregressive, r.note), _noted(r.speedup_vs_hf_generate, r.note),
-                     _fmt(r.speedup_vs_b1, suffix="x"), _fmt(r.acceptance_rate), _fmt(r.tokens_per_verify),
+                     _fmt(r.speedup_vs_b1, suffix="x"), _alpha(r), _fmt(r.tokens_per_verify),
                      _exact_cell(r)]
             out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n" if out else ""
@@ -400,7 +413,8 @@ def write_outputs(cfg: BenchConfig, records: list[Record], out_dir: Path, comman
              f"{cfg.n} prompts per task ({_prompt_span(cfg)}), {cfg.max_new_tokens} new tokens, "
              f"median tokens/s of {cfg.repeats} repeats; "
              f"{'greedy' if cfg.sampling.greedy else f'sampling T={cfg.sampling.temperature}'}.\n",
-             "α = accepted/drafted, M = tokens per verification, k̄ = draft forwards per verification, "
+             "α = accepted/drafted (beside it: tokens drafted / tokens generated), M = tokens per verification, "
+             "k̄ = draft forwards per verification, "
              "c = draft forward cost / full forward cost, expected = M / (k̄·c + v). exact: greedy output equals "
              "autoregressive (identical in fp32; in bf16/fp16 a near-tie can flip: a *tie flip* is a first "
              "divergence where the full model's margin between the two tokens is within the dtype's resolution; "

@@ -94,7 +94,8 @@ def _stats_line(name: str, stats) -> str:
     line = (f"[{name}] {stats.new_tokens} tokens in {stats.wall_time:.2f}s = {stats.tokens_per_second:.1f} tok/s, "
             f"{stats.verify_calls} verify calls, {stats.tokens_per_verify:.2f} tokens/verify")
     if stats.drafted:
-        line += f", acceptance {stats.acceptance_rate:.2f} ({stats.accepted}/{stats.drafted})"
+        line += (f", acceptance {stats.acceptance_rate:.2f} ({stats.accepted}/{stats.drafted}), "
+                 f"{stats.drafted} drafted for {stats.new_tokens} tokens")  # how much drafting there was at all
     elif name != "autoregressive":
         line += "; never drafted: every step was a plain step (the drafter judged drafting would not pay)"
     return line
@@ -182,7 +183,7 @@ def stream_summary(results) -> dict:
     return {
         "prompts": len(stats), "new_tokens": sum(s.new_tokens for s in stats),
         "tokens_per_second": sum(s.new_tokens for s in stats) / wall if wall else 0.0,
-        "acceptance_rate": sum(s.accepted for s in stats) / drafted if drafted else 0.0,
+        "acceptance_rate": sum(s.accepted for s in stats) / drafted if drafted else 0.0, "drafted": drafted,
         "tokens_per_verify": tokens_per_verify(stats) or 0.0,
         "opt_time_share": sum(s.opt_time for s in swift) / wall if wall else 0.0,
         "matchness_trajectory": [p for s in swift for p in s.matchness_trajectory],
@@ -197,7 +198,8 @@ def _stream_summary(args: argparse.Namespace, results) -> None:
         return
     traj = summary["matchness_trajectory"]
     print(f"[stream] {summary['prompts']} prompts, {summary['new_tokens']} tokens, "
-          f"{summary['tokens_per_second']:.1f} tok/s, acceptance {summary['acceptance_rate']:.2f}, "
+          f"{summary['tokens_per_second']:.1f} tok/s, acceptance {summary['acceptance_rate']:.2f} "
+          f"({summary['drafted']} drafted for {summary['new_tokens']} tokens), "
           f"{summary['tokens_per_verify']:.2f} tokens/verify, optimisation {summary['opt_time_share']:.1%} of time",
           file=sys.stderr)
     if traj:

@@ -131,15 +131,32 @@ def run(args: argparse.Namespace) -> int:
               "then the trials", file=sys.stderr, flush=True)
     result, plan_file = search_plan(model.runner, prompts, cfg, args.out, task, study, fresh=args.force,
                                     progress=not args.quiet, extra=extra)
-    m = result.attrs
-    line = (f"best of {result.completed} trials (#{result.best_trial}): {result.plan.describe()}; "
-            f"{cfg.objective} objective {result.value:.4g}")
-    if "acceptance_rate" in m:
-        line += f", acceptance {m['acceptance_rate']:.2f}, tokens/verify {m['tokens_per_verify']:.2f}"
-    if "k" in m:
-        line += f" (best replayed k={m['k']}, gamma={m['gamma']})"
-    print(line, file=sys.stderr)
+    print(best_line(result, cfg), file=sys.stderr)
     where = "" if cfg.paper else f" (study: {study})"
     print(f"search took {plan_file.search['wall_time_s']}s{where}", file=sys.stderr)
     print(args.out)
     return 0
+
+
+def best_line(result, cfg) -> str:
+    """The search's result in one line: the plan, its objective in words, acceptance beside what was drafted."""
+    m = result.attrs
+    line = (f"best of {result.completed} trials (#{result.best_trial}): {result.plan.describe()}; "
+            f"{objective_words(cfg, result.value)}")
+    if "acceptance_rate" in m:
+        drafted = f" ({m['drafted']}/{m['tokens']} tokens drafted)" if "drafted" in m else ""
+        line += f", acceptance {m['acceptance_rate']:.2f}{drafted}, tokens/verify {m['tokens_per_verify']:.2f}"
+    if "k" in m:
+        line += f" (best replayed k={m['k']}, gamma={m['gamma']})"
+    return line
+
+
+def objective_words(cfg, value: float) -> str:
+    """The best value in words: what the objective measures, and where a speed-up below 1 means slower."""
+    slower = "; below 1: slower than plain decoding" if value < 1 else ""
+    if cfg.objective == "model":
+        return (f"expected speed-up {value:.3f}x over plain decoding (model objective: teacher-forced agreement and "
+                f"draft cost{slower})")
+    if cfg.speed_reference == "interleaved":
+        return f"measured speed-up {value:.3f}x over plain decoding (speed objective{slower})"
+    return f"{value:.1f} tokens/s (speed objective, raw tokens/s as Self-SD)"

@@ -24,3 +24,37 @@ def test_swift_save_plan_says_what_it_saved_even_untried(capsys, tiny_model_dir,
     assert str(plan) in line and "no plan scored: the starting plan" in line and "never drafted" in line
     saved = json.loads(plan.read_text())
     assert saved["search"]["drafted_verifications"] == 0 and saved["objective"]["value"] is None
+
+
+def test_every_acceptance_printed_comes_with_what_was_drafted(capsys, tiny_model_dir, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n{"prompt": "x = 1"}\n')
+    code = main(["generate", "--model", str(tiny_model_dir), "--prompt", "def add(a, b):", "--drafter", "early_exit",
+                 "--exit-layer", "2", "--num-draft", "3", "--max-new-tokens", "12", "--ignore-eos"])
+    err = capsys.readouterr().err
+    assert code == 0 and "drafted for 12 tokens" in err and "acceptance" in err, err
+    code = main(["generate", "--model", str(tiny_model_dir), "--prompts-file", str(prompts), "--drafter",
+                 "early_exit", "--exit-layer", "2", "--max-new-tokens", "6", "--ignore-eos", "--stream"])
+    err = capsys.readouterr().err
+    stream = next(x for x in err.splitlines() if x.startswith("[stream]"))
+    assert code == 0 and "drafted for 12 tokens" in stream, err
+
+
+def test_the_search_says_what_its_objective_value_means(capsys, tiny_model_dir, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n{"prompt": "import os"}\n')
+    code = main(["search", "--model", str(tiny_model_dir), "--data", str(prompts), "--trials", "2", "--out",
+                 str(tmp_path / "p.json"), "--cost", "weights", "--n", "2", "--max-new-tokens", "8", "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "expected speed-up" in err and "x over plain decoding (model objective" in err
+    assert "tokens drafted)" in err and "model objective 0." not in err
+
+
+def test_the_search_calibration_has_a_progress_bar(capsys, tiny_model_dir, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n{"prompt": "import os"}\n')
+    code = main(["search", "--model", str(tiny_model_dir), "--data", str(prompts), "--trials", "2", "--out",
+                 str(tmp_path / "p.json"), "--cost", "weights", "--n", "2", "--max-new-tokens", "8"])
+    err = capsys.readouterr().err
+    assert code == 0 and "calibration (the full model's outputs)" in err, err
