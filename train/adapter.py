@@ -12,6 +12,7 @@ not the code, as the training forward and the runner do for the base model; test
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -209,6 +210,14 @@ class AdapterLM(nn.Module):
         os.chmod(path, 0o644)  # safetensors writes 0600: an adapter is shared like any model file
 
 
+def adapter_summary(record: dict) -> str:
+    """The one line an adapter run prints per evaluation (as a LayerSkip run prints ``eval_summary``'s)."""
+    [E] = record["adapter_loss"]
+    return (f"eval: adapter at E{E}: loss {record['adapter_loss'][E]:.3f}, agreement with the full model "
+            f"{record['adapter_agreement'][E]:.3f} (the plain exit {E}: {record['exit_agreement'][E]:.3f}), "
+            f"{record['tokens']} tokens")
+
+
 def adapter_metrics(accelerator, model: AdapterLM, examples: Examples, indices: list[int], batch_size: int,
                     pad_id: int) -> dict:
     """Validation record of an adapter run: the adapter's loss, and top-1 agreement with the full model of the
@@ -219,9 +228,14 @@ def adapter_metrics(accelerator, model: AdapterLM, examples: Examples, indices: 
         stats = accelerator.reduce(stats.to(accelerator.device)).cpu()
     n = max(float(stats[4]), 1.0)
     E = str(model.cfg.exit_layer)
-    return {"split": "val", "adapter_loss": {E: float(stats[0]) / n}, "adapter_agreement": {E: float(stats[1]) / n},
-            "exit_agreement": {E: float(stats[2]) / n}, "adapter_accuracy": {E: float(stats[3]) / n},
-            "tokens": int(stats[4])}
+    record = {"split": "val", "adapter_loss": {E: float(stats[0]) / n}, "adapter_agreement": {E: float(stats[1]) / n},
+              "exit_agreement": {E: float(stats[2]) / n}, "adapter_accuracy": {E: float(stats[3]) / n},
+              "tokens": int(stats[4])}
+    if accelerator.is_main_process:  # the evaluation line a LayerSkip or LoRA run prints too
+        from tqdm.auto import tqdm
+
+        tqdm.write(f"layerskip-train: {adapter_summary(record)}", file=sys.stderr)
+    return record
 
 
 def save_adapter(accelerator, lm, cfg, path, tokens: int, step: int) -> None:

@@ -319,32 +319,34 @@ def train_steps(run: Session, on_step: Callable[[int], None] | None) -> None:
     stats = RunningStats(run.model.num_layers)
     bar = tqdm(total=cfg.optim.max_steps, initial=run.step, disable=not (run.main and cfg.logging.progress),
                desc="train", dynamic_ncols=True)
-    while run.step < cfg.optim.max_steps:
-        for micro in range(cfg.optim.grad_accum_steps):
-            micro_step(run, stats, micro)
-        if not run.accelerator.optimizer_step_was_skipped:
-            run.scheduler.step()
-        run.step += 1
-        bar.update(1)
-        log_now = run.step % cfg.logging.log_every == 0 or run.step == cfg.optim.max_steps
-        if log_now or (cfg.checkpoint.save_every and run.step % cfg.checkpoint.save_every == 0):
-            check_finite(run, stats)  # before anything is logged or saved from these steps
-        if log_now:
-            lr = cfg.optim.lr * lr_factor(run.step - 1, cfg)  # the lr the last step used
-            rec = stats.record(run.step, lr, run.model.rates(run.step - 1), run.accelerator.num_processes)
-            rec.update(tokens=run.tokens_seen, epoch=round(run.order.epoch(run.step), 4))
-            run.tracker.log(rec)
-            bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
-            stats = RunningStats(run.model.num_layers)
-        if cfg.logging.eval_every and run.step % cfg.logging.eval_every == 0 and run.step < cfg.optim.max_steps:
-            run.tracker.log({"step": run.step, **(evaluate(run) or {})})
-        if cfg.checkpoint.save_every and run.step % cfg.checkpoint.save_every == 0:
-            with sigterm_held():
-                save_checkpoint(run.accelerator, cfg, run.step, {"tokens": run.tokens_seen,
-                                                                 "metrics_lines": run.tracker.lines})
-        if on_step is not None:
-            on_step(run.step)
-    bar.close()
+    try:  # closed however the loop ends, so a Ctrl-C's --resume hint prints below the bar, not inside it
+        while run.step < cfg.optim.max_steps:
+            for micro in range(cfg.optim.grad_accum_steps):
+                micro_step(run, stats, micro)
+            if not run.accelerator.optimizer_step_was_skipped:
+                run.scheduler.step()
+            run.step += 1
+            bar.update(1)
+            log_now = run.step % cfg.logging.log_every == 0 or run.step == cfg.optim.max_steps
+            if log_now or (cfg.checkpoint.save_every and run.step % cfg.checkpoint.save_every == 0):
+                check_finite(run, stats)  # before anything is logged or saved from these steps
+            if log_now:
+                lr = cfg.optim.lr * lr_factor(run.step - 1, cfg)  # the lr the last step used
+                rec = stats.record(run.step, lr, run.model.rates(run.step - 1), run.accelerator.num_processes)
+                rec.update(tokens=run.tokens_seen, epoch=round(run.order.epoch(run.step), 4))
+                run.tracker.log(rec)
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+                stats = RunningStats(run.model.num_layers)
+            if cfg.logging.eval_every and run.step % cfg.logging.eval_every == 0 and run.step < cfg.optim.max_steps:
+                run.tracker.log({"step": run.step, **(evaluate(run) or {})})
+            if cfg.checkpoint.save_every and run.step % cfg.checkpoint.save_every == 0:
+                with sigterm_held():
+                    save_checkpoint(run.accelerator, cfg, run.step, {"tokens": run.tokens_seen,
+                                                                     "metrics_lines": run.tracker.lines})
+            if on_step is not None:
+                on_step(run.step)
+    finally:
+        bar.close()
 
 
 def check_finite(run: Session, stats: RunningStats, evaluation: dict | None = None) -> None:
