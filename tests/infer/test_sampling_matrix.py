@@ -139,3 +139,15 @@ def test_the_reported_reproduction_matches_the_target():
     engine = Engine(runner, build_drafter("early_exit", runner, {"exit_layer": 1, "num_draft": 3, "confidence": 0.3}))
     pvalue, totals = sampling_pvalue(engine, model, PROMPT, T1, STEPS, SAMPLES, seed=8, new_tokens=NEW_TOKENS)
     assert totals["drafted"] > 0 and pvalue > P_THRESHOLD
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gemma3_text"])
+def test_new_families_sample_the_target(kind):
+    """The matrix's core case on the newer families (q/k norms; Gemma 3's sandwich norms, (1 + w) norms, scaled
+    embeddings, local windows and capped logits): early exit with a confidence stop at T = 1."""
+    from tiny_models import family_model
+
+    model = family_model(kind, seed=7, layers=4, vocab_size=5)
+    runner = Runner.from_model(model)
+    engine = Engine(runner, build_drafter("early_exit", runner, {"exit_layer": 1, "num_draft": 3, "confidence": 0.3}))
+    check(*sampling_pvalue(engine, model, PROMPT, T1, STEPS, SAMPLES, seed=21, new_tokens=NEW_TOKENS))
