@@ -127,16 +127,16 @@ def _print_result(args: argparse.Namespace, model, item: PromptItem, result, sev
 
 
 def run(args: argparse.Namespace) -> int:
+    # Everything that can be checked without the model is checked first; an output that exists before anything
+    # heavy is imported (a refusal in a moment, not after transformers loads).
+    if getattr(args, "save_plan", None):
+        reads = [(f"--{k.replace('_', '-')}", getattr(args, k, None)) for k in ("plan", "draft_vocab", "adapter")]
+        reads = [(f, v) for f, v in reads if isinstance(v, str)] + [("--prompts-file", args.prompts_file)]
+        check_output_file(args.save_plan, "--save-plan", force=args.force, inputs=tuple(reads))
     from infer.loading import load_resolved
 
-    # Everything that can be checked without the model is checked first.
     spec = drafter_spec_of(args)  # parsed and checked once
     generation = generation_config(args)
-    config = spec.config
-    if getattr(config, "save_plan", None):
-        reads = [(f"--{k.replace('_', '-')}", getattr(config, k, None)) for k in ("plan", "draft_vocab", "adapter")]
-        reads = [(f, v) for f, v in reads if isinstance(v, str)] + [("--prompts-file", args.prompts_file)]
-        check_output_file(config.save_plan, "--save-plan", force=args.force, inputs=tuple(reads))
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
     prompts = _prompts(args)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from layerskip_cli.main import main
@@ -58,3 +57,15 @@ def test_the_search_calibration_has_a_progress_bar(capsys, tiny_model_dir, tmp_p
                  str(tmp_path / "p.json"), "--cost", "weights", "--n", "2", "--max-new-tokens", "8"])
     err = capsys.readouterr().err
     assert code == 0 and "calibration (the full model's outputs)" in err, err
+
+
+def test_an_existing_save_plan_is_refused_before_the_heavy_imports(tmp_path):
+    """The refusal comes as fast as --help: nothing of transformers or the model loading is imported first."""
+    existing = tmp_path / "plan.json"
+    existing.write_text("{}")
+    code = ("import sys; from layerskip_cli.main import main; "
+            f"code = main(['generate', '--prompt', 'hi', '--drafter', 'swift', '--save-plan', {str(existing)!r}]); "
+            "print(code, 'transformers' in sys.modules, 'infer.loading' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.stdout.split() == ["2", "False", "False"], proc.stderr
+    assert "exists; pass --force" in proc.stderr and proc.stderr.count("\n") == 1
