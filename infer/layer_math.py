@@ -15,7 +15,7 @@ from torch import Tensor
 
 from infer.weights import LayerWeights, rms_norm
 from layerskip_core.errors import UserError
-from layerskip_core.models import DEFAULT_ROPE, NO_ROPE, ModelSpec
+from layerskip_core.families import DEFAULT_ROPE, NO_ROPE, ModelSpec
 
 
 def norm(x: Tensor, weight: Tensor, spec: ModelSpec) -> Tensor:

@@ -391,10 +391,10 @@ def cycle_speedup(tokens_per_cycle: float, draft_forwards: float, draft_cost: fl
 def weights_cost(s: ModelSpec, max_tokens: int) -> CostModel:
     """Memory-bound costs: proportional to the weights each part reads; verification costs one forward.
 
-    Attention reads its q, k, v and o projections, the MLP 3·d·I, the LM head V·d.
+    Attention reads its q, k, v and o projections, the MLP 3·d·I (each with its family's norms:
+    ``ModelSpec.sublayer_weights``), the LM head V·d.
     """
-    attn = s.hidden_size * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim + s.num_heads * s.head_dim * s.hidden_size
-    mlp = 3 * s.hidden_size * s.intermediate_size
+    attn, mlp = s.sublayer_weights()
     head = s.vocab_size * s.hidden_size
     full = s.num_layers * (attn + mlp) + head
     return CostModel(head / full, attn / full, mlp / full, [1.0] * max_tokens, "weights")

@@ -28,8 +28,9 @@ from torch import Tensor, nn
 
 from layerskip_core.device import parse_dtype
 from layerskip_core.errors import UserError
+from layerskip_core.families import SUPPORTED_MODEL_TYPES, layer_windows
 from layerskip_core.heldout import next_token_targets
-from layerskip_core.models import SUPPORTED_MODEL_TYPES, is_model_dir, layer_windows, resolve_model
+from layerskip_core.models import is_model_dir, resolve_model
 from train.config import EarlyExitConfig, KeepFinalConfig, LayerDropoutConfig
 from train.losses import checkpointed_head_ce, default_chunk, fused_head_ce, is_plain_head
 from train.schedules import check_exits, dropout_rates, exit_weights, sample_skips, skip_generator

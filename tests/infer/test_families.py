@@ -107,3 +107,41 @@ def test_an_unsupported_model_type_is_refused_in_one_line():
     message = str(e.value)
     assert "\n" not in message and "gpt2" in message
     assert all(t in message for t in SUPPORTED_MODEL_TYPES)
+
+
+@pytest.mark.parametrize("kind", FAMILY_KINDS)
+def test_sublayer_weight_counts_are_the_models_parameters(kind):
+    """The cost model's per-layer weight counts (``ModelSpec.sublayer_weights``; ``infer.plan.weights_cost``) are the
+    layer's parameters of each family (biases aside), its extra norms included."""
+    from infer.plan import weights_cost
+
+    model = family_model(kind, layers=2)
+    spec = ModelSpec.from_config(model.config)
+    mlp_norm = "pre_feedforward" if spec.family.sandwich_norms else "post_attention"
+
+    def in_mlp(name: str) -> bool:
+        return name.startswith(("mlp.", mlp_norm, "post_feedforward"))
+
+    params = dict(model.model.layers[0].named_parameters())
+    attn = sum(p.numel() for n, p in params.items() if not in_mlp(n) and not n.endswith("bias"))
+    mlp = sum(p.numel() for n, p in params.items() if in_mlp(n))
+    assert spec.sublayer_weights() == (attn, mlp)
+    cost = weights_cost(spec, 4)
+    assert cost.attn / cost.mlp == pytest.approx(attn / mlp)
+
+
+def test_a_skipped_sublayer_with_a_post_norm_is_skipped_whole():
+    """Self-SD's plans on Gemma 3: skipping an attention or MLP sublayer skips its post-norm too, as a model whose
+    sublayer output is zero (the post-norm of zero is zero)."""
+    from infer.plan import LayerPlan
+
+    model, zeroed = family_model("gemma3_text", seed=4, layers=4), family_model("gemma3_text", seed=4, layers=4)
+    with torch.no_grad():
+        zeroed.model.layers[1].self_attn.o_proj.weight.zero_()
+        zeroed.model.layers[2].mlp.down_proj.weight.zero_()
+    ids = torch.arange(5, 85)
+    runner = Runner.from_model(model)
+    got = runner.forward(runner.new_cache(128), ids, plan=LayerPlan(4, skip_attn={1}, skip_mlp={2}))
+    with torch.no_grad():
+        want = zeroed(ids[None]).logits[0]
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
