@@ -69,3 +69,18 @@ def test_an_existing_save_plan_is_refused_before_the_heavy_imports(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.stdout.split() == ["2", "False", "False"], proc.stderr
     assert "exists; pass --force" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_a_pipeline_with_do_sample_false_is_greedy_through_our_drafter(tiny_model_dir):
+    """docs/HF_GENERATE.md's pipeline paragraph: do_sample=False gives the plain pipeline's greedy text."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+    from infer import hf_generate
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    pipe = pipeline("text-generation", model=model, tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir))
+    plain = pipe("def add(a, b):", max_new_tokens=12, do_sample=False)[0]["generated_text"]
+    ours = pipe("def add(a, b):", max_new_tokens=12, do_sample=False,
+                custom_generate=hf_generate("early_exit", exit_layer=2, num_draft=3))[0]["generated_text"]
+    assert ours == plain
