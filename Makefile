@@ -63,7 +63,8 @@ test: fetch-model
 compare: fetch-model
 	BIN=$(BIN) bash scripts/compare_trained_vs_free.sh
 
-# The folders one GPU lease carries (docs/GPU.md, "The lease sequence"): runs/lease/meta, runs/lease/a, runs/lease/b.
+# The bundle an offline GPU machine needs (docs/GPU.md, "Running on an offline GPU machine with a time limit"):
+# runs/lease/meta, runs/lease/a, runs/lease/b; it ends by saying what to copy there and what to run.
 lease: fetch-model
 	rm -rf runs/lease
 	$(BIN)/python scripts/gpu_bundle.py

@@ -1,4 +1,4 @@
-"""Prepare the folders a GPU lease carries (the machine reaches no registry and takes 64 MiB per command).
+"""Prepare the bundle an offline GPU machine needs (no registry there; each of its two jobs carries under 64 MiB).
 
     python scripts/gpu_bundle.py                 # writes runs/lease/meta, runs/lease/a and runs/lease/b
     make lease                                   # the same
@@ -10,9 +10,10 @@
   a/     the first half of the default model's GGUF;
   b/     the second half.
 
-Each device command carries ``meta`` and one half (docs/GPU.md: the first carries ``a``, the second, back to
-back while the machine is warm, ``b``); ``scripts/gpu_lease.py`` joins the halves there with a sha256 check. The
-folder sizes are checked against the limit, this checkout's tracked files included.
+Each of the two jobs on the GPU machine gets this checkout, ``meta`` and one half (docs/GPU.md: the first job
+``a``, the second, back to back on the same machine, ``b``; a machine that takes everything at once can get all
+three); ``scripts/gpu_lease.py`` joins the halves there with a sha256 check. The sizes are checked against 64 MiB
+per job, this checkout's tracked files included.
 """
 
 from __future__ import annotations
@@ -45,6 +46,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "config.json", "generation_config.json")
 """Files of the converted default model that make its tokenizer loadable (no weights)."""
 PROG = "gpu_bundle"
+NEXT_STEPS = """\
+The bundle is ready. On the GPU machine (offline is fine; it needs Python with torch for CUDA, transformers,
+accelerate and peft installed, nothing else is installed from a registry):
+  1. copy this checkout and {out}/meta, {out}/a there (or the whole {out}), set OUT to the results folder the
+     job returns and run: python3 scripts/gpu_lease.py check     (about 4 minutes of work; allow 5)
+  2. on the same machine, with {out}/meta and {out}/b: python3 scripts/gpu_lease.py compare   (the same budget)
+Back here: python scripts/gpu_lease.py publish <the returned results folder>. Details: docs/GPU.md, 'Running on an
+offline GPU machine with a time limit'."""
+"""What ``make lease`` says when the bundle is written: the next steps, in the terms of any GPU machine."""
 
 
 def split_file(path: Path, dest: list[Path]) -> list[dict]:
@@ -155,8 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for folder in ("meta", "a", "b"):
         print(f"{args.out / folder}: {folder_bytes(args.out / folder) / 2**20:.1f} MiB")
-    print("carry runs/lease/meta with runs/lease/a in the first device command and with runs/lease/b in the "
-          "second (docs/GPU.md, 'Running on an offline GPU machine with a time limit')")
+    print(NEXT_STEPS.format(out=args.out))
     return 0
 
 

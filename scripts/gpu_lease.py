@@ -5,8 +5,9 @@
     python3 scripts/gpu_lease.py stash      # only keep the first half (when command 2 found a fresh machine)
     python scripts/gpu_lease.py publish DIR # here, afterwards: DIR's results into docs/
 
-``check`` keeps the GGUF's first half in /tmp/lease (the machine stays warm between back-to-back commands) and runs
-``gpu_check.py`` under its wall budget. ``compare`` installs the carried wheels into /tmp/lease/site, joins the two
+``check`` keeps the GGUF's first half in the stash folder (``$LEASE_STASH``, default ``$LAYERSKIP_CACHE/lease``: kept
+on the machine between back-to-back commands) and runs ``gpu_check.py`` under its wall budget. ``compare`` installs
+the carried wheels into the stash's ``site``, joins the two
 halves (sha256 checked) and runs ``gpu_compare.py --form first`` under its budget; ``--form full --previous FILE``
 is a later stage that carries over an earlier stage's rows. Both write under ``$OUT`` (else ``runs/gpu/``),
 ``lease_<stage>.json`` included (what was staged, notes, exit codes, seconds). ``$LEASE_MODEL``: a model folder to
@@ -27,6 +28,7 @@ import lease
 
 from layerskip_core.cli import Parser, finite_float
 from layerskip_core.errors import UserError
+from layerskip_core.packages import cache_root
 
 BUDGET_S = {"check": 240.0, "compare": 240.0}
 """Default wall budget of each device command's work (docs/GPU.md: timeout_s = budget + GRACE_S + start-up)."""
@@ -34,9 +36,9 @@ GRACE_S = 45.0
 """Seconds a stage's program may run past its budget (a piece started just before it) before it is stopped."""
 BUNDLE = Path(os.environ.get("LEASE_BUNDLE") or lease.REPO / "runs" / "lease")
 """Where gpu_bundle.py writes the carried folders: meta, a, b (``$LEASE_BUNDLE`` moves it: the tests' rehearsal)."""
-STASH = Path(os.environ.get("LEASE_STASH") or "/tmp/lease")
-"""Kept on the device machine between back-to-back commands: the GGUF's first half, wheels, the run folder
-(``$LEASE_STASH`` moves it: the tests' rehearsal)."""
+STASH = Path(os.environ.get("LEASE_STASH") or cache_root() / "lease")
+"""Kept on the GPU machine between back-to-back commands: the GGUF's first half, wheels, the run folder; in the
+toolkit cache (``$LAYERSKIP_CACHE``, never the system's temporary folder), or ``$LEASE_STASH``."""
 PROG = "gpu_lease"
 
 
@@ -77,7 +79,7 @@ def install_wheels(notes: list[str]) -> None:
 
 
 def stash(args, notes: list[str]) -> int:
-    """Keep the first GGUF half in STASH for the next command (the machine keeps /tmp while it stays warm)."""
+    """Keep the first GGUF half in STASH for the next command (on the same machine, run back to back)."""
     half = sorted((BUNDLE / "a").glob("*.part1"))
     if not half:
         notes.append("runs/lease/a not carried: command 2 will lack the model's first half")

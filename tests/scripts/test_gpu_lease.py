@@ -164,3 +164,36 @@ def test_a_stage_refuses_an_earlier_runs_results_folder(tmp_path, capsys):
     assert gpu_lease.main(["check", "--out", str(tmp_path)]) == 2
     assert "lease_check.json exists" in capsys.readouterr().err
     assert json.loads((tmp_path / "lease_check.json").read_text())["returncode"] == 0  # not overwritten
+
+
+def test_the_stash_lies_in_the_toolkit_cache_never_the_system_temp_folder(tmp_path, monkeypatch):
+    """Issue 49 item 9: the CPU rehearsal wrote a 47 MB GGUF half under /tmp, outside --out and LAYERSKIP_CACHE."""
+    import subprocess
+    import sys
+    import tempfile
+
+    monkeypatch.delenv("LEASE_STASH", raising=False)
+    monkeypatch.setenv("LAYERSKIP_CACHE", str(tmp_path / "cache"))
+    fresh = load_script("gpu_lease")
+    try:
+        assert fresh.STASH == tmp_path / "cache" / "lease"
+        assert not str(fresh.STASH).startswith(tempfile.gettempdir() + "/lease")
+        bundle = tmp_path / "bundle"
+        (bundle / "a").mkdir(parents=True)
+        (bundle / "a" / "model.gguf.part1").write_bytes(b"x" * 1000)
+        env = {k: v for k, v in __import__("os").environ.items() if k not in ("LEASE_STASH", "OUT")}
+        env |= {"LAYERSKIP_CACHE": str(tmp_path / "cache"), "LEASE_BUNDLE": str(bundle)}
+        proc = subprocess.run([sys.executable, str(lease.REPO / "scripts/gpu_lease.py"), "stash", "--out",
+                               str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert (tmp_path / "cache" / "lease" / "model.gguf.part1").is_file()
+    finally:
+        load_script("gpu_lease")  # the module as the other tests expect it
+
+
+def test_make_lease_ends_with_the_next_steps_in_users_terms():
+    text = gb.NEXT_STEPS.format(out="runs/lease")
+    for words in ("GPU machine", "offline", "torch", "transformers", "accelerate", "peft", "OUT", "results folder",
+                  "gpu_lease.py check", "gpu_lease.py compare", "gpu_lease.py publish", "minutes"):
+        assert words in text, words
+    assert "carry" not in text and "device command" not in text
