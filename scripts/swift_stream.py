@@ -89,6 +89,7 @@ def summarise(runs: dict[str, list[list[dict]]]) -> dict:
             per_method[method] = {
                 "tokens_per_second": statistics.median(tps), "tokens_per_second_repeats": tps,
                 "acceptance_rate": sum(r["accepted"] for r in rs) / drafted if drafted else 0.0,
+                "drafted": drafted, "new_tokens": sum(r["new_tokens"] for r in rs),
                 "tokens_per_verify": tokens_per_verify([r["stats"] for r in rs]) or 1.0,
                 "opt_time_share": sum(float(r["drafter"].get("opt_time", 0.0)) for r in rs) / wall,
                 "plain_step_share": sum(int(r["drafter"].get("plain_steps", 0)) for r in rs) / calls,
@@ -117,13 +118,15 @@ def trajectory(rows: list[dict]) -> list[tuple[int, float]]:
 
 
 def markdown(results: dict) -> str:
-    lines = ["| model | task | drafter | tok/s | vs autoregressive | α | M | opt. share | opt. steps | plain steps |",
+    lines = ["| model | task | drafter | tok/s | vs autoregressive | α (drafted/tokens) | M | opt. share | opt. steps "
+             "| plain steps |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for label, res in results.items():
         for task, per_method in res["tasks"].items():
             for method, e in per_method.items():
                 lines.append(f"| {label} | {task} | `{method}` | {e['tokens_per_second']:.2f} | {e['speedup']:.2f}x | "
-                             f"{e['acceptance_rate']:.2f} | {e['tokens_per_verify']:.2f} | {e['opt_time_share']:.1%} | "
+                             f"{e['acceptance_rate']:.2f} ({e.get('drafted', '–')}/{e.get('new_tokens', '–')}) | "
+                             f"{e['tokens_per_verify']:.2f} | {e['opt_time_share']:.1%} | "
                              f"{e['opt_steps']:.0f} | {e['plain_step_share']:.0%} |")
     lines.append("")
     for label, res in results.items():
