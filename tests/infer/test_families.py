@@ -145,3 +145,29 @@ def test_a_skipped_sublayer_with_a_post_norm_is_skipped_whole():
     with torch.no_grad():
         want = zeroed(ids[None]).logits[0]
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["gemma3_text", "smollm3", "qwen3"])
+def test_adapter_train_and_infer_forwards_agree(kind, tmp_path):
+    """An exit adapter's training module (``train.adapter``: the model's norm class, the global RoPE) and its layer on
+    the runner (``ModelSpec.adapter_layer``) compute the same logits on the new families (Gemma 3: softcapped)."""
+    from infer.adapter import ExitAdapter
+    from train.adapter import AdapterLM
+    from train.config import AdapterConfig
+    from train.model import decoder_parts
+
+    model = family_model(kind, seed=2, layers=4)
+    lm = AdapterLM(model, AdapterConfig(enabled=True, exit_layer=2, mlp_size=24))
+    with torch.no_grad():
+        for p in lm.adapter.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=torch.Generator().manual_seed(0)))
+    lm.save(tmp_path / "a.safetensors", {"test": True})
+    runner = Runner.from_model(model)
+    adapter = ExitAdapter.load(tmp_path / "a.safetensors", runner)
+    hidden = torch.randn(1, 7, runner.spec.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = lm.adapter_logits(hidden, decoder_parts(model).global_rope(hidden, torch.arange(7)[None]))[0]
+    cache = adapter.new_cache(16)
+    got = torch.cat([adapter.forward(cache, hidden[0, :3], 0, logits=True).logits] +
+                    [adapter.forward(cache, hidden[0, i:i + 1], i, logits=True).logits for i in range(3, 7)])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
