@@ -1,7 +1,8 @@
-"""A lean forward pass over the weights of a Hugging Face Llama-family model.
+"""A lean forward pass over the weights of a Hugging Face decoder model (the families of ``layerskip_core.families``).
 
 The runner depends on the checkpoint's weights and config only (not on transformers'
-modeling code, whose internals move between releases). It executes any layer range with any
+modeling code, whose internals move between releases); a family's layer math is ``infer.layer_math``'s, each
+layer's sliding window and RoPE table its spec's (docs/MODELS.md). It executes any layer range with any
 sublayer skip plan, against a preallocated KV cache whose length is tracked per layer: early
 exit makes shallow layers run ahead of deep ones, and rollback is setting a length back.
 
@@ -120,17 +121,17 @@ def weights_device(model) -> torch.device:
         where = ", ".join(sorted(placed or {str(d) for d in devices}))
         raise UserError(f"the model is spread over several devices ({where}); the runner decodes on one: {whole}")
     if not devices:
-        raise UserError("the model has no weights; give a loaded Llama-family model")
+        raise UserError("the model has no weights; give a loaded model of a supported family")
     return devices.pop()
 
 
 class Runner:
-    """Executes layer ranges of a Llama-family model with sublayer skip plans over a KV cache."""
+    """Executes layer ranges of a supported model with sublayer skip plans over a KV cache."""
 
     def __init__(self, config, state: dict[str, Tensor], *, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", kernel: str = "auto", executor: str = "eager",
                  compile: bool = False):
-        """A runner over ``state`` (a Llama-family state dict) and its HF ``config``; the options are keyword-only,
+        """A runner over ``state`` (a supported model's state dict) and its HF ``config``; the options are keyword-only,
         in the same order as ``from_pretrained`` and ``from_model`` take them."""
         self.config = config
         self.spec = ModelSpec.from_config(config)
