@@ -14,7 +14,7 @@ from infer.runner import Runner
 from tiny_models import FAMILY_KINDS, TINY_WINDOW, family_model
 
 L = 6
-NEW = 2 * TINY_WINDOW  # prompt + new tokens run well past the window
+NEW = TINY_WINDOW + 16  # prompt + new tokens run past the window
 PROMPTS = [[5, 17, 99, 3, 44, 120, 7], list(range(60, 90))]
 SWIFT = {"context_window": 8, "opt_budget": 0.95, "fallback_opt_budget": 0.95, "remember": "off",
          "confidence": 0.013}
