@@ -91,17 +91,26 @@ def test_every_drafter_greedy_equals_plain_decoding(runner, plain, adapter_path)
         assert drafted > 0, case
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_drafters_on_the_static_executor(model, plain, compiled):
-    """The static forwards, and their steps compiled (dynamo with the cheap 'eager' backend on a CPU: the same traced
-    layer math the GPU's inductor compiles)."""
-    from infer.compiled import StepCache
+@pytest.mark.parametrize("how", ["static", "compiled", "captured"])
+def test_drafters_on_the_static_executor(model, plain, how, monkeypatch):
+    """The static forwards, their steps compiled (dynamo with the cheap 'eager' backend on a CPU: the same traced layer
+    math the GPU's inductor compiles), and with CUDA-graph replay semantics (``executor_cases.fake_capture``: outputs
+    overwritten in place)."""
+    from executor_cases import fake_capture
 
-    runner = Runner.from_model(model, executor="static", compile=StepCache("eager") if compiled else False)
+    from infer.compiled import StepCache
+    from infer.graphs import StaticExecutor, StaticSpan
+
+    runner = Runner.from_model(model, executor="static", compile=StepCache("eager") if how == "compiled" else False)
+    if how == "captured":
+        monkeypatch.setattr(StaticSpan, "capture", fake_capture)
+        runner.static = StaticExecutor(runner, capture=True)
     config = DecodeConfig(max_new_tokens=NEW)
     for name, options in [("early_exit", {"E": 2, "k": 3}), ("swift", SWIFT)]:
         for prompt, ref in zip(PROMPTS, plain, strict=True):
             assert Engine(runner, build_drafter(name, runner, options)).generate(prompt, config).tokens == ref, name
+    spans = runner.static.spans()
+    assert spans and (how != "captured" or any(s.graph is not None for s in spans))  # graphs replayed
 
 
 def test_batched_rows_equal_plain_decoding(runner, plain, adapter_path):
