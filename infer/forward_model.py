@@ -43,8 +43,8 @@ class ForwardModel(Protocol):
     @property
     def num_layers(self) -> int: ...
 
-    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """(cos, sin) (K, T, 1, D): one row per RoPE table."""
+    def rope(self, positions: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+        """(cos, sin): K tensors (T, 1, D) each, one per RoPE table."""
 
     def qkv_rope(self, w: LayerWeights, hidden: Tensor, cos: Tensor, sin: Tensor,
                  bulk: bool = False) -> tuple[Tensor, Tensor, Tensor]: ...

@@ -304,7 +304,7 @@ def static_forward(runner: ForwardModel, cache: KVCache, hidden: Tensor, meta: T
     positions = meta[:rows]  # (rows,)
     window_starts = meta[rows:rows + L]  # (L,)
     window = meta[rows + L:].view(rows, W).bool()  # (rows, W)
-    cos, sin = runner.rope(positions)  # (K, rows, 1, D) each: one row per RoPE table
+    cos, sin = runner.rope(positions)  # K x (rows, 1, D) each: one per RoPE table
     slots = torch.arange(cache.capacity, device=hidden.device)  # (C,)
     offsets = key.extra + torch.arange(rows, device=hidden.device)  # (rows,): new rows' window columns
     skip_attn = set(plan.skip_attn) if plan is not None else set()

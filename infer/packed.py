@@ -54,7 +54,7 @@ def packed_span(runner: Runner, segments: Sequence[Segment], hidden: Tensor, sta
                            logits=logits, vocab=vocab)
     split = end if exact_until is None else exact_until
     pos = runner.to_device([p for s in segments for p in s.positions])  # (N,)
-    cos, sin = runner.rope(pos)  # (K, N, 1, D) each
+    cos, sin = runner.rope(pos)  # K x (N, 1, D) each
     masks = [None if s.mask is None else s.mask.to(runner.device) for s in segments]
     memo: list[dict] = [{} for _ in segments]  # per segment: attention masks by start slot
     rope = (cos, sin, pos)
@@ -66,7 +66,7 @@ def packed_span(runner: Runner, segments: Sequence[Segment], hidden: Tensor, sta
 def packed_layers(runner: Runner, segments: Sequence[Segment], hidden: Tensor, rope: tuple[Tensor, Tensor, Tensor],
                   start: int, end: int, plan: LayerPlan | None, masks: list[Tensor | None], memo: list[dict]) -> Tensor:
     """Layers ``[start, end)`` over the packed rows ``hidden`` (N, d) under ``plan`` (a skipped attention sublayer
-    writes no K/V); ``rope``: (cos, sin) (K, N, 1, D) at the rows' positions, and the positions (N,)."""
+    writes no K/V); ``rope``: (cos, sin) K x (N, 1, D) at the rows' positions, and the positions (N,)."""
     attn_skip, mlp_skip = (plan.skip_attn, plan.skip_mlp) if plan is not None else ((), ())
     N = hidden.shape[0]
     for i in range(start, end):

@@ -149,7 +149,8 @@ class Runner:
         order is the order of the rows of the tables ``rope`` returns."""
         self.rope_rows = self._rope_rows(self.spec)
         """Per layer: its row in the tables ``rope`` returns."""
-        self._cos = self._sin = torch.empty(0, 0, 0)
+        self._cos: list[Tensor] = []  # per RoPE table: (n, D)
+        self._sin: list[Tensor] = []
         self.static: StaticExecutor | None = None
         self._ensure_rope(self.spec.max_position_embeddings)  # once: captured graphs read these tables
         self.counters = RunnerCounters([0] * self.spec.num_layers)
@@ -289,11 +290,11 @@ class Runner:
     def _ensure_rope(self, n: int) -> None:
         """RoPE tables for positions [0, n): built for the model's whole context at construction, so they never
         grow while graphs that read them exist (growing drops every static forward)."""
-        if self._cos.shape[1] >= n:
+        if self._cos and self._cos[0].shape[0] >= n:
             return
         tables = [layer_math.rope_table(*freqs, n) for freqs in self.rope_freqs.values()]
-        self._cos = torch.stack([c for c, _ in tables]).to(self.device, self.dtype)  # (K, n, D)
-        self._sin = torch.stack([s for _, s in tables]).to(self.device, self.dtype)  # (K, n, D)
+        self._cos = [c.to(self.device, self.dtype) for c, _ in tables]  # K x (n, D)
+        self._sin = [s.to(self.device, self.dtype) for _, s in tables]  # K x (n, D)
         if self.static is not None:
             self.static.clear()  # captured graphs read the old tables
 
@@ -373,7 +374,7 @@ class Runner:
         long inputs, and nothing compares prefill rows with token-by-token ones.
         """
         end = self.spec.num_layers if end is None else end
-        cos, sin = self.rope(positions)  # (K, T, 1, D) each
+        cos, sin = self.rope(positions)  # K x (T, 1, D) each
         masks: dict[int, Tensor | None] = {}  # by start slot
         attn_skip, mlp_skip = (plan.skip_attn, plan.skip_mlp) if plan is not None else ((), ())
         T = hidden.shape[0]
@@ -400,10 +401,11 @@ class Runner:
             positions = torch.arange(start, start + ids.shape[0], device=self.device)
         return self.logits(self.forward_layers(cache, self.embed(ids), positions, plan=plan, mask=mask))
 
-    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """(cos, sin) (K, T, 1, D) at ``positions`` (T,) on the device, one row per RoPE table (layer i reads row
-        ``rope_rows[i]``); sin has the sign of the roll form folded in."""
-        return self._cos[:, positions, None], self._sin[:, positions, None]
+    def rope(self, positions: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+        """(cos, sin) at ``positions`` (T,) on the device: K tensors (T, 1, D) each, one per RoPE table (layer i reads
+        table ``rope_rows[i]``; each its own tensor, so compiled steps see no storage offset that differs by table);
+        sin has the sign of the roll form folded in."""
+        return [c[positions][:, None] for c in self._cos], [s[positions][:, None] for s in self._sin]
 
     def attn_mask(self, start_slot: int, T: int, mask: Tensor | None) -> Tensor | None:
         """(T, start_slot + T) bool; None where no mask is needed (one row, or causal rows from slot 0)."""
