@@ -204,7 +204,8 @@ def _step_of(ckpt: Path) -> int:
     try:
         return int(read_state(ckpt)["step"])
     except UserError:
-        return int(ckpt.name[len(PREFIX):]) if ckpt.name[len(PREFIX):].isdigit() else -1
+        named = ckpt.name[len(PREFIX):]
+        return int(named) if named.isascii() and named.isdigit() else -1  # not '²', which int() refuses
 
 
 def read_state(path: Path) -> dict:
@@ -216,7 +217,7 @@ def read_state(path: Path) -> dict:
         step = jsonfile.integer(state["step"], "step", 0)
         jsonfile.integer(state.get("tokens", 0), "tokens", 0)
         named = Path(path).name.removeprefix(PREFIX)
-        if Path(path).name.startswith(PREFIX) and named.isdigit() and int(named) != step:
+        if Path(path).name.startswith(PREFIX) and named.isascii() and named.isdigit() and int(named) != step:
             raise ValueError(f"it says step {step}, but its folder is {Path(path).name} (a checkpoint's state "
                              "describes the step it was saved at)")
     return state

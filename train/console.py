@@ -54,7 +54,7 @@ def requested_processes(command: Sequence[str]) -> int:
         match = re.fullmatch(r"--num[_-]processes(?:=(\d+))?", part)
         if match:
             value = match.group(1) or (command[i + 1] if i + 1 < len(command) else "1")
-            return int(value) if value.isdigit() else 1
+            return int(value) if value.isascii() and value.isdigit() else 1
     return 1
 
 

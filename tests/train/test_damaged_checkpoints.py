@@ -105,3 +105,15 @@ def test_the_interrupt_hint_resumes_only_what_has_a_checkpoint():
     assert resume_hint(argv, "runs/x", True).endswith("python train/layerskip.py --config r.yaml --resume")
     fresh = resume_hint(argv, "runs/x", False)
     assert "--resume" not in fresh and fresh.endswith("--config r.yaml --overwrite") and "first checkpoint" in fresh
+
+
+def test_checkpoint_names_and_process_counts_with_non_ascii_digits_are_not_numbers(tmp_path):
+    """'step-²' and '--num_processes ²': str.isdigit() is true for '²', which int() refuses (a ValueError
+    traceback); both are read as what they are, not a step or a count."""
+    from train.checkpoint import _step_of
+    from train.console import requested_processes
+
+    damaged = tmp_path / "step-²"
+    damaged.mkdir()
+    assert _step_of(damaged) == -1
+    assert requested_processes(["accelerate", "launch", "--num_processes", "²", "train/layerskip.py"]) == 1
