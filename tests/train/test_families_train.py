@@ -107,3 +107,16 @@ def test_exit_adapter_trains_and_drafts_losslessly(tiny_recipe, tmp_path, kind_)
     result = drafted.generate(prompt, DecodeConfig(max_new_tokens=40))
     assert result.tokens == plain.generate(prompt, DecodeConfig(max_new_tokens=40)).tokens
     assert result.stats.drafted > 0
+
+
+def test_an_unsupported_model_type_is_refused_for_training_in_one_line():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from layerskip_core.errors import UserError
+    from layerskip_core.families import SUPPORTED_MODEL_TYPES
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(UserError) as e:
+        LayerSkipLM(model, LayerDropoutConfig(), EarlyExitConfig(exits=[]), max_steps=1)
+    assert "\n" not in str(e.value) and "gpt2" in str(e.value)
+    assert all(t in str(e.value) for t in SUPPORTED_MODEL_TYPES)
