@@ -340,10 +340,10 @@ class Engine:
         vocab = self.runner.spec.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise UserError(f"prompt token ids must lie in [0, {vocab})")
-        limit, window = self.runner.spec.max_position_embeddings, self.runner.spec.sliding_window
+        limit = self.runner.spec.max_position_embeddings
         if len(prompt) + config.max_new_tokens > limit:
             raise UserError(f"prompt ({len(prompt)} tokens) + max-new-tokens ({config.max_new_tokens}) "
-                            f"exceeds the model's {'sliding window' if window else 'context'} of {limit} tokens; "
+                            f"exceeds the model's context of {limit} tokens; "
                             "shorten the prompt or lower --max-new-tokens")
 
     def _prefill(self, state: DecodeState, processor: PositionProcessor | None = None) -> int:

@@ -192,10 +192,10 @@ def verify_prices(spec, exits: list[int]) -> dict[int, float]:
 
 
 def _weights(spec) -> tuple[int, int]:
-    """A decoder layer's weight count (attention and MLP) and a plain step's (every layer and the LM head)."""
-    d, D = spec.hidden_size, spec.head_dim
-    layer = d * D * (2 * spec.num_heads + 2 * spec.num_kv_heads) + 3 * d * spec.intermediate_size
-    return layer, spec.num_layers * layer + spec.vocab_size * d
+    """A decoder layer's weight count (attention and MLP, norms included, per family: ``ModelSpec.sublayer_weights``)
+    and a plain step's (every layer and the LM head)."""
+    layer = sum(spec.sublayer_weights())
+    return layer, spec.num_layers * layer + spec.vocab_size * spec.hidden_size
 
 
 class CycleTiming:
