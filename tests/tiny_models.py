@@ -89,3 +89,22 @@ def save_family(path: Path, kind: str, seed: int = 0, layers: int = 6, **overrid
     family_model(kind, seed=seed, layers=layers, **overrides).save_pretrained(path)
     byte_tokenizer().save_pretrained(path)
     return path
+
+
+def noisy_adapter(model, path: Path, exit_layer: int, noise: float = 0.0, seed: int = 0, mlp_size: int = 0,
+                  frozen: bool = True):
+    """Write an exit adapter file for ``model`` at ``exit_layer`` to ``path``: initialised as the plain exit, then
+    perturbed by seeded noise (a stand-in for training that makes its drafts differ from the plain exit's and the
+    target's). Returns the training module (``train.adapter.AdapterLM``); the model is left frozen (``requires_grad``
+    off, as decoding takes it) unless ``frozen`` is False."""
+    from train.adapter import AdapterLM
+    from train.config import AdapterConfig
+
+    lm = AdapterLM(model, AdapterConfig(enabled=True, exit_layer=exit_layer, mlp_size=mlp_size))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in lm.adapter.parameters():
+            p.add_(noise * torch.randn(p.shape, generator=gen))
+    lm.save(path, {"test": True})
+    model.requires_grad_(not frozen)
+    return lm

@@ -15,7 +15,7 @@ from infer.graphs import StaticExecutor, StaticSpan
 from infer.runner import Runner
 from infer.sampling import SamplingConfig
 from layerskip_core.errors import UserError
-from tiny_models import make_model
+from tiny_models import make_model, noisy_adapter
 from train.adapter import AdapterLM, model_identity
 from train.config import AdapterConfig
 
@@ -29,16 +29,8 @@ def model():
 
 
 def write_adapter(model, path, exit_layer: int, mlp_size: int = 0, noise: float = 0.0, seed: int = 0):
-    """An adapter file for ``model``: initialised as the plain exit, then perturbed by seeded noise (a stand-in
-    for training that makes drafts differ from the target's and from the plain exit's)."""
-    lm = AdapterLM(model, AdapterConfig(enabled=True, exit_layer=exit_layer, mlp_size=mlp_size))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in lm.adapter.parameters():
-            p.add_(noise * torch.randn(p.shape, generator=gen))
-    lm.save(path, {"test": True})
-    model.requires_grad_(True)
-    return lm
+    """``tiny_models.noisy_adapter`` leaving the model trainable (the tests here train and compare forwards)."""
+    return noisy_adapter(model, path, exit_layer, noise, seed, mlp_size, frozen=False)
 
 
 def test_train_and_infer_forwards_agree(model, tmp_path):

@@ -15,7 +15,7 @@ from infer.plan import LayerPlan
 from infer.runner import Runner
 from infer.sampling import SamplingConfig
 from layerskip_core.errors import UserError
-from tiny_models import make_model
+from tiny_models import make_model, noisy_adapter
 
 L = 6
 LENGTHS = [1, 37, 5, 12, 3, 24]  # very different prompt lengths; more prompts than rows: later ones join
@@ -56,16 +56,7 @@ def eos(runner, prompts):
 
 
 def adapter_file(model, path):
-    from train.adapter import AdapterLM
-    from train.config import AdapterConfig
-
-    lm = AdapterLM(model, AdapterConfig(enabled=True, exit_layer=3, mlp_size=0))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in lm.adapter.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    lm.save(path, {"test": True})
-    model.requires_grad_(False)
+    noisy_adapter(model, path, 3, noise=0.05)
     return path
 
 

@@ -11,7 +11,7 @@ from infer.drafters import build_drafter
 from infer.engine import DecodeConfig, Engine
 from infer.plan import LayerPlan, PlanFile
 from infer.runner import Runner
-from tiny_models import FAMILY_KINDS, TINY_WINDOW, family_model
+from tiny_models import FAMILY_KINDS, TINY_WINDOW, family_model, noisy_adapter
 
 L = 6
 NEW = TINY_WINDOW + 16  # prompt + new tokens run past the window
@@ -44,17 +44,8 @@ def plain(runner):
 @pytest.fixture(scope="module")
 def adapter_path(model, tmp_path_factory):
     """An exit adapter at E = 3 trained for no steps but perturbed (its drafts differ from the plain exit's)."""
-    from train.adapter import AdapterLM
-    from train.config import AdapterConfig
-
     path = tmp_path_factory.mktemp("adapter") / "a.safetensors"
-    lm = AdapterLM(model, AdapterConfig(enabled=True, exit_layer=3))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in lm.adapter.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    lm.save(path, {"test": True})
-    model.requires_grad_(False)
+    noisy_adapter(model, path, 3, noise=0.05)
     return str(path)
 
 

@@ -5,7 +5,6 @@ a window shorter than the sampled sequences), 5 tokens, 4 layers."""
 from __future__ import annotations
 
 import pytest
-import torch
 from lossless_stats import batch_sampling_pvalue, sampling_pvalue
 from test_sampling_matrix import NEW_TOKENS, PROMPT, SAMPLES, STEPS, T1, check, options
 
@@ -13,9 +12,7 @@ from infer.batch import BatchEngine
 from infer.drafters import build_drafter, drafter_spec
 from infer.engine import Engine
 from infer.runner import Runner
-from tiny_models import family_model
-from train.adapter import AdapterLM
-from train.config import AdapterConfig
+from tiny_models import family_model, noisy_adapter
 
 
 @pytest.fixture(scope="module")
@@ -33,13 +30,7 @@ def runner(model):
 @pytest.fixture(scope="module")
 def adapter_file(model, tmp_path_factory):
     path = tmp_path_factory.mktemp("adapter") / "a.safetensors"
-    lm = AdapterLM(model, AdapterConfig(enabled=True, exit_layer=1))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in lm.adapter.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=gen))
-    lm.save(path, {"test": True})
-    model.requires_grad_(False)
+    noisy_adapter(model, path, 1, noise=0.3)
     return str(path)
 
 

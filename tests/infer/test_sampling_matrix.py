@@ -11,7 +11,6 @@ Tokens 2 and 3 are drafted positions (4 tokens are generated: the prefill's toke
 from __future__ import annotations
 
 import pytest
-import torch
 from lossless_stats import P_THRESHOLD, batch_sampling_pvalue, sampling_pvalue
 
 from infer.batch import BatchEngine
@@ -21,9 +20,7 @@ from infer.engine import Engine
 from infer.plan import LayerPlan
 from infer.runner import Runner
 from infer.sampling import SamplingConfig
-from tiny_models import make_model
-from train.adapter import AdapterLM
-from train.config import AdapterConfig
+from tiny_models import make_model, noisy_adapter
 
 PROMPT = [1, 2, 3]
 STEPS, NEW_TOKENS, SAMPLES = 3, 4, 1200
@@ -50,13 +47,7 @@ def adapter_file(model, tmp_path_factory):
     """An exit adapter at E = 1, perturbed by seeded noise (a stand-in for training: its drafts differ from the plain
     exit's and the target's)."""
     path = tmp_path_factory.mktemp("adapter") / "a.safetensors"
-    lm = AdapterLM(model, AdapterConfig(enabled=True, exit_layer=1))
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in lm.adapter.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=gen))
-    lm.save(path, {"test": True})
-    model.requires_grad_(False)
+    noisy_adapter(model, path, 1, noise=0.3)
     return str(path)
 
 
