@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from infer import kernels
+from infer.kernels import arena
 from layerskip_core.adapter_spec import FINGERPRINT_VALUES, weight_fingerprint
 from layerskip_core.errors import UserError
 from layerskip_core.models import ModelSpec
@@ -24,18 +25,22 @@ from layerskip_core.models import ModelSpec
 class Linear:
     """y = x @ W^T (+ b), W (out, in) as in HF checkpoints.
 
-    On x86 CPUs in fp32 it runs the small-batch kernel of ``infer.kernels``: verifying T tokens
-    then costs little more than one, and every row's result is bitwise independent of T, so a
-    batched verification reproduces token-by-token decoding exactly. Elsewhere: ``F.linear``.
+    On x86 CPUs in fp32, and in bf16 where the CPU has AVX512_BF16, it runs the small-batch kernel of
+    ``infer.kernels``: verifying T tokens then costs little more than one, and every row's result is bitwise
+    independent of T, so a batched verification reproduces token-by-token decoding exactly. The weight then sits
+    in ``infer.kernels.arena`` right after the previously built one (a step reads them as one stream).
+    Elsewhere, and for ``bulk`` (prompt prefill): ``F.linear``.
     """
 
     def __init__(self, weight: Tensor, bias: Tensor | None, kernel):
-        self.weight = weight.contiguous()  # (out, in)
+        usable = (kernels.supports(kernel, weight.dtype) and weight.device.type == "cpu" and weight.dim() == 2
+                  and weight.shape[1] % 8 == 0)
+        self.kernel = kernel if usable else None
+        self.weight = arena.place(weight) if usable else weight.contiguous()  # (out, in)
         self.bias = bias
-        self.kernel = kernel if kernel is not None and weight.shape[1] % 8 == 0 else None
 
     def __call__(self, x: Tensor, bulk: bool = False) -> Tensor:
-        if self.kernel is None or bulk:
+        if self.kernel is None or bulk or x.dtype != self.weight.dtype:
             return F.linear(x, self.weight, self.bias)  # (T, out)
         y = self.kernel.small_matmul(x, self.weight)  # (T, out)
         return y if self.bias is None else y + self.bias
@@ -69,12 +74,16 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def load_kernel(dtype: torch.dtype, device: torch.device, kernel: str):
-    """The small-matmul kernel module for fp32 on CPU when ``kernel`` is 'auto' (and it builds)."""
+    """The small-matmul kernel module when ``kernel`` is 'auto', on CPU, for fp32, or for bf16 on a CPU with
+    AVX512_BF16 (and it builds); else None (torch's matmul)."""
     if kernel not in ("auto", "torch"):
         raise UserError(f"unknown matmul kernel {kernel!r}; use 'auto' or 'torch'")
-    if kernel == "torch" or dtype != torch.float32 or device.type != "cpu":
+    if kernel == "torch" or device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
-    return kernels.load()
+    if dtype == torch.bfloat16 and not kernels.cpu_has_bf16():
+        return None
+    module = kernels.load()
+    return module if kernels.supports(module, dtype) else None
 
 
 def strip_prefix(state: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -1,4 +1,7 @@
-"""Optional C++ kernel for small-batch fp32 matmuls on x86 CPUs (AVX2 + FMA).
+"""Optional C++ kernel for small-batch matmuls on x86 CPUs: fp32 (AVX-512 where the CPU has it, else AVX2 + FMA)
+and bf16 (CPUs with AVX512_BF16 only). The path is chosen once per process from cpuid (``module.path()``,
+``supports(module, dtype)``); ``LAYERSKIP_KERNEL_ISA=avx2`` forces the AVX2 path. Why it is built the way it
+is, and what torch's own routes measured beside it: docs/KERNELS.md.
 
 Built on first use with ``torch.utils.cpp_extension`` (about a minute), into a folder keyed by a
 hash of the kernel source and compiler flags, the torch version and the Python version:
@@ -12,7 +15,7 @@ up after ``BUILD_WAIT_S``); a build killed midway leaves no lock that blocks the
 is whole: a build writes a stamp beside it (``STAMP_SUFFIX``: size and SHA-256) once it succeeded, and a library
 whose stamp disagrees, or that has no stamp and is shorter than its own ELF headers say, is rebuilt (importing a
 cut-off library kills the process with SIGBUS, with no message, on every later run). Where the kernel cannot be
-built or the CPU lacks AVX2/FMA, ``load()`` returns None and the runner uses ``torch.matmul``;
+built or the CPU lacks AVX2/FMA, ``load()`` returns None and the runner uses ``torch.matmul`` (the portable path);
 set ``LAYERSKIP_KERNEL=torch`` (read by ``layerskip_core.settings``) to force that.
 """
 
@@ -42,6 +45,17 @@ STAMP_SUFFIX = ".sha256"
 _loaded: dict[str, object] = {}
 
 
+def supports(module, dtype) -> bool:
+    """Whether the built ``module`` runs matmuls in ``dtype`` on this CPU (fp32 always; bf16 with AVX512_BF16)."""
+    import torch
+
+    if module is None:
+        return False
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and bool(getattr(module, "supports_bf16", lambda: False)())
+
+
 def cpu_supported() -> bool:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
@@ -50,6 +64,14 @@ def cpu_supported() -> bool:
     except OSError:
         return False
     return " avx2" in flags and " fma" in flags
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU has AVX512_BF16 (bf16 dot products), by /proc/cpuinfo; the kernel checks cpuid itself."""
+    try:
+        return cpu_supported() and " avx512_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
 
 
 def build_key(source: bytes, torch_version: str) -> str:

@@ -1,0 +1,140 @@
+"""One decoding step against the machine's read bandwidth, and verification cost v(T): fp32 and bf16, 1 and 2 threads.
+
+    python scripts/bench_step_bandwidth.py --rounds 7 --out runs/step_bandwidth.json
+    python scripts/bench_step_bandwidth.py --dtypes fp32 --threads-list 1 --kernels auto,torch
+
+Each round, for every (dtype, threads, kernel) and every T: a probe reads a buffer as large as the step's weights
+(``torch.sum``: one sequential read, which also evicts the previous step's weights from the cache), then one forward
+over T new tokens with ``--context`` tokens already in the cache. The bandwidth ratio of a round is the probe's time
+over the one-token step's time (the weight bytes / step time, over the probe's bytes / probe time); it is printed
+per round and as the median, beside the milliseconds, so another machine can check it. v(T) = the median T-token
+forward over the median one-token step. Interleaving puts the host's other load on probe and step alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from infer.runner import Runner
+from infer.weights import Linear
+from layerskip_cli.args import add_model_flags, model_settings
+from layerskip_core.cli import Parser, check_output_file, run_main
+from layerskip_core.device import parse_dtype
+from layerskip_core.errors import UserError
+
+
+def weight_bytes(runner: Runner) -> int:
+    """Bytes of the matrices one step reads (the layers' and the LM head's)."""
+    linears = [runner.lm_head] + [m for w in runner.layers for m in (w.qkv, w.o, w.gate_up, w.down)
+                                  if isinstance(m, Linear)]
+    return sum(m.weight.numel() * m.weight.element_size() for m in linears)
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def measure(runner: Runner, sizes: list[int], rounds: int, context: int) -> dict:
+    """Interleaved probe / forward rounds for one runner (the thread count is the caller's)."""
+    nbytes = weight_bytes(runner)
+    probe = torch.ones(nbytes // 4)  # fp32, as many bytes as the weights
+    cache = runner.new_cache(context + max(sizes) + 8)
+    runner.forward(cache, torch.arange(100, 100 + context))
+    for T in sizes:  # warm up every shape once
+        cache.rollback(context)
+        runner.forward(cache, torch.arange(1000, 1000 + T))
+    times: dict[int, list[float]] = {T: [] for T in sizes}
+    ratios: list[float] = []
+    probe_gbs: list[float] = []
+    for _ in range(rounds):
+        for T in sizes:
+            ids = torch.arange(1000, 1000 + T)  # (T,)
+            cache.rollback(context)
+            probe_s = _timed(probe.sum)
+            step_s = _timed(lambda ids=ids: runner.forward(cache, ids))
+            times[T].append(step_s)
+            if T == 1:
+                ratios.append(probe_s / step_s)
+                probe_gbs.append(nbytes / probe_s / 1e9)
+    base = statistics.median(times[1])
+    return {"weight_mb": nbytes / 1e6, "ms": {T: 1000 * statistics.median(v) for T, v in times.items()},
+            "v": {T: statistics.median(v) / base for T, v in times.items()},
+            "ratio_per_round": ratios, "ratio": statistics.median(ratios),
+            "probe_gb_s": statistics.median(probe_gbs), "step_gb_s": nbytes / base / 1e9}
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{flag} {text!r}: expected comma-separated integers") from None
+    if not values or min(values) < 1:
+        raise UserError(f"{flag} {text!r}: give integers >= 1")
+    return values
+
+
+def _row(name: str, r: dict, sizes: list[int]) -> str:
+    vs = " | ".join(f"{r['v'][T]:.2f}" for T in sizes if T != 1)
+    return (f"| {name} | {r['ms'][1]:.1f} | {r['step_gb_s']:.1f} | {r['probe_gb_s']:.1f} | {r['ratio']:.2f} | {vs} |")
+
+
+def run(args: argparse.Namespace) -> int:
+    sizes = sorted(set(_ints(args.sizes, "--sizes")) | {1})
+    threads_list = _ints(args.threads_list, "--threads-list")
+    if args.out:
+        check_output_file(args.out, "--out", force=args.force)
+    settings = model_settings(args).resolve()
+    if settings.device.type != "cpu":
+        raise UserError("this benchmark measures CPU memory bandwidth; use --device cpu")
+    results = []
+    for dtype_text in args.dtypes.split(","):
+        dtype = parse_dtype(dtype_text.strip(), settings.device)
+        for kernel in args.kernels.split(","):
+            runner = Runner.from_pretrained(settings.model, dtype=dtype, device="cpu", kernel=kernel.strip())
+            path = "torch" if runner.kernel is None else f"kernel-{runner.kernel.path()}"
+            for threads in threads_list:
+                torch.set_num_threads(threads)
+                r = measure(runner, sizes, args.rounds, args.context)
+                name = f"{dtype_text.strip()} {path} {threads}t"
+                print(f"{name}: bandwidth ratio per round " + " ".join(f"{x:.2f}" for x in r["ratio_per_round"])
+                      + f" (median {r['ratio']:.2f})", flush=True)
+                results.append({"name": name, "dtype": dtype_text.strip(), "kernel": path, "threads": threads} | r)
+            del runner
+    print("\n| route | T=1 ms | step GB/s | probe GB/s | ratio | " + " | ".join(f"v({T})" for T in sizes if T != 1)
+          + " |")
+    print("|---|---|---|---|---|" + "---|" * (len(sizes) - 1))
+    for r in results:
+        print(_row(r["name"], r, sizes))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"context": args.context, "rounds": args.rounds, "sizes": sizes, "argv": sys.argv[1:]}
+        args.out.write_text(json.dumps(meta | {"results": results}, indent=1))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_flags(p, skip=("executor", "dtype", "threads"))
+    p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16")
+    p.add_argument("--threads-list", default="1,2", help="comma-separated thread counts")
+    p.add_argument("--kernels", default="auto", help="comma-separated: auto (the C++ kernel where it runs), torch")
+    p.add_argument("--sizes", default="1,2,4,8,16")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--context", type=int, default=200, help="tokens already in the cache")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--force", action="store_true", help="overwrite an existing --out")
+    args = p.parse_args(argv)
+    return run_main("bench_step_bandwidth", lambda: run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
