@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         dtype = parse_dtype(dtype_text.strip(), settings.device)
         for kernel in args.kernels.split(","):
             runner = Runner.from_pretrained(settings.model, dtype=dtype, device="cpu", kernel=kernel.strip())
-            path = "torch" if runner.kernel is None else f"kernel-{runner.kernel.path()}"
+            path = "torch" if runner.kernel is None else f"kernel-{getattr(runner.kernel, 'path', lambda: 'avx2')()}"
             for threads in threads_list:
                 torch.set_num_threads(threads)
                 r = measure(runner, sizes, args.rounds, args.context)

@@ -191,6 +191,18 @@ def build_locked(folder: Path):
         lock.release()
 
 
+def norm_kernel():
+    """The loaded module when it has the AVX-512 row norm (``rms_norm``) in use; None when the kernel is not loaded
+    (no runner of this process asked for it), or runs the AVX2 path. Never builds."""
+    if "norm" not in _loaded:
+        if "module" not in _loaded:
+            return None
+        module = _loaded["module"]
+        _loaded["norm"] = module if module is not None and hasattr(module, "rms_norm") and module.path() == "avx512" \
+            else None
+    return _loaded["norm"]
+
+
 def load():
     """The compiled module (with ``small_matmul(x, w)``), or None when unavailable."""
     if "module" in _loaded:

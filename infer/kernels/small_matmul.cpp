@@ -21,6 +21,8 @@
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
+#include <cmath>
+
 namespace {
 
 // ------------------------------------------------------------------------------------------- AVX2
@@ -197,6 +199,32 @@ void bf16_range(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat16* y
   range<BF16>(x, w, y, T, K, N, i0, i1);
 }
 
+// RMSNorm of one row: the sum of squares in 16 fp32 lanes over the row in order, then the same horizontal sum.
+inline float inv_rms(const float* x, int64_t d, float eps) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= d; k += 16) {
+    const __m512 v = _mm512_loadu_ps(x + k);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  if (k < d) {
+    const __m512 v = F32::load_tail(x + k, d - k);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  return 1.0f / std::sqrt(hsum(acc) / static_cast<float>(d) + eps);
+}
+
+void rms_norm_f32(const float* x, const float* w, float* y, int64_t rows, int64_t d, float eps) {
+  for (int64_t t = 0; t < rows; ++t, x += d, y += d) {
+    const float rs = inv_rms(x, d, eps);
+    const __m512 r = _mm512_set1_ps(rs);
+    int64_t k = 0;
+    for (; k + 16 <= d; k += 16)
+      _mm512_storeu_ps(y + k, _mm512_mul_ps(_mm512_loadu_ps(w + k), _mm512_mul_ps(_mm512_loadu_ps(x + k), r)));
+    for (; k < d; ++k) y[k] = w[k] * (x[k] * rs);
+  }
+}
+
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -255,10 +283,25 @@ torch::Tensor small_matmul(const torch::Tensor& x, const torch::Tensor& w) {
   return y;
 }
 
+// x (rows, d) fp32 contiguous, w (d,): w * (x * rsqrt(mean(x^2) + eps)), one row at a time (batch invariant). The
+// Python side calls it for fp32 on the AVX-512 path only; F.rms_norm elsewhere.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  TORCH_CHECK(isa().avx512, "rms_norm: AVX-512 path only");
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32 && x.device().is_cpu(), "fp32 CPU only");
+  TORCH_CHECK(x.size(-1) == w.numel() && w.is_contiguous(), "w (d,) for x (..., d)");
+  const auto xc = x.contiguous();
+  auto y = torch::empty_like(xc);
+  const int64_t d = w.numel();
+  avx512::rms_norm_f32(xc.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), xc.numel() / d, d,
+                       static_cast<float>(eps));
+  return y;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_matmul", &small_matmul, "y = x @ w.T for small T (fp32, or bf16 with AVX512_BF16)");
   m.def("path", &path_name, "the instruction set this process uses: 'avx512' or 'avx2'");
   m.def("supports_bf16", &supports_bf16, "whether bf16 weights run here (AVX512_BF16)");
+  m.def("rms_norm", &rms_norm, "w * x * rsqrt(mean(x^2) + eps) over the last dim (fp32, AVX-512 path)");
 }

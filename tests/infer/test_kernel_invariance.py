@@ -151,3 +151,22 @@ def test_bf16_self_speculation_equals_bf16_plain_decoding(name, options):
         assert result.tokens == plain, prompt[:3]
         drafted += result.stats.drafted
     assert drafted > 0
+
+
+def test_rms_norm_close_to_torch_and_batch_invariant():
+    from infer import weights
+
+    module = _module()
+    x, w = torch.randn(9, 576), torch.randn(576)
+    fast = kernels.norm_kernel()
+    if fast is None:
+        assert module.path() != "avx512"  # only the AVX-512 path has the row norm
+        pytest.skip("the row norm runs on the AVX-512 path only")
+    y = weights.rms_norm(x, w, 1e-5)
+    torch.testing.assert_close(y, F.rms_norm(x, (576,), w, 1e-5), atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(weights.rms_norm(x[t:t + 1], w, 1e-5)[0], y[t]) for t in range(9))
+    for d in (8, 40, 64):  # a masked last chunk
+        xd, wd = torch.randn(3, d), torch.randn(d)
+        torch.testing.assert_close(fast.rms_norm(xd, wd, 1e-6), F.rms_norm(xd, (d,), wd, 1e-6), atol=1e-5, rtol=1e-5)
+    x.requires_grad_(True)
+    assert weights.rms_norm(x, w, 1e-5).grad_fn is not None  # autograd: torch's norm
