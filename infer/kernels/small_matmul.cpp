@@ -225,6 +225,31 @@ void rms_norm_f32(const float* x, const float* w, float* y, int64_t rows, int64_
   }
 }
 
+// bf16 rows as HF's LlamaRMSNorm computes them: normalise in fp32, round to bf16, times the bf16 weight (the
+// product rounded to bf16 again, as torch multiplies two bf16 tensors).
+inline __m512 widen(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
+
+inline __m512 load_bf16(const c10::BFloat16* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
+inline __m256i narrow(__m512 v) { return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)); }  // round to nearest even
+
+// d % 16 == 0.
+void rms_norm_bf16(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat16* y, int64_t rows, int64_t d,
+                   float eps) {
+  for (int64_t t = 0; t < rows; ++t, x += d, y += d) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t k = 0; k < d; k += 16) {
+      const __m512 v = load_bf16(x + k);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    const __m512 r = _mm512_set1_ps(1.0f / std::sqrt(hsum(acc) / static_cast<float>(d) + eps));
+    for (int64_t k = 0; k < d; k += 16) {
+      const __m512 normed = widen(narrow(_mm512_mul_ps(load_bf16(x + k), r)));  // x32.to(bf16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + k), narrow(_mm512_mul_ps(load_bf16(w + k), normed)));
+    }
+  }
+}
+
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -283,17 +308,26 @@ torch::Tensor small_matmul(const torch::Tensor& x, const torch::Tensor& w) {
   return y;
 }
 
-// x (rows, d) fp32 contiguous, w (d,): w * (x * rsqrt(mean(x^2) + eps)), one row at a time (batch invariant). The
-// Python side calls it for fp32 on the AVX-512 path only; F.rms_norm elsewhere.
+// x (rows, d), w (d,): w * (x * rsqrt(mean(x^2) + eps)), one row at a time (batch invariant); fp32, or bf16 in HF's
+// arithmetic. The Python side calls it on the AVX-512 path only; torch's norm elsewhere.
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
-  TORCH_CHECK(isa().avx512, "rms_norm: AVX-512 path only");
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32 && x.device().is_cpu(), "fp32 CPU only");
-  TORCH_CHECK(x.size(-1) == w.numel() && w.is_contiguous(), "w (d,) for x (..., d)");
+  const bool bf16 = x.dtype() == torch::kBFloat16;
+  TORCH_CHECK(isa().avx512 && (!bf16 || isa().bf16), "rms_norm: AVX-512 path only (bf16: with AVX512_BF16)");
+  TORCH_CHECK(x.dtype() == w.dtype() && (bf16 || x.dtype() == torch::kFloat32) && x.device().is_cpu(),
+              "fp32 or bf16 CPU tensors");
+  TORCH_CHECK(x.size(-1) == w.numel() && w.is_contiguous() && (!bf16 || w.numel() % 16 == 0),
+              "w (d,) for x (..., d); bf16: d % 16 == 0");
   const auto xc = x.contiguous();
   auto y = torch::empty_like(xc);
   const int64_t d = w.numel();
-  avx512::rms_norm_f32(xc.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), xc.numel() / d, d,
-                       static_cast<float>(eps));
+  if (bf16) {
+    avx512::rms_norm_bf16(reinterpret_cast<const c10::BFloat16*>(xc.data_ptr()),
+                          reinterpret_cast<const c10::BFloat16*>(w.data_ptr()),
+                          reinterpret_cast<c10::BFloat16*>(y.data_ptr()), xc.numel() / d, d, static_cast<float>(eps));
+  } else {
+    avx512::rms_norm_f32(xc.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), xc.numel() / d, d,
+                         static_cast<float>(eps));
+  }
   return y;
 }
 
@@ -303,5 +337,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_matmul", &small_matmul, "y = x @ w.T for small T (fp32, or bf16 with AVX512_BF16)");
   m.def("path", &path_name, "the instruction set this process uses: 'avx512' or 'avx2'");
   m.def("supports_bf16", &supports_bf16, "whether bf16 weights run here (AVX512_BF16)");
-  m.def("rms_norm", &rms_norm, "w * x * rsqrt(mean(x^2) + eps) over the last dim (fp32, AVX-512 path)");
+  m.def("rms_norm", &rms_norm, "w * x * rsqrt(mean(x^2) + eps) over the last dim (fp32, bf16; AVX-512 path)");
 }

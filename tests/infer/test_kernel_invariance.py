@@ -170,3 +170,17 @@ def test_rms_norm_close_to_torch_and_batch_invariant():
         torch.testing.assert_close(fast.rms_norm(xd, wd, 1e-6), F.rms_norm(xd, (d,), wd, 1e-6), atol=1e-5, rtol=1e-5)
     x.requires_grad_(True)
     assert weights.rms_norm(x, w, 1e-5).grad_fn is not None  # autograd: torch's norm
+
+
+def test_bf16_rms_norm_is_hf_arithmetic_and_batch_invariant():
+    from infer import weights
+
+    module = _bf16_module()
+    x, w = (torch.randn(9, 576) * 3).bfloat16(), torch.randn(576).bfloat16()
+    y = module.rms_norm(x, w, 1e-5)
+    x32 = x.float()
+    ref = w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()  # HF LlamaRMSNorm
+    assert y.dtype == torch.bfloat16
+    assert (y.float() - ref.float()).abs().max() <= ref.float().abs().max() * 2 ** -7  # at most a rounding apart
+    assert all(torch.equal(module.rms_norm(x[t:t + 1], w, 1e-5)[0], y[t]) for t in range(9))
+    assert torch.equal(weights.rms_norm(x, w, 1e-5), y)  # the runner's norm takes it
