@@ -4,8 +4,9 @@
     python scripts/bench_verify_cost.py --model default --device cuda --dtype bf16
 
 Speculative decoding pays only if verifying T tokens costs little more than decoding one; this
-measures v(T) for the runner's matmul paths on the same model (the C++ small-matmul kernel exists
-for fp32 on CPU only), interleaved, median of repeats.
+measures v(T) for the runner's matmul paths on the same model (the C++ small-matmul kernel runs on a CPU, for fp32,
+and for bf16 where the CPU has AVX512_BF16), interleaved, median of repeats. The step against the machine's read
+bandwidth: scripts/bench_step_bandwidth.py.
 """
 
 from __future__ import annotations

@@ -184,3 +184,16 @@ def test_bf16_rms_norm_is_hf_arithmetic_and_batch_invariant():
     assert (y.float() - ref.float()).abs().max() <= ref.float().abs().max() * 2 ** -7  # at most a rounding apart
     assert all(torch.equal(module.rms_norm(x[t:t + 1], w, 1e-5)[0], y[t]) for t in range(9))
     assert torch.equal(weights.rms_norm(x, w, 1e-5), y)  # the runner's norm takes it
+
+
+def test_threads_split_rows_without_changing_any_bit():
+    module = _module()
+    x, w = torch.randn(5, 576), torch.randn(300, 576)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = module.small_matmul(x, w)
+        torch.set_num_threads(2)
+        assert torch.equal(module.small_matmul(x, w), one)
+    finally:
+        torch.set_num_threads(threads)
