@@ -344,9 +344,9 @@ class DynamicExitDrafter(GateOwner, Drafter):
         drafts: list[Draft | None] = [None] * len(rows)
         asks, drafting = [], []
         for j, (drafter, state) in enumerate(rows):
-            ask = drafter._ask(state)
+            ask = drafter.cycle_ask(state)
             if ask is None:
-                drafter._plain()
+                drafter.plain_step()
             else:
                 asks.append(ask)
                 drafting.append(j)
@@ -354,7 +354,7 @@ class DynamicExitDrafter(GateOwner, Drafter):
             drafts[j] = rows[j][0]._drafted(chain)
         return drafts
 
-    def _ask(self, state: DecodeState) -> ChainAsk | None:
+    def cycle_ask(self, state: DecodeState) -> ChainAsk | None:
         """Start this sequence's cycle: its chain request under the current choice, or None for a plain step."""
         self._cycle_start = time.perf_counter()
         self.cycle += 1
@@ -376,7 +376,7 @@ class DynamicExitDrafter(GateOwner, Drafter):
                                    chain.forwards, len(chain.draft.tokens))
         self.forwards += chain.forwards
         if not chain.forwards:
-            return self._plain()
+            return self.plain_step()
         if self._forward is not None:
             chain.draft.observed = self._forward.observed()
         self._note(c.exit, c.k, c.stop)
@@ -402,7 +402,7 @@ class DynamicExitDrafter(GateOwner, Drafter):
         self.explored += bool(explore)
         return bool(explore)
 
-    def _plain(self) -> None:
+    def plain_step(self) -> None:
         self.plain_steps += 1
         self._since_draft += 1
         self._note(0, 0, 0.0)
