@@ -27,12 +27,30 @@ chunk and the bf16 head gradient's accumulation order.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from train.data import IGNORE
+
+
+@dataclass(frozen=True)
+class Teacher:
+    """``keep_final``'s teacher of the last exit: the frozen start's final layer and the weight of its KL term."""
+
+    hidden: Tensor
+    """The teacher's normed last hidden state, (B, T, d) or flattened (N, d), rows in the last exit's order."""
+    head: Tensor
+    """Its LM-head weight (V, d)."""
+    kl_weight: float
+    """k of the loss term k * mean KL(teacher || the last exit) (``keep_final.kl_weight``)."""
+
+    def rows(self, start: int, stop: int) -> Teacher:
+        """The teacher of rows [start, stop) of a flattened hidden state."""
+        return replace(self, hidden=self.hidden[start:stop])  # (n, d)
 
 CHUNK_ELEMENTS = 1 << 25
 """Target size of one chunk's logits on a CPU, in elements (32M: 128 MB in fp32)."""
@@ -63,13 +81,13 @@ def _compute_dtype(x: Tensor, weight: Tensor) -> torch.dtype:
 
 
 def _chunk_ce_and_grad(x: Tensor, weight: Tensor, targets: Tensor, scale: Tensor | None, cdtype: torch.dtype,
-                       teacher: tuple[Tensor, Tensor] | None = None, kl_scale: Tensor | None = None,
+                       teacher: Teacher | None = None, kl_scale: Tensor | None = None,
                        softcap: float | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Sums of CE and of KL(teacher || model) over one chunk and, when ``scale`` is given, their gradient
     ``scale * d CE_sum / d logits + kl_scale * d KL_sum / d logits``.
 
     x (n, d) normed hidden; weight (V, d) already in ``cdtype``; targets (n,) with -100 for ignored rows;
-    ``teacher`` (x_t (n, d) its normed hidden, w_t (V, d) its head in ``cdtype``) or None (KL sum None then).
+    ``teacher``: its hidden (n, d) for these rows and its head (V, d) in ``cdtype``, or None (KL sum None then).
     Ignored rows count in neither sum. ``softcap`` c: the logits are c * tanh(x W^T / c) (Gemma 3's final logit
     softcapping, the teacher's too), and the gradient is taken through it.
     """
@@ -85,7 +103,7 @@ def _chunk_ce_and_grad(x: Tensor, weight: Tensor, targets: Tensor, scale: Tensor
     ce_sum = ((lse - picked) * valid).sum()  # ()
     kl_sum = t_prob = None
     if teacher is not None:
-        t_logits = (teacher[0].to(cdtype) @ teacher[1].t()).float()  # (n, V)
+        t_logits = (teacher.hidden.to(cdtype) @ teacher.head.t()).float()  # (n, V)
         if softcap is not None:
             t_logits = torch.tanh(t_logits / softcap) * softcap
         t_logp = torch.log_softmax(t_logits, dim=-1)  # (n, V)
@@ -120,23 +138,23 @@ def _accumulate(acc: Tensor | None, gt: Tensor, xc: Tensor) -> Tensor:
 
 
 def _exit_pass(x: Tensor, w: Tensor, targets: Tensor, w_e: float, chunk: int, cdtype: torch.dtype,
-               need: tuple[bool, bool], grad_w: Tensor | None, teacher: tuple[Tensor, Tensor, float] | None,
+               need: tuple[bool, bool], grad_w: Tensor | None, teacher: Teacher | None,
                softcap: float | None = None) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """One exit over all its chunks: (mean CE, mean KL or None, d total / d x or None, head gradient so far).
 
     x (N, d); w (V, d) in ``cdtype``; targets (N,); ``need`` = (any gradient, the head's gradient);
-    ``teacher`` = (x_t (N, d), w_t (V, d) in ``cdtype``, KL weight) or None.
+    ``teacher``: hidden (N, d), head (V, d) in ``cdtype``, KL weight; or None.
     """
     need_grad, need_w = need
     count = (targets != IGNORE).sum()  # () on the device: no host sync
     scale = (w_e / count.float()) if need_grad else None  # ()
-    kl_scale = (teacher[2] / count.float()) if need_grad and teacher is not None else None  # ()
+    kl_scale = (teacher.kl_weight / count.float()) if need_grad and teacher is not None else None  # ()
     grad_x = torch.empty_like(x) if need_grad else None  # (N, d)
     ce_sum = x.new_zeros((), dtype=torch.float32)
     kl_sum = None if teacher is None else x.new_zeros((), dtype=torch.float32)
     for s in range(0, x.shape[0], chunk):
         xc, tc = x[s:s + chunk], targets[s:s + chunk]  # (n, d), (n,)
-        t = None if teacher is None else (teacher[0][s:s + chunk], teacher[1])  # (n, d), (V, d)
+        t = None if teacher is None else teacher.rows(s, s + chunk)  # (n, d), (V, d)
         part, kl_part, grad = _chunk_ce_and_grad(xc, w, tc, scale, cdtype, t, kl_scale, softcap)
         ce_sum = ce_sum + part
         if kl_part is not None:
@@ -155,14 +173,14 @@ class FusedHeadCE(torch.autograd.Function):
 
     ``apply(weight, chunk, exit_weights, targets_list, teacher, softcap, *xs)``: weight (V, d); each x (N, d) normed
     hidden of one exit with its targets (N,) in ``targets_list``; ``exit_weights`` a tuple of floats;
-    ``teacher`` None or (x_t (N, d) the teacher's normed hidden, w_t (V, d) its head, k) for the last x;
+    ``teacher`` None or a flattened ``Teacher`` (hidden (N, d), head (V, d), k) for the last x;
     ``softcap`` the final logit softcapping (None: off).
     Returns (total (), per-exit CE (n_exits,), mean KL () (0 without a teacher)), the last two detached.
     """
 
     @staticmethod
     def forward(ctx, weight: Tensor, chunk: int, exit_weights: tuple[float, ...], targets_list: tuple[Tensor, ...],
-                teacher: tuple[Tensor, Tensor, float] | None, softcap: float | None,
+                teacher: Teacher | None, softcap: float | None,
                 *xs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         need_w = ctx.needs_input_grad[0]
         need = (need_w or any(ctx.needs_input_grad[6:]), need_w)
@@ -172,7 +190,7 @@ class FusedHeadCE(torch.autograd.Function):
         kl = xs[0].new_zeros((), dtype=torch.float32)
         with torch.autocast(xs[0].device.type, enabled=False):  # dtypes are chosen explicitly above
             w = weight.to(cdtype)  # (V, d): cast once per forward, not per chunk
-            t = None if teacher is None else (teacher[0], teacher[1].to(cdtype), float(teacher[2]))
+            t = None if teacher is None else replace(teacher, head=teacher.head.to(cdtype))
             for i, (w_e, x, targets) in enumerate(zip(exit_weights, xs, targets_list, strict=True)):
                 last = i == len(xs) - 1
                 ce, kl_e, grad_x, grad_w = _exit_pass(x, w, targets, w_e, chunk, cdtype, need, grad_w,
@@ -183,7 +201,7 @@ class FusedHeadCE(torch.autograd.Function):
         per_exit = torch.stack(losses)  # (n_exits,)
         total = sum(w_e * loss for w_e, loss in zip(exit_weights, losses, strict=True))  # (): no host-to-device copy
         if teacher is not None:
-            total = total + float(teacher[2]) * kl
+            total = total + teacher.kl_weight * kl
         ctx.mark_non_differentiable(per_exit, kl)
         ctx.save_for_backward(grad_w, *grad_xs)
         ctx.weight_dtype = weight.dtype
@@ -203,18 +221,19 @@ class FusedHeadCE(torch.autograd.Function):
 
 
 def fused_head_ce(head: nn.Linear, xs: list[Tensor], targets: list[Tensor], exit_weights: list[float],
-                  chunk: int, teacher: tuple[Tensor, Tensor, float] | None = None,
+                  chunk: int, teacher: Teacher | None = None,
                   softcap: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Weighted total, per-exit CE and mean KL of ``head`` over normed hidden states xs[i] (B, T, d), targets (B, T).
 
-    ``teacher`` (x_t (B, T, d) normed hidden, w_t (V, d) head, weight k) adds k * KL(teacher || the last x's
+    ``teacher`` (hidden (B, T, d), head (V, d), weight k) adds k * KL(teacher || the last x's
     distribution) to the total (mean over the tokens that have a target); without it the KL is 0. ``softcap``: the
     model's final logit softcapping (Gemma 3), or None.
     """
     flat_x = [x.reshape(-1, x.shape[-1]) for x in xs]  # each (N, d)
     flat_t = tuple(t.reshape(-1) for t in targets)  # each (N,)
     if teacher is not None:
-        teacher = (teacher[0].reshape(-1, teacher[0].shape[-1]).detach(), teacher[1].detach(), float(teacher[2]))
+        teacher = Teacher(teacher.hidden.reshape(-1, teacher.hidden.shape[-1]).detach(), teacher.head.detach(),
+                          float(teacher.kl_weight))  # hidden (N, d)
     return FusedHeadCE.apply(head.weight, chunk, tuple(float(w) for w in exit_weights), flat_t, teacher, softcap,
                              *flat_x)
 

@@ -32,7 +32,7 @@ from layerskip_core.families import SUPPORTED_MODEL_TYPES, layer_windows
 from layerskip_core.heldout import next_token_targets
 from layerskip_core.models import is_model_dir, resolve_model
 from train.config import EarlyExitConfig, KeepFinalConfig, LayerDropoutConfig
-from train.losses import checkpointed_head_ce, default_chunk, fused_head_ce, is_plain_head
+from train.losses import Teacher, checkpointed_head_ce, default_chunk, fused_head_ce, is_plain_head
 from train.schedules import check_exits, dropout_rates, exit_weights, sample_skips, skip_generator
 
 
@@ -186,11 +186,11 @@ class LayerSkipLM(nn.Module):
         return parts.head(parts.norm(h))
 
     def exit_losses(self, hiddens: dict[int, Tensor], targets: dict[int, Tensor], weights: dict[int, float],
-                    teacher: tuple[Tensor, Tensor, float] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                    teacher: Teacher | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """(weighted total, per-exit CE in sorted exit order, mean KL) without a full (B, T, V) logits tensor.
 
         ``hiddens[E]`` (B, T, d) un-normed, ``targets[E]`` (B, T) next-token targets in the same row order;
-        ``teacher`` (normed hidden (B, T, d) in the final layer's row order, head (V, d), weight) adds the weighted
+        ``teacher`` (normed hidden (B, T, d) in the final layer's row order, head (V, d), KL weight) adds the weighted
         KL of the final layer from it (plain heads only: ``StartModel`` refuses others).
         """
         parts = decoder_parts(self.model)
@@ -225,7 +225,7 @@ class LayerSkipLM(nn.Module):
         teacher = None
         if self.start is not None and self.training:
             x_t, w_t = self.start.final_normed(self, input_ids)  # (B, T, d) in the batch's row order, (V, d)
-            teacher = (x_t if plan is None else x_t.index_select(0, plan.order_after(L)), w_t, self.kl_weight)
+            teacher = Teacher(x_t if plan is None else x_t.index_select(0, plan.order_after(L)), w_t, self.kl_weight)
         total, exit_losses, kl = self.exit_losses(hiddens, targets, weights, teacher)
         loss = total if self.training else exit_losses[-1]  # eval: the final layer's loss
         skipped = skip.sum(0) if skip is not None else torch.zeros(L, dtype=torch.long)  # (L,)

@@ -14,7 +14,7 @@ from layerskip_core.errors import UserError
 from train.checkpoint import list_checkpoints
 from train.config import EarlyExitConfig, KeepFinalConfig, LayerDropoutConfig
 from train.layerskip import check_zero_stage, run_training
-from train.losses import fused_head_ce
+from train.losses import Teacher, fused_head_ce
 from train.model import LayerSkipLM, add_lora, load_model
 
 
@@ -58,7 +58,7 @@ def test_kl_value_and_gradient_match_autograd(tiny_model_dir):
     x_t = torch.randn(2, 9, head.in_features, generator=g)  # (B, T, d)
     targets = torch.randint(0, head.out_features, (2, 9), generator=g)
     targets[0, -1] = -100  # ignored rows count in neither term
-    total, per_exit, kl = fused_head_ce(head, [x], [targets], [0.3], 5, (x_t, head.weight, 1.7))
+    total, per_exit, kl = fused_head_ce(head, [x], [targets], [0.3], 5, Teacher(x_t, head.weight, 1.7))
     total.backward()
     x_ref = x.detach().clone().requires_grad_(True)
     logits, t_logp = head(x_ref), F.log_softmax(head(x_t), -1)  # (B, T, V)
