@@ -32,6 +32,7 @@ from layerskip_core.families import SUPPORTED_MODEL_TYPES, layer_windows
 from layerskip_core.heldout import next_token_targets
 from layerskip_core.models import is_model_dir, resolve_model
 from train.config import EarlyExitConfig, KeepFinalConfig, LayerDropoutConfig
+from train.keep_final import StartModel
 from train.losses import Teacher, checkpointed_head_ce, default_chunk, fused_head_ce, is_plain_head
 from train.schedules import check_exits, dropout_rates, exit_weights, sample_skips, skip_generator
 
@@ -112,8 +113,6 @@ class LayerSkipLM(nn.Module):
         self.kl_weight = keep_final.kl_weight if keep_final is not None else 0.0
         self.start = None  # the frozen teacher: a plain attribute, never a submodule (not in any state dict)
         if self.kl_weight > 0:
-            from train.keep_final import StartModel
-
             self.start = StartModel(model, parts.lm_head, decoder_parts)
 
     # -- schedules -------------------------------------------------------------------------
