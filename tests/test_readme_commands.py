@@ -11,6 +11,7 @@ refused or change a committed file (``git status`` of the copy).
 """
 
 import argparse
+import importlib
 import os
 import re
 import shlex
@@ -81,6 +82,9 @@ def entry(argv: list[str]):
         script = next(i for i, a in enumerate(argv) if a.endswith(".py"))
         assert argv[script] == "train/layerskip.py", argv
         return train_main, argv[script + 1:]
+    if argv[0].startswith("python") and argv[1:2] == ["-m"]:
+        assert argv[2].startswith(("train.", "infer.", "layerskip_")), f"not a project module: {argv[2]}"
+        return importlib.import_module(argv[2]).main, argv[3:]
     if argv[0].startswith("python") and argv[1:2] != ["-c"]:
         if argv[1] == "train/layerskip.py":
             return train_main, argv[2:]

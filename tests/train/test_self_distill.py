@@ -1,0 +1,88 @@
+"""Self-distillation data (``train.self_distill``, ``train.distill_prompts``) and an adapter trained on it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from infer.drafters import build_drafter
+from infer.engine import DecodeConfig, Engine
+from infer.runner import Runner
+from train import distill_prompts as dp
+from train.layerskip import run_training
+from train.self_distill import main, prompt_text
+
+
+def test_training_and_validation_prompts_are_disjoint_and_held_out_kinds_never_train():
+    assert not set(dp.TRAIN_KINDS) & set(dp.HELDOUT_KINDS)
+    for kind in dp.TRAIN_KINDS:
+        train = {p.text for p in dp.training_prompts(kind)}
+        val = {p.text for p in dp.validation_prompts(kind)}
+        assert len(val) == dp.VALIDATION_PER_KIND and train and not train & val
+        assert dp.prompts_of(kind) == dp.prompts_of(kind)  # a fixed order: the split is the same every run
+    everything = {p.text for k in dp.TRAIN_KINDS for p in dp.prompts_of(k)}
+    for kind in ("stories", "code_rust"):
+        assert not {p.text for p in dp.prompts_of(kind)} & everything
+
+
+def test_chat_prompts_use_the_template_and_raw_ones_do_not(default_model_path):
+    tok = AutoTokenizer.from_pretrained(default_model_path)
+    chat, raw = dp.training_prompts("math", 1)[0], dp.training_prompts("code_continue", 1)[0]
+    assert prompt_text(tok, chat).endswith("<|im_start|>assistant\n") and chat.text in prompt_text(tok, chat)
+    assert prompt_text(tok, raw) == raw.text
+
+
+def _generate(tiny_model_dir, out: Path, *extra: str) -> int:
+    return main(["--model", str(tiny_model_dir), "--out", str(out), "--kinds", "chat,math", "--per-kind", "3",
+                 "--max-new-tokens", "6", "--batch-size", "2", "--threads", "1", *extra])
+
+
+def test_generates_each_kind_with_its_provenance(tiny_model_dir, tmp_path):
+    assert _generate(tiny_model_dir, tmp_path / "data") == 0
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prov = json.loads((tmp_path / "data" / "provenance.json").read_text())
+    for kind in ("chat", "math"):
+        rows = [json.loads(line) for line in (tmp_path / "data" / f"{kind}.jsonl").read_text().splitlines()]
+        prompts = dp.training_prompts(kind, 3)
+        assert [r["id"] for r in rows] == [p.id for p in prompts]
+        assert [r["sampled"] for r in rows] == [False, True, False]  # greedy and sampled alternate
+        for r, p in zip(rows, prompts, strict=True):
+            assert r["text"].startswith(prompt_text(tok, p)) and p.text in r["text"] and 0 < r["new_tokens"] <= 6
+        assert prov["kinds"][kind] == {"prompts": 3, "new_tokens": sum(r["new_tokens"] for r in rows)}
+    assert prov["settings"]["max_new_tokens"] == 6 and prov["commit"]
+
+
+def test_refuses_to_replace_data_without_force(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "data"
+    out.mkdir()
+    (out / "chat.jsonl").write_text("{}\n")
+    assert _generate(tiny_model_dir, out) == 2
+    assert "--force" in capsys.readouterr().err and (out / "chat.jsonl").read_text() == "{}\n"
+    assert _generate(tiny_model_dir, out, "--force") == 0
+
+
+@pytest.mark.parametrize("bad", [["--kinds", "poems"], ["--per-kind", "0"], ["--temperature", "0"]])
+def test_bad_options_are_refused_in_one_line(tiny_model_dir, tmp_path, capsys, bad):
+    assert _generate(tiny_model_dir, tmp_path / "data", *bad) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and not (tmp_path / "data").exists()
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_an_adapter_trains_on_the_data_and_drafts_losslessly(tiny_recipe, tiny_model_dir, tmp_path):
+    """The recipe's shape on the tiny model: jsonl sources per kind, an adapter with an MLP, distilled."""
+    data = tmp_path / "data"
+    assert _generate(tiny_model_dir, data) == 0
+    sources = ", ".join(f"{{type: jsonl, path: '{data / k}.jsonl'}}" for k in ("chat", "math"))
+    cfg = tiny_recipe(f"data.sources=[{sources}]", "data.block_size=16", "data.val_fraction=0.0",
+                      "adapter.enabled=true", "adapter.exit_layer=1", "adapter.mlp_size=16", "optim.max_steps=3")
+    path = run_training(cfg)["final_dir"]
+    runner = Runner.from_pretrained(tiny_model_dir)
+    engine = Engine(runner, build_drafter("early_exit", runner, {"adapter": str(path), "k": 3}))
+    plain = Engine(runner, build_drafter("autoregressive", runner))
+    prompt = list(range(40, 60))
+    assert engine.generate(prompt, DecodeConfig(max_new_tokens=16)).tokens == \
+        plain.generate(prompt, DecodeConfig(max_new_tokens=16)).tokens

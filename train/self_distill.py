@@ -1,0 +1,176 @@
+"""Self-distillation data: the model's own continuations of varied prompts, one JSON-lines file per kind.
+
+A drafter is scored at decode time against the text the model itself writes, so the most faithful training
+text for a drafter (an exit adapter, a LayerSkip finetune) is the model's own output on varied prompts (as
+Medusa-2 and EAGLE train their heads). The loss still targets the frozen model's full next-token distribution
+(``adapter.target: distill``), so the sampled tokens only choose which contexts are seen.
+
+    python -m train.self_distill --model default --out data/self-distill --per-kind 200
+
+writes ``<out>/<kind>.jsonl`` (fields ``id``, ``kind``, ``text``: the prompt in the chat template, or raw, plus
+the model's continuation; ``new_tokens``; ``sampled``) and ``<out>/provenance.json`` (model, commit, settings,
+prompts and tokens per kind). Prompts alternate greedy decoding and sampling (``--temperature``), so the data
+holds both the greedy text a drafter meets most often and varied contexts. A recipe reads the files as
+``type: jsonl`` sources, one per kind, its ``max_documents`` setting each kind's share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from layerskip_core.cli import run_main
+from layerskip_core.errors import UserError
+from layerskip_core.models import resolve_model
+from train.distill_prompts import TRAIN_KINDS, KindPrompt, training_prompts
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def prompt_text(tokenizer, p: KindPrompt) -> str:
+    """The text the model sees: the user's turn in the chat template (when it has one), else the raw prompt."""
+    if p.chat and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
+                                             tokenize=False)
+    return p.text
+
+
+def _generate_batch(model, tokenizer, texts: list[str], sampled: bool, args) -> list[tuple[str, int]]:
+    """(full text, new-token count) for each prompt text, one left-padded ``generate`` call."""
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+    kw = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p} if sampled else \
+        {"do_sample": False}
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                             **kw)  # (B, P + N)
+    rows = []
+    for text, seq in zip(texts, out[:, enc["input_ids"].shape[1]:], strict=True):
+        keep = seq[seq != tokenizer.pad_token_id]  # (n,) the continuation without right padding
+        rows.append((text + tokenizer.decode(keep, skip_special_tokens=False), int(keep.numel())))
+    return rows
+
+
+def generate_kind(model, tokenizer, prompts: list[KindPrompt], args, bar) -> list[dict]:
+    """Records of one kind: even-numbered prompts decoded greedily, odd ones sampled, in batches."""
+    records = []
+    for sampled in (False, True):
+        group = [p for i, p in enumerate(prompts) if (i % 2 == 1) == sampled]
+        for start in range(0, len(group), args.batch_size):
+            chunk = group[start:start + args.batch_size]
+            rows = _generate_batch(model, tokenizer, [prompt_text(tokenizer, p) for p in chunk], sampled, args)
+            for p, (text, n) in zip(chunk, rows, strict=True):
+                records.append({"id": p.id, "kind": p.kind, "text": text, "new_tokens": n, "sampled": sampled})
+            bar.update(len(chunk))
+    return sorted(records, key=lambda r: int(r["id"].rsplit("-", 1)[1]))
+
+
+def _commit() -> str:
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return run.stdout.strip() if run.returncode == 0 else "unknown"
+
+
+def _write_jsonl(path: Path, records: list[dict]) -> None:
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(tmp, path)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m train.self_distill", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="default", help="model folder, hub id or 'default' (the embedded model)")
+    ap.add_argument("--out", required=True, help="output folder (refused when it holds data, unless --force)")
+    ap.add_argument("--kinds", default=",".join(TRAIN_KINDS), help=f"comma-separated kinds (of {TRAIN_KINDS})")
+    ap.add_argument("--per-kind", type=int, default=None, help="at most this many prompts per kind (all: default)")
+    ap.add_argument("--max-new-tokens", type=int, default=160, help="tokens generated per prompt")
+    ap.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled half")
+    ap.add_argument("--top-p", type=float, default=0.95, help="top-p of the sampled half")
+    ap.add_argument("--batch-size", type=int, default=16, help="prompts per generate call")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="model dtype (bf16 on GPUs)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--force", action="store_true", help="replace an output folder that already holds data")
+    args = ap.parse_args(argv)
+    unknown = [k for k in args.kinds.split(",") if k not in TRAIN_KINDS]
+    if unknown:
+        raise UserError(f"--kinds: unknown kind(s) {unknown}; choose from {', '.join(TRAIN_KINDS)}")
+    for name in ("per_kind", "max_new_tokens", "batch_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1 (got {value})")
+    if args.temperature <= 0 or not 0 < args.top_p <= 1:
+        raise UserError("--temperature must be > 0 and --top-p in (0, 1]")
+    return args
+
+
+def _prepare_out(out: Path, force: bool) -> None:
+    """Create ``out``; one holding files is refused unless ``force``, which removes an earlier run's data files
+    (``*.jsonl``, ``provenance.json``) so no kind of an older run is left beside the new ones."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is an existing file; give a folder")
+    if out.exists() and any(out.iterdir()):
+        if not force:
+            raise UserError(f"{out} already holds files; choose another --out or pass --force to replace them")
+        for old in [*out.glob("*.jsonl"), out / "provenance.json"]:
+            old.unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def load(args):
+    """(model in eval mode, tokenizer with left padding) of ``--model``."""
+    path = resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[args.dtype]).to(args.device).eval()
+    return model, tokenizer
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Generate every kind's file and the provenance; returns the provenance."""
+    out = Path(args.out)
+    _prepare_out(out, args.force)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    model, tokenizer = load(args)
+    kinds = {k: training_prompts(k, args.per_kind) for k in args.kinds.split(",")}
+    started, counts = time.time(), {}
+    with tqdm(total=sum(map(len, kinds.values())), desc="self-distill", unit="prompt",
+              disable=not sys.stderr.isatty()) as bar:
+        for kind, prompts in kinds.items():
+            records = generate_kind(model, tokenizer, prompts, args, bar)
+            _write_jsonl(out / f"{kind}.jsonl", records)
+            counts[kind] = {"prompts": len(records), "new_tokens": sum(r["new_tokens"] for r in records)}
+    provenance = {"model": args.model, "model_path": str(resolve_model(args.model).name), "commit": _commit(),
+                  "kinds": counts, "settings": {k: v for k, v in vars(args).items() if k not in ("out", "force")},
+                  "seconds": round(time.time() - started, 1)}
+    (out / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
+    return provenance
+
+
+def _main(argv: list[str] | None) -> int:
+    args = parse_args(argv)
+    prov = run(args)
+    total = sum(c["new_tokens"] for c in prov["kinds"].values())
+    print(f"wrote {len(prov['kinds'])} kinds, {total} generated tokens in {prov['seconds']} s to {args.out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Generate self-distillation data from the command line ``argv``."""
+    return run_main("python -m train.self_distill", lambda: _main(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
