@@ -6,8 +6,8 @@ drafter (drafters keep per-sequence state: an adapter's cache, Self-SD's thresho
 (``infer.cycle``) asks every row's drafter for a draft at once (``Drafter.propose_rows``: early exit and Self-SD draft
 all rows in one packed forward per draft step), verifies every row in one packed target forward (``infer.verify``),
 reads the host once for all greedy rows, and accepts and rolls back per row (ragged). A row that finishes (EOS, stop
-string, max tokens) leaves the batch at once and the next prompt of the queue takes its slot (its prefill runs on its
-own).
+string, max tokens) leaves the batch at once and the next prompt of the queue takes its slot; the prompts taking slots
+in the same round prefill together (``infer.prefill``: packed forwards where that is exact).
 
 Each row's output is what a fresh ``Engine`` gives that prompt alone: greedy output identical, token for token (in
 fp32 on a CPU bitwise: the small-matmul kernel's rows do not depend on the batch); sampling draws from each row's own
@@ -30,7 +30,7 @@ import torch
 
 from infer.cycle import CycleObserver, step_rows
 from infer.drafters.base import Drafter, VerifyOutcome
-from infer.engine import DecodeConfig, Engine, Generation, GenerationResult, token_ids
+from infer.engine import DecodeConfig, Engine, Generation, GenerationResult, start_rows, token_ids
 from infer.kv_cache import capacity_bucket
 from infer.processing import PositionProcessor
 from infer.runner import Runner
@@ -131,11 +131,15 @@ class BatchEngine:
         results: list[GenerationResult | None] = [None] * len(prompts)
         queue, free, live = deque(range(len(prompts))), list(self.slots), []
         while queue or live:
+            joining = []
             while queue and free:
                 i, engine = queue.popleft(), self.fresh(free.pop(0))
-                gen = engine.start(prompts[i], config, None if generators is None else generators[i],
-                                   processor=None if processors is None else processors[i])
-                live.append((i, engine, gen))
+                joining.append((i, engine, engine.admit(prompts[i], config, None if generators is None else
+                                                        generators[i],
+                                                        processor=None if processors is None else processors[i])))
+            if joining:  # the rows taking free slots prefill together (``infer.prefill``)
+                start_rows([(engine, gen) for _, engine, gen in joining])
+                live += joining
             for i, engine, gen in [row for row in live if row[2].done]:
                 results[i] = engine.finish(gen)
                 free.append(engine)

@@ -1,7 +1,8 @@
 """The draft-verify loop: prefill, propose, verify in one forward, accept, roll back, stop.
 
-``Engine.start`` prefills a prompt, ``Engine.step`` runs one propose-verify-accept cycle and
-``Engine.finish`` returns the result; ``Engine.generate`` is those three in a loop.
+``Engine.start`` prefills a prompt (``infer.prefill``; ``start_rows`` prefills several engines' prompts together),
+``Engine.step`` runs one propose-verify-accept cycle and ``Engine.finish`` returns the result; ``Engine.generate`` is
+those three in a loop.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import torch
 from torch import Tensor
 
 from infer.cycle import CycleObserver, step_rows
-from infer.drafters.base import DecodeState, Drafter, DrafterStats, VerifyOutcome, cut_layers
+from infer.drafters.base import DecodeState, Drafter, DrafterStats, VerifyOutcome
 from infer.graphs import BUCKETS
 from infer.kv_cache import capacity_bucket
+from infer.prefill import Prompt, prefill
 from infer.processing import PROCESSED, PositionProcessor
 from infer.runner import Runner
 from infer.sampling import SamplingConfig, select
@@ -217,6 +219,15 @@ class Engine:
         ``config``); ``warm_up`` uses it to run short generations in the cache a longer one will use.
         ``processor``: logits processing at every position the target scores, the prefill's included (the target
         then picks or samples from the processed scores; ``infer.processing``)."""
+        gen = self.admit(prompt_ids, config, generator, reserve, processor)
+        start_rows([(self, gen)])
+        return gen
+
+    def admit(self, prompt_ids: Sequence[int] | Tensor, config: DecodeConfig | None = None,
+              generator: torch.Generator | None = None, reserve: int | None = None,
+              processor: PositionProcessor | None = None) -> Generation:
+        """Check a prompt and set up its generation, not yet prefilled (``start_rows`` prefills admitted rows
+        together; the arguments as ``start`` takes them)."""
         config = DecodeConfig() if config is None else config
         if not isinstance(config, DecodeConfig):
             raise UserError(f"config must be a DecodeConfig (or None), not {type(config).__name__}: "
@@ -233,14 +244,7 @@ class Engine:
         state = DecodeState(self.runner, cache, config.sampling, generator, tokens=list(prompt), prompt_len=len(prompt),
                             eos=self.eos if config.stop_at_eos else frozenset(), depth=self.target_depth(config))
         stats.target_exit = None if state.depth == self.runner.num_layers else state.depth
-        t_start = time.perf_counter()
-        first = self._prefill(state, processor)
-        stats.prefill_time = time.perf_counter() - t_start
-        gen = Generation(state, config, stats, [first], started=t_start, processor=processor)
-        gen.finish_reason = self._stop_reason(gen.tokens, config)
-        if not gen.done:
-            self.drafter.start(state)
-        return gen
+        return Generation(state, config, stats, [], processor=processor)
 
     def step(self, gen: Generation) -> VerifyOutcome:
         """One cycle (``infer.cycle.step_rows`` over this one row, seen by ``observers``): the drafter proposes, one
@@ -324,7 +328,7 @@ class Engine:
         state = DecodeState(runner, cache, config.sampling, torch.Generator(), tokens=prompt, prompt_len=len(prompt),
                             depth=self.target_depth(config))
         try:
-            logits = self._prefill_logits(state)  # (1, V)
+            logits = prefill(runner, [Prompt(state)])[0]  # (1, V)
             for i, token in enumerate(tokens):
                 hidden = runner.embed(runner.to_device([int(token)]))  # (1, d)
                 logits = runner.span(cache, hidden, [len(prompt) + i], 0, state.depth, logits=True).logits  # (1, V)
@@ -346,37 +350,16 @@ class Engine:
                             f"exceeds the model's context of {limit} tokens; "
                             "shorten the prompt or lower --max-new-tokens")
 
-    def _prefill(self, state: DecodeState, processor: PositionProcessor | None = None) -> int:
-        """Run the prompt through the target; the token it predicts becomes the pending token."""
-        logits, sampling = self._prefill_logits(state), state.sampling  # (1, V)
-        if processor is not None:
-            logits = processor(state.tokens[:state.prompt_len], [[]], logits)  # (1, V)
+    def first_token(self, gen: Generation, logits: Tensor) -> None:
+        """A prefilled generation's first token, from the prefill's logits (1, V): the pending token."""
+        state, sampling = gen.state, gen.state.sampling
+        if gen.processor is not None:
+            logits = gen.processor(state.tokens[:state.prompt_len], [[]], logits)  # (1, V)
             sampling = sampling if sampling.greedy else PROCESSED
         first = int(select(logits, sampling, state.generator)[0])  # the prefill's sync
         state.tokens.append(first)
-        return first
-
-    def _prefill_logits(self, state: DecodeState) -> Tensor:
-        """Run the prompt through the target (state.n = prompt length); returns the last row's logits (1, V)."""
-        runner = self.runner
-        ids = runner.to_device(state.tokens[:state.prompt_len])  # (P,)
-        positions = torch.arange(state.prompt_len, device=runner.device)  # (P,)
-        layers = self._prompt_layers(state)
-        hidden, start, kept = runner.embed(ids), 0, {}  # (P, d)
-        for layer in [*layers, state.depth]:  # split where the drafter observes: same layers on the same rows
-            hidden = runner.forward_layers(state.cache, hidden, positions, start, layer, bulk=True)  # (P, d)
-            if layers:
-                kept[layer] = hidden[-self.drafter.prompt_rows:]  # (m, d)
-            start = layer
-        state.n = state.prompt_len
-        state.prompt_observed = kept or None
-        return runner.logits(hidden[-1:])  # (1, V)
-
-    def _prompt_layers(self, state: DecodeState) -> list[int]:
-        """The drafter's ``prompt_layers`` inside the target, when it asks for some prompt rows."""
-        if self.drafter.prompt_rows <= 0:
-            return []
-        return list(cut_layers(self.drafter.prompt_layers, state.depth))
+        gen.tokens.append(first)
+        gen.finish_reason = self._stop_reason(gen.tokens, gen.config)
 
     def _stop_reason(self, out: list[int], config: DecodeConfig, new: int = 1) -> str | None:
         fresh = out[len(out) - new:]
@@ -402,3 +385,19 @@ class Engine:
             if k >= config.max_new_tokens:
                 return out[:k], "length"
         return out, finish
+
+
+def start_rows(rows: Sequence[tuple[Engine, Generation]]) -> None:
+    """Prefill admitted generations (``Engine.admit``) of engines on one runner together (``infer.prefill``: packed
+    forwards where that is exact, else one prompt at a time), then each row's first token and its drafter's start.
+    A row's ``prefill_time`` is its share of the prefill by prompt length (the shares add up to the prefill's time),
+    its ``started`` the prefill's start."""
+    t0 = time.perf_counter()
+    logits = prefill(rows[0][0].runner, [Prompt.of(gen.state, engine.drafter) for engine, gen in rows])  # R x (1, V)
+    for (engine, gen), first in zip(rows, logits, strict=True):
+        engine.first_token(gen, first)
+    seconds, total = time.perf_counter() - t0, sum(gen.state.prompt_len for _, gen in rows)
+    for engine, gen in rows:
+        gen.started, gen.stats.prefill_time = t0, seconds * gen.state.prompt_len / total
+        if not gen.done:
+            engine.drafter.start(gen.state)
