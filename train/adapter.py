@@ -11,8 +11,11 @@ not the code, as the training forward and the runner do for the base model; test
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -238,10 +241,37 @@ def adapter_metrics(accelerator, model: AdapterLM, examples: Examples, indices: 
     return record
 
 
+def source_provenance(src) -> dict:
+    """What an adapter file records of one data source: its type, file name and share limit, and for a
+    self-distillation file (``train.self_distill``) its kind's prompts and generated tokens."""
+    entry = {"type": src.type}
+    if src.path:
+        entry["name"] = Path(src.path).name
+    if src.max_documents is not None:
+        entry["max_documents"] = src.max_documents
+    made = Path(src.path).expanduser().parent / "provenance.json" if src.type == "jsonl" else None
+    if made is not None and made.is_file():
+        record = json.loads(made.read_text())
+        kind = Path(src.path).stem
+        entry["self_distill"] = {"kind": kind, **record.get("kinds", {}).get(kind, {}),
+                                 "data_commit": record.get("commit"), "settings": record.get("settings")}
+    return entry
+
+
 def save_adapter(accelerator, lm, cfg, path, tokens: int, step: int) -> None:
-    """Write the adapter file from the main process (the others wait)."""
+    """Write the adapter file from the main process (the others wait), with its provenance: target, steps, loss
+    tokens, each source (``source_provenance``), block size and the commit of the code that trained it."""
     if accelerator.is_main_process:
         model = accelerator.unwrap_model(lm)
         model.save(path, {"target": model.cfg.target, "steps": step, "tokens": tokens,
-                          "data": [s.type for s in cfg.data.sources], "block_size": cfg.data.block_size})
+                          "data": [s.type for s in cfg.data.sources],
+                          "sources": [source_provenance(s) for s in cfg.data.sources],
+                          "block_size": cfg.data.block_size, "commit": code_commit()})
     accelerator.wait_for_everyone()
+
+
+def code_commit() -> str:
+    """The git commit of this checkout ('unknown' outside a git checkout)."""
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return run.stdout.strip() if run.returncode == 0 else "unknown"

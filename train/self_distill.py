@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from layerskip_core.cli import run_main
 from layerskip_core.errors import UserError
 from layerskip_core.models import resolve_model
+from train.adapter import code_commit
 from train.distill_prompts import TRAIN_KINDS, KindPrompt, training_prompts
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -71,12 +71,6 @@ def generate_kind(model, tokenizer, prompts: list[KindPrompt], args, bar) -> lis
                 records.append({"id": p.id, "kind": p.kind, "text": text, "new_tokens": n, "sampled": sampled})
             bar.update(len(chunk))
     return sorted(records, key=lambda r: int(r["id"].rsplit("-", 1)[1]))
-
-
-def _commit() -> str:
-    root = Path(__file__).resolve().parent.parent
-    run = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
-    return run.stdout.strip() if run.returncode == 0 else "unknown"
 
 
 def _write_jsonl(path: Path, records: list[dict]) -> None:
@@ -152,7 +146,7 @@ def run(args: argparse.Namespace) -> dict:
             records = generate_kind(model, tokenizer, prompts, args, bar)
             _write_jsonl(out / f"{kind}.jsonl", records)
             counts[kind] = {"prompts": len(records), "new_tokens": sum(r["new_tokens"] for r in records)}
-    provenance = {"model": args.model, "model_path": str(resolve_model(args.model).name), "commit": _commit(),
+    provenance = {"model": args.model, "model_path": str(resolve_model(args.model).name), "commit": code_commit(),
                   "kinds": counts, "settings": {k: v for k, v in vars(args).items() if k not in ("out", "force")},
                   "seconds": round(time.time() - started, 1)}
     (out / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
