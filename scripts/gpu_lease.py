@@ -17,6 +17,7 @@ use instead of the carried GGUF (the CPU rehearsal in the tests; on a CPU both s
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -26,14 +27,14 @@ from pathlib import Path
 
 import lease
 
+from infer.measure.gpu.budget import COMMAND_BUDGET_S, GRACE_S, Budget
 from layerskip_core.cli import Parser, finite_float
+from layerskip_core.doc_sections import GPU_CHECK, GPU_COMPARE, GPU_TRAINING, read_page, replace_section
 from layerskip_core.errors import UserError
 from layerskip_core.packages import cache_root
 
-BUDGET_S = {"check": 240.0, "compare": 240.0}
+BUDGET_S = {"check": COMMAND_BUDGET_S, "compare": COMMAND_BUDGET_S}
 """Default wall budget of each device command's work (docs/GPU.md: timeout_s = budget + GRACE_S + start-up)."""
-GRACE_S = 45.0
-"""Seconds a stage's program may run past its budget (a piece started just before it) before it is stopped."""
 BUNDLE = Path(os.environ.get("LEASE_BUNDLE") or lease.REPO / "runs" / "lease")
 """Where gpu_bundle.py writes the carried folders: meta, a, b (``$LEASE_BUNDLE`` moves it: the tests' rehearsal)."""
 STASH = Path(os.environ.get("LEASE_STASH") or cache_root() / "lease")
@@ -58,8 +59,7 @@ def stage_env() -> dict[str, str]:
 def run_program(argv: list[str], budget: float, env: dict[str, str], notes: list[str]) -> int:
     """Run a stage's program, stopped GRACE_S after its budget (its results are rewritten as it goes)."""
     try:
-        limit = budget + GRACE_S if budget > 0 else None
-        return subprocess.run(argv, cwd=lease.REPO, env=env, timeout=limit).returncode
+        return subprocess.run(argv, cwd=lease.REPO, env=env, timeout=Budget(budget).limit(GRACE_S)).returncode
     except subprocess.TimeoutExpired:
         notes.append(f"{Path(argv[1]).name} was stopped {GRACE_S:.0f} s after its {budget:.0f} s budget")
         return -9
@@ -116,35 +116,26 @@ def compare(args, notes: list[str]) -> int:
     return run_program(argv, args.budget_s, env, notes)
 
 
-PAGES = (("GPU.md", "GPU.md", ("<!-- gpu_check:begin -->", "<!-- gpu_check:end -->")),
-         ("TRAINING.md", "TRAINING.md", ("<!-- gpu_check:train:begin -->", "<!-- gpu_check:train:end -->")),
-         ("gpu_section.md", "RESULTS.md", ("<!-- gpu-compare:begin -->", "<!-- gpu-compare:end -->")))
+PAGES = (("GPU.md", "GPU.md", GPU_CHECK), ("TRAINING.md", "TRAINING.md", GPU_TRAINING),
+         ("gpu_section.md", "RESULTS.md", GPU_COMPARE))
 """(returned file, page in docs/, its markers): the returned file's marked block replaces the page's."""
 COPIES = (("gpu_check.json", "gpu/latest.json"), ("compare.json", "gpu/compare.json"))
 """(returned file, its place under docs/)."""
 
 
-def read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise UserError(f"{path} is not UTF-8 text; nothing was changed") from None
-
-
-def marked(text: str, begin: str, end: str, where: Path) -> tuple[int, int]:
-    """(start of ``begin``, end of ``end``) of the one marked block in ``text``; refused unless both markers occur
-    once each, in that order."""
-    if text.count(begin) != 1 or text.count(end) != 1 or text.index(end) < text.index(begin):
-        raise UserError(f"{where} must hold {begin} once and then {end} once; nothing was changed")
-    return text.index(begin), text.index(end) + len(end)
+def returned_section(path: Path, markers) -> str:
+    """The marked section of a returned file, refused (nothing changed) unless it holds each marker once, in order."""
+    found = markers.section(read_page(path), path)
+    if found is None:
+        raise UserError(f"{path} must hold {markers.begin} once and then {markers.end} once; nothing was changed")
+    return found
 
 
 def checked_json(path: Path) -> dict:
     """A returned result file, refused when it is not JSON or not a GPU run's (a CPU rehearsal, a dry run)."""
-    import json
 
     try:
-        value = json.loads(read_text(path))
+        value = json.loads(read_page(path))
     except json.JSONDecodeError as e:
         raise UserError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); nothing was changed") from None
     if not isinstance(value, dict):
@@ -164,13 +155,12 @@ def publish(folder: Path) -> list[str]:
     for name, target in COPIES:
         if (folder / name).is_file():
             checked_json(folder / name)
-            writes[docs / target] = read_text(folder / name)
-    for name, page, (begin, end) in PAGES:
+            writes[docs / target] = read_page(folder / name)
+    for name, page, markers in PAGES:
         if (folder / name).is_file():
-            source, target = read_text(folder / name), writes.get(docs / page) or read_text(docs / page)
-            a, b = marked(source, begin, end, folder / name)
-            c, d = marked(target, begin, end, docs / page)
-            writes[docs / page] = target[:c] + source[a:b] + target[d:]
+            target = writes.get(docs / page) or read_page(docs / page)
+            writes[docs / page] = replace_section(target, markers, returned_section(folder / name, markers),
+                                                  docs / page, append=False)
     if not writes:
         raise UserError(f"{folder} holds none of gpu_check.json, compare.json, GPU.md, TRAINING.md, gpu_section.md")
     for path, text in writes.items():

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -39,9 +38,9 @@ from infer.measure.seeded_models import byte_tokenizer
 from infer.measure.seeded_models import random_model as seeded_random_model
 from layerskip_core import jsonfile
 from layerskip_core.cli import Parser
+from layerskip_core.doc_sections import GPU_TRAINING, write_section
 from train.config import EarlyExitConfig, LayerDropoutConfig
 
-BEGIN, END = "<!-- gpu_check:train:begin -->", "<!-- gpu_check:train:end -->"
 NOT_RUN = "Not yet run on a GPU."
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
 """Dense bf16 peak FLOP/s by GPU name fragment, for MFU (None for other devices)."""
@@ -312,13 +311,9 @@ def training_table(result: dict) -> str:
 
 
 def update_training_doc(result: dict, path: str) -> None:
-    """Replace the text between the gpu_check:train markers of ``path`` with the table of ``result``."""
-    text = Path(path).read_text(encoding="utf-8")
-    pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
-    if not pattern.search(text):
-        raise ValueError(f"{path} has no {BEGIN} ... {END} markers")
-    block = f"{BEGIN}\n{training_table(result)}\n{END}"
-    Path(path).write_text(pattern.sub(lambda _: block, text, count=1), encoding="utf-8")
+    """Replace the text between the gpu_check:train markers of ``path`` with the table of ``result`` (a page
+    without them is refused)."""
+    write_section(Path(path), GPU_TRAINING, GPU_TRAINING.block(training_table(result)), append=False)
 
 
 def main(argv: list[str] | None = None) -> int:

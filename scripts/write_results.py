@@ -21,10 +21,10 @@ from pathlib import Path
 
 from layerskip_core import jsonfile
 from layerskip_core.cli import Parser, run_main
+from layerskip_core.doc_sections import GPU_COMPARE
 from layerskip_core.errors import UserError
 
 NOTE = re.compile(r"<!-- notes:(\w+) -->\n(.*?)<!-- /notes:\1 -->", re.S)
-GPU_SECTION = re.compile(r"<!-- gpu-compare:begin -->.*?<!-- gpu-compare:end -->\n?", re.S)
 COMMANDS = "Commands of this run"
 VERIFY_COST = "Cost of verifying T tokens at once"
 EXITS = "Early-exit agreement before and after LayerSkip training"
@@ -60,7 +60,7 @@ def _old_section(old: str, title: str) -> str | None:
     start = old.find(f"## {title}\n")
     if start != 0 and (start < 0 or old[start - 1] != "\n"):
         return None
-    ends = [i for i in (old.find("\n## ", start), old.find("<!-- gpu-compare:begin -->", start)) if i >= 0]
+    ends = [i for i in (old.find("\n## ", start), old.find(GPU_COMPARE.begin, start)) if i >= 0]
     end = min(ends) + 1 if ends else len(old)
     return old[start:end].removesuffix("\n")  # the page's lines are joined with one newline
 
@@ -287,9 +287,9 @@ def write_page(args: argparse.Namespace) -> None:
                            "keep_final_bench")
     page += ["## Where self-speculation pays: CPU vs GPU, untrained vs trained\n", _notes(old, "where_it_pays")]
     page += ["## Exit adapter on the frozen model (Kangaroo-style)\n", _notes(old, "exit_adapter")]
-    gpu = GPU_SECTION.search(old)
+    gpu = GPU_COMPARE.section(old, args.out)
     if gpu:
-        page.append(gpu.group(0))
+        page.append(gpu)
     jsonfile.write(args.out, "\n".join(page).rstrip("\n") + "\n")
     print(f"wrote {args.out}")
 

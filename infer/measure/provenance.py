@@ -29,9 +29,10 @@ def machine_info(run: Resolved) -> dict:
             "dtype": dtype_name(run.dtype), "executor": run.executor}
 
 
-def git_commit() -> str | None:
-    """The toolkit's commit (with '+dirty' for local changes), when it runs from a git checkout."""
-    root = Path(__file__).resolve().parents[2]
+def git_commit(root: Path | None = None) -> str | None:
+    """The commit of the checkout at ``root`` (default: the toolkit's own) with '+dirty' for local changes, when it
+    is a git checkout."""
+    root = root or Path(__file__).resolve().parents[2]
     try:
         rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, timeout=10, check=True).stdout.strip()
@@ -39,5 +40,5 @@ def git_commit() -> str | None:
                                capture_output=True, text=True, timeout=10, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
-    return rev + ("+dirty" if dirty else "")
+    return rev + ("+dirty" if dirty else "") if rev else None
 

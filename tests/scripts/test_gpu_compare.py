@@ -1,5 +1,5 @@
-"""scripts/gpu_compare.py and scripts/gpu_bundle.py: helpers, the bundle round trip, and the whole
-pipeline in --dry-run on a tiny model and a synthetic code tree (CPU)."""
+"""The GPU comparison (infer.measure.gpu: its pipeline, settings and report) and scripts/gpu_compare.py: helpers, and
+the whole pipeline in --dry-run on a tiny model and a synthetic code tree (CPU)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from infer.drafters import DRAFTERS
+from infer.measure.gpu.compare_report import method_key, partial_rows, targets
+from infer.measure.gpu.compare_settings import TASKS, dry_settings, form_settings
+from infer.measure.gpu.pipeline import Pipeline
+from infer.measure.gpu.task_quality import answer_number
+from layerskip_core.doc_sections import GPU_COMPARE, write_section
 from layerskip_core.errors import UserError
 from script_modules import load_script
 from tiny_models import save_tiny
@@ -18,31 +24,30 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 gc = load_script("gpu_compare")
-gb = load_script("gpu_bundle")
 
 
 def test_answer_number_takes_the_last_number():
-    assert gc.answer_number("so 3 + 4 = 7.\nThe answer is 1,234.") == "1234"
-    assert gc.answer_number("#### 230") == "230"
-    assert gc.answer_number("it costs 12.0 dollars") == "12"
-    assert gc.answer_number("no digits here") is None
+    assert answer_number("so 3 + 4 = 7.\nThe answer is 1,234.") == "1234"
+    assert answer_number("#### 230") == "230"
+    assert answer_number("it costs 12.0 dollars") == "12"
+    assert answer_number("no digits here") is None
 
 
 def test_method_key_drops_the_per_model_plan():
-    assert gc.method_key("self_sd:plan=runs/x/plans/base.json") == "self_sd"
-    assert gc.method_key("self_sd:plan=/a/b.json:k=4") == "self_sd:k=4"
-    assert gc.method_key("early_exit:E=12:k=3") == "early_exit:E=12:k=3"
+    assert method_key("self_sd:plan=runs/x/plans/base.json") == "self_sd"
+    assert method_key("self_sd:plan=/a/b.json:k=4") == "self_sd:k=4"
+    assert method_key("early_exit:E=12:k=3") == "early_exit:E=12:k=3"
 
 
 def test_write_section_replaces_only_the_marked_part(tmp_path):
     page = tmp_path / "RESULTS.md"
     page.write_text("# Results\n\nintro\n")
-    gc.write_section(page, f"{gc.SECTION_BEGIN}\nfirst\n{gc.SECTION_END}\n")
+    write_section(page, GPU_COMPARE, f"{GPU_COMPARE.begin}\nfirst\n{GPU_COMPARE.end}\n")
     assert page.read_text().startswith("# Results\n\nintro\n") and "first" in page.read_text()
     page.write_text(page.read_text() + "\n## Later section\n")
-    gc.write_section(page, f"{gc.SECTION_BEGIN}\nsecond\n{gc.SECTION_END}\n")
+    write_section(page, GPU_COMPARE, f"{GPU_COMPARE.begin}\nsecond\n{GPU_COMPARE.end}\n")
     text = page.read_text()
-    assert "first" not in text and "second" in text and text.count(gc.SECTION_BEGIN) == 1
+    assert "first" not in text and "second" in text and text.count(GPU_COMPARE.begin) == 1
     assert text.endswith("## Later section\n") and "intro" in text
 
 
@@ -59,7 +64,7 @@ def test_targets_use_the_best_early_exit_and_the_worst_task():
             _row("trained", "humaneval", "self_sd:plan=p/trained.json", 0.8)]
     quality = {"base": {"gsm8k_accuracy": 0.30, "humaneval_prompt_loss": 2.0},
                "trained": {"gsm8k_accuracy": 0.27, "humaneval_prompt_loss": 2.05}}
-    t = gc.targets(rows, quality, total_s=500.0)
+    t = targets(rows, quality, total_s=500.0)
     code = t["trained early_exit vs AR, held-out code (>= 1.5)"]
     assert code == {"value": 1.6, "met": True}
     assert t["trained early_exit vs AR, HumanEval (>= 1.0)"]["met"] is False
@@ -71,7 +76,7 @@ def test_targets_use_the_best_early_exit_and_the_worst_task():
 
 
 def _pipeline(tmp_path: Path):
-    return gc.Pipeline(tmp_path / "out", gc.dry_settings(), env={}, quiet=True)
+    return Pipeline(tmp_path / "out", dry_settings(), env={}, quiet=True)
 
 
 def test_a_failing_step_is_one_user_error_naming_its_log(tmp_path):
@@ -88,13 +93,17 @@ def test_a_failing_step_is_one_user_error_naming_its_log(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_the_forms_and_their_tiny_cpu_versions():
-    first, full = gc.form_settings("first", cuda=True), gc.form_settings("full", cuda=True)
+    first, full = form_settings("first", cuda=True), form_settings("full", cuda=True)
     assert first.tasks == ["code_heldout"] and first.peers == ["hf_generate"] and not first.search
     assert not first.quality and "optim.max_steps=60" in first.train_overrides
-    assert full.tasks == list(gc.TASKS) and "hf_static" in full.peers and full.search
-    tiny = gc.form_settings("first", cuda=False)
+    assert full.tasks == list(TASKS) and "hf_static" in full.peers and full.search
+    tiny = form_settings("first", cuda=False)
     assert tiny.device == "cpu" and tiny.tasks == ["code_heldout"] and tiny.peers == ["hf_generate"]
     assert not any(d.startswith(("self_sd", "swift")) for d in tiny.drafters) and tiny.prompts == 1
+
+
+def test_the_dry_run_benches_every_registered_drafter():
+    assert {d.split(":")[0] for d in dry_settings().drafters} == set(DRAFTERS)
 
 
 def test_out_folder_with_foreign_files_is_refused(tmp_path, capsys):
@@ -132,7 +141,7 @@ def test_dry_run_writes_the_whole_comparison(tmp_path):
     assert c["dry_run"] is True and isinstance(c["device"], str) and isinstance(c["commit"], str)
     assert {r["model"] for r in c["rows"]} == {"base", "trained"}
     assert {r["task"] for r in c["rows"]} == {"code_heldout", "humaneval", "gsm8k"}
-    methods = {gc.method_key(r["method"]) for r in c["rows"]}
+    methods = {method_key(r["method"]) for r in c["rows"]}
     assert {"autoregressive", "early_exit:E=2:k=2", "hf_generate", "hf_static", "hf_early_exit:E=2:k=2"} <= methods
     for r in c["rows"]:
         assert isinstance(r["tok_s"], float) and r["tok_s"] > 0
@@ -148,7 +157,7 @@ def test_dry_run_writes_the_whole_comparison(tmp_path):
     assert c["command"].startswith("scripts/gpu_compare.py --dry-run")
     assert "===== step bench_gsm8k: exit 0" in (out / "steps.log").read_text()  # every step's log, merged
     section = (out / "gpu_section.md").read_text()
-    assert section.startswith(gc.SECTION_BEGIN) and "dry run" in section
+    assert section.startswith(GPU_COMPARE.begin) and "dry run" in section
     after = docs_json.read_bytes() if docs_json.exists() else None
     assert before == after  # a dry run never writes the docs
 
@@ -164,10 +173,10 @@ def test_a_bench_stopped_at_the_budget_keeps_its_finished_rows(tmp_path):
                  GenerationStats(new_tokens=8, wall_time=0.5, verify_calls=7), exact=True)
     (folder / "records.jsonl").write_text(json.dumps({"command": "layerskip bench", "config": {}}) + "\n"
                                           + json.dumps({"record": rec.to_dict()}) + "\n")
-    rows = gc.partial_rows(p, "code_heldout")
+    rows = partial_rows(p, "code_heldout")
     assert len(rows) == 1 and rows[0]["method"] == "autoregressive" and rows[0]["tok_s"] == 16.0
     assert rows[0]["mismatches"] == 0 and "stopped before its end: 1 row(s)" in p.notes[0]
-    assert gc.partial_rows(p, "humaneval") == []  # a bench that wrote nothing gives nothing
+    assert partial_rows(p, "humaneval") == []  # a bench that wrote nothing gives nothing
 
 
 def test_a_dry_run_is_the_first_form_on_a_tiny_stand_in(tmp_path, capsys):

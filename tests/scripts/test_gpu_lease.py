@@ -9,6 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from infer.measure.gpu.budget import Budget
+from infer.measure.gpu.bundle import unpack_bundle
+from infer.measure.gpu.compare_report import Report
+from infer.measure.gpu.compare_settings import dry_settings
+from infer.measure.gpu.counts import kernel_profile
+from infer.measure.gpu.pipeline import OutOfBudget, Pipeline
+from infer.measure.gpu.run import Run, Settings, part
 from layerskip_core.errors import UserError
 from layerskip_core.packages import sha256_of
 from script_modules import load_script
@@ -29,8 +36,8 @@ def test_a_later_stage_carries_the_previous_rows_over(tmp_path):
                 "rows": [_row("autoregressive", 1.0, 5.0), _row("early_exit:E=12:k=3", 1.2, 6.0)]}
     head = {"form": "full", "dry_run": True, "command": "c", "device": "cpu", "commit": "x", "date": "d",
             "recipe": gc.RECIPE, "settings": {"dtype": "fp32", "prompts": 1, "max_new_tokens": 4, "repeats": 1}}
-    report = gc.Report(tmp_path, head, previous)
-    pipeline = gc.Pipeline(tmp_path / "run", gc.dry_settings(), env={}, quiet=True)
+    report = Report(tmp_path, head, previous)
+    pipeline = Pipeline(tmp_path / "run", dry_settings(), env={}, quiet=True)
     report.save(pipeline, [_row("autoregressive", 1.0, 9.0)], {}, 1.0)
     saved = json.loads((tmp_path / "compare.json").read_text())
     assert [r["method"] for r in saved["rows"]] == ["early_exit:E=12:k=3", "autoregressive"]
@@ -39,11 +46,11 @@ def test_a_later_stage_carries_the_previous_rows_over(tmp_path):
 
 
 def test_a_spent_budget_stops_the_next_step_and_keeps_the_results(tmp_path):
-    pipeline = gc.Pipeline(tmp_path, gc.dry_settings(), env={}, quiet=True, budget=lease.Budget(1.0, started=0.0))
-    with pytest.raises(gc.OutOfBudget, match="before step train"):
+    pipeline = Pipeline(tmp_path, dry_settings(), env={}, quiet=True, budget=Budget(1.0, started=0.0))
+    with pytest.raises(OutOfBudget, match="before step train"):
         pipeline.run("train", ["true"])
-    pipeline = gc.Pipeline(tmp_path, gc.dry_settings(), env={}, quiet=True, budget=lease.Budget(1.0))
-    with pytest.raises(gc.OutOfBudget, match="step sleep was stopped"):
+    pipeline = Pipeline(tmp_path, dry_settings(), env={}, quiet=True, budget=Budget(1.0))
+    with pytest.raises(OutOfBudget, match="step sleep was stopped"):
         pipeline.run("sleep", ["sleep", "30"])
     assert pipeline.steps[-1].returncode == -9
 
@@ -64,20 +71,19 @@ def test_the_commit_comes_from_the_carried_file_without_git(monkeypatch, tmp_pat
 
 
 def test_a_missing_optional_package_is_a_note_not_a_failure():
-    gpu_check = load_script("gpu_check")
     saved = []
-    run = gpu_check.Run(torch.device("cpu"), gpu_check.Settings.for_run(True), saver=saved.append)
+    run = Run(torch.device("cpu"), Settings.for_run(True), saver=saved.append)
 
     def needs_accelerate():
         raise ModuleNotFoundError("No module named 'accelerate'", name="accelerate")
-    gpu_check.part("train", needs_accelerate, run)
+    part("train", needs_accelerate, run)
     assert "errors" not in run.result and run.notes == ["part train skipped: accelerate is not installed"]
-    gpu_check.part("train", lambda: 1 / 0, run)
+    part("train", lambda: 1 / 0, run)
     assert "ZeroDivisionError" in run.result["errors"]["train"] and len(saved) == 2
 
 
 def test_kernel_profile_fields_on_a_cpu():
-    found = lease.kernel_profile(lambda: None, torch.device("cpu"))
+    found = kernel_profile(lambda: None, torch.device("cpu"))
     assert found == {"kernels_per_forward": None, "attention_kernels": [], "kernel_note": "CPU: no CUDA kernels"}
 
 
@@ -102,12 +108,12 @@ def test_bundle_writes_the_carry_folders_and_the_halves_join(tmp_path, monkeypat
     assert sorted(p.name for p in (out / "a").iterdir()) == ["model.gguf.part1"]
     assert sorted(p.name for p in (out / "b").iterdir()) == ["model.gguf.part2"]
     assert manifest["model"]["sha256"] == sha256_of(src)
-    pipeline = gc.Pipeline(tmp_path / "run", gc.dry_settings(), env={}, quiet=True)
+    pipeline = Pipeline(tmp_path / "run", dry_settings(), env={}, quiet=True)
     cache = tmp_path / "cache"
-    gc.unpack_bundle([out / "meta", out / "b", out / "a"], cache, pipeline)
+    unpack_bundle([out / "meta", out / "b", out / "a"], cache, pipeline)
     assert (cache / "packages" / "model.gguf").read_bytes() == src.read_bytes()
     with pytest.raises(UserError, match="missing model part"):
-        gc.unpack_bundle([out / "meta", out / "b"], tmp_path / "cache2", pipeline)
+        unpack_bundle([out / "meta", out / "b"], tmp_path / "cache2", pipeline)
     with pytest.raises(UserError, match="not empty"):
         gb.build_bundle(out, wheels=(), gguf=src, tokenizer=tokenizer)
 

@@ -9,8 +9,6 @@ import sys
 
 import pytest
 from train_bench import (
-    BEGIN,
-    END,
     NOT_RUN,
     TINY,
     make_random_checkpoint,
@@ -23,6 +21,7 @@ from transformers import AutoTokenizer
 
 import layerskip_core.models
 from infer.measure.seeded_models import BYTE_VOCAB
+from layerskip_core.doc_sections import GPU_TRAINING
 from script_modules import SCRIPTS
 
 FIELDS = ("plain_tok_s", "dropout_rel", "dropout05_rel", "dropout_batch_rel", "exits_rel", "dropout_exits_rel",
@@ -69,6 +68,7 @@ def test_checkpoint_tokenizer_is_the_given_one_or_the_byte_tokenizer(tiny_model_
 
 
 def test_doc_table_between_markers(tiny_result, tmp_path):
+    BEGIN, END = GPU_TRAINING.begin, GPU_TRAINING.end
     doc = tmp_path / "TRAINING.md"
     doc.write_text(f"# T\n\nbefore\n{BEGIN}\n{NOT_RUN}\n{END}\nafter\n", encoding="utf-8")
     update_training_doc(tiny_result, str(doc))
