@@ -128,11 +128,16 @@ def forward(runner: Runner, prompts: Sequence[Prompt], bulk: bool) -> Tensor:
     depth = prompts[0].state.depth
     ends = list(accumulate(p.size for p in prompts))  # R host ints: each prompt's end row
     ids = runner.to_device([t for p in prompts for t in p.state.tokens[:p.size]])  # (N,)
+    pos = runner.to_device([i for p in prompts for i in range(p.size)])  # (N,): each prompt from position 0
+    rope = None if bulk else (*runner.rope(pos), pos)  # K x (N, 1, D) cos and sin, the positions
     hidden, start = runner.embed(ids), 0  # (N, d)
     for p in prompts:
         p.state.prompt_observed = None
     for layer in sorted({*(cut for p in prompts for cut in p.layers), depth}):
-        hidden = layers(runner, prompts, hidden, start, layer, bulk)  # (N, d)
+        if bulk:
+            hidden = runner.forward_layers(prompts[0].state.cache, hidden, pos, start, layer, bulk=True)  # (P, d)
+        else:
+            hidden = packed(runner, prompts, hidden, rope, start, layer)  # (N, d)
         for p, end in zip(prompts, ends, strict=True):
             if p.keeps(layer):
                 kept = hidden[max(end - p.size, end - p.rows):end]  # (m, d)
@@ -140,18 +145,12 @@ def forward(runner: Runner, prompts: Sequence[Prompt], bulk: bool) -> Tensor:
         start = layer
     for p in prompts:
         p.state.n = p.size
-    return runner.logits(hidden[[end - 1 for end in ends]])  # (R, V)
+    return runner.logits(hidden.index_select(0, runner.to_device([end - 1 for end in ends])))  # (R, V)
 
 
-def layers(runner: Runner, prompts: Sequence[Prompt], hidden: Tensor, start: int, end: int, bulk: bool) -> Tensor:
-    """Layers ``[start, end)`` over the prompts' positions ``hidden`` (N, d), each prompt at positions 0..P-1 of its
-    own cache: one prompt on BLAS (``bulk``, ``Runner.forward_layers``), or packed rows on the kernel."""
-    if bulk:
-        state = prompts[0].state
-        return runner.forward_layers(state.cache, hidden, torch.arange(state.prompt_len, device=runner.device),
-                                     start, end, bulk=True)  # (P, d)
+def packed(runner: Runner, prompts: Sequence[Prompt], hidden: Tensor, rope: tuple, start: int, end: int) -> Tensor:
+    """Layers ``[start, end)`` over the prompts' positions ``hidden`` (N, d) as packed rows (``infer.packed``), each
+    prompt causal over its own cache from slot 0; ``rope``: (cos, sin, positions) of the N rows."""
     segments = [Segment(p.state.cache, list(range(p.size))) for p in prompts]
-    pos = runner.to_device([i for p in prompts for i in range(p.size)])  # (N,)
-    cos, sin = runner.rope(pos)  # K x (N, 1, D) each
-    return packed_layers(runner, segments, hidden, (cos, sin, pos), start, end, None, [None] * len(prompts),
+    return packed_layers(runner, segments, hidden, rope, start, end, None, [None] * len(prompts),
                          [{} for _ in prompts])  # (N, d)
