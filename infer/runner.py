@@ -443,17 +443,17 @@ class Runner:
         s, w = self.spec, self.layers[i]
         T = hidden.shape[0]
         q, k, v = self.qkv_rope(w, hidden, cos, sin, bulk)  # (Hq, T, D), (Hkv, T, D), (Hkv, T, D)
-        out = self.cached_attention(i, cache, q, k, v, attn_mask, s.attn_scale)  # (Hq, T, D)
+        out = self.cached_attention(i, cache, q, k, v, attn_mask, s.attn_scale, bulk)  # (Hq, T, D)
         out = out.transpose(0, 1).reshape(T, s.num_heads * s.head_dim)  # (T, Hq D)
         return layer_math.attention_out(s, w, hidden, out, bulk)
 
-    @staticmethod
-    def cached_attention(i: int, cache: KVCache, q: Tensor, k: Tensor, v: Tensor,
-                         attn_mask: Tensor | None, scale: float | None = None) -> Tensor:
+    def cached_attention(self, i: int, cache: KVCache, q: Tensor, k: Tensor, v: Tensor,
+                         attn_mask: Tensor | None, scale: float | None = None, bulk: bool = False) -> Tensor:
         """Write k, v (Hkv, T, D) at layer ``i``'s length in ``cache``, then attend q (Hq, T, D) over the layer's
         filled slots with ``attn_mask`` (``attn_mask``'s form; None: causal from slot 0, or all visible) and the
         score ``scale`` (None: D ** -0.5): (Hq, T, D). The packed batch forward (``infer.packed``) calls it once per
-        row over that row's own cache."""
+        row over that row's own cache. With the kernel, every row runs the batch-invariant row attention
+        (``infer.attention.attend``), except in ``bulk`` (prompt prefill) calls."""
         T = q.shape[1]
         start = cache.lengths[i]
         stop = start + T
@@ -464,7 +464,8 @@ class Runner:
         cache.lengths[i] = stop
         keys = cache.k[i, :, :stop]  # (Hkv, S, D)
         values = cache.v[i, :, :stop]  # (Hkv, S, D)
-        return attend(q, keys, values, attn_mask, causal=start == 0 and T > 1, scale=scale)  # (Hq, T, D)
+        return attend(q, keys, values, attn_mask, causal=start == 0 and T > 1, scale=scale,
+                      kernel=None if bulk else self.kernel)  # (Hq, T, D)
 
     def qkv_rope(self, w: LayerWeights, hidden: Tensor, cos: Tensor, sin: Tensor,
                  bulk: bool = False) -> tuple[Tensor, Tensor, Tensor]:

@@ -16,12 +16,16 @@
 //   avx512  bf16 (CPUs with AVX512_BF16): vdpbf16ps on bf16 weights and activations, fp32 accumulation;
 //   avx2    fp32, 8 lanes (the file is compiled with -mavx2 -mfma; AVX-512 code is in target regions).
 // Elsewhere the Python side uses torch (the portable path).
+//
+// On the AVX-512 path the module also has the RMSNorm of a row (``rms_norm``) and decoding attention one query row
+// at a time (``attend_rows``: each row over its visible keys in ascending order, the same arithmetic whatever T is).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
 #include <cmath>
+#include <vector>
 
 namespace {
 
@@ -250,6 +254,74 @@ void rms_norm_bf16(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat16
   }
 }
 
+// ---- attention of one query row over the cache (batch invariant: the row's arithmetic never depends on T)
+inline __m512 load16(const float* p, int64_t n) {
+  return n >= 16 ? _mm512_loadu_ps(p) : F32::load_tail(p, n);
+}
+inline __m512 load16(const c10::BFloat16* p, int64_t n) {
+  return widen(n >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                       : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p));
+}
+inline void store16(float* p, __m512 v, int64_t n) {
+  _mm512_mask_storeu_ps(p, static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1), v);
+}
+inline void store16(c10::BFloat16* p, __m512 v, int64_t n) {
+  _mm256_mask_storeu_epi16(p, static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1), narrow(v));
+}
+
+struct Rows {  // strides in elements; the last dim of every tensor is contiguous
+  int64_t S, D, kh, ks, vh, vs, mt;  // keys; head dim; k head/row strides; v head/row strides; mask row stride
+  float scale;
+};
+
+// Query row q (D) against the keys of one KV head: scores over the visible keys (mask row ``vis``, null: all) in
+// ascending order (each a D-long dot in 16 lanes, then ``hsum``), their max, exp and sum in that order, and the
+// weighted sum of the values (16 lanes of the head dim, keys in the same order). A masked key is skipped, never
+// added as a zero, so a row of a T-token call computes what the same row computes alone. ``qf`` (D), ``score``
+// and ``idx`` (S) are scratch; ``acc`` (D rounded up to 16).
+template <class E>
+void attend_row(const E* q, const E* k, const E* v, const bool* vis, const Rows& r, float* qf, float* score,
+                int64_t* idx, float* acc, E* out) {
+  const int64_t D = r.D;
+  for (int64_t c = 0; c < D; c += 16) store16(qf + c, load16(q + c, D - c), D - c);  // exact widening
+  int64_t n = 0;
+  float m = -INFINITY;
+  for (int64_t s = 0; s < r.S; ++s) {
+    if (vis != nullptr && !vis[s]) continue;
+    __m512 dot = _mm512_setzero_ps();
+    for (int64_t c = 0; c < D; c += 16) dot = _mm512_fmadd_ps(load16(qf + c, D - c), load16(k + s * r.ks + c, D - c), dot);
+    const float x = hsum(dot) * r.scale;
+    score[n] = x;
+    idx[n++] = s;
+    m = std::max(m, x);
+  }
+  float sum = 0.0f;
+  for (int64_t j = 0; j < n; ++j) sum += (score[j] = std::exp(score[j] - m));
+  for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(acc + c, _mm512_setzero_ps());
+  for (int64_t j = 0; j < n; ++j) {
+    const __m512 p = _mm512_set1_ps(score[j]);
+    const E* vj = v + idx[j] * r.vs;
+    for (int64_t c = 0; c < D; c += 16)
+      _mm512_storeu_ps(acc + c, _mm512_fmadd_ps(p, load16(vj + c, D - c), _mm512_loadu_ps(acc + c)));
+  }
+  const __m512 inv = _mm512_set1_ps(n > 0 ? 1.0f / sum : 0.0f);  // a row with no visible key: zeros
+  for (int64_t c = 0; c < D; c += 16) store16(out + c, _mm512_mul_ps(_mm512_loadu_ps(acc + c), inv), D - c);
+}
+
+// Items [i0, i1) of the (query head, row) pairs, Hq * T of them, head-major; q (Hq, T, D) at strides qh, qt;
+// out (T, Hq, D) contiguous. Query head h reads KV head h / G.
+template <class E>
+void attend_range(const E* q, int64_t qh, int64_t qt, const E* k, const E* v, const bool* mask, E* out,
+                  int64_t Hq, int64_t T, int64_t G, const Rows& r, int64_t i0, int64_t i1) {
+  std::vector<float> qf(r.D + 16), acc(r.D + 16), score(r.S);
+  std::vector<int64_t> idx(r.S);
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t h = i / T, t = i % T, j = h / G;
+    attend_row<E>(q + h * qh + t * qt, k + j * r.kh, v + j * r.vh, mask == nullptr ? nullptr : mask + t * r.mt, r,
+                  qf.data(), score.data(), idx.data(), acc.data(), out + (t * Hq + h) * r.D);
+  }
+}
+
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -331,11 +403,50 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   return y;
 }
 
+// q (Hq, T, D) over k, v (Hkv, S, D) (any strides, the last dim contiguous), ``mask`` (T, S) bool or None (all
+// visible): softmax(q k^T scale) v per query row, each row alone (``avx512::attend_row``), fp32 or bf16 (fp32
+// arithmetic, the output rounded once). Returns (Hq, T, D) as a view of a (T, Hq, D) tensor. AVX-512 path only.
+torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                          const c10::optional<torch::Tensor>& mask, double scale) {
+  const bool bf16 = q.dtype() == torch::kBFloat16;
+  TORCH_CHECK(isa().avx512 && (!bf16 || isa().bf16), "attend_rows: AVX-512 path only (bf16: with AVX512_BF16)");
+  TORCH_CHECK(q.dtype() == k.dtype() && q.dtype() == v.dtype() && (bf16 || q.dtype() == torch::kFloat32) &&
+              q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "fp32 or bf16 CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.size(2) == k.size(2) &&
+              k.size(0) > 0 && q.size(0) % k.size(0) == 0, "q (Hq, T, D), k and v (Hkv, S, D), Hq = G Hkv");
+  const auto qc = q.stride(2) == 1 ? q : q.contiguous();
+  const auto kc = k.stride(2) == 1 ? k : k.contiguous();
+  const auto vc = v.stride(2) == 1 ? v : v.contiguous();
+  const int64_t Hq = q.size(0), T = q.size(1), D = q.size(2), S = k.size(1);
+  torch::Tensor mc;
+  if (mask.has_value()) {
+    mc = mask->contiguous();
+    TORCH_CHECK(mc.dtype() == torch::kBool && mc.dim() == 2 && mc.size(0) == T && mc.size(1) == S, "mask (T, S) bool");
+  }
+  const avx512::Rows r{S, D, kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), S, static_cast<float>(scale)};
+  auto out = torch::empty({T, Hq, D}, q.options());
+  const bool* mp = mc.defined() ? mc.data_ptr<bool>() : nullptr;
+  const int64_t G = Hq / k.size(0);
+  at::parallel_for(0, Hq * T, 4, [&](int64_t i0, int64_t i1) {
+    if (bf16) {
+      using B = c10::BFloat16;
+      avx512::attend_range<B>(reinterpret_cast<const B*>(qc.data_ptr()), qc.stride(0), qc.stride(1),
+                              reinterpret_cast<const B*>(kc.data_ptr()), reinterpret_cast<const B*>(vc.data_ptr()), mp,
+                              reinterpret_cast<B*>(out.data_ptr()), Hq, T, G, r, i0, i1);
+    } else {
+      avx512::attend_range<float>(qc.data_ptr<float>(), qc.stride(0), qc.stride(1), kc.data_ptr<float>(),
+                                  vc.data_ptr<float>(), mp, out.data_ptr<float>(), Hq, T, G, r, i0, i1);
+    }
+  });
+  return out.transpose(0, 1);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_matmul", &small_matmul, "y = x @ w.T for small T (fp32, or bf16 with AVX512_BF16)");
   m.def("path", &path_name, "the instruction set this process uses: 'avx512' or 'avx2'");
   m.def("supports_bf16", &supports_bf16, "whether bf16 weights run here (AVX512_BF16)");
+  m.def("attend_rows", &attend_rows, "softmax(q k^T scale) v one query row at a time (fp32, bf16; AVX-512 path)");
   m.def("rms_norm", &rms_norm, "w * x * rsqrt(mean(x^2) + eps) over the last dim (fp32, bf16; AVX-512 path)");
 }

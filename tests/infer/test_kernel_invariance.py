@@ -1,7 +1,7 @@
 """The small-matmul kernel on every path it has (AVX-512 fp32, AVX2 fp32, AVX-512 bf16): close to torch's matmul (the
 portable path) and batch invariant, each output row bitwise the same whatever T and however the rows are split.
-A runner's T-token forward against token-by-token decoding, in fp32 and bf16: equal to rounding (attention is not
-batch invariant yet); bf16 self-speculation against bf16 plain decoding: an expected failure until it is."""
+A runner's T-token forward against token-by-token decoding, in fp32 and bf16: bitwise equal (the kernel's row attention,
+``tests/infer/test_kernel_attention.py``); bf16 self-speculation against bf16 plain decoding: token for token."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from infer import kernels
+from infer.attention import row_kernel
+from infer.drafters import build_drafter
+from infer.engine import DecodeConfig, Engine
 from infer.kernels import arena
 from infer.runner import Runner
 from infer.weights import Linear, load_kernel
@@ -112,15 +115,15 @@ def test_linear_places_weights_back_to_back_and_keeps_values():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_runner_verification_matches_token_by_token(dtype):
-    """A T-token forward against one token at a time: the matmuls are batch invariant (above); attention is not
-    (one new token runs SDPA unmasked, several run it masked, ``infer.attention``), so the logits agree to
-    rounding, not bitwise, and the greedy tokens agree."""
+    """A T-token forward against one token at a time: the matmuls, norms and (on the AVX-512 path) the attention are
+    batch invariant, so the logits are bitwise equal; elsewhere (SDPA attention) equal to rounding."""
     if dtype == torch.bfloat16:
         _bf16_module()
     else:
         _module()
     runner = Runner.from_model(make_model("llama", seed=3), dtype=dtype)
     assert runner.kernel is not None
+    exact = row_kernel(runner.kernel, torch.empty(0, dtype=dtype)) is not None
     ids = torch.arange(5, 45)
     cache = runner.new_cache(64)
     runner.forward(cache, ids[:24])  # the prompt
@@ -129,20 +132,20 @@ def test_runner_verification_matches_token_by_token(dtype):
         cache.rollback(24)
         stepped = torch.cat([runner.forward(cache, ids[i:i + 1]) for i in range(24, 24 + T)])
         cache.rollback(24)
+        if exact:
+            assert torch.equal(batched, stepped), T
         tol = 1e-5 if dtype == torch.float32 else 5e-2
         torch.testing.assert_close(batched.float(), stepped.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.xfail(strict=True, reason="attention is not batch invariant: SDPA over T query rows differs in its "
-                   "last bits from one row at a time, which flips bf16 near-ties (issue 44 item 4, open)")
 @pytest.mark.parametrize("name, options", [("early_exit", {"E": 2, "k": 3}), ("early_exit", {"E": 3, "k": 6}),
                                            ("swift", {"context_window": 8, "remember": "off"})])
 def test_bf16_self_speculation_equals_bf16_plain_decoding(name, options):
-    from infer.drafters import build_drafter
-    from infer.engine import DecodeConfig, Engine
-
+    """With the batch-invariant row attention (AVX-512 path with AVX512_BF16), bf16 verification reproduces bf16
+    one-token decoding bitwise, so no near-tie flips: self-speculation gives plain decoding's tokens."""
     _bf16_module()
     runner = Runner.from_model(make_model("llama", seed=5, layers=6), dtype=torch.bfloat16)
+    assert row_kernel(runner.kernel, torch.empty(0, dtype=torch.bfloat16)) is not None
     config = DecodeConfig(max_new_tokens=48)
     drafted = 0
     for prompt in ([5, 17, 99, 3, 44, 120, 7], list(range(60, 90)), [200, 3, 3, 9]):

@@ -1,0 +1,119 @@
+"""The kernel's row attention (``attend_rows``, AVX-512 path): close to SDPA, and batch invariant: each query row of a
+T-row call (any mask, gaps included) is bitwise what the row computes alone over its visible keys, whatever T and
+however the rows are split; a packed forward of several sequences equals each sequence's own forward bitwise (fp32 and
+bf16). The one-token call off the kernel (query groups folded into rows) against SDPA with ``enable_gqa``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from infer import kernels
+from infer.attention import attend, row_kernel
+from infer.packed import Segment, packed_span
+from infer.runner import Runner
+from tiny_models import make_model
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _rows(dtype: torch.dtype):
+    module = kernels.load()
+    rows = row_kernel(module, torch.empty(0, dtype=dtype))
+    if rows is None:
+        pytest.skip(f"no row attention for {dtype} here (it runs on the AVX-512 path; bf16 with AVX512_BF16)")
+    return rows
+
+
+def _qkv(gen, Hq: int, Hkv: int, T: int, S: int, D: int, dtype: torch.dtype):
+    """q (Hq, T, D) as a transposed view and k, v (Hkv, S, D) as slices of a larger cache, as the runner has them."""
+    q = torch.randn(T, Hq, D, generator=gen).to(dtype).transpose(0, 1)  # (Hq, T, D), strided
+    cache = torch.randn(2, Hkv, S + 7, D, generator=gen).to(dtype)  # (2, Hkv, capacity, D)
+    return q, cache[0, :, :S], cache[1, :, :S]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Hq, Hkv, D", [(9, 3, 64), (4, 2, 24), (4, 4, 8), (6, 1, 40)])
+def test_close_to_sdpa(dtype, Hq, Hkv, D):
+    rows = _rows(dtype)
+    gen = torch.Generator().manual_seed(Hq * D)
+    q, k, v = _qkv(gen, Hq, Hkv, 5, 37, D, dtype)
+    mask = torch.ones(5, 37, dtype=torch.bool).tril(32)  # causal rows after 32 cached slots
+    mask[3, 10:20] = False  # a gap (a token tree's other branch)
+    out = rows.attend_rows(q, k, v, mask, 0.3)
+    assert out.shape == (Hq, 5, D) and out.dtype == dtype
+    ref = F.scaled_dot_product_attention(q.float()[None], k.float()[None], v.float()[None], attn_mask=mask, scale=0.3,
+                                         enable_gqa=Hq != Hkv)[0]
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(rows.attend_rows(q, k, v, None, 0.3).float(),  # all visible
+                               F.scaled_dot_product_attention(q.float()[None], k.float()[None], v.float()[None],
+                                                              scale=0.3, enable_gqa=Hq != Hkv)[0], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_each_row_is_what_it_computes_alone(dtype):
+    """Row t of a T-row call with a mask = one row over just its visible keys (gaps closed up), bitwise."""
+    rows = _rows(dtype)
+    gen = torch.Generator().manual_seed(1)
+    S, T = 45, 7
+    q, k, v = _qkv(gen, 9, 3, T, S, 64, dtype)
+    mask = torch.rand(T, S, generator=gen) < 0.7
+    mask[:, 0] = True
+    out = rows.attend_rows(q, k, v, mask, 0.125)
+    for t in range(T):
+        keep = mask[t].nonzero()[:, 0]  # (n,)
+        alone = rows.attend_rows(q[:, t:t + 1], k[:, keep], v[:, keep], None, 0.125)
+        assert torch.equal(alone[:, 0], out[:, t]), t
+    for split in (1, 3, 6):
+        parts = [rows.attend_rows(q[:, a:b], k, v, mask[a:b], 0.125) for a, b in ((0, split), (split, T))]
+        assert torch.equal(torch.cat(parts, 1), out), split
+
+
+def test_one_token_off_the_kernel_folds_groups_into_rows():
+    """Without the kernel (``kernel=None``) one unmasked token folds its query groups into rows: SDPA's answer to
+    rounding, in fp32 and bf16."""
+    gen = torch.Generator().manual_seed(2)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        q, k, v = _qkv(gen, 9, 3, 1, 201, 64, dtype)
+        ref = F.scaled_dot_product_attention(q[None], k[None], v[None], enable_gqa=True)[0]
+        out = attend(q, k, v, None, causal=False)
+        torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def _runner_rows(dtype: torch.dtype) -> Runner:
+    _rows(dtype)
+    runner = Runner.from_model(make_model("llama", seed=7), dtype=dtype)
+    assert row_kernel(runner.kernel, torch.empty(0, dtype=dtype)) is not None
+    return runner
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_forward_equals_each_sequence_alone(dtype):
+    """Three sequences (prompts of different lengths, 1, 3 and 4 new tokens) in one packed forward: each row's logits
+    bitwise what that sequence's own forward gives."""
+    runner = _runner_rows(dtype)
+    prompts, news = [list(range(5, 17)), list(range(40, 47)), list(range(90, 110))], [[3], [7, 8, 9], [11, 12, 13, 14]]
+    caches = [runner.new_cache(64) for _ in prompts]
+    for cache, prompt in zip(caches, prompts, strict=True):
+        runner.forward(cache, torch.tensor(prompt))
+    alone = []
+    for cache, prompt, new in zip(caches, prompts, news, strict=True):
+        alone.append(runner.forward(cache, torch.tensor(new)))
+        cache.rollback(len(prompt))
+    segments = [Segment(c, list(range(len(p), len(p) + len(n)))) for c, p, n in zip(caches, prompts, news, strict=True)]
+    hidden = runner.embed(torch.tensor([t for n in news for t in n]))  # (N, d)
+    packed = packed_span(runner, segments, hidden, 0, runner.num_layers, logits=True).logits
+    assert torch.equal(packed, torch.cat(alone))
+
+
+def test_bulk_prefill_stays_on_sdpa(monkeypatch):
+    """A prompt prefill (``bulk``) never calls the row attention (SDPA's GEMMs are faster over many rows)."""
+    runner = _runner_rows(torch.float32)
+    calls = []
+    monkeypatch.setattr("infer.attention.row_kernel", lambda kernel, q: calls.append(kernel))
+    cache = runner.new_cache(64)
+    runner.forward_layers(cache, runner.embed(torch.arange(5, 25)), torch.arange(20), bulk=True)
+    runner.forward_layers(cache, runner.embed(torch.arange(5, 25)), torch.arange(20, 40), bulk=True)  # masked, bulk
+    assert calls == [None] * runner.num_layers  # the causal prefill asks nothing; the masked one is told no kernel
