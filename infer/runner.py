@@ -48,6 +48,7 @@ from infer.weights import (
     load_kernel,
     load_safetensors_dir,
     norm_weight,
+    share_unfused,
     strip_prefix,
     tensor_digest,
 )
@@ -184,11 +185,14 @@ class Runner:
     def from_model(cls, model, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
                    kernel: str = "auto", executor: str = "eager", compile: bool = False) -> Runner:
         """Wrap an instantiated HF model (its weights are copied into fused tensors; by default in the model's own
-        dtype, on its own device). A model not loaded whole on one device is refused (``weights_device``)."""
+        dtype, on its own device; its o_proj and down_proj weights then point at the runner's copies, one copy each:
+        ``share_unfused``). A model not loaded whole on one device is refused (``weights_device``)."""
         home = weights_device(model)
         state = {k: v.detach() for k, v in model.state_dict().items()}
-        return cls(model.config, state, dtype=dtype or next(model.parameters()).dtype, device=device or home,
-                   kernel=kernel, executor=executor, compile=compile)
+        runner = cls(model.config, state, dtype=dtype or next(model.parameters()).dtype, device=device or home,
+                     kernel=kernel, executor=executor, compile=compile)
+        share_unfused(model, runner.layers)
+        return runner
 
     def over_layers(self, layers: list[LayerWeights], final_norm: Tensor, spec: ModelSpec | None = None) -> Runner:
         """A runner over other decoder layers with ``final_norm`` before this model's LM head: the embedding, LM

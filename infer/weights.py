@@ -176,6 +176,30 @@ def fused_weights(state: dict[str, Tensor], config, dt: torch.dtype, dev: torch.
     return embed, norm_weight(norm, spec), Linear(embed if tied else head, None, kernel), layers
 
 
+UNFUSED = {"o": "self_attn.o_proj.weight", "down": "mlp.down_proj.weight"}
+"""The runner's matrices that are a checkpoint's own (not fused): ``LayerWeights`` attribute -> HF name in a layer."""
+
+
+def share_unfused(model, layers: list[LayerWeights]) -> int:
+    """Point an HF ``model``'s o_proj and down_proj weights at the runner's copies of them (``layers``: the runner's
+    ``LayerWeights``, built from this model; the kernel placed them in ``infer.kernels.arena``), so each matrix is held
+    once, as before the arena; returns the bytes freed. A parameter in another dtype, device or shape than the
+    runner's matrix keeps its own storage. (q/k/v and gate/up are fused copies: ``infer.hf_decoding.share_weights``.)"""
+    params = strip_prefix(dict(model.named_parameters()))
+    freed = 0
+    for i, layer in enumerate(layers):
+        for attr, name in UNFUSED.items():
+            linear, p = getattr(layer, attr), params.get(f"layers.{i}.{name}")
+            if linear is None or p is None:
+                continue
+            w = linear.weight  # (out, in)
+            if (p.dtype, p.device, p.shape) != (w.dtype, w.device, w.shape) or p.data_ptr() == w.data_ptr():
+                continue
+            freed += p.numel() * p.element_size()
+            p.data = w
+    return freed
+
+
 def tensor_digest(tensors: dict[str, Tensor]) -> str:
     """A digest of named tensors' exact values (any dtype or device), to key what is built from them."""
     digest = hashlib.sha256()

@@ -1,0 +1,51 @@
+"""A runner built ``from_model`` holds each unfused matrix (o_proj, down_proj) once: the model's parameters point at the
+runner's copies (in the kernel's arena where the kernel runs), with the same values, and neither the model's nor the
+runner's outputs change."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from infer.runner import Runner
+from infer.weights import UNFUSED, share_unfused
+from tiny_models import make_model
+
+
+def _unfused(model, i: int) -> list[torch.nn.Parameter]:
+    layer = model.model.layers[i]
+    return [layer.get_parameter(name) for name in UNFUSED.values()]
+
+
+def test_from_model_points_o_and_down_at_the_runner_copies():
+    model = make_model("llama", seed=11)
+    twin = copy.deepcopy(model)  # untouched: the reference for values and outputs
+    ids = torch.arange(3, 30)
+    with torch.no_grad():
+        before = model(ids[None]).logits
+    runner = Runner.from_model(model)
+    for i, layer in enumerate(runner.layers):
+        mine = (layer.o.weight, layer.down.weight)
+        for p, w, ref in zip(_unfused(model, i), mine, _unfused(twin, i), strict=True):
+            assert p.data_ptr() == w.data_ptr()  # one copy
+            assert torch.equal(p, ref)
+            assert isinstance(p, torch.nn.Parameter) and p.requires_grad == ref.requires_grad
+    with torch.no_grad():
+        assert torch.equal(model(ids[None]).logits, before)  # the model computes what it did
+    other = Runner.from_model(copy.deepcopy(twin))  # (a runner whose model keeps nothing of ours)
+    assert torch.equal(runner.forward(runner.new_cache(64), ids), other.forward(other.new_cache(64), ids))
+
+
+def test_share_unfused_frees_each_matrix_once_and_skips_other_dtypes():
+    model = make_model("llama", seed=12)
+    runner = Runner.from_model(model)
+    assert share_unfused(model, runner.layers) == 0  # already shared: nothing more to free
+    fresh = make_model("llama", seed=12)
+    expected = sum(p.numel() * p.element_size() for i in range(len(runner.layers)) for p in _unfused(fresh, i))
+    assert share_unfused(fresh, runner.layers) == expected  # a same-valued model of its own: every matrix re-pointed
+    bf16 = Runner.from_model(make_model("llama", seed=12), dtype=torch.bfloat16)
+    kept = make_model("llama", seed=12)  # fp32 parameters, bf16 runner: each keeps its own
+    ptrs = [p.data_ptr() for i in range(len(bf16.layers)) for p in _unfused(kept, i)]
+    assert share_unfused(kept, bf16.layers) == 0
+    assert ptrs == [p.data_ptr() for i in range(len(bf16.layers)) for p in _unfused(kept, i)]
