@@ -24,7 +24,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from layerskip_core.errors import UserError
-from layerskip_core.locks import FileLock
+from layerskip_core.locks import holding
 
 OUTPUT_LOCK = ".layerskip-output.lock"
 """The lock file a command holds in its output folder while it writes there (``holding_output_dir``)."""
@@ -179,15 +179,11 @@ def holding_output_dir(path: str | os.PathLike, what: str) -> Iterator[Path]:
         target.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"{what} {target}: cannot create it ({e.strerror or e}); choose another folder") from None
-    lock = FileLock(target / OUTPUT_LOCK)
-    holder = lock.acquire()
-    if holder is not None:
-        raise UserError(f"{what} {target} is in use by another run ({holder.describe()}), which writes its results "
-                        "there; wait for it to end or choose another folder")
     try:
-        yield target
+        with holding(target / OUTPUT_LOCK, lambda holder: f"{what} {target} is in use by another run ({holder}), "
+                     "which writes its results there; wait for it to end or choose another folder"):
+            yield target
     finally:
-        lock.release()
         if created:  # a command refused before it wrote anything leaves no empty folder behind
             with suppress(OSError):
                 target.rmdir()

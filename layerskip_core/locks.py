@@ -23,6 +23,8 @@ import socket
 import stat
 import sys
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -134,6 +136,20 @@ class FileLock:
         finally:
             os.close(self._fd)
             self._fd = None
+
+
+@contextmanager
+def holding(path: str | os.PathLike, refusal: Callable[[str], str]) -> Iterator[FileLock]:
+    """The lock ``path`` held for the ``with`` block and released after it; a live holder is refused in one line,
+    ``refusal(its description)`` (a dead holder's lock is taken over: the lock's ``previous`` says whose)."""
+    lock = FileLock(path)
+    holder = lock.acquire()
+    if holder is not None:
+        raise UserError(refusal(holder.describe()))
+    try:
+        yield lock
+    finally:
+        lock.release()
 
 
 def _what_is_there(path: Path, error: OSError) -> str:

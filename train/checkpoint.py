@@ -34,7 +34,7 @@ import yaml
 
 from layerskip_core import inputs, jsonfile
 from layerskip_core.errors import UserError
-from layerskip_core.locks import FileLock
+from layerskip_core.locks import holding
 from layerskip_core.packages import ensure_writable_dir, normal_permissions
 from train.config import TrainConfig
 from train.console import quiet_tied_weight_save
@@ -249,12 +249,8 @@ def hold_run_folder(cfg: TrainConfig) -> Iterator[None]:
         yield  # another rank of this launch, or a file where the folder should be (prepare_run_folder says so)
         return
     ensure_writable_dir(out, "checkpoint.output_dir", "choose a writable checkpoint.output_dir")
-    lock = FileLock(out / RUN_LOCK)
-    holder = lock.acquire()
-    if holder is not None:
-        raise UserError(f"{out} is in use by another training ({holder.describe()}); wait for it to end or "
-                        "choose another checkpoint.output_dir")
-    try:
+    with holding(out / RUN_LOCK, lambda holder: f"{out} is in use by another training ({holder}); wait for it to end "
+                 "or choose another checkpoint.output_dir") as lock:
         if lock.previous is not None:
             print(f"layerskip: note: {out} was locked by a training that ended without releasing it "
                   f"({lock.previous.describe()}); taking it over", file=sys.stderr)
@@ -263,8 +259,6 @@ def hold_run_folder(cfg: TrainConfig) -> Iterator[None]:
         with suppress(OSError):
             checkpoints_dir(out).rmdir()  # only when nothing but temporaries was there
         yield
-    finally:
-        lock.release()
 
 
 def run_tag(accelerator) -> str:
