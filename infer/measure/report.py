@@ -83,7 +83,8 @@ class Summary:
     """Batched: tokens/s over the same method's at B = 1 (None: B = 1 not measured)."""
     decode_tokens_per_second: float | None = None
     """Batched, ours: the tokens decoding produced (each row's first comes from its prefill) over the run's wall time
-    less its rows' prefill times (prefill runs per row, in turn), median of the repeats; None for a peer."""
+    less its rows' prefill times (each row's share of the forward that prefilled it), median of the repeats; None
+    for a peer."""
     drafted: int | None = None
     """Draft tokens proposed over the first repeat's prompts, beside ``new_tokens`` (how much was drafted at all: an
     acceptance of 0.67 over 3 drafted tokens in 128 is not drafting); None for a peer."""
@@ -437,7 +438,7 @@ def write_outputs(cfg: BenchConfig, records: list[Record], out_dir: Path, comman
 BATCH_NOTE = ("Batched (`--batch-size B`): each method decodes the task's prompts B at a time (ours through the "
               "batched engine, a finished row's slot taken by the next prompt; `hf_generate` as left-padded batched "
               "`generate`, B prompts per call). tok/s = all generated tokens / the run's wall time (median of the "
-              "repeats); decode tok/s = the same without the rows' prefills (ours: prefill runs per row, in turn; "
+              "repeats); decode tok/s = the same without the rows' prefill time (ours; "
               "– for a peer); row latency = median seconds from a row's start to its finish (a peer's row: its batch's "
               "wall time); vs AR and vs HF generate at the same B, vs B=1 against the same method at B = 1; exact: "
               "each row's greedy output equals that prompt decoded alone by plain decoding.\n")
