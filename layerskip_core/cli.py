@@ -1,8 +1,10 @@
 """One command-line policy for every entry point: bad input is one line on stderr and exit code 2.
 
 ``Parser`` is the one argument parser of every entry point (no prefix matching of long options);
-``run_main`` wraps a command's body; ``split_named`` parses the ``NAME=PATH`` labels that several
-commands accept for models (``--model base=default --model trained=runs/x/final``);
+``run_main`` wraps a command's body (``parse_and_run``: a script's parse-then-run tail); ``add_output_flags`` and
+``write_result`` are a script's result file (its flag and ``--force``; the JSON written whole); ``split_named``
+parses the ``NAME=PATH`` labels that several commands accept for models (``--model base=default --model
+trained=runs/x/final``);
 ``holding_output_dir`` holds an output folder under a lock while a command writes there (two runs never mix);
 ``check_output_file`` / ``check_output_dir`` refuse an output path before any work is done: the one output-file
 policy is that an existing file is refused unless the command was given ``--force``, and ``check_distinct``
@@ -15,6 +17,7 @@ command write over what it reads.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -23,6 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+from layerskip_core import jsonfile
 from layerskip_core.errors import UserError
 from layerskip_core.locks import holding
 
@@ -64,6 +68,29 @@ def run_main(prog: str, body: Callable[[], int | None]) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+
+
+def parse_and_run(p: argparse.ArgumentParser, argv: list[str] | None, prog: str,
+                  body: Callable[[argparse.Namespace], int | None]) -> int:
+    """A script's tail: its flags parsed, then ``body(args)`` under ``run_main``'s error policy."""
+    args = p.parse_args(argv)
+    return run_main(prog, lambda: body(args))
+
+
+def add_output_flags(p: argparse.ArgumentParser, help: str, flag: str = "--out", required: bool = False) -> None:
+    """A script's result flag (``--out`` or ``--json``: a path, ``help`` saying what goes there) and ``--force``,
+    which lets it write over an earlier run's result."""
+    p.add_argument(flag, type=Path, default=None, required=required, help=help)
+    p.add_argument("--force", action="store_true", help=f"write over an earlier run's result at {flag}")
+
+
+def write_result(path: Path, value, lines: bool = False) -> None:
+    """``value`` as strict JSON (no NaN) into ``path`` (its folder created), whole or not at all
+    (``jsonfile.write``); ``lines``: a list written one JSON object per line (JSONL)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps(v, allow_nan=False) + "\n" for v in value) if lines else \
+        json.dumps(value, indent=1, allow_nan=False) + "\n"
+    jsonfile.write(path, text)
 
 
 def split_named(spec: str) -> tuple[str, str]:

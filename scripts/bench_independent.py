@@ -18,19 +18,16 @@ decided (plain steps, its last mode, its cost model's predicted speed-up) and gr
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 from infer.drafters import parse_spec
 from infer.engine import DecodeConfig
 from infer.loading import load_resolved
 from infer.measure.methods import BASELINE
 from layerskip_cli.args import add_model_flags, model_settings
-from layerskip_core import jsonfile
-from layerskip_core.cli import Parser, check_output_dir, run_main
+from layerskip_core.cli import Parser, add_output_flags, check_output_dir, parse_and_run, write_result
 from layerskip_core.prompts import load_prompts, task_name, use_chat_template
 
 
@@ -79,9 +76,8 @@ def run(args: argparse.Namespace) -> int:
     rows = summarise(specs, runs, [pid for pid, _ in prompts], args.repeats)
     print(markdown(rows, args, resolved.threads))
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        jsonfile.write((args.out / "independent.json"), json.dumps({"args": vars(args) | {"out": str(args.out)},
-                                                                "rows": rows, "runs": runs}, indent=1) + "\n")
+        write_result(args.out / "independent.json", {"args": vars(args) | {"out": str(args.out)}, "rows": rows,
+                                                     "runs": runs})
     return 0
 
 
@@ -143,10 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=4, help="prompts per source")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", type=Path, default=None, help="folder for independent.json")
-    p.add_argument("--force", action="store_true", help="write over an earlier run's independent.json in --out")
-    args = p.parse_args(argv)
-    return run_main("bench_independent", lambda: run(args))
+    add_output_flags(p, "folder for independent.json")
+    return parse_and_run(p, argv, "bench_independent", run)
 
 
 if __name__ == "__main__":

@@ -10,13 +10,13 @@ parameters, so exits are not free). All variants run in one process on the same 
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
-from layerskip_core.cli import Parser
+from layerskip_core.cli import Parser, write_result
 
 
 def variants(exits: list[int], p_maxes: list[float], rotation: int) -> dict[str, tuple[dict, dict]]:
@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"skipped {skipped[name]:.3f}  "
                   f"x{base / med:.2f} vs plain  (load {load:.1f})", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": str(path), "batch": args.batch, "block": args.block, "results": results}, f, indent=2)
+        write_result(Path(args.json), {"model": str(path), "batch": args.batch, "block": args.block,
+                                       "results": results})
     return 0
 
 

@@ -13,7 +13,7 @@ import math
 import sys
 from pathlib import Path
 
-from layerskip_core.cli import Parser, run_main
+from layerskip_core.cli import Parser, parse_and_run
 from layerskip_core.errors import UserError
 from layerskip_core.inputs import read_text
 
@@ -49,8 +49,7 @@ def run(results: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = Parser(description=__doc__)
     p.add_argument("results", type=Path, help="results.json of the tuning bench")
-    args = p.parse_args(argv)
-    return run_main("best_fixed", lambda: run(args.results))
+    return parse_and_run(p, argv, "best_fixed", lambda args: run(args.results))
 
 
 if __name__ == "__main__":

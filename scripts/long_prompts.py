@@ -13,12 +13,9 @@ short are skipped). The JSONL (id, prompt) feeds `layerskip bench --data`, `scri
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
-from layerskip_core import jsonfile
-from layerskip_core.cli import Parser, check_output_file, run_main
+from layerskip_core.cli import Parser, add_output_flags, check_output_file, parse_and_run, write_result
 from layerskip_core.errors import UserError
 
 
@@ -55,8 +52,7 @@ def run(args: argparse.Namespace) -> int:
             items.append({"id": doc.id, "prompt": prompt, "tokens": len(tokenizer(prompt)["input_ids"])})
         if len(items) == args.n:
             break
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    jsonfile.write(args.out, "".join(json.dumps(item) + "\n" for item in items))
+    write_result(args.out, items, lines=True)
     print(f"wrote {len(items)} prompts of {min(i['tokens'] for i in items)}-{max(i['tokens'] for i in items)} "
           f"tokens to {args.out}", file=sys.stderr)
     return 0
@@ -68,10 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=8, help="prompts to write (default 8)")
     p.add_argument("--min-tokens", type=int, default=300)
     p.add_argument("--max-tokens", type=int, default=400)
-    p.add_argument("--out", type=Path, required=True, help="the .jsonl file to write")
-    p.add_argument("--force", action="store_true", help="overwrite an existing --out")
-    args = p.parse_args(argv)
-    return run_main("long_prompts", lambda: run(args))
+    add_output_flags(p, "the .jsonl file to write", required=True)
+    return parse_and_run(p, argv, "long_prompts", run)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 from collections import defaultdict
@@ -32,7 +31,7 @@ from infer.measure.methods import BASELINE
 from infer.measure.plots import plot_matchness
 from layerskip_cli.args import add_run_flags, run_settings
 from layerskip_core import jsonfile
-from layerskip_core.cli import Parser, run_main, split_named
+from layerskip_core.cli import Parser, run_main, split_named, write_result
 from layerskip_core.device import dtype_name
 from layerskip_core.models import resolve_model
 from layerskip_core.prompts import load_prompts, use_chat_template
@@ -184,7 +183,7 @@ def _run(argv: list[str] | None) -> int:
                           "final_state": {m: final_state(runs[m][0]) for m in swifts},
                           "matchness_trajectory": {m: trajectory(runs[m][0]) for m in swifts},
                           "order": [f"{t}/{i}" for t, i, _ in items]}
-    jsonfile.write((args.out / "stream.json"), json.dumps(results, indent=1))
+    write_result(args.out / "stream.json", results)
     jsonfile.write((args.out / "stream.md"), markdown(results))
     plot_matchness({f"{label} · {m}": traj for label, res in results.items()
                     for m, traj in res["matchness_trajectory"].items()},

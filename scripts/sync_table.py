@@ -13,13 +13,10 @@ for one that does, and one more for SWIFT's tree.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 from layerskip_cli.args import add_model_flags, model_settings
-from layerskip_core import jsonfile
-from layerskip_core.cli import Parser, check_output_file, run_main
+from layerskip_core.cli import Parser, add_output_flags, check_output_file, parse_and_run, write_result
 from layerskip_core.settings import ModelSettings
 
 SETTINGS = ModelSettings(executor="static")
@@ -76,20 +73,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drafters", default=DRAFTERS, help=f"comma-separated drafter specs (default {DRAFTERS})")
     p.add_argument("--prompt", default=PROMPT, help="the prompt text")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--json", type=Path, default=None, help="also write the rows here")
-    p.add_argument("--force", action="store_true", help="overwrite an existing --json")
-    args = p.parse_args(argv)
+    add_output_flags(p, "also write the rows here", flag="--json")
+    return parse_and_run(p, argv, "sync_table", run)
 
-    def run() -> int:
-        if args.json is not None:
-            check_output_file(args.json, "--json", force=args.force)
-        rows = measure(args)
-        print(table(rows))
-        if args.json is not None:
-            jsonfile.write(args.json, json.dumps(rows, indent=1) + "\n")
-        return 0 if all(r["per_cycle"] <= r["budget"] + 1e-9 for r in rows) else 1
 
-    return run_main("sync_table", run)
+def run(args: argparse.Namespace) -> int:
+    if args.json is not None:
+        check_output_file(args.json, "--json", force=args.force)
+    rows = measure(args)
+    print(table(rows))
+    if args.json is not None:
+        write_result(args.json, rows)
+    return 0 if all(r["per_cycle"] <= r["budget"] + 1e-9 for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -36,8 +36,7 @@ from transformers import LlamaConfig
 
 from infer.measure.seeded_models import byte_tokenizer
 from infer.measure.seeded_models import random_model as seeded_random_model
-from layerskip_core import jsonfile
-from layerskip_core.cli import Parser
+from layerskip_core.cli import Parser, write_result
 from layerskip_core.doc_sections import GPU_TRAINING, write_section
 from train.config import EarlyExitConfig, LayerDropoutConfig
 
@@ -328,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     result = train_check(args.device, args.tiny, args.tokenizer_dir)
     print(training_table(result))
     if args.json:
-        jsonfile.write(Path(args.json), json.dumps(result, indent=2))
+        write_result(Path(args.json), result)
     if args.doc:
         update_training_doc(result, args.doc)
     return 0 if result["e2e_ok"] else 1
