@@ -11,12 +11,12 @@ The batched bench (``layerskip bench --batch-size B``, ``run_batched_task``): ev
 prompt); the `transformers` peers (``methods.BATCH_PEERS``) run batched ``generate`` on the same prompts, left-padded
 ``B`` at a time, with the same greedy or sampling settings, ``max_new_tokens`` and EOS handling. The fairness rules
 are the one-prompt bench's: untimed warm-ups (per method and ``B``), a fresh engine (fresh drafters) per timed run and
-nothing carried into it, the runs interleaved per repeat (every ``B``, every method in turn), the median of the
-repeats, the threads of ``cfg.run`` for all. A run's records are one per prompt: ``stats.wall_time`` is that row's
-latency (its start to its finish; a peer's row: its batch's wall time) and ``run_wall`` the whole run's wall time,
-whose total tokens over it is the run's tokens/s (``report.summarize``). Each row's greedy output is judged
-(``judge_output``, the one check of the one-prompt bench) against that prompt decoded alone by plain decoding,
-computed once per task, untimed.
+nothing carried into it, the runs interleaved per repeat (every ``B``, every method in turn; the order reversed on odd
+repeats), the median of the repeats, the threads of ``cfg.run`` for all. A run's records are one per prompt:
+``stats.wall_time`` is that row's latency (its start to its finish; a peer's row: its batch's wall time) and
+``run_wall`` the whole run's wall time, whose total tokens over it is the run's tokens/s (``report.summarize``). Each
+row's greedy output is judged (``judge_output``, the one check of the one-prompt bench) against that prompt decoded
+alone by plain decoding, computed once per task, untimed.
 """
 
 from __future__ import annotations
@@ -292,8 +292,8 @@ def run_batched_task(cfg: BenchConfig, model: LoadedModel, peer: Peer | None, la
     bar = tqdm(total=cfg.repeats * len(cfg.batch_sizes) * len(cfg.methods), desc=f"{label}/{task} batched",
                disable=not progress, leave=False)
     for repeat in range(cfg.repeats):
-        for size in cfg.batch_sizes:
-            for method in cfg.methods:
+        for size in alternate(cfg.batch_sizes, repeat):
+            for method in alternate(cfg.methods, repeat):
                 bar.set_postfix_str(f"{method.label} B={size}")
                 rows, wall = _timed_run(cfg, model, peer, label, method, ids, size)
                 for prompt, ref, (tokens, stats, verified) in zip(prompts, reference, rows, strict=True):
@@ -307,6 +307,12 @@ def run_batched_task(cfg: BenchConfig, model: LoadedModel, peer: Peer | None, la
                 bar.update()
     bar.close()
     return records
+
+
+def alternate(items: list, repeat: int) -> list:
+    """``items`` in order on even repeats, reversed on odd ones: over two repeats a load that drifts during the run
+    (a shared machine) hits the first and the last (B, method) alike."""
+    return list(items) if repeat % 2 == 0 else list(reversed(items))
 
 
 def alone(model: LoadedModel, prompts: list[list[int]], cfg: BenchConfig) -> list[list[int]]:
