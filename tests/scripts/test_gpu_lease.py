@@ -203,3 +203,15 @@ def test_make_lease_ends_with_the_next_steps_in_users_terms():
                   "gpu_lease.py check", "gpu_lease.py compare", "gpu_lease.py publish", "minutes"):
         assert words in text, words
     assert "carry" not in text and "device command" not in text
+
+
+def test_one_budget_rule_for_every_lease_program():
+    """A part, a step and a stage's program are cut by the same rule: nothing starts past the budget (less a
+    reserve), a running step gets what is left, a program is stopped a grace after it; 0 is no budget."""
+    spent = Budget(10.0, started=0.0)
+    assert spent.over() and spent.left() == 1.0 and spent.limit(45.0) == 55.0
+    fresh = Budget(100.0)
+    assert not fresh.over() and fresh.over(reserve=100.0) and 99.0 < fresh.left() <= 100.0
+    none = Budget(0.0, started=0.0)
+    assert not none.over(reserve=1e9) and none.left() is None and none.limit() is None
+    assert gpu_lease.BUDGET_S == {"check": 240.0, "compare": 240.0} and gpu_lease.GRACE_S == 45.0
