@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> dict:
     kinds = {k: training_prompts(k, args.per_kind) for k in args.kinds.split(",")}
     started, counts = time.time(), {}
     with tqdm(total=sum(map(len, kinds.values())), desc="self-distill", unit="prompt",
-              disable=not sys.stderr.isatty()) as bar:
+              mininterval=0 if sys.stderr.isatty() else 60) as bar:
         for kind, prompts in kinds.items():
             records = generate_kind(model, tokenizer, prompts, args, bar)
             _write_jsonl(out / f"{kind}.jsonl", records)
