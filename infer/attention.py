@@ -47,9 +47,10 @@ def group_mask(visible: Tensor, groups: int, dtype) -> Tensor:
 
 
 def row_kernel(kernel, q: Tensor):
-    """``kernel`` when it has the batch-invariant row attention for ``q``'s dtype here (AVX-512 path, CPU, fp32, or bf16
-    with AVX512_BF16); else None."""
-    if kernel is None or q.device.type != "cpu" or not hasattr(kernel, "attend_rows") or kernel.path() != "avx512":
+    """``kernel`` when it has the batch-invariant row attention for ``q`` here (AVX-512 path, CPU, head dim <= 256,
+    fp32, or bf16 with AVX512_BF16); else None."""
+    if (kernel is None or q.device.type != "cpu" or q.shape[-1] > 256 or not hasattr(kernel, "attend_rows")
+            or kernel.path() != "avx512"):
         return None
     if q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and kernel.supports_bf16()):
         return kernel

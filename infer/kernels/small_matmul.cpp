@@ -255,70 +255,99 @@ void rms_norm_bf16(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat16
 }
 
 // ---- attention of one query row over the cache (batch invariant: the row's arithmetic never depends on T)
-inline __m512 load16(const float* p, int64_t n) {
-  return n >= 16 ? _mm512_loadu_ps(p) : F32::load_tail(p, n);
+inline __mmask16 first(int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1); }
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const c10::BFloat16* p, __mmask16 m) { return widen(_mm256_maskz_loadu_epi16(m, p)); }
+inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store16(c10::BFloat16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, narrow(v)); }
+
+// Eight dot products at once, one per vector: out[j] = ((x0+x1)+(x2+x3)) + ((x4+x5)+(x6+x7)), x_i = a[j] lane i + lane
+// i+8: the same tree for every j, so a key's score does not depend on where in a block of 8 it falls.
+inline __m256 fold(__m512 a) { return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)); }
+inline __m256 reduce8(const __m512* a) {
+  const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(fold(a[0]), fold(a[1])), _mm256_hadd_ps(fold(a[2]), fold(a[3])));
+  const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(fold(a[4]), fold(a[5])), _mm256_hadd_ps(fold(a[6]), fold(a[7])));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
 }
-inline __m512 load16(const c10::BFloat16* p, int64_t n) {
-  return widen(n >= 16 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                       : _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p));
-}
-inline void store16(float* p, __m512 v, int64_t n) {
-  _mm512_mask_storeu_ps(p, static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1), v);
-}
-inline void store16(c10::BFloat16* p, __m512 v, int64_t n) {
-  _mm256_mask_storeu_epi16(p, static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1), narrow(v));
+
+// exp(x), 16 lanes (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, times 2^n); elementwise, so a score's
+// exp does not depend on its lane either.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f))), n);
 }
 
 struct Rows {  // strides in elements; the last dim of every tensor is contiguous
-  int64_t S, D, kh, ks, vh, vs, mt;  // keys; head dim; k head/row strides; v head/row strides; mask row stride
+  int64_t S, D, kh, ks, vh, vs;  // keys; head dim; k head/row strides; v head/row strides
   float scale;
 };
 
-// Query row q (D) against the keys of one KV head: scores over the visible keys (mask row ``vis``, null: all) in
-// ascending order (each a D-long dot in 16 lanes, then ``hsum``), their max, exp and sum in that order, and the
-// weighted sum of the values (16 lanes of the head dim, keys in the same order). A masked key is skipped, never
-// added as a zero, so a row of a T-token call computes what the same row computes alone. ``qf`` (D), ``score``
-// and ``idx`` (S) are scratch; ``acc`` (D rounded up to 16).
-template <class E>
-void attend_row(const E* q, const E* k, const E* v, const bool* vis, const Rows& r, float* qf, float* score,
-                int64_t* idx, float* acc, E* out) {
-  const int64_t D = r.D;
-  for (int64_t c = 0; c < D; c += 16) store16(qf + c, load16(q + c, D - c), D - c);  // exact widening
+// Query row q (D = NC chunks of 16, the last masked) against one KV head's keys: every key's score in blocks of 8
+// (``reduce8``); the visible keys (mask row ``vis``, null: all) listed in ascending order; their max, exp
+// (``exp16``) and the weighted sum of their values in that order, the n-th visible key into sum n % 2 (two
+// dependency chains; the two added at the end). A masked key adds nothing, so a row of a T-token call computes what
+// the same row computes alone. ``score`` and ``seen``: S + 16 entries of scratch.
+template <class E, int NC>
+void attend_row(const E* q, const E* k, const E* v, const bool* vis, const Rows& r, float* score, int64_t* seen,
+                E* out) {
+  __mmask16 mk[NC];
+  __m512 qv[NC], acc[NC > 8 ? NC : 8], odd[NC];
+  for (int c = 0; c < NC; ++c) qv[c] = load16(q + 16 * c, mk[c] = first(r.D - 16 * c));
   int64_t n = 0;
-  float m = -INFINITY;
-  for (int64_t s = 0; s < r.S; ++s) {
-    if (vis != nullptr && !vis[s]) continue;
-    __m512 dot = _mm512_setzero_ps();
-    for (int64_t c = 0; c < D; c += 16) dot = _mm512_fmadd_ps(load16(qf + c, D - c), load16(k + s * r.ks + c, D - c), dot);
-    const float x = hsum(dot) * r.scale;
-    score[n] = x;
-    idx[n++] = s;
-    m = std::max(m, x);
+  for (int64_t s = 0; s < r.S; ++s) seen[n] = s, n += vis == nullptr || vis[s];
+  for (int64_t i = 0; i < n; i += 8) {
+    for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
+    for (int c = 0; c < NC; ++c)
+      for (int j = 0; j < 8; ++j)  // past the last key: the last key again (its score is not used)
+        acc[j] = _mm512_fmadd_ps(qv[c], load16(k + seen[std::min(i + j, n - 1)] * r.ks + 16 * c, mk[c]), acc[j]);
+    _mm256_storeu_ps(score + i, _mm256_mul_ps(reduce8(acc), _mm256_set1_ps(r.scale)));
   }
-  float sum = 0.0f;
-  for (int64_t j = 0; j < n; ++j) sum += (score[j] = std::exp(score[j] - m));
-  for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(acc + c, _mm512_setzero_ps());
-  for (int64_t j = 0; j < n; ++j) {
-    const __m512 p = _mm512_set1_ps(score[j]);
-    const E* vj = v + idx[j] * r.vs;
-    for (int64_t c = 0; c < D; c += 16)
-      _mm512_storeu_ps(acc + c, _mm512_fmadd_ps(p, load16(vj + c, D - c), _mm512_loadu_ps(acc + c)));
+  float m = -INFINITY, sums[2] = {0.0f, 0.0f};
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, score[i]);
+  for (int64_t i = 0; i < n; i += 16)
+    store16(score + i, exp16(_mm512_sub_ps(load16(score + i, first(n - i)), _mm512_set1_ps(m))), first(n - i));
+  for (int c = 0; c < NC; ++c) acc[c] = odd[c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 2) {
+    const __m512 p = _mm512_set1_ps(score[i]);
+    sums[0] += score[i];
+    for (int c = 0; c < NC; ++c) acc[c] = _mm512_fmadd_ps(p, load16(v + seen[i] * r.vs + 16 * c, mk[c]), acc[c]);
+    if (i + 1 == n) break;
+    const __m512 p1 = _mm512_set1_ps(score[i + 1]);
+    sums[1] += score[i + 1];
+    for (int c = 0; c < NC; ++c) odd[c] = _mm512_fmadd_ps(p1, load16(v + seen[i + 1] * r.vs + 16 * c, mk[c]), odd[c]);
   }
-  const __m512 inv = _mm512_set1_ps(n > 0 ? 1.0f / sum : 0.0f);  // a row with no visible key: zeros
-  for (int64_t c = 0; c < D; c += 16) store16(out + c, _mm512_mul_ps(_mm512_loadu_ps(acc + c), inv), D - c);
+  const __m512 inv = _mm512_set1_ps(n > 0 ? 1.0f / (sums[0] + sums[1]) : 0.0f);  // no visible key: zeros
+  for (int c = 0; c < NC; ++c) store16(out + 16 * c, _mm512_mul_ps(_mm512_add_ps(acc[c], odd[c]), inv), mk[c]);
+}
+
+// attend_row with NC = ceil(D / 16) fixed at compile time (1..16: head dims up to 256), so q and the accumulators
+// stay in registers.
+template <class E, int NC = 1>
+void attend_any(int64_t nc, const E* q, const E* k, const E* v, const bool* vis, const Rows& r, float* score,
+                int64_t* seen, E* out) {
+  if constexpr (NC < 16) {
+    if (nc > NC) return attend_any<E, NC + 1>(nc, q, k, v, vis, r, score, seen, out);
+  }
+  attend_row<E, NC>(q, k, v, vis, r, score, seen, out);
 }
 
 // Items [i0, i1) of the (query head, row) pairs, Hq * T of them, head-major; q (Hq, T, D) at strides qh, qt;
-// out (T, Hq, D) contiguous. Query head h reads KV head h / G.
+// mask (T, S); out (T, Hq, D) contiguous. Query head h reads KV head h / G.
 template <class E>
 void attend_range(const E* q, int64_t qh, int64_t qt, const E* k, const E* v, const bool* mask, E* out,
                   int64_t Hq, int64_t T, int64_t G, const Rows& r, int64_t i0, int64_t i1) {
-  std::vector<float> qf(r.D + 16), acc(r.D + 16), score(r.S);
-  std::vector<int64_t> idx(r.S);
+  std::vector<float> score(r.S + 16);
+  std::vector<int64_t> seen(r.S + 16);
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t h = i / T, t = i % T, j = h / G;
-    attend_row<E>(q + h * qh + t * qt, k + j * r.kh, v + j * r.vh, mask == nullptr ? nullptr : mask + t * r.mt, r,
-                  qf.data(), score.data(), idx.data(), acc.data(), out + (t * Hq + h) * r.D);
+    attend_any<E>((r.D + 15) / 16, q + h * qh + t * qt, k + j * r.kh, v + j * r.vh,
+                  mask == nullptr ? nullptr : mask + t * r.S, r, score.data(), seen.data(), out + (t * Hq + h) * r.D);
   }
 }
 
@@ -413,7 +442,8 @@ torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& k, const 
   TORCH_CHECK(q.dtype() == k.dtype() && q.dtype() == v.dtype() && (bf16 || q.dtype() == torch::kFloat32) &&
               q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "fp32 or bf16 CPU tensors");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.size(2) == k.size(2) &&
-              k.size(0) > 0 && q.size(0) % k.size(0) == 0, "q (Hq, T, D), k and v (Hkv, S, D), Hq = G Hkv");
+              k.size(0) > 0 && q.size(0) % k.size(0) == 0 && q.size(2) <= 256,
+              "q (Hq, T, D), k and v (Hkv, S, D), Hq = G Hkv, D <= 256");
   const auto qc = q.stride(2) == 1 ? q : q.contiguous();
   const auto kc = k.stride(2) == 1 ? k : k.contiguous();
   const auto vc = v.stride(2) == 1 ? v : v.contiguous();
@@ -423,7 +453,7 @@ torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& k, const 
     mc = mask->contiguous();
     TORCH_CHECK(mc.dtype() == torch::kBool && mc.dim() == 2 && mc.size(0) == T && mc.size(1) == S, "mask (T, S) bool");
   }
-  const avx512::Rows r{S, D, kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), S, static_cast<float>(scale)};
+  const avx512::Rows r{S, D, kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), static_cast<float>(scale)};
   auto out = torch::empty({T, Hq, D}, q.options());
   const bool* mp = mc.defined() ? mc.data_ptr<bool>() : nullptr;
   const int64_t G = Hq / k.size(0);
