@@ -13,7 +13,7 @@ from infer import kernels
 from infer.attention import attend, row_kernel
 from infer.packed import Segment, packed_span
 from infer.runner import Runner
-from tiny_models import make_model
+from tiny_models import FAMILY_KINDS, family_model, make_model
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -117,3 +117,21 @@ def test_bulk_prefill_stays_on_sdpa(monkeypatch):
     runner.forward_layers(cache, runner.embed(torch.arange(5, 25)), torch.arange(20), bulk=True)
     runner.forward_layers(cache, runner.embed(torch.arange(5, 25)), torch.arange(20, 40), bulk=True)  # masked, bulk
     assert calls == [None] * runner.num_layers  # the causal prefill asks nothing; the masked one is told no kernel
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", FAMILY_KINDS)
+def test_families_verify_as_they_decode(kind, dtype):
+    """Every family (q/k norms, head dims 16 and 24, sliding windows shorter than the context, Gemma 3's scale and
+    sandwich norms): a T-token forward's logits bitwise what one token at a time gives, past the window too."""
+    _rows(dtype)
+    runner = Runner.from_model(family_model(kind, seed=4), dtype=dtype)
+    ids = torch.randint(3, 300, (80,), generator=torch.Generator().manual_seed(4))
+    cache = runner.new_cache(128)
+    runner.forward(cache, ids[:60])  # past TINY_WINDOW (48): windowed layers hide early keys
+    for T in (2, 5, 12):
+        batched = runner.forward(cache, ids[60:60 + T])
+        cache.rollback(60)
+        stepped = torch.cat([runner.forward(cache, ids[i:i + 1]) for i in range(60, 60 + T)])
+        cache.rollback(60)
+        assert torch.equal(batched, stepped), (kind, T)
