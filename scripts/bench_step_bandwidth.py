@@ -9,6 +9,9 @@ over T new tokens with ``--context`` tokens already in the cache. The bandwidth 
 over the one-token step's time (the weight bytes / step time, over the probe's bytes / probe time); it is printed
 per round and as the median, beside the milliseconds, so another machine can check it. v(T) = the median T-token
 forward over the median one-token step. Interleaving puts the host's other load on probe and step alike.
+
+``--attention rows,sdpa`` measures a kernel runner twice: with the kernel's batch-invariant row attention (``rows``,
+the default) and with torch's SDPA in its place (``sdpa``: the route prompt prefill takes), to price the attention.
 """
 
 from __future__ import annotations
@@ -72,6 +75,15 @@ def measure(runner: Runner, sizes: list[int], rounds: int, context: int) -> dict
             "probe_gb_s": statistics.median(probe_gbs), "step_gb_s": nbytes / base / 1e9}
 
 
+def on_sdpa(runner: Runner) -> Runner:
+    """``runner`` attending through SDPA instead of the kernel's row attention (as its ``bulk`` calls do)."""
+    def cached_attention(i, cache, q, k, v, attn_mask, scale=None, bulk=False):
+        return Runner.cached_attention(runner, i, cache, q, k, v, attn_mask, scale, bulk=True)
+
+    runner.cached_attention = cached_attention
+    return runner
+
+
 def _ints(text: str, flag: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -90,6 +102,9 @@ def _row(name: str, r: dict, sizes: list[int]) -> str:
 def run(args: argparse.Namespace) -> int:
     sizes = sorted(set(_ints(args.sizes, "--sizes")) | {1})
     threads_list = _ints(args.threads_list, "--threads-list")
+    attentions = [a.strip() for a in args.attention.split(",")]
+    if not attentions or not set(attentions) <= {"rows", "sdpa"}:
+        raise UserError(f"--attention {args.attention!r}: give rows, sdpa or both")
     if args.out:
         check_output_file(args.out, "--out", force=args.force)
     settings = model_settings(args).resolve()
@@ -98,9 +113,14 @@ def run(args: argparse.Namespace) -> int:
     results = []
     for dtype_text in args.dtypes.split(","):
         dtype = parse_dtype(dtype_text.strip(), settings.device)
-        for kernel in args.kernels.split(","):
-            runner = Runner.from_pretrained(settings.model, dtype=dtype, device="cpu", kernel=kernel.strip())
+        for kernel, attention in [(k.strip(), a) for k in args.kernels.split(",") for a in attentions]:
+            if kernel == "torch" and attention != attentions[0]:
+                continue  # torch's matmul runs SDPA anyway: measured once
+            runner = Runner.from_pretrained(settings.model, dtype=dtype, device="cpu", kernel=kernel)
             path = "torch" if runner.kernel is None else f"kernel-{getattr(runner.kernel, 'path', lambda: 'avx2')()}"
+            if runner.kernel is not None:
+                path += f" attn-{attention}"
+                runner = on_sdpa(runner) if attention == "sdpa" else runner
             for threads in threads_list:
                 torch.set_num_threads(threads)
                 r = measure(runner, sizes, args.rounds, args.context)
@@ -127,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16")
     p.add_argument("--threads-list", default="1,2", help="comma-separated thread counts")
     p.add_argument("--kernels", default="auto", help="comma-separated: auto (the C++ kernel where it runs), torch")
+    p.add_argument("--attention", default="rows", help="comma-separated, for kernel runners: rows (the kernel's "
+                   "row attention), sdpa (torch's, as before issue 44 item 4)")
     p.add_argument("--sizes", default="1,2,4,8,16")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--context", type=int, default=200, help="tokens already in the cache")
