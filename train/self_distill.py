@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from layerskip_core.cli import run_main
+from layerskip_core.cli import Parser, finite_float, run_main
 from layerskip_core.errors import UserError
 from layerskip_core.models import resolve_model
 from train.adapter import code_commit
@@ -80,14 +80,14 @@ def _write_jsonl(path: Path, records: list[dict]) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m train.self_distill", description=__doc__.split("\n\n")[0])
+    ap = Parser(prog="python -m train.self_distill", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default", help="model folder, hub id or 'default' (the embedded model)")
     ap.add_argument("--out", required=True, help="output folder (refused when it holds data, unless --force)")
     ap.add_argument("--kinds", default=",".join(TRAIN_KINDS), help=f"comma-separated kinds (of {TRAIN_KINDS})")
     ap.add_argument("--per-kind", type=int, default=None, help="at most this many prompts per kind (all: default)")
     ap.add_argument("--max-new-tokens", type=int, default=160, help="tokens generated per prompt")
-    ap.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled half")
-    ap.add_argument("--top-p", type=float, default=0.95, help="top-p of the sampled half")
+    ap.add_argument("--temperature", type=finite_float, default=0.8, help="temperature of the sampled half")
+    ap.add_argument("--top-p", type=finite_float, default=0.95, help="top-p of the sampled half")
     ap.add_argument("--batch-size", type=int, default=16, help="prompts per generate call")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="model dtype (bf16 on GPUs)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
