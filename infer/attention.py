@@ -57,14 +57,24 @@ def row_kernel(kernel, q: Tensor):
     return None
 
 
+def rows_for(kernel, q: Tensor, mask: Tensor | None, causal: bool):
+    """The module whose row attention runs this call (``row_kernel``: every non-causal call with a bool mask or none),
+    or None: SDPA."""
+    return None if causal or (mask is not None and mask.dtype != torch.bool) else row_kernel(kernel, q)
+
+
+def score_scale(q: Tensor, scale: float | None) -> float:
+    return q.shape[-1] ** -0.5 if scale is None else scale
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, scale: float | None = None,
            kernel=None) -> Tensor:
     """q (Hq, T, D) over k, v (Hkv, S, D): ``mask`` (T, S) bool, or None for all visible (``causal``: row t sees
     slots [0, t], valid only when the T rows are slots [0, T)); ``scale``: the score scale (None: D ** -0.5);
-    ``kernel``: the small-matmul module, whose row attention then runs every non-causal call (``row_kernel``)."""
-    rows = None if causal or (mask is not None and mask.dtype != torch.bool) else row_kernel(kernel, q)
+    ``kernel``: the small-matmul module, whose row attention then runs every non-causal call (``rows_for``)."""
+    rows = rows_for(kernel, q, mask, causal)
     if rows is not None:
-        return rows.attend_rows(q, k, v, mask, q.shape[-1] ** -0.5 if scale is None else scale)  # (Hq, T, D)
+        return rows.attend_rows(q, k, v, mask, score_scale(q, scale))  # (Hq, T, D)
     if mask is not None:
         return grouped_attention(q, k, v, mask, scale)
     Hq, T, D = q.shape

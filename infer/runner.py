@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from infer import layer_math
-from infer.attention import attend
+from infer.attention import attend, rows_for, score_scale
 from infer.graphs import StaticExecutor
 from infer.kv_cache import CachePool, KVCache, capacity_bucket, ints_to_device
 from infer.plan import LayerPlan
@@ -457,19 +457,22 @@ class Runner:
         filled slots with ``attn_mask`` (``attn_mask``'s form; None: causal from slot 0, or all visible) and the
         score ``scale`` (None: D ** -0.5): (Hq, T, D). The packed batch forward (``infer.packed``) calls it once per
         row over that row's own cache. With the kernel, every row runs the batch-invariant row attention
-        (``infer.attention.attend``), except in ``bulk`` (prompt prefill) calls."""
+        (``infer.attention.attend``; the cache writes in the same C++ call), except in ``bulk`` (prompt prefill)
+        calls."""
         T = q.shape[1]
         start = cache.lengths[i]
         stop = start + T
         if stop > cache.capacity:
             raise RuntimeError(f"KV cache full: layer {i} needs {stop} slots, capacity {cache.capacity}")
+        cache.lengths[i] = stop
+        rows = None if bulk else rows_for(self.kernel, q, attn_mask, start == 0 and T > 1)
+        if rows is not None:
+            return rows.attend_cache(q, k, v, cache.k, cache.v, i, start, attn_mask, score_scale(q, scale))
         cache.k[i, :, start:stop] = k
         cache.v[i, :, start:stop] = v
-        cache.lengths[i] = stop
         keys = cache.k[i, :, :stop]  # (Hkv, S, D)
         values = cache.v[i, :, :stop]  # (Hkv, S, D)
-        return attend(q, keys, values, attn_mask, causal=start == 0 and T > 1, scale=scale,
-                      kernel=None if bulk else self.kernel)  # (Hq, T, D)
+        return attend(q, keys, values, attn_mask, causal=start == 0 and T > 1, scale=scale)  # (Hq, T, D)
 
     def qkv_rope(self, w: LayerWeights, hidden: Tensor, cos: Tensor, sin: Tensor,
                  bulk: bool = False) -> tuple[Tensor, Tensor, Tensor]:

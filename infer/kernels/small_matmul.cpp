@@ -276,7 +276,8 @@ inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  const __m512 hi = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), hi);
   __m512 p = _mm512_set1_ps(1.9875691500e-4f);
   for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
@@ -471,6 +472,19 @@ torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& k, const 
   return out.transpose(0, 1);
 }
 
+// ``attend_rows`` after writing k, v (Hkv, T, D) at slots [start, start + T) of layer ``layer`` of the caches ck, cv
+// (L, Hkv, C, D), over that layer's slots [0, start + T): one call from Python instead of five.
+torch::Tensor attend_cache(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                           const torch::Tensor& ck, const torch::Tensor& cv, int64_t layer, int64_t start,
+                           const c10::optional<torch::Tensor>& mask, double scale) {
+  TORCH_CHECK(ck.dim() == 4 && cv.sizes() == ck.sizes() && k.dim() == 3 && start + k.size(1) <= ck.size(2),
+              "caches (L, Hkv, C, D) with room for k's T rows");
+  auto kl = ck.select(0, layer), vl = cv.select(0, layer);  // (Hkv, C, D) views
+  kl.narrow(1, start, k.size(1)).copy_(k);
+  vl.narrow(1, start, v.size(1)).copy_(v);
+  return attend_rows(q, kl.narrow(1, 0, start + k.size(1)), vl.narrow(1, 0, start + k.size(1)), mask, scale);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -478,5 +492,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("path", &path_name, "the instruction set this process uses: 'avx512' or 'avx2'");
   m.def("supports_bf16", &supports_bf16, "whether bf16 weights run here (AVX512_BF16)");
   m.def("attend_rows", &attend_rows, "softmax(q k^T scale) v one query row at a time (fp32, bf16; AVX-512 path)");
+  m.def("attend_cache", &attend_cache, "attend_rows after writing k, v into one layer of the KV caches");
   m.def("rms_norm", &rms_norm, "w * x * rsqrt(mean(x^2) + eps) over the last dim (fp32, bf16; AVX-512 path)");
 }

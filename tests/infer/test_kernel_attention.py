@@ -71,6 +71,22 @@ def test_each_row_is_what_it_computes_alone(dtype):
         assert torch.equal(torch.cat(parts, 1), out), split
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attend_cache_writes_the_rows_then_attends(dtype):
+    """``attend_cache`` (the runner's call): k, v written at [start, start + T) of one layer of the caches, nothing else
+    touched, and the result ``attend_rows`` gives over that layer's slots [0, start + T)."""
+    rows = _rows(dtype)
+    gen = torch.Generator().manual_seed(3)
+    cache_k, cache_v = (torch.randn(3, 2, 40, 24, generator=gen).to(dtype) for _ in range(2))  # (L, Hkv, C, D)
+    q, k, v = _qkv(gen, 4, 2, 5, 5, 24, dtype)  # q (4, 5, 24); k, v (2, 5, 24), strided
+    mask = torch.ones(5, 35, dtype=torch.bool).tril(30)
+    want_k, want_v = cache_k.clone(), cache_v.clone()
+    want_k[1, :, 30:35], want_v[1, :, 30:35] = k, v
+    out = rows.attend_cache(q, k, v, cache_k, cache_v, 1, 30, mask, 0.2)
+    assert torch.equal(cache_k, want_k) and torch.equal(cache_v, want_v)
+    assert torch.equal(out, rows.attend_rows(q, want_k[1, :, :35], want_v[1, :, :35], mask, 0.2))
+
+
 def test_one_token_off_the_kernel_folds_groups_into_rows():
     """Without the kernel (``kernel=None``) one unmasked token folds its query groups into rows: SDPA's answer to
     rounding, in fp32 and bf16."""
