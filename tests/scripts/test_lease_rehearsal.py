@@ -7,7 +7,9 @@ block. One file, so that `make test`'s workers (xdist, --dist loadfile) run the 
 import json
 
 import pytest
+import torch
 
+from infer import kernels
 from infer.drafters import DRAFTERS
 from lease_rehearsal import returned_files
 from script_modules import load_script
@@ -75,7 +77,11 @@ def test_exactness_parts(offline_run):
     spread = exact["spread"]
     assert set(spread) == {f"{m}/{d}" for m in ("llama", "qwen2")
                            for d in ("float32/static", "float32/eager", "bfloat16/eager")}
-    assert all(0.0 <= s["max_abs"] < 1.0 for s in spread.values()) and spread["llama/bfloat16/eager"]["max_abs"] > 0
+    assert all(0.0 <= s["max_abs"] < 1.0 for s in spread.values())
+    # bf16 verification against one-token decoding: bitwise equal on the CPU kernel's batch-invariant path (AVX512_BF16
+    # matmuls and row attention), a near-tie-sized spread on torch's route (the path a GPU takes)
+    invariant = kernels.supports(kernels.load(), torch.bfloat16)
+    assert (spread["llama/bfloat16/eager"]["max_abs"] == 0) == invariant
     sampling = exact["sampling"]
     assert set(sampling) == set(DRAFTERS)  # every registered drafter
     assert all(s["ok"] and s["tokens"] == 16 for s in sampling.values())
