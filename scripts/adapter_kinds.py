@@ -87,7 +87,7 @@ def kind_rows(summaries: list[dict], verify_cost: float) -> list[str]:
                                       verify_cost)
         cells = [s["task"], setting, _f(s["acceptance_rate"]), _f(s["tokens_per_verify"]), str(s.get("drafted")),
                  _f(s["speedup_vs_autoregressive"], "x"), _f(s["draft_cost_ratio"]), _f(s["verify_cost_ratio"]),
-                 _f(projected, "x"), str(s["exact_mismatches"])]
+                 _f(projected, "x"), str(s["exact_mismatches"]), s.get("note") or ""]
         rows.append("| " + " | ".join(cells) + " |")
     return rows
 
@@ -99,10 +99,10 @@ def _f(x: float | None, suffix: str = "") -> str:
 def write_table(out: Path, command: list[str], verify_cost: float) -> str:
     results = json.loads((out / "bench" / "results.json").read_text())
     head = ["kind", "setting", "acceptance", "M", "drafted", "speed-up (measured)", "c", "v (measured)",
-            f"speed-up at v={verify_cost}", "mismatches"]
+            f"speed-up at v={verify_cost}", "mismatches", "note"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += kind_rows(results["summaries"], verify_cost)
-    text = "\n".join(lines) + "\n\nCommand: `" + " ".join(command[2:]) + "`\n"
+    lines += kind_rows(results["summary"], verify_cost)
+    text = "\n".join(lines) + "\n\nCommand: `layerskip " + " ".join(command[3:]) + "`\n"
     (out / "kinds.md").write_text(text)
     return text
 
