@@ -87,6 +87,23 @@ def test_attend_cache_writes_the_rows_then_attends(dtype):
     assert torch.equal(out, rows.attend_rows(q, want_k[1, :, :35], want_v[1, :, :35], mask, 0.2))
 
 
+def test_threads_split_rows_without_changing_any_bit():
+    rows = _rows(torch.float32)
+    q, k, v = _qkv(torch.Generator().manual_seed(5), 9, 3, 6, 50, 64, torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = rows.attend_rows(q, k, v, None, 0.125)
+        torch.set_num_threads(2)
+        assert torch.equal(rows.attend_rows(q, k, v, None, 0.125), one)
+    finally:
+        torch.set_num_threads(threads)
+    q.requires_grad_(True)
+    assert row_kernel(rows, q) is None  # autograd: SDPA (the C++ call has no backward)
+    with torch.no_grad():
+        assert row_kernel(rows, q) is rows
+
+
 def test_one_token_off_the_kernel_folds_groups_into_rows():
     """Without the kernel (``kernel=None``) one unmasked token folds its query groups into rows: SDPA's answer to
     rounding, in fp32 and bf16."""
