@@ -3,7 +3,8 @@
     python scripts/bench_step_bandwidth.py --rounds 7 --out runs/step_bandwidth.json
     python scripts/bench_step_bandwidth.py --dtypes fp32 --threads-list 1 --kernels auto,torch
 
-Each round, for every (dtype, threads, kernel) and every T: a probe reads a buffer as large as the step's weights
+Each round (per dtype and thread count), every route in turn (``--kernels`` x ``--attention``, so the host's load
+changes hit them alike), and for each T: a probe reads a buffer as large as the step's weights
 (``torch.sum``: one sequential read, which also evicts the previous step's weights from the cache), then one forward
 over T new tokens with ``--context`` tokens already in the cache. The bandwidth ratio of a round is the probe's time
 over the one-token step's time (the weight bytes / step time, over the probe's bytes / probe time); it is printed
@@ -17,6 +18,7 @@ the default) and with torch's SDPA in its place (``sdpa``: the route prompt pref
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -46,33 +48,45 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def measure(runner: Runner, sizes: list[int], rounds: int, context: int) -> dict:
-    """Interleaved probe / forward rounds for one runner (the thread count is the caller's)."""
-    nbytes = weight_bytes(runner)
-    probe = torch.ones(nbytes // 4)  # fp32, as many bytes as the weights
+def _prepared(runner: Runner, sizes: list[int], context: int):
+    """A cache holding ``context`` tokens, after one warm-up forward of every size."""
     cache = runner.new_cache(context + max(sizes) + 8)
     runner.forward(cache, torch.arange(100, 100 + context))
-    for T in sizes:  # warm up every shape once
+    for T in sizes:
         cache.rollback(context)
         runner.forward(cache, torch.arange(1000, 1000 + T))
-    times: dict[int, list[float]] = {T: [] for T in sizes}
-    ratios: list[float] = []
-    probe_gbs: list[float] = []
+    return cache
+
+
+def measure(runners: dict[str, Runner], sizes: list[int], rounds: int, context: int) -> dict[str, dict]:
+    """Interleaved rounds (the thread count is the caller's): in each, every runner in turn, and for each of its T a
+    probe as large as its weights, then one forward over T tokens after ``context`` cached ones; so a change in the
+    host's load hits every route and the probe alike."""
+    nbytes = {name: weight_bytes(r) for name, r in runners.items()}
+    probes = {b: torch.ones(b // 4) for b in set(nbytes.values())}  # fp32, as many bytes as the weights
+    caches = {name: _prepared(r, sizes, context) for name, r in runners.items()}
+    times = {name: {T: [] for T in sizes} for name in runners}
+    probe_s: dict[str, list[float]] = {name: [] for name in runners}
     for _ in range(rounds):
-        for T in sizes:
-            ids = torch.arange(1000, 1000 + T)  # (T,)
-            cache.rollback(context)
-            probe_s = _timed(probe.sum)
-            step_s = _timed(lambda ids=ids: runner.forward(cache, ids))
-            times[T].append(step_s)
-            if T == 1:
-                ratios.append(probe_s / step_s)
-                probe_gbs.append(nbytes / probe_s / 1e9)
+        for name, runner in runners.items():
+            for T in sizes:
+                ids, cache = torch.arange(1000, 1000 + T), caches[name]  # (T,)
+                cache.rollback(context)
+                probe = _timed(probes[nbytes[name]].sum)
+                times[name][T].append(_timed(lambda ids=ids, cache=cache, runner=runner: runner.forward(cache, ids)))
+                if T == 1:
+                    probe_s[name].append(probe)
+    return {name: summary(nbytes[name], times[name], probe_s[name]) for name in runners}
+
+
+def summary(nbytes: int, times: dict[int, list[float]], probe_s: list[float]) -> dict:
+    """Medians of one route's rounds: ms and v(T) per T, the bandwidth ratio per round and its median."""
+    ratios = [p / t for p, t in zip(probe_s, times[1], strict=True)]
     base = statistics.median(times[1])
     return {"weight_mb": nbytes / 1e6, "ms": {T: 1000 * statistics.median(v) for T, v in times.items()},
             "v": {T: statistics.median(v) / base for T, v in times.items()},
             "ratio_per_round": ratios, "ratio": statistics.median(ratios),
-            "probe_gb_s": statistics.median(probe_gbs), "step_gb_s": nbytes / base / 1e9}
+            "probe_gb_s": statistics.median(nbytes / p / 1e9 for p in probe_s), "step_gb_s": nbytes / base / 1e9}
 
 
 def on_sdpa(runner: Runner) -> Runner:
@@ -82,6 +96,21 @@ def on_sdpa(runner: Runner) -> Runner:
 
     runner.cached_attention = cached_attention
     return runner
+
+
+def routes(model, dtype: torch.dtype, kernels: str, attentions: list[str]) -> dict[str, Runner]:
+    """The runners to measure side by side, by name: per ``--kernels`` entry, and for a kernel runner per
+    ``--attention`` entry (the SDPA one a shallow copy of the same runner: the same weights)."""
+    runners: dict[str, Runner] = {}
+    for kernel in (k.strip() for k in kernels.split(",")):
+        runner = Runner.from_pretrained(model, dtype=dtype, device="cpu", kernel=kernel)
+        if runner.kernel is None:
+            runners["torch"] = runner
+            continue
+        path = f"kernel-{getattr(runner.kernel, 'path', lambda: 'avx2')()}"
+        for attention in attentions:
+            runners[f"{path} attn-{attention}"] = on_sdpa(copy.copy(runner)) if attention == "sdpa" else runner
+    return runners
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -112,23 +141,15 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("this benchmark measures CPU memory bandwidth; use --device cpu")
     results = []
     for dtype_text in args.dtypes.split(","):
-        dtype = parse_dtype(dtype_text.strip(), settings.device)
-        for kernel, attention in [(k.strip(), a) for k in args.kernels.split(",") for a in attentions]:
-            if kernel == "torch" and attention != attentions[0]:
-                continue  # torch's matmul runs SDPA anyway: measured once
-            runner = Runner.from_pretrained(settings.model, dtype=dtype, device="cpu", kernel=kernel)
-            path = "torch" if runner.kernel is None else f"kernel-{getattr(runner.kernel, 'path', lambda: 'avx2')()}"
-            if runner.kernel is not None:
-                path += f" attn-{attention}"
-                runner = on_sdpa(runner) if attention == "sdpa" else runner
-            for threads in threads_list:
-                torch.set_num_threads(threads)
-                r = measure(runner, sizes, args.rounds, args.context)
-                name = f"{dtype_text.strip()} {path} {threads}t"
+        runners = routes(settings.model, parse_dtype(dtype_text.strip(), settings.device), args.kernels, attentions)
+        for threads in threads_list:
+            torch.set_num_threads(threads)
+            for route, r in measure(runners, sizes, args.rounds, args.context).items():
+                name = f"{dtype_text.strip()} {route} {threads}t"
                 print(f"{name}: bandwidth ratio per round " + " ".join(f"{x:.2f}" for x in r["ratio_per_round"])
                       + f" (median {r['ratio']:.2f})", flush=True)
-                results.append({"name": name, "dtype": dtype_text.strip(), "kernel": path, "threads": threads} | r)
-            del runner
+                results.append({"name": name, "dtype": dtype_text.strip(), "kernel": route, "threads": threads} | r)
+        del runners
     print("\n| route | T=1 ms | step GB/s | probe GB/s | ratio | " + " | ".join(f"v({T})" for T in sizes if T != 1)
           + " |")
     print("|---|---|---|---|---|" + "---|" * (len(sizes) - 1))
