@@ -226,8 +226,7 @@ class Engine:
     def admit(self, prompt_ids: Sequence[int] | Tensor, config: DecodeConfig | None = None,
               generator: torch.Generator | None = None, reserve: int | None = None,
               processor: PositionProcessor | None = None) -> Generation:
-        """Check a prompt and set up its generation, not yet prefilled (``start_rows`` prefills admitted rows
-        together; the arguments as ``start`` takes them)."""
+        """Check a prompt and set up its generation, not yet prefilled (``start_rows``); arguments as ``start``'s."""
         config = DecodeConfig() if config is None else config
         if not isinstance(config, DecodeConfig):
             raise UserError(f"config must be a DecodeConfig (or None), not {type(config).__name__}: "
@@ -392,8 +391,10 @@ def start_rows(rows: Sequence[tuple[Engine, Generation]]) -> None:
     forwards where that is exact, else one prompt at a time), then each row's first token and its drafter's start.
     A row's ``prefill_time`` is its share of the prefill by prompt length (the shares add up to the prefill's time),
     its ``started`` the prefill's start."""
-    t0 = time.perf_counter()
-    logits = prefill(rows[0][0].runner, [Prompt.of(gen.state, engine.drafter) for engine, gen in rows])  # R x (1, V)
+    runner, t0 = rows[0][0].runner, time.perf_counter()
+    if any(engine.runner is not runner for engine, _ in rows):
+        raise ValueError("rows prefilled together must share one runner")
+    logits = prefill(runner, [Prompt.of(gen.state, engine.drafter) for engine, gen in rows])  # R x (1, V)
     for (engine, gen), first in zip(rows, logits, strict=True):
         engine.first_token(gen, first)
     seconds, total = time.perf_counter() - t0, sum(gen.state.prompt_len for _, gen in rows)
