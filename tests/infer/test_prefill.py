@@ -163,6 +163,8 @@ def test_batches_of_1_2_4_decode_each_prompt_as_alone(model, runner, case, tmp_p
         with BatchEngine(runner, lambda: build_drafter(name, runner, options), size) as engine:
             results = engine.generate(prompts, config)
         assert calls[0] == size and sum(calls) == len(prompts)
+        if case == "autoregressive":  # rows finish together (a token per cycle, no EOS): they join together too
+            assert calls == [min(size, len(prompts) - i) for i in range(0, len(prompts), size)]
         for want, got in zip(alone, results, strict=True):
             assert (got.tokens, got.finish_reason) == (want.tokens, want.finish_reason), (case, size)
             assert counts(got.stats.drafter) == counts(want.stats.drafter), (case, size)
