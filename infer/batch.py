@@ -134,9 +134,9 @@ class BatchEngine:
             joining = []
             while queue and free:
                 i, engine = queue.popleft(), self.fresh(free.pop(0))
-                joining.append((i, engine, engine.admit(prompts[i], config, None if generators is None else
-                                                        generators[i],
-                                                        processor=None if processors is None else processors[i])))
+                generator = None if generators is None else generators[i]
+                processor = None if processors is None else processors[i]
+                joining.append((i, engine, engine.admit(prompts[i], config, generator, processor=processor)))
             if joining:  # the rows taking free slots prefill together (``infer.prefill``)
                 start_rows([(engine, gen) for _, engine, gen in joining])
                 live += joining
