@@ -218,7 +218,7 @@ def test_prefill_takes_the_causal_kernel_and_masked_calls_fold_groups():
             return func(*args, **kwargs)
 
     model = make_model("llama", seed=3)
-    runner = Runner.from_model(model)
+    runner = Runner.from_model(model, kernel="torch")  # SDPA's route (the CPU kernel attends rows itself)
     assert runner.spec.num_heads != runner.spec.num_kv_heads
     ids = torch.randint(0, 320, (24,), generator=torch.Generator().manual_seed(0))
     cache = runner.new_cache(64)
