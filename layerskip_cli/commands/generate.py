@@ -55,7 +55,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text with a drafter (lossless: identical to plain decoding "
                        "in fp32; in bf16/fp16 a near-tie can flip)",
                        description="Generate with the draft-verify engine. Greedy output is token-for-token the "
-                       "autoregressive output: identical in fp32; in bf16/fp16 a near-tie can flip. Sampling "
+                       "autoregressive output: identical in fp32; in bf16/fp16 a near-tie can flip (not on the "
+                       "CPU kernel's batch-invariant bf16 path). Sampling "
                        "follows the same distribution. '--target-exit E' is lossy early exit: plain decoding with "
                        "layers [0, E) only, so the output is the exit layer's.")
     add_model_flags(p)
