@@ -1,21 +1,24 @@
-"""Packed rows: one decoding forward over the new tokens of several sequences, each attending over its own cache.
+"""The one layer loop: a decoding forward over packed rows, each segment attending over its own cache.
 
-The batched engine (``infer.batch``) keeps one ``KVCache`` per sequence (its own per-layer lengths, O(1) rollback,
-sequences leaving and joining freely) and runs a forward over the sequences' new tokens *packed* as one hidden
-(N, d), N = the sum of their T_r: the norms, fused q/k/v, output and MLP projections run once over all N rows (where
-a batch saves the weight reads), and only the attention runs per sequence, writing its K/V at that sequence's length
-and attending with that sequence's mask (``Runner.cached_attention``, the runner's own per-row code). With the
+Every eager forward runs here (``Runner.forward_layers`` and ``Runner.span``'s eager path are one segment; the batched
+engine's verifications, drafts and prompt prefill are several). A batch keeps one ``KVCache`` per sequence (its own
+per-layer lengths, O(1) rollback, sequences leaving and joining freely) and runs a forward over the sequences' new
+tokens *packed* as one hidden (N, d), N = the sum of their T_r: the norms, fused q/k/v, output and MLP projections
+run once over all N rows (where a batch saves the weight reads), and only the attention runs per segment, writing
+its K/V at that sequence's length and attending with that sequence's mask (``Runner.cached_attention``). With the
 small-matmul CPU kernel every row of a projection is bitwise independent of the others, so a packed forward computes
 exactly what each sequence's own forward computes: the batched output equals decoding each prompt alone.
 
-A packed call of one sequence is ``Runner.span`` itself (so the static executor and CUDA graphs still serve one
-row); several run eagerly (static capture of packed calls is not implemented: their shapes vary with the batch).
+A ``packed_span`` of one segment is ``Runner.span`` itself (so the static executor, its compiled steps and CUDA graphs
+still serve one row); several run this loop eagerly (their shapes vary with the batch). A layer's math is
+``infer.layer_math``'s. The runner is only a type here (``Runner`` imports this module).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -23,7 +26,9 @@ from torch import Tensor
 from infer import layer_math
 from infer.kv_cache import KVCache
 from infer.plan import LayerPlan
-from infer.runner import DraftHead, Runner, SpanOutput
+
+if TYPE_CHECKING:
+    from infer.runner import DraftHead, Runner, SpanOutput
 
 
 @dataclass
@@ -32,8 +37,8 @@ class Segment:
 
     cache: KVCache
     """The sequence's own cache: its per-layer lengths say where its keys and values go."""
-    positions: list[int]
-    """RoPE positions of its T new tokens (host ints)."""
+    positions: Sequence[int] | Tensor
+    """RoPE positions of its T new tokens (host ints; a (T,) tensor where the caller holds them on the device)."""
     mask: Tensor | None = None
     """(T, W) bool over the last W attended slots, as ``Runner.forward_layers`` takes it (None: causal)."""
 
@@ -50,52 +55,63 @@ def packed_span(runner: Runner, segments: Sequence[Segment], hidden: Tensor, sta
     (N, d) streams and (N, V) logits when asked for, rows in the segments' order."""
     if len(segments) == 1:
         s = segments[0]
-        return runner.span(s.cache, hidden, s.positions, start, end, exact_until=exact_until, plan=plan, mask=s.mask,
-                           logits=logits, vocab=vocab)
+        return runner.span(s.cache, hidden, s.positions, start, end, exact_until=exact_until, plan=plan,
+                           mask=s.mask, logits=logits, vocab=vocab)
     split = end if exact_until is None else exact_until
-    pos = runner.to_device([p for s in segments for p in s.positions])  # (N,)
-    cos, sin = runner.rope(pos)  # K x (N, 1, D) each
-    masks = [None if s.mask is None else s.mask.to(runner.device) for s in segments]
-    memo: list[dict] = [{} for _ in segments]  # per segment: attention masks by start slot
-    rope = (cos, sin, pos)
-    exact = packed_layers(runner, segments, hidden, rope, start, split, None, masks, memo)  # (N, d)
-    out = exact if split >= end else packed_layers(runner, segments, exact, rope, split, end, plan, masks, memo)
-    return SpanOutput(exact, out, runner.logits(out, vocab) if logits else None)
+    return runner.span_rows(segments, hidden, start, split, end, plan, logits, vocab)
 
 
-def packed_layers(runner: Runner, segments: Sequence[Segment], hidden: Tensor, rope: tuple[Tensor, Tensor, Tensor],
-                  start: int, end: int, plan: LayerPlan | None, masks: list[Tensor | None], memo: list[dict]) -> Tensor:
+def packed_layers(runner: Runner, segments: Sequence[Segment], hidden: Tensor, rope: tuple[list, list, Tensor],
+                  start: int, end: int, plan: LayerPlan | None, masks: Sequence[Tensor | None],
+                  memo: list[dict], bulk: bool = False) -> Tensor:
     """Layers ``[start, end)`` over the packed rows ``hidden`` (N, d) under ``plan`` (a skipped attention sublayer
-    writes no K/V); ``rope``: (cos, sin) K x (N, 1, D) at the rows' positions, and the positions (N,)."""
+    writes no K/V and leaves its layer's length unchanged); ``rope``: (cos, sin) K x (N, 1, D) at the rows' positions,
+    and the positions (N,); ``masks``: per segment (T, W) or None; ``memo``: per segment, attention masks by start
+    slot (shared by the calls of one forward). ``bulk`` (prompt prefill of one prompt) uses BLAS (see
+    ``Runner.forward_layers``)."""
     attn_skip, mlp_skip = (plan.skip_attn, plan.skip_mlp) if plan is not None else ((), ())
     N = hidden.shape[0]
+    counts, layers = runner.counters.layer_tokens, runner.layers
     for i in range(start, end):
         run_attn, run_mlp = i not in attn_skip, i not in mlp_skip
         if run_attn:
-            hidden = packed_attention(runner, i, segments, hidden, rope, masks, memo)
+            hidden = packed_attention(runner, i, segments, hidden, rope, masks, memo, bulk)  # (N, d)
         if run_mlp:
-            hidden = runner.mlp(runner.layers[i], hidden)  # (N, d)
+            hidden = runner.mlp(layers[i], hidden, bulk)  # (N, d)
         if run_attn or run_mlp:
-            runner.counters.layer_tokens[i] += N
+            counts[i] += N
     return hidden
 
 
 def packed_attention(runner: Runner, i: int, segments: Sequence[Segment], hidden: Tensor,
-                     rope: tuple[Tensor, Tensor, Tensor], masks: list[Tensor | None], memo: list[dict]) -> Tensor:
+                     rope: tuple[list, list, Tensor], masks: Sequence[Tensor | None], memo: list[dict],
+                     bulk: bool = False) -> Tensor:
     """Layer ``i``'s attention sublayer with its residual over packed rows (N, d): projections once, attention per
-    sequence over its own cache (with the layer's sliding window, if any)."""
+    segment over its own cache (with the layer's sliding window, if any); one segment takes no slices."""
     s, w = runner.spec, runner.layers[i]
     cos, sin, pos = rope
     r = runner.rope_rows[i]
-    q, k, v = runner.qkv_rope(w, hidden, cos[r], sin[r])  # (Hq, N, D), (Hkv, N, D), (Hkv, N, D)
-    outs, a = [], 0
-    for seg, mask, known in zip(segments, masks, memo, strict=True):
-        b = a + seg.size
-        slot = seg.cache.lengths[i]
-        if slot not in known:
-            known[slot] = runner.attn_mask(slot, seg.size, mask)  # (T, slot + T) or None
-        layer_mask = runner.window_mask(seg.cache, i, known[slot], pos[a:b])  # the layer's sliding window, if any
-        outs.append(runner.cached_attention(i, seg.cache, q[:, a:b], k[:, a:b], v[:, a:b], layer_mask, s.attn_scale))
-        a = b
-    out = torch.cat(outs, 1).transpose(0, 1).reshape(hidden.shape[0], s.num_heads * s.head_dim)  # (N, Hq D)
-    return layer_math.attention_out(s, w, hidden, out)
+    q, k, v = runner.qkv_rope(w, hidden, cos[r], sin[r], bulk)  # (Hq, N, D), (Hkv, N, D), (Hkv, N, D)
+    if len(segments) == 1:
+        out = segment_attention(runner, i, segments[0], q, k, v, pos, masks[0], memo[0], bulk)  # (Hq, N, D)
+    else:
+        outs, a = [], 0
+        for seg, mask, known in zip(segments, masks, memo, strict=True):
+            b = a + seg.size
+            outs.append(segment_attention(runner, i, seg, q[:, a:b], k[:, a:b], v[:, a:b], pos[a:b], mask, known,
+                                          bulk))  # (Hq, T, D)
+            a = b
+        out = torch.cat(outs, 1)  # (Hq, N, D)
+    out = out.transpose(0, 1).reshape(hidden.shape[0], s.num_heads * s.head_dim)  # (N, Hq D)
+    return layer_math.attention_out(s, w, hidden, out, bulk)
+
+
+def segment_attention(runner: Runner, i: int, seg: Segment, q: Tensor, k: Tensor, v: Tensor, pos: Tensor,
+                      mask: Tensor | None, known: dict, bulk: bool) -> Tensor:
+    """One segment's attention at layer ``i``: q (Hq, T, D), k, v (Hkv, T, D) at positions ``pos`` (T,), its mask
+    built once per start slot (``known``) and cut to the layer's sliding window: (Hq, T, D)."""
+    slot = seg.cache.lengths[i]
+    if slot not in known:
+        known[slot] = runner.attn_mask(slot, q.shape[1], mask)  # (T, slot + T) or None
+    layer_mask = runner.window_mask(seg.cache, i, known[slot], pos)  # the layer's sliding window, if any
+    return runner.cached_attention(i, seg.cache, q, k, v, layer_mask, runner.spec.attn_scale, bulk)

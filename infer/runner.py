@@ -6,12 +6,12 @@ layer's sliding window and RoPE table its spec's (docs/MODELS.md). It executes a
 sublayer skip plan, against a preallocated KV cache whose length is tracked per layer: early
 exit makes shallow layers run ahead of deep ones, and rollback is setting a length back.
 
-Batch size is 1 (speculative decoding of one sequence); tensors are ``(T, ...)`` for the T
-tokens of one call. A batch of sequences runs as packed rows (``infer.packed``): the projections over all rows'
-tokens at once, ``cached_attention`` per row over its own cache.
+Tensors are ``(T, ...)`` for the T tokens of one call. Every eager forward runs the one layer loop
+(``infer.packed``): one sequence is one segment (``forward_layers``, ``span``), a batch of sequences several packed
+rows (``span_rows``): the projections over all rows' tokens at once, ``cached_attention`` per row over its own cache.
 
 Decoding forwards (draft steps, verification) go through ``Runner.span``, which an *executor*
-runs: ``eager`` (the plain loop below, the CPU default: fastest there, and exact thanks to the
+runs: ``eager`` (the layer loop, the CPU default: fastest there, and exact thanks to the
 small-matmul kernel), ``static`` (static shapes with device-side positions and lengths, see
 ``infer.graphs``) or ``graphs`` (the static forwards captured as CUDA graphs, the CUDA default);
 ``compile`` (the settings default it to on CUDA) runs the static forwards' layers through ``torch.compile``.
@@ -26,6 +26,7 @@ import hashlib
 import os
 import sys
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from weakref import WeakKeyDictionary
@@ -38,6 +39,7 @@ from infer import layer_math
 from infer.attention import attend, rows_for, score_scale
 from infer.graphs import StaticExecutor
 from infer.kv_cache import CachePool, KVCache, capacity_bucket, ints_to_device
+from infer.packed import Segment, packed_layers
 from infer.plan import LayerPlan
 from infer.weights import (
     LayerWeights,
@@ -350,15 +352,19 @@ class Runner:
             out = self.static.span(cache, hidden, positions, start, split, end, plan, mask, logits, vocab)
             if out is not None:
                 return SpanOutput(*out)
-        return self._span_eager(cache, hidden, positions, start, split, end, plan, mask, logits, vocab)
+        return self.span_rows([Segment(cache, positions, mask)], hidden, start, split, end, plan, logits, vocab)
 
-    def _span_eager(self, cache: KVCache, hidden: Tensor, positions: list[int], start: int, split: int,
-                    end: int, plan: LayerPlan | None, mask: Tensor | None, logits: bool,
-                    vocab: DraftHead | None = None) -> SpanOutput:
-        pos = self.to_device(positions)  # (T,)
-        mask = None if mask is None else mask.to(self.device)  # (T, W)
-        exact = self.forward_layers(cache, hidden, pos, start, split, mask=mask)  # (T, d)
-        out = exact if split >= end else self.forward_layers(cache, exact, pos, split, end, plan=plan, mask=mask)
+    def span_rows(self, segments: Sequence[Segment], hidden: Tensor, start: int, split: int, end: int,
+                  plan: LayerPlan | None = None, logits: bool = False, vocab: DraftHead | None = None) -> SpanOutput:
+        """``span``'s eager forward over packed rows (``infer.packed``; one segment is one sequence): ``hidden``
+        (N, d) holds the segments' rows in order; layers ``[start, split)`` exactly, then ``[split, end)`` under
+        ``plan``."""
+        pos = self.to_device([p for s in segments for p in s.positions])  # (N,)
+        rope = (*self.rope(pos), pos)  # K x (N, 1, D) cos and sin, the positions
+        masks = [None if s.mask is None else s.mask.to(self.device) for s in segments]  # (T, W) each
+        memo: list[dict] = [{} for _ in segments]  # per segment: attention masks by start slot
+        exact = packed_layers(self, segments, hidden, rope, start, split, None, masks, memo)  # (N, d)
+        out = exact if split >= end else packed_layers(self, segments, exact, rope, split, end, plan, masks, memo)
         return SpanOutput(exact, out, self.logits(out, vocab) if logits else None)
 
     def to_device(self, values: list[int]) -> Tensor:
@@ -378,24 +384,9 @@ class Runner:
         long inputs, and nothing compares prefill rows with token-by-token ones.
         """
         end = self.spec.num_layers if end is None else end
-        cos, sin = self.rope(positions)  # K x (T, 1, D) each
-        masks: dict[int, Tensor | None] = {}  # by start slot
-        attn_skip, mlp_skip = (plan.skip_attn, plan.skip_mlp) if plan is not None else ((), ())
-        T = hidden.shape[0]
-        for i in range(start, end):
-            run_attn, run_mlp = i not in attn_skip, i not in mlp_skip
-            if run_attn:
-                start_slot = cache.lengths[i]
-                if start_slot not in masks:
-                    masks[start_slot] = self.attn_mask(start_slot, T, mask)
-                r = self.rope_rows[i]
-                layer_mask = self.window_mask(cache, i, masks[start_slot], positions)
-                hidden = self._attention(i, cache, hidden, cos[r], sin[r], layer_mask, bulk)
-            if run_mlp:
-                hidden = self.mlp(self.layers[i], hidden, bulk)
-            if run_attn or run_mlp:
-                self.counters.layer_tokens[i] += T
-        return hidden
+        segment = Segment(cache, positions, mask)  # one sequence: the one layer loop's single segment
+        rope = (*self.rope(positions), positions)  # K x (T, 1, D) cos and sin, the positions
+        return packed_layers(self, [segment], hidden, rope, start, end, plan, [mask], [{}], bulk)  # (T, d)
 
     def forward(self, cache: KVCache, ids: Tensor, positions: Tensor | None = None,
                 plan: LayerPlan | None = None, mask: Tensor | None = None) -> Tensor:
@@ -441,15 +432,6 @@ class Runner:
         if base is None and T > 1:  # causal rows from slot 0
             base = torch.ones(T, start + T, dtype=torch.bool, device=self.device).tril(diagonal=start)
         return near if base is None else base & near
-
-    def _attention(self, i: int, cache: KVCache, hidden: Tensor, cos: Tensor, sin: Tensor,
-                   attn_mask: Tensor | None, bulk: bool = False) -> Tensor:
-        s, w = self.spec, self.layers[i]
-        T = hidden.shape[0]
-        q, k, v = self.qkv_rope(w, hidden, cos, sin, bulk)  # (Hq, T, D), (Hkv, T, D), (Hkv, T, D)
-        out = self.cached_attention(i, cache, q, k, v, attn_mask, s.attn_scale, bulk)  # (Hq, T, D)
-        out = out.transpose(0, 1).reshape(T, s.num_heads * s.head_dim)  # (T, Hq D)
-        return layer_math.attention_out(s, w, hidden, out, bulk)
 
     def cached_attention(self, i: int, cache: KVCache, q: Tensor, k: Tensor, v: Tensor,
                          attn_mask: Tensor | None, scale: float | None = None, bulk: bool = False) -> Tensor:
