@@ -47,18 +47,17 @@ def qkv_rope(spec: ModelSpec, w: LayerWeights, hidden: Tensor, cos: Tensor, sin:
              bulk: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """A layer's attention norm, fused q/k/v projection, q/k norms and RoPE (``cos``/``sin`` (T, 1, D): the layer's
     table rows; the identity table for a layer without RoPE): (Hq, T, D), (Hkv, T, D), (Hkv, T, D)."""
-    T, D, Hq = hidden.shape[0], spec.head_dim, spec.num_heads
+    T, D, Hq, Hkv = hidden.shape[0], spec.head_dim, spec.num_heads, spec.num_kv_heads
     x = norm(hidden, w.attn_norm, spec)  # (T, d)
-    qkv = w.qkv(x, bulk)  # (T, (Hq + 2 Hkv) D)
-    heads = Hq + spec.num_kv_heads
-    qk = qkv[:, :heads * D].view(T, heads, D)  # (T, Hq + Hkv, D)
+    heads = w.qkv(x, bulk).view(T, Hq + 2 * Hkv, D)  # (T, Hq + 2 Hkv, D): one view, sliced below (few small ops)
+    qk = heads[:, :Hq + Hkv]  # (T, Hq + Hkv, D)
     if w.q_norm is not None:  # per-head norms before RoPE (Qwen3, Gemma 3)
         qk = torch.cat([norm(qk[:, :Hq], w.q_norm, spec), norm(qk[:, Hq:], w.k_norm, spec)], 1)  # (T, Hq + Hkv, D)
-    # RoPE on q and k at once: rotate_half(x) * sin == roll(x, D/2) * [-sin_lo, sin_hi]
-    qk = qk * cos + qk.roll(D // 2, dims=-1) * sin
-    q = qk[:, :Hq].transpose(0, 1)  # (Hq, T, D)
-    k = qk[:, Hq:].transpose(0, 1)  # (Hkv, T, D)
-    v = qkv[:, heads * D:].view(T, spec.num_kv_heads, D).transpose(0, 1)  # (Hkv, T, D)
+    # RoPE on q and k at once: rotate_half(x) * sin == roll(x, D/2) * [-sin_lo, sin_hi]; the in-place product and
+    # sum compute qk * cos + roll * sin bitwise as before, with two temporaries fewer
+    qk = (qk * cos).add_(qk.roll(D // 2, dims=-1).mul_(sin))  # (T, Hq + Hkv, D)
+    q, k = qk.transpose(0, 1).split((Hq, Hkv))  # (Hq, T, D), (Hkv, T, D)
+    v = heads[:, Hq + Hkv:].transpose(0, 1)  # (Hkv, T, D)
     return q, k, v
 
 
@@ -68,7 +67,7 @@ def attention_out(spec: ModelSpec, w: LayerWeights, hidden: Tensor, out: Tensor,
     y = w.o(out, bulk)  # (T, d)
     if w.post_attn_norm is not None:
         y = norm(y, w.post_attn_norm, spec)
-    return hidden + y
+    return y.add_(hidden)  # hidden + y bitwise (a sum is commutative), into y's fresh memory
 
 
 def mlp(spec: ModelSpec, w: LayerWeights, hidden: Tensor, bulk: bool = False) -> Tensor:
@@ -78,11 +77,11 @@ def mlp(spec: ModelSpec, w: LayerWeights, hidden: Tensor, bulk: bool = False) ->
         return hidden
     x = norm(hidden, w.mlp_norm, spec)  # (T, d)
     gate, up = w.gate_up(x, bulk).chunk(2, dim=-1)  # (T, I) each
-    act = F.silu(gate) if spec.family.activation == "silu" else F.gelu(gate, approximate="tanh")
-    y = w.down(act * up, bulk)  # (T, d)
+    act = F.silu(gate) if spec.family.activation == "silu" else F.gelu(gate, approximate="tanh")  # (T, I)
+    y = w.down(act.mul_(up), bulk)  # (T, d)
     if w.post_mlp_norm is not None:
         y = norm(y, w.post_mlp_norm, spec)
-    return hidden + y
+    return y.add_(hidden)  # hidden + y bitwise, into y's fresh memory
 
 
 # --------------------------------------------------------------------------- RoPE tables
