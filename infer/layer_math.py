@@ -56,7 +56,8 @@ def qkv_rope(spec: ModelSpec, w: LayerWeights, hidden: Tensor, cos: Tensor, sin:
     # RoPE on q and k at once: rotate_half(x) * sin == roll(x, D/2) * [-sin_lo, sin_hi]; the in-place product and
     # sum compute qk * cos + roll * sin bitwise as before, with two temporaries fewer
     qk = (qk * cos).add_(qk.roll(D // 2, dims=-1).mul_(sin))  # (T, Hq + Hkv, D)
-    q, k = qk.transpose(0, 1).split((Hq, Hkv))  # (Hq, T, D), (Hkv, T, D)
+    qk = qk.transpose(0, 1)  # (Hq + Hkv, T, D)
+    q, k = qk[:Hq], qk[Hq:]  # (Hq, T, D), (Hkv, T, D): slices (Tensor.split is Python, ~10 calls deeper)
     v = heads[:, Hq + Hkv:].transpose(0, 1)  # (Hkv, T, D)
     return q, k, v
 

@@ -71,13 +71,13 @@ def packed_layers(runner: Runner, segments: Sequence[Segment], hidden: Tensor, r
     ``Runner.forward_layers``)."""
     attn_skip, mlp_skip = (plan.skip_attn, plan.skip_mlp) if plan is not None else ((), ())
     N = hidden.shape[0]
-    counts, layers = runner.counters.layer_tokens, runner.layers
+    counts, layers, spec = runner.counters.layer_tokens, runner.layers, runner.spec
     for i in range(start, end):
         run_attn, run_mlp = i not in attn_skip, i not in mlp_skip
         if run_attn:
             hidden = packed_attention(runner, i, segments, hidden, rope, masks, memo, bulk)  # (N, d)
         if run_mlp:
-            hidden = runner.mlp(layers[i], hidden, bulk)  # (N, d)
+            hidden = layer_math.mlp(spec, layers[i], hidden, bulk)  # (N, d)
         if run_attn or run_mlp:
             counts[i] += N
     return hidden
@@ -91,7 +91,7 @@ def packed_attention(runner: Runner, i: int, segments: Sequence[Segment], hidden
     s, w = runner.spec, runner.layers[i]
     cos, sin, pos = rope
     r = runner.rope_rows[i]
-    q, k, v = runner.qkv_rope(w, hidden, cos[r], sin[r], bulk)  # (Hq, N, D), (Hkv, N, D), (Hkv, N, D)
+    q, k, v = layer_math.qkv_rope(s, w, hidden, cos[r], sin[r], bulk)  # (Hq, N, D), (Hkv, N, D), (Hkv, N, D)
     if len(segments) == 1:
         out = segment_attention(runner, i, segments[0], q, k, v, pos, masks[0], memo[0], bulk)  # (Hq, N, D)
     else:
