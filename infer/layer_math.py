@@ -1,6 +1,6 @@
 """A decoder layer's math, written once for every model family and every forward kind.
 
-The eager loop (``Runner.forward_layers``), packed rows (``infer.packed``), the static forwards (``infer.graphs``) and
+The one eager layer loop (``infer.packed``: one sequence or packed rows), the static forwards (``infer.graphs``) and
 their compiled steps (``infer.compiled``) all call these functions, so what a family adds to Llama's layer
 (``layerskip_core.models.Family``: the (1 + w) norm, the embedding scale, q/k norms, norms after attention and MLP,
 GELU-tanh, the attention scale, per-layer RoPE tables and sliding windows, final logit softcapping) lives here and
