@@ -86,3 +86,20 @@ def test_an_adapter_trains_on_the_data_and_drafts_losslessly(tiny_recipe, tiny_m
     prompt = list(range(40, 60))
     assert engine.generate(prompt, DecodeConfig(max_new_tokens=16)).tokens == \
         plain.generate(prompt, DecodeConfig(max_new_tokens=16)).tokens
+
+
+def test_the_shipped_adapter_carries_its_provenance_and_never_saw_a_held_out_kind():
+    """infer/data/adapters: the default adapter's header and the provenance file beside it agree, name the recipe's
+    self-distilled kinds, and no held-out kind is among its sources."""
+    from safetensors import safe_open
+
+    folder = Path(__file__).resolve().parents[2] / "infer" / "data" / "adapters"
+    with safe_open(str(folder / "smollm2-135m-instruct-e4.safetensors"), framework="pt") as f:
+        header = json.loads(f.metadata()["provenance"])
+    beside = json.loads((folder / "smollm2-135m-instruct-e4.provenance.json").read_text())
+    kinds = [s["self_distill"]["kind"] for s in header["sources"] if "self_distill" in s]
+    assert kinds == list(dp.TRAIN_KINDS) and set(beside["self_distilled_kinds"]) == set(kinds)
+    assert not set(kinds) & set(dp.HELDOUT_KINDS) and beside["held_out_kinds"] == list(dp.HELDOUT_KINDS)
+    assert (beside["steps"], beside["loss_tokens"], beside["code_commit"]) == \
+        (header["steps"], header["tokens"], header["commit"])
+    assert (folder.parents[2] / beside["recipe"]).is_file()
