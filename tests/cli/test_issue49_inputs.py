@@ -144,6 +144,12 @@ def test_a_bench_batch_size_above_its_prompts_is_refused_before_loading(capsys, 
 
 
 # ---------------------------------------------------------------- streamed output survives an interruption (item 2)
+def _default_sigint() -> None:
+    """In the child, Ctrl-C as a terminal delivers it: a pytest-xdist worker ignores SIGINT, and an ignored signal is
+    inherited across exec (Python then installs no KeyboardInterrupt handler, and the run would not stop)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig, batch", [(signal.SIGINT, "3"), (signal.SIGTERM, "3"), (signal.SIGTERM, "1")])
 def test_an_interrupted_json_generation_keeps_every_finished_row(tiny_model_dir, tmp_path, sig, batch):
     prompts = tmp_path / "p.jsonl"
@@ -151,7 +157,7 @@ def test_an_interrupted_json_generation_keeps_every_finished_row(tiny_model_dir,
     proc = subprocess.Popen([sys.executable, "-m", "layerskip_cli", "generate", "--model", str(tiny_model_dir),
                              "--prompts-file", str(prompts), "--json", "--batch-size", batch, "--max-new-tokens",
                              "40", "--ignore-eos", "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=REPO)
+                            text=True, cwd=REPO, preexec_fn=_default_sigint)
     first = proc.stdout.readline()  # a row is out while the others decode
     proc.send_signal(sig)
     rest, _ = proc.communicate(timeout=120)
