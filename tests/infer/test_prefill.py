@@ -81,8 +81,26 @@ def compare(runner, prompts, layers=(), rows=0, depths=None):
                 assert_same(alone[j], snap, (size, len(prompts[j])))
 
 
-needs_packing = pytest.mark.skipif(not packs(Runner.from_model(make_model("llama", seed=0, layers=2))),
-                                   reason="prompts pack only on the kernel's AVX-512 fp32 path, one thread")
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Packing needs one intra-op thread (the module's rule); a test worker may run more: one for each test here."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _packs_on_one_thread() -> bool:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return packs(Runner.from_model(make_model("llama", seed=0, layers=2)))
+    finally:
+        torch.set_num_threads(before)
+
+
+needs_packing = pytest.mark.skipif(not _packs_on_one_thread(),
+                                   reason="prompts pack only on the kernel's AVX-512 fp32 path")
 
 
 @needs_packing
