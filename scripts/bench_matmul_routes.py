@@ -19,17 +19,15 @@ linears with inductor's freezing; ``compile_autotune`` adds ``max-autotune``: th
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from layerskip_core.cli import Parser, check_output_file, run_main
+from layerskip_core.cli import Parser, add_output_flags, check_output_file, parse_and_run, write_result
 from layerskip_core.errors import UserError
 
 D, FF, QKV, VOCAB, LAYERS = 576, 1536, 960, 49152, 30  # SmolLM2-135M
@@ -149,8 +147,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"| {r['dtype']} | {r['route']} | {r['ms'][1]:.1f} | {r['ratio']:.2f} | "
               + " | ".join(f"{r['v'][T]:.2f}" for T in sizes[1:]) + f" | {_meets(r)} |")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"argv": sys.argv[1:], "results": results}, indent=1))
+        write_result(args.out, {"argv": sys.argv[1:], "results": results})
     return 0
 
 
@@ -161,10 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="1,2,4,8,16")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--force", action="store_true", help="overwrite an existing --out")
-    args = p.parse_args(argv)
-    return run_main("bench_matmul_routes", lambda: run(args))
+    add_output_flags(p, "JSON file for the measured numbers")
+    return parse_and_run(p, argv, "bench_matmul_routes", run)
 
 
 if __name__ == "__main__":

@@ -19,18 +19,16 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from infer.runner import Runner
 from infer.weights import Linear
 from layerskip_cli.args import add_model_flags, model_settings
-from layerskip_core.cli import Parser, check_output_file, run_main
+from layerskip_core.cli import Parser, add_output_flags, check_output_file, parse_and_run, write_result
 from layerskip_core.device import parse_dtype
 from layerskip_core.errors import UserError
 
@@ -156,9 +154,8 @@ def run(args: argparse.Namespace) -> int:
     for r in results:
         print(_row(r["name"], r, sizes))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         meta = {"context": args.context, "rounds": args.rounds, "sizes": sizes, "argv": sys.argv[1:]}
-        args.out.write_text(json.dumps(meta | {"results": results}, indent=1))
+        write_result(args.out, meta | {"results": results})
     return 0
 
 
@@ -173,10 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="1,2,4,8,16")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--context", type=int, default=200, help="tokens already in the cache")
-    p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--force", action="store_true", help="overwrite an existing --out")
-    args = p.parse_args(argv)
-    return run_main("bench_step_bandwidth", lambda: run(args))
+    add_output_flags(p, "JSON file for the measured numbers")
+    return parse_and_run(p, argv, "bench_step_bandwidth", run)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ bandwidth: scripts/bench_step_bandwidth.py.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -22,7 +21,7 @@ import torch
 
 from infer.runner import Runner
 from layerskip_cli.args import add_model_flags, model_settings
-from layerskip_core.cli import Parser, check_output_file, run_main
+from layerskip_core.cli import Parser, add_output_flags, check_output_file, parse_and_run, write_result
 from layerskip_core.device import dtype_name
 from layerskip_core.errors import UserError
 
@@ -82,10 +81,9 @@ def run(args: argparse.Namespace) -> int:
     for T in sizes:
         print(f"| {T} | " + " | ".join(f"{result[k][T]['ms']:.1f} | {result[k][T]['v']:.2f}" for k in result) + " |")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         meta = {"threads": run.threads, "context": args.context, "device": str(run.device),
                 "dtype": dtype_name(run.dtype)}
-        args.out.write_text(json.dumps(meta | {"result": result}, indent=1))
+        write_result(args.out, meta | {"result": result})
     return 0
 
 
@@ -95,10 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="1,2,3,4,5,6,8,12,16,32")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--context", type=int, default=200, help="tokens already in the cache")
-    p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--force", action="store_true", help="overwrite an existing --out")
-    args = p.parse_args(argv)
-    return run_main("bench_verify_cost", lambda: run(args))
+    add_output_flags(p, "JSON file for the measured numbers")
+    return parse_and_run(p, argv, "bench_verify_cost", run)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ manual pages). ``manpages`` is a raw-text kind whose prompts are read from this 
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import shutil
@@ -196,7 +197,7 @@ def heldout_manpages(chars: int = 900) -> list[KindPrompt]:
     out = []
     for name in _MANPAGES:
         run = subprocess.run(["man", "-P", "cat", name], capture_output=True, text=True,
-                             env={"MANWIDTH": "80", "MAN_KEEP_FORMATTING": "0", "PATH": "/usr/bin:/bin"})
+                             env=os.environ | {"MANWIDTH": "80", "MAN_KEEP_FORMATTING": "0"})
         plain = re.sub(".\b", "", run.stdout)  # drop overstrike (bold/underline) sequences
         text = "".join(ch for ch in plain if ch == "\n" or ch >= " ")
         if run.returncode == 0 and len(text) > chars:
