@@ -120,9 +120,8 @@ def _prepare_out(out: Path, force: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
-def load(args):
-    """(model in eval mode, tokenizer with left padding) of ``--model``."""
-    path = resolve_model(args.model)
+def load(args, path: Path):
+    """(model in eval mode, tokenizer with left padding) from the folder ``path`` (``--model`` resolved)."""
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -137,7 +136,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    model, tokenizer = load(args)
+    path = resolve_model(args.model)
+    model, tokenizer = load(args, path)
     kinds = {k: training_prompts(k, args.per_kind) for k in args.kinds.split(",")}
     started, counts = time.time(), {}
     with tqdm(total=sum(map(len, kinds.values())), desc="self-distill", unit="prompt",
@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> dict:
             records = generate_kind(model, tokenizer, prompts, args, bar)
             _write_jsonl(out / f"{kind}.jsonl", records)
             counts[kind] = {"prompts": len(records), "new_tokens": sum(r["new_tokens"] for r in records)}
-    provenance = {"model": args.model, "model_path": str(resolve_model(args.model).name), "commit": code_commit(),
+    provenance = {"model": args.model, "model_path": path.name, "commit": code_commit(),
                   "kinds": counts, "settings": {k: v for k, v in vars(args).items() if k not in ("out", "force")},
                   "seconds": round(time.time() - started, 1)}
     (out / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
