@@ -28,7 +28,7 @@ _EXPORTS = {
     "DRAFTERS": "infer.drafters",
     "build_drafter": "infer.drafters",
     "parse_spec": "infer.drafters",
-    "Runner": "infer.runner",
+    "Runner": "infer.model.runner",
     "DraftVocab": "infer.draft_vocab",
     "hf_generate": "infer.hf_decoding",
 }

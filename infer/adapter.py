@@ -19,9 +19,9 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from infer.kv_cache import KVCache
-from infer.packed import Segment, packed_span
-from infer.runner import DraftHead, Runner, SpanOutput
+from infer.model.kv_cache import KVCache
+from infer.model.packed import Segment, packed_span
+from infer.model.runner import DraftHead, Runner, SpanOutput
 from layerskip_core.adapter_spec import LAYER_NAMES, AdapterShape, read_file, read_metadata
 from layerskip_core.errors import UserError
 

@@ -31,9 +31,9 @@ import torch
 from infer.cycle import CycleObserver, step_rows
 from infer.drafters.base import Drafter, VerifyOutcome
 from infer.engine import DecodeConfig, Engine, Generation, GenerationResult, start_rows, token_ids
-from infer.kv_cache import capacity_bucket
+from infer.model.kv_cache import capacity_bucket
+from infer.model.runner import Runner
 from infer.processing import PositionProcessor
-from infer.runner import Runner
 from layerskip_core.errors import UserError
 
 GIB = 1024 ** 3

@@ -18,11 +18,11 @@ from torch import Tensor
 
 from infer.cycle import CycleObserver, step_rows
 from infer.drafters.base import DecodeState, Drafter, DrafterStats, VerifyOutcome
-from infer.graphs import BUCKETS
-from infer.kv_cache import capacity_bucket
+from infer.model.graphs import BUCKETS
+from infer.model.kv_cache import capacity_bucket
+from infer.model.runner import Runner
 from infer.prefill import Prompt, prefill
 from infer.processing import PROCESSED, PositionProcessor
-from infer.runner import Runner
 from infer.sampling import SamplingConfig, select
 from layerskip_core.errors import UserError
 from layerskip_core.layers import check_exit_layer
@@ -200,7 +200,7 @@ class Engine:
                             f"autoregressive drafter), not {self.drafter.name!r}")
         return E
 
-    @torch.no_grad()  # one grad mode on the whole decoding path: compiled steps guard on it (see infer.compiled)
+    @torch.no_grad()  # one grad mode on the whole decoding path: compiled steps guard on it (see infer.model.compiled)
     def generate(self, prompt_ids: Sequence[int] | Tensor, config: DecodeConfig | None = None,
                  generator: torch.Generator | None = None, reserve: int | None = None) -> GenerationResult:
         """Prefill, then propose-verify-accept cycles until a stop condition (``reserve``: see ``start``)."""

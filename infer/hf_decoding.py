@@ -60,7 +60,7 @@ from infer.hf_contract import (
     check_processors,
 )
 from infer.hf_rows import RowProcessor, RowRun, lockstep
-from infer.runner import Runner
+from infer.model.runner import Runner
 from infer.sampling import SamplingConfig
 from layerskip_core.errors import UserError
 from layerskip_core.settings import resolve_compile, resolve_executor

@@ -26,7 +26,7 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel
 from infer.batch import BatchEngine
 from infer.drafters import ResolvedSpec, Spec, build_drafter, drafter_spec, parse_spec
 from infer.engine import DecodeConfig, Engine, GenerationResult
-from infer.runner import Runner
+from infer.model.runner import Runner
 from layerskip_core.errors import UserError
 from layerskip_core.prompts import check_text
 from layerskip_core.settings import ModelSettings, Resolved, RunSettings
@@ -39,7 +39,7 @@ class LoadedModel:
     path: Path | None
     """The model folder (None for a model given as an object)."""
     runner: Runner
-    """The lean forward over the model's weights (``infer.runner``)."""
+    """The lean forward over the model's weights (``infer.model.runner``)."""
     tokenizer: object
     """The Hugging Face tokenizer."""
     eos_token_ids: tuple[int, ...]

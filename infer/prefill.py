@@ -5,9 +5,9 @@ drafter asked for (``Drafter.prompt_layers``), per prompt exactly what prefillin
 the same round (the batch's first rows, and rows joining when others finish). The engine turns the logits into the
 first token (``infer.engine``); this module only runs the target over prompts.
 
-**The packing rule** (``packs``). Prompts share one packed forward (``infer.packed``: the norms, projections and MLPs
-run once over all N = sum P_r prompt positions; the attention runs per prompt over its own cache, causal from slot 0,
-so no position sees another prompt's keys) only where each prompt's result provably does not depend on the others:
+**The packing rule** (``packs``). Prompts share one packed forward (``infer.model.packed``: the norms, projections and
+MLPs run once over all N = sum P_r prompt positions; the attention runs per prompt over its own cache, causal from slot
+0, so no position sees another prompt's keys) only where each prompt's result provably does not depend on the others:
 
 - fp32 on a CPU whose small-matmul kernel (``infer.kernels``) runs its AVX-512 path, with every projection of the
   model and its LM head on the kernel: each output element is one dot product with one vector accumulator, the
@@ -39,9 +39,9 @@ import torch
 from torch import Tensor
 
 from infer.drafters.base import DecodeState, Drafter, cut_layers
-from infer.packed import Segment, packed_layers
-from infer.runner import Runner
-from infer.weights import Linear
+from infer.model.packed import Segment, packed_layers
+from infer.model.runner import Runner
+from infer.model.weights import Linear
 
 PACK_ROWS = 4096
 """Most prompt positions in one packed forward (bounds its (N, 2 I) MLP activations)."""
@@ -149,8 +149,8 @@ def forward(runner: Runner, prompts: Sequence[Prompt], bulk: bool) -> Tensor:
 
 
 def packed(runner: Runner, prompts: Sequence[Prompt], hidden: Tensor, rope: tuple, start: int, end: int) -> Tensor:
-    """Layers ``[start, end)`` over the prompts' positions ``hidden`` (N, d) as packed rows (``infer.packed``), each
-    prompt causal over its own cache from slot 0; ``rope``: (cos, sin, positions) of the N rows."""
+    """Layers ``[start, end)`` over the prompts' positions ``hidden`` (N, d) as packed rows (``infer.model.packed``),
+    each prompt causal over its own cache from slot 0; ``rope``: (cos, sin, positions) of the N rows."""
     segments = [Segment(p.state.cache, list(range(p.size))) for p in prompts]
     return packed_layers(runner, segments, hidden, rope, start, end, None, [None] * len(prompts),
                          [{} for _ in prompts])  # (N, d)

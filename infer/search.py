@@ -1,7 +1,7 @@
 """Offline search of a sublayer skip plan for Self-SD (Zhang et al., ACL 2024, §3.2), with optuna or, as the
 reference does (``--paper``), GP-UCB on a continuous point.
 
-The search space is the 2L binary choices "skip attention / MLP of layer l" (``infer.plan.PlanSpace``,
+The search space is the 2L binary choices "skip attention / MLP of layer l" (``infer.model.plan.PlanSpace``,
 shared with SWIFT's online optimiser). Two objectives:
 
 - ``speed``: measured end-to-end speed of self-speculative greedy decoding (the ``self_sd``
@@ -22,7 +22,7 @@ shared with SWIFT's online optimiser). Two objectives:
   c the draft forward cost and v(T) the cost of verifying T tokens, both relative to one full
   single-token forward and either measured once before the search (``cost='measured'``) or
   counted in weights read (``cost='weights'``, fully deterministic). The value is the best
-  expected speed-up (``infer.plan.cycle_speedup``) over a small (k, gamma) grid.
+  expected speed-up (``infer.model.plan.cycle_speedup``) over a small (k, gamma) grid.
 
 One draft head per search: both objectives and the cost model score plans with the head ``draft_vocab`` names,
 resolved once (``search_plan``) and recorded in the plan file, whose plans ``self_sd`` then drafts with that head.
@@ -53,8 +53,8 @@ from tqdm.auto import tqdm
 
 from infer.draft_vocab import DraftVocab, check_draft_vocab_option, resolve_draft_vocab_option
 from infer.gp_ucb import GPUCB, GPUCBConfig
-from infer.plan import CostModel, LayerPlan, PlanFile, PlanSpace, head_record, weights_cost
-from infer.runner import Runner
+from infer.model.plan import CostModel, LayerPlan, PlanFile, PlanSpace, head_record, weights_cost
+from infer.model.runner import Runner
 from infer.search_objectives import Calibration, ModelObjective, SpeedObjective, calibration_set, measure_cost
 from layerskip_core.errors import UserError
 from layerskip_core.options import check_fields

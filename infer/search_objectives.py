@@ -2,7 +2,7 @@
 
 - ``ModelObjective``: a noise-free expected speed-up from teacher-forced agreement of a plan's draft with the full
   model (over each calibration prompt's greedy continuation) and a draft/verify cost model (``measure_cost`` or
-  ``infer.plan.weights_cost``), replayed as chain drafting over a (k, gamma) grid.
+  ``infer.model.plan.weights_cost``), replayed as chain drafting over a (k, gamma) grid.
 - ``SpeedObjective``: measured self-speculative decoding speed with the plan (Self-SD's own objective).
 
 Both score a plan with the draft head they are given (the full LM head, or one reduced-vocabulary head), and the
@@ -23,8 +23,8 @@ from infer.drafters import Spec, build_drafter, drafter_spec
 from infer.drafters.self_sd import SelfSDDrafter
 from infer.drafters.skipping import agreement, verified_window
 from infer.engine import DecodeConfig, Engine
-from infer.plan import CostModel, LayerPlan, cycle_speedup
-from infer.runner import Runner
+from infer.model.plan import CostModel, LayerPlan, cycle_speedup
+from infer.model.runner import Runner
 
 SPEED_SEARCH_CONFIDENCE = 0.8
 """The speed objective's threshold: ``decoding.py``'s default initial gamma, adaptive, restarted on every prompt

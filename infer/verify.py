@@ -3,8 +3,8 @@
 ``Engine`` verifies one sequence per step and ``BatchEngine`` (``infer.batch``) a batch; both go through
 ``verify_rows``: ``VerifyRow.of`` lays a sequence's pending token and draft tree out (positions, tree mask, which
 layers the draft already computed exactly, the rollback of the rest), ``target_forward`` runs the target over every
-row's tokens as packed rows (``infer.packed``; one sequence is a plain ``Runner.span``), and ``accept`` decides each
-row's accepted path and bonus token with one host read for all greedy rows and chain-sampling rows together.
+row's tokens as packed rows (``infer.model.packed``; one sequence is a plain ``Runner.span``), and ``accept`` decides
+each row's accepted path and bonus token with one host read for all greedy rows and chain-sampling rows together.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from infer.drafters.base import DecodeState, Draft, VerifyOutcome, cut_layers
-from infer.packed import Segment, packed_span
+from infer.model.packed import Segment, packed_span
 from infer.processing import PROCESSED, PositionProcessor, process_tree
 from infer.sampling import (
     TreeShape,

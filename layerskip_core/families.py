@@ -19,7 +19,7 @@ DEFAULT_ROPE = "default"
 @dataclass(frozen=True)
 class Family:
     """A model family's layer math beyond Llama's: one home the runner's every forward (eager, packed, static,
-    compiled) and its weight loading read (``infer.layer_math``)."""
+    compiled) and its weight loading read (``infer.model.layer_math``)."""
 
     norm_offset: bool = False
     """RMSNorm scales by (1 + w), computed in fp32 then cast (Gemma 3); else by w in the model dtype (Llama)."""

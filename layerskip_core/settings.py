@@ -33,7 +33,7 @@ EXECUTOR_ENV = "LAYERSKIP_EXECUTOR"
 KERNEL_ENV = "LAYERSKIP_KERNEL"
 """``torch`` turns the compiled small-matmul CPU kernel off (``auto``: use it for fp32 on a CPU when it builds)."""
 EXECUTORS = ("eager", "static", "graphs")
-"""The executors a resolved setting names (see ``infer.runner``)."""
+"""The executors a resolved setting names (see ``infer.model.runner``)."""
 
 
 THREADS_PER_CPU = 4

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from infer.plan import cycle_speedup
+from infer.model.plan import cycle_speedup
 from layerskip_core.cli import Parser, check_output_dir, finite_float, run_main
 from layerskip_core.errors import UserError
 from layerskip_core.models import resolve_model

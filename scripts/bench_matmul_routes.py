@@ -37,7 +37,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def weights(dtype: torch.dtype, kernel) -> list[torch.Tensor]:
-    from infer.weights import Linear
+    from infer.model.weights import Linear
 
     gen = torch.Generator().manual_seed(0)
     ws = [(torch.randn(n, k, generator=gen) * k ** -0.5).to(dtype) for n, k in SHAPES]

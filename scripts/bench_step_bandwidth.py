@@ -25,8 +25,8 @@ import time
 
 import torch
 
-from infer.runner import Runner
-from infer.weights import Linear
+from infer.model.runner import Runner
+from infer.model.weights import Linear
 from layerskip_cli.args import add_model_flags, model_settings
 from layerskip_core.cli import Parser, add_output_flags, check_output_file, parse_and_run, write_result
 from layerskip_core.device import parse_dtype

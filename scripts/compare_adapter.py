@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from infer.plan import cycle_speedup, iid_tokens_per_cycle
+from infer.model.plan import cycle_speedup, iid_tokens_per_cycle
 from layerskip_core import jsonfile
 from layerskip_core.cli import Parser, check_output_dir, run_main
 from layerskip_core.errors import UserError

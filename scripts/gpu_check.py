@@ -35,7 +35,7 @@ e. rest: logits of our runner vs ``transformers`` on both tiny models (fp32, bf1
    transformers' early-exit assistant).
 
 Decoding runs under ``torch.no_grad()`` throughout (the engine's grad mode), and every runner of one model
-geometry and dtype shares its compiled steps (``infer.compiled.StepCache``): the whole run compiles each step
+geometry and dtype shares its compiled steps (``infer.model.compiled.StepCache``): the whole run compiles each step
 kind once per geometry, ``compiles`` in the JSON counts them.
 
 Only torch, transformers, tokenizers, safetensors, numpy, pyyaml and tqdm are needed: no model cache, no network;
@@ -57,7 +57,6 @@ import lease  # first: puts the checkout on sys.path (a bare checkout on a GPU i
 import torch
 import transformers
 
-from infer.compiled import BACKENDS
 from infer.measure.gpu.budget import COMMAND_BUDGET_S
 from infer.measure.gpu.check_report import failures, markdown
 from infer.measure.gpu.exact import (
@@ -73,6 +72,7 @@ from infer.measure.gpu.exact import (
 from infer.measure.gpu.run import Run, Settings, optional_in, part
 from infer.measure.gpu.shapes import COMPILE_RESERVE_S, SHAPES, rest_peers, shapes_part
 from infer.measure.seeded_models import tiny_model
+from infer.model.compiled import BACKENDS
 from layerskip_cli.args import add_run_flags
 from layerskip_core.cli import Parser, check_output_dir, finite_float, run_main
 from layerskip_core.device import resolve_device

@@ -10,7 +10,7 @@ warm-up step) at two shapes, SmolLM2-135M with 16 x 1024 tokens and a Llama-3.2-
 ``exp`` depth scale (per sample, and 0.2 also ``granularity: batch``), early exits at L/4, L/2, 3L/4
 (``scale: linear``), dropout 0.2 + those exits, and the exits under a rotational curriculum (R=2).
 Then it trains a random-init 135M-shape model for 12 steps with ``train/layerskip.py`` (bf16 on CUDA),
-and loads the saved checkpoint with :class:`infer.runner.Runner` on the same device to decode a few
+and loads the saved checkpoint with :class:`infer.model.runner.Runner` on the same device to decode a few
 tokens. :func:`update_training_doc` writes the result table into docs/TRAINING.md.
 
 The end-to-end run needs nothing from a model cache or the network: without ``--tokenizer-dir`` its
@@ -303,7 +303,7 @@ def training_table(result: dict) -> str:
                      f"| {_gb(r.get('plain_peak_gb'))} → {_gb(r.get('exits_peak_gb'))} |")
     e2e = result.get("train_e2e", {})
     lines += ["", f"End to end (12 steps of `train/layerskip.py`, random-init 135M shape, then "
-                  f"`infer.runner.Runner` decodes from the saved checkpoint): "
+                  f"`infer.model.runner.Runner` decodes from the saved checkpoint): "
                   f"{'ok' if result.get('e2e_ok') else 'FAILED'}"
                   + (f" ({e2e['error']})" if e2e.get("error") else "") + "."]
     return "\n".join(lines)

@@ -3,7 +3,7 @@ every executor must decode exactly as the eager path does."""
 
 from infer.drafters import build_drafter
 from infer.engine import DecodeConfig, Engine
-from infer.plan import LayerPlan, PlanFile
+from infer.model.plan import LayerPlan, PlanFile
 
 SIX = 6
 """Layers of the executor tests' model."""

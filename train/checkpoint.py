@@ -8,7 +8,7 @@ Layout of a run folder (``checkpoint.output_dir``)::
         trainer_state.json        step, tokens seen; written last, so its presence marks a complete checkpoint
         config.yaml               the resolved config, beside every checkpoint
     final/                        config.json + model.safetensors + tokenizer (LoRA merged): load it with
-                                  transformers, infer.runner.Runner or ``layerskip generate --model``
+                                  transformers, infer.model.runner.Runner or ``layerskip generate --model``
 
 One folder holds one run: a new run into a folder holding another is refused (resume it, choose
 another folder, or ``--overwrite`` to delete it first), a resume checks that the config matches,

@@ -10,13 +10,13 @@ import torch
 from torch import Tensor
 
 from infer.draft_vocab import AUTO, check_draft_vocab_option
-from infer.kv_cache import ints_to_device
+from infer.model.kv_cache import ints_to_device
 
 if TYPE_CHECKING:
     from infer.adapter import ExitAdapter
-    from infer.kv_cache import KVCache
-    from infer.plan import LayerPlan
-    from infer.runner import DraftHead, Runner
+    from infer.model.kv_cache import KVCache
+    from infer.model.plan import LayerPlan
+    from infer.model.runner import DraftHead, Runner
     from infer.sampling import SamplingConfig
 
 

@@ -13,10 +13,10 @@ import torch
 from torch import Tensor
 
 from infer.drafters.base import DecodeState, Draft
-from infer.kv_cache import KVCache, ints_to_device
-from infer.packed import Segment, packed_span
-from infer.plan import LayerPlan
-from infer.runner import DraftHead, Runner
+from infer.model.kv_cache import KVCache, ints_to_device
+from infer.model.packed import Segment, packed_span
+from infer.model.plan import LayerPlan
+from infer.model.runner import DraftHead, Runner
 from infer.sampling import probs_from_logits, sample
 from layerskip_core.errors import UserError
 

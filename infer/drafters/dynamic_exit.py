@@ -34,7 +34,7 @@ from infer.drafters.chain import ChainAsk, EarlyExitForward, ObservingForward, c
 from infer.drafters.exit_choice import Choice, RunEstimates, best_choice, parse_stops
 from infer.drafters.gate import COLD, GateOwner, Rate, RememberOption
 from infer.drafters.inputs import draft_head
-from infer.kv_cache import ints_to_device
+from infer.model.kv_cache import ints_to_device
 from layerskip_core import inputs
 from layerskip_core.errors import UserError
 from layerskip_core.options import check_fields, load_yaml

@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from infer.draft_vocab import DraftVocab, resolve_draft_vocab_option
-from infer.plan import LayerPlan, PlanFile, check_depth
-from infer.runner import DraftHead, Runner
+from infer.model.plan import LayerPlan, PlanFile, check_depth
+from infer.model.runner import DraftHead, Runner
 from layerskip_core.errors import UserError
 
 

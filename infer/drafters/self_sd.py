@@ -38,8 +38,8 @@ from infer.drafters.base import DecodeState, Draft, Drafter, DrafterStats, Draft
 from infer.drafters.chain import ChainAsk, PlanForward, check_size, draft_chains
 from infer.drafters.gate import COLD
 from infer.drafters.inputs import draft_head, given_plan, load_plan, plan_head
-from infer.plan import check_plan_option
-from infer.runner import Runner
+from infer.model.plan import check_plan_option
+from infer.model.runner import Runner
 from layerskip_core.errors import UserError
 from layerskip_core.options import check_fields
 

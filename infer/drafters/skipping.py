@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from infer.drafters.base import DecodeState
-from infer.plan import LayerPlan
+from infer.model.plan import LayerPlan
 
 KV_VIEWS = ("draft", "exact")
 
@@ -80,7 +80,7 @@ def verified_window(runner, cache, n: int, start: int, tokens: Tensor, target: T
 @torch.no_grad()
 def agreement(runner, window: Window, plan: LayerPlan, vocab=None) -> tuple[Tensor, Tensor]:
     """(agree (w,) bool, top1 (w,)): does the plan's draft argmax equal the verified token; its top-1 probability.
-    ``vocab``: the reduced-vocabulary draft head the plan drafts with (``infer.runner.DraftHead``), if any."""
+    ``vocab``: the reduced-vocabulary draft head the plan drafts with (``infer.model.runner.DraftHead``), if any."""
     first = min(plan.exact_prefix, len(window.inputs) - 1)  # layers before it skip nothing: their output is exact
     hidden = runner.forward_layers(window.cache, window.inputs[first], window.positions, first, runner.num_layers,
                                    plan=plan, mask=window.mask)  # (w, d)

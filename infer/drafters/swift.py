@@ -39,7 +39,7 @@ from infer.drafters.inputs import draft_head, given_plan
 from infer.drafters.skipping import matchness_span
 from infer.drafters.swift_search import LayerSetSearch
 from infer.drafters.tree import chain_tree
-from infer.plan import (
+from infer.model.plan import (
     LayerPlan,
     PlanFile,
     check_plan_option,

@@ -15,7 +15,7 @@ from __future__ import annotations
 from infer.drafters.base import DecodeState, DraftInputs
 from infer.drafters.swift import SwiftDrafter
 from infer.drafters.tree import WIDEST
-from infer.plan import LayerPlan, odd_inner_plan
+from infer.model.plan import LayerPlan, odd_inner_plan
 
 
 class SwiftPaperDrafter(SwiftDrafter):

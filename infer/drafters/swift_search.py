@@ -11,7 +11,7 @@ import warnings
 import torch
 
 from infer.gp_ucb import GPUCB
-from infer.plan import LayerPlan, PlanSpace, inner_layers, uniform_plan
+from infer.model.plan import LayerPlan, PlanSpace, inner_layers, uniform_plan
 
 BAYES = ("tpe", "gp_ucb")
 """What proposes the Bayesian candidates: optuna's TPE (optional dependency) or the reference's GP-UCB."""

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from infer.drafters.base import DecodeState, Draft
 from infer.drafters.chain import ChainResult
-from infer.kv_cache import ints_to_device
+from infer.model.kv_cache import ints_to_device
 
 GREEDY_WIDTHS = (3, 5, 8, 10)  # candidates per depth for top-1 prob > 0.95, > 0.8, > 0.5, else (paper)
 SAMPLING_WIDTHS = (1, 3, 5, 10)

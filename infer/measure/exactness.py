@@ -266,7 +266,7 @@ def rounded_reference(path, dtype: torch.dtype, device) -> object:
     independent fp32 recomputation :func:`measure_rounding` needs to judge a bf16/fp16 runner."""
     from transformers import AutoModelForCausalLM
 
-    from infer.runner import Runner
+    from infer.model.runner import Runner
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(dtype).float()  # rounded, then fp32
     return Runner.from_model(model, dtype=torch.float32, device=device)

@@ -23,7 +23,7 @@ from infer.engine import tokens_per_verify
 from infer.measure.methods import BASELINE, PEERS
 from infer.measure.provenance import machine_info
 from infer.measure.quality import WORSE_NATS, compare_to_base, flag, quality_table
-from infer.plan import cycle_speedup
+from infer.model.plan import cycle_speedup
 from layerskip_core import jsonfile
 
 if TYPE_CHECKING:

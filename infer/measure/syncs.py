@@ -19,7 +19,7 @@ comes out on a CPU, where nothing actually waits, as on a GPU:
 On a GPU only reads of tensors on the counted device are syncs (``.tolist()`` of a host tensor is not); on a CPU,
 where host and device are one, every read is counted (an upper bound of the GPU's count).
 
-Copies that the runner makes through pinned memory (``infer.runner.ints_to_device``) are not syncs
+Copies that the runner makes through pinned memory (``infer.model.runner.ints_to_device``) are not syncs
 and are not counted. ``section(name)`` attributes what happens inside it to ``name``.
 """
 

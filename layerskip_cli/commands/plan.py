@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from infer.plan import LayerPlan, PlanFile
+from infer.model.plan import LayerPlan, PlanFile
 from layerskip_core import jsonfile
 from layerskip_core.cli import check_output_file
 from layerskip_core.errors import UserError

@@ -74,7 +74,7 @@ def test_swift_refuses_a_plan_for_another_depth_on_the_real_model(capsys, tmp_pa
     """A plan tied to this model's identity but for another depth (hand-edited, or SWIFT-style imported elsewhere):
     refused before decoding, and --save-plan never writes it back."""
     from infer.loading import load_model
-    from infer.plan import LayerPlan, PlanFile
+    from infer.model.plan import LayerPlan, PlanFile
 
     identity = load_model(str(default_model_path), threads=1).runner.identity()
     plan, out = tmp_path / "p.json", tmp_path / "out.json"

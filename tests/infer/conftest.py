@@ -3,7 +3,7 @@
 import pytest
 from executor_cases import SIX
 
-from infer.runner import Runner
+from infer.model.runner import Runner
 from tiny_models import make_model
 
 

@@ -11,8 +11,8 @@ from infer.adapter import ExitAdapter
 from infer.draft_vocab import DraftVocab
 from infer.drafters import build_drafter
 from infer.engine import DecodeConfig, Engine
-from infer.graphs import StaticExecutor, StaticSpan
-from infer.runner import Runner
+from infer.model.graphs import StaticExecutor, StaticSpan
+from infer.model.runner import Runner
 from infer.sampling import SamplingConfig
 from layerskip_core.errors import UserError
 from tiny_models import make_model, noisy_adapter

@@ -11,8 +11,8 @@ from infer import batch as batch_module
 from infer.batch import BatchEngine
 from infer.drafters import build_drafter
 from infer.engine import DecodeConfig, Engine
-from infer.plan import LayerPlan
-from infer.runner import Runner
+from infer.model.plan import LayerPlan
+from infer.model.runner import Runner
 from infer.sampling import SamplingConfig
 from layerskip_core.errors import UserError
 from tiny_models import make_model, noisy_adapter

@@ -6,12 +6,12 @@ import pytest
 import torch
 from executor_cases import SIX, drafter_cases, fake_capture, run_drafter
 
-from infer.compiled import kernels_per_layer
 from infer.drafters import build_drafter
 from infer.engine import DecodeConfig, Engine
-from infer.graphs import PLAN_CAPTURE_AFTER, StaticExecutor, StaticSpan
-from infer.plan import LayerPlan
-from infer.runner import Runner
+from infer.model.compiled import kernels_per_layer
+from infer.model.graphs import PLAN_CAPTURE_AFTER, StaticExecutor, StaticSpan
+from infer.model.plan import LayerPlan
+from infer.model.runner import Runner
 from tiny_models import make_model
 
 L = SIX
@@ -125,7 +125,7 @@ def test_runners_sharing_a_step_cache_compile_each_step_once():
     """Rows (1..k+1) and cache capacity (256, 512) are dynamic from the first compile, the engine runs in one grad
     mode whatever its caller's, and a second runner of the same geometry reuses the first's graphs: two graphs in
     all (the cheap 'eager' backend counts them in seconds)."""
-    from infer.compiled import StepCache
+    from infer.model.compiled import StepCache
 
     steps = StepCache("eager")
     config = DecodeConfig(max_new_tokens=12, stop_at_eos=False)

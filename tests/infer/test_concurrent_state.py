@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from infer.drafters.gate import FallbackGate, GateMemory
-from infer.plan import LayerPlan, PlanFile
+from infer.model.plan import LayerPlan, PlanFile
 from layerskip_core.errors import UserError
 
 MODEL = {"model_type": "llama", "num_layers": 8, "hidden_size": 8, "vocab_size": 4000, "weight_fingerprint": "x"}
@@ -21,7 +21,7 @@ WRITER = """
 import sys
 from pathlib import Path
 from infer.drafters.gate import FallbackGate, GateMemory
-from infer.plan import LayerPlan, PlanFile
+from infer.model.plan import LayerPlan, PlanFile
 plan_path, memory_path, who, model = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), eval(sys.argv[4])
 for i in range(400):
     PlanFile(LayerPlan(8, frozenset({1 + who}), frozenset({i % 6 + 1})), model, task=f"writer {who} save {i}",

@@ -100,7 +100,7 @@ def test_executor_flag_static_equals_eager_and_graphs_need_cuda(capsys, tiny_mod
 
 def test_auto_dtype_follows_the_requested_device_not_the_machine(tiny_model_dir, monkeypatch):
     """dtype 'auto' on an explicit CPU device is fp32 even where CUDA exists (it used to resolve against CUDA)."""
-    from infer.runner import Runner
+    from infer.model.runner import Runner
     from layerskip_core.settings import RunSettings
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -115,7 +115,7 @@ def test_graph_capture_and_replay_run_on_the_runners_device():
     runner on cuda:1 happen inside torch.cuda.device(cuda:1) (built here without entering it: no GPU needed)."""
     from contextlib import nullcontext
 
-    from infer.graphs import _on_device
+    from infer.model.graphs import _on_device
 
     context = _on_device(torch.device("cuda:1"), capture=True)
     assert isinstance(context, torch.cuda.device) and context.idx == 1

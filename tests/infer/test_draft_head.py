@@ -7,7 +7,7 @@ from lossless_stats import P_THRESHOLD, sampling_pvalue
 from infer.draft_vocab import DraftVocab
 from infer.drafters import build_drafter
 from infer.engine import DecodeConfig, Engine
-from infer.runner import Runner
+from infer.model.runner import Runner
 from infer.sampling import SamplingConfig
 from layerskip_core.errors import UserError
 from tiny_models import make_model
@@ -105,7 +105,7 @@ def test_bad_draft_vocab_options_are_one_line_errors(model, tmp_path):
 
 def test_self_sd_and_swift_with_a_subset_equal_autoregressive(runner, tmp_path):
     """Every drafter takes a draft vocabulary; greedy output stays the plain output (trees included)."""
-    from infer.plan import LayerPlan, PlanFile
+    from infer.model.plan import LayerPlan, PlanFile
 
     plan = tmp_path / f"plan-{runner.executor}.json"
     PlanFile(LayerPlan(L, frozenset({2, 4}), frozenset({3})), runner.identity(), task="test").save(plan)

@@ -11,7 +11,7 @@ from infer.drafters.dynamic_exit import CycleTiming, DynamicExitDrafter, candida
 from infer.drafters.exit_choice import Choice, RunEstimates, RunRates, best_choice, predicted_speedup
 from infer.drafters.registry import stats_from_dict
 from infer.engine import DecodeConfig, Engine
-from infer.runner import Runner
+from infer.model.runner import Runner
 from infer.sampling import SamplingConfig
 from layerskip_core.errors import UserError
 from tiny_models import make_model, save_tiny

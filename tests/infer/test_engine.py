@@ -6,7 +6,7 @@ import torch
 
 from infer.drafters import Drafter, build_drafter
 from infer.engine import DecodeConfig, Engine
-from infer.runner import Runner
+from infer.model.runner import Runner
 from stub_drafters import ScriptedDrafter
 from tiny_models import make_model
 

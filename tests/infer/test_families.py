@@ -4,7 +4,7 @@ local layers). Logits equal transformers' in fp32 on every executor, for context
 import pytest
 import torch
 
-from infer.runner import Runner
+from infer.model.runner import Runner
 from layerskip_core.errors import UserError
 from layerskip_core.models import SUPPORTED_MODEL_TYPES, ModelSpec
 from tiny_models import FAMILY_KINDS, TINY_WINDOW, family_config, family_model
@@ -111,9 +111,9 @@ def test_an_unsupported_model_type_is_refused_in_one_line():
 
 @pytest.mark.parametrize("kind", FAMILY_KINDS)
 def test_sublayer_weight_counts_are_the_models_parameters(kind):
-    """The cost model's per-layer weight counts (``ModelSpec.sublayer_weights``; ``infer.plan.weights_cost``) are the
-    layer's parameters of each family (biases aside), its extra norms included."""
-    from infer.plan import weights_cost
+    """The cost model's per-layer weight counts (``ModelSpec.sublayer_weights``; ``infer.model.plan.weights_cost``) are
+    the layer's parameters of each family (biases aside), its extra norms included."""
+    from infer.model.plan import weights_cost
 
     model = family_model(kind, layers=2)
     spec = ModelSpec.from_config(model.config)
@@ -133,7 +133,7 @@ def test_sublayer_weight_counts_are_the_models_parameters(kind):
 def test_a_skipped_sublayer_with_a_post_norm_is_skipped_whole():
     """Self-SD's plans on Gemma 3: skipping an attention or MLP sublayer skips its post-norm too, as a model whose
     sublayer output is zero (the post-norm of zero is zero)."""
-    from infer.plan import LayerPlan
+    from infer.model.plan import LayerPlan
 
     model, zeroed = family_model("gemma3_text", seed=4, layers=4), family_model("gemma3_text", seed=4, layers=4)
     with torch.no_grad():

@@ -9,8 +9,8 @@ from infer.batch import BatchEngine
 from infer.draft_vocab import DraftVocab
 from infer.drafters import build_drafter
 from infer.engine import DecodeConfig, Engine
-from infer.plan import LayerPlan, PlanFile
-from infer.runner import Runner
+from infer.model.plan import LayerPlan, PlanFile
+from infer.model.runner import Runner
 from tiny_models import FAMILY_KINDS, TINY_WINDOW, family_model, noisy_adapter
 
 L = 6
@@ -89,8 +89,8 @@ def test_drafters_on_the_static_executor(model, plain, how, monkeypatch):
     overwritten in place)."""
     from executor_cases import fake_capture
 
-    from infer.compiled import StepCache
-    from infer.graphs import StaticExecutor, StaticSpan
+    from infer.model.compiled import StepCache
+    from infer.model.graphs import StaticExecutor, StaticSpan
 
     runner = Runner.from_model(model, executor="static", compile=StepCache("eager") if how == "compiled" else False)
     if how == "captured":

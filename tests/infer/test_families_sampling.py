@@ -11,7 +11,7 @@ from test_sampling_matrix import NEW_TOKENS, PROMPT, SAMPLES, STEPS, T1, check, 
 from infer.batch import BatchEngine
 from infer.drafters import build_drafter, drafter_spec
 from infer.engine import Engine
-from infer.runner import Runner
+from infer.model.runner import Runner
 from tiny_models import family_model, noisy_adapter
 
 

@@ -7,7 +7,7 @@ import torch
 
 from infer.drafters import build_drafter, gate
 from infer.engine import DecodeConfig, Engine
-from infer.runner import Runner
+from infer.model.runner import Runner
 from tiny_models import make_model
 
 PROMPT = [5, 6, 7, 8, 9]

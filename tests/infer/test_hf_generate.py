@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from infer import hf_generate, load_model
 from infer.engine import DecodeConfig
 from infer.hf_decoding import FOLDER
-from infer.plan import LayerPlan, PlanFile
-from infer.runner import Runner
+from infer.model.plan import LayerPlan, PlanFile
+from infer.model.runner import Runner
 from layerskip_core.errors import UserError
 from tiny_models import make_model
 

@@ -8,8 +8,8 @@ import copy
 
 import torch
 
-from infer.runner import Runner
-from infer.weights import UNFUSED, share_unfused
+from infer.model.runner import Runner
+from infer.model.weights import UNFUSED, share_unfused
 from tiny_models import make_model
 
 

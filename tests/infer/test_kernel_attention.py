@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from infer import kernels
-from infer.attention import attend, row_kernel
-from infer.packed import Segment, packed_span
-from infer.runner import Runner
+from infer.model.attention import attend, row_kernel
+from infer.model.packed import Segment, packed_span
+from infer.model.runner import Runner
 from tiny_models import FAMILY_KINDS, family_model, make_model
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -145,7 +145,7 @@ def test_bulk_prefill_stays_on_sdpa(monkeypatch):
     """A prompt prefill (``bulk``) never calls the row attention (SDPA's GEMMs are faster over many rows)."""
     runner = _runner_rows(torch.float32)
     calls = []
-    monkeypatch.setattr("infer.attention.row_kernel", lambda kernel, q: calls.append(kernel))
+    monkeypatch.setattr("infer.model.attention.row_kernel", lambda kernel, q: calls.append(kernel))
     cache = runner.new_cache(64)
     runner.forward_layers(cache, runner.embed(torch.arange(5, 25)), torch.arange(20), bulk=True)
     runner.forward_layers(cache, runner.embed(torch.arange(5, 25)), torch.arange(20, 40), bulk=True)  # masked, bulk

@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 
 from infer import kernels
-from infer.attention import row_kernel
 from infer.drafters import build_drafter
 from infer.engine import DecodeConfig, Engine
 from infer.kernels import arena
-from infer.runner import Runner
-from infer.weights import Linear, load_kernel
+from infer.model.attention import row_kernel
+from infer.model.runner import Runner
+from infer.model.weights import Linear, load_kernel
 from tiny_models import make_model
 
 SHAPES = [(1, 37, 64), (2, 6, 8), (3, 64, 128), (5, 13, 576), (6, 25, 40), (9, 100, 1536), (16, 49, 24),
@@ -157,7 +157,7 @@ def test_bf16_self_speculation_equals_bf16_plain_decoding(name, options):
 
 
 def test_rms_norm_close_to_torch_and_batch_invariant():
-    from infer import weights
+    from infer.model import weights
 
     module = _module()
     x, w = torch.randn(9, 576), torch.randn(576)
@@ -176,7 +176,7 @@ def test_rms_norm_close_to_torch_and_batch_invariant():
 
 
 def test_bf16_rms_norm_is_hf_arithmetic_and_batch_invariant():
-    from infer import weights
+    from infer.model import weights
 
     module = _bf16_module()
     x, w = (torch.randn(9, 576) * 3).bfloat16(), torch.randn(576).bfloat16()

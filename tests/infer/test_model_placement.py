@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 from infer import hf_generate, load_model
 from infer.drafters import build_drafter
 from infer.engine import DecodeConfig, Engine
-from infer.runner import Runner
+from infer.model.runner import Runner
 from layerskip_core.errors import UserError
 from tiny_models import byte_tokenizer, make_model
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from infer.drafters.swift_search import LayerSetSearch
-from infer.plan import LayerPlan, PlanFile, PlanSpace, uniform_plan
+from infer.model.plan import LayerPlan, PlanFile, PlanSpace, uniform_plan
 from layerskip_cli.main import main
 
 

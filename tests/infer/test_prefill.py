@@ -14,9 +14,9 @@ from infer.batch import BatchEngine
 from infer.drafters import build_drafter
 from infer.drafters.base import DecodeState
 from infer.engine import DecodeConfig, Engine
-from infer.plan import LayerPlan
+from infer.model.plan import LayerPlan
+from infer.model.runner import Runner
 from infer.prefill import Prompt, packs, prefill
-from infer.runner import Runner
 from infer.sampling import SamplingConfig
 from tiny_models import family_model, make_model, noisy_adapter
 

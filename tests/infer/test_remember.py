@@ -5,8 +5,8 @@ import pytest
 from infer.draft_vocab import DraftVocab
 from infer.drafters import build_drafter
 from infer.engine import DecodeConfig, Engine
-from infer.plan import PlanFile
-from infer.runner import Runner
+from infer.model.plan import PlanFile
+from infer.model.runner import Runner
 from layerskip_core.errors import UserError
 from tiny_models import make_model
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from infer.plan import LayerPlan
-from infer.runner import Runner
+from infer.model.plan import LayerPlan
+from infer.model.runner import Runner
 from tiny_models import make_model
 
 

@@ -7,7 +7,7 @@ from lossless_stats import P_THRESHOLD, chi2_pvalue, sampling_pvalue
 
 from infer.drafters import build_drafter
 from infer.engine import DecodeConfig, Engine
-from infer.runner import Runner
+from infer.model.runner import Runner
 from infer.sampling import SamplingConfig, TreeShape, probs_from_logits, sampling_accept, select
 from layerskip_core.errors import UserError
 from tiny_models import make_model

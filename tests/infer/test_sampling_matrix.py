@@ -17,8 +17,8 @@ from infer.batch import BatchEngine
 from infer.draft_vocab import DraftVocab
 from infer.drafters import build_drafter, drafter_spec
 from infer.engine import Engine
-from infer.plan import LayerPlan
-from infer.runner import Runner
+from infer.model.plan import LayerPlan
+from infer.model.runner import Runner
 from infer.sampling import SamplingConfig
 from tiny_models import make_model, noisy_adapter
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from infer.drafters.chain import PlanForward
-from infer.plan import LayerPlan, PlanFile, PlanSpace, weights_cost
-from infer.runner import Runner
+from infer.model.plan import LayerPlan, PlanFile, PlanSpace, weights_cost
+from infer.model.runner import Runner
 from infer.search import SearchConfig, open_study, run_search, search_plan
 from infer.search_objectives import ModelObjective, calibration_set, measure_cost, replay
 from layerskip_cli.main import main

@@ -7,8 +7,8 @@ import infer.search_objectives as objectives_module
 from infer.draft_vocab import DraftVocab
 from infer.drafters import build_drafter
 from infer.engine import DecodeConfig, Engine
-from infer.plan import LayerPlan, PlanFile, PlanSpace, weights_cost
-from infer.runner import Runner
+from infer.model.plan import LayerPlan, PlanFile, PlanSpace, weights_cost
+from infer.model.runner import Runner
 from infer.search import SearchConfig, run_gp_ucb, search_plan
 from infer.search_objectives import ModelObjective, calibration_set
 from tiny_models import make_model

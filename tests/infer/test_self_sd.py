@@ -12,8 +12,8 @@ from infer.drafters.base import DecodeState, Draft, VerifyOutcome
 from infer.drafters.chain import PlanForward
 from infer.drafters.self_sd import AdaptiveThreshold, SelfSDConfig
 from infer.engine import DecodeConfig, Engine
-from infer.plan import LayerPlan, PlanFile
-from infer.runner import Runner
+from infer.model.plan import LayerPlan, PlanFile
+from infer.model.runner import Runner
 from infer.sampling import SamplingConfig
 from layerskip_cli.main import main
 from layerskip_core.errors import UserError

@@ -31,7 +31,7 @@ def test_swift_paper_mode_is_its_own_class():
 
 
 def test_a_resolved_spec_builds_fresh_drafters_on_the_same_inputs():
-    from infer.runner import Runner
+    from infer.model.runner import Runner
 
     runner = Runner.from_model(make_model("llama", seed=0, layers=4))
     resolved = parse_spec("early_exit:E=2:k=3:adaptive=true:remember=off").resolve(runner)

@@ -9,8 +9,8 @@ from executor_cases import SIX, drafter_cases, fake_capture, run_drafter
 
 from infer.drafters import build_drafter
 from infer.engine import DecodeConfig, Engine
-from infer.graphs import bucket, padded_window
-from infer.runner import Runner
+from infer.model.graphs import bucket, padded_window
+from infer.model.runner import Runner
 from layerskip_core.errors import UserError
 from layerskip_core.settings import RunSettings
 from stub_drafters import ScriptedDrafter
@@ -138,7 +138,7 @@ def test_executor_option_errors(model, monkeypatch):
 
 def test_replayed_forwards_hand_out_copies(model, eager, monkeypatch):
     """With graph replay semantics (outputs overwritten in place) decoding stays exact: outputs are cloned."""
-    from infer.graphs import StaticExecutor, StaticSpan
+    from infer.model.graphs import StaticExecutor, StaticSpan
 
     monkeypatch.setattr(StaticSpan, "capture", fake_capture)
     replayed = Runner.from_model(model, executor="eager")
@@ -155,7 +155,7 @@ def test_replayed_forwards_hand_out_copies(model, eager, monkeypatch):
 
 
 def test_failed_capture_warns_once_and_falls_back_to_eager(model, eager, monkeypatch):
-    from infer.graphs import StaticExecutor, StaticSpan
+    from infer.model.graphs import StaticExecutor, StaticSpan
 
     def broken(self, cache, steps, pool=None):
         raise RuntimeError("operation not permitted when stream is capturing")
@@ -236,7 +236,7 @@ def test_a_longer_prompt_reuses_the_cache_and_its_forwards(model):
 ])
 def test_graphs_are_captured_before_the_timed_runs(model, monkeypatch, drafter, options):
     """With CUDA-graph semantics (stand-in capture on CPU): every capture happens in the warm-up."""
-    from infer.graphs import StaticExecutor, StaticSpan
+    from infer.model.graphs import StaticExecutor, StaticSpan
 
     monkeypatch.setattr(StaticSpan, "capture", fake_capture)
     runner = Runner.from_model(model, executor="eager")
@@ -248,7 +248,7 @@ def test_graphs_are_captured_before_the_timed_runs(model, monkeypatch, drafter, 
 def test_grouped_attention_equals_sdpa_with_gqa():
     """Folding the query groups into rows (no enable_gqa, so CUDA's memory-efficient kernel takes the masked
     call) gives the grouped-query attention of SDPA with ``enable_gqa``."""
-    from infer.attention import grouped_attention
+    from infer.model.attention import grouped_attention
 
     g = torch.Generator().manual_seed(0)
     for Hq, Hkv in ((4, 2), (9, 3), (4, 4)):

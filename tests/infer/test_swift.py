@@ -15,8 +15,8 @@ from infer.drafters.skipping import agreement, matchness_span, rerun_mask, verif
 from infer.drafters.swift import SwiftDrafter
 from infer.drafters.swift_search import LayerSetSearch
 from infer.engine import DecodeConfig, Engine
-from infer.plan import LayerPlan, PlanFile
-from infer.runner import Runner
+from infer.model.plan import LayerPlan, PlanFile
+from infer.model.runner import Runner
 from infer.sampling import SamplingConfig
 from layerskip_core.errors import UserError
 from tiny_models import make_model
@@ -240,7 +240,7 @@ def test_plan_for_another_model_is_refused(runner, tmp_path):
 
 
 def test_cost_model_prediction(runner):
-    from infer.plan import weights_cost
+    from infer.model.plan import weights_cost
 
     drafter = SwiftDrafter(runner, SwiftDrafter.Config(num_draft=4, remember="off"))
     assert drafter.predicted_speedup(-1.0) is None  # no score yet

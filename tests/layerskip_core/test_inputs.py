@@ -10,7 +10,7 @@ import pytest
 
 from deadline import deadline
 from infer.draft_vocab import DraftVocab
-from infer.plan import PlanFile
+from infer.model.plan import PlanFile
 from layerskip_core import inputs
 from layerskip_core.adapter_spec import read_file
 from layerskip_core.errors import UserError

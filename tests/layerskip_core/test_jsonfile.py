@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from infer.draft_vocab import DraftVocab, TokenCounts
-from infer.plan import PLAN_FORMAT, LayerPlan, PlanFile
+from infer.model.plan import PLAN_FORMAT, LayerPlan, PlanFile
 from layerskip_cli.main import main
 from layerskip_core import jsonfile
 from layerskip_core.errors import UserError

@@ -20,9 +20,9 @@ def test_kernels_are_counted_on_the_forward_not_on_a_graph_replay(monkeypatch):
     """The kernel count runs the static forward itself: no graph replay (CUPTI miscounts replays on CUDA 13.0)."""
     from executor_cases import fake_capture
 
-    from infer.graphs import StaticSpan
     from infer.measure.seeded_models import tiny_model
-    from infer.runner import Runner
+    from infer.model.graphs import StaticSpan
+    from infer.model.runner import Runner
 
     monkeypatch.setattr(StaticSpan, "capture", fake_capture)
     runner = Runner.from_model(tiny_model("llama", 0), executor="static")
@@ -83,7 +83,7 @@ def test_gpu_check_cuda_without_a_gpu(tmp_path, capsys):
 def test_every_drafter_list_of_the_check_covers_the_registry(tmp_path):
     """The greedy, sampling, sync and per-shape drafter lists all come from the registry (dynamic_exit included)."""
     from infer.measure.seeded_models import tiny_model
-    from infer.runner import Runner
+    from infer.model.runner import Runner
 
     runner = Runner.from_model(tiny_model("llama", 0))
     names = lambda specs: {name for name, _ in specs.values()}  # noqa: E731

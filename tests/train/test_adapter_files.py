@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from deadline import deadline
 from infer.adapter import ExitAdapter
-from infer.runner import Runner
+from infer.model.runner import Runner
 from layerskip_core.errors import UserError
 from tiny_models import make_model
 from train.adapter import AdapterLM

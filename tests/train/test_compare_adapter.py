@@ -15,7 +15,7 @@ pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 def test_projection_follows_the_cost_model():
     from compare_adapter import H200, gpu_projection
 
-    from infer.plan import cycle_speedup, iid_tokens_per_cycle
+    from infer.model.plan import cycle_speedup, iid_tokens_per_cycle
 
     plain = gpu_projection(0.0, 8, 30, 0)
     assert plain["k"] == 1 and plain["c"] == H200.draft_cost  # nothing accepted: the shortest draft loses least
@@ -31,7 +31,7 @@ def test_projection_follows_the_cost_model():
 def test_decoding_acceptance_is_read_back_as_a_per_token_rate():
     from compare_adapter import implied_per_token
 
-    from infer.plan import iid_tokens_per_cycle
+    from infer.model.plan import iid_tokens_per_cycle
 
     for p, k in ((0.3, 4), (0.8, 2.5), (0.05, 1)):
         assert implied_per_token(iid_tokens_per_cycle(p, k), k) == pytest.approx(p, abs=1e-6)

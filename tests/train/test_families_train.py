@@ -14,7 +14,7 @@ import torch
 
 from infer.drafters import build_drafter
 from infer.engine import DecodeConfig, Engine
-from infer.runner import Runner
+from infer.model.runner import Runner
 from tiny_models import family_model, save_family
 from train.config import EarlyExitConfig, LayerDropoutConfig
 from train.layerskip import run_training

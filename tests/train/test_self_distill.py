@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from infer.drafters import build_drafter
 from infer.engine import DecodeConfig, Engine
-from infer.runner import Runner
+from infer.model.runner import Runner
 from train import distill_prompts as dp
 from train.layerskip import run_training
 from train.self_distill import main, prompt_text

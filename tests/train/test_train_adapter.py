@@ -9,7 +9,7 @@ import pytest
 
 from infer.drafters import build_drafter
 from infer.engine import DecodeConfig, Engine
-from infer.runner import Runner
+from infer.model.runner import Runner
 from train.layerskip import run_training
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")

@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from accel_state import fresh_state
-from infer.runner import Runner
+from infer.model.runner import Runner
 from train.checkpoint import list_checkpoints
 from train.layerskip import run_training
 from train.optim import lr_factor

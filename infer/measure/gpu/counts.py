@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from infer.compiled import count_kernels
-from infer.runner import Runner
+from infer.model.compiled import count_kernels
+from infer.model.runner import Runner
 
 COUNTS = ("builds", "captures", "compiles")
 """What the static executor counts (``StaticExecutor.counts``): forwards built, CUDA graphs captured, compiles."""
@@ -109,7 +109,8 @@ def uncaptured(runner: Runner):
 
 def kernel_count(fn: Callable[[], object], device: torch.device) -> dict:
     """Kernels one call of ``fn`` launches: CUDA kernels through the profiler (``kernel_profile``); on a CPU a
-    stand-in, the top-level operators (``infer.compiled.count_kernels``), so the check's plumbing runs there too."""
+    stand-in, the top-level operators (``infer.model.compiled.count_kernels``), so the check's
+    plumbing runs there too."""
     if device.type == "cuda":
         return kernel_profile(fn, device)
     fn()

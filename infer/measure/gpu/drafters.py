@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from infer.drafters import DRAFTERS
-from infer.plan import LayerPlan, PlanFile
-from infer.runner import Runner
+from infer.model.plan import LayerPlan, PlanFile
+from infer.model.runner import Runner
 
 SWIFT_TREES = {"context_window": 4, "tree": True, "adaptive": False, "remember": "off"}
 """SWIFT settings that verify token trees from the first cycles (no fallback gate, nothing remembered)."""

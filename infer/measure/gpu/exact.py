@@ -18,7 +18,7 @@ from infer.measure.gpu.drafters import SYNC_TARGETS, drafter_specs, sync_specs
 from infer.measure.gpu.run import Run, error_text, free
 from infer.measure.seeded_models import tiny_model
 from infer.measure.syncs import measure_decode
-from infer.runner import Runner
+from infer.model.runner import Runner
 from infer.sampling import SamplingConfig, TreeShape
 
 TINY_MODELS = (("llama", 0), ("qwen2", 1))

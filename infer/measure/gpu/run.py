@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from infer.compiled import StepCache
 from infer.measure.gpu.budget import COMMAND_BUDGET_S, Budget
 from infer.measure.gpu.counts import compile_count
+from infer.model.compiled import StepCache
 
 PART_BUDGETS_S = {"shapes": 150.0, "greedy": 25.0, "checks": 20.0, "train": 20.0, "rest": 25.0}
 """Each part's own wall budget on a GPU (seconds from the part's start; no new piece of it starts after it). They

@@ -22,7 +22,7 @@ from infer.measure.gpu.exact import note_fallback, prompt_ids
 from infer.measure.gpu.run import Run, Settings, error_text, free
 from infer.measure.seeded_models import random_model
 from infer.measure.timing import timed_generate
-from infer.runner import Runner
+from infer.model.runner import Runner
 
 COMPILE_RESERVE_S = 60.0
 """Seconds of a part's budget an ``hf_static`` peer (a torch.compile by transformers) needs left to start."""

@@ -8,7 +8,7 @@ import torch
 
 from infer.drafters import DRAFTERS
 from infer.drafters.early_exit import EarlyExitDrafter
-from infer.plan import cycle_speedup, iid_tokens_per_cycle
+from infer.model.plan import cycle_speedup, iid_tokens_per_cycle
 from layerskip_cli.main import main
 
 
@@ -136,7 +136,7 @@ def test_hf_static_peer_matches_autoregressive(tiny_model_dir, prompts_file, tmp
 
 
 def test_expected_speedup_formulas():
-    """The bench's expected speed-up is the one cost model of infer.plan: M / (k̄ c + v)."""
+    """The bench's expected speed-up is the one cost model of infer.model.plan: M / (k̄ c + v)."""
     # M tokens per cycle over k̄ c + v: 3 tokens, 4 drafts at c = 0.25, v = 1 -> 3 / 2
     assert cycle_speedup(3.0, 4.0, 0.25, 1.0) == pytest.approx(1.5)
     assert cycle_speedup(1.0, 0.0, 0.0, 1.0) == pytest.approx(1.0)

@@ -52,7 +52,7 @@ def test_a_bf16_bench_judges_with_an_fp32_recomputation_built_on_first_need(tiny
     import torch
 
     from infer.measure.exactness import DivergenceJudge, rounded_reference
-    from infer.runner import Runner
+    from infer.model.runner import Runner
 
     runner = Runner.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
     built = []

@@ -10,8 +10,8 @@ from infer.engine import Engine, GenerationStats
 from infer.measure.bench import Record
 from infer.measure.methods import model_labels
 from infer.measure.report import markdown_table, recommend, summarize
-from infer.plan import LayerPlan, PlanFile
-from infer.runner import Runner
+from infer.model.plan import LayerPlan, PlanFile
+from infer.model.runner import Runner
 from layerskip_cli.main import main
 from layerskip_core.errors import UserError
 

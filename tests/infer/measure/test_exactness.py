@@ -20,7 +20,7 @@ from infer.measure.exactness import (
     tie_bound,
     ulp,
 )
-from infer.runner import Runner
+from infer.model.runner import Runner
 from tiny_models import make_model
 
 

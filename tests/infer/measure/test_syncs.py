@@ -7,10 +7,10 @@ from infer.drafters import build_drafter
 from infer.drafters.base import DecodeState
 from infer.drafters.chain import draft_chain
 from infer.engine import DecodeConfig, Engine
-from infer.kv_cache import ints_to_device
 from infer.measure.syncs import SyncCounter, measure_decode
-from infer.plan import LayerPlan, PlanFile
-from infer.runner import Runner
+from infer.model.kv_cache import ints_to_device
+from infer.model.plan import LayerPlan, PlanFile
+from infer.model.runner import Runner
 from infer.sampling import SamplingConfig
 from tiny_models import make_model
 
@@ -157,7 +157,7 @@ def test_on_a_gpu_only_reads_of_device_tensors_are_syncs():
 def test_explicit_synchronisation_and_captures_are_syncs(runner, monkeypatch):
     from executor_cases import fake_capture
 
-    from infer.graphs import StaticExecutor, StaticSpan
+    from infer.model.graphs import StaticExecutor, StaticSpan
 
     calls = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: calls.append(1))

@@ -6,7 +6,7 @@ from infer.batch import BatchEngine
 from infer.drafters import build_drafter
 from infer.engine import DecodeConfig, Engine
 from infer.measure.timing import StepClock, observing, timed_batch, timed_generate
-from infer.runner import Runner
+from infer.model.runner import Runner
 from tiny_models import make_model
 
 

@@ -50,7 +50,8 @@ class Linear:
 class LayerWeights:
     """One decoder layer, with q/k/v and gate/up fused into single matmuls. An exit adapter's layer may have no
     MLP (``gate_up`` None): its stream passes the MLP sublayer unchanged. Norm weights are as
-    ``infer.layer_math.norm`` takes them (``norm_weight``); the family's extra norms are None where it has none."""
+    ``infer.model.layer_math.norm`` takes them (``norm_weight``); the family's extra norms are None where it
+    has none."""
 
     attn_norm: Tensor  # (d,)
     qkv: Linear  # d -> (Hq + 2 Hkv) D, with bias for Qwen2
@@ -113,7 +114,7 @@ def qkv_widths(s: ModelSpec) -> list[int]:
 
 
 def norm_weight(weight: Tensor, spec: ModelSpec) -> Tensor:
-    """A checkpoint's norm weight as ``infer.layer_math.norm`` takes it: 1 + w in fp32 for the (1 + w) flavour
+    """A checkpoint's norm weight as ``infer.model.layer_math.norm`` takes it: 1 + w in fp32 for the (1 + w) flavour
     (Gemma 3 computes (normed * (1 + w.float())).to(dtype)), else as it is."""
     return 1.0 + weight.float() if spec.family.norm_offset else weight
 

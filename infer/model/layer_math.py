@@ -1,10 +1,11 @@
 """A decoder layer's math, written once for every model family and every forward kind.
 
-The one eager layer loop (``infer.packed``: one sequence or packed rows), the static forwards (``infer.graphs``) and
-their compiled steps (``infer.compiled``) all call these functions, so what a family adds to Llama's layer
-(``layerskip_core.models.Family``: the (1 + w) norm, the embedding scale, q/k norms, norms after attention and MLP,
-GELU-tanh, the attention scale, per-layer RoPE tables and sliding windows, final logit softcapping) lives here and
-survives any rebuild of a layer loop. Each function takes the model's ``ModelSpec`` and a layer's ``LayerWeights``.
+The one eager layer loop (``infer.model.packed``: one sequence or packed rows), the static forwards
+(``infer.model.graphs``) and their compiled steps (``infer.model.compiled``) all call these functions, so what a family
+adds to Llama's layer (``layerskip_core.models.Family``: the (1 + w) norm, the embedding scale, q/k norms, norms after
+attention and MLP, GELU-tanh, the attention scale, per-layer RoPE tables and sliding windows, final logit softcapping)
+lives here and survives any rebuild of a layer loop. Each function takes the model's ``ModelSpec`` and a layer's
+``LayerWeights``.
 """
 
 from __future__ import annotations
@@ -13,14 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from infer.weights import LayerWeights, rms_norm
+from infer.model.weights import LayerWeights, rms_norm
 from layerskip_core.errors import UserError
 from layerskip_core.families import DEFAULT_ROPE, NO_ROPE, ModelSpec
 
 
 def norm(x: Tensor, weight: Tensor, spec: ModelSpec) -> Tensor:
     """RMSNorm over the last dim in the family's flavour: Llama's w * normed.to(dtype), or Gemma's
-    (normed * (1 + w)).to(dtype) in fp32 (``weight`` then holds 1 + w in fp32: ``infer.weights.norm_weight``)."""
+    (normed * (1 + w)).to(dtype) in fp32 (``weight`` then holds 1 + w in fp32: ``infer.model.weights.norm_weight``)."""
     if not spec.family.norm_offset:
         return rms_norm(x, weight, spec.rms_norm_eps)
     if x.dtype == torch.float32:

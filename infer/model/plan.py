@@ -104,7 +104,7 @@ FULL_HEAD = "full"
 
 def head_record(head) -> dict:
     """What a plan file records of the draft head a plan was found (and is to be drafted) with: the full head, or the
-    ids of a reduced-vocabulary head (``infer.runner.DraftHead``, or None for the full head)."""
+    ids of a reduced-vocabulary head (``infer.model.runner.DraftHead``, or None for the full head)."""
     if head is None:
         return {"vocab": FULL_HEAD}
     return {"vocab": head.size, "ids": [int(i) for i in head.ids.tolist()]}

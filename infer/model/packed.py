@@ -11,7 +11,7 @@ exactly what each sequence's own forward computes: the batched output equals dec
 
 A ``packed_span`` of one segment is ``Runner.span`` itself (so the static executor, its compiled steps and CUDA graphs
 still serve one row); several run this loop eagerly (their shapes vary with the batch). A layer's math is
-``infer.layer_math``'s. The runner is only a type here (``Runner`` imports this module).
+``infer.model.layer_math``'s. The runner is only a type here (``Runner`` imports this module).
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from infer import layer_math
-from infer.kv_cache import KVCache
-from infer.plan import LayerPlan
+from infer.model import layer_math
+from infer.model.kv_cache import KVCache
+from infer.model.plan import LayerPlan
 
 if TYPE_CHECKING:
-    from infer.runner import DraftHead, Runner, SpanOutput
+    from infer.model.runner import DraftHead, Runner, SpanOutput
 
 
 @dataclass

@@ -1,6 +1,6 @@
-"""What the static executor (``infer.graphs``) and the compiled layer steps (``infer.compiled``) use of a model's
-forward. ``infer.runner.Runner`` satisfies it; naming it here keeps those modules below the runner, which builds
-its executor from them, instead of importing the runner back."""
+"""What the static executor (``infer.model.graphs``) and the compiled layer steps (``infer.model.compiled``) use of
+a model's forward. ``infer.model.runner.Runner`` satisfies it; naming it here keeps those modules below the runner,
+which builds its executor from them, instead of importing the runner back."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ if TYPE_CHECKING:
     import torch
     from torch import Tensor
 
-    from infer.kv_cache import KVCache
-    from infer.plan import LayerPlan
-    from infer.weights import LayerWeights
+    from infer.model.kv_cache import KVCache
+    from infer.model.plan import LayerPlan
+    from infer.model.weights import LayerWeights
     from layerskip_core.models import ModelSpec
 
 

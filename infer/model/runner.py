@@ -1,19 +1,20 @@
 """A lean forward pass over the weights of a Hugging Face decoder model (the families of ``layerskip_core.families``).
 
 The runner depends on the checkpoint's weights and config only (not on transformers'
-modeling code, whose internals move between releases); a family's layer math is ``infer.layer_math``'s, each
+modeling code, whose internals move between releases); a family's layer math is ``infer.model.layer_math``'s, each
 layer's sliding window and RoPE table its spec's (docs/MODELS.md). It executes any layer range with any
 sublayer skip plan, against a preallocated KV cache whose length is tracked per layer: early
 exit makes shallow layers run ahead of deep ones, and rollback is setting a length back.
 
 Tensors are ``(T, ...)`` for the T tokens of one call. Every eager forward runs the one layer loop
-(``infer.packed``): one sequence is one segment (``forward_layers``, ``span``), a batch of sequences several packed
-rows (``span_rows``): the projections over all rows' tokens at once, ``cached_attention`` per row over its own cache.
+(``infer.model.packed``): one sequence is one segment (``forward_layers``, ``span``), a batch of sequences
+several packed rows (``span_rows``): the projections over all rows' tokens at once, ``cached_attention`` per row over
+its own cache.
 
 Decoding forwards (draft steps, verification) go through ``Runner.span``, which an *executor*
 runs: ``eager`` (the layer loop, the CPU default: fastest there, and exact thanks to the
 small-matmul kernel), ``static`` (static shapes with device-side positions and lengths, see
-``infer.graphs``) or ``graphs`` (the static forwards captured as CUDA graphs, the CUDA default);
+``infer.model.graphs``) or ``graphs`` (the static forwards captured as CUDA graphs, the CUDA default);
 ``compile`` (the settings default it to on CUDA) runs the static forwards' layers through ``torch.compile``.
 Prompt prefill always runs eagerly, on the causal attention kernel (no mask).
 """
@@ -35,13 +36,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from infer import layer_math
-from infer.attention import attend, rows_for, score_scale
-from infer.graphs import StaticExecutor
-from infer.kv_cache import CachePool, KVCache, capacity_bucket, ints_to_device
-from infer.packed import Segment, packed_layers
-from infer.plan import LayerPlan
-from infer.weights import (
+from infer.model import layer_math
+from infer.model.attention import attend, rows_for, score_scale
+from infer.model.graphs import StaticExecutor
+from infer.model.kv_cache import CachePool, KVCache, capacity_bucket, ints_to_device
+from infer.model.packed import Segment, packed_layers
+from infer.model.plan import LayerPlan
+from infer.model.weights import (
     LayerWeights,
     Linear,
     fingerprint,
@@ -356,7 +357,7 @@ class Runner:
 
     def span_rows(self, segments: Sequence[Segment], hidden: Tensor, start: int, split: int, end: int,
                   plan: LayerPlan | None = None, logits: bool = False, vocab: DraftHead | None = None) -> SpanOutput:
-        """``span``'s eager forward over packed rows (``infer.packed``; one segment is one sequence): ``hidden``
+        """``span``'s eager forward over packed rows (``infer.model.packed``; one segment is one sequence): ``hidden``
         (N, d) holds the segments' rows in order; layers ``[start, split)`` exactly, then ``[split, end)`` under
         ``plan``."""
         pos = self.to_device([p for s in segments for p in s.positions])  # (N,)
@@ -437,9 +438,9 @@ class Runner:
                          attn_mask: Tensor | None, scale: float | None = None, bulk: bool = False) -> Tensor:
         """Write k, v (Hkv, T, D) at layer ``i``'s length in ``cache``, then attend q (Hq, T, D) over the layer's
         filled slots with ``attn_mask`` (``attn_mask``'s form; None: causal from slot 0, or all visible) and the
-        score ``scale`` (None: D ** -0.5): (Hq, T, D). The packed batch forward (``infer.packed``) calls it once per
-        row over that row's own cache. With the kernel, every row runs the batch-invariant row attention
-        (``infer.attention.attend``; the cache writes in the same C++ call), except in ``bulk`` (prompt prefill)
+        score ``scale`` (None: D ** -0.5): (Hq, T, D). The packed batch forward (``infer.model.packed``) calls it once
+        per row over that row's own cache. With the kernel, every row runs the batch-invariant row attention
+        (``infer.model.attention.attend``; the cache writes in the same C++ call), except in ``bulk`` (prompt prefill)
         calls."""
         T = q.shape[1]
         start = cache.lengths[i]

@@ -24,14 +24,14 @@ from weakref import WeakKeyDictionary
 import torch
 from torch import Tensor
 
-from infer import layer_math
-from infer.attention import group_mask
-from infer.compiled import LayerSteps, StepCache
-from infer.kv_cache import KVCache
-from infer.plan import LayerPlan
+from infer.model import layer_math
+from infer.model.attention import group_mask
+from infer.model.compiled import LayerSteps, StepCache
+from infer.model.kv_cache import KVCache
+from infer.model.plan import LayerPlan
 
 if TYPE_CHECKING:  # the runner imports this module for its executor: name what it offers, not the runner
-    from infer.forward_model import ForwardModel, VocabHead
+    from infer.model.forward_model import ForwardModel, VocabHead
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
 """Row counts a static forward is padded up to; larger calls run eagerly."""
