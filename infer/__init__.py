@@ -29,7 +29,7 @@ _EXPORTS = {
     "build_drafter": "infer.drafters",
     "parse_spec": "infer.drafters",
     "Runner": "infer.model.runner",
-    "DraftVocab": "infer.draft_vocab",
+    "DraftVocab": "infer.assets.draft_vocab",
     "hf_generate": "infer.hf_decoding",
 }
 """Public name -> the module that defines it."""

@@ -51,7 +51,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from infer.draft_vocab import DraftVocab, check_draft_vocab_option, resolve_draft_vocab_option
+from infer.assets.draft_vocab import DraftVocab, check_draft_vocab_option, resolve_draft_vocab_option
 from infer.gp_ucb import GPUCB, GPUCBConfig
 from infer.model.plan import CostModel, LayerPlan, PlanFile, PlanSpace, head_record, weights_cost
 from infer.model.runner import Runner

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.draft_vocab import DraftVocab
+from infer.assets.draft_vocab import DraftVocab
 from infer.drafters import Spec, build_drafter, drafter_spec
 from infer.drafters.self_sd import SelfSDDrafter
 from infer.drafters.skipping import agreement, verified_window

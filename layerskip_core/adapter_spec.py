@@ -10,7 +10,7 @@ The file is safetensors with string metadata: ``format``, ``shape`` (this module
 ``model`` (the base model's identity: architecture numbers and weight fingerprint, as ``Runner.identity()``)
 and ``provenance`` (how it was trained). Both sides name tensors with ``tensor_shapes``. This module does not
 import torch: ``read_file`` checks the tensors it reads with their own methods (finite, the ones the header
-names), and ``AdapterShape.check_layout`` the header against the model the readers in ``infer.adapter`` and
+names), and ``AdapterShape.check_layout`` the header against the model the readers in ``infer.assets.adapter`` and
 ``train.adapter`` load it on.
 """
 

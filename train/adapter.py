@@ -4,7 +4,7 @@ The base model is loaded once and never changes: layer E's hidden states (and, f
 full model's next-token distribution) are computed under ``no_grad``; only the adapter learns. The adapter's
 output goes through the model's LM head (its weights frozen, the gradient flowing through it to the adapter).
 
-The adapter's forward is written here over ``torch.nn`` modules (batched, autograd); ``infer.adapter`` runs the
+The adapter's forward is written here over ``torch.nn`` modules (batched, autograd); ``infer.assets.adapter`` runs the
 same weights as one more decoder layer on the runner (one sequence, a KV cache): the two regimes share the spec,
 not the code, as the training forward and the runner do for the base model; tests hold the two forwards equal.
 """

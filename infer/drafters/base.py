@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor
 
-from infer.draft_vocab import AUTO, check_draft_vocab_option
+from infer.assets.draft_vocab import AUTO, check_draft_vocab_option
 from infer.model.kv_cache import ints_to_device
 
 if TYPE_CHECKING:
-    from infer.adapter import ExitAdapter
+    from infer.assets.adapter import ExitAdapter
     from infer.model.kv_cache import KVCache
     from infer.model.plan import LayerPlan
     from infer.model.runner import DraftHead, Runner
@@ -128,7 +128,7 @@ class DraftVocabOption:
 
     draft_vocab: str = AUTO
     """Reduced-vocabulary draft head: drafts score only these token ids, verification always the full head (output
-    unchanged). auto: the most frequent ids (infer.draft_vocab.AUTO_SIZE of them) of the counts shipped for this
+    unchanged). auto: the most frequent ids (infer.assets.draft_vocab.AUTO_SIZE of them) of the counts shipped for this
     model, if there are some, else the full head; N: the N most frequent; a file made by `layerskip draft-vocab`;
     off: the full head."""
 

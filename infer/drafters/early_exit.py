@@ -1,6 +1,6 @@
 """LayerSkip early-exit drafting: layers [0, E) + final norm + shared LM head, token by token.
 
-With an exit adapter (``adapter=PATH``, ``infer.adapter``) the drafts run layers [0, E), the adapter and the
+With an exit adapter (``adapter=PATH``, ``infer.assets.adapter``) the drafts run layers [0, E), the adapter and the
 shared head instead; E is the adapter's. The adapter's own cache follows the accepted tokens.
 
 The draft's KV for layers < E and its hidden states at layer E are exactly what the full
@@ -14,7 +14,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from infer.adapter import AdapterForward, ExitAdapter, adapter_path
+from infer.assets.adapter import AdapterForward, ExitAdapter, adapter_path
 from infer.drafters.base import DecodeState, Draft, Drafter, DrafterStats, DraftInputs, DraftVocabOption, VerifyOutcome
 from infer.drafters.chain import ChainAsk, EarlyExitForward, check_size, draft_chains
 from infer.drafters.gate import COLD, GateOwner, RememberOption

@@ -13,7 +13,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from infer.draft_vocab import DraftVocab
+from infer.assets.draft_vocab import DraftVocab
 from infer.drafters.base import Drafter, DraftInputs
 from infer.drafters.gate import RememberOption
 from infer.drafters.registry import class_for, drafter_class

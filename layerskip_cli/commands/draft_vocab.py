@@ -107,7 +107,7 @@ def coverage_line(size: int, vocab_size: int, report: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     # torch and transformers load only once the arguments are known to be good
-    from infer.draft_vocab import coverage_report, special_ids
+    from infer.assets.draft_vocab import coverage_report, special_ids
     from infer.loading import load_resolved
     from infer.measure.vocab_counting import count_tokens, encode_prompts, heldout_tokens
 

@@ -85,7 +85,7 @@ def _check_resume(args: argparse.Namespace, study: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # torch, transformers and optuna load only once the arguments are known to be good
-    from infer.draft_vocab import resolve_draft_vocab_option
+    from infer.assets.draft_vocab import resolve_draft_vocab_option
     from infer.loading import load_resolved
     from infer.search import SearchConfig, search_plan, study_path_for
 

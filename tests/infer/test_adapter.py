@@ -7,8 +7,8 @@ import torch
 from executor_cases import fake_capture
 from lossless_stats import P_THRESHOLD, sampling_pvalue
 
-from infer.adapter import ExitAdapter
-from infer.draft_vocab import DraftVocab
+from infer.assets.adapter import ExitAdapter
+from infer.assets.draft_vocab import DraftVocab
 from infer.drafters import build_drafter
 from infer.engine import DecodeConfig, Engine
 from infer.model.graphs import StaticExecutor, StaticSpan

@@ -4,7 +4,7 @@ import pytest
 import torch
 from lossless_stats import P_THRESHOLD, sampling_pvalue
 
-from infer.draft_vocab import DraftVocab
+from infer.assets.draft_vocab import DraftVocab
 from infer.drafters import build_drafter
 from infer.engine import DecodeConfig, Engine
 from infer.model.runner import Runner

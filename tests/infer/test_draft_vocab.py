@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from infer.draft_vocab import (
+from infer.assets.draft_vocab import (
     BUNDLED_DIR,
     DraftVocab,
     TokenCounts,

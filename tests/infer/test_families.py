@@ -151,7 +151,7 @@ def test_a_skipped_sublayer_with_a_post_norm_is_skipped_whole():
 def test_adapter_train_and_infer_forwards_agree(kind, tmp_path):
     """An exit adapter's training module (``train.adapter``: the model's norm class, the global RoPE) and its layer on
     the runner (``ModelSpec.adapter_layer``) compute the same logits on the new families (Gemma 3: softcapped)."""
-    from infer.adapter import ExitAdapter
+    from infer.assets.adapter import ExitAdapter
     from train.adapter import AdapterLM
     from train.config import AdapterConfig
     from train.model import decoder_parts

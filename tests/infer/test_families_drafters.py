@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from infer import hf_generate
+from infer.assets.draft_vocab import DraftVocab
 from infer.batch import BatchEngine
-from infer.draft_vocab import DraftVocab
 from infer.drafters import build_drafter
 from infer.engine import DecodeConfig, Engine
 from infer.model.plan import LayerPlan, PlanFile

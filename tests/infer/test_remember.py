@@ -2,7 +2,7 @@
 
 import pytest
 
-from infer.draft_vocab import DraftVocab
+from infer.assets.draft_vocab import DraftVocab
 from infer.drafters import build_drafter
 from infer.engine import DecodeConfig, Engine
 from infer.model.plan import PlanFile

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 from lossless_stats import P_THRESHOLD, batch_sampling_pvalue, sampling_pvalue
 
+from infer.assets.draft_vocab import DraftVocab
 from infer.batch import BatchEngine
-from infer.draft_vocab import DraftVocab
 from infer.drafters import build_drafter, drafter_spec
 from infer.engine import Engine
 from infer.model.plan import LayerPlan

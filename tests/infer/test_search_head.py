@@ -4,7 +4,7 @@ import pytest
 
 import infer.search as search_module
 import infer.search_objectives as objectives_module
-from infer.draft_vocab import DraftVocab
+from infer.assets.draft_vocab import DraftVocab
 from infer.drafters import build_drafter
 from infer.engine import DecodeConfig, Engine
 from infer.model.plan import LayerPlan, PlanFile, PlanSpace, weights_cost

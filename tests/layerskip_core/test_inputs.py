@@ -9,7 +9,7 @@ import socket
 import pytest
 
 from deadline import deadline
-from infer.draft_vocab import DraftVocab
+from infer.assets.draft_vocab import DraftVocab
 from infer.model.plan import PlanFile
 from layerskip_core import inputs
 from layerskip_core.adapter_spec import read_file

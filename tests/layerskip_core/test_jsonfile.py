@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from infer.draft_vocab import DraftVocab, TokenCounts
+from infer.assets.draft_vocab import DraftVocab, TokenCounts
 from infer.model.plan import PLAN_FORMAT, LayerPlan, PlanFile
 from layerskip_cli.main import main
 from layerskip_core import jsonfile

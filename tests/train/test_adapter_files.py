@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from deadline import deadline
-from infer.adapter import ExitAdapter
+from infer.assets.adapter import ExitAdapter
 from infer.model.runner import Runner
 from layerskip_core.errors import UserError
 from tiny_models import make_model

@@ -25,7 +25,7 @@ from infer.model.runner import DraftHead, Runner, SpanOutput
 from layerskip_core.adapter_spec import LAYER_NAMES, AdapterShape, read_file, read_metadata
 from layerskip_core.errors import UserError
 
-BUNDLED_DIR = Path(__file__).parent / "data" / "adapters"
+BUNDLED_DIR = Path(__file__).parent.parent / "data" / "adapters"
 """Adapter files shipped with the package (package data), picked by ``adapter=default`` for the model they fit."""
 
 

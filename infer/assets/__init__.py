@@ -1,0 +1,1 @@
+"""What drafters load beside the model: exit adapters and reduced draft vocabularies, checked against it."""
