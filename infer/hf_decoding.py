@@ -50,8 +50,8 @@ from transformers.generation import (
     TopPLogitsWarper,
 )
 
+from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import ResolvedSpec, Spec, drafter_spec
-from infer.engine import DecodeConfig, Engine
 from infer.hf_contract import (
     check_config,
     check_generate_arguments,
@@ -61,7 +61,7 @@ from infer.hf_contract import (
 )
 from infer.hf_rows import RowProcessor, RowRun, lockstep
 from infer.model.runner import Runner
-from infer.sampling import SamplingConfig
+from infer.model.sampling import SamplingConfig
 from layerskip_core.errors import UserError
 from layerskip_core.settings import resolve_compile, resolve_executor
 

@@ -2,7 +2,7 @@
 ``generate`` shows it.
 
 Each row decodes with its own engine (a draft-verify step commits several tokens at once), and the rows that need
-tokens step together, one batched cycle (``infer.cycle.step_rows``: one packed verification forward for the rows,
+tokens step together, one batched cycle (``infer.decode.cycle.step_rows``: one packed verification forward for the rows,
 their drafts drafted together); ``lockstep`` then hands
 the committed tokens to the stopping criteria one column at a time, as a (B, length) batch, exactly as
 ``generate``'s loop calls them: criteria that keep state across calls or answer for the whole batch (an evaluation
@@ -21,13 +21,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from infer.cycle import step_rows
-from infer.engine import Engine, Generation, GenerationResult
+from infer.decode.cycle import step_rows
+from infer.decode.engine import Engine, Generation, GenerationResult
 
 
 class RowProcessor:
     """transformers' ``LogitsProcessorList`` for row ``row`` of a ``batch``-row input whose left padding is
-    ``padding``: an ``infer.processing.PositionProcessor``."""
+    ``padding``: an ``infer.decode.processing.PositionProcessor``."""
 
     def __init__(self, processors, row: int, batch: int, padding: Sequence[int]):
         self.processors, self.row, self.batch, self.padding = processors, row, batch, list(padding)
@@ -72,7 +72,7 @@ class RowRun:
 
 def fill(rows: list[RowRun], t: int) -> None:
     """Step every row that has not committed its t-th token yet, all of them together in one batched cycle
-    (``infer.cycle.step_rows``: one packed verification forward), until each has."""
+    (``infer.decode.cycle.step_rows``: one packed verification forward), until each has."""
     while short := [row for row in rows if len(row.gen.tokens) <= t]:
         for row in short:
             if row.gen.done:

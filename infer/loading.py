@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel
 
-from infer.batch import BatchEngine
+from infer.decode.batch import BatchEngine
+from infer.decode.engine import DecodeConfig, Engine, GenerationResult
 from infer.drafters import ResolvedSpec, Spec, build_drafter, drafter_spec, parse_spec
-from infer.engine import DecodeConfig, Engine, GenerationResult
 from infer.model.runner import Runner
 from layerskip_core.errors import UserError
 from layerskip_core.prompts import check_text

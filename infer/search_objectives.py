@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from infer.assets.draft_vocab import DraftVocab
+from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import Spec, build_drafter, drafter_spec
 from infer.drafters.self_sd import SelfSDDrafter
 from infer.drafters.skipping import agreement, verified_window
-from infer.engine import DecodeConfig, Engine
 from infer.model.plan import CostModel, LayerPlan, cycle_speedup
 from infer.model.runner import Runner
 

@@ -2,7 +2,7 @@
 
 ``add_model_flags`` / ``model_settings`` (``ModelSettings``: --model, --device, --dtype, --executor,
 --threads), ``add_run_flags`` / ``run_settings`` (the same without --model, for commands that take several),
-``add_sampling_flags`` / ``sampling_config`` (``infer.sampling.SamplingConfig``) and the drafter flags
+``add_sampling_flags`` / ``sampling_config`` (``infer.model.sampling.SamplingConfig``) and the drafter flags
 (one group per drafter, built from each drafter's config). A command passes its own defaults as an instance
 (e.g. ``ModelSettings(executor="static")``); the help shows them, and flags not given keep them.
 """
@@ -41,13 +41,13 @@ def run_settings(args: argparse.Namespace, defaults: RunSettings | None = None) 
 
 def add_sampling_flags(p: argparse.ArgumentParser, defaults=None) -> None:
     """--temperature, --top-k, --top-p, --seed (``defaults``: a ``SamplingConfig``)."""
-    from infer.sampling import SamplingConfig  # torch-heavy: imported when a parser is built, after --help checks
+    from infer.model.sampling import SamplingConfig  # torch-heavy: imported when a parser is built, after --help checks
 
     add_dataclass_flags(p.add_argument_group("sampling"), SamplingConfig, defaults=defaults)
 
 
 def sampling_config(args: argparse.Namespace, defaults=None):
-    from infer.sampling import SamplingConfig
+    from infer.model.sampling import SamplingConfig
 
     return from_args(SamplingConfig, args, defaults)
 

@@ -22,8 +22,8 @@ import statistics
 import sys
 import time
 
+from infer.decode.engine import DecodeConfig
 from infer.drafters import parse_spec
-from infer.engine import DecodeConfig
 from infer.loading import load_resolved
 from infer.measure.methods import BASELINE
 from layerskip_cli.args import add_model_flags, model_settings

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from infer.decode.engine import DecodeConfig, tokens_per_verify
 from infer.drafters import parse_spec
-from infer.engine import DecodeConfig, tokens_per_verify
 from infer.loading import load_resolved
 from infer.measure.methods import BASELINE
 from infer.measure.plots import plot_matchness

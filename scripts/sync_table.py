@@ -37,8 +37,8 @@ def budget(drafter, result: dict) -> float:
 
 def measure(args: argparse.Namespace) -> list[dict]:
     # torch and the engine load only after argument parsing (so --help answers at once)
+    from infer.decode.engine import DecodeConfig
     from infer.drafters import parse_spec
-    from infer.engine import DecodeConfig
     from infer.loading import load_resolved
     from infer.measure.syncs import measure_decode
 

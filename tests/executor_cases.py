@@ -1,8 +1,8 @@
 """What the executor tests (static, compiled) share: the layer count of their seeded model, and the drafter cases
 every executor must decode exactly as the eager path does."""
 
+from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import build_drafter
-from infer.engine import DecodeConfig, Engine
 from infer.model.plan import LayerPlan, PlanFile
 
 SIX = 6

@@ -8,8 +8,8 @@ import numpy as np
 import torch
 from scipy.stats import chisquare
 
-from infer.engine import DecodeConfig
-from infer.sampling import SamplingConfig, probs_from_logits
+from infer.decode.engine import DecodeConfig
+from infer.model.sampling import SamplingConfig, probs_from_logits
 
 P_THRESHOLD = 1e-3  # fixed seeds make the tests deterministic; the threshold guards against a real bias
 

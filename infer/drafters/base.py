@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from infer.model.kv_cache import KVCache
     from infer.model.plan import LayerPlan
     from infer.model.runner import DraftHead, Runner
-    from infer.sampling import SamplingConfig
+    from infer.model.sampling import SamplingConfig
 
 
 @dataclass
@@ -215,7 +215,7 @@ class Drafter:
 
     @classmethod
     def propose_rows(cls, rows: Sequence[tuple[Drafter, DecodeState]]) -> list[Draft | None]:
-        """Drafts for several sequences at once (the batched engine, ``infer.batch``), each sequence with its own
+        """Drafts for several sequences at once (the batched engine, ``infer.decode.batch``), each sequence with its own
         drafter of this class (a drafter keeps per-sequence state). By default each row's ``propose`` in turn;
         drafters that draft token by token with part of the model override it to run the rows' draft forwards as
         one packed forward."""

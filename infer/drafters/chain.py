@@ -17,7 +17,7 @@ from infer.model.kv_cache import KVCache, ints_to_device
 from infer.model.packed import Segment, packed_span
 from infer.model.plan import LayerPlan
 from infer.model.runner import DraftHead, Runner
-from infer.sampling import probs_from_logits, sample
+from infer.model.sampling import probs_from_logits, sample
 from layerskip_core.errors import UserError
 
 MAX_DRAFT = 256

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from infer.engine import GenerationStats
+from infer.decode.engine import GenerationStats
 from infer.measure.exactness import DivergenceJudge, first_divergence, rounded_reference
 from infer.measure.methods import BASELINE, BenchConfig, Method, check_layers
 from infer.measure.peers import Peer

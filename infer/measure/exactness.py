@@ -40,8 +40,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import build_drafter
-from infer.engine import DecodeConfig, Engine
 
 ULPS = 4
 """The bound's floor: margins up to this many units in the last place (of the dtype, at the logits' magnitude)."""

@@ -19,7 +19,7 @@ from layerskip_core.settings import Resolved
 
 if TYPE_CHECKING:
     from infer.drafters.spec import Spec
-    from infer.sampling import SamplingConfig
+    from infer.model.sampling import SamplingConfig
 
 PEERS = ("hf_generate", "hf_static", "hf_early_exit", "prompt_lookup")
 PEER_OPTIONS = {"hf_early_exit": ("E", "k"), "prompt_lookup": ("k",)}
@@ -278,14 +278,14 @@ class BenchConfig:
         if self.quality.base is not None and self.quality.base not in self.labels:
             raise UserError(f"--base {self.quality.base!r} names no model; the models are {', '.join(self.labels)}")
         if self.sampling is None:
-            from infer.sampling import SamplingConfig  # torch-heavy: see the module docstring
+            from infer.model.sampling import SamplingConfig  # torch-heavy: see the module docstring
 
             self.sampling = SamplingConfig()
 
     def generation(self, method: Method | None = None):
         """The DecodeConfig of ``method`` (its lossy ``target_exit``, if any, on top of the shared settings; None:
         the full model's, the reference's)."""
-        from infer.engine import DecodeConfig
+        from infer.decode.engine import DecodeConfig
 
         target = None if method is None else method.target_exit
         return DecodeConfig(max_new_tokens=self.max_new_tokens, sampling=self.sampling,

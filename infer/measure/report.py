@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from infer.decode.engine import tokens_per_verify
 from infer.drafters.swift import SwiftStats
-from infer.engine import tokens_per_verify
 from infer.measure.methods import BASELINE, PEERS
 from infer.measure.provenance import machine_info
 from infer.measure.quality import WORSE_NATS, compare_to_base, flag, quality_table

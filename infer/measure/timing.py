@@ -2,7 +2,7 @@
 
 The engine splits a cycle's time with ``time.perf_counter`` around the drafters' proposals and the verification;
 on CUDA both only enqueue work, so the split follows the host, not the device. :class:`StepClock`, a cycle observer
-(``infer.cycle``: attached to the engine, nothing patched), records CUDA events at the cycle's points instead and
+(``infer.decode.cycle``: attached to the engine, nothing patched), records CUDA events at the cycle's points instead and
 reads them once, after the generation (so timing adds no host sync inside it); on a CPU it uses ``perf_counter``,
 which is already right there. It cannot split a drafter's own host syncs from its
 device work: a draft step that reads the device waits for the verify queued before it.
@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import torch
 
-from infer.cycle import CycleObserver
+from infer.decode.cycle import CycleObserver
 
 
 class StepClock(CycleObserver):

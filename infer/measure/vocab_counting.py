@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from infer.assets.draft_vocab import MODES, TokenCounts, model_record, special_ids
-from infer.engine import DecodeConfig
+from infer.decode.engine import DecodeConfig
 from layerskip_core.errors import UserError
 from layerskip_core.prompts import PromptItem, use_chat_template
 

@@ -84,7 +84,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _sampling_defaults():
-    from infer.sampling import SamplingConfig  # torch-heavy: imported when the parser is built
+    from infer.model.sampling import SamplingConfig  # torch-heavy: imported when the parser is built
 
     return SamplingConfig(seed=0)
 

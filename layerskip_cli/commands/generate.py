@@ -30,7 +30,7 @@ from layerskip_core.prompts import PromptItem, check_text, read_prompts_file
 
 def add_generation_flags(p: argparse.ArgumentParser) -> None:
     """--max-new-tokens and --target-exit (``DecodeConfig``), --stop, --ignore-eos, and the sampling flags."""
-    from infer.engine import DecodeConfig  # torch-heavy: imported when the parser is built
+    from infer.decode.engine import DecodeConfig  # torch-heavy: imported when the parser is built
 
     group = p.add_argument_group("generation")
     add_dataclass_flags(group, DecodeConfig, skip=("sampling", "stop_strings", "stop_at_eos"))
@@ -42,7 +42,7 @@ def add_generation_flags(p: argparse.ArgumentParser) -> None:
 
 def generation_config(args: argparse.Namespace):
     """The DecodeConfig of the flags."""
-    from infer.engine import DecodeConfig
+    from infer.decode.engine import DecodeConfig
 
     if any(not s for s in args.stop):
         raise UserError("--stop needs a non-empty text (an empty stop string would end every output at once)")
@@ -173,8 +173,8 @@ def run(args: argparse.Namespace) -> int:
 
 def stream_summary(results) -> dict:
     """Totals over a stream of prompts: speed, acceptance, optimisation share, matchness trajectory."""
+    from infer.decode.engine import tokens_per_verify
     from infer.drafters.swift import SwiftStats  # torch-heavy: see the module docstring
-    from infer.engine import tokens_per_verify
 
     stats = [r.stats for r in results]
     wall = sum(s.wall_time for s in stats)

@@ -110,7 +110,7 @@ def test_a_prompt_that_is_not_utf8_bytes_is_one_line_from_a_shell(tiny_model_dir
 
 # ---------------------------------------------------------------- limits before work (items 4, 7)
 def test_batch_size_zero_and_huge_in_the_python_api(tiny_model_dir):
-    from infer.engine import DecodeConfig
+    from infer.decode.engine import DecodeConfig
     from infer.loading import load_model
 
     model = load_model(str(tiny_model_dir), threads=1)

@@ -9,11 +9,11 @@ from lossless_stats import P_THRESHOLD, sampling_pvalue
 
 from infer.assets.adapter import ExitAdapter
 from infer.assets.draft_vocab import DraftVocab
+from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import build_drafter
-from infer.engine import DecodeConfig, Engine
 from infer.model.graphs import StaticExecutor, StaticSpan
 from infer.model.runner import Runner
-from infer.sampling import SamplingConfig
+from infer.model.sampling import SamplingConfig
 from layerskip_core.errors import UserError
 from tiny_models import make_model, noisy_adapter
 from train.adapter import AdapterLM, model_identity

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from infer import DecodeConfig, SamplingConfig, load_model
+from infer.decode.engine import Engine
 from infer.drafters import build_config
-from infer.engine import Engine
 from infer.model.runner import Runner
 from layerskip_core.errors import UserError
 from tiny_models import make_model

@@ -7,13 +7,13 @@ import random
 import pytest
 import torch
 
-from infer import batch as batch_module
-from infer.batch import BatchEngine
+from infer.decode import batch as batch_module
+from infer.decode.batch import BatchEngine
+from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import build_drafter
-from infer.engine import DecodeConfig, Engine
 from infer.model.plan import LayerPlan
 from infer.model.runner import Runner
-from infer.sampling import SamplingConfig
+from infer.model.sampling import SamplingConfig
 from layerskip_core.errors import UserError
 from tiny_models import make_model, noisy_adapter
 

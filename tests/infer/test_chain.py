@@ -6,7 +6,7 @@ import torch
 
 from infer.drafters.base import DecodeState
 from infer.drafters.chain import draft_chain
-from infer.sampling import SamplingConfig
+from infer.model.sampling import SamplingConfig
 
 V = 16
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from executor_cases import SIX, drafter_cases, fake_capture, run_drafter
 
+from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import build_drafter
-from infer.engine import DecodeConfig, Engine
 from infer.model.compiled import kernels_per_layer
 from infer.model.graphs import PLAN_CAPTURE_AFTER, StaticExecutor, StaticSpan
 from infer.model.plan import LayerPlan

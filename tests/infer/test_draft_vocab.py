@@ -18,7 +18,7 @@ from infer.assets.draft_vocab import (
     special_ids,
     tokenizer_fingerprint,
 )
-from infer.engine import DecodeConfig
+from infer.decode.engine import DecodeConfig
 from infer.loading import load_model
 from infer.measure.vocab_counting import count_tokens, greedy_generations, heldout_tokens, text_tokens
 from layerskip_cli.main import main

@@ -6,13 +6,13 @@ import torch
 import yaml
 from lossless_stats import P_THRESHOLD, sampling_pvalue
 
+from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import build_drafter, drafter_spec
 from infer.drafters.dynamic_exit import CycleTiming, DynamicExitDrafter, candidate_exits, exit_prices, realised_cost
 from infer.drafters.exit_choice import Choice, RunEstimates, RunRates, best_choice, predicted_speedup
 from infer.drafters.registry import stats_from_dict
-from infer.engine import DecodeConfig, Engine
 from infer.model.runner import Runner
-from infer.sampling import SamplingConfig
+from infer.model.sampling import SamplingConfig
 from layerskip_core.errors import UserError
 from tiny_models import make_model, save_tiny
 
@@ -385,7 +385,7 @@ def test_prompt_streams_are_the_models_and_the_prefill_is_unchanged(runner):
 def test_batch_rows_draft_in_packed_forwards_per_exit(monkeypatch):
     """Rows of a batch that chose the same exit draft together: one packed draft forward per draft step for all of
     them, none per row."""
-    from infer.batch import BatchEngine
+    from infer.decode.batch import BatchEngine
     from infer.drafters.chain import EarlyExitForward
 
     runner = Runner.from_model(make_model("llama", seed=7, layers=4))

@@ -4,8 +4,8 @@
 import pytest
 import torch
 
+from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import Drafter, build_drafter
-from infer.engine import DecodeConfig, Engine
 from infer.model.runner import Runner
 from stub_drafters import ScriptedDrafter
 from tiny_models import make_model

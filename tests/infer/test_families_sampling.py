@@ -8,9 +8,9 @@ import pytest
 from lossless_stats import batch_sampling_pvalue, sampling_pvalue
 from test_sampling_matrix import NEW_TOKENS, PROMPT, SAMPLES, STEPS, T1, check, options
 
-from infer.batch import BatchEngine
+from infer.decode.batch import BatchEngine
+from infer.decode.engine import Engine
 from infer.drafters import build_drafter, drafter_spec
-from infer.engine import Engine
 from infer.model.runner import Runner
 from tiny_models import family_model, noisy_adapter
 

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
+from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import build_drafter, gate
-from infer.engine import DecodeConfig, Engine
 from infer.model.runner import Runner
 from tiny_models import make_model
 

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from infer import hf_generate, load_model
-from infer.engine import DecodeConfig
+from infer.decode.engine import DecodeConfig
 from infer.hf_decoding import FOLDER
 from infer.model.plan import LayerPlan, PlanFile
 from infer.model.runner import Runner

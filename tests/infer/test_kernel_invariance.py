@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from infer import kernels
+from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import build_drafter
-from infer.engine import DecodeConfig, Engine
 from infer.kernels import arena
 from infer.model.attention import row_kernel
 from infer.model.runner import Runner

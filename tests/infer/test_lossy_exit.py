@@ -72,7 +72,7 @@ def test_the_old_spec_spelling_is_refused_with_the_one_to_use(spec):
 def test_every_engine_builder_honours_the_target_exit(tiny_model_dir, tmp_path, capsys):
     """The lossy target is the generation's: every path from a method spec to an engine decodes at depth E (the
     stats say lossy only when it really is): LoadedModel.method, bench, swift_stream, bench_independent."""
-    from infer.engine import DecodeConfig
+    from infer.decode.engine import DecodeConfig
     from script_modules import load_script as script
 
     ref = truncated_reference(tiny_model_dir, 2, 8)

@@ -1,6 +1,6 @@
-"""Prefill's room (``infer.prefill``): prompts prefilled together give, per prompt, bitwise (fp32) the cache, the kept
-streams and the logits that prefilling that prompt alone gives, at 1, 2 and 4 prompts of different lengths, on several
-families and target depths; where packing is not provably exact every prompt runs alone; a batch's joining rows
+"""Prefill's room (``infer.decode.prefill``): prompts prefilled together give, per prompt, bitwise (fp32) the cache, the
+kept streams and the logits that prefilling that prompt alone gives, at 1, 2 and 4 prompts of different lengths, on
+several families and target depths; where packing is not provably exact every prompt runs alone; a batch's joining rows
 prefill together and decode as each prompt alone."""
 
 import dataclasses
@@ -9,15 +9,15 @@ import random
 import pytest
 import torch
 
-from infer import prefill as prefill_module
-from infer.batch import BatchEngine
+from infer.decode import prefill as prefill_module
+from infer.decode.batch import BatchEngine
+from infer.decode.engine import DecodeConfig, Engine
+from infer.decode.prefill import Prompt, packs, prefill
 from infer.drafters import build_drafter
 from infer.drafters.base import DecodeState
-from infer.engine import DecodeConfig, Engine
 from infer.model.plan import LayerPlan
 from infer.model.runner import Runner
-from infer.prefill import Prompt, packs, prefill
-from infer.sampling import SamplingConfig
+from infer.model.sampling import SamplingConfig
 from tiny_models import family_model, make_model, noisy_adapter
 
 L = 6
@@ -133,7 +133,7 @@ def test_kept_streams_and_lossy_depths_pack_exactly(runner):
 
 def test_where_packing_is_not_exact_every_prompt_runs_alone(model, runner, monkeypatch):
     """More than one thread, bf16, or the torch matmul: one forward per prompt on F.linear (the rule in
-    ``infer.prefill``); too many positions for one packed forward: several."""
+    ``infer.decode.prefill``); too many positions for one packed forward: several."""
     torch_runner = Runner.from_model(model, kernel="torch")
     bf16 = Runner.from_model(model, dtype=torch.bfloat16)
     assert not packs(torch_runner) and not packs(bf16)
@@ -175,7 +175,7 @@ def test_batches_of_1_2_4_decode_each_prompt_as_alone(model, runner, case, tmp_p
     alone = [Engine(runner, build_drafter(name, runner, options)).generate(p, config) for p in prompts]
     calls = []
     real = prefill_module.prefill
-    monkeypatch.setattr("infer.engine.prefill", lambda r, ps: calls.append(len(ps)) or real(r, ps))
+    monkeypatch.setattr("infer.decode.engine.prefill", lambda r, ps: calls.append(len(ps)) or real(r, ps))
     for size in (1, 2, 4):
         calls.clear()
         with BatchEngine(runner, lambda: build_drafter(name, runner, options), size) as engine:

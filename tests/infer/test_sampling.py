@@ -5,10 +5,11 @@ import pytest
 import torch
 from lossless_stats import P_THRESHOLD, chi2_pvalue, sampling_pvalue
 
+from infer.decode.acceptance import TreeShape, sampling_accept
+from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import build_drafter
-from infer.engine import DecodeConfig, Engine
 from infer.model.runner import Runner
-from infer.sampling import SamplingConfig, TreeShape, probs_from_logits, sampling_accept, select
+from infer.model.sampling import SamplingConfig, probs_from_logits, select
 from layerskip_core.errors import UserError
 from tiny_models import make_model
 

@@ -14,12 +14,12 @@ import pytest
 from lossless_stats import P_THRESHOLD, batch_sampling_pvalue, sampling_pvalue
 
 from infer.assets.draft_vocab import DraftVocab
-from infer.batch import BatchEngine
+from infer.decode.batch import BatchEngine
+from infer.decode.engine import Engine
 from infer.drafters import build_drafter, drafter_spec
-from infer.engine import Engine
 from infer.model.plan import LayerPlan
 from infer.model.runner import Runner
-from infer.sampling import SamplingConfig
+from infer.model.sampling import SamplingConfig
 from tiny_models import make_model, noisy_adapter
 
 PROMPT = [1, 2, 3]

@@ -223,8 +223,8 @@ def test_model_objective_finds_planted_redundant_sublayers(tmp_path):
     result, plan_file = search_plan(runner, PROMPTS, cfg, tmp_path / "p.json", "tiny", None, progress=False)
     assert result.plan == LayerPlan(6, frozenset({2, 3}), frozenset({4}))
     assert result.attrs["acceptance_rate"] == 1.0 and result.value > 1.15
+    from infer.decode.engine import DecodeConfig, Engine
     from infer.drafters import build_drafter
-    from infer.engine import DecodeConfig, Engine
 
     gen = DecodeConfig(max_new_tokens=30)
     drafted = Engine(runner, build_drafter("self_sd", runner, {"plan": str(tmp_path / "p.json")})).generate(

@@ -5,8 +5,8 @@ import pytest
 import infer.search as search_module
 import infer.search_objectives as objectives_module
 from infer.assets.draft_vocab import DraftVocab
+from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import build_drafter
-from infer.engine import DecodeConfig, Engine
 from infer.model.plan import LayerPlan, PlanFile, PlanSpace, weights_cost
 from infer.model.runner import Runner
 from infer.search import SearchConfig, run_gp_ucb, search_plan

@@ -7,14 +7,14 @@ import pytest
 import torch
 from lossless_stats import P_THRESHOLD, sampling_pvalue
 
+from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import build_drafter, parse_spec
 from infer.drafters.base import DecodeState, Draft, VerifyOutcome
 from infer.drafters.chain import PlanForward
 from infer.drafters.self_sd import AdaptiveThreshold, SelfSDConfig
-from infer.engine import DecodeConfig, Engine
 from infer.model.plan import LayerPlan, PlanFile
 from infer.model.runner import Runner
-from infer.sampling import SamplingConfig
+from infer.model.sampling import SamplingConfig
 from layerskip_cli.main import main
 from layerskip_core.errors import UserError
 from tiny_models import make_model

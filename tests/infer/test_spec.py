@@ -2,11 +2,11 @@
 
 import pytest
 
+from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import build_drafter, drafter_spec, parse_spec
 from infer.drafters.chain import MAX_DRAFT
 from infer.drafters.swift import SwiftDrafter
 from infer.drafters.swift_paper import SwiftPaperDrafter
-from infer.engine import DecodeConfig, Engine
 from layerskip_core.errors import UserError
 from tiny_models import make_model
 

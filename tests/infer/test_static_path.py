@@ -7,8 +7,8 @@ import pytest
 import torch
 from executor_cases import SIX, drafter_cases, fake_capture, run_drafter
 
+from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import build_drafter
-from infer.engine import DecodeConfig, Engine
 from infer.model.graphs import bucket, padded_window
 from infer.model.runner import Runner
 from layerskip_core.errors import UserError
@@ -40,7 +40,7 @@ def test_static_equals_eager_for_every_drafter(eager, static, tmp_path):
 
 def test_static_equals_eager_when_sampling(eager, static):
     """Same seed, same draws: the sampled acceptance path sees the same probabilities on both executors."""
-    from infer.sampling import SamplingConfig
+    from infer.model.sampling import SamplingConfig
 
     for name, options in [("autoregressive", {}), ("early_exit", {"exit_layer": 3, "num_draft": 4})]:
         for prompt in PROMPTS:

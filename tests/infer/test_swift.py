@@ -8,16 +8,16 @@ import pytest
 import torch
 from lossless_stats import P_THRESHOLD, sampling_pvalue
 
+from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import build_drafter
 from infer.drafters.base import DecodeState
 from infer.drafters.gate import FallbackGate
 from infer.drafters.skipping import agreement, matchness_span, rerun_mask, verified_window
 from infer.drafters.swift import SwiftDrafter
 from infer.drafters.swift_search import LayerSetSearch
-from infer.engine import DecodeConfig, Engine
 from infer.model.plan import LayerPlan, PlanFile
 from infer.model.runner import Runner
-from infer.sampling import SamplingConfig
+from infer.model.sampling import SamplingConfig
 from layerskip_core.errors import UserError
 from tiny_models import make_model
 

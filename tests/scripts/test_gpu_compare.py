@@ -163,7 +163,7 @@ def test_dry_run_writes_the_whole_comparison(tmp_path):
 
 
 def test_a_bench_stopped_at_the_budget_keeps_its_finished_rows(tmp_path):
-    from infer.engine import GenerationStats
+    from infer.decode.engine import GenerationStats
     from infer.measure.bench import Record
 
     p = _pipeline(tmp_path)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import build_drafter
-from infer.engine import DecodeConfig, Engine
 from infer.model.runner import Runner
 from tiny_models import family_model, save_family
 from train.config import EarlyExitConfig, LayerDropoutConfig

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import build_drafter
-from infer.engine import DecodeConfig, Engine
 from infer.model.runner import Runner
 from train.layerskip import run_training
 

@@ -11,15 +11,16 @@ from pathlib import Path
 
 import torch
 
+from infer.decode.acceptance import TreeShape
+from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import build_drafter
-from infer.engine import DecodeConfig, Engine
 from infer.measure.exactness import DivergenceJudge, decode_verified, measure_rounding, measure_spread, spread_prompts
 from infer.measure.gpu.drafters import SYNC_TARGETS, drafter_specs, sync_specs
 from infer.measure.gpu.run import Run, error_text, free
 from infer.measure.seeded_models import tiny_model
 from infer.measure.syncs import measure_decode
 from infer.model.runner import Runner
-from infer.sampling import SamplingConfig, TreeShape
+from infer.model.sampling import SamplingConfig
 
 TINY_MODELS = (("llama", 0), ("qwen2", 1))
 """The tiny seeded models: (kind, seed); the first is the greedy part's, the second the rest's."""

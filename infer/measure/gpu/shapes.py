@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, LlamaConfig
 
+from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import build_drafter
-from infer.engine import DecodeConfig, Engine
 from infer.measure.exactness import measure_spread, spread_prompts
 from infer.measure.gpu.counts import GraphTally, compile_count, graph_counts, kernels, timed
 from infer.measure.gpu.drafters import shape_drafters

@@ -61,8 +61,8 @@ def test_transformers_peers_match_autoregressive(tiny_model_dir, prompts_file, t
     hides those prompt tokens unless it is given one."""
     import shutil
 
+    from infer.decode.engine import DecodeConfig, Engine
     from infer.drafters import build_drafter
-    from infer.engine import DecodeConfig, Engine
     from infer.loading import load_model
 
     model_dir = tmp_path / "model"
@@ -275,7 +275,7 @@ def test_bench_calls_an_emitted_token_its_verification_did_not_choose_an_accepta
         tiny_model_dir, prompts_file, tmp_path, monkeypatch):
     """An acceptance step that emits another token than the verification's argmax (only where a draft was verified:
     autoregressive stays right) is classified from the run's own verification argmax, whatever the margin."""
-    import infer.verify as engine_module  # where acceptance runs (one row or a batch)
+    import infer.decode.verify as engine_module  # where acceptance runs (one row or a batch)
 
     accept = engine_module.greedy_accept
 

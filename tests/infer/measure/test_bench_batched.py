@@ -98,14 +98,14 @@ def test_a_bad_batch_size_is_refused_in_one_line(value, extra, message, tmp_path
 def test_a_batched_row_is_classified_from_its_own_verification(tiny_model_dir, four_prompts, tmp_path, monkeypatch):
     """Each row's verification argmax comes back from the batched cycles: a row whose acceptance emits another token
     than its verification chose is called an acceptance bug, whatever the margin."""
-    import infer.verify
+    import infer.decode.verify
 
-    accept = infer.verify.greedy_accept
+    accept = infer.decode.verify.greedy_accept
 
     def buggy(tree, tokens, argmax):
         path, bonus = accept(tree, tokens, argmax)
         return path, (bonus + 1) % 256 if len(tokens) > 1 else bonus
-    monkeypatch.setattr(infer.verify, "greedy_accept", buggy)
+    monkeypatch.setattr(infer.decode.verify, "greedy_accept", buggy)
     assert bench(tiny_model_dir, four_prompts, tmp_path / "out", "--batch-size", "3", "--peers", "none") == 1
     records = json.loads((tmp_path / "out" / "results.json").read_text())["records"]
     wrong = [r for r in records if r["exact"] is False]

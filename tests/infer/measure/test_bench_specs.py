@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from infer.engine import Engine, GenerationStats
+from infer.decode.engine import Engine, GenerationStats
 from infer.measure.bench import Record
 from infer.measure.methods import model_labels
 from infer.measure.report import markdown_table, recommend, summarize

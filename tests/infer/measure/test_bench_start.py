@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from infer.engine import DecodeConfig
+from infer.decode.engine import DecodeConfig
 from infer.loading import load_model
 from layerskip_cli.main import main
 

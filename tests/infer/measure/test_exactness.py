@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from infer import kernels
+from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import build_drafter
-from infer.engine import DecodeConfig, Engine
 from infer.measure.exactness import (
     ULPS,
     DivergenceJudge,
@@ -208,7 +208,7 @@ def test_rounding_is_measured_against_an_fp32_recomputation_not_the_many_row_pat
 def test_a_runner_up_emitted_by_an_acceptance_bug_is_a_bug(monkeypatch):
     """An early exit whose acceptance emits the target's runner-up at one position: even with a bound wide enough
     to call the margin a tie, the run's own verification chose the reference's token there, so it is a bug."""
-    import infer.verify as engine_module  # where acceptance runs (one row or a batch)
+    import infer.decode.verify as engine_module  # where acceptance runs (one row or a batch)
 
     runner = Runner.from_model(make_model("llama", seed=0, layers=4))
     prompt = [5, 6, 7, 8, 9]

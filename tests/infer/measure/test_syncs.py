@@ -3,15 +3,15 @@
 import pytest
 import torch
 
+from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import build_drafter
 from infer.drafters.base import DecodeState
 from infer.drafters.chain import draft_chain
-from infer.engine import DecodeConfig, Engine
 from infer.measure.syncs import SyncCounter, measure_decode
 from infer.model.kv_cache import ints_to_device
 from infer.model.plan import LayerPlan, PlanFile
 from infer.model.runner import Runner
-from infer.sampling import SamplingConfig
+from infer.model.sampling import SamplingConfig
 from tiny_models import make_model
 
 L = 8

@@ -2,9 +2,9 @@
 
 import torch
 
-from infer.batch import BatchEngine
+from infer.decode.batch import BatchEngine
+from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import build_drafter
-from infer.engine import DecodeConfig, Engine
 from infer.measure.timing import StepClock, observing, timed_batch, timed_generate
 from infer.model.runner import Runner
 from tiny_models import make_model

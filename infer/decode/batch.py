@@ -3,11 +3,12 @@
 ``BatchEngine`` decodes a list of prompts ``batch_size`` at a time. Each row is a sequence with its own KV cache
 (its own per-layer lengths, so early exit's shallow layers run ahead per row), its own ``DecodeState`` and its own
 drafter (drafters keep per-sequence state: an adapter's cache, Self-SD's threshold, SWIFT's plan search); a cycle
-(``infer.cycle``) asks every row's drafter for a draft at once (``Drafter.propose_rows``: early exit and Self-SD draft
-all rows in one packed forward per draft step), verifies every row in one packed target forward (``infer.verify``),
-reads the host once for all greedy rows, and accepts and rolls back per row (ragged). A row that finishes (EOS, stop
-string, max tokens) leaves the batch at once and the next prompt of the queue takes its slot; the prompts taking slots
-in the same round prefill together (``infer.prefill``: packed forwards where that is exact).
+(``infer.decode.cycle``) asks every row's drafter for a draft at once (``Drafter.propose_rows``: early exit and Self-SD
+draft all rows in one packed forward per draft step), verifies every row in one packed target forward
+(``infer.decode.verify``), reads the host once for all greedy rows, and accepts and rolls back per row (ragged). A row
+that finishes (EOS, stop string, max tokens) leaves the batch at once and the next prompt of the queue takes its slot;
+the prompts taking slots in the same round prefill together (``infer.decode.prefill``: packed forwards where that is
+exact).
 
 Each row's output is what a fresh ``Engine`` gives that prompt alone: greedy output identical, token for token (in
 fp32 on a CPU bitwise: the small-matmul kernel's rows do not depend on the batch); sampling draws from each row's own
@@ -28,12 +29,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from infer.cycle import CycleObserver, step_rows
+from infer.decode.cycle import CycleObserver, step_rows
+from infer.decode.engine import DecodeConfig, Engine, Generation, GenerationResult, start_rows, token_ids
+from infer.decode.processing import PositionProcessor
 from infer.drafters.base import Drafter, VerifyOutcome
-from infer.engine import DecodeConfig, Engine, Generation, GenerationResult, start_rows, token_ids
 from infer.model.kv_cache import capacity_bucket
 from infer.model.runner import Runner
-from infer.processing import PositionProcessor
 from layerskip_core.errors import UserError
 
 GIB = 1024 ** 3
@@ -117,8 +118,8 @@ class BatchEngine:
                  on_result: Callable[[int, GenerationResult], None] | None = None) -> list[GenerationResult]:
         """Decode every prompt (token ids); results in the prompts' order. ``generators``: one per prompt (default:
         each a new one from ``config.sampling``'s seed); ``processors``: logits processing per prompt
-        (``infer.processing``); ``on_result(i, result)``: called as each prompt finishes (in the order they finish),
-        so a caller can write it out before the rest are done."""
+        (``infer.decode.processing``); ``on_result(i, result)``: called as each prompt finishes (in the order they
+        finish), so a caller can write it out before the rest are done."""
         config = DecodeConfig() if config is None else config
         if not isinstance(config, DecodeConfig):
             raise UserError(f"config must be a DecodeConfig (or None), not {type(config).__name__}")
@@ -137,7 +138,7 @@ class BatchEngine:
                 generator = None if generators is None else generators[i]
                 processor = None if processors is None else processors[i]
                 joining.append((i, engine, engine.admit(prompts[i], config, generator, processor=processor)))
-            if joining:  # the rows taking free slots prefill together (``infer.prefill``)
+            if joining:  # the rows taking free slots prefill together (``infer.decode.prefill``)
                 start_rows([(engine, gen) for _, engine, gen in joining])
                 live += joining
             for i, engine, gen in [row for row in live if row[2].done]:
@@ -161,5 +162,5 @@ class BatchEngine:
         return engine
 
     def step(self, rows: Sequence[tuple[Engine, Generation]]) -> list[VerifyOutcome]:
-        """One cycle over running rows (``infer.cycle.step_rows``), seen by ``observers``."""
+        """One cycle over running rows (``infer.decode.cycle.step_rows``), seen by ``observers``."""
         return step_rows(rows, self.observers)

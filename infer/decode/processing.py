@@ -17,7 +17,8 @@ from typing import Protocol
 
 from torch import Tensor
 
-from infer.sampling import SamplingConfig, TreeShape
+from infer.decode.acceptance import TreeShape
+from infer.model.sampling import SamplingConfig
 
 PROCESSED = SamplingConfig(temperature=1.0)
 """How the target samples from processed scores: softmax of the scores as they are (the processor has applied any

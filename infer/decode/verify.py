@@ -1,6 +1,6 @@
 """Verification of one or several sequences' drafts: one target forward over all of them, acceptance per sequence.
 
-``Engine`` verifies one sequence per step and ``BatchEngine`` (``infer.batch``) a batch; both go through
+``Engine`` verifies one sequence per step and ``BatchEngine`` (``infer.decode.batch``) a batch; both go through
 ``verify_rows``: ``VerifyRow.of`` lays a sequence's pending token and draft tree out (positions, tree mask, which
 layers the draft already computed exactly, the rollback of the rest), ``target_forward`` runs the target over every
 row's tokens as packed rows (``infer.model.packed``; one sequence is a plain ``Runner.span``), and ``accept`` decides
@@ -15,17 +15,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from infer.decode.acceptance import TreeShape, chain_accept, chain_accept_draws, greedy_accept, sampling_accept
+from infer.decode.processing import PROCESSED, PositionProcessor, process_tree
 from infer.drafters.base import DecodeState, Draft, VerifyOutcome, cut_layers
 from infer.model.packed import Segment, packed_span
-from infer.processing import PROCESSED, PositionProcessor, process_tree
-from infer.sampling import (
-    TreeShape,
-    chain_accept,
-    chain_accept_draws,
-    greedy_accept,
-    probs_from_logits,
-    sampling_accept,
-)
+from infer.model.sampling import probs_from_logits
 
 
 @dataclass
@@ -46,7 +40,7 @@ class VerifyRow:
     reused: int = 0
     """h: rows of ``draft.hidden`` (the stream entering layer E) verification takes as they are."""
     processor: PositionProcessor | None = None
-    """Logits processing at every verified position (``infer.processing``), or None."""
+    """Logits processing at every verified position (``infer.decode.processing``), or None."""
     observe: tuple[int, ...] = ()
     """Layers (0 < l < depth) at whose input the stream of every verified position is kept
     (``Drafter.observe_layers``; ``VerifyOutcome.observed``): the forward is cut there, same layers on same rows."""

@@ -3,7 +3,7 @@ drafter asked for (``Drafter.prompt_layers``), per prompt exactly what prefillin
 
 ``Engine.start`` prefills its one prompt here; ``BatchEngine`` prefills together the prompts that take free slots in
 the same round (the batch's first rows, and rows joining when others finish). The engine turns the logits into the
-first token (``infer.engine``); this module only runs the target over prompts.
+first token (``infer.decode.engine``); this module only runs the target over prompts.
 
 **The packing rule** (``packs``). Prompts share one packed forward (``infer.model.packed``: the norms, projections and
 MLPs run once over all N = sum P_r prompt positions; the attention runs per prompt over its own cache, causal from slot

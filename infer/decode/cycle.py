@@ -13,12 +13,12 @@ from collections.abc import Sequence
 
 import torch
 
+from infer.decode.verify import VerifyRow, verify_rows
 from infer.drafters.base import Draft, VerifyOutcome
-from infer.verify import VerifyRow, verify_rows
 
 Row = tuple
-"""(engine, generation): an ``infer.engine.Engine`` (its drafter, its stop rules, ``advance``) and the ``Generation`` it
-is advancing. Named, not imported: the engine builds on this module."""
+"""(engine, generation): an ``infer.decode.engine.Engine`` (its drafter, its stop rules, ``advance``) and the
+``Generation`` it is advancing. Named, not imported: the engine builds on this module."""
 
 
 class CycleObserver:

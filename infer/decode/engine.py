@@ -1,8 +1,8 @@
 """The draft-verify loop: prefill, propose, verify in one forward, accept, roll back, stop.
 
-``Engine.start`` prefills a prompt (``infer.prefill``; ``start_rows`` prefills several engines' prompts together),
-``Engine.step`` runs one propose-verify-accept cycle and ``Engine.finish`` returns the result; ``Engine.generate`` is
-those three in a loop.
+``Engine.start`` prefills a prompt (``infer.decode.prefill``; ``start_rows`` prefills several engines' prompts
+together), ``Engine.step`` runs one propose-verify-accept cycle and ``Engine.finish`` returns the result;
+``Engine.generate`` is those three in a loop.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor
 
-from infer.cycle import CycleObserver, step_rows
+from infer.decode.cycle import CycleObserver, step_rows
+from infer.decode.prefill import Prompt, prefill
+from infer.decode.processing import PROCESSED, PositionProcessor
 from infer.drafters.base import DecodeState, Drafter, DrafterStats, VerifyOutcome
 from infer.model.graphs import BUCKETS
 from infer.model.kv_cache import capacity_bucket
 from infer.model.runner import Runner
-from infer.prefill import Prompt, prefill
-from infer.processing import PROCESSED, PositionProcessor
-from infer.sampling import SamplingConfig, select
+from infer.model.sampling import SamplingConfig, select
 from layerskip_core.errors import UserError
 from layerskip_core.layers import check_exit_layer
 from layerskip_core.options import check_fields
@@ -149,7 +149,7 @@ class Generation:
     started: float = 0.0
     """perf_counter() when the prefill began."""
     processor: PositionProcessor | None = None
-    """Logits processing at every position the target scores (``infer.processing``); None: the raw logits."""
+    """Logits processing at every position the target scores (``infer.decode.processing``); None: the raw logits."""
 
     @property
     def done(self) -> bool:
@@ -218,7 +218,7 @@ class Engine:
         ``reserve``: cache positions to take from the runner's pool (default ``cache_length`` of this prompt and
         ``config``); ``warm_up`` uses it to run short generations in the cache a longer one will use.
         ``processor``: logits processing at every position the target scores, the prefill's included (the target
-        then picks or samples from the processed scores; ``infer.processing``)."""
+        then picks or samples from the processed scores; ``infer.decode.processing``)."""
         gen = self.admit(prompt_ids, config, generator, reserve, processor)
         start_rows([(self, gen)])
         return gen
@@ -246,8 +246,8 @@ class Engine:
         return Generation(state, config, stats, [], processor=processor)
 
     def step(self, gen: Generation) -> VerifyOutcome:
-        """One cycle (``infer.cycle.step_rows`` over this one row, seen by ``observers``): the drafter proposes, one
-        forward verifies, the accepted tokens are appended."""
+        """One cycle (``infer.decode.cycle.step_rows`` over this one row, seen by ``observers``): the drafter proposes,
+        one forward verifies, the accepted tokens are appended."""
         return step_rows([(self, gen)], self.observers)[0]
 
     def advance(self, gen: Generation, outcome: VerifyOutcome, draft_time: float, verify_time: float) -> None:
@@ -387,10 +387,10 @@ class Engine:
 
 
 def start_rows(rows: Sequence[tuple[Engine, Generation]]) -> None:
-    """Prefill admitted generations (``Engine.admit``) of engines on one runner together (``infer.prefill``: packed
-    forwards where that is exact, else one prompt at a time), then each row's first token and its drafter's start.
-    A row's ``prefill_time`` is its share of the prefill by prompt length (the shares add up to the prefill's time),
-    its ``started`` the prefill's start."""
+    """Prefill admitted generations (``Engine.admit``) of engines on one runner together (``infer.decode.prefill``:
+    packed forwards where that is exact, else one prompt at a time), then each row's first token and its drafter's
+    start. A row's ``prefill_time`` is its share of the prefill by prompt length (the shares add up to the prefill's
+    time), its ``started`` the prefill's start."""
     runner, t0 = rows[0][0].runner, time.perf_counter()
     if any(engine.runner is not runner for engine, _ in rows):
         raise ValueError("rows prefilled together must share one runner")
