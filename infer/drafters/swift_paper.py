@@ -3,7 +3,7 @@
 The same search, scoring, drafting and tree code as ``infer.drafters.swift.SwiftDrafter``, with the reference's
 choices where ours differ: no fallback to plain steps and no optimisation budget (an optimisation step after every
 verification until a stop criterion), the paper's tree widths at every depth with no cap on the tree's nodes, a
-GP-UCB Bayesian step whose continuous suggestion keeps its top-n sublayers (``infer.gp_ucb``), one global best
+GP-UCB Bayesian step whose continuous suggestion keeps its top-n sublayers (``infer.drafters.gp_ucb``), one global best
 matchness (never rescored), the window of each prompt's first γ+1 generated tokens scored on the prompt's KV
 only, stop criteria compared strictly, the odd inner layers as the starting plan, the full LM head, and with a
 plan given no optimisation at all (the reference's cached-plan mode). The released evaluation script's window

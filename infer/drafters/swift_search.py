@@ -10,7 +10,7 @@ import warnings
 
 import torch
 
-from infer.gp_ucb import GPUCB
+from infer.drafters.gp_ucb import GPUCB
 from infer.model.plan import LayerPlan, PlanSpace, inner_layers, uniform_plan
 
 BAYES = ("tpe", "gp_ucb")
@@ -29,7 +29,7 @@ class LayerSetSearch:
       completed trials); its yes/no proposal is repaired to ``num_skip`` skips (deep layers first).
       optuna is optional and imported at the first Bayesian step; without it every step is random
       search, said once (a warning, and ``method`` in the drafter's stats);
-    - ``'gp_ucb'`` (``paper=true``): the reference's Gaussian-process UCB (``infer.gp_ucb``) over one value
+    - ``'gp_ucb'`` (``paper=true``): the reference's Gaussian-process UCB (``infer.drafters.gp_ucb``) over one value
       in [0, 1] per sublayer; the ``num_skip`` largest values are the skip set. Random candidates are
       registered as their 0/1 vectors, Bayesian ones as the continuous point they came from (as the
       reference registers them). Needs no optuna.

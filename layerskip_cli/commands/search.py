@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     # torch, transformers and optuna load only once the arguments are known to be good
     from infer.assets.draft_vocab import resolve_draft_vocab_option
     from infer.loading import load_resolved
-    from infer.search import SearchConfig, search_plan, study_path_for
+    from infer.selfsd.search import SearchConfig, search_plan, study_path_for
 
     # Everything that can be checked without the model is checked first.
     cfg = SearchConfig(objective=args.objective, trials=args.trials, skip_ratio=args.skip_ratio, seed=args.seed,

@@ -190,7 +190,7 @@ def test_a_script_budget_that_is_not_finite_is_refused():
 
 
 def test_a_search_config_that_is_not_finite_is_refused_in_python():
-    from infer.search import SearchConfig
+    from infer.selfsd.search import SearchConfig
 
     for bad in ({"timeout": float("inf")}, {"skip_ratio": float("nan")}):
         with pytest.raises(UserError, match="finite number"):

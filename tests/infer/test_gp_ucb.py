@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from infer.gp_ucb import GPUCB, GPUCBConfig, matern52
+from infer.drafters.gp_ucb import GPUCB, GPUCBConfig, matern52
 from layerskip_core.errors import UserError
 
 

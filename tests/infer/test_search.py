@@ -11,8 +11,8 @@ import torch
 from infer.drafters.chain import PlanForward
 from infer.model.plan import LayerPlan, PlanFile, PlanSpace, weights_cost
 from infer.model.runner import Runner
-from infer.search import SearchConfig, open_study, run_search, search_plan
-from infer.search_objectives import ModelObjective, calibration_set, measure_cost, replay
+from infer.selfsd.search import SearchConfig, open_study, run_search, search_plan
+from infer.selfsd.search_objectives import ModelObjective, calibration_set, measure_cost, replay
 from layerskip_cli.main import main
 from layerskip_core.errors import UserError
 from tiny_models import make_model
@@ -248,8 +248,8 @@ def test_speed_objective(runner, tmp_path, reference):
 
 def test_speed_objective_drafts_as_the_reference_search(runner, monkeypatch):
     """searching.py decodes with decoding.py's defaults: k = 8 and gamma from 0.8 (adaptive) on every prompt."""
-    import infer.search as search_module
-    import infer.search_objectives as objectives_module
+    import infer.selfsd.search as search_module
+    import infer.selfsd.search_objectives as objectives_module
 
     assert SearchConfig(objective="speed").num_draft == 8 and SearchConfig(objective="model").num_draft == 12
     assert SearchConfig(objective="speed", num_draft=5).num_draft == 5
@@ -314,8 +314,8 @@ def test_search_cli_resumes_with_resume_reusing_the_calibration_and_starts_over_
     def no_calibration(*args, **kwargs):
         raise AssertionError("a resumed search calibrated again")
 
-    monkeypatch.setattr("infer.search.calibration_set", no_calibration)
-    monkeypatch.setattr("infer.search.measure_cost", no_calibration)
+    monkeypatch.setattr("infer.selfsd.search.calibration_set", no_calibration)
+    monkeypatch.setattr("infer.selfsd.search.measure_cost", no_calibration)
     assert main(search_argv(tiny_model_dir, prompts_file, out, "--trials", "5", "--cost", "measured",
                             "--resume")) == 0
     resumed = PlanFile.load(out).search

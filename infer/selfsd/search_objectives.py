@@ -1,4 +1,4 @@
-"""The two objectives of `layerskip search` (``infer.search``) and their cost model.
+"""The two objectives of `layerskip search` (``infer.selfsd.search``) and their cost model.
 
 - ``ModelObjective``: a noise-free expected speed-up from teacher-forced agreement of a plan's draft with the full
   model (over each calibration prompt's greedy continuation) and a draft/verify cost model (``measure_cost`` or

@@ -27,10 +27,10 @@ shared with SWIFT's online optimiser). Two objectives:
 One draft head per search: both objectives and the cost model score plans with the head ``draft_vocab`` names,
 resolved once (``search_plan``) and recorded in the plan file, whose plans ``self_sd`` then drafts with that head.
 
-``paper``: the reference's search (``searching.py``): bayes_opt GP-UCB (kappa 2.576, alpha 1e-2; ``infer.gp_ucb``)
-over a continuous point in [0, 1]^{2L}, a sublayer skipped where its coordinate exceeds 0.5, ``iterations``
-suggestions (1,000 there), the full LM head, the speed objective unless another is named. It keeps no study
-journal (an interrupted paper search starts over).
+``paper``: the reference's search (``searching.py``): bayes_opt GP-UCB (kappa 2.576, alpha 1e-2;
+``infer.drafters.gp_ucb``) over a continuous point in [0, 1]^{2L}, a sublayer skipped where its coordinate exceeds 0.5,
+``iterations`` suggestions (1,000 there), the full LM head, the speed objective unless another is named. It keeps no
+study journal (an interrupted paper search starts over).
 
 With ``skip_ratio`` the plan skips exactly round(ratio·2L) sublayers: the sampler still proposes
 2L yes/no choices, and a deterministic repair adds skips (inner deep layers first) or drops them
@@ -52,10 +52,10 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from infer.assets.draft_vocab import DraftVocab, check_draft_vocab_option, resolve_draft_vocab_option
-from infer.gp_ucb import GPUCB, GPUCBConfig
+from infer.drafters.gp_ucb import GPUCB, GPUCBConfig
 from infer.model.plan import CostModel, LayerPlan, PlanFile, PlanSpace, head_record, weights_cost
 from infer.model.runner import Runner
-from infer.search_objectives import Calibration, ModelObjective, SpeedObjective, calibration_set, measure_cost
+from infer.selfsd.search_objectives import Calibration, ModelObjective, SpeedObjective, calibration_set, measure_cost
 from layerskip_core.errors import UserError
 from layerskip_core.options import check_fields
 
