@@ -30,7 +30,7 @@ _EXPORTS = {
     "parse_spec": "infer.drafters",
     "Runner": "infer.model.runner",
     "DraftVocab": "infer.assets.draft_vocab",
-    "hf_generate": "infer.hf_decoding",
+    "hf_generate": "infer.hf.decoding",
 }
 """Public name -> the module that defines it."""
 

@@ -2,7 +2,7 @@
 takes its accepted tokens; observers see each cycle's three points without patching anything.
 
 ``Engine.step`` runs it over one row, ``BatchEngine.step`` over the batch's running rows, and the transformers entry
-(``infer.hf_rows``) over the rows that still need tokens. A row is an engine (its drafter, its stop rules) and the
+(``infer.hf.rows``) over the rows that still need tokens. A row is an engine (its drafter, its stop rules) and the
 generation it is advancing.
 """
 

@@ -127,7 +127,7 @@ class GenerationResult:
     tokens: list[int]
     """Generated token ids (prompt excluded)."""
     finish_reason: str
-    """'eos', 'length' or 'stop_string' ('criterion': ended by a caller's stopping criterion, ``infer.hf_rows``)."""
+    """'eos', 'length' or 'stop_string' ('criterion': ended by a caller's stopping criterion, ``infer.hf.rows``)."""
     stats: GenerationStats
     text: str | None = None
 

@@ -185,7 +185,7 @@ def share_unfused(model, layers: list[LayerWeights]) -> int:
     """Point an HF ``model``'s o_proj and down_proj weights at the runner's copies of them (``layers``: the runner's
     ``LayerWeights``, built from this model; the kernel placed them in ``infer.kernels.arena``), so each matrix is held
     once, as before the arena; returns the bytes freed. A parameter in another dtype, device or shape than the
-    runner's matrix keeps its own storage. (q/k/v and gate/up are fused copies: ``infer.hf_decoding.share_weights``.)"""
+    runner's matrix keeps its own storage. (q/k/v and gate/up are fused copies: ``infer.hf.decoding.share_weights``.)"""
     params = strip_prefix(dict(model.named_parameters()))
     freed = 0
     for i, layer in enumerate(layers):

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList, pipeline
 
 from infer import hf_generate
-from infer.hf_decoding import FOLDER
+from infer.hf.decoding import FOLDER
 from tiny_models import byte_tokenizer, make_model
 
 PROMPTS = ["def add(a, b):", "x = 1", "import os\n", "class A:"]

@@ -21,8 +21,8 @@ from transformers import (
 )
 
 from infer import hf_generate
-from infer.hf_contract import FIELDS, HARMLESS, HONOURED, NEUTRAL, REFUSED, check_config
-from infer.hf_decoding import FOLDER
+from infer.hf.contract import FIELDS, HARMLESS, HONOURED, NEUTRAL, REFUSED, check_config
+from infer.hf.decoding import FOLDER
 from layerskip_core.errors import UserError
 from tiny_models import byte_tokenizer, make_model
 
@@ -45,7 +45,7 @@ def test_every_generation_config_field_is_classified():
     """A field a newer transformers adds fails here until it is classified (honoured, refused or harmless)."""
     fields = set(GenerationConfig().to_dict()) | set(vars(GenerationConfig()))
     fields = {f for f in fields if not (f.startswith("_") and f != "_from_model_config")}
-    assert fields - set(FIELDS) == set(), "classify these in infer/hf_contract.py and docs/HF_GENERATE.md"
+    assert fields - set(FIELDS) == set(), "classify these in infer/hf/contract.py and docs/HF_GENERATE.md"
     assert {verdict for verdict, _ in FIELDS.values()} == {HONOURED, REFUSED, HARMLESS}
     assert all(why for _, why in FIELDS.values())
 
@@ -314,7 +314,7 @@ def test_sampling_with_processors_follows_the_processed_distribution():
 def test_token_healing_is_refused_with_the_way_to_heal_first(model):
     """transformers heals the prompt before a custom loop runs and needs the tokenizer for it, which it does not keep
     for one: the folder form refuses in one line naming the workaround, and the workaround decodes."""
-    from infer.hf_decoding import FOLDER
+    from infer.hf.decoding import FOLDER
     from tiny_models import byte_tokenizer
 
     tok = byte_tokenizer()

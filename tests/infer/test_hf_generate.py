@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from infer import hf_generate, load_model
 from infer.decode.engine import DecodeConfig
-from infer.hf_decoding import FOLDER
+from infer.hf.decoding import FOLDER
 from infer.model.plan import LayerPlan, PlanFile
 from infer.model.runner import Runner
 from layerskip_core.errors import UserError

@@ -1,6 +1,6 @@
-"""The folder form of ``infer.hf_decoding`` for transformers' ``custom_generate``.
+"""The folder form of ``infer.hf.decoding`` for transformers' ``custom_generate``.
 
-    from infer.hf_decoding import FOLDER
+    from infer.hf.decoding import FOLDER
     model.generate(**inputs, custom_generate=str(FOLDER), trust_remote_code=True, drafter="early_exit",
                    exit_layer=8, max_new_tokens=64)
 
@@ -18,7 +18,7 @@ The streamer gets ``end()`` exactly once, also when something fails before decod
 from transformers import GenerationMixin
 
 from infer.drafters import all_options
-from infer.hf_decoding import hf_generate
+from infer.hf.decoding import hf_generate
 from layerskip_core.errors import UserError
 
 
@@ -38,7 +38,7 @@ class EndOnce:
 
 
 def generate(model, drafter="autoregressive", streamer=None, tokenizer=None, stop_strings=None, **kwargs):
-    """``generate`` with ``custom_generate=hf_generate(drafter, **drafter options)`` (see ``infer.hf_decoding``)."""
+    """``generate`` with ``custom_generate=hf_generate(drafter, **drafter options)`` (see ``infer.hf.decoding``)."""
     once = EndOnce(streamer) if streamer is not None else None
     try:
         config = kwargs.get("generation_config")

@@ -6,9 +6,9 @@
 ``hf_generate(drafter, **options)`` returns a callable that ``generate`` runs as its decoding loop after its usual
 input preparation: the same engine and drafters as ``layerskip generate`` (same names and options), over a runner
 built on the model's own weights. The folder form, for code that passes a path (``custom_generate=FOLDER,
-trust_remote_code=True, drafter="swift"``), is ``FOLDER`` (``infer/hf_custom_generate``).
+trust_remote_code=True, drafter="swift"``), is ``FOLDER`` (``infer/hf/custom_generate_folder``).
 
-Every argument ``generate`` can hand it is honoured or refused in one line naming it (``infer.hf_contract`` holds
+Every argument ``generate`` can hand it is honoured or refused in one line naming it (``infer.hf.contract`` holds
 the table; docs/HF_GENERATE.md shows it). Honoured: greedy and sampling, every stateless logits processor
 (temperature, top-k/p, min-p, repetition penalty, no-repeat n-grams, min length, bad words, a caller's own, ...)
 applied at each verified position with the prefix that position sees, every stopping criterion (EOS, max length,
@@ -52,20 +52,20 @@ from transformers.generation import (
 
 from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import ResolvedSpec, Spec, drafter_spec
-from infer.hf_contract import (
+from infer.hf.contract import (
     check_config,
     check_generate_arguments,
     check_model_inputs,
     check_positions,
     check_processors,
 )
-from infer.hf_rows import RowProcessor, RowRun, lockstep
+from infer.hf.rows import RowProcessor, RowRun, lockstep
 from infer.model.runner import Runner
 from infer.model.sampling import SamplingConfig
 from layerskip_core.errors import UserError
 from layerskip_core.settings import resolve_compile, resolve_executor
 
-FOLDER = Path(__file__).resolve().parent / "hf_custom_generate"
+FOLDER = Path(__file__).resolve().parent / "custom_generate_folder"
 """The folder form: ``model.generate(..., custom_generate=str(FOLDER), trust_remote_code=True, drafter=...)``."""
 
 FAST_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
@@ -159,7 +159,7 @@ class HFGenerate:
 
     def decode(self, model: PreTrainedModel, input_ids: Tensor, processors: list, criteria: list, config,
                rows: list[tuple[list[int], list[int]]], streamer):
-        """Decode every row ((left padding, prompt) each; ``infer.hf_rows``); the (B, P + new) sequences or the
+        """Decode every row ((left padding, prompt) each; ``infer.hf.rows``); the (B, P + new) sequences or the
         output dataclass."""
         B, P = input_ids.shape
         max_length = config.max_length if config.max_length is not None else P + 20
