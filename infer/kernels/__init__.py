@@ -3,8 +3,12 @@ and bf16 (CPUs with AVX512_BF16 only). The path is chosen once per process from 
 ``supports(module, dtype)``); ``LAYERSKIP_KERNEL_ISA=avx2`` forces the AVX2 path. Why it is built the way it
 is, and what torch's own routes measured beside it: docs/KERNELS.md.
 
-Built on first use with ``torch.utils.cpp_extension`` (about a minute), into a folder keyed by a
-hash of the kernel source and compiler flags, the torch version and the Python version:
+The same module runs a runner's decoder layers as one C++ call (``LayerStack``, ``layer_span.cpp``; the Python side
+and what it covers: ``infer.kernels.layer_span``), bitwise what the Python layer loop computes.
+
+Built on first use with ``torch.utils.cpp_extension`` (about a minute) from its sources (``SOURCES``: the two C++
+files and their header, one extension), into a folder keyed by a
+hash of the kernel sources and compiler flags, the torch version and the Python version:
 ``$TORCH_EXTENSIONS_DIR/layerskip_small_matmul-<key>`` when that variable is set, otherwise
 ``$LAYERSKIP_CACHE/kernels/layerskip_small_matmul-<key>`` (``~/.cache/layerskip/kernels/...``).
 Every checkout and virtualenv with the same source and torch therefore shares one build; once
@@ -33,9 +37,14 @@ from pathlib import Path
 from layerskip_core.locks import FileLock
 from layerskip_core.packages import cache_root
 
-_SOURCE = Path(__file__).with_name("small_matmul.cpp")
+_HERE = Path(__file__).parent
+_SOURCE = _HERE / "small_matmul.cpp"
+SOURCES = ("layer_span.cpp", "kernels.h")
+"""Beside ``small_matmul.cpp`` (``_SOURCE``), compiled into the same extension (a header is copied, not compiled)."""
 NAME = "layerskip_small_matmul"
-CFLAGS = ("-O3", "-mavx2", "-mfma")
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off")
+"""``-ffp-contract=off``: no product and sum contracted into one FMA where the source writes two operations (the fused
+layer span's elementwise arithmetic must round as torch's ops do; the kernel's FMAs are explicit intrinsics)."""
 BUILD_WAIT_S = 900.0
 """Longest wait for another process's build of the kernel before falling back to ``torch.matmul``."""
 TORCH_LOCK = "lock"
@@ -74,8 +83,14 @@ def cpu_has_bf16() -> bool:
         return False
 
 
+def sources() -> list[Path]:
+    """Every file of the build, ``_SOURCE`` first."""
+    return [_SOURCE, *(_HERE / name for name in SOURCES)]
+
+
 def build_key(source: bytes, torch_version: str) -> str:
-    """What a build depends on: the source, the flags, torch and Python (their ABIs)."""
+    """What a build depends on: the sources (``source``: their bytes, joined), the flags, torch and Python (their
+    ABIs)."""
     digest = hashlib.sha256(source + "\0".join(CFLAGS).encode()).hexdigest()[:16]
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
     return f"{digest}-torch{torch_version.replace('+', '_')}-{py}"
@@ -85,7 +100,8 @@ def build_dir(torch_version: str) -> Path:
     """The folder this kernel source is built in for ``torch_version`` (see the module docstring)."""
     env = os.environ.get("TORCH_EXTENSIONS_DIR")
     root = Path(env).expanduser() if env else cache_root() / "kernels"
-    return root / f"{NAME}-{build_key(_SOURCE.read_bytes(), torch_version)}"
+    joined = b"\0".join(path.name.encode() + b"\0" + path.read_bytes() for path in sources())
+    return root / f"{NAME}-{build_key(joined, torch_version)}"
 
 
 def _import_library(path: Path):
@@ -96,18 +112,24 @@ def _import_library(path: Path):
 
 
 def _build(folder: Path):
-    """Compile into ``folder``; the source is copied there first so every checkout builds the same file."""
+    """Compile into ``folder``; the sources are copied there first so every checkout builds the same files."""
     from torch.utils import cpp_extension  # slow import, needed only to compile
 
     folder.mkdir(parents=True, exist_ok=True)
-    source = folder / _SOURCE.name
-    if not source.is_file() or source.read_bytes() != _SOURCE.read_bytes():
-        tmp = folder / f".{_SOURCE.name}.{os.getpid()}"
-        shutil.copyfile(_SOURCE, tmp)
-        os.replace(tmp, source)
+    copies = [_copy_into(folder, path) for path in sources()]
     print("layerskip: building the small-matmul CPU kernel (once, about a minute) ...", file=sys.stderr, flush=True)
-    return cpp_extension.load(name=NAME, sources=[str(source)], extra_cflags=list(CFLAGS),
-                              build_directory=str(folder), verbose=False)
+    return cpp_extension.load(name=NAME, sources=[str(c) for c in copies if c.suffix == ".cpp"],
+                              extra_cflags=list(CFLAGS), build_directory=str(folder), verbose=False)
+
+
+def _copy_into(folder: Path, path: Path) -> Path:
+    """``path`` copied into ``folder`` (atomically, unless the same bytes are there already): the copy's path."""
+    copy = folder / path.name
+    if not copy.is_file() or copy.read_bytes() != path.read_bytes():
+        tmp = folder / f".{path.name}.{os.getpid()}"
+        shutil.copyfile(path, tmp)
+        os.replace(tmp, copy)
+    return copy
 
 
 def _digest(library: Path) -> str:

@@ -19,6 +19,9 @@
 //
 // On the AVX-512 path the module also has the RMSNorm of a row (``rms_norm``) and decoding attention one query row
 // at a time (``attend_rows``: each row over its visible keys in ascending order, the same arithmetic whatever T is).
+// The functions Python calls are declared in kernels.h (namespace layerskip) and bound in layer_span.cpp.
+#include "kernels.h"
+
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -372,6 +375,10 @@ const Isa& isa() {
   return found;
 }
 
+}  // namespace
+
+namespace layerskip {
+
 std::string path_name() { return isa().avx512 ? "avx512" : "avx2"; }
 
 bool supports_bf16() { return isa().bf16; }
@@ -485,13 +492,4 @@ torch::Tensor attend_cache(const torch::Tensor& q, const torch::Tensor& k, const
   return attend_rows(q, kl.narrow(1, 0, start + k.size(1)), vl.narrow(1, 0, start + k.size(1)), mask, scale);
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("small_matmul", &small_matmul, "y = x @ w.T for small T (fp32, or bf16 with AVX512_BF16)");
-  m.def("path", &path_name, "the instruction set this process uses: 'avx512' or 'avx2'");
-  m.def("supports_bf16", &supports_bf16, "whether bf16 weights run here (AVX512_BF16)");
-  m.def("attend_rows", &attend_rows, "softmax(q k^T scale) v one query row at a time (fp32, bf16; AVX-512 path)");
-  m.def("attend_cache", &attend_cache, "attend_rows after writing k, v into one layer of the KV caches");
-  m.def("rms_norm", &rms_norm, "w * x * rsqrt(mean(x^2) + eps) over the last dim (fp32, bf16; AVX-512 path)");
-}
+}  // namespace layerskip

@@ -1,0 +1,28 @@
+// The kernel module's functions (small_matmul.cpp), for the fused layer span (layer_span.cpp) and the Python
+// bindings (also in layer_span.cpp). One extension is built from both sources (infer/kernels/__init__.py).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <string>
+
+namespace layerskip {
+
+// The instruction set this process uses ("avx512" or "avx2"), chosen once from cpuid.
+std::string path_name();
+// Whether bf16 runs here (AVX512_BF16).
+bool supports_bf16();
+// y = x @ w^T, x (T, K), w (N, K); every output element accumulated in the same order whatever T is.
+torch::Tensor small_matmul(const torch::Tensor& x, const torch::Tensor& w);
+// w * (x * rsqrt(mean(x^2) + eps)) per row (bf16: HF's arithmetic); AVX-512 path only.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
+// softmax(q k^T scale) v, one query row at a time over its visible keys; q (Hq, T, D), k, v (Hkv, S, D), mask (T, S)
+// bool or none. Returns (Hq, T, D) as a view of a (T, Hq, D) tensor. AVX-512 path only.
+torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                          const c10::optional<torch::Tensor>& mask, double scale);
+// attend_rows after writing k, v (Hkv, T, D) at slots [start, start + T) of layer ``layer`` of ck, cv (L, Hkv, C, D).
+torch::Tensor attend_cache(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                           const torch::Tensor& ck, const torch::Tensor& cv, int64_t layer, int64_t start,
+                           const c10::optional<torch::Tensor>& mask, double scale);
+
+}  // namespace layerskip

@@ -1,0 +1,297 @@
+// Decoder layers [start, end) of one sequence's T new rows in one call from Python (issue 44: a step at memory speed).
+//
+// The eager layer loop (infer/model/packed.py over infer/model/layer_math.py) runs ~34 small torch ops a layer and
+// the interpreter between them: ~4 ms of a 30-layer one-token step beside ~26 ms of matmuls. This file runs the same
+// layers from C++: the kernel's own functions (rms_norm, small_matmul, attend_rows) called directly, torch's own SiLU
+// (at::silu on the same view F.silu gets), and the elementwise steps that torch computes as one rounding per op
+// (RoPE's two products and their sum, the gate product, the residual sums) written here with the same roundings:
+// fp32 products and sums, never contracted into an FMA (the extension is built with -ffp-contract=off); bf16 each op
+// in fp32 on the widened values, rounded to bf16 as ATen rounds (round to nearest even in integer arithmetic). So
+// every bit of the output, the KV cache rows, the cache lengths and the layer counters equals the Python loop's
+// (tests/infer/test_kernel_layer.py).
+//
+// Scope (the Python side, infer/kernels/layer_span.py, decides once per runner and per call): Llama-shaped layers (no
+// q/k norms, no post norms, no biases, SiLU, full attention, the plain RMSNorm) on the AVX-512 path, fp32 and bf16
+// (AVX512_BF16), T <= 32 rows of one sequence, never T > 1 rows from an empty layer (those attend causally on SDPA).
+//
+// This file also holds the module's Python bindings (the kernel functions are small_matmul.cpp's, see kernels.h).
+#include "kernels.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <cstring>
+#include <map>
+#include <utility>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+using BF16 = c10::BFloat16;
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+namespace vec {
+
+inline __mmask16 first(int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1); }
+inline __m512 widen(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
+
+// fp32 -> bf16 as ATen's vectorised ops round (cvtfp32_bf16): nearest even by integer arithmetic, NaN -> 0xffff.
+// (Not vcvtneps2bf16: that one flushes denormal inputs to zero, which torch does not.)
+inline __m256i round_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  __m512i t = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  t = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(t, _mm512_set1_epi32(0x7fff)), bits), 16);
+  t = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), _mm512_set1_epi32(0xffff), t);
+  return _mm512_cvtusepi32_epi16(t);
+}
+
+inline __m512 load(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load(const BF16* p, __mmask16 m) { return widen(_mm256_maskz_loadu_epi16(m, p)); }
+inline void store(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store(BF16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, round_bf16(v)); }
+
+// A result as a tensor of dtype E holds it: fp32 as computed, bf16 rounded (what a torch op stores).
+inline __m512 held(__m512 v, const float*) { return v; }
+inline __m512 held(__m512 v, const BF16*) { return widen(round_bf16(v)); }
+
+// RoPE of one head row x (D): (x * c) + (roll(x, D/2) * s), as layer_math.qkv_rope's (qk * cos).add_(qk.roll(D // 2,
+// dims=-1).mul_(sin)): each product and the sum one op in E. ``rolled``: D elements of scratch.
+template <class E>
+void rope_row(const E* x, const E* c, const E* s, E* out, int64_t D, E* rolled) {
+  const int64_t half = D / 2;
+  std::memcpy(rolled, x + half, half * sizeof(E));  // roll by D/2: element j reads x[(j + D/2) % D]
+  std::memcpy(rolled + half, x, half * sizeof(E));
+  for (int64_t j = 0; j < D; j += 16) {
+    const __mmask16 m = first(D - j);
+    const __m512 a = held(_mm512_mul_ps(load(x + j, m), load(c + j, m)), x);
+    const __m512 b = held(_mm512_mul_ps(load(rolled + j, m), load(s + j, m)), x);
+    store(out + j, _mm512_add_ps(a, b), m);
+  }
+}
+
+// y[j] = y[j] + x[j] (``add``) or y[j] * x[j] over n elements, in fp32 then stored in E: torch's y.add_(x), y.mul_(x).
+template <class E>
+void combine(E* y, const E* x, int64_t n, bool add) {
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = first(n - j);
+    const __m512 a = load(y + j, m), b = load(x + j, m);
+    store(y + j, add ? _mm512_add_ps(a, b) : _mm512_mul_ps(a, b), m);
+  }
+}
+
+}  // namespace vec
+#pragma GCC pop_options
+
+struct Layer {
+  torch::Tensor attn_norm, qkv, o;  // (d,), ((Hq + 2 Hkv) D, d), (d, Hq D)
+  torch::Tensor mlp_norm, gate_up, down;  // (d,), (2 I, d), (d, I); undefined: no MLP (an exit adapter's layer)
+  int64_t rope = 0;  // its RoPE table
+};
+
+// One span call: the rows' positions, the RoPE tables, the cache and its lengths, the counters, the masks made so far.
+struct Call {
+  int64_t T;
+  std::vector<int64_t> pos;  // (T,)
+  std::vector<torch::Tensor> cos, sin;  // per table (n, D)
+  torch::Tensor ck, cv;  // (L, Hkv, C, D)
+  py::list lengths, counts;  // KVCache.lengths, RunnerCounters.layer_tokens
+  c10::optional<torch::Tensor> mask;  // (T, W) bool over the last W slots; none: causal
+  std::map<int64_t, c10::optional<torch::Tensor>> masks;  // by start slot
+};
+
+// Runner.attn_mask: (T, S) bool over slots [0, S), S = slot + T, made once per start slot; none for one row without a
+// mask (every key visible).
+const c10::optional<torch::Tensor>& visible(Call& c, int64_t slot) {
+  const auto known = c.masks.find(slot);
+  if (known != c.masks.end()) return known->second;
+  const int64_t T = c.T, S = slot + T;
+  c10::optional<torch::Tensor> out;
+  if (c.mask.has_value() || T > 1) {
+    auto m = torch::empty({T, S}, torch::kBool);  // (T, S)
+    bool* p = m.data_ptr<bool>();
+    std::memset(p, 1, T * S);
+    if (!c.mask.has_value()) {  // causal new rows: row t sees slots [0, slot + t]
+      for (int64_t t = 0; t < T; ++t) std::memset(p + t * S + slot + t + 1, 0, T - t - 1);
+    } else {
+      const int64_t W = c.mask->size(1);
+      TORCH_CHECK_VALUE(W <= S, "mask covers ", W, " slots but only ", S, " exist");
+      const bool* given = c.mask->data_ptr<bool>();
+      for (int64_t t = 0; t < T; ++t) std::memcpy(p + t * S + S - W, given + t * W, W);
+    }
+    out = m;
+  }
+  return c.masks.emplace(slot, std::move(out)).first->second;
+}
+
+// y += x elementwise (y fresh and contiguous), as attention_out's and mlp's y.add_(hidden).
+void add_into(torch::Tensor& y, const torch::Tensor& x) {
+  const auto xc = x.contiguous();
+  if (y.scalar_type() == torch::kBFloat16) {
+    vec::combine(y.data_ptr<BF16>(), xc.data_ptr<BF16>(), y.numel(), true);
+  } else {
+    vec::combine(y.data_ptr<float>(), xc.data_ptr<float>(), y.numel(), true);
+  }
+}
+
+// act *= up row by row (act (T, I) with unit inner stride, up a (T, I) view of the gate/up output): act.mul_(up).
+template <class E>
+void multiply_rows(torch::Tensor& act, const torch::Tensor& up) {
+  for (int64_t t = 0; t < act.size(0); ++t)
+    vec::combine(act.data_ptr<E>() + t * act.stride(0), up.data_ptr<E>() + t * up.stride(0), act.size(1), false);
+}
+
+// RoPE on each row's q heads into q (T, Hq, D) and its k heads into the layer's cache rows [slot, slot + T); v copied
+// there as it is. heads (T, (Hq + 2 Hkv) D) contiguous; kl, vl (Hkv, C, D) with unit inner stride.
+template <class E>
+void rope_rows(const torch::Tensor& heads, torch::Tensor& q, torch::Tensor& kl, torch::Tensor& vl,
+               const torch::Tensor& cos, const torch::Tensor& sin, const Call& c, int64_t slot) {
+  const int64_t Hq = q.size(1), D = q.size(2), Hkv = kl.size(0), width = heads.size(1);
+  std::vector<E> rolled(D);
+  for (int64_t t = 0; t < c.T; ++t) {
+    const E* row = heads.data_ptr<E>() + t * width;
+    const E* cr = cos.data_ptr<E>() + c.pos[t] * D;
+    const E* sr = sin.data_ptr<E>() + c.pos[t] * D;
+    for (int64_t h = 0; h < Hq; ++h) vec::rope_row(row + h * D, cr, sr, q.data_ptr<E>() + (t * Hq + h) * D, D,
+                                                   rolled.data());
+    for (int64_t j = 0; j < Hkv; ++j) {
+      E* k = kl.data_ptr<E>() + j * kl.stride(0) + (slot + t) * kl.stride(1);
+      vec::rope_row(row + (Hq + j) * D, cr, sr, k, D, rolled.data());
+      std::memcpy(vl.data_ptr<E>() + j * vl.stride(0) + (slot + t) * vl.stride(1), row + (Hq + Hkv + j) * D,
+                  D * sizeof(E));
+    }
+  }
+}
+
+class LayerStack {
+ public:
+  // ``layers``: per layer (attn_norm, qkv, o, mlp_norm, gate_up, down, rope table), the MLP's three None where it has
+  // none; the runner's own tensors (held, not copied).
+  LayerStack(const py::list& layers, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
+      : Hq_(heads), Hkv_(kv_heads), D_(head_dim), eps_(eps), scale_(scale) {
+    TORCH_CHECK(layerskip::path_name() == "avx512", "LayerStack: the kernel's AVX-512 path only");
+    TORCH_CHECK(head_dim % 2 == 0 && head_dim <= 256 && kv_heads > 0 && heads % kv_heads == 0, "head shapes");
+    for (const auto& item : layers) {
+      const auto t = item.cast<py::tuple>();
+      TORCH_CHECK(t.size() == 7, "a layer: (attn_norm, qkv, o, mlp_norm, gate_up, down, rope table)");
+      auto get = [&](size_t k) { return t[k].is_none() ? torch::Tensor() : t[k].cast<torch::Tensor>(); };
+      Layer w{get(0), get(1), get(2), get(3), get(4), get(5), t[6].cast<int64_t>()};
+      TORCH_CHECK(w.qkv.size(0) == (heads + 2 * kv_heads) * head_dim && w.o.size(1) == heads * head_dim &&
+                  w.gate_up.defined() == w.down.defined() && w.gate_up.defined() == w.mlp_norm.defined(),
+                  "layer shapes: fused q/k/v, o, and the MLP's three tensors all or none");
+      layers_.push_back(std::move(w));
+    }
+  }
+
+  // Layers [start, split) exactly, then [split, end) without the sublayers in skip_attn / skip_mlp (Python sets, or
+  // None): Runner.span_rows of one segment. Returns (the stream after split, the stream after end).
+  py::tuple span(const torch::Tensor& hidden, std::vector<int64_t> positions, std::vector<torch::Tensor> cos,
+                 std::vector<torch::Tensor> sin, torch::Tensor ck, torch::Tensor cv, py::list lengths,
+                 py::list counts, int64_t start, int64_t split, int64_t end, const py::object& skip_attn,
+                 const py::object& skip_mlp, c10::optional<torch::Tensor> mask) {
+    const int64_t T = hidden.size(0);
+    check(hidden, positions, cos, sin, ck, cv, mask, std::max(split, end));
+    if (mask.has_value()) mask = mask->contiguous();
+    Call c{T, std::move(positions), std::move(cos), std::move(sin), std::move(ck), std::move(cv),
+           std::move(lengths), std::move(counts), std::move(mask), {}};
+    const auto none = py::none();
+    const auto exact = run(hidden, c, start, split, none, none);
+    return py::make_tuple(exact, split >= end ? exact : run(exact, c, split, end, skip_attn, skip_mlp));
+  }
+
+ private:
+  void check(const torch::Tensor& h, const std::vector<int64_t>& pos, const std::vector<torch::Tensor>& cos,
+             const std::vector<torch::Tensor>& sin, const torch::Tensor& ck, const torch::Tensor& cv,
+             const c10::optional<torch::Tensor>& mask, int64_t last) const {
+    const auto dtype = h.scalar_type();
+    TORCH_CHECK(h.dim() == 2 && h.size(0) >= 1 && static_cast<int64_t>(pos.size()) == h.size(0) &&
+                (dtype == torch::kFloat32 || dtype == torch::kBFloat16) && h.device().is_cpu(),
+                "hidden (T, d) fp32 or bf16 on the CPU, with T positions");
+    TORCH_CHECK(last <= static_cast<int64_t>(layers_.size()), "layer range past the stack's ", layers_.size());
+    TORCH_CHECK(ck.dim() == 4 && cv.sizes() == ck.sizes() && ck.size(1) == Hkv_ && ck.size(3) == D_ &&
+                ck.stride(3) == 1 && cv.stride(3) == 1 && ck.scalar_type() == dtype && cv.scalar_type() == dtype &&
+                ck.size(0) >= last, "caches (L, Hkv, C, D) in the hidden's dtype");
+    TORCH_CHECK(cos.size() == sin.size() && !cos.empty(), "RoPE tables: as many cos as sin");
+    for (size_t r = 0; r < cos.size(); ++r) {
+      TORCH_CHECK(cos[r].is_contiguous() && sin[r].is_contiguous() && cos[r].sizes() == sin[r].sizes() &&
+                  cos[r].dim() == 2 && cos[r].size(1) == D_ && cos[r].scalar_type() == dtype &&
+                  sin[r].scalar_type() == dtype, "RoPE tables (n, D) contiguous in the hidden's dtype");
+      for (const int64_t p : pos) TORCH_CHECK(p >= 0 && p < cos[r].size(0), "position ", p, " past the RoPE table");
+    }
+    TORCH_CHECK(!mask.has_value() || (mask->scalar_type() == torch::kBool && mask->dim() == 2 &&
+                                      mask->size(0) == h.size(0)), "mask (T, W) bool");
+  }
+
+  torch::Tensor run(torch::Tensor h, Call& c, int64_t a, int64_t b, const py::object& skip_attn,
+                    const py::object& skip_mlp) {
+    for (int64_t i = a; i < b; ++i) {
+      TORCH_CHECK(i >= 0, "layer ", i);
+      const bool attn = skip_attn.is_none() || !skip_attn.contains(py::int_(i));
+      const bool mlp = skip_mlp.is_none() || !skip_mlp.contains(py::int_(i));
+      if (attn) h = attention(layers_[i], i, h, c);
+      if (mlp) h = this->mlp(layers_[i], h);
+      if (attn || mlp) c.counts[i] = py::int_(c.counts[i].cast<int64_t>() + c.T);
+    }
+    return h;
+  }
+
+  // layer_math.qkv_rope, Runner.cached_attention (the row attention), layer_math.attention_out: (T, d).
+  torch::Tensor attention(const Layer& w, int64_t i, const torch::Tensor& h, Call& c) {
+    const int64_t T = c.T, slot = c.lengths[i].cast<int64_t>(), stop = slot + T;
+    TORCH_CHECK(slot > 0 || T == 1, "T > 1 rows from an empty layer attend causally on SDPA: the Python loop's");
+    const auto& mask = visible(c, slot);
+    TORCH_CHECK(stop <= c.ck.size(2), "KV cache full: layer ", i, " needs ", stop, " slots, capacity ",
+                c.ck.size(2));
+    c.lengths[i] = py::int_(stop);
+    const auto heads = layerskip::small_matmul(layerskip::rms_norm(h, w.attn_norm, eps_), w.qkv);  // (T, (Hq+2Hkv) D)
+    auto q = torch::empty({T, Hq_, D_}, h.options());  // (T, Hq, D)
+    auto kl = c.ck.select(0, i), vl = c.cv.select(0, i);  // (Hkv, C, D)
+    const auto &cos = c.cos.at(w.rope), &sin = c.sin.at(w.rope);
+    if (h.scalar_type() == torch::kBFloat16) rope_rows<BF16>(heads, q, kl, vl, cos, sin, c, slot);
+    else rope_rows<float>(heads, q, kl, vl, cos, sin, c, slot);
+    const auto out = layerskip::attend_rows(q.transpose(0, 1), kl.narrow(1, 0, stop), vl.narrow(1, 0, stop), mask,
+                                            scale_);  // (Hq, T, D), a view of (T, Hq, D)
+    auto y = layerskip::small_matmul(out.transpose(0, 1).reshape({T, Hq_ * D_}), w.o);  // (T, d)
+    add_into(y, h);
+    return y;
+  }
+
+  // layer_math.mlp: norm, gate/up, SiLU(gate) * up, down, residual: (T, d).
+  torch::Tensor mlp(const Layer& w, const torch::Tensor& h) {
+    if (!w.gate_up.defined()) return h;
+    const auto gu = layerskip::small_matmul(layerskip::rms_norm(h, w.mlp_norm, eps_), w.gate_up);  // (T, 2 I)
+    const int64_t I = gu.size(1) / 2;
+    auto act = at::silu(gu.narrow(1, 0, I));  // (T, I): torch's SiLU on the view F.silu gets from chunk
+    const auto up = gu.narrow(1, I, I);  // (T, I)
+    if (act.stride(1) != 1) act.mul_(up);
+    else if (act.scalar_type() == torch::kBFloat16) multiply_rows<BF16>(act, up);
+    else multiply_rows<float>(act, up);
+    auto y = layerskip::small_matmul(act, w.down);  // (T, d)
+    add_into(y, h);
+    return y;
+  }
+
+  std::vector<Layer> layers_;
+  int64_t Hq_, Hkv_, D_;
+  double eps_, scale_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace layerskip;
+  m.def("small_matmul", &small_matmul, "y = x @ w.T for small T (fp32, or bf16 with AVX512_BF16)");
+  m.def("path", &path_name, "the instruction set this process uses: 'avx512' or 'avx2'");
+  m.def("supports_bf16", &supports_bf16, "whether bf16 weights run here (AVX512_BF16)");
+  m.def("attend_rows", &attend_rows, "softmax(q k^T scale) v one query row at a time (fp32, bf16; AVX-512 path)");
+  m.def("attend_cache", &attend_cache, "attend_rows after writing k, v into one layer of the KV caches");
+  m.def("rms_norm", &rms_norm, "w * x * rsqrt(mean(x^2) + eps) over the last dim (fp32, bf16; AVX-512 path)");
+  py::class_<LayerStack>(m, "LayerStack", "a runner's decoder layers, run as one span per call (AVX-512 path)")
+      .def(py::init<const py::list&, int64_t, int64_t, int64_t, double, double>(), py::arg("layers"),
+           py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"))
+      .def("span", &LayerStack::span, "layers [start, split) exactly, then [split, end) under the skip sets: "
+           "(the stream after split, after end)");
+}
