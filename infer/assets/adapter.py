@@ -19,9 +19,10 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
+from infer.model.forward_model import Segment, SpanOutput
 from infer.model.kv_cache import KVCache
-from infer.model.packed import Segment, packed_span
-from infer.model.runner import DraftHead, Runner, SpanOutput
+from infer.model.packed import packed_span
+from infer.model.runner import DraftHead, Runner
 from layerskip_core.adapter_spec import LAYER_NAMES, AdapterShape, read_file, read_metadata
 from layerskip_core.errors import UserError
 

@@ -39,7 +39,8 @@ import torch
 from torch import Tensor
 
 from infer.drafters.base import DecodeState, Drafter, cut_layers
-from infer.model.packed import Segment, packed_layers
+from infer.model.forward_model import Segment
+from infer.model.packed import packed_layers
 from infer.model.runner import Runner
 from infer.model.weights import Linear
 

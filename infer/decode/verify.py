@@ -18,7 +18,8 @@ from torch import Tensor
 from infer.decode.acceptance import TreeShape, chain_accept, chain_accept_draws, greedy_accept, sampling_accept
 from infer.decode.processing import PROCESSED, PositionProcessor, process_tree
 from infer.drafters.base import DecodeState, Draft, VerifyOutcome, cut_layers
-from infer.model.packed import Segment, packed_span
+from infer.model.forward_model import Segment
+from infer.model.packed import packed_span
 from infer.model.sampling import probs_from_logits
 
 

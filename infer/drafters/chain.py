@@ -13,8 +13,9 @@ import torch
 from torch import Tensor
 
 from infer.drafters.base import DecodeState, Draft
+from infer.model.forward_model import Segment
 from infer.model.kv_cache import KVCache, ints_to_device
-from infer.model.packed import Segment, packed_span
+from infer.model.packed import packed_span
 from infer.model.plan import LayerPlan
 from infer.model.runner import DraftHead, Runner
 from infer.model.sampling import probs_from_logits, sample

@@ -11,45 +11,25 @@ exactly what each sequence's own forward computes: the batched output equals dec
 
 A ``packed_span`` of one segment is ``Runner.span`` itself (so the static executor, its compiled steps and CUDA graphs
 still serve one row); several run this loop eagerly (their shapes vary with the batch). A layer's math is
-``infer.model.layer_math``'s. The runner is only a type here (``Runner`` imports this module).
+``infer.model.layer_math``'s. The runner is a ``ForwardModel`` here (``infer.model.forward_model``: the runner imports
+this module, never the other way round).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from infer.model import layer_math
-from infer.model.kv_cache import KVCache
+from infer.model.forward_model import ForwardModel, Segment, SpanOutput, VocabHead
 from infer.model.plan import LayerPlan
 
-if TYPE_CHECKING:
-    from infer.model.runner import DraftHead, Runner, SpanOutput
 
-
-@dataclass
-class Segment:
-    """One sequence's T rows in a packed forward."""
-
-    cache: KVCache
-    """The sequence's own cache: its per-layer lengths say where its keys and values go."""
-    positions: Sequence[int] | Tensor
-    """RoPE positions of its T new tokens (host ints; a (T,) tensor where the caller holds them on the device)."""
-    mask: Tensor | None = None
-    """(T, W) bool over the last W attended slots, as ``Runner.forward_layers`` takes it (None: causal)."""
-
-    @property
-    def size(self) -> int:
-        return len(self.positions)
-
-
-def packed_span(runner: Runner, segments: Sequence[Segment], hidden: Tensor, start: int, end: int, *,
+def packed_span(runner: ForwardModel, segments: Sequence[Segment], hidden: Tensor, start: int, end: int, *,
                 exact_until: int | None = None, plan: LayerPlan | None = None, logits: bool = False,
-                vocab: DraftHead | None = None) -> SpanOutput:
+                vocab: VocabHead | None = None) -> SpanOutput:
     """``Runner.span`` over several sequences: ``hidden`` (N, d) holds the segments' rows in order, entering layer
     ``start``; layers ``[start, exact_until)`` exactly, then ``[exact_until, end)`` under ``plan``. Returns the packed
     (N, d) streams and (N, V) logits when asked for, rows in the segments' order."""
@@ -61,7 +41,7 @@ def packed_span(runner: Runner, segments: Sequence[Segment], hidden: Tensor, sta
     return runner.span_rows(segments, hidden, start, split, end, plan, logits, vocab)
 
 
-def packed_layers(runner: Runner, segments: Sequence[Segment], hidden: Tensor, rope: tuple[list, list, Tensor],
+def packed_layers(runner: ForwardModel, segments: Sequence[Segment], hidden: Tensor, rope: tuple[list, list, Tensor],
                   start: int, end: int, plan: LayerPlan | None, masks: Sequence[Tensor | None],
                   memo: list[dict], bulk: bool = False) -> Tensor:
     """Layers ``[start, end)`` over the packed rows ``hidden`` (N, d) under ``plan`` (a skipped attention sublayer
@@ -83,7 +63,7 @@ def packed_layers(runner: Runner, segments: Sequence[Segment], hidden: Tensor, r
     return hidden
 
 
-def packed_attention(runner: Runner, i: int, segments: Sequence[Segment], hidden: Tensor,
+def packed_attention(runner: ForwardModel, i: int, segments: Sequence[Segment], hidden: Tensor,
                      rope: tuple[list, list, Tensor], masks: Sequence[Tensor | None], memo: list[dict],
                      bulk: bool = False) -> Tensor:
     """Layer ``i``'s attention sublayer with its residual over packed rows (N, d): projections once, attention per
@@ -106,7 +86,7 @@ def packed_attention(runner: Runner, i: int, segments: Sequence[Segment], hidden
     return layer_math.attention_out(s, w, hidden, out, bulk)
 
 
-def segment_attention(runner: Runner, i: int, seg: Segment, q: Tensor, k: Tensor, v: Tensor, pos: Tensor,
+def segment_attention(runner: ForwardModel, i: int, seg: Segment, q: Tensor, k: Tensor, v: Tensor, pos: Tensor,
                       mask: Tensor | None, known: dict, bulk: bool) -> Tensor:
     """One segment's attention at layer ``i``: q (Hq, T, D), k, v (Hkv, T, D) at positions ``pos`` (T,), its mask
     built once per start slot (``known``) and cut to the layer's sliding window: (Hq, T, D)."""

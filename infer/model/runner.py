@@ -38,9 +38,10 @@ from torch import Tensor
 
 from infer.model import layer_math
 from infer.model.attention import attend, rows_for, score_scale
+from infer.model.forward_model import Segment, SpanOutput
 from infer.model.graphs import StaticExecutor
 from infer.model.kv_cache import CachePool, KVCache, capacity_bucket, ints_to_device
-from infer.model.packed import Segment, packed_layers
+from infer.model.packed import packed_layers
 from infer.model.plan import LayerPlan
 from infer.model.weights import (
     LayerWeights,
@@ -85,18 +86,6 @@ class DraftHead:
         sub = layer_math.softcap(self.linear(normed).float(), self.spec)  # (T, N)
         full = sub.new_full((sub.shape[0], self.vocab_size), float("-inf"))  # (T, V)
         return full.index_copy_(1, self.ids, sub)
-
-
-@dataclass
-class SpanOutput:
-    """What ``Runner.span`` returns for the T tokens of one call."""
-
-    exact: Tensor
-    """(T, d) residual stream at the input of layer ``exact_until`` (before any skip plan)."""
-    hidden: Tensor
-    """(T, d) residual stream after the last layer of the span."""
-    logits: Tensor | None = None
-    """(T, V) fp32 logits after the final norm and LM head, when asked for."""
 
 
 @dataclass

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from infer import kernels
 from infer.model.attention import attend, row_kernel
-from infer.model.packed import Segment, packed_span
+from infer.model.forward_model import Segment
+from infer.model.packed import packed_span
 from infer.model.runner import Runner
 from tiny_models import FAMILY_KINDS, family_model, make_model
 
