@@ -47,7 +47,7 @@ def add_sampling_flags(p: argparse.ArgumentParser, defaults=None) -> None:
 
 
 def sampling_config(args: argparse.Namespace, defaults=None):
-    from infer.model.sampling import SamplingConfig
+    from infer.model.sampling import SamplingConfig  # lazy: torch, when a parser is built
 
     return from_args(SamplingConfig, args, defaults)
 
@@ -55,7 +55,7 @@ def sampling_config(args: argparse.Namespace, defaults=None):
 def add_drafter_flags(p: argparse.ArgumentParser) -> None:
     """--drafter and one flag group per drafter; options several drafters share get a group of their own."""
     # infer.drafters imports torch: loaded when the parser is built, so only for the commands that draft
-    from infer.drafters import DRAFTERS, all_options
+    from infer.drafters import DRAFTERS, all_options  # lazy: torch, when a parser is built
 
     p.add_argument("--drafter", default="autoregressive",
                    help=f"one of: {', '.join(DRAFTERS)} (default autoregressive)")
@@ -74,7 +74,7 @@ def add_drafter_flags(p: argparse.ArgumentParser) -> None:
 
 def drafter_spec_of(args: argparse.Namespace):
     """The drafter spec of --drafter and the drafter flags given (``infer.drafters.spec.drafter_spec``)."""
-    from infer.drafters import all_options, drafter_spec
+    from infer.drafters import all_options, drafter_spec  # lazy: torch, when flags are read
 
     options = {f: getattr(args, f) for f in all_options() if getattr(args, f, None) is not None}
     return drafter_spec(args.drafter, options)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Literal
 
 from layerskip_core.device import dtype_name, parse_dtype, resolve_device
 from layerskip_core.errors import UserError
+from layerskip_core.models import resolve_model
 
 if TYPE_CHECKING:
     import torch
@@ -88,7 +89,6 @@ class ModelSettings(RunSettings):
 
     def resolve(self) -> Resolved:
         """As ``RunSettings.resolve``, and the model's folder (fetched once when it is not here yet)."""
-        from layerskip_core.models import resolve_model  # lazily: it imports transformers
 
         run = super().resolve()  # the device first: a missing GPU is refused before anything is fetched
         return Resolved(run.device, run.dtype, run.executor, run.threads, run.kernel, resolve_model(self.model),

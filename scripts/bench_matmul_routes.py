@@ -27,6 +27,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from infer import kernels
+from infer.model.weights import Linear
 from layerskip_core.cli import Parser, add_output_flags, check_output_file, parse_and_run, write_result
 from layerskip_core.errors import UserError
 
@@ -37,7 +39,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def weights(dtype: torch.dtype, kernel) -> list[torch.Tensor]:
-    from infer.model.weights import Linear
 
     gen = torch.Generator().manual_seed(0)
     ws = [(torch.randn(n, k, generator=gen) * k ** -0.5).to(dtype) for n, k in SHAPES]
@@ -122,7 +123,6 @@ def _meets(r: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from infer import kernels
 
     sizes = sorted({1, *(int(x) for x in args.sizes.split(","))})
     if args.out:

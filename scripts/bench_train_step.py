@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from layerskip_core.cli import Parser, write_result
+from train.config import DataConfig, EarlyExitConfig, LayerDropoutConfig, SourceConfig
 
 
 def variants(exits: list[int], p_maxes: list[float], rotation: int) -> dict[str, tuple[dict, dict]]:
@@ -48,9 +49,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from train.config import DataConfig, EarlyExitConfig, LayerDropoutConfig, SourceConfig
-    from train.data import build_dataset
-    from train.model import LayerSkipLM, load_model
+    from train.data import build_dataset  # lazy: torch, after the flags are read
+    from train.model import LayerSkipLM, load_model  # lazy: torch, after the flags are read
 
     model, tokenizer, path = load_model(args.model)
     data = build_dataset(DataConfig(sources=[SourceConfig(type="stdlib")], block_size=args.block), tokenizer, path)

@@ -27,10 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infer.model.plan import cycle_speedup, iid_tokens_per_cycle
+from layerskip_cli.commands import eval_exits
 from layerskip_core import jsonfile
+from layerskip_core.adapter_spec import read_file
 from layerskip_core.cli import Parser, check_output_dir, run_main
 from layerskip_core.errors import UserError
+from layerskip_core.models import resolve_model
 from layerskip_core.settings import check_threads
+from train.recipe import load_config
 
 OUTPUTS = ("results.json", "table.md", "compare.png")
 """What a run writes in --out."""
@@ -99,7 +103,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def exit_quality(model: str, config: str, exits: list[int], n: int, threads: int) -> dict:
     """``layerskip eval-exits`` on the recipe's validation split: per-exit agreement and the final loss."""
-    from layerskip_cli.commands import eval_exits
 
     p = Parser()
     eval_exits.add_arguments(p)
@@ -113,8 +116,8 @@ def adapter_quality(paths: list[Path], cfg, n: int) -> dict[int, dict]:
     (``eval_adapter``)."""
     from eval_adapter import adapter_eval
 
-    from train.data import build_dataset
-    from train.model import load_model
+    from train.data import build_dataset  # lazy: torch, after the inputs are checked
+    from train.model import load_model  # lazy: torch, after the inputs are checked
 
     model, tokenizer, path = load_model(cfg.model.name_or_path)
     val = build_dataset(cfg.data, tokenizer, path).val.take(n)
@@ -137,8 +140,6 @@ def read_bench(path: Path | None) -> list[dict]:
     line before any model loads, not a KeyError at the end)."""
     if path is None:
         return []
-    from layerskip_core import jsonfile
-
     what, hint = "bench results.json", "written by layerskip bench --out"
     summary = jsonfile.read(path, what, hint=hint).get("summary", [])
     with jsonfile.checked(path, what, hint):
@@ -184,8 +185,6 @@ def adapter_paths(args: argparse.Namespace) -> list[Path]:
 def check_inputs(args: argparse.Namespace) -> tuple[list[Path], tuple[list[dict], list[dict]]]:
     """(adapter files, bench rows of --bench-base and --bench-checkpoint), every input read and checked before any
     evaluation: a bad file is refused in one line at once, not after minutes of work."""
-    from layerskip_core.adapter_spec import read_file
-    from layerskip_core.models import resolve_model
 
     paths = adapter_paths(args)
     for path in paths:
@@ -197,7 +196,6 @@ def check_inputs(args: argparse.Namespace) -> tuple[list[Path], tuple[list[dict]
 def compare(args: argparse.Namespace) -> dict:
     import torch
 
-    from train.recipe import load_config
 
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config, [])
@@ -232,7 +230,7 @@ TASK_ACCURACY = ("not scored here: the held-out text is a recipe's validation sp
 def verifier(result: dict, base: dict, num_layers: int) -> dict:
     """The verifying model's final-layer quality on the split (``eval_exits``' result), against the base model's:
     loss and perplexity, the change in nats, and the flag of a worse verifier (``infer.measure.quality``)."""
-    from infer.measure.quality import flag, verdict
+    from infer.measure.quality import flag, verdict  # lazy: torch, after the inputs are checked
 
     loss, delta = result["loss"][num_layers], result["loss"][num_layers] - base["loss"][num_layers]
     out = {"loss": loss, "perplexity": result["perplexity"][num_layers], "delta_nats": delta,

@@ -20,12 +20,13 @@ from layerskip_core import jsonfile
 from layerskip_core.cli import Parser, check_output_file, run_main
 from layerskip_core.errors import UserError
 from layerskip_core.settings import check_threads
+from train.recipe import load_config
 
 
 def adapter_eval(model, adapter, examples, pad_id: int, batch_size: int = 2) -> dict:
     """Agreement with the full model of the adapter file ``adapter`` and of the plain exit at its E on
     ``examples``, on the loaded base ``model`` (checked against the file's header: refused if not its model)."""
-    from train.adapter import AdapterLM
+    from train.adapter import AdapterLM  # lazy: torch, after the flags are checked
 
     lm, provenance = AdapterLM.from_file(model, adapter)
     stats = lm.evaluate(examples, batch_size, pad_id, "cpu", list(range(len(examples))))
@@ -44,9 +45,8 @@ def adapter_eval(model, adapter, examples, pad_id: int, batch_size: int = 2) -> 
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from train.data import build_dataset
-    from train.model import load_model
-    from train.recipe import load_config
+    from train.data import build_dataset  # lazy: torch, after the flags are checked
+    from train.model import load_model  # lazy: torch, after the flags are checked
 
     if args.json is not None:
         check_output_file(args.json, "--json", force=args.force,

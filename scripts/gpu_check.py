@@ -89,8 +89,8 @@ def tiny_adapter(run: Run, kind: str, seed: int, folder: Path) -> Path | None:
     one), so the adapter's layer is decoded, compiled and captured like the model's; None, with a note, where the
     training code cannot be imported."""
     try:  # local: the training code is optional on a GPU image (a note where it cannot load)
-        from train.adapter import AdapterLM
-        from train.config import AdapterConfig
+        from train.adapter import AdapterLM  # optional: see the try
+        from train.config import AdapterConfig  # optional: see the try
     except ImportError as e:
         run.notes.append(f"exit adapter skipped ({e.name or e} not installed)")
         return None

@@ -17,6 +17,8 @@ import sys
 
 from layerskip_core.cli import Parser, add_output_flags, check_output_file, parse_and_run, write_result
 from layerskip_core.errors import UserError
+from layerskip_core.models import resolve_model
+from train.config import SourceConfig
 
 
 def cut(text: str, tokenizer, low: int, high: int) -> str | None:
@@ -39,9 +41,7 @@ def run(args: argparse.Namespace) -> int:
     # the training data reader and the tokenizer are torch/transformers-heavy: loaded after the argument checks
     from transformers import AutoTokenizer
 
-    from layerskip_core.models import resolve_model
-    from train.config import SourceConfig
-    from train.data import read_source
+    from train.data import read_source  # lazy: torch, after the flags are checked
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
     docs = read_source(SourceConfig(type="stdlib"), "pretrain")  # path-hash order: the back is held out

@@ -37,10 +37,10 @@ def budget(drafter, result: dict) -> float:
 
 def measure(args: argparse.Namespace) -> list[dict]:
     # torch and the engine load only after argument parsing (so --help answers at once)
-    from infer.decode.engine import DecodeConfig
-    from infer.drafters import parse_spec
-    from infer.loading import load_resolved
-    from infer.measure.syncs import measure_decode
+    from infer.decode.engine import DecodeConfig  # lazy: torch, after the flags are checked
+    from infer.drafters import parse_spec  # lazy: torch, after the flags are checked
+    from infer.loading import load_resolved  # lazy: transformers, after the flags are checked
+    from infer.measure.syncs import measure_decode  # lazy: torch, after the flags are checked
 
     specs = [s.strip() for s in args.drafters.split(",") if s.strip()]
     parsed = [parse_spec(s) for s in specs]  # bad specs fail before the model loads

@@ -119,7 +119,7 @@ def sync(device: torch.device) -> None:
 def time_variant(model, dropout: LayerDropoutConfig, early_exit: EarlyExitConfig, ids: torch.Tensor,
                  optimizer, device: torch.device, repeats: int) -> tuple[float, float | None, float]:
     """(median seconds per step, peak GB or None, measured fraction of skipped layer rows)."""
-    from train.model import LayerSkipLM
+    from train.model import LayerSkipLM  # lazy: importing this script loads no training model code
 
     lm = LayerSkipLM(model, dropout, early_exit, max_steps=1000, seed=0).train()
     bf16 = device.type == "cuda"
@@ -209,7 +209,7 @@ def end_to_end(device: torch.device, tiny: bool, tokenizer_dir: str | None, work
                decode: Decode = hf_decode) -> dict:
     """Train 12 steps with train/layerskip.py, reload the final checkpoint with ``decode`` and decode 6 tokens
     (``tokenizer_dir`` None: the byte-level tokenizer, so no model cache or network is needed)."""
-    from train.layerskip import main as train_main
+    from train.layerskip import main as train_main  # lazy: importing this script loads no training loop
 
     start = make_random_checkpoint(workdir / "init", TINY if tiny else SMOLLM2_135M, tokenizer_dir)
     block, micro = (32, 2) if tiny else (1024, 8)

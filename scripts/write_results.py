@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from infer.measure.plots import exit_quality
 from layerskip_core import jsonfile
 from layerskip_core.cli import Parser, run_main
 from layerskip_core.doc_sections import GPU_COMPARE
@@ -85,8 +86,8 @@ def _bench_section(run: Path, title: str, img_dir: Path, old: str, name: str) ->
 
 
 def _bench_lines(run: Path, title: str, img_dir: Path, old: str, name: str, payload: dict) -> list[str]:
-    from infer.measure.quality import quality_table
-    from infer.measure.report import BATCH_NOTE, Summary, markdown_table
+    from infer.measure.quality import quality_table  # lazy: torch, only for the bench sections
+    from infer.measure.report import BATCH_NOTE, Summary, markdown_table  # lazy: torch, as above
 
     rows = [Summary(**r) for r in payload["summary"]]
     labels = payload["config"].get("labels") or list(dict.fromkeys(r.model for r in rows))
@@ -161,7 +162,6 @@ def _exit_eval(runs: Path, img_dir: Path, old: str) -> list[str]:
 
 
 def _exit_lines(evals: dict, img_dir: Path, old: str) -> list[str]:
-    from infer.measure.plots import exit_quality
 
     first = next(iter(evals.values()))
     exits = sorted(first["agreement"], key=int)

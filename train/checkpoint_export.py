@@ -46,7 +46,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike) -> 
     ``out`` must not exist yet (nothing is overwritten)."""
     import torch
 
-    from train.model import add_lora, load_model, plain_model
+    from train.model import add_lora, load_model, plain_model  # lazy: torch; a wrong folder is refused at once
 
     ckpt, out = find_checkpoint(checkpoint), Path(out).expanduser()
     if out.exists():

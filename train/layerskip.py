@@ -61,9 +61,9 @@ if TYPE_CHECKING:  # heavy imports, made where a run is set up
     from accelerate import Accelerator
     from transformers import PreTrainedTokenizerBase
 
-    from train.adapter import AdapterLM
-    from train.data import BatchOrder, Dataset
-    from train.model import LayerSkipLM
+    from train.adapter import AdapterLM  # type only: torch-heavy (see below)
+    from train.data import BatchOrder, Dataset  # type only: torch-heavy (see below)
+    from train.model import LayerSkipLM  # type only: torch-heavy (see below)
 
 # torch, accelerate and the modules that import them (train.data, train.model, train.exit_eval) are
 # imported inside the functions that use them, so --help, --help-config and a bad recipe answer at once.
@@ -140,7 +140,7 @@ def check_token_cache(cfg: TrainConfig) -> None:
 
 def evaluate(run: Session) -> dict | None:
     """Per-exit validation metrics, each process taking a shard of the validation examples."""
-    from train.exit_eval import exit_metrics
+    from train.exit_eval import exit_metrics  # lazy: torch; --help-config and a bad recipe answer at once
 
     accelerator, cfg, val = run.accelerator, run.cfg, run.dataset.val
     n = min(len(val), cfg.data.max_val_examples)
@@ -149,7 +149,7 @@ def evaluate(run: Session) -> dict | None:
     model = accelerator.unwrap_model(run.wrapped)
     shard = list(range(accelerator.process_index, n, accelerator.num_processes))
     if cfg.adapter.enabled:
-        from train.adapter import adapter_metrics
+        from train.adapter import adapter_metrics  # lazy: torch; --help-config and a bad recipe answer at once
 
         return adapter_metrics(accelerator, model, val, shard, cfg.optim.micro_batch_size,
                                run.tokenizer.pad_token_id)
@@ -249,8 +249,8 @@ def set_up(cfg: TrainConfig, accelerator) -> Session:
     (main process first, then from the cache)."""
     import torch
 
-    from train.data import BatchOrder, build_dataset
-    from train.model import LayerSkipLM, add_lora, load_model
+    from train.data import BatchOrder, build_dataset  # lazy: torch; --help-config and a bad recipe answer at once
+    from train.model import LayerSkipLM, add_lora, load_model  # lazy: torch; --help-config answers at once
 
     with accelerator.main_process_first():
         hf_model, tokenizer, model_path = load_model(cfg.model.name_or_path, cfg.model.dtype,
@@ -260,7 +260,7 @@ def set_up(cfg: TrainConfig, accelerator) -> Session:
     if cfg.lora.enabled:
         hf_model = add_lora(hf_model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
     if cfg.adapter.enabled:  # the frozen model trains an exit adapter (train/adapter.py)
-        from train.adapter import AdapterLM
+        from train.adapter import AdapterLM  # lazy: torch; --help-config and a bad recipe answer at once
 
         model = AdapterLM(hf_model.to(accelerator.device), cfg.adapter)
     else:
@@ -419,7 +419,7 @@ def save_final(run: Session) -> Path:
 
 def _save_final(run: Session) -> Path:
     if run.cfg.adapter.enabled:
-        from train.adapter import save_adapter
+        from train.adapter import save_adapter  # lazy: torch; --help-config and a bad recipe answer at once
 
         path = run.out_dir / "adapter.safetensors"
         save_adapter(run.accelerator, run.wrapped, run.cfg, path, run.tokens_seen, run.step)

@@ -4,20 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
+from infer.assets.adapter import ExitAdapter
 from infer.assets.draft_vocab import AUTO, check_draft_vocab_option
-from infer.model.kv_cache import ints_to_device
-
-if TYPE_CHECKING:
-    from infer.assets.adapter import ExitAdapter
-    from infer.model.kv_cache import KVCache
-    from infer.model.plan import LayerPlan
-    from infer.model.runner import DraftHead, Runner
-    from infer.model.sampling import SamplingConfig
+from infer.model.kv_cache import KVCache, ints_to_device
+from infer.model.plan import LayerPlan
+from infer.model.runner import DraftHead, Runner
+from infer.model.sampling import SamplingConfig
 
 
 @dataclass

@@ -30,17 +30,19 @@ from typing import TYPE_CHECKING
 import torch
 
 from infer.decode.engine import GenerationStats
+from infer.drafters.registry import stats_from_dict
 from infer.measure.exactness import DivergenceJudge, first_divergence, rounded_reference
 from infer.measure.methods import BASELINE, BenchConfig, Method, check_layers
 from infer.measure.peers import Peer
-from infer.measure.quality import same_source
+from infer.measure.quality import same_source, verifier_quality
 from infer.measure.timing import timed_batch, timed_generate
 from layerskip_core.cli import split_named
 from layerskip_core.errors import UserError
+from layerskip_core.models import resolve_model
 from layerskip_core.prompts import final_number, load_prompts, task_name, use_chat_template
 
 if TYPE_CHECKING:
-    from infer.loading import LoadedModel
+    from infer.loading import LoadedModel  # type only: infer.loading imports transformers (see run_bench)
 
 
 @dataclass
@@ -84,8 +86,6 @@ class Record:
     @classmethod
     def from_dict(cls, row: dict) -> Record:
         """The record ``to_dict`` wrote (its derived statistics dropped): a killed bench's rows, read back."""
-        from infer.drafters.registry import stats_from_dict
-
         values = {f.name: row[f.name] for f in dataclasses.fields(GenerationStats) if f.name in row}
         if isinstance(values.get("drafter"), dict):  # the drafter's own stats class
             values["drafter"] = stats_from_dict(values["drafter"])
@@ -113,8 +113,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log: Callable[[Record], N
     """Run every method on every prompt, ``cfg.repeats`` times, interleaved; return raw records. ``log`` gets each
     record as soon as it is finished (``report.RecordLog``: a killed bench leaves every finished record readable);
     ``on_quality(label, quality)`` each model's verifier quality (``infer.measure.quality``) before it is timed."""
-    from infer.loading import load_resolved
-    from layerskip_core.models import resolve_model
+    from infer.loading import load_resolved  # lazy: transformers; report reads records through this module without it
 
     tasks = {task_name(src): load_prompts(src, cfg.n, from_end=True, skip_end=cfg.skip) for src in cfg.data}
     sources = [split_named(arg)[1] for arg in cfg.models]
@@ -147,8 +146,6 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log: Callable[[Record], N
 
 def _quality(model: LoadedModel, cfg: BenchConfig, label: str, timed: set[str], progress: bool) -> dict:
     """The model's verifier quality (cached or computed), said on stderr when ``progress``."""
-    from infer.measure.quality import verifier_quality
-
     q = verifier_quality(model, cfg.quality, timed)
     if progress or q["note"]:
         how = "read from the cache" if q["cache"] == "read" else f"computed in {q['seconds']:.1f} s"

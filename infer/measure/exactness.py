@@ -42,6 +42,7 @@ from torch import Tensor
 
 from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import build_drafter
+from infer.model.runner import Runner
 
 ULPS = 4
 """The bound's floor: margins up to this many units in the last place (of the dtype, at the logits' magnitude)."""
@@ -265,8 +266,6 @@ def rounded_reference(path, dtype: torch.dtype, device) -> object:
     """An fp32 runner of a model folder's weights rounded to ``dtype`` first, as a ``dtype`` runner holds them: the
     independent fp32 recomputation :func:`measure_rounding` needs to judge a bf16/fp16 runner."""
     from transformers import AutoModelForCausalLM
-
-    from infer.model.runner import Runner
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(dtype).float()  # rounded, then fp32
     return Runner.from_model(model, dtype=torch.float32, device=device)

@@ -1,25 +1,25 @@
 """What ``layerskip bench`` runs: method specs (our drafters and `transformers` peers), the early-exit sweep grid,
 and the benchmark's settings.
 
-Importing this module loads neither torch nor transformers: the command parses and checks its arguments first.
+Importing this module does not load transformers: the command parses and checks its arguments first.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from infer.decode.engine import DecodeConfig
+from infer.drafters import drafter_spec, parse_spec, split_spec
 from infer.drafters.autoregressive import AutoregressiveDrafter
+from infer.drafters.early_exit import EarlyExitDrafterConfig
+from infer.drafters.spec import Spec
 from infer.measure.quality import QualityConfig
+from infer.model.sampling import SamplingConfig
 from layerskip_core.cli import split_named
 from layerskip_core.errors import UserError
 from layerskip_core.layers import check_exit_layer
 from layerskip_core.settings import Resolved
-
-if TYPE_CHECKING:
-    from infer.drafters.spec import Spec
-    from infer.model.sampling import SamplingConfig
 
 PEERS = ("hf_generate", "hf_static", "hf_early_exit", "prompt_lookup")
 PEER_OPTIONS = {"hf_early_exit": ("E", "k"), "prompt_lookup": ("k",)}
@@ -66,23 +66,17 @@ class Method:
     @property
     def target_exit(self) -> int | None:
         """Lossy early exit of plain decoding (``autoregressive:target_exit=E``): the generation's target exit."""
-        from infer.drafters import split_spec
-
         if self.spec is None:
             return split_spec(self.label)[2]
         return None if self.is_peer else self.spec.target_exit
 
     def spec_for(self, model: str) -> Spec:
         """The drafter spec on the model labelled ``model``."""
-        from infer.drafters import parse_spec
-
         return self.spec if self.spec is not None else parse_spec(self.label.replace(MODEL, model))
 
 
 def parse_methods(drafters: str, peers: str | None) -> list[Method]:
     """Parse '--drafters' and '--peers' lists; the autoregressive baseline is always included."""
-    from infer.drafters import parse_spec, split_spec
-
     methods: list[Method] = []
     if any(not s.strip() for s in drafters.split(",")) and drafters.strip():
         raise UserError(f"--drafters {drafters!r} has an empty entry; give comma-separated drafter specs such as "
@@ -124,8 +118,6 @@ def split_drafters(drafters: str) -> list[str]:
 
 def _early_exit(method: Method) -> bool:
     """An early-exit drafter without an adapter (whose E the adapter decides)."""
-    from infer.drafters.early_exit import EarlyExitDrafterConfig
-
     config = None if method.is_peer or method.spec is None else method.spec.config
     return isinstance(config, EarlyExitDrafterConfig) and config.adapter is None
 
@@ -163,8 +155,6 @@ def check_layers(methods: list[Method], num_layers: int) -> None:
 def sweep_methods(exits: list[int], ks: list[int], vocabs: list[int] | None = None) -> list[Method]:
     """The LayerSkip E x k grid of early-exit drafters, times draft-vocabulary sizes N (0 = the full head; none given:
     the drafters' default)."""
-    from infer.drafters import drafter_spec
-
     methods = []
     for n in vocabs or [None]:
         value = None if n is None else str(n) if n else "off"
@@ -278,15 +268,11 @@ class BenchConfig:
         if self.quality.base is not None and self.quality.base not in self.labels:
             raise UserError(f"--base {self.quality.base!r} names no model; the models are {', '.join(self.labels)}")
         if self.sampling is None:
-            from infer.model.sampling import SamplingConfig  # torch-heavy: see the module docstring
-
             self.sampling = SamplingConfig()
 
     def generation(self, method: Method | None = None):
         """The DecodeConfig of ``method`` (its lossy ``target_exit``, if any, on top of the shared settings; None:
         the full model's, the reference's)."""
-        from infer.decode.engine import DecodeConfig
-
         target = None if method is None else method.target_exit
         return DecodeConfig(max_new_tokens=self.max_new_tokens, sampling=self.sampling,
                                 stop_at_eos=self.stop_at_eos, target_exit=target)

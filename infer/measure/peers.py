@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from infer.measure.methods import BenchConfig, Method
+from infer.measure.methods import BenchConfig, Method
 
 
 class Peer:

@@ -32,7 +32,7 @@ from layerskip_core.packages import cache_root
 from layerskip_core.prompts import load_prompts
 
 if TYPE_CHECKING:
-    from infer.loading import LoadedModel
+    from infer.loading import LoadedModel  # type only: infer.loading imports transformers; the CLI imports this
 
 CACHE_FORMAT = "layerskip-verifier-quality-1"
 """The ``format`` of a cached quality file."""

@@ -16,19 +16,16 @@ import statistics
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from infer.decode.engine import tokens_per_verify
 from infer.drafters.swift import SwiftStats
-from infer.measure.methods import BASELINE, PEERS
+from infer.measure import plots
+from infer.measure.bench import Record
+from infer.measure.methods import BASELINE, PEERS, BenchConfig
 from infer.measure.provenance import machine_info
 from infer.measure.quality import WORSE_NATS, compare_to_base, flag, quality_table
 from infer.model.plan import cycle_speedup
 from layerskip_core import jsonfile
-
-if TYPE_CHECKING:
-    from infer.measure.bench import Record
-    from infer.measure.methods import BenchConfig
 
 
 @dataclass
@@ -360,8 +357,6 @@ class RecordLog:
 
 def read_records(out_dir: Path) -> tuple[dict, list[Record]]:
     """(header, records) of ``out_dir/records.jsonl``; a last line cut mid-write (a killed bench) is dropped."""
-    from infer.measure.bench import Record
-
     lines = (out_dir / RECORDS_FILE).read_text(encoding="utf-8").splitlines()
     header, records = {}, []
     for i, line in enumerate(lines):
@@ -388,8 +383,6 @@ def write_outputs(cfg: BenchConfig, records: list[Record], out_dir: Path, comman
                   quality: dict[str, dict] | None = None) -> list[Summary]:
     """results.json, results.csv, results.md and plots under ``out_dir``; ``quality``: each model's verifier quality
     (label -> ``infer.measure.quality.verifier_quality``), a model without one reported as not measured."""
-    from infer.measure import plots
-
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = summarize(records)
     quality = dict(quality or {})

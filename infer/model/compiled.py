@@ -20,17 +20,14 @@ from __future__ import annotations
 import contextlib
 import types
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from infer.model import layer_math
 from infer.model.attention import grouped_attention
-
-if TYPE_CHECKING:
-    from infer.model.forward_model import ForwardModel
-    from infer.model.weights import LayerWeights
+from infer.model.forward_model import ForwardModel
+from infer.model.weights import LayerWeights
 
 BACKENDS = ("inductor", "eager")
 """``torch.compile`` backends a ``LayerSteps`` takes: inductor (fused kernels: the GPU default), eager (dynamo traces

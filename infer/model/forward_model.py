@@ -11,16 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    import torch
-    from torch import Tensor
+import torch
+from torch import Tensor
 
-    from infer.model.kv_cache import KVCache
-    from infer.model.plan import LayerPlan
-    from infer.model.weights import LayerWeights
-    from layerskip_core.models import ModelSpec
+from infer.model.kv_cache import KVCache
+from infer.model.plan import LayerPlan
+from infer.model.weights import LayerWeights
+from layerskip_core.models import ModelSpec
 
 
 @dataclass

@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 from weakref import WeakKeyDictionary
 
 import torch
@@ -27,11 +26,9 @@ from torch import Tensor
 from infer.model import layer_math
 from infer.model.attention import group_mask
 from infer.model.compiled import LayerSteps, StepCache
+from infer.model.forward_model import ForwardModel, VocabHead  # what the runner offers: the runner imports this module
 from infer.model.kv_cache import KVCache
 from infer.model.plan import LayerPlan
-
-if TYPE_CHECKING:  # the runner imports this module for its executor: name what it offers, not the runner
-    from infer.model.forward_model import ForwardModel, VocabHead
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
 """Row counts a static forward is padded up to; larger calls run eagerly."""

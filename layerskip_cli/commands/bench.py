@@ -121,7 +121,7 @@ def config_from_args(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from infer.measure.bench import run_bench  # torch-heavy: imported when the command runs
-    from infer.measure.report import RESULT_FILES, RecordLog, bugs, markdown_table, write_outputs
+    from infer.measure.report import RESULT_FILES, RecordLog, bugs, markdown_table, write_outputs  # lazy, as above
 
     cfg = config_from_args(args)
     command = "layerskip " + " ".join(shlex.quote(a) for a in sys.argv[1:])

@@ -14,11 +14,13 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from infer.assets.draft_vocab import coverage_report, special_ids
 from layerskip_cli.args import add_model_flags, model_settings
 from layerskip_core.cli import check_distinct, check_output_file
 from layerskip_core.device import dtype_name
 from layerskip_core.errors import UserError
 from layerskip_core.prompts import PromptItem, load_prompts
+from train.config import SourceConfig
 
 STDLIB = "stdlib"
 """--data name of the Python standard library's source (path-hash order, as the CPU training recipe reads it)."""
@@ -70,9 +72,7 @@ def parse_sizes(text: str) -> list[int]:
 
 def stdlib_items() -> list[PromptItem]:
     """The standard library's source files in the training data's order (its back is the training hold-out)."""
-    # train.data imports torch and numpy; loaded only when the stdlib is asked for
-    from train.config import SourceConfig
-    from train.data import read_source
+    from train.data import read_source  # lazy: torch and numpy, only when the stdlib is asked for
 
     docs = read_source(SourceConfig(type=STDLIB), "pretrain")
     return [PromptItem(d.id, d.text[:TEXT_CHARS], "", STDLIB) for d in docs]
@@ -107,9 +107,8 @@ def coverage_line(size: int, vocab_size: int, report: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     # torch and transformers load only once the arguments are known to be good
-    from infer.assets.draft_vocab import coverage_report, special_ids
-    from infer.loading import load_resolved
-    from infer.measure.vocab_counting import count_tokens, encode_prompts, heldout_tokens
+    from infer.loading import load_resolved  # lazy: transformers, when the command runs
+    from infer.measure.vocab_counting import count_tokens, encode_prompts, heldout_tokens  # lazy: torch, at run
 
     # Everything that can be checked without the model is checked first.
     names = [d.strip() for d in args.data.split(",") if d.strip()]

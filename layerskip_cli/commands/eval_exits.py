@@ -98,7 +98,7 @@ def held_out_examples(source: str, tokenizer, n: int, max_tokens: int):
 
 
 def _recipe_examples(args: argparse.Namespace, tokenizer, path: Path):
-    from train.data import build_dataset
+    from train.data import build_dataset  # lazy: torch, when the command runs
 
     cfg = load_config(args.config, args.overrides)
     val = build_dataset(cfg.data, tokenizer, path).val
@@ -113,8 +113,8 @@ def evaluate(args: argparse.Namespace) -> dict:
     from transformers import AutoConfig, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from train.exit_eval import exit_metrics
-    from train.model import LayerSkipLM, load_model
+    from train.exit_eval import exit_metrics  # lazy: torch, when the command runs
+    from train.model import LayerSkipLM, load_model  # lazy: torch, when the command runs
 
     # Everything that can be checked without the weights is checked first.
     _check_args(args)

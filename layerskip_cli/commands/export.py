@@ -20,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from train.checkpoint_export import describe, export_checkpoint, find_checkpoint
+    from train.checkpoint_export import describe, export_checkpoint, find_checkpoint  # lazy: when it runs
 
     check_output_dir(args.out, "--out", writes=(), inputs=(("CHECKPOINT", args.checkpoint),))
     ckpt = find_checkpoint(args.checkpoint)

@@ -42,7 +42,7 @@ def add_generation_flags(p: argparse.ArgumentParser) -> None:
 
 def generation_config(args: argparse.Namespace):
     """The DecodeConfig of the flags."""
-    from infer.decode.engine import DecodeConfig
+    from infer.decode.engine import DecodeConfig  # lazy: torch, when the command runs
 
     if any(not s for s in args.stop):
         raise UserError("--stop needs a non-empty text (an empty stop string would end every output at once)")
@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         reads = [(f"--{k.replace('_', '-')}", getattr(args, k, None)) for k in ("plan", "draft_vocab", "adapter")]
         reads = [(f, v) for f, v in reads if isinstance(v, str)] + [("--prompts-file", args.prompts_file)]
         check_output_file(args.save_plan, "--save-plan", force=args.force, inputs=tuple(reads))
-    from infer.loading import load_resolved
+    from infer.loading import load_resolved  # lazy: transformers, when the command runs
 
     spec = drafter_spec_of(args)  # parsed and checked once
     generation = generation_config(args)
@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
 
 def stream_summary(results) -> dict:
     """Totals over a stream of prompts: speed, acceptance, optimisation share, matchness trajectory."""
-    from infer.decode.engine import tokens_per_verify
+    from infer.decode.engine import tokens_per_verify  # lazy: torch, when the command runs
     from infer.drafters.swift import SwiftStats  # torch-heavy: see the module docstring
 
     stats = [r.stats for r in results]

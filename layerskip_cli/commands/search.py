@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from infer.assets.draft_vocab import resolve_draft_vocab_option
 from layerskip_cli.args import add_model_flags, model_settings
 from layerskip_core.cli import check_distinct, check_output_file, finite_float
 from layerskip_core.device import dtype_name
@@ -85,9 +86,8 @@ def _check_resume(args: argparse.Namespace, study: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # torch, transformers and optuna load only once the arguments are known to be good
-    from infer.assets.draft_vocab import resolve_draft_vocab_option
-    from infer.loading import load_resolved
-    from infer.selfsd.search import SearchConfig, search_plan, study_path_for
+    from infer.loading import load_resolved  # lazy: transformers, when the command runs
+    from infer.selfsd.search import SearchConfig, search_plan, study_path_for  # lazy: torch and optuna, when it runs
 
     # Everything that can be checked without the model is checked first.
     cfg = SearchConfig(objective=args.objective, trials=args.trials, skip_ratio=args.skip_ratio, seed=args.seed,

@@ -16,6 +16,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 def main(argv: list[str]) -> int:
     """``layerskip train ARGS`` = ``python train/layerskip.py ARGS``."""
     # Lazy: the training stack (peft, accelerate, datasets readers) is needed only by this command.
-    from train.layerskip import main as train_main
+    from train.layerskip import main as train_main  # lazy: keeps `layerskip --help` light
 
     return train_main(argv, prog="layerskip train")

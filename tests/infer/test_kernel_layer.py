@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import Tensor
 
 from infer import kernels
 from infer.kernels import layer_span
@@ -207,3 +208,41 @@ def test_qwen2_biases_and_the_torch_path_keep_the_python_loop():
     assert layer_span.for_runner(Runner.from_model(make_model("qwen2", seed=1))) is None
     assert layer_span.for_runner(Runner.from_model(make_model("llama", seed=1), kernel="torch")) is None
     assert layer_span.for_runner(Runner.from_model(make_model("llama", seed=1))) is not None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_runner_takes_the_fused_span_and_computes_what_the_loop_does(dtype):
+    """``Runner.span`` and ``forward_layers`` of one sequence run fused (once per call), and a verification with a
+    tree mask and a draft under a skip plan give the loop's logits, cache rows, lengths and counters bitwise."""
+    runner = _tiny_runner("d96-D24", dtype)
+    assert runner.fused is not None
+    loop = copy.copy(runner)
+    loop.fused = None  # the same weights on the Python loop
+    calls = []
+    fused = runner.fused
+    runner.fused = lambda *args: calls.append(args[3:6]) or fused(*args)
+    plan = LayerPlan(6, frozenset({2}), frozenset({1, 4}))
+    results = []
+    for r in (runner, loop):
+        cache = _uneven_cache(r, 12)
+        r.counters.reset()
+        calls.clear()
+        tree = torch.ones(4, 4, dtype=torch.bool).tril()
+        tree[3, 1] = False
+        verified = r.forward(cache, torch.tensor([9, 8, 7, 6]), mask=tree)  # forward_layers: fused from slot 12
+        draft = r.span(cache, r.embed(torch.tensor([5])), [16], 0, 6, exact_until=3, plan=plan, logits=True)
+        results.append((verified, draft.exact, draft.hidden, draft.logits, cache.k, cache.v, cache.lengths,
+                        list(r.counters.layer_tokens)))
+        assert calls == ([(0, 0, 6), (0, 3, 6)] if r is runner else [])
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b) if isinstance(a, Tensor) else a == b
+
+
+def test_runners_that_do_not_qualify_have_no_fused_span():
+    _need_kernel(torch.float32)
+    assert Runner.from_model(family_model("qwen3", seed=1)).fused is None
+    assert Runner.from_model(make_model("llama", seed=1), kernel="torch").fused is None
+    runner = Runner.from_model(make_model("llama", seed=1))
+    assert runner.fused is not None
+    adapter = runner.over_layers(runner.layers[:2], runner.final_norm)  # its own stack, over its own layers
+    assert adapter.fused is not None and adapter.fused is not runner.fused
