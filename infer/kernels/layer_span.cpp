@@ -22,6 +22,7 @@
 #include <immintrin.h>
 
 #include <cstring>
+#include <exception>
 #include <map>
 #include <utility>
 #include <vector>
@@ -92,16 +93,30 @@ struct Layer {
   int64_t rope = 0;  // its RoPE table
 };
 
-// One span call: the rows' positions, the RoPE tables, the cache and its lengths, the counters, the masks made so far.
+// One span call: the rows' positions, the RoPE tables, the cache and its lengths, the skip plan, the counters' growth,
+// the masks made so far. Plain C++ values (read from Python before, written back after), so the layers run without
+// the GIL.
 struct Call {
   int64_t T;
   std::vector<int64_t> pos;  // (T,)
   std::vector<torch::Tensor> cos, sin;  // per table (n, D)
   torch::Tensor ck, cv;  // (L, Hkv, C, D)
-  py::list lengths, counts;  // KVCache.lengths, RunnerCounters.layer_tokens
   c10::optional<torch::Tensor> mask;  // (T, W) bool over the last W slots; none: causal
+  std::vector<int64_t> lengths, added;  // per layer: KVCache.lengths, rows to add to its counter
+  std::vector<char> skip_attn, skip_mlp;  // per layer, for the layers under the plan
   std::map<int64_t, c10::optional<torch::Tensor>> masks;  // by start slot
 };
+
+// Per layer: whether it is in the Python set ``skip`` (None: none is).
+std::vector<char> flags(const py::object& skip, size_t layers) {
+  std::vector<char> out(layers, 0);
+  if (skip.is_none()) return out;
+  for (const auto& item : skip) {
+    const auto i = item.cast<int64_t>();
+    if (i >= 0 && i < static_cast<int64_t>(layers)) out[i] = 1;
+  }
+  return out;
+}
 
 // Runner.attn_mask: (T, S) bool over slots [0, S), S = slot + T, made once per start slot; none for one row without a
 // mask (every key visible).
@@ -187,30 +202,50 @@ class LayerStack {
   }
 
   // Layers [start, split) exactly, then [split, end) without the sublayers in skip_attn / skip_mlp (Python sets, or
-  // None): Runner.span_rows of one segment. Returns (the stream after split, the stream after end).
+  // None): Runner.span_rows of one segment. Returns (the stream after split, the stream after end); ``lengths`` (the
+  // cache's) and ``counts`` (the runner's layer counters) are advanced as the Python loop advances them. The layers
+  // run without the GIL.
   py::tuple span(const torch::Tensor& hidden, std::vector<int64_t> positions, std::vector<torch::Tensor> cos,
                  std::vector<torch::Tensor> sin, torch::Tensor ck, torch::Tensor cv, py::list lengths,
                  py::list counts, int64_t start, int64_t split, int64_t end, const py::object& skip_attn,
                  const py::object& skip_mlp, c10::optional<torch::Tensor> mask) {
-    const int64_t T = hidden.size(0);
-    check(hidden, positions, cos, sin, ck, cv, mask, std::max(split, end));
+    const auto L = layers_.size();
+    check(hidden, positions, cos, sin, ck, cv, mask, std::max(split, end), lengths, counts);
     if (mask.has_value()) mask = mask->contiguous();
-    Call c{T, std::move(positions), std::move(cos), std::move(sin), std::move(ck), std::move(cv),
-           std::move(lengths), std::move(counts), std::move(mask), {}};
-    const auto none = py::none();
-    const auto exact = run(hidden, c, start, split, none, none);
-    return py::make_tuple(exact, split >= end ? exact : run(exact, c, split, end, skip_attn, skip_mlp));
+    Call c{hidden.size(0), std::move(positions), std::move(cos), std::move(sin), std::move(ck), std::move(cv),
+           std::move(mask), lengths.cast<std::vector<int64_t>>(), std::vector<int64_t>(L, 0),
+           flags(skip_attn, L), flags(skip_mlp, L), {}};
+    torch::Tensor exact, out;
+    std::exception_ptr error;
+    {
+      py::gil_scoped_release unlocked;
+      try {
+        exact = run(hidden, c, start, split, false);
+        out = split >= end ? exact : run(exact, c, split, end, true);
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }
+    for (size_t i = 0; i < L; ++i) {  // what ran, as the Python loop leaves it (also when a layer raised)
+      if (c.lengths[i] != lengths[i].cast<int64_t>()) lengths[i] = py::int_(c.lengths[i]);
+      if (c.added[i] != 0) counts[i] = py::int_(counts[i].cast<int64_t>() + c.added[i]);
+    }
+    if (error) std::rethrow_exception(error);
+    return py::make_tuple(exact, out);
   }
 
  private:
   void check(const torch::Tensor& h, const std::vector<int64_t>& pos, const std::vector<torch::Tensor>& cos,
              const std::vector<torch::Tensor>& sin, const torch::Tensor& ck, const torch::Tensor& cv,
-             const c10::optional<torch::Tensor>& mask, int64_t last) const {
+             const c10::optional<torch::Tensor>& mask, int64_t last, const py::list& lengths,
+             const py::list& counts) const {
     const auto dtype = h.scalar_type();
     TORCH_CHECK(h.dim() == 2 && h.size(0) >= 1 && static_cast<int64_t>(pos.size()) == h.size(0) &&
                 (dtype == torch::kFloat32 || dtype == torch::kBFloat16) && h.device().is_cpu(),
                 "hidden (T, d) fp32 or bf16 on the CPU, with T positions");
-    TORCH_CHECK(last <= static_cast<int64_t>(layers_.size()), "layer range past the stack's ", layers_.size());
+    const auto L = static_cast<int64_t>(layers_.size());
+    TORCH_CHECK(last <= L && static_cast<int64_t>(lengths.size()) == L && static_cast<int64_t>(counts.size()) == L,
+                "layer range, lengths and counters: the stack's ", L, " layers");
     TORCH_CHECK(ck.dim() == 4 && cv.sizes() == ck.sizes() && ck.size(1) == Hkv_ && ck.size(3) == D_ &&
                 ck.stride(3) == 1 && cv.stride(3) == 1 && ck.scalar_type() == dtype && cv.scalar_type() == dtype &&
                 ck.size(0) >= last, "caches (L, Hkv, C, D) in the hidden's dtype");
@@ -225,27 +260,26 @@ class LayerStack {
                                       mask->size(0) == h.size(0)), "mask (T, W) bool");
   }
 
-  torch::Tensor run(torch::Tensor h, Call& c, int64_t a, int64_t b, const py::object& skip_attn,
-                    const py::object& skip_mlp) {
+  // Layers [a, b) over h (packed.packed_layers of one segment), under the call's skip plan where ``planned``.
+  torch::Tensor run(torch::Tensor h, Call& c, int64_t a, int64_t b, bool planned) {
     for (int64_t i = a; i < b; ++i) {
       TORCH_CHECK(i >= 0, "layer ", i);
-      const bool attn = skip_attn.is_none() || !skip_attn.contains(py::int_(i));
-      const bool mlp = skip_mlp.is_none() || !skip_mlp.contains(py::int_(i));
+      const bool attn = !(planned && c.skip_attn[i]), mlp = !(planned && c.skip_mlp[i]);
       if (attn) h = attention(layers_[i], i, h, c);
       if (mlp) h = this->mlp(layers_[i], h);
-      if (attn || mlp) c.counts[i] = py::int_(c.counts[i].cast<int64_t>() + c.T);
+      if (attn || mlp) c.added[i] += c.T;
     }
     return h;
   }
 
   // layer_math.qkv_rope, Runner.cached_attention (the row attention), layer_math.attention_out: (T, d).
   torch::Tensor attention(const Layer& w, int64_t i, const torch::Tensor& h, Call& c) {
-    const int64_t T = c.T, slot = c.lengths[i].cast<int64_t>(), stop = slot + T;
+    const int64_t T = c.T, slot = c.lengths[i], stop = slot + T;
     TORCH_CHECK(slot > 0 || T == 1, "T > 1 rows from an empty layer attend causally on SDPA: the Python loop's");
     const auto& mask = visible(c, slot);
     TORCH_CHECK(stop <= c.ck.size(2), "KV cache full: layer ", i, " needs ", stop, " slots, capacity ",
                 c.ck.size(2));
-    c.lengths[i] = py::int_(stop);
+    c.lengths[i] = stop;
     const auto heads = layerskip::small_matmul(layerskip::rms_norm(h, w.attn_norm, eps_), w.qkv);  // (T, (Hq+2Hkv) D)
     auto q = torch::empty({T, Hq_, D_}, h.options());  // (T, Hq, D)
     auto kl = c.ck.select(0, i), vl = c.cv.select(0, i);  // (Hkv, C, D)

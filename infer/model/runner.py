@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from infer.kernels import layer_span
 from infer.model import layer_math
 from infer.model.attention import attend, rows_for, score_scale
 from infer.model.forward_model import Segment, SpanOutput
@@ -153,6 +154,9 @@ class Runner:
         self._extra_layers: dict[str, Runner] = {}
         self._beside: WeakKeyDictionary = WeakKeyDictionary()  # another runner's cache -> this runner's paired one
         self.set_executor(executor, compile)
+        self.fused = layer_span.for_runner(self)
+        """The fused layer span (``infer.kernels.layer_span``): a one-sequence eager forward's layers in one C++ call,
+        bitwise the layer loop; None where this runner does not qualify (decided here, once)."""
         if getattr(config, "attn_logit_softcapping", None) is not None and self.spec.model_type == "gemma3_text":
             print("layerskip: note: attn_logit_softcapping is set, but transformers' Gemma 3 attention does not apply "
                   "it; neither does the runner (its logits stay transformers')", file=sys.stderr)
@@ -208,6 +212,7 @@ class Runner:
         self.caches, self._draft_heads, self._extra_layers = CachePool(), {}, {}
         self._beside = WeakKeyDictionary()
         self.static = None if self.static is None else StaticExecutor(self, self.static.capture, self.static.compile)
+        self.fused = layer_span.for_runner(self)
 
     def extra_layer(self, state: dict[str, Tensor], final_norm: Tensor) -> Runner:
         """``over_layers`` for one more decoder layer (an exit adapter's) given by its tensors under HF names within
@@ -349,6 +354,11 @@ class Runner:
         """``span``'s eager forward over packed rows (``infer.model.packed``; one segment is one sequence): ``hidden``
         (N, d) holds the segments' rows in order; layers ``[start, split)`` exactly, then ``[split, end)`` under
         ``plan``."""
+        if len(segments) == 1:
+            s = segments[0]
+            fused = self.fused_span(s.cache, hidden, s.positions, start, split, end, plan, s.mask)  # (T, d) x 2
+            if fused is not None:
+                return SpanOutput(*fused, self.logits(fused[1], vocab) if logits else None)
         pos = self.to_device([p for s in segments for p in s.positions])  # (N,)
         rope = (*self.rope(pos), pos)  # K x (N, 1, D) cos and sin, the positions
         masks = [None if s.mask is None else s.mask.to(self.device) for s in segments]  # (T, W) each
@@ -356,6 +366,16 @@ class Runner:
         exact = packed_layers(self, segments, hidden, rope, start, split, None, masks, memo)  # (N, d)
         out = exact if split >= end else packed_layers(self, segments, exact, rope, split, end, plan, masks, memo)
         return SpanOutput(exact, out, self.logits(out, vocab) if logits else None)
+
+    def fused_span(self, cache: KVCache, hidden: Tensor, positions: Sequence[int] | Tensor, start: int, split: int,
+                   end: int, plan: LayerPlan | None, mask: Tensor | None) -> tuple[Tensor, Tensor] | None:
+        """One sequence's layers ``[start, split)`` exactly and ``[split, end)`` under ``plan`` on the fused layer
+        span (``self.fused``): (the stream after ``split``, after ``end``), or None where the runner has none or the
+        call is not one it takes (the layer loop runs it then)."""
+        if self.fused is None:
+            return None
+        return self.fused(cache, hidden, positions, start, split, end, plan, mask, (self._cos, self._sin),
+                          self.counters.layer_tokens)
 
     def to_device(self, values: list[int]) -> Tensor:
         """Host ints as a device long tensor; on CUDA through pinned memory, so no host sync."""
@@ -374,6 +394,9 @@ class Runner:
         long inputs, and nothing compares prefill rows with token-by-token ones.
         """
         end = self.spec.num_layers if end is None else end
+        fused = None if bulk else self.fused_span(cache, hidden, positions, start, start, end, plan, mask)
+        if fused is not None:
+            return fused[1]  # (T, d)
         segment = Segment(cache, positions, mask)  # one sequence: the one layer loop's single segment
         rope = (*self.rope(positions), positions)  # K x (T, 1, D) cos and sin, the positions
         return packed_layers(self, [segment], hidden, rope, start, end, plan, [mask], [{}], bulk)  # (T, d)
