@@ -13,6 +13,11 @@ forward over the median one-token step. Interleaving puts the host's other load 
 
 ``--attention rows,sdpa`` measures a kernel runner twice: with the kernel's batch-invariant row attention (``rows``,
 the default) and with torch's SDPA in its place (``sdpa``: the route prompt prefill takes), to price the attention.
+``--fused on,off`` measures a kernel runner with the fused layer span (``on``, the default: the layers in one C++ call,
+``infer.kernels.layer_span``) and without it (``off``: the Python layer loop over the same kernel calls), in the same
+rounds; the SDPA route is always unfused (the fused span attends with the row attention only).
+
+    python scripts/bench_step_bandwidth.py --kernels auto,torch --fused on,off --rounds 15 --threads-list 1
 """
 
 from __future__ import annotations
@@ -88,17 +93,25 @@ def summary(nbytes: int, times: dict[int, list[float]], probe_s: list[float]) ->
 
 
 def on_sdpa(runner: Runner) -> Runner:
-    """``runner`` attending through SDPA instead of the kernel's row attention (as its ``bulk`` calls do)."""
+    """``runner`` attending through SDPA instead of the kernel's row attention (as its ``bulk`` calls do), on the
+    Python layer loop (``unfused``)."""
     def cached_attention(i, cache, q, k, v, attn_mask, scale=None, bulk=False):
         return Runner.cached_attention(runner, i, cache, q, k, v, attn_mask, scale, bulk=True)
 
     runner.cached_attention = cached_attention
+    return unfused(runner)
+
+
+def unfused(runner: Runner) -> Runner:
+    """``runner`` without its fused layer span: every eager forward on the Python layer loop."""
+    runner.fused = None
     return runner
 
 
-def routes(model, dtype: torch.dtype, kernels: str, attentions: list[str]) -> dict[str, Runner]:
+def routes(model, dtype: torch.dtype, kernels: str, attentions: list[str], fused: list[str]) -> dict[str, Runner]:
     """The runners to measure side by side, by name: per ``--kernels`` entry, and for a kernel runner per
-    ``--attention`` entry (the SDPA one a shallow copy of the same runner: the same weights)."""
+    ``--attention`` and ``--fused`` entry (shallow copies of the same runner: the same weights). A runner without a
+    fused span (not eligible) is measured once, named ``unfused``."""
     runners: dict[str, Runner] = {}
     for kernel in (k.strip() for k in kernels.split(",")):
         runner = Runner.from_pretrained(model, dtype=dtype, device="cpu", kernel=kernel)
@@ -107,7 +120,12 @@ def routes(model, dtype: torch.dtype, kernels: str, attentions: list[str]) -> di
             continue
         path = f"kernel-{getattr(runner.kernel, 'path', lambda: 'avx2')()}"
         for attention in attentions:
-            runners[f"{path} attn-{attention}"] = on_sdpa(copy.copy(runner)) if attention == "sdpa" else runner
+            if attention == "sdpa":
+                runners[f"{path} attn-sdpa unfused"] = on_sdpa(copy.copy(runner))
+                continue
+            for mode in fused if getattr(runner, "fused", None) is not None else ["off"]:
+                name = f"{path} attn-{attention} {'fused' if mode == 'on' else 'unfused'}"
+                runners[name] = runner if mode == "on" else unfused(copy.copy(runner))
     return runners
 
 
@@ -132,6 +150,9 @@ def run(args: argparse.Namespace) -> int:
     attentions = [a.strip() for a in args.attention.split(",")]
     if not attentions or not set(attentions) <= {"rows", "sdpa"}:
         raise UserError(f"--attention {args.attention!r}: give rows, sdpa or both")
+    fused = [f.strip() for f in args.fused.split(",")]
+    if not fused or not set(fused) <= {"on", "off"}:
+        raise UserError(f"--fused {args.fused!r}: give on, off or both")
     if args.out:
         check_output_file(args.out, "--out", force=args.force)
     settings = model_settings(args).resolve()
@@ -139,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("this benchmark measures CPU memory bandwidth; use --device cpu")
     results = []
     for dtype_text in args.dtypes.split(","):
-        runners = routes(settings.model, parse_dtype(dtype_text.strip(), settings.device), args.kernels, attentions)
+        runners = routes(settings.model, parse_dtype(dtype_text.strip(), settings.device), args.kernels, attentions,
+                         fused)
         for threads in threads_list:
             torch.set_num_threads(threads)
             for route, r in measure(runners, sizes, args.rounds, args.context).items():
@@ -167,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernels", default="auto", help="comma-separated: auto (the C++ kernel where it runs), torch")
     p.add_argument("--attention", default="rows", help="comma-separated, for kernel runners: rows (the kernel's "
                    "row attention), sdpa (torch's, as before issue 44 item 4)")
+    p.add_argument("--fused", default="on", help="comma-separated, for kernel runners: on (the fused layer span where "
+                   "the runner has one), off (the Python layer loop)")
     p.add_argument("--sizes", default="1,2,4,8,16")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--context", type=int, default=200, help="tokens already in the cache")
