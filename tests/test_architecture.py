@@ -1,5 +1,6 @@
-"""docs/ARCHITECTURE.md matches the code: every module it names exists, every package module is named, and no
-library imports a layer above it (infer never imports train or the command line; layerskip_core imports neither)."""
+"""docs/ARCHITECTURE.md matches the code: every module it names exists, every package module is named, no library
+imports a layer above it (infer never imports train or the command line; layerskip_core imports neither), infer's
+subpackages import only those below them, and no module imports one that imports it back."""
 
 import ast
 import re
@@ -118,3 +119,93 @@ def test_library_files_and_functions_are_short():
                     if lines > MAX_FUNCTION_LINES:
                         long.append(f"{rel}:{node.lineno} {node.name}: {lines} lines")
     assert not long, f"over {MAX_FILE_LINES} lines a file or {MAX_FUNCTION_LINES} a function: {long}"
+
+
+INFER_ORDER = (("kernels",), ("model",), ("assets",), ("drafters",), ("decode",), ("selfsd", "hf"), ("loading",),
+               ("measure",))
+"""infer/'s rooms (its subpackages and its top module loading.py) from the bottom up: a room imports only rooms on
+an earlier line (docs/ARCHITECTURE.md); the two rooms on one line import neither each other."""
+OPEN = {"infer.kernels.layer_span": "issue 44's fused layer span types the model's runner, cache, plan and weights "
+        "while the runner imports it: its Python side belongs in infer/model/ (docs/ARCHITECTURE.md)"}
+"""The one module whose imports break the order and close a circle, named so that no other joins it unnoticed."""
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_modules() -> dict[str, Path]:
+    return {module_name(p): p for package in PACKAGES for p in (REPO / package).rglob("*.py")}
+
+
+def project_imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """Every project module ``path`` imports anywhere in it (at the top, under TYPE_CHECKING, inside a function):
+    ``from a.b import c`` is a.b.c where that is a module, else a.b."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                     for a in node.names]
+        else:
+            continue
+        out |= {n for n in names if n in modules}
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = project_modules()
+    return {name: project_imports(path, modules) - {name} for name, path in modules.items()}
+
+
+def infer_room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "infer" and len(parts) > 1 else None
+
+
+def test_infer_rooms_import_in_their_order():
+    rank = {room: i for i, line in enumerate(INFER_ORDER) for room in line}
+    assert set(rank) == {p.name for p in (REPO / "infer").iterdir() if (p / "__init__.py").is_file()} | {"loading"}
+    wrong = []
+    for module, imports in import_graph().items():
+        here = infer_room(module)
+        for target in imports:
+            there = infer_room(target)
+            if here is None or there is None or here == there or module in OPEN:
+                continue
+            if rank[there] >= rank[here]:
+                wrong.append(f"{module} ({here}) imports {target} ({there})")
+    assert not wrong, wrong
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    """No import circle among the packages' modules, type-only and function-local imports included."""
+    graph = import_graph()
+    for module in OPEN:
+        graph[module] = set()
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not circles, circles
