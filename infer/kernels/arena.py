@@ -5,11 +5,16 @@ per-layer matrices (1.3-7 MB each) stream at ~0.80 of the rate of one sequential
 back to back in one buffer, at ~0.91-0.95 (1 thread, AMD EPYC Zen 4; docs/KERNELS.md). ``place`` copies a matrix
 into the current slab (a plain byte buffer of ``SLAB_BYTES``) right after the previous one; a slab is freed when
 no matrix placed in it is alive any more. Matrices over ``MAX_BYTES`` (an LM head, often the embedding's own
-storage, which a copy would hold twice) stay where they are.
+storage, which a copy would hold twice) stay where they are. On Linux a slab starts on a 2 MB boundary and asks for
+transparent huge pages (``madvise(MADV_HUGEPAGE)``, best effort): the step's weights then stream through 2 MB pages
+instead of 4 KB ones (measured: a one-token step ~10% faster, docs/KERNELS.md, "The fused layer span").
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import sys
 import threading
 
 import torch
@@ -18,6 +23,9 @@ from torch import Tensor
 SLAB_BYTES = 64 << 20
 MAX_BYTES = 16 << 20
 ALIGN = 64
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14
+"""Linux's ``madvise`` advice: back the range with transparent huge pages where it can."""
 _lock = threading.Lock()
 _slabs: dict[torch.device, tuple[Tensor, int]] = {}  # per device: (slab, bytes used)
 
@@ -32,11 +40,42 @@ def place(weight: Tensor) -> Tensor:
     with _lock:
         slab, used = _slabs.get(weight.device, (None, 0))
         if slab is None or used + nbytes > slab.numel():
-            slab, used = torch.empty(SLAB_BYTES, dtype=torch.uint8, device=weight.device), 0
+            slab, used = _new_slab(weight.device)
         view = slab[used:used + nbytes].view(weight.dtype).view(weight.shape)
         _slabs[weight.device] = (slab, used + -(-nbytes // ALIGN) * ALIGN)
     view.copy_(weight)
     return view
+
+
+def _new_slab(device: torch.device) -> tuple[Tensor, int]:
+    """A fresh slab and the offset of its first byte in use: on the CPU a 2 MB boundary, the ``SLAB_BYTES`` from there
+    advised to huge pages (nothing is touched yet, so the first writes fault them in as such)."""
+    if device.type != "cpu":
+        return torch.empty(SLAB_BYTES, dtype=torch.uint8, device=device), 0
+    slab = torch.empty(SLAB_BYTES + HUGE_PAGE, dtype=torch.uint8, device=device)
+    offset = -slab.data_ptr() % HUGE_PAGE
+    advise_huge_pages(slab.data_ptr() + offset, SLAB_BYTES)
+    return slab, offset
+
+
+def advise_huge_pages(address: int, length: int) -> bool:
+    """Ask Linux to back ``[address, address + length)`` (page-aligned) with transparent huge pages; False where it
+    cannot (another OS, no ``madvise``, THP off): the memory works as before, in small pages."""
+    libc = _libc()
+    if libc is None:
+        return False
+    return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_HUGEPAGE) == 0
+
+
+@functools.cache
+def _libc():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc if hasattr(libc, "madvise") else None
+    except OSError:
+        return None
 
 
 def release() -> None:

@@ -8,6 +8,7 @@ import copy
 
 import torch
 
+from infer.kernels import arena
 from infer.model.runner import Runner
 from infer.model.weights import UNFUSED, share_unfused
 from tiny_models import make_model
@@ -49,3 +50,16 @@ def test_share_unfused_frees_each_matrix_once_and_skips_other_dtypes():
     ptrs = [p.data_ptr() for i in range(len(bf16.layers)) for p in _unfused(kept, i)]
     assert share_unfused(kept, bf16.layers) == 0
     assert ptrs == [p.data_ptr() for i in range(len(bf16.layers)) for p in _unfused(kept, i)]
+
+
+def test_arena_slabs_start_on_huge_page_boundaries():
+    """A CPU slab's first matrix sits on a 2 MB boundary (its slab advised to transparent huge pages on Linux; where
+    the advice is refused the slab still works, in small pages)."""
+    arena.release()
+    try:
+        first = arena.place(torch.randn(64, 64))
+        assert first.data_ptr() % arena.HUGE_PAGE == 0
+        second = arena.place(torch.randn(8, 64))
+        assert second.data_ptr() - first.data_ptr() == 64 * 64 * 4  # back to back after it
+    finally:
+        arena.release()
