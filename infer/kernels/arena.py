@@ -7,7 +7,9 @@ into the current slab (a plain byte buffer of ``SLAB_BYTES``) right after the pr
 no matrix placed in it is alive any more. Matrices over ``MAX_BYTES`` (an LM head, often the embedding's own
 storage, which a copy would hold twice) stay where they are. On Linux a slab starts on a 2 MB boundary and asks for
 transparent huge pages (``madvise(MADV_HUGEPAGE)``, best effort): the step's weights then stream through 2 MB pages
-instead of 4 KB ones (measured: a one-token step ~10% faster, docs/KERNELS.md, "The fused layer span").
+instead of 4 KB ones (measured: a one-token step ~10% faster, docs/KERNELS.md, "The fused layer span"). A matrix
+left where it is gets the same advice in place and is collapsed into huge pages at once (``MADV_COLLAPSE``, Linux
+6.1+) where its memory is anonymous (a converted LM head); a checkpoint's file-backed pages cannot be, and stay small.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ ALIGN = 64
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
 """Linux's ``madvise`` advice: back the range with transparent huge pages where it can."""
+MADV_COLLAPSE = 25
+"""Linux's ``madvise`` advice (6.1+): turn the range's pages into huge pages now."""
 _lock = threading.Lock()
 _slabs: dict[torch.device, tuple[Tensor, int]] = {}  # per device: (slab, bytes used)
 
@@ -35,7 +39,11 @@ def place(weight: Tensor) -> Tensor:
     matrices, and tensors that need gradients, are returned as they are (contiguous)."""
     weight = weight.contiguous()
     nbytes = weight.numel() * weight.element_size()
-    if nbytes == 0 or nbytes > MAX_BYTES or weight.requires_grad:
+    if nbytes == 0 or weight.requires_grad:
+        return weight
+    if nbytes > MAX_BYTES:
+        if weight.device.type == "cpu":
+            _collapse(weight.data_ptr(), nbytes)
         return weight
     with _lock:
         slab, used = _slabs.get(weight.device, (None, 0))
@@ -58,13 +66,20 @@ def _new_slab(device: torch.device) -> tuple[Tensor, int]:
     return slab, offset
 
 
-def advise_huge_pages(address: int, length: int) -> bool:
+def advise_huge_pages(address: int, length: int, advice: int = MADV_HUGEPAGE) -> bool:
     """Ask Linux to back ``[address, address + length)`` (page-aligned) with transparent huge pages; False where it
     cannot (another OS, no ``madvise``, THP off): the memory works as before, in small pages."""
     libc = _libc()
     if libc is None:
         return False
-    return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_HUGEPAGE) == 0
+    return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), advice) == 0
+
+
+def _collapse(address: int, length: int) -> None:
+    """The whole 2 MB pages inside ``[address, address + length)`` into huge pages, in place (best effort)."""
+    start, end = -(-address // HUGE_PAGE) * HUGE_PAGE, (address + length) // HUGE_PAGE * HUGE_PAGE
+    if end > start and advise_huge_pages(start, end - start):
+        advise_huge_pages(start, end - start, MADV_COLLAPSE)
 
 
 @functools.cache
