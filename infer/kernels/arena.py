@@ -7,9 +7,11 @@ into the current slab (a plain byte buffer of ``SLAB_BYTES``) right after the pr
 no matrix placed in it is alive any more. Matrices over ``MAX_BYTES`` (an LM head, often the embedding's own
 storage, which a copy would hold twice) stay where they are. On Linux a slab starts on a 2 MB boundary and asks for
 transparent huge pages (``madvise(MADV_HUGEPAGE)``, best effort): the step's weights then stream through 2 MB pages
-instead of 4 KB ones (measured: a one-token step ~10% faster, docs/KERNELS.md, "The fused layer span"). A matrix
-left where it is gets the same advice in place and is collapsed into huge pages at once (``MADV_COLLAPSE``, Linux
-6.1+) where its memory is anonymous (a converted LM head); a checkpoint's file-backed pages cannot be, and stay small.
+instead of 4 KB ones (measured: a one-token step ~10% faster, docs/KERNELS.md, "The fused layer span"). The pages a
+placed matrix lies on are then collapsed into huge pages at once (``MADV_COLLAPSE``, Linux 6.1+): where the host's
+memory is fragmented (after a large runner was freed) the first writes got small pages, in one measured case 82 of
+268 MB huge and the layers' matmuls 1.6x slower. A matrix left where it is gets the same advice and collapse in place
+where its memory is anonymous (a converted LM head); a checkpoint's file-backed pages cannot be, and stay small.
 """
 
 from __future__ import annotations
@@ -48,22 +50,25 @@ def place(weight: Tensor) -> Tensor:
     with _lock:
         slab, used = _slabs.get(weight.device, (None, 0))
         if slab is None or used + nbytes > slab.numel():
-            slab, used = _new_slab(weight.device)
+            slab, used = _new_slab(weight.device), 0
         view = slab[used:used + nbytes].view(weight.dtype).view(weight.shape)
         _slabs[weight.device] = (slab, used + -(-nbytes // ALIGN) * ALIGN)
     view.copy_(weight)
+    if weight.device.type == "cpu":  # the 2 MB pages it lies on, collapsed now (see the module docstring)
+        start = view.data_ptr() // HUGE_PAGE * HUGE_PAGE
+        advise_huge_pages(start, -(-(view.data_ptr() + nbytes - start) // HUGE_PAGE) * HUGE_PAGE, MADV_COLLAPSE)
     return view
 
 
-def _new_slab(device: torch.device) -> tuple[Tensor, int]:
-    """A fresh slab and the offset of its first byte in use: on the CPU a 2 MB boundary, the ``SLAB_BYTES`` from there
-    advised to huge pages (nothing is touched yet, so the first writes fault them in as such)."""
+def _new_slab(device: torch.device) -> Tensor:
+    """A fresh slab: on the CPU ``SLAB_BYTES`` from a 2 MB boundary, advised to huge pages (nothing is touched yet, so
+    the first writes fault them in as such where the host has them free)."""
     if device.type != "cpu":
-        return torch.empty(SLAB_BYTES, dtype=torch.uint8, device=device), 0
-    slab = torch.empty(SLAB_BYTES + HUGE_PAGE, dtype=torch.uint8, device=device)
-    offset = -slab.data_ptr() % HUGE_PAGE
-    advise_huge_pages(slab.data_ptr() + offset, SLAB_BYTES)
-    return slab, offset
+        return torch.empty(SLAB_BYTES, dtype=torch.uint8, device=device)
+    raw = torch.empty(SLAB_BYTES + HUGE_PAGE, dtype=torch.uint8, device=device)
+    offset = -raw.data_ptr() % HUGE_PAGE
+    advise_huge_pages(raw.data_ptr() + offset, SLAB_BYTES)
+    return raw[offset:offset + SLAB_BYTES]  # (a view: it holds the whole allocation)
 
 
 def advise_huge_pages(address: int, length: int, advice: int = MADV_HUGEPAGE) -> bool:
