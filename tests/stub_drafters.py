@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.drafters.base import Draft, Drafter
+from infer.drafters.base import Draft, Drafter, Needs
 
 
 @dataclass
@@ -16,7 +16,9 @@ class ScriptedDrafter(Drafter):
     tokens: list[int]
     parents: list[int] | None
     name = "scripted"
-    lookahead = 32
+
+    def needs(self):
+        return Needs(lookahead=32)
 
     def propose(self, state):
         return Draft(torch.tensor(self.tokens), parents=self.parents)

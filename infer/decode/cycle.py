@@ -34,6 +34,9 @@ class CycleObserver:
     def verified(self, rows: Sequence[Row], outcomes: list[VerifyOutcome]) -> None:
         """After the verification, before the rows take their tokens."""
 
+    def advanced(self, rows: Sequence[Row], outcomes: list[VerifyOutcome]) -> None:
+        """After every row took its tokens and its drafter's ``update`` ran."""
+
 
 @torch.no_grad()
 def step_rows(rows: Sequence[Row], observers: Sequence[CycleObserver] = ()) -> list[VerifyOutcome]:
@@ -50,19 +53,22 @@ def step_rows(rows: Sequence[Row], observers: Sequence[CycleObserver] = ()) -> l
     t1 = time.perf_counter()
     for o in observers:
         o.drafted(rows, drafts)
-    outcomes = verify_rows([VerifyRow.of(gen.state, draft, gen.processor, engine.drafter.observe_layers)
+    outcomes = verify_rows([VerifyRow.of(gen.state, draft, gen.processor)
                             for (engine, gen), draft in zip(rows, drafts, strict=True)])
     t2 = time.perf_counter()
     for o in observers:
         o.verified(rows, outcomes)
     for (engine, gen), outcome in zip(rows, outcomes, strict=True):
         engine.advance(gen, outcome, t1 - t0, t2 - t1)
+    for o in observers:
+        o.advanced(rows, outcomes)
     return outcomes
 
 
 def propose(rows: Sequence[Row]) -> list[Draft | None]:
-    """Every row's draft (or None): one row through its drafter's ``propose``; several grouped by drafter class, each
-    group through the class's ``propose_rows`` (packed draft forwards where the drafter has them)."""
+    """Every row's draft (or None): several rows grouped by drafter class, each group through the class's
+    ``propose_rows`` (packed draft forwards where the drafter has them); one row through its drafter's ``propose``
+    (for a drafter that batches, ``propose_rows`` of that one row)."""
     if len(rows) == 1:
         engine, gen = rows[0]
         return [engine.drafter.propose(gen.state)]

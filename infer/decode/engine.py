@@ -305,13 +305,13 @@ class Engine:
         for cap, prompt in sorted(longest.items()):
             self.generate(prompt, config)
             for m in sorted({2, 3, 5, 9, 17, 33}):  # the first step verifies min(k + 1, m - 1) rows
-                if m <= min(config.max_new_tokens, self.drafter.lookahead + 1):
+                if m <= min(config.max_new_tokens, self.drafter.needs().lookahead + 1):
                     self.generate(prompt, dataclasses.replace(config, max_new_tokens=m), reserve=cap)
 
     def cache_length(self, prompt_len: int, max_new_tokens: int) -> int:
         """Cache positions a generation needs: prompt, new tokens, the drafter's lookahead, and slack for the
         static executor, whose padded rows write up to ``BUCKETS[-1] - 1`` slots past the real ones."""
-        return prompt_len + max_new_tokens + self.drafter.lookahead + 2 + BUCKETS[-1]
+        return prompt_len + max_new_tokens + self.drafter.needs().lookahead + 2 + BUCKETS[-1]
 
     @torch.no_grad()
     def target_logits(self, prompt_ids: Sequence[int], tokens: Sequence[int],

@@ -1,5 +1,5 @@
 """Prompt prefill, once, for 1..N prompts: each prompt's cache filled, its last position's logits, and the streams its
-drafter asked for (``Drafter.prompt_layers``), per prompt exactly what prefilling that prompt alone gives.
+drafter asked for (``Needs.prompt_layers``), per prompt exactly what prefilling that prompt alone gives.
 
 ``Engine.start`` prefills its one prompt here; ``BatchEngine`` prefills together the prompts that take free slots in
 the same round (the batch's first rows, and rows joining when others finish). The engine turns the logits into the
@@ -61,9 +61,10 @@ class Prompt:
 
     @classmethod
     def of(cls, state: DecodeState, drafter: Drafter) -> Prompt:
-        """``state``'s prompt with what ``drafter`` asks of it (``prompt_layers``, ``prompt_rows``)."""
-        layers = cut_layers(drafter.prompt_layers, state.depth) if drafter.prompt_rows > 0 else ()
-        return cls(state, layers, drafter.prompt_rows) if layers else cls(state)
+        """``state``'s prompt with what ``drafter`` asks of it (``Drafter.needs``: prompt layers and rows)."""
+        needs = drafter.needs()
+        layers = cut_layers(needs.prompt_layers, state.depth) if needs.prompt_rows > 0 else ()
+        return cls(state, layers, needs.prompt_rows) if layers else cls(state)
 
     @property
     def size(self) -> int:

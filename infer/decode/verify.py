@@ -44,14 +44,14 @@ class VerifyRow:
     """Logits processing at every verified position (``infer.decode.processing``), or None."""
     observe: tuple[int, ...] = ()
     """Layers (0 < l < depth) at whose input the stream of every verified position is kept
-    (``Drafter.observe_layers``; ``VerifyOutcome.observed``): the forward is cut there, same layers on same rows."""
+    (``Draft.observe``; ``VerifyOutcome.observed``): the forward is cut there, same layers on same rows."""
 
     @classmethod
-    def of(cls, state: DecodeState, draft: Draft | None, processor: PositionProcessor | None = None,
-           observe=()) -> VerifyRow:
-        """Lay ``draft`` out after ``state``'s pending token and roll back what the draft wrote in layers >= E;
-        ``observe``: the drafter's ``observe_layers``."""
+    def of(cls, state: DecodeState, draft: Draft | None, processor: PositionProcessor | None = None) -> VerifyRow:
+        """Lay ``draft`` out after ``state``'s pending token and roll back what the draft wrote in layers >= E; the
+        layers its ``observe`` names are kept (an empty draft is a plain step that may still ask for them)."""
         runner, cache, n = state.runner, state.cache, state.n
+        observe = draft.observe if draft is not None else ()
         if draft is not None and draft.size == 0 and draft.hidden is None:
             draft = None
         m = draft.size if draft is not None else 0

@@ -36,12 +36,21 @@ class Draft:
     hidden: Tensor | None = None
     """(h, d) residual stream at the input of layer E for tree positions [0, h); chain order."""
     observed: dict[int, Tensor] | None = None
-    """For the drafter's ``observe_layers`` l < E: (h, d) residual stream entering layer l for tree positions [0, h),
-    as its draft forwards computed it (verification computes the other rows; ``VerifyOutcome.observed``)."""
+    """For the layers in ``observe`` below E: (h, d) residual stream entering layer l for tree positions [0, h), as
+    the draft forwards computed it (verification computes the other rows; ``VerifyOutcome.observed``)."""
+    observe: tuple[int, ...] = ()
+    """Layers l (0 < l < the target's depth) at whose input this cycle's verification keeps the residual stream of
+    every verified position (``VerifyOutcome.observed``): its forward is run in pieces split there, the same layers
+    on the same rows, so the output is unchanged. What a drafter asks of one cycle travels with its draft."""
 
     @property
     def size(self) -> int:
         return int(self.tokens.shape[0])
+
+    @classmethod
+    def plain(cls, observe: tuple[int, ...] = ()) -> Draft | None:
+        """A plain step (no drafted token) that still asks for ``observe``; None when it asks for nothing."""
+        return cls(torch.empty(0, dtype=torch.long), observe=observe) if observe else None
 
 
 @dataclass
@@ -62,7 +71,7 @@ class VerifyOutcome:
     """(T, d) residual stream entering layer ``draft.exact_layers`` at every verified tree position, as verification
     used it (the draft's rows, then those verification computed); None for a plain step or E = 0."""
     observed: dict[int, Tensor] = field(default_factory=dict)
-    """(T, d) residual stream entering each of the drafter's ``observe_layers`` at every verified tree position, as
+    """(T, d) residual stream entering each of the draft's ``observe`` layers at every verified tree position, as
     the verification forward (split there) and the draft forwards (``Draft.observed``) computed it; a layer < E whose
     draft rows the draft did not give is left out."""
 
@@ -76,9 +85,9 @@ class VerifyOutcome:
 
 
 def cut_layers(layers, depth: int) -> tuple[int, ...]:
-    """Where a target forward of ``depth`` layers is cut to keep the stream entering ``layers`` (a drafter's
-    ``observe_layers`` or ``prompt_layers``): the distinct ones strictly inside it, in order. Cutting there runs the
-    same layers on the same rows, so the forward's output is unchanged."""
+    """Where a target forward of ``depth`` layers is cut to keep the stream entering ``layers`` (a draft's
+    ``observe`` or a drafter's ``Needs.prompt_layers``): the distinct ones strictly inside it, in order. Cutting
+    there runs the same layers on the same rows, so the forward's output is unchanged."""
     return tuple(sorted({int(x) for x in layers if 0 < x < depth}))
 
 
@@ -102,9 +111,9 @@ class DecodeState:
     depth: int | None = None
     """Layers of the target (the model's count, or a lossy target exit's; None: the model's count)."""
     prompt_observed: dict[int, Tensor] | None = None
-    """What the prefill kept for the drafter's ``prompt_layers``: layer l -> (m, d) stream entering it at the prompt's
-    last m positions, and the target's depth -> (m, d) stream after its last layer (before the final norm); None
-    when the drafter asked for nothing."""
+    """What the prefill kept for the drafter's ``Needs.prompt_layers``: layer l -> (m, d) stream entering it at the
+    prompt's last m positions, and the target's depth -> (m, d) stream after its last layer (before the final
+    norm); None when the drafter asked for nothing."""
 
     def __post_init__(self) -> None:
         if self.depth is None:
@@ -117,6 +126,24 @@ class DecodeState:
     def ids(self, start: int, end: int) -> Tensor:
         """tokens[start:end] as a (end - start,) long tensor on the runner's device (a pinned copy: no host sync)."""
         return ints_to_device(self.tokens[start:end], self.runner.device)
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a drafter asks of a generation beyond its drafts (``Drafter.needs``, read once before the prefill)."""
+
+    lookahead: int = 0
+    """Most cache slots past the pending token one ``propose``/``update`` may write."""
+    prompt_layers: tuple[int, ...] = ()
+    """Layers l (0 < l < the target's depth) at whose input the prefill keeps the residual stream of the prompt's
+    last ``prompt_rows`` positions, with the stream after the last layer (``DecodeState.prompt_observed``): for a
+    drafter that estimates from the prompt before it drafts. The prefill is run in pieces split there, the same
+    layers on the same rows, so the output is unchanged."""
+    prompt_rows: int = 0
+    """How many of the prompt's last positions ``prompt_layers`` keeps (0: none)."""
+
+
+NO_NEEDS = Needs()
 
 
 @dataclass
@@ -164,7 +191,12 @@ class DrafterStats:
 class Drafter:
     """One way to propose tokens; the engine verifies them losslessly (the model: transformers'
     ``CandidateGenerator``). Subclasses set ``name`` and ``Config``, take ``(runner, config, inputs)`` (the
-    ``DraftInputs`` their ``resolve`` made) and override ``propose``; the other methods default to doing nothing.
+    ``DraftInputs`` their ``resolve`` made) and override ``propose`` (one sequence) or ``propose_rows`` (several
+    at once: the cycle's hook); the other methods default to doing nothing.
+
+    What the decode cycle reads of a drafter: ``needs`` (once, before the prefill), ``start``, ``propose_rows``,
+    ``update``, ``stats``, ``finish``, and ``drafts``. What it asks of one cycle (the layers whose streams the
+    verification keeps) travels in its ``Draft``.
 
     A drafter may write anything into the cache beyond ``state.n`` in layers >= its
     ``Draft.exact_layers``: verification rolls those layers back before it writes.
@@ -180,20 +212,6 @@ class Drafter:
     WARM_UP: ClassVar[dict] = {}
     """Config fields set for an untimed run, which must leave no trace (no remembered state read or written, no
     file written)."""
-    observe_layers: tuple[int, ...] = ()
-    """Layers l (0 < l < the target's depth) at whose input the next verification keeps the residual stream of every
-    verified position (``VerifyOutcome.observed``): its forward is run in pieces split there, the same layers on the
-    same rows, so the output is unchanged (a property or attribute where it varies; read after ``propose``)."""
-    prompt_layers: tuple[int, ...] = ()
-    """Layers l (0 < l < the target's depth) at whose input the prefill keeps the residual stream of the prompt's
-    last ``prompt_rows`` positions, with the stream after the last layer (``DecodeState.prompt_observed``): for a
-    drafter that estimates from the prompt before it drafts. The prefill is run in pieces split there, the same
-    layers on the same rows, so the output is unchanged (read before each prefill)."""
-    prompt_rows: int = 0
-    """How many of the prompt's last positions ``prompt_layers`` keeps (0: none)."""
-    lookahead: int = 0
-    """Most cache slots past the pending token one ``propose``/``update`` may write (a property where it varies)."""
-
     @classmethod
     def check_spec(cls, spec) -> None:
         """Refuse a spec (``infer.drafters.spec.Spec``) that lacks what this drafter needs, before any model loads."""
@@ -202,6 +220,10 @@ class Drafter:
     def resolve(cls, spec, runner: Runner, tokenizer=None) -> DraftInputs:
         """The inputs ``spec`` names, made for ``runner``'s model (``infer.drafters.inputs``)."""
         return DraftInputs()
+
+    def needs(self) -> Needs:
+        """What this drafter asks of the next generation beyond its drafts (cache lookahead, prompt streams)."""
+        return NO_NEEDS
 
     def start(self, state: DecodeState) -> None:
         """A new sequence has been prefilled (state.n = prompt length)."""

@@ -3,7 +3,7 @@ estimated while decoding (the idea of DEL, "Context-Aware Dynamic Exit Layer for
 Decoding", Entezari Zarch et al., COLM 2025; docs/DYNAMIC_EXIT.md says where this differs).
 
 Every few cycles (``observe_every``) the verification forward is split at the candidate exits
-(``Drafter.observe_layers``), so it hands back the residual stream entering each of them at every verified
+(the draft's ``observe``), so it hands back the residual stream entering each of them at every verified
 position; the draft head scores those rows in one call and each exit's top token is compared with the token the
 target emitted there (its "shadow" draft), and its probability with each candidate confidence stop. Discounted
 counts give, per exit and stop, how often a draft would be proposed and accepted and how such positions run on
@@ -29,7 +29,16 @@ import torch
 import yaml
 from torch import Tensor
 
-from infer.drafters.base import DecodeState, Draft, Drafter, DrafterStats, DraftInputs, DraftVocabOption, VerifyOutcome
+from infer.drafters.base import (
+    DecodeState,
+    Draft,
+    Drafter,
+    DrafterStats,
+    DraftInputs,
+    DraftVocabOption,
+    Needs,
+    VerifyOutcome,
+)
 from infer.drafters.chain import ChainAsk, EarlyExitForward, ObservingForward, check_size, draft_chains
 from infer.drafters.exit_choice import Choice, RunEstimates, best_choice, parse_stops
 from infer.drafters.gate import COLD, GateOwner, Rate, RememberOption
@@ -295,8 +304,7 @@ class DynamicExitDrafter(GateOwner, Drafter):
         self.choice: Choice | None = None  # none yet: the first choice has no current exit to stay with
         self.choice = self._best()
         self._gate_exit: int | None = None  # the exit drafting when the gate last started a probe
-        self.observe_layers: tuple[int, ...] = ()
-        self.prompt_layers, self.prompt_rows = tuple(self.exits), config.prompt_rows
+        self._observe: tuple[int, ...] = ()  # what this cycle's draft asks the verification to keep
         self._reset_counts()
 
     def _reset_counts(self) -> None:
@@ -310,9 +318,9 @@ class DynamicExitDrafter(GateOwner, Drafter):
         self._cost = 0.0  # the drafted cycle's realised cost by weight count (``realised_cost``)
         self._forward: ObservingForward | None = None
 
-    @property
-    def lookahead(self) -> int:
-        return self.config.num_draft + 1
+    def needs(self) -> Needs:
+        return Needs(lookahead=self.config.num_draft + 1, prompt_layers=tuple(self.exits),
+                     prompt_rows=self.config.prompt_rows)
 
     def _best(self) -> Choice:
         args = (self.estimates, self.prices, self.config.num_draft, self.config.verify_slope, self.verify_prices)
@@ -346,7 +354,7 @@ class DynamicExitDrafter(GateOwner, Drafter):
         for j, (drafter, state) in enumerate(rows):
             ask = drafter.cycle_ask(state)
             if ask is None:
-                drafter.plain_step()
+                drafts[j] = drafter.plain_step()
             else:
                 asks.append(ask)
                 drafting.append(j)
@@ -362,7 +370,7 @@ class DynamicExitDrafter(GateOwner, Drafter):
         drafts = self._drafts(c)
         # an exploration is always observed: what it drafts is what it is for
         observe = self._observes() or (drafts and self._since_draft > 0)
-        self.observe_layers = tuple(self.exits) if observe else ()
+        self._observe = tuple(self.exits) if observe else ()
         if not drafts:
             return None
         self._forward = ObservingForward(self.runner, c.exit, self.exits, self.vocab) \
@@ -379,6 +387,7 @@ class DynamicExitDrafter(GateOwner, Drafter):
             return self.plain_step()
         if self._forward is not None:
             chain.draft.observed = self._forward.observed()
+        chain.draft.observe = self._observe
         self._note(c.exit, c.k, c.stop)
         self.drafted_at[c.exit] += 1
         self._since_draft = 0
@@ -402,11 +411,12 @@ class DynamicExitDrafter(GateOwner, Drafter):
         self.explored += bool(explore)
         return bool(explore)
 
-    def plain_step(self) -> None:
+    def plain_step(self) -> Draft | None:
+        """A plain step this cycle (None, or an empty draft that still asks for the cycle's observations)."""
         self.plain_steps += 1
         self._since_draft += 1
         self._note(0, 0, 0.0)
-        return None
+        return Draft.plain(self._observe)
 
     def _note(self, exit: int, k: int, stop: float) -> None:
         last = self.schedule[-1][1:] if self.schedule else None

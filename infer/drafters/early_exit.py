@@ -15,7 +15,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from infer.assets.adapter import AdapterForward, ExitAdapter, adapter_path
-from infer.drafters.base import DecodeState, Draft, Drafter, DrafterStats, DraftInputs, DraftVocabOption, VerifyOutcome
+from infer.drafters.base import (
+    DecodeState,
+    Draft,
+    Drafter,
+    DrafterStats,
+    DraftInputs,
+    DraftVocabOption,
+    Needs,
+    VerifyOutcome,
+)
 from infer.drafters.chain import ChainAsk, EarlyExitForward, check_size, draft_chains
 from infer.drafters.gate import COLD, GateOwner, RememberOption
 from infer.drafters.inputs import draft_head
@@ -110,9 +119,8 @@ class EarlyExitDrafter(GateOwner, Drafter):
         self.forwards = self.plain_steps = 0
         self._cycle_start: float | None = None
 
-    @property
-    def lookahead(self) -> int:
-        return self.config.num_draft + 1
+    def needs(self) -> Needs:
+        return Needs(lookahead=self.config.num_draft + 1)
 
     def start(self, state: DecodeState) -> None:
         self.forwards = self.plain_steps = 0

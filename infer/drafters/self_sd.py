@@ -34,7 +34,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from infer.drafters.base import DecodeState, Draft, Drafter, DrafterStats, DraftInputs, DraftVocabOption, VerifyOutcome
+from infer.drafters.base import (
+    DecodeState,
+    Draft,
+    Drafter,
+    DrafterStats,
+    DraftInputs,
+    DraftVocabOption,
+    Needs,
+    VerifyOutcome,
+)
 from infer.drafters.chain import ChainAsk, PlanForward, check_size, draft_chains
 from infer.drafters.gate import COLD
 from infer.drafters.inputs import draft_head, given_plan, load_plan, plan_head
@@ -172,9 +181,8 @@ class SelfSDDrafter(Drafter):
         self.threshold = AdaptiveThreshold(config)
         self.forwards = 0
 
-    @property
-    def lookahead(self) -> int:
-        return self.config.num_draft + 1
+    def needs(self) -> Needs:
+        return Needs(lookahead=self.config.num_draft + 1)
 
     def start(self, state: DecodeState) -> None:
         self.threshold.new_prompt()

@@ -31,6 +31,7 @@ from infer.drafters.base import (
     DrafterStats,
     DraftInputs,
     DraftVocabOption,
+    Needs,
     VerifyOutcome,
 )
 from infer.drafters.chain import PlanForward, check_size, draft_chain
@@ -271,9 +272,8 @@ class SwiftDrafter(Drafter):
             self._forward = PlanForward(self.runner, self.best, self.vocab)
         return self._forward
 
-    @property
-    def lookahead(self) -> int:
-        return max(self.tree_nodes, self.config.num_draft) + self.config.context_window + 2
+    def needs(self) -> Needs:
+        return Needs(lookahead=max(self.tree_nodes, self.config.num_draft) + self.config.context_window + 2)
 
     @property
     def tree_nodes(self) -> int:

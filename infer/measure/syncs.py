@@ -32,6 +32,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from infer.decode.cycle import CycleObserver
+
 READS = frozenset({"tolist", "numpy", "item", "__bool__", "__int__", "__float__", "__index__"})
 """Tensor methods that read a device value on the host."""
 FACTORIES = frozenset({"tensor", "as_tensor"})
@@ -126,6 +128,11 @@ class SyncCounter:
     def section_total(self, name: str) -> int:
         return sum(self.by_section.get(name, Counter()).values())
 
+    def switch(self, name: str | None) -> str | None:
+        """Attribute what follows to ``name`` (None: to no section); returns the section it leaves."""
+        previous, self._section = self._section, name
+        return previous
+
     @contextmanager
     def section(self, name: str):
         """Attribute the syncs inside to ``name`` (sections do not nest)."""
@@ -152,6 +159,20 @@ class SyncCounter:
         return self._synchronize(*args, **kwargs)
 
 
+class UpdateSection(CycleObserver):
+    """Attributes the syncs between a cycle's verification and the rows' advance (the drafters' ``update``, e.g.
+    SWIFT's optimiser, and the tokens' bookkeeping) to the section 'update', the rest of the cycle to 'cycle'."""
+
+    def __init__(self, counter: SyncCounter):
+        self.counter = counter
+
+    def verified(self, rows, outcomes) -> None:
+        self.counter.switch("update")
+
+    def advanced(self, rows, outcomes) -> None:
+        self.counter.switch("cycle")
+
+
 def measure_decode(engine, prompt_ids: list[int], config) -> dict:
     """Host syncs of one ``engine.generate``: per draft-verify cycle (propose + verify + accept), per token,
     in the drafter's ``update`` (e.g. SWIFT's optimiser; reported apart) and in the prefill.
@@ -160,14 +181,8 @@ def measure_decode(engine, prompt_ids: list[int], config) -> dict:
     "tokens", "reads", "h2d", "explicit", "captures"}`` (a CUDA graph captured in a cycle counts as that cycle's sync).
     """
     counter = SyncCounter(engine.runner.device)
-    drafter = engine.drafter
-    update = drafter.update
-
-    def counted_update(state, outcome):
-        with counter.section("update"):
-            return update(state, outcome)
-
-    drafter.update = counted_update  # an instance attribute shadowing the method, removed below
+    observer = UpdateSection(counter)
+    engine.observers.append(observer)
     static = engine.runner.static
     try:
         with counter:
@@ -181,7 +196,7 @@ def measure_decode(engine, prompt_ids: list[int], config) -> dict:
                         counter.add("captures")
             result = engine.finish(gen)
     finally:
-        del drafter.update
+        engine.observers.remove(observer)
     cycles = max(1, result.stats.verify_calls)
     forwards = float(result.stats.drafter.draft_forwards)
     cycle = counter.section_total("cycle")
