@@ -14,7 +14,7 @@ forward over the median one-token step. Interleaving puts the host's other load 
 ``--attention rows,sdpa`` measures a kernel runner twice: with the kernel's batch-invariant row attention (``rows``,
 the default) and with torch's SDPA in its place (``sdpa``: the route prompt prefill takes), to price the attention.
 ``--fused on,off`` measures a kernel runner with the fused layer span (``on``, the default: the layers in one C++ call,
-``infer.kernels.layer_span``) and without it (``off``: the Python layer loop over the same kernel calls), in the same
+``infer.model.fused_span``) and without it (``off``: the Python layer loop over the same kernel calls), in the same
 rounds; the SDPA route is always unfused (the fused span attends with the row attention only).
 
     python scripts/bench_step_bandwidth.py --kernels auto,torch --fused on,off --rounds 15 --threads-list 1

@@ -125,9 +125,6 @@ INFER_ORDER = (("kernels",), ("model",), ("assets",), ("drafters",), ("decode",)
                ("measure",))
 """infer/'s rooms (its subpackages and its top module loading.py) from the bottom up: a room imports only rooms on
 an earlier line (docs/ARCHITECTURE.md); the two rooms on one line import neither each other."""
-OPEN = {"infer.kernels.layer_span": "issue 44's fused layer span types the model's runner, cache, plan and weights "
-        "while the runner imports it: its Python side belongs in infer/model/ (docs/ARCHITECTURE.md)"}
-"""The one module whose imports break the order and close a circle, named so that no other joins it unnoticed."""
 
 
 def module_name(path: Path) -> str:
@@ -173,7 +170,7 @@ def test_infer_rooms_import_in_their_order():
         here = infer_room(module)
         for target in imports:
             there = infer_room(target)
-            if here is None or there is None or here == there or module in OPEN:
+            if here is None or there is None or here == there:
                 continue
             if rank[there] >= rank[here]:
                 wrong.append(f"{module} ({here}) imports {target} ({there})")
@@ -183,8 +180,6 @@ def test_infer_rooms_import_in_their_order():
 def test_no_module_imports_one_that_imports_it_back():
     """No import circle among the packages' modules, type-only and function-local imports included."""
     graph = import_graph()
-    for module in OPEN:
-        graph[module] = set()
     index, low, stack, on_stack, circles = {}, {}, [], set(), []
 
     def visit(v):  # Tarjan's strongly connected components

@@ -4,7 +4,7 @@ and bf16 (CPUs with AVX512_BF16 only). The path is chosen once per process from 
 is, and what torch's own routes measured beside it: docs/KERNELS.md.
 
 The same module runs a runner's decoder layers as one C++ call (``LayerStack``, ``layer_span.cpp``; the Python side
-and what it covers: ``infer.kernels.layer_span``), bitwise what the Python layer loop computes.
+and what it covers: ``infer.model.fused_span``), bitwise what the Python layer loop computes.
 
 Built on first use with ``torch.utils.cpp_extension`` (about a minute) from its sources (``SOURCES``: the two C++
 files and their header, one extension), into a folder keyed by a

@@ -36,8 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from infer.kernels import layer_span
-from infer.model import layer_math
+from infer.model import fused_span, layer_math
 from infer.model.attention import attend, rows_for, score_scale
 from infer.model.forward_model import Segment, SpanOutput
 from infer.model.graphs import StaticExecutor
@@ -154,8 +153,8 @@ class Runner:
         self._extra_layers: dict[str, Runner] = {}
         self._beside: WeakKeyDictionary = WeakKeyDictionary()  # another runner's cache -> this runner's paired one
         self.set_executor(executor, compile)
-        self.fused = layer_span.for_runner(self)
-        """The fused layer span (``infer.kernels.layer_span``): a one-sequence eager forward's layers in one C++ call,
+        self.fused = fused_span.for_runner(self)
+        """The fused layer span (``infer.model.fused_span``): a one-sequence eager forward's layers in one C++ call,
         bitwise the layer loop; None where this runner does not qualify (decided here, once)."""
         if getattr(config, "attn_logit_softcapping", None) is not None and self.spec.model_type == "gemma3_text":
             print("layerskip: note: attn_logit_softcapping is set, but transformers' Gemma 3 attention does not apply "
@@ -212,7 +211,7 @@ class Runner:
         self.caches, self._draft_heads, self._extra_layers = CachePool(), {}, {}
         self._beside = WeakKeyDictionary()
         self.static = None if self.static is None else StaticExecutor(self, self.static.capture, self.static.compile)
-        self.fused = layer_span.for_runner(self)
+        self.fused = fused_span.for_runner(self)
 
     def extra_layer(self, state: dict[str, Tensor], final_norm: Tensor) -> Runner:
         """``over_layers`` for one more decoder layer (an exit adapter's) given by its tensors under HF names within

@@ -1,4 +1,4 @@
-"""The fused layer span (``infer.kernels.layer_span``, ``layer_span.cpp``): bitwise the Python layer loop.
+"""The fused layer span (``infer.model.fused_span``, ``layer_span.cpp``): bitwise the Python layer loop.
 
 Against ``infer.model.packed.packed_layers`` (the loop ``Runner.span_rows`` runs): the stream after ``split`` and after
 ``end``, every K/V row of the cache, the cache lengths and the layer counters, in fp32 and bf16 (where the CPU has
@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from infer import kernels
-from infer.kernels import layer_span
+from infer.model import fused_span
 from infer.model.packed import Segment, packed_layers
 from infer.model.plan import LayerPlan
 from infer.model.runner import Runner
@@ -76,7 +76,7 @@ def _python_span(runner: Runner, cache, hidden, pos, start, split, end, plan, ma
 
 
 def _fused_span(runner: Runner, cache, hidden, pos, start, split, end, plan, mask):
-    fused = layer_span.for_runner(runner)
+    fused = fused_span.for_runner(runner)
     assert fused is not None
     out = fused(cache, hidden, pos, start, split, end, plan, mask, _tables(runner),
                 runner.counters.layer_tokens)
@@ -165,12 +165,12 @@ def test_calls_the_fused_span_does_not_take_are_refused_untouched():
     """More than MAX_TOKENS rows, T > 1 rows from an empty layer (causal SDPA), a float mask, autograd: None, and the
     cache and counters as they were."""
     runner = _tiny_runner("d64-D16", torch.float32)
-    fused = layer_span.for_runner(runner)
+    fused = fused_span.for_runner(runner)
     cache = _uneven_cache(runner, 40)
     before = _clone(cache)
     tables, counts = _tables(runner), runner.counters.layer_tokens
     counted = list(counts)
-    rows = layer_span.MAX_TOKENS + 1
+    rows = fused_span.MAX_TOKENS + 1
     assert fused(cache, runner.embed(torch.arange(rows)), list(range(43, 43 + rows)), 0, 6, 6, None, None, tables,
                  counts) is None
     assert fused(runner.new_cache(32), runner.embed(torch.arange(2)), [0, 1], 0, 6, 6, None, None, tables,
@@ -185,7 +185,7 @@ def test_calls_the_fused_span_does_not_take_are_refused_untouched():
 def test_errors_are_the_python_loops():
     """A full cache and a mask wider than the slots raise as the Python loop does (RuntimeError, ValueError)."""
     runner = _tiny_runner("d64-D16", torch.float32)
-    fused = layer_span.for_runner(runner)
+    fused = fused_span.for_runner(runner)
     cache = runner.new_cache(8)
     runner.forward(cache, torch.arange(3, 9))
     tables, counts = _tables(runner), runner.counters.layer_tokens
@@ -200,14 +200,14 @@ def test_errors_are_the_python_loops():
 def test_other_families_keep_the_python_loop(kind):
     """q/k norms, Gemma's norms and GELU, sliding windows: no fused span."""
     _need_kernel(torch.float32)
-    assert layer_span.for_runner(Runner.from_model(family_model(kind, seed=1))) is None
+    assert fused_span.for_runner(Runner.from_model(family_model(kind, seed=1))) is None
 
 
 def test_qwen2_biases_and_the_torch_path_keep_the_python_loop():
     _need_kernel(torch.float32)
-    assert layer_span.for_runner(Runner.from_model(make_model("qwen2", seed=1))) is None
-    assert layer_span.for_runner(Runner.from_model(make_model("llama", seed=1), kernel="torch")) is None
-    assert layer_span.for_runner(Runner.from_model(make_model("llama", seed=1))) is not None
+    assert fused_span.for_runner(Runner.from_model(make_model("qwen2", seed=1))) is None
+    assert fused_span.for_runner(Runner.from_model(make_model("llama", seed=1), kernel="torch")) is None
+    assert fused_span.for_runner(Runner.from_model(make_model("llama", seed=1))) is not None
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -107,7 +107,10 @@ def test_shapes(offline_run):
         assert s["executor"] == "static" and s["static"]["warmup"]["builds"] > 0  # static forwards built in warm-up,
         assert s["captures_in_timed"] == s["builds_in_timed"] == 0  # none in the timed runs
         assert s["kernels_counted_on"] == "uncaptured static forward" and s["kernels_at_least_one_per_layer"] is True
-        assert s["kernels_per_forward_eager"] > s["kernels_per_forward"] > 0  # compiled regions counted once
+        if s["eager_fused_span"]:  # the CPU stand-in's eager forward runs its layers in one C++ call (fused span)
+            assert 0 < s["kernels_per_forward_eager"] < s["kernels_per_forward"]
+        else:
+            assert s["kernels_per_forward_eager"] > s["kernels_per_forward"] > 0  # compiled regions counted once
     drafters = shapes["stand-in for SmolLM2-135M"]["drafters"]
     assert set(drafters) == set(DRAFTERS) | {"E"}
     assert all(d["tok_s"] > 0 and d["verify_ms_per_cycle"] > 0 for k, d in drafters.items() if k != "E")

@@ -130,6 +130,7 @@ def kernels(runner: Runner, P: int, span: Callable[[int, int], Callable[[], obje
     n = found["kernels_per_forward"]
     found |= {"kernels_per_layer": None if n is None else n / L, "kernels_counted_on": "uncaptured static forward",
               "kernels_per_forward_eager": eager["kernels_per_forward"],
+              "eager_fused_span": runner.fused is not None,  # a CPU kernel runner: one C++ call
               "attention_kernels_eager": eager["attention_kernels"],
               "kernels_at_least_one_per_layer": None if n is None else n >= L}
     return found

@@ -24,9 +24,9 @@ from torch import Tensor
 from infer import kernels
 
 if TYPE_CHECKING:
+    from infer.model.forward_model import ForwardModel
     from infer.model.kv_cache import KVCache
     from infer.model.plan import LayerPlan
-    from infer.model.runner import Runner
     from infer.model.weights import LayerWeights
 
 MAX_TOKENS = 32
@@ -36,7 +36,7 @@ MAX_TOKENS = 32
 class FusedSpan:
     """A runner's layers as one ``LayerStack`` (the runner's own weight tensors, not copies)."""
 
-    def __init__(self, runner: Runner):
+    def __init__(self, runner: ForwardModel):
         s = runner.spec
         rows = [(w.attn_norm, w.qkv.weight, w.o.weight, w.mlp_norm, _weight(w.gate_up), _weight(w.down),
                  runner.rope_rows[i]) for i, w in enumerate(runner.layers)]
@@ -72,7 +72,7 @@ def _weight(linear) -> Tensor | None:
     return None if linear is None else linear.weight
 
 
-def for_runner(runner: Runner) -> FusedSpan | None:
+def for_runner(runner: ForwardModel) -> FusedSpan | None:
     """The runner's fused span when its layers and kernel qualify (see the module docstring), else None."""
     module = runner.kernel
     if (module is None or not hasattr(module, "LayerStack") or module.path() != "avx512"
