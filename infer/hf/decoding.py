@@ -50,7 +50,7 @@ from transformers.generation import (
     TopPLogitsWarper,
 )
 
-from infer.decode.engine import DecodeConfig, Engine
+from infer.decode.engine import DecodeConfig, Engine, start_rows
 from infer.drafters import ResolvedSpec, Spec, drafter_spec
 from infer.hf.contract import (
     check_config,
@@ -177,8 +177,9 @@ class HFGenerate:
             for r, (padding, prompt) in enumerate(rows):
                 engine = stack.enter_context(self.engine(runner, eos, resolved))  # a drafter per row
                 processor = None if fast else RowProcessor(processors, r, B, padding)
-                gen = engine.start(prompt, decode, row_generator(runner, decode), processor=processor)
+                gen = engine.admit(prompt, decode, row_generator(runner, decode), processor=processor)
                 runs.append(RowRun(engine, gen))
+            start_rows([(run.engine, run.gen) for run in runs])  # the rows' prompts prefilled together
             sequences = lockstep(runs, input_ids, criteria, pad, decode.max_new_tokens, streamer)
             stats = tuple(run.close().stats for run in runs)
         if not config.return_dict_in_generate:
