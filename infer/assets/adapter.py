@@ -131,11 +131,15 @@ class AdapterForward:
         exact = packed_span(r, segments, r.embed(tokens), 0, self.exact_layers).hidden  # (R, d)
         return exact, self.adapter.forward_rows([f.cache for f in forwards], exact, positions, self.vocab)
 
-    def start(self, cache: KVCache, tokens: list[int]) -> None:
-        """A prompt was prefilled: fill the adapter's cache for its positions. The prefill did not keep the
-        stream at layer E, so layers [0, E) run over the prompt again, in a scratch cache (E/L of a prefill)."""
+    def start(self, cache: KVCache, tokens: list[int], kept: Tensor | None = None) -> None:
+        """A prompt was prefilled: fill the adapter's cache for its positions from ``kept``, the (P, d) stream
+        entering layer E that the prefill kept (``Needs.prompt_layers``). Without it (a target not deeper than E),
+        layers [0, E) run over the prompt again, in a scratch cache (E/L of a prefill)."""
         r, P = self.runner, len(tokens)
         self.cache = self.adapter.layer.cache_beside(cache)
+        if kept is not None and kept.shape[0] == P:
+            self.adapter.forward(self.cache, kept, 0)
+            return
         scratch = r.take_cache(P)
         try:
             ids = r.to_device(tokens)  # (P,)

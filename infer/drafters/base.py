@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -140,10 +141,12 @@ class Needs:
     drafter that estimates from the prompt before it drafts. The prefill is run in pieces split there, the same
     layers on the same rows, so the output is unchanged."""
     prompt_rows: int = 0
-    """How many of the prompt's last positions ``prompt_layers`` keeps (0: none)."""
+    """How many of the prompt's last positions ``prompt_layers`` keeps (0: none; ``WHOLE_PROMPT``: all)."""
 
 
 NO_NEEDS = Needs()
+WHOLE_PROMPT = sys.maxsize
+"""``Needs.prompt_rows`` that keeps every position of the prompt, however long."""
 
 
 @dataclass

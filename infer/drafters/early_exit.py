@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from infer.assets.adapter import AdapterForward, ExitAdapter, adapter_path
 from infer.drafters.base import (
+    WHOLE_PROMPT,
     DecodeState,
     Draft,
     Drafter,
@@ -120,13 +121,18 @@ class EarlyExitDrafter(GateOwner, Drafter):
         self._cycle_start: float | None = None
 
     def needs(self) -> Needs:
-        return Needs(lookahead=self.config.num_draft + 1)
+        if self.adapter is None:
+            return Needs(lookahead=self.config.num_draft + 1)
+        # the prefill keeps the prompt's stream entering the adapter's exit, which fills the adapter's cache
+        return Needs(lookahead=self.config.num_draft + 1, prompt_layers=(self.adapter.exit_layer,),
+                     prompt_rows=WHOLE_PROMPT)
 
     def start(self, state: DecodeState) -> None:
         self.forwards = self.plain_steps = 0
         self._cycle_start = None
         if self.adapter is not None:
-            self.forward.start(state.cache, state.tokens[:state.n])
+            kept = (state.prompt_observed or {}).get(self.adapter.exit_layer)  # (P, d), kept by the prefill
+            self.forward.start(state.cache, state.tokens[:state.n], kept)
 
     def propose(self, state: DecodeState) -> Draft | None:
         return self.propose_rows([(self, state)])[0]

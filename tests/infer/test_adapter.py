@@ -69,6 +69,26 @@ def test_an_untrained_adapter_drafts_as_the_plain_exit(model, tmp_path):
         assert a.tokens == b.tokens and (a.stats.accepted, a.stats.drafted) == (b.stats.accepted, b.stats.drafted)
 
 
+def test_the_adapter_cache_is_filled_from_the_prefill_stream(model, tmp_path):
+    """The prefill keeps the prompt's stream entering layer E (``Needs``), and the adapter's cache is filled from it:
+    layers [0, E) run over the prompt once (the prefill), not a second time, and the adapter's K/V rows equal those
+    of a second pass over layers [0, E) to rounding."""
+    write_adapter(model, tmp_path / "a.safetensors", exit_layer=3, noise=0.2)
+    runner = Runner.from_model(model)
+    drafter = build_drafter("early_exit", runner, {"k": 4, "draft_vocab": "off",
+                                                   "adapter": str(tmp_path / "a.safetensors")})
+    engine, prompt = Engine(runner, drafter), PROMPTS[2]
+    runner.counters.reset()
+    gen = engine.start(prompt, DecodeConfig(max_new_tokens=8))
+    assert runner.counters.layer_tokens == [len(prompt)] * L  # one prefill pass, no second one over [0, 3)
+    kept = gen.state.prompt_observed[3]  # (P, d)
+    assert kept.shape[0] == len(prompt)
+    filled = drafter.forward.cache
+    drafter.forward.start(gen.state.cache, prompt)  # no kept stream: layers [0, 3) again in a scratch cache
+    torch.testing.assert_close(filled.k[:, :, :len(prompt)], drafter.forward.cache.k[:, :, :len(prompt)])
+    engine.close()
+
+
 def _ar(runner, prompt, n=32):
     return Engine(runner, build_drafter("autoregressive", runner)).generate(prompt, DecodeConfig(max_new_tokens=n))
 
