@@ -34,6 +34,7 @@ from layerskip_core.errors import UserError
 from train.config import AdapterConfig
 from train.data import IGNORE, Examples
 from train.model import attention_masks, decoder_parts, next_token_targets, plain_model
+from train.teacher_memo import TeacherMemo, TeacherTargets, top_k_distill_loss
 
 
 class ExitAdapterModule(nn.Module):
@@ -125,6 +126,8 @@ class AdapterLM(nn.Module):
         self.exits = [cfg.exit_layer]
         self.adapter = ExitAdapterModule(self.shape, type(parts.norm))
         self.adapter.init_from(parts)
+        self.memo = TeacherMemo(cfg.teacher_top_k) if cfg.teacher_top_k else None
+        """The frozen model's outputs per training row after their first pass (``teacher_top_k`` > 0)."""
 
     def rates(self, step: int) -> list[float]:
         """Layer dropout rates (none: the base model is frozen)."""
@@ -149,6 +152,22 @@ class AdapterLM(nn.Module):
         rope = parts.global_rope(h, positions)  # the adapter's layer attends fully with the global base
         return exit_h, parts.head(parts.norm(last)).float() if teacher else None, rope
 
+    @torch.no_grad()
+    def teacher(self, input_ids: Tensor) -> tuple[Tensor, Tensor | TeacherTargets, tuple]:
+        """(stream entering layer E (B, T, d), the full model's distribution, RoPE). The distribution is its (B, T, V)
+        logits, or with ``teacher_top_k`` its top K (``TeacherTargets``), kept per row after the first pass."""
+        if self.memo is None:
+            return self.base_states(input_ids, teacher=True)
+        kept = self.memo.lookup(input_ids)
+        if kept is not None:
+            exit_h, target = kept
+            positions = torch.arange(input_ids.shape[1], device=exit_h.device)[None]  # (1, T)
+            return exit_h, target, decoder_parts(self.frozen[0]).global_rope(exit_h, positions)
+        exit_h, logits, rope = self.base_states(input_ids, teacher=True)
+        target = TeacherTargets.of(logits, self.memo.k)  # (B, T, K)
+        self.memo.store(input_ids, exit_h, target)
+        return exit_h, target, rope
+
     def adapter_logits(self, exit_h: Tensor, rope: tuple) -> Tensor:
         """(B, T, d) -> (B, T, V) fp32 through the adapter and the frozen head (the gradient reaches the adapter)."""
         return decoder_parts(self.frozen[0]).head(self.adapter(exit_h, *rope, None)).float()
@@ -156,10 +175,14 @@ class AdapterLM(nn.Module):
     def forward(self, input_ids: Tensor, labels: Tensor, step: int = 0, micro: int = 0) -> dict[str, Tensor]:
         targets = next_token_targets(labels)  # (B, T)
         valid = targets != IGNORE  # (B, T)
-        distill = self.cfg.target == "distill"
-        exit_h, teacher, rope = self.base_states(input_ids, teacher=distill)
+        if self.cfg.target == "distill":
+            exit_h, teacher, rope = self.teacher(input_ids)
+        else:
+            exit_h, teacher, rope = self.base_states(input_ids, teacher=False)
         logits = self.adapter_logits(exit_h, rope)[valid]  # (N, V)
-        if distill:
+        if isinstance(teacher, TeacherTargets):
+            loss = top_k_distill_loss(logits, teacher.rows(valid))  # to the (K + 1)-bucket distribution
+        elif teacher is not None:
             loss = F.cross_entropy(logits, torch.softmax(teacher[valid], -1))  # KL(teacher || adapter) + H(teacher)
         else:
             loss = F.cross_entropy(logits, targets[valid])
@@ -176,9 +199,10 @@ class AdapterLM(nn.Module):
             batch = examples.batch(indices[start:start + batch_size], pad_id)
             targets = next_token_targets(batch["labels"]).to(device)  # (B, T)
             valid = targets != IGNORE  # (B, T)
-            exit_h, teacher, rope = self.base_states(batch["input_ids"].to(device), teacher=True)
+            exit_h, teacher, rope = self.teacher(batch["input_ids"].to(device))
             logits = self.adapter_logits(exit_h, rope)  # (B, T, V)
-            top, full_top = logits.argmax(-1), teacher.argmax(-1)  # (B, T) each
+            full_top = teacher.greedy() if isinstance(teacher, TeacherTargets) else teacher.argmax(-1)  # (B, T)
+            top = logits.argmax(-1)  # (B, T)
             plain_top = head(norm(exit_h)).argmax(-1)  # (B, T): the untrained early exit at E
             stats += torch.stack([F.cross_entropy(logits[valid], targets[valid], reduction="sum").double().cpu(),
                                   ((top == full_top) & valid).sum().cpu().double(),
@@ -234,6 +258,8 @@ def adapter_metrics(accelerator, model: AdapterLM, examples: Examples, indices: 
     record = {"split": "val", "adapter_loss": {E: float(stats[0]) / n}, "adapter_agreement": {E: float(stats[1]) / n},
               "exit_agreement": {E: float(stats[2]) / n}, "adapter_accuracy": {E: float(stats[3]) / n},
               "tokens": int(stats[4])}
+    if model.memo is not None:  # training and validation rows whose frozen-model outputs are kept, batches served
+        record |= {"teacher_kept_rows": len(model.memo.rows), "teacher_kept_batches": model.memo.hits}
     if accelerator.is_main_process:  # the evaluation line a LayerSkip or LoRA run prints too
         from tqdm.auto import tqdm
 

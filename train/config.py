@@ -295,11 +295,18 @@ class AdapterConfig:
     """Width of an optional SwiGLU MLP after the adapter's attention (0: none, Kangaroo's shape)."""
     target: Literal["distill", "data"] = "distill"
     """distill: the full model's own next-token distribution (cross-entropy to it, i.e. KL); data: the next token."""
+    teacher_top_k: int = 0
+    """With ``target: distill``: 0 = the teacher's whole distribution, the frozen model run on every step; K > 0 = its
+    K most likely tokens plus one bucket for the rest, and the frozen model's outputs for each training block kept
+    in memory after their first pass, so later epochs run only the adapter and the head (``train.teacher_memo``)."""
 
     def __post_init__(self) -> None:
         _numbers(self, "adapter")
         _check(self.exit_layer >= 1, "adapter.exit_layer must be >= 1")
         _check(self.mlp_size >= 0, "adapter.mlp_size must be >= 0")
+        _check(self.teacher_top_k >= 0, "adapter.teacher_top_k must be >= 0 (0: the whole distribution)")
+        _check(self.teacher_top_k == 0 or self.target == "distill",
+               "adapter.teacher_top_k needs target: distill (with target: data there is no teacher)")
 
 
 @dataclass
