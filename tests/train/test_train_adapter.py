@@ -74,3 +74,32 @@ def test_eval_adapter_script_scores_the_trained_file(tiny_recipe, tmp_path, caps
     result = json.loads((tmp_path / "e.json").read_text())
     assert result["exit_layer"] == 2 and result["tokens"] > 0 and 0 <= result["adapter_agreement"] <= 1
     assert result["provenance"]["steps"] == 8
+
+
+def test_ship_adapter_writes_the_file_in_bf16_with_its_provenance(tiny_recipe, tiny_model_dir, tmp_path, capsys):
+    """scripts/ship_adapter.py: a finished run becomes a shipped file (bf16: half the bytes, the same drafts and the
+    same output) and a provenance read from the run; an existing file is kept unless --force; a folder that is no
+    finished run is refused in one line."""
+    import ship_adapter
+
+    cfg = tiny_recipe("adapter.enabled=true", "adapter.exit_layer=2", "adapter.mlp_size=16", "optim.max_steps=6",
+                      "logging.eval_every=3")
+    run_training(cfg)
+    run, out = Path(cfg.checkpoint.output_dir), tmp_path / "ship"
+    argv = ["--run", str(run), "--name", "tiny", "--dtype", "bf16", "--out", str(out)]
+    assert ship_adapter.main(argv) == 0
+    shipped = out / "tiny-e2.safetensors"
+    record = json.loads((out / "tiny-e2.provenance.json").read_text())
+    assert shipped.stat().st_size < 0.6 * (run / "adapter.safetensors").stat().st_size
+    assert (record["steps"], record["dtype"], record["shape"]["mlp_size"]) == (6, "bf16", 16)
+    assert set(record["validation_agreement_at_exit_2"]) == {"plain_exit", "adapter_step_3", "adapter_step_6"}
+    runner = Runner.from_pretrained(tiny_model_dir)
+    prompt = list(range(40, 60))
+    outs = [Engine(runner, build_drafter("early_exit", runner, {"adapter": str(f), "k": 3}))
+            .generate(prompt, DecodeConfig(max_new_tokens=16)).tokens for f in (run / "adapter.safetensors", shipped)]
+    plain = Engine(runner, build_drafter("autoregressive", runner)).generate(prompt, DecodeConfig(max_new_tokens=16))
+    assert outs[0] == outs[1] == plain.tokens
+    assert ship_adapter.main(argv) == 2 and "exists; pass --force" in capsys.readouterr().err
+    assert ship_adapter.main([*argv, "--force"]) == 0
+    assert ship_adapter.main(["--run", str(tmp_path), "--out", str(out)]) == 2
+    assert "holds no finished adapter run" in capsys.readouterr().err
