@@ -148,6 +148,8 @@ class ChainAsk:
     """k: most tokens to draft."""
     confidence: float = 0.0
     """Stop at the first token whose draft probability is under this (0: no threshold, no host read)."""
+    keep_last: bool = False
+    """Propose that token too, and end the chain after it (``draft_chains``); else it is dropped."""
 
 
 @dataclass
@@ -172,10 +174,10 @@ def draft_chain(state: DecodeState, forward, max_draft: int, confidence: float =
                 keep_last: bool = False, keep_dists: bool = False) -> ChainResult:
     """Draft up to ``max_draft`` tokens after the pending one, stopping where the draft's confidence is under
     ``confidence`` (the token there proposed only with ``keep_last``) or at EOS: ``draft_chains`` of one sequence."""
-    return draft_chains([ChainAsk(state, forward, max_draft, confidence)], keep_last, keep_dists)[0]
+    return draft_chains([ChainAsk(state, forward, max_draft, confidence, keep_last)], keep_dists)[0]
 
 
-def draft_chains(asks: list[ChainAsk], keep_last: bool = False, keep_dists: bool = False) -> list[ChainResult]:
+def draft_chains(asks: list[ChainAsk], keep_dists: bool = False) -> list[ChainResult]:
     """A draft chain for every sequence of ``asks``, drafted together: each step runs one draft forward over the
     packed rows of the sequences still drafting (one sequence: its own forward), and each chain stops on its own.
 
@@ -203,7 +205,7 @@ def draft_chains(asks: list[ChainAsk], keep_last: bool = False, keep_dists: bool
             c.hiddens.append(exact)
             read, keep = c.ask.confidence > 0, keep_dists or not c.ask.state.sampling.greedy
             c.token, c.q, p_token = _next_token(logits, c.ask.state, need_p=read, keep_dists=keep,
-                                                top1=not keep_last)
+                                                top1=not c.ask.keep_last)
             if read:
                 reads.append(torch.cat([p_token.double(), c.token.double()]))  # (2,)
         host = torch.cat(reads).tolist() if reads else []  # the step's one sync, for every chain with a threshold
@@ -214,7 +216,7 @@ def draft_chains(asks: list[ChainAsk], keep_last: bool = False, keep_dists: bool
                 c.conf.append(p_host)
                 c.stop, c.at_eos = p_host < c.ask.confidence, int(token_host) in c.ask.state.eos
             c.done = c.stop or c.at_eos or len(c.hiddens) >= c.k
-            if c.stop and not keep_last:
+            if c.stop and not c.ask.keep_last:
                 continue
             c.tokens.append(c.token)
             if c.q is not None:

@@ -45,6 +45,9 @@ class EarlyExitDrafterConfig(DraftVocabOption, RememberOption):
     """k: most tokens drafted per verification."""
     confidence: float = 0.0
     """Stop drafting when the draft's top-1 probability falls below this (0 = always draft k)."""
+    keep_last: bool = False
+    """With confidence: propose the token that fell below it too, and end the chain after it (Kangaroo's rule: its
+    forward is already paid, and one more verified row costs less than a cycle it might save); off: drop it."""
     adaptive: bool = False
     """Beyond LayerSkip: draft only while draft-verify cycles measure faster than plain steps; otherwise take
     plain steps and probe drafting again later, so an exit that does not pay costs little (state persists
@@ -154,7 +157,8 @@ class EarlyExitDrafter(GateOwner, Drafter):
                 continue
             if drafter.adapter is not None:
                 drafter.forward.catch_up(state.cache, state.tokens, state.n)
-            asks.append(ChainAsk(state, drafter.forward, drafter.config.num_draft, drafter.config.confidence))
+            c = drafter.config
+            asks.append(ChainAsk(state, drafter.forward, c.num_draft, c.confidence, c.keep_last))
             drafting.append(j)
         drafts: list[Draft | None] = [None] * len(rows)
         for j, chain in zip(drafting, draft_chains(asks), strict=True):

@@ -197,9 +197,9 @@ class SelfSDDrafter(Drafter):
         own sequence's threshold."""
         # Like Self-SD, the token whose confidence falls below the threshold is still proposed
         # (one more verified row costs far less than the draft forward already spent) and ends the chain.
-        asks = [ChainAsk(state, d.forward, d.config.num_draft, d.threshold.value) for d, state in rows]
+        asks = [ChainAsk(state, d.forward, d.config.num_draft, d.threshold.value, keep_last=True) for d, state in rows]
         drafts: list[Draft | None] = []
-        for (drafter, _), chain in zip(rows, draft_chains(asks, keep_last=True), strict=True):
+        for (drafter, _), chain in zip(rows, draft_chains(asks), strict=True):
             drafter.forwards += chain.forwards
             drafts.append(chain.draft if chain.forwards else None)
         return drafts

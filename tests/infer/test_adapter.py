@@ -113,6 +113,24 @@ def test_greedy_with_an_adapter_equals_plain_decoding(model, tmp_path, executor,
     assert 0 < totals[0] < totals[1]  # drafts were used, and some were rejected
 
 
+def test_keep_last_proposes_the_stopping_token_and_stays_exact(model, tmp_path):
+    """Kangaroo's stop (``keep_last``): a chain that falls under the threshold proposes that token too, so it drafts
+    one token more per stopped chain than the dropping stop does, with the same greedy output. On this tiny model
+    every draft's top-1 probability is under the threshold: the dropping stop never drafts, the kept one proposes
+    each chain's first token and some are accepted."""
+    path = tmp_path / "a.safetensors"
+    write_adapter(model, path, 5, noise=0.05, seed=3)
+    runner = Runner.from_model(model)
+    totals = {}
+    for keep in (False, True):
+        engine = Engine(runner, build_drafter("early_exit", runner, {"adapter": str(path), "k": 4, "confidence": 0.05,
+                                                                     "keep_last": keep}))
+        outs = [engine.generate(p, DecodeConfig(max_new_tokens=32)) for p in PROMPTS]
+        assert [o.tokens for o in outs] == [_ar(runner, p).tokens for p in PROMPTS]
+        totals[keep] = sum(o.stats.drafted for o in outs), sum(o.stats.accepted for o in outs)
+    assert totals[True][0] > totals[False][0] and totals[True][1] > totals[False][1], totals  # drafts, some accepted
+
+
 def _drafts(runner, path, prompt, options):
     """(output tokens, every draft's tokens) of early exit with the adapter at ``path`` on ``runner``."""
     drafter = build_drafter("early_exit", runner, {"adapter": str(path), **options})

@@ -61,6 +61,8 @@ def options(case: str, runner: Runner, adapter: str) -> tuple[str, dict]:
                                                  DraftVocab(ids=[t for t in range(5) if t != likely],
                                                             model=runner.identity())}),
         "early_exit-adapter-stop": ("early_exit", {"adapter": adapter, "num_draft": 3, "confidence": STOP}),
+        "early_exit-adapter-keep": ("early_exit", {"adapter": adapter, "num_draft": 3, "confidence": STOP,
+                                                   "keep_last": True}),
         "dynamic_exit-stop": ("dynamic_exit", FORCED_DYNAMIC | {"stops": str(STOP)}),
         "dynamic_exit-stops": ("dynamic_exit", FORCED_DYNAMIC | {"stops": "0/0.3/0.5"}),
         "self_sd": ("self_sd", {"plan": LayerPlan(4, frozenset({2}), frozenset({1, 3})), "num_draft": 3,
@@ -81,7 +83,8 @@ def check(pvalue: float, totals: dict) -> None:
     assert pvalue > P_THRESHOLD
 
 
-CASES = ["early_exit", "early_exit-stop", "early_exit-vocab-stop", "early_exit-adapter-stop", "dynamic_exit-stop",
+CASES = ["early_exit", "early_exit-stop", "early_exit-vocab-stop", "early_exit-adapter-stop", "early_exit-adapter-keep",
+         "dynamic_exit-stop",
          "dynamic_exit-stops", "self_sd", "swift-tree", "swift-tree-vocab"]
 
 
