@@ -97,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
     save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, str(target), metadata=meta)
     os.chmod(target, 0o644)
     record = {"file": target.name, "dtype": args.dtype, "bytes": target.stat().st_size} | record
+    if args.note:
+        record["note"] = args.note
     write_result(out / f"{name}.provenance.json", record)
     print(f"shipped {target} ({record['bytes'] / 1e6:.1f} MB, {args.dtype}) and its provenance")
     return 0
@@ -110,6 +112,7 @@ def parse_args() -> Parser:
     ap.add_argument("--recipe", default="recipes/cpu-adapter-selfdistill.yaml", help="the recipe the run used")
     ap.add_argument("--data-command", default="python -m train.self_distill --out runs/self-distill --batch-size 32 "
                     "--threads 1 --max-new-tokens 128", help="the command that made the self-distilled data")
+    ap.add_argument("--note", default="", help="a remark the provenance carries as written (what the run cannot say)")
     ap.add_argument("--out", default="infer/data/adapters", help="the folder of shipped adapters")
     ap.add_argument("--force", action="store_true", help="replace a shipped adapter of the same name")
     return ap

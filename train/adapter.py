@@ -297,7 +297,12 @@ def save_adapter(accelerator, lm, cfg, path, tokens: int, step: int) -> None:
 
 
 def code_commit() -> str:
-    """The git commit of this checkout ('unknown' outside a git checkout)."""
+    """The git commit of this checkout, with ``-dirty`` when tracked files differ from it (the code that ran is then
+    not the commit's); 'unknown' outside a git checkout."""
     root = Path(__file__).resolve().parent.parent
     run = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
-    return run.stdout.strip() if run.returncode == 0 else "unknown"
+    if run.returncode != 0:
+        return "unknown"
+    changed = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                             capture_output=True, text=True)
+    return run.stdout.strip() + ("-dirty" if changed.returncode == 0 and changed.stdout.strip() else "")
