@@ -12,7 +12,8 @@
 // Paths, chosen once per process from cpuid (never per call, so the order never changes within a run):
 //   avx512  fp32, 16 lanes: one token reads the weight rows one after another (a single sequential stream,
 //           which the hardware prefetcher follows at close to the read rate); several tokens take register
-//           blocks of 4 tokens x 6 rows and prefetch the next 6 rows into L2 as one sequential stream;
+//           blocks of 4 tokens x 6 rows and prefetch the next 6 rows into L2 as one sequential stream
+//           (beyond 4 tokens spread over all the token blocks, so the stream overlaps the arithmetic);
 //   avx512  bf16 (CPUs with AVX512_BF16): vdpbf16ps on bf16 weights and activations, fp32 accumulation;
 //   avx2    fp32, 8 lanes (the file is compiled with -mavx2 -mfma; AVX-512 code is in target regions).
 // Elsewhere the Python side uses torch (the portable path).
@@ -134,8 +135,18 @@ struct BF16 {
 // (TB, NB). With ``PF`` it also prefetches the next NB rows (the memory right after these), one 64-byte line
 // per row and chunk, so memory sees one sequential stream instead of NB interleaved ones (measured: NB
 // interleaved row streams read at well under the single-stream rate on Zen 4).
+//
+// ``ahead``: lines of memory further on to prefetch while the block computes, ``per`` each k-chunk, from ``pf`` up
+// to ``end`` (several tokens: a share of the next rows, see ``rows``).
+struct Ahead {
+  const char* pf = nullptr;
+  const char* end = nullptr;
+  int per = 0;
+};
+
 template <class E, int TB, int NB, bool PF = false>
-inline void block(const typename E::T* x, const typename E::T* w, typename E::T* y, int64_t K, int64_t N) {
+inline void block(const typename E::T* x, const typename E::T* w, typename E::T* y, int64_t K, int64_t N,
+                  Ahead ahead = Ahead()) {
   __m512 acc[TB][NB];
   for (int t = 0; t < TB; ++t)
     for (int r = 0; r < NB; ++r) acc[t][r] = _mm512_setzero_ps();
@@ -143,6 +154,7 @@ inline void block(const typename E::T* x, const typename E::T* w, typename E::T*
   int64_t k = 0;
   for (; k + E::LANES <= K; k += E::LANES, next += NB * 64) {
     decltype(E::load(w)) wv[NB];
+    for (int p = 0; p < ahead.per && ahead.pf < ahead.end; ++p, ahead.pf += 64) _mm_prefetch(ahead.pf, PF_HINT);
     for (int r = 0; r < NB; ++r) {
       if (PF) _mm_prefetch(next + r * 64, PF_HINT);
       wv[r] = E::load(w + r * K + k);
@@ -164,21 +176,47 @@ inline void block(const typename E::T* x, const typename E::T* w, typename E::T*
     for (int r = 0; r < NB; ++r) y[t * N + r] = E::out(hsum(acc[t][r]));
 }
 
-// All T tokens against NB rows starting at row n: token blocks of 4, then 3, 2, 1.
+// More than 4 tokens against NB rows: every token block prefetches an equal share of the next NB rows, so the
+// weight stream runs while the later blocks compute on rows already in cache (prefetching all of it from the
+// first block, as up to 4 tokens do, bursts past what memory delivers and leaves it idle during the other
+// blocks: no overlap, v(T) the sum of the stream and the arithmetic). The arithmetic is the blocks' own, in the
+// same order: prefetches change no result.
+template <class E, int NB>
+inline void spread(const typename E::T* x, const typename E::T* w, typename E::T* y, int64_t T, int64_t K,
+                   int64_t N, int64_t n) {
+  const auto* wn = w + n * K;
+  auto* yn = y + n;
+  const int64_t blocks = (T + 3) / 4, chunks = (K + E::LANES - 1) / E::LANES;
+  const int64_t lines = (NB * K * int64_t(sizeof(typename E::T)) + 63) / 64;  // of the next NB rows
+  const int64_t share = (lines + blocks - 1) / blocks;  // lines per token block
+  const char* next = reinterpret_cast<const char*>(wn + NB * K);
+  const char* stop = reinterpret_cast<const char*>(w + N * K);  // no prefetch past the matrix
+  Ahead ahead;
+  ahead.per = int((share + chunks - 1) / chunks);
+  for (int64_t t = 0, j = 0; t < T; ++j) {
+    ahead.pf = next + j * share * 64;
+    ahead.end = std::min(ahead.pf + share * 64, stop);
+    const int64_t left = T - t;
+    if (left >= 4) block<E, 4, NB>(x + t * K, wn, yn + t * N, K, N, ahead);
+    else if (left == 3) block<E, 3, NB>(x + t * K, wn, yn + t * N, K, N, ahead);
+    else if (left == 2) block<E, 2, NB>(x + t * K, wn, yn + t * N, K, N, ahead);
+    else block<E, 1, NB>(x + t * K, wn, yn + t * N, K, N, ahead);
+    t += std::min<int64_t>(left, 4);
+  }
+}
+
+// All T tokens against NB rows starting at row n: token blocks of 4, then 3, 2, 1. Up to 4 tokens, the one block
+// streams these rows and prefetches the next NB; beyond 4 the blocks are ``spread``.
 template <class E, int NB>
 inline void rows(const typename E::T* x, const typename E::T* w, typename E::T* y, int64_t T, int64_t K,
                  int64_t N, int64_t n) {
   const auto* wn = w + n * K;
   auto* yn = y + n;
-  if (T >= 4) block<E, 4, NB, true>(x, wn, yn, K, N);
+  if (T > 4) spread<E, NB>(x, w, y, T, K, N, n);
+  else if (T == 4) block<E, 4, NB, true>(x, wn, yn, K, N);
   else if (T == 3) block<E, 3, NB, true>(x, wn, yn, K, N);
   else if (T == 2) block<E, 2, NB, true>(x, wn, yn, K, N);
   else block<E, 1, NB, true>(x, wn, yn, K, N);
-  int64_t t = std::min<int64_t>(T, 4);
-  for (; t + 4 <= T; t += 4) block<E, 4, NB>(x + t * K, wn, yn + t * N, K, N);
-  if (T - t == 3) block<E, 3, NB>(x + t * K, wn, yn + t * N, K, N);
-  if (T - t == 2) block<E, 2, NB>(x + t * K, wn, yn + t * N, K, N);
-  if (T - t == 1) block<E, 1, NB>(x + t * K, wn, yn + t * N, K, N);
 }
 
 // Work items [i0, i1) of ROWS weight rows each: one token takes one row at a time, several tokens 6 rows.
