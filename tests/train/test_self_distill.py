@@ -73,12 +73,14 @@ def test_bad_options_are_refused_in_one_line(tiny_model_dir, tmp_path, capsys, b
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
 def test_an_adapter_trains_on_the_data_and_drafts_losslessly(tiny_recipe, tiny_model_dir, tmp_path):
-    """The recipe's shape on the tiny model: jsonl sources per kind, an adapter with an MLP, distilled."""
+    """The recipe's shape on the tiny model: jsonl sources per kind, an adapter with an MLP, distilled from the kept
+    teacher's top K."""
     data = tmp_path / "data"
     assert _generate(tiny_model_dir, data) == 0
     sources = ", ".join(f"{{type: jsonl, path: '{data / k}.jsonl'}}" for k in ("chat", "math"))
     cfg = tiny_recipe(f"data.sources=[{sources}]", "data.block_size=16", "data.val_fraction=0.0",
-                      "adapter.enabled=true", "adapter.exit_layer=1", "adapter.mlp_size=16", "optim.max_steps=3")
+                      "adapter.enabled=true", "adapter.exit_layer=1", "adapter.mlp_size=16", "adapter.teacher_top_k=8",
+                      "optim.max_steps=3")
     path = run_training(cfg)["final_dir"]
     runner = Runner.from_pretrained(tiny_model_dir)
     engine = Engine(runner, build_drafter("early_exit", runner, {"adapter": str(path), "k": 3}))
