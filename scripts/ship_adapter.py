@@ -57,7 +57,7 @@ def provenance(run: Path, meta: dict, records: list[dict], recipe: str, data_com
     raw = [s for s in trained["sources"] if "self_distill" not in s]
     kinds = {s["self_distill"]["kind"]: {k: s["self_distill"][k] for k in ("prompts", "new_tokens")}
              for s in distilled}
-    settings = distilled[0]["self_distill"].get("settings") or {} if distilled else {}
+    settings = (distilled[0]["self_distill"].get("settings") or {}) if distilled else {}
     started = (run / "config.yaml").stat().st_mtime  # written when the run starts
     steps = [r for r in records if "loss" in r and "split" not in r]
     return {
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def parse_args() -> Parser:
+def parser() -> Parser:
     ap = Parser(prog="python scripts/ship_adapter.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", required=True, help="the adapter run's output folder")
     ap.add_argument("--name", default="smollm2-135m-instruct", help="the model's name in the shipped file's name")
@@ -119,7 +119,7 @@ def parse_args() -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return parse_and_run(parse_args(), argv, "scripts/ship_adapter.py", run)
+    return parse_and_run(parser(), argv, "scripts/ship_adapter.py", run)
 
 
 if __name__ == "__main__":
