@@ -29,7 +29,7 @@ _EXPORTS = {
     "build_drafter": "infer.drafters",
     "parse_spec": "infer.drafters",
     "Runner": "infer.model.runner",
-    "DraftVocab": "infer.assets.draft_vocab",
+    "DraftVocab": "layerskip_core.draft_vocab",
     "hf_generate": "infer.hf.decoding",
 }
 """Public name -> the module that defines it."""

@@ -11,11 +11,11 @@ import torch
 from torch import Tensor
 
 from infer.assets.adapter import ExitAdapter
-from infer.assets.draft_vocab import AUTO, check_draft_vocab_option
 from infer.model.kv_cache import KVCache, ints_to_device
 from infer.model.plan import LayerPlan
 from infer.model.runner import DraftHead, Runner
 from infer.model.sampling import SamplingConfig
+from layerskip_core.draft_vocab import AUTO, check_draft_vocab_option
 
 
 @dataclass
@@ -155,7 +155,7 @@ class DraftVocabOption:
 
     draft_vocab: str = AUTO
     """Reduced-vocabulary draft head: drafts score only these token ids, verification always the full head (output
-    unchanged). auto: the most frequent ids (infer.assets.draft_vocab.AUTO_SIZE of them) of the counts shipped for this
+    unchanged). auto: the most frequent ids (draft_vocab.AUTO_SIZE of them) of the counts shipped for this
     model, if there are some, else the full head; N: the N most frequent; a file made by `layerskip draft-vocab`;
     off: the full head."""
 

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from infer.assets.draft_vocab import DraftVocab, resolve_draft_vocab_option
 from infer.model.plan import LayerPlan, PlanFile, check_depth
 from infer.model.runner import DraftHead, Runner
+from layerskip_core.draft_vocab import DraftVocab, resolve_draft_vocab_option
 from layerskip_core.errors import UserError
 
 
 def draft_head(spec, runner: Runner, tokenizer=None) -> DraftHead | None:
     """The draft head of ``spec``: the vocabulary it was given as an object, else its ``draft_vocab`` option (a
-    size, file, 'auto' or 'off': ``infer.assets.draft_vocab.resolve_draft_vocab_option``) for ``runner``'s model."""
+    size, file, 'auto' or 'off': ``layerskip_core.draft_vocab.resolve_draft_vocab_option``) for ``runner``'s model."""
     vocab = spec.vocab if spec.vocab is not None else \
         resolve_draft_vocab_option(spec.config.draft_vocab, runner, tokenizer)
     return head_of(runner, vocab)

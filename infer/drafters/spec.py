@@ -13,11 +13,11 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from infer.assets.draft_vocab import DraftVocab
 from infer.drafters.base import Drafter, DraftInputs
 from infer.drafters.gate import RememberOption
 from infer.drafters.registry import class_for, drafter_class
 from infer.model.plan import LayerPlan, check_save_plan_option
+from layerskip_core.draft_vocab import DraftVocab
 from layerskip_core.errors import UserError
 from layerskip_core.options import from_text, hints
 

@@ -1,8 +1,8 @@
 """Counting token frequencies for reduced-vocabulary draft heads, on calibration data or the model's own output.
 
-``count_tokens`` makes the ``infer.assets.draft_vocab.TokenCounts`` that ``layerskip draft-vocab`` writes;
+``count_tokens`` makes the ``layerskip_core.draft_vocab.TokenCounts`` that ``layerskip draft-vocab`` writes;
 ``heldout_tokens`` gives the target tokens a subset's coverage is measured on. Both decode with the engine
-(plain autoregressive decoding), which is why they live apart from the file formats in ``infer.assets.draft_vocab``
+(plain autoregressive decoding), which is why they live apart from the file formats in ``layerskip_core.draft_vocab``
 that the drafters import.
 """
 
@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from infer.assets.draft_vocab import MODES, TokenCounts, model_record, special_ids
 from infer.decode.engine import DecodeConfig
+from layerskip_core.draft_vocab import MODES, TokenCounts, model_record, special_ids
 from layerskip_core.errors import UserError
 from layerskip_core.prompts import PromptItem, use_chat_template
 

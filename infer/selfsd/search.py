@@ -51,11 +51,11 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from infer.assets.draft_vocab import DraftVocab, check_draft_vocab_option, resolve_draft_vocab_option
 from infer.drafters.gp_ucb import GPUCB, GPUCBConfig
 from infer.model.plan import CostModel, LayerPlan, PlanFile, PlanSpace, head_record, weights_cost
 from infer.model.runner import Runner
 from infer.selfsd.search_objectives import Calibration, ModelObjective, SpeedObjective, calibration_set, measure_cost
+from layerskip_core.draft_vocab import DraftVocab, check_draft_vocab_option, resolve_draft_vocab_option
 from layerskip_core.errors import UserError
 from layerskip_core.options import check_fields
 

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.assets.draft_vocab import DraftVocab
 from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import Spec, build_drafter, drafter_spec
 from infer.drafters.self_sd import SelfSDDrafter
 from infer.drafters.skipping import agreement, verified_window
 from infer.model.plan import CostModel, LayerPlan, cycle_speedup
 from infer.model.runner import Runner
+from layerskip_core.draft_vocab import DraftVocab
 
 SPEED_SEARCH_CONFIDENCE = 0.8
 """The speed objective's threshold: ``decoding.py``'s default initial gamma, adaptive, restarted on every prompt

@@ -14,10 +14,10 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from infer.assets.draft_vocab import coverage_report, special_ids
 from layerskip_cli.args import add_model_flags, model_settings
 from layerskip_core.cli import check_distinct, check_output_file
 from layerskip_core.device import dtype_name
+from layerskip_core.draft_vocab import coverage_report, special_ids
 from layerskip_core.errors import UserError
 from layerskip_core.prompts import PromptItem, load_prompts
 from train.config import SourceConfig

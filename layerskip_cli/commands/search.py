@@ -6,10 +6,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from infer.assets.draft_vocab import resolve_draft_vocab_option
 from layerskip_cli.args import add_model_flags, model_settings
 from layerskip_core.cli import check_distinct, check_output_file, finite_float
 from layerskip_core.device import dtype_name
+from layerskip_core.draft_vocab import resolve_draft_vocab_option
 from layerskip_core.errors import UserError
 from layerskip_core.prompts import load_prompts, task_name, use_chat_template
 

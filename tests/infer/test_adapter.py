@@ -8,12 +8,12 @@ from executor_cases import fake_capture
 from lossless_stats import P_THRESHOLD, sampling_pvalue
 
 from infer.assets.adapter import ExitAdapter
-from infer.assets.draft_vocab import DraftVocab
 from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import build_drafter
 from infer.model.graphs import StaticExecutor, StaticSpan
 from infer.model.runner import Runner
 from infer.model.sampling import SamplingConfig
+from layerskip_core.draft_vocab import DraftVocab
 from layerskip_core.errors import UserError
 from tiny_models import make_model, noisy_adapter
 from train.adapter import AdapterLM, model_identity

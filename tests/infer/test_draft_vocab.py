@@ -5,7 +5,11 @@ from collections import Counter
 
 import pytest
 
-from infer.assets.draft_vocab import (
+from infer.decode.engine import DecodeConfig
+from infer.loading import load_model
+from infer.measure.vocab_counting import count_tokens, greedy_generations, heldout_tokens, text_tokens
+from layerskip_cli.main import main
+from layerskip_core.draft_vocab import (
     BUNDLED_DIR,
     DraftVocab,
     TokenCounts,
@@ -18,10 +22,6 @@ from infer.assets.draft_vocab import (
     special_ids,
     tokenizer_fingerprint,
 )
-from infer.decode.engine import DecodeConfig
-from infer.loading import load_model
-from infer.measure.vocab_counting import count_tokens, greedy_generations, heldout_tokens, text_tokens
-from layerskip_cli.main import main
 from layerskip_core.errors import UserError
 from layerskip_core.prompts import PromptItem
 from tiny_models import byte_tokenizer, save_tiny

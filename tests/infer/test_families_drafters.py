@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from infer import hf_generate
-from infer.assets.draft_vocab import DraftVocab
 from infer.decode.batch import BatchEngine
 from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import build_drafter
 from infer.model.plan import LayerPlan, PlanFile
 from infer.model.runner import Runner
+from layerskip_core.draft_vocab import DraftVocab
 from tiny_models import FAMILY_KINDS, TINY_WINDOW, family_model, noisy_adapter
 
 L = 6

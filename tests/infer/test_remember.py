@@ -2,11 +2,11 @@
 
 import pytest
 
-from infer.assets.draft_vocab import DraftVocab
 from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import build_drafter
 from infer.model.plan import PlanFile
 from infer.model.runner import Runner
+from layerskip_core.draft_vocab import DraftVocab
 from layerskip_core.errors import UserError
 from tiny_models import make_model
 

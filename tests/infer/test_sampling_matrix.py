@@ -13,13 +13,13 @@ from __future__ import annotations
 import pytest
 from lossless_stats import P_THRESHOLD, batch_sampling_pvalue, sampling_pvalue
 
-from infer.assets.draft_vocab import DraftVocab
 from infer.decode.batch import BatchEngine
 from infer.decode.engine import Engine
 from infer.drafters import build_drafter, drafter_spec
 from infer.model.plan import LayerPlan
 from infer.model.runner import Runner
 from infer.model.sampling import SamplingConfig
+from layerskip_core.draft_vocab import DraftVocab
 from tiny_models import make_model, noisy_adapter
 
 PROMPT = [1, 2, 3]

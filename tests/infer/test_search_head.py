@@ -4,13 +4,13 @@ import pytest
 
 import infer.selfsd.search as search_module
 import infer.selfsd.search_objectives as objectives_module
-from infer.assets.draft_vocab import DraftVocab
 from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import build_drafter
 from infer.model.plan import LayerPlan, PlanFile, PlanSpace, weights_cost
 from infer.model.runner import Runner
 from infer.selfsd.search import SearchConfig, run_gp_ucb, search_plan
 from infer.selfsd.search_objectives import ModelObjective, calibration_set
+from layerskip_core.draft_vocab import DraftVocab
 from tiny_models import make_model
 
 PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 250, 17]]

@@ -101,7 +101,7 @@ def test_sampling_with_multi_candidate_trees_matches_target():
 def test_sampled_trees_with_a_reduced_head_match_target():
     """Sampled multi-candidate trees drafted with a reduced head (token 4 never drafted) keep the target's
     distribution: the draft q is zero outside the subset and the residual covers it (chi-square)."""
-    from infer.assets.draft_vocab import DraftVocab
+    from layerskip_core.draft_vocab import DraftVocab
 
     model = make_model("llama", seed=7, vocab_size=5, layers=4)
     runner = Runner.from_model(model)

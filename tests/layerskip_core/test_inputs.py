@@ -9,10 +9,10 @@ import socket
 import pytest
 
 from deadline import deadline
-from infer.assets.draft_vocab import DraftVocab
 from infer.model.plan import PlanFile
 from layerskip_core import inputs
 from layerskip_core.adapter_spec import read_file
+from layerskip_core.draft_vocab import DraftVocab
 from layerskip_core.errors import UserError
 from layerskip_core.prompts import load_prompts
 from train.recipe import load_config

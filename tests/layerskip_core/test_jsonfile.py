@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from infer.assets.draft_vocab import DraftVocab, TokenCounts
 from infer.model.plan import PLAN_FORMAT, LayerPlan, PlanFile
 from layerskip_cli.main import main
 from layerskip_core import jsonfile
+from layerskip_core.draft_vocab import DraftVocab, TokenCounts
 from layerskip_core.errors import UserError
 
 DEEP = "[" * 100_000 + "]" * 100_000

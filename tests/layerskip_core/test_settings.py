@@ -116,8 +116,8 @@ def test_a_drafters_config_is_built_once_and_its_draft_vocab_resolved_once(tiny_
 
 @pytest.mark.real_model
 def test_auto_draft_vocab_of_the_default_model_is_resolved_at_the_edge(default_model_path):
-    from infer.assets.draft_vocab import AUTO_SIZE
     from infer.loading import load_model
+    from layerskip_core.draft_vocab import AUTO_SIZE
 
     model = load_model(str(default_model_path), device="cpu")
     with model.engine("early_exit", exit_layer=8) as engine:

@@ -29,7 +29,7 @@ MODES = ("text", "generate")
 """What is counted: ``text`` = the calibration texts' tokens; ``generate`` = the model's own greedy output."""
 ARCH_KEYS = ("model_type", "num_layers", "hidden_size", "vocab_size")
 """Identity keys (``Runner.identity()``) a counts or vocabulary file must match, besides the tokenizer."""
-BUNDLED_DIR = Path(__file__).parent.parent / "data" / "draft_vocab"
+BUNDLED_DIR = Path(__file__).parent / "data" / "draft_vocab"
 """Counts files shipped with the package (package data), one per model; read by ``--draft-vocab N``."""
 MAKE_ONE = "make one for this model with `layerskip draft-vocab`"
 AUTO = "auto"
