@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ from layerskip_core.adapter_spec import (
     read_metadata,
     weight_fingerprint,
 )
+from layerskip_core.draft_vocab import resolve_draft_vocab_option
 from layerskip_core.errors import UserError
 from train.config import AdapterConfig
 from train.data import IGNORE, Examples
@@ -94,6 +96,16 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, None] + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin[:, None]
 
 
+def draft_vocab_ids(model: nn.Module, tokenizer, cfg: AdapterConfig) -> tuple[int, ...] | None:
+    """The token ids of ``adapter.draft_vocab`` for ``model`` (checked against its architecture and tokenizer, as the
+    drafters check it), or None for the whole head."""
+    c = decoder_parts(model).config
+    identity = {"model_type": c.model_type, "num_layers": c.num_hidden_layers, "hidden_size": c.hidden_size,
+                "vocab_size": decoder_parts(model).lm_head.weight.shape[0]}
+    vocab = resolve_draft_vocab_option(cfg.draft_vocab, identity, tokenizer)
+    return None if vocab is None else vocab.ids
+
+
 def model_identity(model: nn.Module) -> dict:
     """The base model's identity as ``Runner.identity()`` computes it from the same weights."""
     parts = decoder_parts(model)
@@ -108,12 +120,26 @@ def model_identity(model: nn.Module) -> dict:
             "vocab_size": c.vocab_size, "weight_fingerprint": weight_fingerprint(first_values)}
 
 
+class DraftRows:
+    """A reduced draft vocabulary in training: its rows of the frozen head and each token id's column."""
+
+    def __init__(self, head_weight: Tensor, ids: Sequence[int]):
+        self.ids = torch.as_tensor(list(ids), dtype=torch.long, device=head_weight.device)  # (N,) sorted
+        self.rows = head_weight.detach().index_select(0, self.ids)  # (N, d): a copy, not a parameter
+        self.columns = torch.full((head_weight.shape[0],), -1, dtype=torch.long, device=head_weight.device)  # (V,)
+        self.columns[self.ids] = torch.arange(len(self.ids), device=head_weight.device)
+
+    def argmax(self, logits: Tensor) -> Tensor:
+        """(..., N) logits over the vocabulary -> (...) the top token ids."""
+        return self.ids[logits.argmax(-1)]
+
+
 class AdapterLM(nn.Module):
     """The frozen model (kept outside the module tree: checkpoints hold the adapter only) plus the adapter.
 
     ``forward`` returns what the LayerSkip loop reads (``loss``, ``exit_losses``, ``exits``, ``skipped``)."""
 
-    def __init__(self, model: nn.Module, cfg: AdapterConfig):
+    def __init__(self, model: nn.Module, cfg: AdapterConfig, vocab_ids: Sequence[int] | None = None):
         super().__init__()
         self.frozen = [model.requires_grad_(False).eval()]  # a list: not a submodule
         self.cfg, parts = cfg, decoder_parts(model)
@@ -128,6 +154,8 @@ class AdapterLM(nn.Module):
         self.adapter.init_from(parts)
         self.memo = TeacherMemo(cfg.teacher_top_k) if cfg.teacher_top_k else None
         """The frozen model's outputs per training row after their first pass (``teacher_top_k`` > 0)."""
+        self.vocab = None if vocab_ids is None else DraftRows(parts.lm_head.weight, vocab_ids)
+        """The reduced draft vocabulary the head scores (``adapter.draft_vocab``), or None: the whole head."""
 
     def rates(self, step: int) -> list[float]:
         """Layer dropout rates (none: the base model is frozen)."""
@@ -164,13 +192,20 @@ class AdapterLM(nn.Module):
             positions = torch.arange(input_ids.shape[1], device=exit_h.device)[None]  # (1, T)
             return exit_h, target, decoder_parts(self.frozen[0]).global_rope(exit_h, positions)
         exit_h, logits, rope = self.base_states(input_ids, teacher=True)
-        target = TeacherTargets.of(logits, self.memo.k)  # (B, T, K)
+        target = TeacherTargets.of(logits, self.memo.k, None if self.vocab is None else self.vocab.ids)  # (B, T, K)
         self.memo.store(input_ids, exit_h, target)
         return exit_h, target, rope
 
     def adapter_logits(self, exit_h: Tensor, rope: tuple) -> Tensor:
-        """(B, T, d) -> (B, T, V) fp32 through the adapter and the frozen head (the gradient reaches the adapter)."""
-        return decoder_parts(self.frozen[0]).head(self.adapter(exit_h, *rope, None)).float()
+        """(B, T, d) -> (B, T, V) fp32 through the adapter and the frozen head (the gradient reaches the adapter); (B,
+        T, N) over the draft vocabulary's N tokens when it has one."""
+        return self.head_logits(self.adapter(exit_h, *rope, None))
+
+    def head_logits(self, out: Tensor, whole: bool = False) -> Tensor:
+        """The adapter's output (B, T, d) -> fp32 logits over the draft vocabulary (B, T, N), or the whole head's (B, T,
+        V) when there is none or ``whole``."""
+        rows = None if self.vocab is None or whole else self.vocab.rows
+        return decoder_parts(self.frozen[0]).head(out, rows).float()
 
     def forward(self, input_ids: Tensor, labels: Tensor, step: int = 0, micro: int = 0) -> dict[str, Tensor]:
         targets = next_token_targets(labels)  # (B, T)
@@ -181,9 +216,11 @@ class AdapterLM(nn.Module):
             exit_h, teacher, rope = self.base_states(input_ids, teacher=False)
         logits = self.adapter_logits(exit_h, rope)[valid]  # (N, V)
         if isinstance(teacher, TeacherTargets):
-            loss = top_k_distill_loss(logits, teacher.rows(valid))  # to the (K + 1)-bucket distribution
-        elif teacher is not None:
-            loss = F.cross_entropy(logits, torch.softmax(teacher[valid], -1))  # KL(teacher || adapter) + H(teacher)
+            columns = None if self.vocab is None else self.vocab.columns
+            loss = top_k_distill_loss(logits, teacher.rows(valid), columns)  # to the (K + 1)-bucket distribution
+        elif teacher is not None:  # KL(teacher || adapter) + H(teacher); on a draft vocabulary, the teacher's there
+            teacher = teacher[valid] if self.vocab is None else teacher[valid][:, self.vocab.ids]  # (N, V) or (N, n)
+            loss = F.cross_entropy(logits, torch.softmax(teacher, -1))
         else:
             loss = F.cross_entropy(logits, targets[valid])
         return {"loss": loss, "exit_losses": loss.detach()[None], "exits": torch.tensor(self.exits),
@@ -191,8 +228,9 @@ class AdapterLM(nn.Module):
 
     @torch.no_grad()
     def evaluate(self, examples: Examples, batch_size: int, pad_id: int, device, indices: list[int]) -> Tensor:
-        """(5,) sums over ``indices``: adapter CE on the data, adapter and plain-exit top-1 agreement with the full
-        model, adapter top-1 accuracy, tokens (summed across processes by the caller)."""
+        """(5,) sums over ``indices``: adapter CE on the data (the whole head), adapter and plain-exit top-1 agreement
+        with the full model, adapter top-1 accuracy (the adapter's top token over its draft vocabulary when it has
+        one: the token it would draft), tokens (summed across processes by the caller)."""
         stats = torch.zeros(5, dtype=torch.float64)
         head, norm = decoder_parts(self.frozen[0]).lm_head, decoder_parts(self.frozen[0]).norm
         for start in range(0, len(indices), batch_size):
@@ -200,9 +238,10 @@ class AdapterLM(nn.Module):
             targets = next_token_targets(batch["labels"]).to(device)  # (B, T)
             valid = targets != IGNORE  # (B, T)
             exit_h, teacher, rope = self.teacher(batch["input_ids"].to(device))
-            logits = self.adapter_logits(exit_h, rope)  # (B, T, V)
+            out = self.adapter(exit_h, *rope, None)  # (B, T, d)
+            logits = self.head_logits(out, whole=True)  # (B, T, V)
             full_top = teacher.greedy() if isinstance(teacher, TeacherTargets) else teacher.argmax(-1)  # (B, T)
-            top = logits.argmax(-1)  # (B, T)
+            top = logits.argmax(-1) if self.vocab is None else self.vocab.argmax(self.head_logits(out))  # drafted
             plain_top = head(norm(exit_h)).argmax(-1)  # (B, T): the untrained early exit at E
             stats += torch.stack([F.cross_entropy(logits[valid], targets[valid], reduction="sum").double().cpu(),
                                   ((top == full_top) & valid).sum().cpu().double(),
@@ -289,7 +328,8 @@ def save_adapter(accelerator, lm, cfg, path, tokens: int, step: int) -> None:
     tokens, each source (``source_provenance``), block size and the commit of the code that trained it."""
     if accelerator.is_main_process:
         model = accelerator.unwrap_model(lm)
-        model.save(path, {"target": model.cfg.target, "steps": step, "tokens": tokens,
+        vocab = None if model.vocab is None else {"option": model.cfg.draft_vocab, "size": len(model.vocab.ids)}
+        model.save(path, {"target": model.cfg.target, "draft_vocab": vocab, "steps": step, "tokens": tokens,
                           "data": [s.type for s in cfg.data.sources],
                           "sources": [source_provenance(s) for s in cfg.data.sources],
                           "block_size": cfg.data.block_size, "commit": code_commit()})

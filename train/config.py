@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
+from layerskip_core.draft_vocab import OFF, check_draft_vocab_option
 from layerskip_core.errors import UserError
 from layerskip_core.options import check_fields
 from layerskip_core.settings import check_threads
@@ -299,6 +300,13 @@ class AdapterConfig:
     """With ``target: distill``: 0 = the teacher's whole distribution, the frozen model run on every step; K > 0 = its
     K most likely tokens plus one bucket for the rest, and the frozen model's outputs for each training block kept
     in memory after their first pass, so later epochs run only the adapter and the head (``train.teacher_memo``)."""
+    draft_vocab: str = "off"
+    """The token ids the adapter's head scores in training, as the drafter's ``draft_vocab`` does when decoding:
+    'off' (the whole head), 'auto' (the top 8192 of the token counts shipped for the model; the whole head when none
+    fit), a size N (the top N of those counts) or a vocabulary file made by `layerskip draft-vocab`. The teacher's
+    tokens outside it join the rest bucket, so the adapter learns the choice it makes when drafting; the head's share
+    of a step (most of a kept step on a 49k-token vocabulary) shrinks to N / V. Needs ``target: distill``; draft with
+    the same vocabulary (``draft_vocab=auto`` is the drafters' default)."""
 
     def __post_init__(self) -> None:
         _numbers(self, "adapter")
@@ -307,6 +315,9 @@ class AdapterConfig:
         _check(self.teacher_top_k >= 0, "adapter.teacher_top_k must be >= 0 (0: the whole distribution)")
         _check(self.teacher_top_k == 0 or self.target == "distill",
                "adapter.teacher_top_k needs target: distill (with target: data there is no teacher)")
+        check_draft_vocab_option(self.draft_vocab)
+        _check(self.draft_vocab.strip().lower() in OFF or self.target == "distill",
+               "adapter.draft_vocab needs target: distill (a data token outside the vocabulary has no column)")
 
 
 @dataclass

@@ -260,9 +260,10 @@ def set_up(cfg: TrainConfig, accelerator) -> Session:
     if cfg.lora.enabled:
         hf_model = add_lora(hf_model, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
     if cfg.adapter.enabled:  # the frozen model trains an exit adapter (train/adapter.py)
-        from train.adapter import AdapterLM  # lazy: torch; --help-config and a bad recipe answer at once
+        from train.adapter import AdapterLM, draft_vocab_ids  # lazy: torch; --help-config answers at once
 
-        model = AdapterLM(hf_model.to(accelerator.device), cfg.adapter)
+        vocab = draft_vocab_ids(hf_model, tokenizer, cfg.adapter)
+        model = AdapterLM(hf_model.to(accelerator.device), cfg.adapter, vocab)
     else:
         model = LayerSkipLM(hf_model, cfg.layer_dropout, cfg.early_exit, cfg.optim.max_steps, cfg.seed,
                             cfg.model.gradient_checkpointing, cfg.keep_final)  # reachable inside the DDP wrapper

@@ -24,6 +24,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from layerskip_core.device import parse_dtype
@@ -53,10 +54,11 @@ class Parts:
         """The final logit softcapping the model's own forward applies (Gemma 3), or None."""
         return getattr(self.config, "final_logit_softcapping", None)
 
-    def head(self, normed: Tensor) -> Tensor:
+    def head(self, normed: Tensor, rows: Tensor | None = None) -> Tensor:
         """Final-normed hidden (..., d) -> logits (..., V) as the model's forward computes them (softcapped where it
-        caps)."""
-        logits = self.lm_head(normed)
+        caps); with ``rows`` (N, d), rows of the head's weight (a reduced draft vocabulary), the logits (..., N) of
+        those rows only."""
+        logits = self.lm_head(normed) if rows is None else F.linear(normed, rows)
         cap = self.softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

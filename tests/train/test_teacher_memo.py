@@ -92,3 +92,96 @@ def test_teacher_top_k_needs_the_distill_target(tiny_recipe):
         tiny_recipe("adapter.enabled=true", "adapter.target=data", "adapter.teacher_top_k=8")
     with pytest.raises(UserError, match="teacher_top_k must be >= 0"):
         tiny_recipe("adapter.enabled=true", "adapter.teacher_top_k=-1")
+
+
+# ---------------------------------------------------------------- a reduced draft vocabulary (adapter.draft_vocab)
+def test_the_loss_over_a_draft_vocabulary_is_the_teachers_distribution_conditioned_on_it():
+    torch.manual_seed(2)
+    V, k, subset = 13, 5, torch.tensor([0, 2, 3, 5, 8, 9, 12])  # the student scores 7 of the 13 tokens
+    teacher = torch.randn(6, 1, V)
+    target = TeacherTargets.of(teacher, k, subset).rows(torch.ones(6, 1, dtype=torch.bool))  # (6, 5)
+    columns = torch.full((V,), -1).index_put_((subset,), torch.arange(len(subset)))  # (V,)
+    student = torch.randn(6, len(subset))  # (6, 7)
+    p, q = torch.softmax(teacher[:, 0], -1), torch.softmax(student, -1)  # (6, 13), (6, 7)
+    expected = []
+    for i in range(6):
+        inside = [int(t) for t in target.ids[i] if int(t) in subset.tolist()]  # the teacher's K the student scores
+        p_in = p[i, inside] / p[i, subset].sum()  # the teacher conditioned on the draft vocabulary
+        q_in = q[i, [int(columns[t]) for t in inside]]
+        expected.append(-(p_in * q_in.log()).sum() - (1 - p_in.sum()) * (1 - q_in.sum()).log())
+    assert torch.allclose(top_k_distill_loss(student, target, columns), torch.stack(expected).mean(), atol=1e-5)
+    assert any(int(t) not in subset.tolist() for t in target.ids.flatten())  # the case is exercised
+
+
+def test_a_draft_vocabulary_of_every_token_gives_the_whole_heads_loss():
+    torch.manual_seed(3)
+    student, teacher = torch.randn(4, 9), torch.randn(4, 1, 9)
+    target = TeacherTargets.of(teacher, 3, torch.arange(9)).rows(torch.ones(4, 1, dtype=torch.bool))
+    assert torch.allclose(top_k_distill_loss(student, target, torch.arange(9)), top_k_distill_loss(student, target),
+                          atol=1e-6)
+
+
+def test_the_adapter_scores_only_its_draft_vocabulary(tiny_hf):
+    ids = tuple(range(0, 256, 3))  # 86 of the tiny model's tokens
+    lm = AdapterLM(tiny_hf, AdapterConfig(enabled=True, exit_layer=2, mlp_size=16, teacher_top_k=8), ids)
+    whole = AdapterLM(tiny_hf, AdapterConfig(enabled=True, exit_layer=2, mlp_size=16, teacher_top_k=8))
+    whole.adapter.load_state_dict(lm.adapter.state_dict())
+    batch = torch.randint(3, 200, (2, 16))
+    h, _, rope = lm.teacher(batch)
+    sub, full = lm.adapter_logits(h, rope), whole.adapter_logits(h, rope)  # (2, 16, 86), (2, 16, V)
+    assert sub.shape[-1] == len(ids) and torch.allclose(sub, full[..., list(ids)], atol=1e-5)
+    assert set(lm.vocab.argmax(sub).flatten().tolist()) <= set(ids)
+    opt, losses = torch.optim.Adam(lm.adapter.parameters(), lr=3e-3), []
+    for _ in range(20):  # one batch, over and over: the loss falls, the drafted token becomes the teacher's
+        loss = lm(batch, batch.clone())["loss"]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    h, target, rope = lm.teacher(batch)
+    inside = lm.vocab.columns[target.greedy()] >= 0  # (2, 16): the full model's token is one it can draft
+    drafted = lm.vocab.argmax(lm.adapter_logits(h, rope))  # (2, 16)
+    assert inside.any() and (drafted == target.greedy())[inside].float().mean() > 0.9
+
+
+def _vocab_file(model_dir, path, ids) -> str:
+    from transformers import AutoConfig, AutoTokenizer
+
+    from layerskip_core.draft_vocab import DraftVocab, model_record
+
+    c = AutoConfig.from_pretrained(model_dir)
+    identity = {"model_type": c.model_type, "num_layers": c.num_hidden_layers, "hidden_size": c.hidden_size,
+                "vocab_size": c.vocab_size}
+    DraftVocab(ids, model_record(identity, AutoTokenizer.from_pretrained(model_dir))).save(path)
+    return str(path)
+
+
+def test_a_run_with_a_draft_vocabulary_trains_and_reports_the_drafted_agreement(tiny_recipe, tiny_model_dir,
+                                                                               tmp_path):
+    vocab = _vocab_file(tiny_model_dir, tmp_path / "vocab.json", range(0, 128))
+    cfg = tiny_recipe("adapter.enabled=true", "adapter.exit_layer=2", "adapter.mlp_size=32", "adapter.teacher_top_k=16",
+                      f"adapter.draft_vocab={vocab}", "optim.max_steps=12", "optim.grad_accum_steps=1",
+                      "logging.eval_every=6", "logging.eval_at_start=true")
+    run_training(cfg)
+    out = Path(cfg.checkpoint.output_dir)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r and "split" not in r]
+    evals = [r for r in records if r.get("split") == "val"]  # agreement: the token drafted over the vocabulary
+    assert all(0 < x < 10 for x in losses)  # per batch, noisy at 12 steps; the fixed batch above falls
+    assert evals[-1]["adapter_agreement"]["2"] > evals[0]["adapter_agreement"]["2"]  # what it would draft
+    assert (out / "adapter.safetensors").exists()
+
+
+def test_a_draft_vocabulary_for_another_model_or_target_is_refused(tiny_recipe, tiny_model_dir, tmp_path):
+    with pytest.raises(UserError, match="draft_vocab needs target: distill"):
+        tiny_recipe("adapter.enabled=true", "adapter.target=data", "adapter.draft_vocab=auto")
+    with pytest.raises(UserError, match="neither a size"):
+        tiny_recipe("adapter.enabled=true", "adapter.draft_vocab=nonsense")
+    other = json.loads(Path(_vocab_file(tiny_model_dir, tmp_path / "v.json", range(9))).read_text())
+    other["model"]["num_layers"] = 99
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    cfg = tiny_recipe("adapter.enabled=true", "adapter.exit_layer=2", f"adapter.draft_vocab={tmp_path / 'other.json'}")
+    with pytest.raises(UserError, match="made for another model"):
+        run_training(cfg)
+    assert not (Path(cfg.checkpoint.output_dir) / "adapter.safetensors").exists()
