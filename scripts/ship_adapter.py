@@ -55,9 +55,17 @@ def provenance(run: Path, meta: dict, records: list[dict], recipe: str, data_com
     shape, trained = json.loads(meta["shape"]), json.loads(meta["provenance"])
     distilled = [s for s in trained["sources"] if "self_distill" in s]
     raw = [s for s in trained["sources"] if "self_distill" not in s]
-    kinds = {s["self_distill"]["kind"]: {k: s["self_distill"][k] for k in ("prompts", "new_tokens")}
-             for s in distilled}
-    settings = (distilled[0]["self_distill"].get("settings") or {}) if distilled else {}
+    kinds: dict[str, dict[str, int]] = {}  # a kind's prompts and tokens, summed over its files (passes)
+    for src in distilled:
+        counts = kinds.setdefault(src["self_distill"]["kind"], {"prompts": 0, "new_tokens": 0})
+        for key in counts:
+            counts[key] += src["self_distill"][key]
+    passes = []  # each generation pass's settings, once
+    for src in distilled:
+        settings = {k: v for k, v in (src["self_distill"].get("settings") or {}).items()
+                    if k in ("max_new_tokens", "temperature", "top_p", "seed", "decoding")}
+        if settings not in passes:
+            passes.append(settings)
     started = (run / "config.yaml").stat().st_mtime  # written when the run starts
     steps = [r for r in records if "loss" in r and "split" not in r]
     return {
@@ -66,10 +74,9 @@ def provenance(run: Path, meta: dict, records: list[dict], recipe: str, data_com
                 "the frozen model's next-token distribution",
         "recipe": recipe, "data_command": data_command,
         "train_command": f"python train/layerskip.py --config {recipe}",
-        "shape": shape, "target": trained["target"],
+        "shape": shape, "target": trained["target"], "draft_vocab": trained.get("draft_vocab"),
         "self_distilled_kinds": kinds,
-        "self_distill_settings": {k: settings[k] for k in ("max_new_tokens", "temperature", "top_p", "seed")
-                                  if k in settings},
+        "self_distill_passes": passes,
         "self_distill_generated_tokens": sum(k["new_tokens"] for k in kinds.values()),
         "data_commit": distilled[0]["self_distill"].get("data_commit") if distilled else None,
         "raw_sources": raw, "held_out_kinds": list(HELDOUT_KINDS),

@@ -10,7 +10,8 @@ Medusa-2 and EAGLE train their heads). The loss still targets the frozen model's
 writes ``<out>/<kind>.jsonl`` (fields ``id``, ``kind``, ``text``: the prompt in the chat template, or raw, plus
 the model's continuation; ``new_tokens``; ``sampled``) and ``<out>/provenance.json`` (model, commit, settings,
 prompts and tokens per kind). Prompts alternate greedy decoding and sampling (``--temperature``), so the data
-holds both the greedy text a drafter meets most often and varied contexts. A recipe reads the files as
+holds both the greedy text a drafter meets most often and varied contexts; ``--decoding sampled --seed 1`` into
+another folder adds a second, sampled continuation of every prompt. A recipe reads the files as
 ``type: jsonl`` sources, one per kind, its ``max_documents`` setting each kind's share.
 """
 
@@ -59,11 +60,17 @@ def _generate_batch(model, tokenizer, texts: list[str], sampled: bool, args) -> 
     return rows
 
 
+def is_sampled(index: int, decoding: str) -> bool:
+    """Whether the prompt at ``index`` of its kind is sampled (else decoded greedily) under ``--decoding``."""
+    return decoding == "sampled" or (decoding == "alternate" and index % 2 == 1)
+
+
 def generate_kind(model, tokenizer, prompts: list[KindPrompt], args, bar) -> list[dict]:
-    """Records of one kind: even-numbered prompts decoded greedily, odd ones sampled, in batches."""
+    """Records of one kind, in batches: with ``--decoding alternate`` even-numbered prompts decoded greedily and odd
+    ones sampled; ``greedy`` / ``sampled``: all of them so."""
     records = []
     for sampled in (False, True):
-        group = [p for i, p in enumerate(prompts) if (i % 2 == 1) == sampled]
+        group = [p for i, p in enumerate(prompts) if is_sampled(i, args.decoding) == sampled]
         for start in range(0, len(group), args.batch_size):
             chunk = group[start:start + args.batch_size]
             rows = _generate_batch(model, tokenizer, [prompt_text(tokenizer, p) for p in chunk], sampled, args)
@@ -86,6 +93,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--kinds", default=",".join(TRAIN_KINDS), help=f"comma-separated kinds (of {TRAIN_KINDS})")
     ap.add_argument("--per-kind", type=int, default=None, help="at most this many prompts per kind (all: default)")
     ap.add_argument("--max-new-tokens", type=int, default=160, help="tokens generated per prompt")
+    ap.add_argument("--decoding", choices=("alternate", "greedy", "sampled"), default="alternate",
+                    help="how continuations are decoded: greedy and sampled by turns, or all one way ('sampled' with "
+                         "another --seed adds different continuations of the same prompts to an earlier run's)")
     ap.add_argument("--temperature", type=finite_float, default=0.8, help="temperature of the sampled half")
     ap.add_argument("--top-p", type=finite_float, default=0.95, help="top-p of the sampled half")
     ap.add_argument("--batch-size", type=int, default=16, help="prompts per generate call")

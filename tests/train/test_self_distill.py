@@ -55,6 +55,16 @@ def test_generates_each_kind_with_its_provenance(tiny_model_dir, tmp_path):
     assert prov["settings"]["max_new_tokens"] == 6 and prov["commit"]
 
 
+def test_a_sampled_pass_with_another_seed_adds_other_continuations_of_the_same_prompts(tiny_model_dir, tmp_path):
+    assert _generate(tiny_model_dir, tmp_path / "a", "--decoding", "sampled", "--max-new-tokens", "12") == 0
+    assert _generate(tiny_model_dir, tmp_path / "b", "--decoding", "sampled", "--max-new-tokens", "12",
+                     "--seed", "1") == 0
+    a, b = ([json.loads(line) for line in (tmp_path / d / "chat.jsonl").read_text().splitlines()] for d in "ab")
+    assert [r["sampled"] for r in a] == [True, True, True] and [r["id"] for r in a] == [r["id"] for r in b]
+    assert [r["text"] for r in a] != [r["text"] for r in b]
+    assert json.loads((tmp_path / "b" / "provenance.json").read_text())["settings"]["decoding"] == "sampled"
+
+
 def test_refuses_to_replace_data_without_force(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "data"
     out.mkdir()
@@ -75,13 +85,23 @@ def test_bad_options_are_refused_in_one_line(tiny_model_dir, tmp_path, capsys, b
 def test_an_adapter_trains_on_the_data_and_drafts_losslessly(tiny_recipe, tiny_model_dir, tmp_path):
     """The recipe's shape on the tiny model: jsonl sources per kind, an adapter with an MLP, distilled from the kept
     teacher's top K."""
-    data = tmp_path / "data"
+    import ship_adapter
+
+    data, again = tmp_path / "data", tmp_path / "again"  # two passes: alternate, then sampled with another seed
     assert _generate(tiny_model_dir, data) == 0
-    sources = ", ".join(f"{{type: jsonl, path: '{data / k}.jsonl'}}" for k in ("chat", "math"))
-    cfg = tiny_recipe(f"data.sources=[{sources}]", "data.block_size=16", "data.val_fraction=0.0",
+    assert _generate(tiny_model_dir, again, "--decoding", "sampled", "--seed", "1") == 0
+    sources = ", ".join(f"{{type: jsonl, path: '{d / k}.jsonl'}}" for d in (data, again) for k in ("chat", "math"))
+    cfg = tiny_recipe(f"data.sources=[{sources}]", "data.block_size=16", "data.val_fraction=0.3",
+                      "logging.eval_every=3",
                       "adapter.enabled=true", "adapter.exit_layer=1", "adapter.mlp_size=16", "adapter.teacher_top_k=8",
                       "optim.max_steps=3")
     path = run_training(cfg)["final_dir"]
+    ship = ["--run", cfg.checkpoint.output_dir, "--name", "tiny", "--out", str(tmp_path / "ship")]
+    assert ship_adapter.main(ship) == 0
+    shipped = json.loads((tmp_path / "ship" / "tiny-e1.provenance.json").read_text())
+    assert shipped["self_distilled_kinds"]["chat"]["prompts"] == 6  # both passes' 3 prompts
+    assert [p.get("decoding") for p in shipped["self_distill_passes"]] == ["alternate", "sampled"]
+    assert shipped["draft_vocab"] is None  # the whole head
     runner = Runner.from_pretrained(tiny_model_dir)
     engine = Engine(runner, build_drafter("early_exit", runner, {"adapter": str(path), "k": 3}))
     plain = Engine(runner, build_drafter("autoregressive", runner))
