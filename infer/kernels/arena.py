@@ -5,9 +5,7 @@ per-layer matrices (1.3-7 MB each) stream at ~0.80 of the rate of one sequential
 back to back in one buffer, at ~0.91-0.95 (1 thread, AMD EPYC Zen 4; docs/KERNELS.md). ``place`` copies a matrix
 into the current slab (a plain byte buffer of ``SLAB_BYTES``) right after the previous one; a slab is freed when
 no matrix placed in it is alive any more. Matrices over ``MAX_BYTES`` (an LM head, often the embedding's own
-storage, which a copy would hold twice) stay where they are, except where they lie in a checkpoint's file mapping
-(safetensors reads zero-copy): those pages cannot be huge, so the matrix gets its own huge-page copy (the runner
-points a tied embedding at it; the fp32 default model's head read 1.6x faster so at one token, docs/KERNELS.md). On Linux a slab starts on a 2 MB boundary and asks for
+storage, which a copy would hold twice) stay where they are. On Linux a slab starts on a 2 MB boundary and asks for
 transparent huge pages (``madvise(MADV_HUGEPAGE)``, best effort): the step's weights then stream through 2 MB pages
 instead of 4 KB ones (measured: a one-token step ~10% faster, docs/KERNELS.md, "The fused layer span"). The pages a
 placed matrix lies on are then collapsed into huge pages at once (``MADV_COLLAPSE``, Linux 6.1+): where the host's
@@ -46,8 +44,6 @@ def place(weight: Tensor) -> Tensor:
     if nbytes == 0 or weight.requires_grad:
         return weight
     if nbytes > MAX_BYTES:
-        if weight.device.type == "cpu" and file_backed(weight.data_ptr()):
-            return _huge_copy(weight)
         if weight.device.type == "cpu":
             _collapse(weight.data_ptr(), nbytes)
         return weight
@@ -82,34 +78,6 @@ def advise_huge_pages(address: int, length: int, advice: int = MADV_HUGEPAGE) ->
     if libc is None:
         return False
     return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), advice) == 0
-
-
-def file_backed(address: int) -> bool:
-    """Whether ``address`` lies in a mapping of a file (a checkpoint's tensors read zero-copy by safetensors), whose
-    pages cannot become huge pages; False for anonymous memory and where ``/proc/self/maps`` cannot be read."""
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                fields = line.split(maxsplit=5)
-                lo, hi = (int(x, 16) for x in fields[0].split("-"))
-                if lo <= address < hi:
-                    return len(fields) == 6 and fields[5].strip().startswith("/")
-    except (OSError, ValueError, IndexError):
-        return False
-    return False
-
-
-def _huge_copy(weight: Tensor) -> Tensor:
-    """``weight`` copied into its own anonymous memory from a 2 MB boundary, advised and collapsed to huge pages."""
-    nbytes = weight.numel() * weight.element_size()
-    span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    raw = torch.empty(span + HUGE_PAGE, dtype=torch.uint8)
-    offset = -raw.data_ptr() % HUGE_PAGE
-    advise_huge_pages(raw.data_ptr() + offset, span)
-    copy = raw[offset:offset + nbytes].view(weight.dtype).view(weight.shape)  # (a view: it holds the allocation)
-    copy.copy_(weight)
-    advise_huge_pages(raw.data_ptr() + offset, span, MADV_COLLAPSE)
-    return copy
 
 
 def _collapse(address: int, length: int) -> None:

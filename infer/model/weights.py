@@ -174,8 +174,7 @@ def fused_weights(state: dict[str, Tensor], config, dt: torch.dtype, dev: torch.
         missing = "embed_tokens.weight" if embed is None else "norm.weight"
         raise UserError(f"checkpoint has no tensor {missing!r}; is it a {spec.model_type} model?")
     tied = head is None or getattr(config, "tie_word_embeddings", False)
-    lm_head = Linear(embed if tied else head, None, kernel)
-    return lm_head.weight if tied else embed, norm_weight(norm, spec), lm_head, layers  # a tied pair held once
+    return embed, norm_weight(norm, spec), Linear(embed if tied else head, None, kernel), layers
 
 
 UNFUSED = {"o": "self_attn.o_proj.weight", "down": "mlp.down_proj.weight"}

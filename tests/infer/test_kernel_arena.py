@@ -63,36 +63,3 @@ def test_arena_slabs_start_on_huge_page_boundaries():
         assert second.data_ptr() - first.data_ptr() == 64 * 64 * 4  # back to back after it
     finally:
         arena.release()
-
-
-def test_a_large_matrix_in_a_checkpoints_file_mapping_gets_its_own_huge_page_copy(tmp_path):
-    """A matrix over ``MAX_BYTES`` stays where it is unless it lies in a file mapping (safetensors reads zero-copy),
-    whose pages cannot be huge: then it is copied, bitwise, to anonymous memory from a 2 MB boundary."""
-    from safetensors.torch import load_file, save_file
-
-    rows = arena.MAX_BYTES // (64 * 4) + 8  # just over the limit, fp32, 64 columns
-    save_file({"w": torch.randn(rows, 64)}, str(tmp_path / "w.safetensors"))
-    mapped = load_file(str(tmp_path / "w.safetensors"))["w"]
-    assert arena.file_backed(mapped.data_ptr())
-    placed = arena.place(mapped)
-    assert not arena.file_backed(placed.data_ptr()) and placed.data_ptr() % arena.HUGE_PAGE == 0
-    assert torch.equal(placed, mapped)
-    own = torch.randn(rows, 64)  # anonymous: kept in place
-    assert not arena.file_backed(own.data_ptr()) and arena.place(own).data_ptr() == own.data_ptr()
-
-
-def test_a_runner_holds_a_tied_embedding_and_lm_head_once(default_model_path):
-    """The default model ties its embedding to the LM head: the runner's embedding is the head's (huge-page) copy, and
-    the logits are those of the model's own forward."""
-    from transformers import AutoModelForCausalLM
-
-    runner = Runner.from_pretrained(default_model_path)
-    assert runner.embed_w.data_ptr() == runner.lm_head.weight.data_ptr()
-    if runner.kernel is not None:
-        assert not arena.file_backed(runner.lm_head.weight.data_ptr())
-    model = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).eval()
-    ids = torch.arange(100, 120)
-    assert torch.equal(runner.embed_w, model.get_input_embeddings().weight)
-    with torch.no_grad():
-        ref = model(ids[None]).logits[0, -1]
-    assert torch.allclose(runner.forward(runner.new_cache(32), ids)[-1], ref, atol=1e-4)
