@@ -118,8 +118,8 @@ def parser() -> Parser:
     ap.add_argument("--dtype", choices=DTYPES, default="fp32", help="the shipped tensors' dtype")
     ap.add_argument("--recipe", default="recipes/cpu-adapter-selfdistill.yaml", help="the recipe the run used")
     ap.add_argument("--data-command", default="python -m train.self_distill --out runs/self-distill --batch-size 32 "
-                    "--threads 1 && python -m train.self_distill --out runs/self-distill-s1 --batch-size 32 --threads 1 "
-                    "--decoding sampled --seed 1", help="the commands that made the self-distilled data")
+                    "--threads 1 && python -m train.self_distill --out runs/self-distill-s1 --batch-size 32 "
+                    "--threads 1 --decoding sampled --seed 1", help="the commands that made the self-distilled data")
     ap.add_argument("--note", default="", help="a remark the provenance carries as written (what the run cannot say)")
     ap.add_argument("--out", default="infer/data/adapters", help="the folder of shipped adapters")
     ap.add_argument("--force", action="store_true", help="replace a shipped adapter of the same name")

@@ -154,6 +154,8 @@ class AdapterLM(nn.Module):
         self.adapter.init_from(parts)
         self.memo = TeacherMemo(cfg.teacher_top_k) if cfg.teacher_top_k else None
         """The frozen model's outputs per training row after their first pass (``teacher_top_k`` > 0)."""
+        self.commit = code_commit()
+        """The code that trains it, taken when the run starts (the checkout may move on before the file is saved)."""
         self.vocab = None if vocab_ids is None else DraftRows(parts.lm_head.weight, vocab_ids)
         """The reduced draft vocabulary the head scores (``adapter.draft_vocab``), or None: the whole head."""
 
@@ -332,7 +334,7 @@ def save_adapter(accelerator, lm, cfg, path, tokens: int, step: int) -> None:
         model.save(path, {"target": model.cfg.target, "draft_vocab": vocab, "steps": step, "tokens": tokens,
                           "data": [s.type for s in cfg.data.sources],
                           "sources": [source_provenance(s) for s in cfg.data.sources],
-                          "block_size": cfg.data.block_size, "commit": code_commit()})
+                          "block_size": cfg.data.block_size, "commit": model.commit})
     accelerator.wait_for_everyone()
 
 

@@ -143,6 +143,7 @@ def run(args: argparse.Namespace) -> dict:
     """Generate every kind's file and the provenance; returns the provenance."""
     out = Path(args.out)
     _prepare_out(out, args.force)
+    commit = code_commit()  # the code that runs: taken now, not when the files are written
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -156,7 +157,7 @@ def run(args: argparse.Namespace) -> dict:
             records = generate_kind(model, tokenizer, prompts, args, bar)
             _write_jsonl(out / f"{kind}.jsonl", records)
             counts[kind] = {"prompts": len(records), "new_tokens": sum(r["new_tokens"] for r in records)}
-    provenance = {"model": args.model, "model_path": path.name, "commit": code_commit(),
+    provenance = {"model": args.model, "model_path": path.name, "commit": commit,
                   "kinds": counts, "settings": {k: v for k, v in vars(args).items() if k not in ("out", "force")},
                   "seconds": round(time.time() - started, 1)}
     (out / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")

@@ -125,3 +125,37 @@ def test_the_shipped_adapter_carries_its_provenance_and_never_saw_a_held_out_kin
     assert (beside["steps"], beside["loss_tokens"], beside["code_commit"]) == \
         (header["steps"], header["tokens"], header["commit"])
     assert (folder.parents[2] / beside["recipe"]).is_file()
+
+
+def test_the_data_and_the_adapter_record_the_code_at_their_start(tiny_recipe, tiny_model_dir, tmp_path, monkeypatch):
+    """The checkout may move on while a long generation or training runs: both record the commit taken when they
+    started, not when their files are written (here the commit 'moves' once the work has begun)."""
+    from safetensors import safe_open
+
+    import train.adapter
+    import train.self_distill
+
+    head = {"commit": "at-start"}
+    monkeypatch.setattr(train.self_distill, "code_commit", lambda: head["commit"])
+    generate = train.self_distill.generate_kind
+
+    def generate_and_move(*args, **kwargs):
+        head["commit"] = "later"
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(train.self_distill, "generate_kind", generate_and_move)
+    assert _generate(tiny_model_dir, tmp_path / "data") == 0
+    assert json.loads((tmp_path / "data" / "provenance.json").read_text())["commit"] == "at-start"
+    head["commit"] = "run-start"
+    monkeypatch.setattr(train.adapter, "code_commit", lambda: head["commit"])
+    forward = train.adapter.AdapterLM.forward
+
+    def forward_and_move(self, *args, **kwargs):
+        head["commit"] = "later"
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(train.adapter.AdapterLM, "forward", forward_and_move)
+    cfg = tiny_recipe("adapter.enabled=true", "adapter.exit_layer=2", "optim.max_steps=2")
+    run_training(cfg)
+    with safe_open(str(Path(cfg.checkpoint.output_dir) / "adapter.safetensors"), framework="pt") as f:
+        assert json.loads(f.metadata()["provenance"])["commit"] == "run-start"
