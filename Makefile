@@ -48,13 +48,13 @@ fetch-model: setup
 # A quick look on a few held-out real prompts (HumanEval, GSM8K) with the default model: the untrained early exit
 # (which loses on this model), the exit adapter shipped for it (trained on the frozen model: output unchanged) and
 # SWIFT, which falls back to plain steps where drafting would not pay.
-DEMO_DRAFTERS ?= autoregressive,early_exit:E=24:k=4,early_exit:adapter=default:k=4:confidence=0.5:keep_last=true,swift
+DEMO_DRAFTERS ?= autoregressive,early_exit:E=24:k=4,early_exit:adapter=default:k=6:confidence=0.5:keep_last=true,swift
 demo: fetch-model
 	@echo "demo rows: autoregressive = plain decoding; early_exit:E=24 = the untrained model's own exit 24 (expected to lose);"
 	@echo "  early_exit:adapter=default = the exit adapter shipped for this model: one attention layer and an MLP on layer"
 	@echo "  4's input, distilled on CPU from the frozen model's own answers to chat, code, prose and arithmetic prompts plus"
 	@echo "  Python source (recipes/cpu-adapter-selfdistill.yaml; model unchanged, output identical), at its setting chosen on"
-	@echo "  validation prompts (k=4, confidence 0.5, the stopping token kept); swift = SWIFT, training-free."
+	@echo "  validation prompts (k=6, confidence 0.5, the stopping token kept); swift = SWIFT, training-free."
 	$(BIN)/layerskip bench --model default --drafters $(DEMO_DRAFTERS) --peers hf_generate \
 		--data humaneval,gsm8k --n 3 --max-new-tokens 64 --repeats 1 --threads 1 --out runs/demo --force
 
