@@ -85,12 +85,9 @@ def special_ids(tokenizer, eos_ids: Iterable[int] = ()) -> tuple[int, ...]:
 
 # --------------------------------------------------------------------------- files
 def _write_json(path, text: str) -> None:
-    """Write atomically (a temporary file renamed into place)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    """Write atomically through the project's one JSON writer (``jsonfile.write``), creating the folder."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    jsonfile.write(path, text)
 
 
 def _token_ids(values, vocab_size: int, what: str) -> list[int]:
