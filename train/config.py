@@ -303,10 +303,10 @@ class AdapterConfig:
     draft_vocab: str = "off"
     """The token ids the adapter's head scores in training, as the drafter's ``draft_vocab`` does when decoding:
     'off' (the whole head), 'auto' (the top 8192 of the token counts shipped for the model; the whole head when none
-    fit), a size N (the top N of those counts) or a vocabulary file made by `layerskip draft-vocab`. The teacher's
-    tokens outside it join the rest bucket, so the adapter learns the choice it makes when drafting; the head's share
-    of a step (most of a kept step on a 49k-token vocabulary) shrinks to N / V. Needs ``target: distill``; draft with
-    the same vocabulary (``draft_vocab=auto`` is the drafters' default)."""
+    fit), a size N (the top N of those counts) or a vocabulary file made by `layerskip draft-vocab`. The target is
+    then the teacher's distribution conditioned on those tokens, so the adapter learns the choice it makes when
+    drafting; the head's share of a step (most of a kept step on a 49k-token vocabulary) shrinks to N / V. Needs
+    ``target: distill``; draft with the same vocabulary (``draft_vocab=auto`` is the drafters' default)."""
 
     def __post_init__(self) -> None:
         _numbers(self, "adapter")
