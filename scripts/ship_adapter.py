@@ -56,12 +56,11 @@ def provenance(run: Path, meta: dict, records: list[dict], recipe: str, data_com
     distilled = [s for s in trained["sources"] if "self_distill" in s]
     raw = [s for s in trained["sources"] if "self_distill" not in s]
     kinds: dict[str, dict[str, int]] = {}  # a kind's prompts and tokens, summed over its files (passes)
+    passes = []  # each generation pass's settings, once
     for src in distilled:
         counts = kinds.setdefault(src["self_distill"]["kind"], {"prompts": 0, "new_tokens": 0})
         for key in counts:
             counts[key] += src["self_distill"][key]
-    passes = []  # each generation pass's settings, once
-    for src in distilled:
         settings = {k: v for k, v in (src["self_distill"].get("settings") or {}).items()
                     if k in ("max_new_tokens", "temperature", "top_p", "seed", "decoding")}
         if settings not in passes:

@@ -99,10 +99,7 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def draft_vocab_ids(model: nn.Module, tokenizer, cfg: AdapterConfig) -> tuple[int, ...] | None:
     """The token ids of ``adapter.draft_vocab`` for ``model`` (checked against its architecture and tokenizer, as the
     drafters check it), or None for the whole head."""
-    c = decoder_parts(model).config
-    identity = {"model_type": c.model_type, "num_layers": c.num_hidden_layers, "hidden_size": c.hidden_size,
-                "vocab_size": decoder_parts(model).lm_head.weight.shape[0]}
-    vocab = resolve_draft_vocab_option(cfg.draft_vocab, identity, tokenizer)
+    vocab = resolve_draft_vocab_option(cfg.draft_vocab, model_identity(model), tokenizer)
     return None if vocab is None else vocab.ids
 
 
