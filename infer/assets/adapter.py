@@ -34,7 +34,7 @@ class ExitAdapter:
     """One adapter's weights as a decoder layer on a runner's device and dtype, and its forward."""
 
     def __init__(self, runner: Runner, shape: AdapterShape, weights: dict[str, Tensor], provenance: dict,
-                 source: str | Path = "the adapter"):
+                 source: str | Path = "the adapter", dtype: torch.dtype | None = None):
         shape.check_model(runner.num_layers)
         shape.check_layout(runner.spec, source)  # the adapter's layer runs with the model's head layout
         self.runner, self.shape, self.provenance = runner, shape, provenance
@@ -43,20 +43,21 @@ class ExitAdapter:
                 got = tuple(weights[name].shape) if name in weights else "missing"
                 raise UserError(f"adapter tensor {name!r} should have shape {want}, has {got}; the file is damaged")
         layer = {LAYER_NAMES[k]: weights[k] for k in shape.tensor_shapes() if k in LAYER_NAMES}
-        self.layer = runner.extra_layer(layer, weights["out_norm.weight"])
-        """The runner over the adapter's layer, its output norm before the LM head (kept by ``runner``)."""
+        self.layer = runner.extra_layer(layer, weights["out_norm.weight"], dtype)
+        """The runner over the adapter's layer, its output norm before the LM head (kept by ``runner``), in ``dtype``
+        (default the model's): only drafts read it, so its precision changes drafts, never the output."""
 
     @property
     def exit_layer(self) -> int:
         return self.shape.exit_layer
 
     @classmethod
-    def load(cls, path: str | Path, runner: Runner) -> ExitAdapter:
-        """Read an adapter file made for ``runner``'s model (refused in one line otherwise)."""
+    def load(cls, path: str | Path, runner: Runner, dtype: torch.dtype | None = None) -> ExitAdapter:
+        """Read an adapter file made for ``runner``'s model (refused in one line otherwise), to run in ``dtype``."""
         path = Path(path).expanduser()
         meta, weights = read_file(path, hint=", or 'default'")
         shape, provenance = read_metadata(meta, runner.identity(), str(path))
-        return cls(runner, shape, weights, provenance, path)
+        return cls(runner, shape, weights, provenance, path, dtype)
 
     def new_cache(self, capacity: int) -> KVCache:
         """A one-layer cache for the adapter's keys and values at positions [0, capacity)."""
@@ -65,12 +66,13 @@ class ExitAdapter:
     def forward(self, cache: KVCache, hidden: Tensor, start: int, logits: bool = False,
                 vocab: DraftHead | None = None) -> SpanOutput:
         """Hidden (T, d) entering layer E at positions start..start+T-1 (the cache must hold ``start``) through the
-        adapter's layer, appending T rows to its cache: ``hidden`` (T, d) is the adapter's output before its
-        output norm; with ``logits``, the (T, V) fp32 logits after it and the LM head (or ``vocab``'s)."""
+        adapter's layer, appending T rows to its cache: ``hidden`` (T, d) is the adapter's output (in its dtype) before
+        its output norm; with ``logits``, the (T, V) fp32 logits after it and the LM head (or ``vocab``'s)."""
         T = hidden.shape[0]
         if cache.lengths[0] != start:
             raise RuntimeError(f"adapter cache holds {cache.lengths[0]} positions; asked to write from {start}")
-        out = self.layer.span(cache, hidden, list(range(start, start + T)), 0, 1, logits=logits, vocab=vocab)
+        out = self.layer.span(cache, hidden.to(self.layer.dtype), list(range(start, start + T)), 0, 1, logits=logits,
+                              vocab=vocab)
         if logits:
             self.runner.counters.lm_head_tokens += T
         return out
@@ -85,7 +87,7 @@ class ExitAdapter:
                 raise RuntimeError(f"adapter cache holds {cache.lengths[0]} positions; asked to write from {start}")
         segments = [Segment(cache, [start]) for cache, start in zip(caches, starts, strict=True)]
         self.runner.counters.lm_head_tokens += hidden.shape[0]
-        return packed_span(self.layer, segments, hidden, 0, 1, logits=True, vocab=vocab).logits
+        return packed_span(self.layer, segments, hidden.to(self.layer.dtype), 0, 1, logits=True, vocab=vocab).logits
 
 
 def adapter_path(spec: str, runner: Runner) -> Path:

@@ -31,18 +31,16 @@ forwards, and one packed forward holds at most ``PACK_ROWS`` positions (a longer
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-import torch
 from torch import Tensor
 
 from infer.drafters.base import DecodeState, Drafter, cut_layers
 from infer.model.forward_model import Segment
-from infer.model.packed import packed_layers
+from infer.model.packed import packed_layers, packs
 from infer.model.runner import Runner
-from infer.model.weights import Linear
 
 PACK_ROWS = 4096
 """Most prompt positions in one packed forward (bounds its (N, 2 I) MLP activations)."""
@@ -73,23 +71,6 @@ class Prompt:
     def keeps(self, layer: int) -> bool:
         """Whether the stream entering ``layer`` (the depth: after the last layer) is kept."""
         return bool(self.layers) and (layer in self.layers or layer == self.state.depth)
-
-
-def projections(runner: Runner) -> Iterator[Linear]:
-    """Every matmul of a prefill: the layers' q/k/v, output, gate/up and down projections, and the LM head."""
-    yield runner.lm_head
-    for w in runner.layers:
-        yield from (lin for lin in (w.qkv, w.o, w.gate_up, w.down) if lin is not None)
-
-
-def packs(runner: Runner) -> bool:
-    """Whether prompts share packed forwards on ``runner`` now (the rule in the module docstring)."""
-    kernel = runner.kernel
-    capped = runner.spec.final_softcap is not None
-    return (runner.device.type == "cpu" and runner.dtype == torch.float32 and kernel is not None
-            and kernel.path() == "avx512" and torch.get_num_threads() == 1
-            and all(lin.kernel is not None for lin in projections(runner))
-            and not (capped and runner.spec.vocab_size % 64))
 
 
 def prefill(runner: Runner, prompts: Sequence[Prompt]) -> list[Tensor]:

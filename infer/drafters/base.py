@@ -16,6 +16,7 @@ from infer.model.plan import LayerPlan
 from infer.model.runner import DraftHead, Runner
 from infer.model.sampling import SamplingConfig
 from layerskip_core.draft_vocab import AUTO, check_draft_vocab_option
+from layerskip_core.errors import UserError
 
 
 @dataclass
@@ -149,6 +150,10 @@ WHOLE_PROMPT = sys.maxsize
 """``Needs.prompt_rows`` that keeps every position of the prompt, however long."""
 
 
+DRAFT_DTYPES = (AUTO, "model", "fp32", "bf16", "fp16")
+"""The values of ``DraftVocabOption.draft_dtype``."""
+
+
 @dataclass
 class DraftVocabOption:
     """The option of every drafter that drafts with the LM head (its Config subclasses this)."""
@@ -158,9 +163,17 @@ class DraftVocabOption:
     unchanged). auto: the most frequent ids (draft_vocab.AUTO_SIZE of them) of the counts shipped for this
     model, if there are some, else the full head; N: the N most frequent; a file made by `layerskip draft-vocab`;
     off: the full head."""
+    draft_dtype: str = AUTO
+    """Precision of the weights only drafts read: the reduced draft head and (early exit) an exit adapter. auto:
+    bf16 where the model runs in fp32 on a CPU whose kernel has native bf16 dot products (AVX512_BF16: half the
+    bytes a draft reads there), else the model's; model; fp32; bf16; fp16. Verification never reads them, so the
+    output is unchanged (drafts may differ slightly). With the full head (draft-vocab off) drafts read the model's
+    own head in its dtype."""
 
     def __post_init__(self) -> None:
         check_draft_vocab_option(self.draft_vocab)
+        if self.draft_dtype not in DRAFT_DTYPES:
+            raise UserError(f"draft-dtype must be one of {', '.join(DRAFT_DTYPES)}, got {self.draft_dtype!r}")
 
 
 @dataclass(frozen=True)

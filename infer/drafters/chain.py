@@ -245,10 +245,11 @@ def _chain_forwards(active: list[_Chain], step: int) -> list[tuple[Tensor, Tenso
 
 
 def _pack_key(forward) -> tuple:
-    """What must be alike for draft forwards to run as packed rows: their kind, exit, head, plan, observed layers
-    (rows of one batch may draft from different exits: a dynamic exit's)."""
+    """What must be alike for draft forwards to run as packed rows: their kind, exit, head, plan, observed layers,
+    adapter, copied prefix (rows of one batch may draft from different exits: a dynamic exit's)."""
     return (type(forward), forward.exact_layers, id(getattr(forward, "vocab", None)),
-            id(getattr(forward, "plan", None)), tuple(getattr(forward, "layers", ())))
+            id(getattr(forward, "plan", None)), tuple(getattr(forward, "layers", ())),
+            id(getattr(forward, "adapter", None)), id(getattr(forward, "prefix", None)))
 
 
 def _chain_result(c: _Chain) -> ChainResult:

@@ -28,7 +28,9 @@ from infer.drafters.base import (
 )
 from infer.drafters.chain import ChainAsk, EarlyExitForward, check_size, draft_chains
 from infer.drafters.gate import COLD, GateOwner, RememberOption
-from infer.drafters.inputs import draft_head
+from infer.drafters.inputs import draft_dtype, draft_head
+from infer.drafters.prefix_copy import CopiedPrefixForward
+from layerskip_core.draft_vocab import AUTO
 from layerskip_core.errors import UserError
 from layerskip_core.layers import check_exit_layer
 from layerskip_core.options import check_fields
@@ -62,6 +64,13 @@ class EarlyExitDrafterConfig(DraftVocabOption, RememberOption):
     adapter: str | None = None
     """An exit adapter trained on the frozen model (a file from train/layerskip.py's adapter: runs, or 'default':
     the one shipped for the default model): drafts run layers [0, E), the adapter and the shared head."""
+    prefix: str = AUTO
+    """Layers [0, E) of a draft: shared = the model's own, whose KV and exit states verification reuses (LayerSkip);
+    copy = a copy of them in draft-dtype with its own KV cache (E/L of the weights again, in that precision), so a
+    draft reads fewer bytes where draft-dtype is narrower than the model's, and verification runs layers [0, E)
+    over the drafted tokens as well (infer.drafters.prefix_copy); auto = copy with an exit adapter where draft-dtype
+    is narrower than the model's (an adapter's shallow exit: a small copy, most of a draft's cost), else shared. The
+    output is the model's either way."""
 
     def __post_init__(self) -> None:
         check_fields(self, "early_exit")
@@ -72,8 +81,12 @@ class EarlyExitDrafterConfig(DraftVocabOption, RememberOption):
             raise UserError(f"recheck-interval must be >= 1, got {self.recheck_interval}")
         if not 0.0 <= self.confidence < 1.0:
             raise UserError(f"confidence must be in [0, 1), got {self.confidence}")
+        if self.prefix not in PREFIXES:
+            raise UserError(f"prefix must be one of {', '.join(PREFIXES)}, got {self.prefix!r}")
 
 
+PREFIXES = (AUTO, "shared", "copy")
+"""The values of ``EarlyExitDrafterConfig.prefix``."""
 EXIT_DEFAULT = EarlyExitDrafterConfig.exit_layer
 """The exit layer's default, which an adapter's own E replaces."""
 
@@ -106,7 +119,8 @@ class EarlyExitDrafter(GateOwner, Drafter):
     def resolve(cls, spec, runner, tokenizer=None) -> DraftInputs:
         """The draft head and, with ``adapter``, the exit adapter (its E checked against ``exit_layer``)."""
         config = spec.config
-        adapter = None if config.adapter is None else ExitAdapter.load(adapter_path(config.adapter, runner), runner)
+        adapter = None if config.adapter is None else \
+            ExitAdapter.load(adapter_path(config.adapter, runner), runner, draft_dtype(config.draft_dtype, runner))
         if adapter is not None and config.exit_layer not in (EXIT_DEFAULT, adapter.exit_layer):
             raise UserError(f"the adapter was trained at exit layer {adapter.exit_layer}; drop --exit-layer "
                             f"{config.exit_layer} or give {adapter.exit_layer}")
@@ -117,14 +131,23 @@ class EarlyExitDrafter(GateOwner, Drafter):
     def __init__(self, runner, config: EarlyExitDrafterConfig, inputs: DraftInputs):
         self.config = config
         self.adapter, self.vocab = inputs.adapter, inputs.vocab  # the adapter, the draft head: None or given
-        self.forward = EarlyExitForward(runner, self.config.exit_layer, self.vocab) if self.adapter is None \
-            else AdapterForward(runner, self.adapter, self.vocab)
+        exit_layer = config.exit_layer if self.adapter is None else self.adapter.exit_layer
+        dtype = draft_dtype(config.draft_dtype, runner)
+        if config.prefix == "copy" or (config.prefix == AUTO and self.adapter is not None
+                                       and dtype.itemsize < runner.dtype.itemsize):
+            self.forward = CopiedPrefixForward(runner, exit_layer, dtype, self.adapter, self.vocab)
+        elif self.adapter is None:
+            self.forward = EarlyExitForward(runner, exit_layer, self.vocab)
+        else:
+            self.forward = AdapterForward(runner, self.adapter, self.vocab)
+        self.own_caches = not isinstance(self.forward, EarlyExitForward)
+        """The draft forward keeps caches of its own (the adapter's, the copied prefix's), following the tokens."""
         self.init_gate(runner, self.config)
         self.forwards = self.plain_steps = 0
         self._cycle_start: float | None = None
 
     def needs(self) -> Needs:
-        if self.adapter is None:
+        if not isinstance(self.forward, AdapterForward):
             return Needs(lookahead=self.config.num_draft + 1)
         # the prefill keeps the prompt's stream entering the adapter's exit, which fills the adapter's cache
         return Needs(lookahead=self.config.num_draft + 1, prompt_layers=(self.adapter.exit_layer,),
@@ -133,9 +156,11 @@ class EarlyExitDrafter(GateOwner, Drafter):
     def start(self, state: DecodeState) -> None:
         self.forwards = self.plain_steps = 0
         self._cycle_start = None
-        if self.adapter is not None:
+        if isinstance(self.forward, AdapterForward):
             kept = (state.prompt_observed or {}).get(self.adapter.exit_layer)  # (P, d), kept by the prefill
             self.forward.start(state.cache, state.tokens[:state.n], kept)
+        elif self.own_caches:
+            self.forward.start(state.cache, state.tokens[:state.n])
 
     def propose(self, state: DecodeState) -> Draft | None:
         return self.propose_rows([(self, state)])[0]
@@ -155,7 +180,7 @@ class EarlyExitDrafter(GateOwner, Drafter):
         for j, (drafter, state) in enumerate(rows):
             if not drafter.begin_cycle():
                 continue
-            if drafter.adapter is not None:
+            if drafter.own_caches:
                 drafter.forward.catch_up(state.cache, state.tokens, state.n)
             c = drafter.config
             asks.append(ChainAsk(state, drafter.forward, c.num_draft, c.confidence, c.keep_last))
@@ -169,7 +194,7 @@ class EarlyExitDrafter(GateOwner, Drafter):
     def update(self, state: DecodeState, outcome: VerifyOutcome) -> None:
         if outcome.draft is None:
             self.plain_steps += 1
-        if self.adapter is not None:
+        if self.own_caches:
             self.forward.accept(outcome.start, outcome.exit_hidden, state.n)
         if self._cycle_start is not None:  # set by propose only when adaptive
             seconds = time.perf_counter() - self._cycle_start

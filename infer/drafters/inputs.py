@@ -8,28 +8,46 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
+from infer import kernels
 from infer.model.plan import LayerPlan, PlanFile, check_depth
 from infer.model.runner import DraftHead, Runner
-from layerskip_core.draft_vocab import DraftVocab, resolve_draft_vocab_option
+from layerskip_core.device import parse_dtype
+from layerskip_core.draft_vocab import AUTO, DraftVocab, resolve_draft_vocab_option
 from layerskip_core.errors import UserError
 
 
 def draft_head(spec, runner: Runner, tokenizer=None) -> DraftHead | None:
     """The draft head of ``spec``: the vocabulary it was given as an object, else its ``draft_vocab`` option (a
-    size, file, 'auto' or 'off': ``layerskip_core.draft_vocab.resolve_draft_vocab_option``) for ``runner``'s model."""
+    size, file, 'auto' or 'off': ``layerskip_core.draft_vocab.resolve_draft_vocab_option``) for ``runner``'s model,
+    in its ``draft_dtype``."""
     vocab = spec.vocab if spec.vocab is not None else \
         resolve_draft_vocab_option(spec.config.draft_vocab, runner, tokenizer)
-    return head_of(runner, vocab)
+    return head_of(runner, vocab, draft_dtype(spec.config.draft_dtype, runner))
 
 
-def head_of(runner: Runner, vocab: DraftVocab | None) -> DraftHead | None:
-    """The runner's draft head over ``vocab``'s ids (None: the full head), refused for another vocabulary size."""
+def draft_dtype(option: str, runner: Runner) -> torch.dtype:
+    """The dtype of the weights only drafts read (``DraftVocabOption.draft_dtype``) on ``runner``: 'auto' is bf16
+    where the model runs fp32 on a CPU kernel with native bf16 dot products, else the model's dtype."""
+    if option == "model":
+        return runner.dtype
+    if option == AUTO:
+        native = (runner.dtype == torch.float32 and runner.device.type == "cpu"
+                  and kernels.supports(runner.kernel, torch.bfloat16))
+        return torch.bfloat16 if native else runner.dtype
+    return parse_dtype(option)
+
+
+def head_of(runner: Runner, vocab: DraftVocab | None, dtype: torch.dtype | None = None) -> DraftHead | None:
+    """The runner's draft head over ``vocab``'s ids (None: the full head) in ``dtype`` (default the model's), refused
+    for another vocabulary size."""
     if vocab is None:
         return None
     if vocab.vocab_size != runner.spec.vocab_size:
         raise UserError(f"the draft vocabulary is for a {vocab.vocab_size}-token vocabulary; the model has "
                         f"{runner.spec.vocab_size}")
-    return runner.draft_head(vocab.ids)
+    return runner.draft_head(vocab.ids, dtype)
 
 
 def load_plan(path: str | Path, runner: Runner) -> PlanFile:
@@ -45,11 +63,12 @@ def given_plan(plan: LayerPlan, runner: Runner) -> LayerPlan:
     return plan
 
 
-def plan_head(runner: Runner, plan_file: PlanFile) -> DraftHead | None:
-    """The draft head a plan file records (the one its search scored plans with): None for the full head."""
+def plan_head(runner: Runner, plan_file: PlanFile, dtype: torch.dtype | None = None) -> DraftHead | None:
+    """The draft head a plan file records (the one its search scored plans with), in ``dtype``: None for the full
+    head."""
     ids = plan_file.draft_ids
     if ids is None:
         return None
     if max(ids) >= runner.spec.vocab_size:
         raise UserError(f"the plan's draft head has token ids beyond the model's {runner.spec.vocab_size}")
-    return runner.draft_head(ids)
+    return runner.draft_head(ids, dtype)

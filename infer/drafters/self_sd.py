@@ -46,7 +46,7 @@ from infer.drafters.base import (
 )
 from infer.drafters.chain import ChainAsk, PlanForward, check_size, draft_chains
 from infer.drafters.gate import COLD
-from infer.drafters.inputs import draft_head, given_plan, load_plan, plan_head
+from infer.drafters.inputs import draft_dtype, draft_head, given_plan, load_plan, plan_head
 from infer.model.plan import check_plan_option
 from infer.model.runner import Runner
 from layerskip_core.errors import UserError
@@ -171,7 +171,8 @@ class SelfSDDrafter(Drafter):
         if spec.plan is not None:
             return DraftInputs(draft_head(spec, runner, tokenizer), given_plan(spec.plan, runner))
         plan_file = load_plan(spec.config.plan, runner)  # refused unless made for this model (its depth too)
-        head = plan_head(runner, plan_file) if plan_file.draft_head else draft_head(spec, runner, tokenizer)
+        head = plan_head(runner, plan_file, draft_dtype(spec.config.draft_dtype, runner)) if plan_file.draft_head \
+            else draft_head(spec, runner, tokenizer)
         return DraftInputs(head, plan_file.plan)
 
     def __init__(self, runner: Runner, config: SelfSDConfig, inputs: DraftInputs):

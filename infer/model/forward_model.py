@@ -18,7 +18,7 @@ from torch import Tensor
 
 from infer.model.kv_cache import KVCache
 from infer.model.plan import LayerPlan
-from infer.model.weights import LayerWeights
+from infer.model.weights import LayerWeights, Linear
 from layerskip_core.models import ModelSpec
 
 
@@ -70,6 +70,9 @@ class ForwardModel(Protocol):
     device: torch.device
     dtype: torch.dtype
     layers: list[LayerWeights]
+    lm_head: Linear
+    kernel: object
+    """The small-matmul kernel module (``infer.kernels``), or None (torch's matmuls)."""
     counters: LayerCounts
     rope_rows: list[int]
     """Per layer: its row in the RoPE tables ``rope`` returns."""

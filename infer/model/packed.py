@@ -17,7 +17,7 @@ this module, never the other way round).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -25,6 +25,25 @@ from torch import Tensor
 from infer.model import layer_math
 from infer.model.forward_model import ForwardModel, Segment, SpanOutput, VocabHead
 from infer.model.plan import LayerPlan
+from infer.model.weights import Linear
+
+
+def projections(runner: ForwardModel) -> Iterator[Linear]:
+    """Every matmul of a prefill: the layers' q/k/v, output, gate/up and down projections, and the LM head."""
+    yield runner.lm_head
+    for w in runner.layers:
+        yield from (lin for lin in (w.qkv, w.o, w.gate_up, w.down) if lin is not None)
+
+
+def packs(runner: ForwardModel) -> bool:
+    """Whether prompts share packed forwards on ``runner`` now, on the kernel (``infer.decode.prefill``'s rule: its
+    module docstring); elsewhere a prompt is prefilled alone on ``F.linear`` (``bulk``)."""
+    kernel = runner.kernel
+    capped = runner.spec.final_softcap is not None
+    return (runner.device.type == "cpu" and runner.dtype == torch.float32 and kernel is not None
+            and kernel.path() == "avx512" and torch.get_num_threads() == 1
+            and all(lin.kernel is not None for lin in projections(runner))
+            and not (capped and runner.spec.vocab_size % 64))
 
 
 def packed_span(runner: ForwardModel, segments: Sequence[Segment], hidden: Tensor, start: int, end: int, *,

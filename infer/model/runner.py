@@ -27,7 +27,7 @@ import hashlib
 import os
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from weakref import WeakKeyDictionary
@@ -70,12 +70,13 @@ class DraftHead:
     draft distribution that is zero outside the subset. Verification never uses it.
     """
 
-    def __init__(self, runner: Runner, ids: Tensor, key: str):
+    def __init__(self, runner: Runner, ids: Tensor, key: str, dtype: torch.dtype | None = None):
         self.ids = ids.to(runner.device, torch.long)  # (N,) sorted, unique
-        self.key = key  # identifies the ids (static forwards are keyed by it)
+        self.key = key  # identifies the ids and the dtype (static forwards are keyed by it)
         self.vocab_size = runner.spec.vocab_size
         self.spec = runner.spec  # its final logit softcapping
-        self.linear = Linear(runner.lm_head.weight.index_select(0, self.ids), None, runner.kernel)  # (N, d): a copy
+        rows = runner.lm_head.weight.index_select(0, self.ids).to(dtype or runner.dtype)  # (N, d)
+        self.linear = Linear(rows, None, runner.kernel)  # a copy, in ``dtype``: only drafts read it
 
     @property
     def size(self) -> int:
@@ -83,7 +84,7 @@ class DraftHead:
 
     def logits(self, normed: Tensor) -> Tensor:
         """(T, d) final-normed hidden -> (T, V) fp32 logits, -inf outside the subset."""
-        sub = layer_math.softcap(self.linear(normed).float(), self.spec)  # (T, N)
+        sub = layer_math.softcap(self.linear(normed.to(self.linear.weight.dtype)).float(), self.spec)  # (T, N)
         full = sub.new_full((sub.shape[0], self.vocab_size), float("-inf"))  # (T, V)
         return full.index_copy_(1, self.ids, sub)
 
@@ -189,13 +190,17 @@ class Runner:
         share_unfused(model, runner.layers)
         return runner
 
-    def over_layers(self, layers: list[LayerWeights], final_norm: Tensor, spec: ModelSpec | None = None) -> Runner:
+    def over_layers(self, layers: list[LayerWeights], final_norm: Tensor, spec: ModelSpec | None = None,
+                    dtype: torch.dtype | None = None) -> Runner:
         """A runner over other decoder layers with ``final_norm`` before this model's LM head: the embedding, LM
         head, RoPE tables, kernel and executor kind are this runner's; its spec (len(layers) layers), counters, cache
         pool and static forwards are its own (``spec``: the layers' own, with their windows and RoPE tables; default
         this model's, cut to len(layers)). Its caches are ``KVCache``s of its layers, so every executor runs it as it
-        runs the model."""
+        runs the model. ``dtype``: its layers', caches' and RoPE tables' (default this runner's; the head's stays)."""
         other = copy.copy(self)
+        if dtype is not None and dtype != self.dtype:
+            other.dtype = dtype
+            other._cos, other._sin = [c.to(dtype) for c in self._cos], [s.to(dtype) for s in self._sin]
         other.own_layers(layers, final_norm, spec)
         return other
 
@@ -213,20 +218,26 @@ class Runner:
         self.static = None if self.static is None else StaticExecutor(self, self.static.capture, self.static.compile)
         self.fused = fused_span.for_runner(self)
 
-    def extra_layer(self, state: dict[str, Tensor], final_norm: Tensor) -> Runner:
-        """``over_layers`` for one more decoder layer (an exit adapter's) given by its tensors under HF names within
-        a layer (without ``mlp.*`` tensors it has no MLP), on any device and dtype. Built on first use for these
-        values and kept for the runner's lifetime, as draft heads are, so its static forwards and CUDA graphs are
-        made once, not once per drafter."""
-        key = tensor_digest(state | {"final_norm": final_norm})
-        if key not in self._extra_layers:
+    def extra_layer(self, state: dict[str, Tensor], final_norm: Tensor, dtype: torch.dtype | None = None) -> Runner:
+        """``derived`` ``over_layers`` for one more decoder layer (an exit adapter's), given by its tensors under HF
+        names within a layer (no ``mlp.*`` tensors: no MLP), run in ``dtype`` (default this runner's)."""
+        dtype = dtype or self.dtype
+
+        def build() -> Runner:
             def get(name: str) -> Tensor | None:
-                return state[name].to(self.device, self.dtype) if name in state else None
+                return state[name].to(self.device, dtype) if name in state else None
 
             spec = self.spec.adapter_layer()  # train.adapter's layer: no q/k or sandwich norms, SiLU, global RoPE
             layer = fused_layer(get, spec, self.kernel, mlp="mlp.gate_proj.weight" in state)
-            norm = norm_weight(final_norm.to(self.device, self.dtype), spec)
-            self._extra_layers[key] = self.over_layers([layer], norm, spec)
+            return self.over_layers([layer], norm_weight(final_norm.to(self.device, dtype), spec), spec, dtype)
+
+        return self.derived(tensor_digest(state | {"final_norm": final_norm}) + str(dtype), build)
+
+    def derived(self, key: str, build: Callable[[], Runner]) -> Runner:
+        """A runner derived from this one (``over_layers``: an exit adapter's layer, a copied prefix), made by ``build``
+        on first use for ``key`` and kept, as draft heads are: its static forwards and CUDA graphs are made once."""
+        if key not in self._extra_layers:
+            self._extra_layers[key] = build()
         return self._extra_layers[key]
 
     # ----------------------------------------------------------------- executor
@@ -316,18 +327,21 @@ class Runner:
         """Final norm + LM head in fp32, without counting (the static executor counts on the host); with
         ``vocab``, only its N rows of the head run and the other logits are -inf."""
         h = layer_math.norm(hidden, self.final_norm, self.spec)  # (T, d)
-        return layer_math.softcap(self.lm_head(h).float(), self.spec) if vocab is None else vocab.logits(h)  # (T, V)
+        if vocab is not None:
+            return vocab.logits(h)  # (T, V)
+        return layer_math.softcap(self.lm_head(h.to(self.lm_head.weight.dtype)).float(), self.spec)  # (T, V)
 
-    def draft_head(self, ids: Tensor | list[int]) -> DraftHead:
-        """The draft head over token ``ids`` (N,), built on first use and kept for the runner's lifetime."""
+    def draft_head(self, ids: Tensor | list[int], dtype: torch.dtype | None = None) -> DraftHead:
+        """The draft head over token ``ids`` (N,) in ``dtype`` (default the runner's), made on first use and kept."""
         ids = torch.as_tensor(ids, dtype=torch.long).cpu()  # (N,)
         if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size:
             raise UserError(f"a draft vocabulary needs token ids in [0, {self.spec.vocab_size}), got "
                             f"{ids.numel()} ids")
         ids = ids.unique(sorted=True)
-        key = hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16]
+        dtype = dtype or self.dtype
+        key = hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16] + ("" if dtype == self.dtype else str(dtype))
         if key not in self._draft_heads:
-            self._draft_heads[key] = DraftHead(self, ids, key)
+            self._draft_heads[key] = DraftHead(self, ids, key, dtype)
         return self._draft_heads[key]
 
     def span(self, cache: KVCache, hidden: Tensor, positions: list[int], start: int, end: int, *,

@@ -65,6 +65,19 @@ class LayerWeights:
     post_mlp_norm: Tensor | None = None  # (d,): norm of the MLP output before the residual (Gemma 3)
 
 
+def cast_layer(w: LayerWeights, dtype: torch.dtype, spec: ModelSpec, kernel) -> LayerWeights:
+    """A copy of layer ``w`` in ``dtype``: its matmuls on ``kernel`` where that runs ``dtype`` (else torch's), its
+    norm weights as ``norm_weight`` keeps them (the (1 + w) flavour stays fp32)."""
+    def linear(m: Linear | None) -> Linear | None:
+        return None if m is None else Linear(m.weight.to(dtype), None if m.bias is None else m.bias.to(dtype), kernel)
+
+    def norm(t: Tensor | None) -> Tensor | None:
+        return t if t is None or spec.family.norm_offset else t.to(dtype)
+
+    return LayerWeights(norm(w.attn_norm), linear(w.qkv), linear(w.o), norm(w.mlp_norm), linear(w.gate_up),
+                        linear(w.down), norm(w.q_norm), norm(w.k_norm), norm(w.post_attn_norm), norm(w.post_mlp_norm))
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     fast = kernels.norm_kernel()  # the C++ row norm where the kernel is loaded on an AVX-512 CPU
     if (fast is not None and x.device.type == "cpu" and weight.dtype == x.dtype

@@ -75,7 +75,7 @@ def test_the_adapter_cache_is_filled_from_the_prefill_stream(model, tmp_path):
     of a second pass over layers [0, E) to rounding."""
     write_adapter(model, tmp_path / "a.safetensors", exit_layer=3, noise=0.2)
     runner = Runner.from_model(model)
-    drafter = build_drafter("early_exit", runner, {"k": 4, "draft_vocab": "off",
+    drafter = build_drafter("early_exit", runner, {"k": 4, "draft_vocab": "off", "prefix": "shared",
                                                    "adapter": str(tmp_path / "a.safetensors")})
     engine, prompt = Engine(runner, drafter), PROMPTS[2]
     runner.counters.reset()
@@ -157,7 +157,9 @@ def test_the_adapter_drafts_identically_on_every_executor(model, tmp_path, monke
     if executor == "graphs":
         monkeypatch.setattr(StaticSpan, "capture", fake_capture)
         runner.static = StaticExecutor(runner, capture=True)
-    cases = [{"k": 4}, {"k": 3, "draft_vocab": DraftVocab(ids=list(range(0, 320, 2)), model=runner.identity())}]
+    vocab = DraftVocab(ids=list(range(0, 320, 2)), model=runner.identity())
+    # in the model's dtype: in bf16 the static forwards' torch ops and the eager kernel round differently
+    cases = [{"k": 4, "draft_dtype": "model"}, {"k": 3, "draft_vocab": vocab, "draft_dtype": "model"}]
     for options in cases[:1] if executor == "graphs" else cases:
         for prompt in PROMPTS:
             want, got = _drafts(eager, path, prompt, options), _drafts(runner, path, prompt, options)
@@ -185,16 +187,46 @@ def test_adaptive_plain_steps_then_drafting_stays_exact(model, tmp_path):
 
 
 @pytest.mark.slow
-def test_sampling_with_an_adapter_matches_the_target(tmp_path):
+@pytest.mark.parametrize("draft_dtype", ["model", "bf16"])
+def test_sampling_with_an_adapter_matches_the_target(tmp_path, draft_dtype):
+    """Also with the adapter in bf16 under an fp32 model: q is then the bf16 draft's distribution."""
     model = make_model("llama", seed=7, vocab_size=5, layers=3)
     path = tmp_path / "a.safetensors"
     write_adapter(model, path, 1, noise=0.3)
     runner = Runner.from_model(model)
-    engine = Engine(runner, build_drafter("early_exit", runner, {"adapter": str(path), "k": 3}))
+    engine = Engine(runner, build_drafter("early_exit", runner, {"adapter": str(path), "k": 3,
+                                                                 "draft_dtype": draft_dtype}))
+    assert engine.drafter.adapter.layer.dtype == (torch.float32 if draft_dtype == "model" else torch.bfloat16)
     pvalue, totals = sampling_pvalue(engine, model, [1, 2, 3], SamplingConfig(temperature=1.0), samples=2500,
                                      seed=4321)
     assert 0.1 < totals["accepted"] / totals["drafted"] < 0.95
     assert pvalue > P_THRESHOLD
+
+
+def test_a_bf16_adapter_under_an_fp32_model(model, tmp_path):
+    """draft_dtype=bf16: the adapter's layer, cache and draft head in bf16 (its own runner; the model's stays fp32),
+    logits close to the fp32 adapter's, and greedy decoding still equals plain decoding (verification is fp32)."""
+    path = tmp_path / "a.safetensors"
+    write_adapter(model, path, 5, mlp_size=16, noise=0.05, seed=3)
+    runner = Runner.from_model(model)
+    full, half = ExitAdapter.load(path, runner), ExitAdapter.load(path, runner, torch.bfloat16)
+    assert half.layer is not full.layer and half.layer.dtype == torch.bfloat16 and runner.dtype == torch.float32
+    assert half.new_cache(8).k.dtype == torch.bfloat16 and ExitAdapter.load(path, runner, torch.bfloat16).layer is \
+        half.layer  # kept by the runner per dtype
+    hidden = torch.randn(5, runner.spec.hidden_size, generator=torch.Generator().manual_seed(2))  # fp32
+    want = full.forward(full.new_cache(8), hidden, 0, logits=True).logits
+    got = half.forward(half.new_cache(8), hidden, 0, logits=True).logits  # (5, V) fp32
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)
+    vocab = DraftVocab(ids=list(range(0, 320, 2)), model=runner.identity())
+    for options in ({"k": 4}, {"k": 3, "draft_vocab": vocab, "confidence": 0.05, "keep_last": True}):
+        drafter = build_drafter("early_exit", runner, {"adapter": str(path), "draft_dtype": "bf16", **options})
+        assert drafter.adapter.layer is half.layer
+        assert drafter.vocab is None or drafter.vocab.linear.weight.dtype == torch.bfloat16
+        engine = Engine(runner, drafter)
+        outs = [engine.generate(p, DecodeConfig(max_new_tokens=32)) for p in PROMPTS]
+        assert [o.tokens for o in outs] == [_ar(runner, p).tokens for p in PROMPTS]
+        assert sum(o.stats.accepted for o in outs) > 0, (options, [o.stats.drafted for o in outs])
 
 
 def test_bad_adapters_are_one_line_errors(model, tmp_path):
@@ -244,7 +276,7 @@ def test_the_shipped_adapter_drafts_losslessly_on_the_default_model(default_mode
     prompt = model.encode("def fibonacci(n):\n    ")
     with model.engine("autoregressive") as engine:
         plain = engine.generate(prompt, DecodeConfig(max_new_tokens=24))
-    with model.engine("early_exit", adapter="default", num_draft=4) as engine:
+    with model.engine("early_exit", adapter="default", num_draft=4, prefix="shared") as engine:
         assert engine.drafter.adapter.exit_layer == engine.drafter.forward.exact_layers == 4  # the file's E
         out = engine.generate(prompt, DecodeConfig(max_new_tokens=24))
     assert out.tokens == plain.tokens and out.stats.drafted > 0

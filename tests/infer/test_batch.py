@@ -66,6 +66,9 @@ CASES = {
     "early_exit_confidence": ("early_exit", {"E": 4, "k": 5, "confidence": 0.013}),  # stops some chains early
     "early_exit_adaptive": ("early_exit", {"E": 2, "k": 3, "adaptive": True, "recheck_interval": 1,
                                            "remember": "off"}),
+    "early_exit_prefix_copy": ("early_exit", {"E": 3, "k": 3, "prefix": "copy", "draft_dtype": "bf16"}),
+    "early_exit_prefix_copy_adaptive": ("early_exit", {"E": 2, "k": 3, "prefix": "copy", "adaptive": True,
+                                                       "recheck_interval": 1, "remember": "off"}),
     "self_sd": ("self_sd", {"plan": LayerPlan(L, frozenset({2, 3}), frozenset({4})), "k": 4}),
     "dynamic_exit": ("dynamic_exit", {"exits": "1/3/5", "k": 3, "min_speedup": 0, "adaptive": False,
                                       "observe_every": 1}),  # rows choose their own exits: packed per exit
@@ -74,10 +77,11 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", [*CASES, "adapter"])
+@pytest.mark.parametrize("case", [*CASES, "adapter", "adapter_prefix_copy"])
 def test_every_row_equals_plain_decoding_alone(model, runner, prompts, eos, case, tmp_path):
-    name, options = ("early_exit", {"adapter": str(adapter_file(model, tmp_path / "a.safetensors")), "k": 3}) \
-        if case == "adapter" else CASES[case]
+    with_adapter = {"adapter": str(adapter_file(model, tmp_path / "a.safetensors")), "k": 3}
+    name, options = ("early_exit", with_adapter | ({"prefix": "copy"} if case.endswith("copy") else {})) \
+        if case.startswith("adapter") else CASES[case]
     config = DecodeConfig(max_new_tokens=16)
     with BatchEngine(runner, lambda: build_drafter(name, runner, options), 3, eos) as engine:
         results = engine.generate(prompts, config)

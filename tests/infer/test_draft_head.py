@@ -4,8 +4,10 @@ import pytest
 import torch
 from lossless_stats import P_THRESHOLD, sampling_pvalue
 
+from infer import kernels
 from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import build_drafter
+from infer.drafters.inputs import draft_dtype
 from infer.model.runner import Runner
 from infer.model.sampling import SamplingConfig
 from layerskip_core.draft_vocab import DraftVocab
@@ -45,6 +47,37 @@ def test_draft_head_scores_only_its_ids(runner):
     outside = torch.ones(runner.spec.vocab_size, dtype=torch.bool)
     outside[ids] = False
     assert torch.isinf(sub[:, outside]).all() and (sub[:, outside] < 0).all()
+
+
+def test_draft_dtype_puts_the_draft_head_in_it(runner):
+    """The head's rows in bf16 (half the bytes), kept apart from the model-dtype head; fp32 logits close to the full
+    head's on the subset, -inf elsewhere. 'auto' is bf16 exactly where the model runs fp32 on a CPU kernel with
+    native bf16 dot products, else the model's dtype; a name outside the list is refused."""
+    ids = [0, 2, 7, 100, 319]
+    head = runner.draft_head(ids, torch.bfloat16)
+    assert head is not runner.draft_head(ids) and head is runner.draft_head(ids, torch.bfloat16)
+    assert head.linear.weight.dtype == torch.bfloat16 and runner.draft_head(ids).linear.weight.dtype == torch.float32
+    hidden = torch.randn(3, runner.spec.hidden_size)
+    full, sub = runner.head(hidden), runner.head(hidden, head)  # (3, V) fp32 each
+    assert sub.dtype == torch.float32 and torch.isinf(sub[:, 1]).all()
+    torch.testing.assert_close(sub[:, ids], full[:, ids], atol=0.05, rtol=0.02)
+    native = kernels.supports(runner.kernel, torch.bfloat16)
+    assert draft_dtype("auto", runner) == (torch.bfloat16 if native else torch.float32)
+    assert (draft_dtype("model", runner), draft_dtype("fp16", runner)) == (torch.float32, torch.float16)
+    with pytest.raises(UserError, match="draft-dtype must be one of auto, model"):
+        build_drafter("early_exit", runner, {"draft_dtype": "int8"})
+
+
+@pytest.mark.parametrize("draft_dtype", ["model", "bf16"])
+def test_a_bf16_draft_head_is_lossless(runner, draft_dtype):
+    """Greedy early exit and SWIFT with a bf16 draft head under an fp32 model equal plain decoding."""
+    vocab = _vocab(runner, range(0, 320, 2))
+    for name, options in (("early_exit", {"exit_layer": 3, "k": 4}), ("swift", {})):
+        drafter = build_drafter(name, runner, {"draft_vocab": vocab, "draft_dtype": draft_dtype, **options})
+        assert drafter.vocab.linear.weight.dtype == (torch.float32 if draft_dtype == "model" else torch.bfloat16)
+        engine = Engine(runner, drafter)
+        for prompt in PROMPTS:
+            assert engine.generate(prompt, DecodeConfig(max_new_tokens=24)).tokens == _ar(runner, prompt, 24).tokens
 
 
 @pytest.mark.parametrize("exit_layer", range(1, L + 1))

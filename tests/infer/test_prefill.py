@@ -12,9 +12,10 @@ import torch
 from infer.decode import prefill as prefill_module
 from infer.decode.batch import BatchEngine
 from infer.decode.engine import DecodeConfig, Engine
-from infer.decode.prefill import Prompt, packs, prefill
+from infer.decode.prefill import Prompt, prefill
 from infer.drafters import build_drafter
 from infer.drafters.base import DecodeState
+from infer.model.packed import packs
 from infer.model.plan import LayerPlan
 from infer.model.runner import Runner
 from infer.model.sampling import SamplingConfig

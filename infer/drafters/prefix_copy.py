@@ -1,0 +1,127 @@
+"""Early exit's draft forward on its own copy of layers [0, E) in a narrower dtype (``early_exit:prefix=copy``).
+
+LayerSkip drafts with the model's own layers [0, E), so verification reuses their KV and exit states; a draft then
+reads those layers' weights in the model's dtype. With ``prefix=copy`` a draft runs a copy of them in the drafter's
+``draft_dtype`` (bf16 under an fp32 model on a CPU with native bf16 dot products: half the bytes), over its own KV
+cache paired with the model's, then the exit adapter's layer (if any) or the final norm, and the (draft) head.
+Verification never reads the copy: it runs every layer over the drafted tokens (``exact_layers`` 0), so the output is
+the model's as always. The trade: drafts read E/L of the weights in the narrower dtype, verification runs layers
+[0, E) over T rows instead of one, and the copy holds E/L of the weights again.
+
+The copy's cache (and the adapter's) follow the accepted tokens: a draft writes the row of each token it runs,
+rows of rejected tokens are rolled back, and the rows a draft did not run (the last drafted token when every one was
+accepted, plain steps of the adaptive gate) are run in front of the next draft's first token, in the same forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from infer.assets.adapter import ExitAdapter
+from infer.model.forward_model import Segment
+from infer.model.kv_cache import KVCache
+from infer.model.packed import packed_span, packs
+from infer.model.runner import DraftHead, Runner
+from infer.model.weights import cast_layer
+
+
+def prefix_copy(runner: Runner, end: int, dtype: torch.dtype) -> Runner:
+    """A runner over a copy of ``runner``'s layers [0, ``end``) in ``dtype`` with its final norm, made once per runner
+    (``Runner.derived``)."""
+    def build() -> Runner:
+        layers = [cast_layer(w, dtype, runner.spec, runner.kernel) for w in runner.layers[:end]]
+        norm = runner.final_norm if runner.spec.family.norm_offset else runner.final_norm.to(dtype)
+        return runner.over_layers(layers, norm, None, dtype)
+
+    return runner.derived(f"prefix {end} {dtype}", build)
+
+
+class CopiedPrefixForward:
+    """Draft forward: the copied layers [0, E) in ``dtype``, then ``adapter``'s layer or the final norm, then the
+    head (``vocab``: a reduced draft head). It owns the copy's cache and the adapter's for the sequence being
+    decoded (``start``, ``accept``, ``catch_up``, as ``infer.assets.adapter.AdapterForward``)."""
+
+    exact_layers = 0
+    """Nothing a draft computes is the model's: verification runs every layer over the drafted tokens."""
+
+    def __init__(self, runner: Runner, exit_layer: int, dtype: torch.dtype, adapter: ExitAdapter | None = None,
+                 vocab: DraftHead | None = None):
+        self.runner, self.adapter, self.vocab, self.exit_layer = runner, adapter, vocab, exit_layer
+        self.prefix = prefix_copy(runner, exit_layer, dtype)
+        """The runner over the copied layers (kept by ``runner`` per E and dtype)."""
+        self.cache: KVCache | None = None
+        """The copy's cache, paired with the model's cache of the sequence being decoded."""
+        self.adapter_cache: KVCache | None = None
+        self.tokens: list[int] = []
+        """The sequence's tokens (``catch_up``'s): rows the copy's cache lacks are run from them."""
+
+    def __call__(self, cache: KVCache, token: Tensor, position: int) -> tuple[Tensor, Tensor]:
+        ids = self._behind(position, token)  # (T,): missing rows, then the token at ``position``
+        start = position - ids.shape[0] + 1
+        out = self._forward(ids, start)  # (T, V)
+        return out[0][-1:], out[1][-1:]  # (1, d), (1, V)
+
+    def rows(self, forwards: list[CopiedPrefixForward], caches: list[KVCache], tokens: Tensor,
+             positions: list[int]) -> tuple[Tensor, Tensor]:
+        """The draft forward of R sequences' tokens (R,) at once as packed rows, each sequence's missing rows run
+        first on its own: (R, d) streams after the copy, (R, V) logits."""
+        for f, token, p in zip(forwards, tokens.split(1), positions, strict=True):
+            ids = f._behind(p, token)
+            if ids.shape[0] > 1:
+                f._forward(ids[:-1], p - ids.shape[0] + 1, logits=False)
+        p = self.prefix
+        x = self.runner.embed(tokens).to(p.dtype)  # (R, d)
+        segments = [Segment(f.cache, [q]) for f, q in zip(forwards, positions, strict=True)]
+        if self.adapter is None:
+            out = packed_span(p, segments, x, 0, self.exit_layer, logits=True, vocab=self.vocab)
+            return out.hidden, out.logits
+        hidden = packed_span(p, segments, x, 0, self.exit_layer).hidden  # (R, d)
+        caches_a = [f.adapter_cache for f in forwards]
+        return hidden, self.adapter.forward_rows(caches_a, hidden, positions, self.vocab)
+
+    def start(self, cache: KVCache, tokens: list[int]) -> None:
+        """A prompt was prefilled into ``cache``: fill the copy's cache (and the adapter's) for its positions."""
+        self.cache = self.prefix.cache_beside(cache)
+        if self.adapter is not None:
+            self.adapter_cache = self.adapter.layer.cache_beside(cache)
+        self.tokens = tokens
+        if tokens:
+            # the route the engine's prefill takes for the model (``packs``): a copy in the model's dtype then holds
+            # bitwise the model's rows
+            hidden = self.prefix.forward_layers(self.cache, self._embed(self.runner.to_device(tokens)),
+                                                torch.arange(len(tokens), device=self.runner.device), 0,
+                                                self.exit_layer, bulk=not packs(self.runner))  # (P, d)
+            if self.adapter is not None:
+                self.adapter.forward(self.adapter_cache, hidden, 0)
+
+    def accept(self, n: int, hidden: Tensor | None, new_n: int) -> None:
+        """Verification settled positions [0, new_n): drop the rows of rejected tokens (the rest stay)."""
+        for c in (self.cache, self.adapter_cache):
+            if c is not None and c.lengths[0] > new_n:
+                c.rollback(new_n)
+
+    def catch_up(self, cache: KVCache, tokens: list[int], n: int) -> None:
+        """Before a draft at position ``n``: the rows in [have, n) are run with the draft's first token."""
+        self.tokens = tokens
+
+    def _behind(self, position: int, token: Tensor) -> Tensor:
+        """The token ids (T,) to run for a draft at ``position``: the rows the copy's cache lacks, then ``token``."""
+        have = self.cache.lengths[0]
+        if have >= position:
+            return token
+        return torch.cat([self.runner.to_device(self.tokens[have:position]), token])
+
+    def _embed(self, ids: Tensor) -> Tensor:
+        return self.runner.embed(ids).to(self.prefix.dtype)  # (T, d)
+
+    def _forward(self, ids: Tensor, start: int, logits: bool = True) -> tuple[Tensor, Tensor | None]:
+        """The copy (and adapter) over ``ids`` (T,) at positions start..start+T-1: (T, d) streams after the copy,
+        (T, V) logits when ``logits``."""
+        positions = list(range(start, start + ids.shape[0]))
+        x = self._embed(ids)
+        if self.adapter is None:
+            out = self.prefix.span(self.cache, x, positions, 0, self.exit_layer, logits=logits, vocab=self.vocab)
+            return out.hidden, out.logits
+        hidden = self.prefix.span(self.cache, x, positions, 0, self.exit_layer).hidden  # (T, d)
+        return hidden, self.adapter.forward(self.adapter_cache, hidden, start, logits=logits, vocab=self.vocab).logits
