@@ -54,7 +54,8 @@ demo: fetch-model
 	@echo "  early_exit:adapter=default = the exit adapter shipped for this model: one attention layer and an MLP on layer"
 	@echo "  4's input, distilled on CPU from the frozen model's own answers to chat, code, prose and arithmetic prompts plus"
 	@echo "  Python source (recipes/cpu-adapter-selfdistill.yaml; model unchanged, output identical), at its setting chosen on"
-	@echo "  validation prompts (k=6, confidence 0.5, the stopping token kept); swift = SWIFT, training-free."
+	@echo "  validation prompts (k=6, confidence 0.5, the stopping token kept; on a CPU with native bf16 its drafts run in"
+	@echo "  bf16 on a copy of layers 0-3: --prefix, --draft-dtype); swift = SWIFT, training-free."
 	$(BIN)/layerskip bench --model default --drafters $(DEMO_DRAFTERS) --peers hf_generate \
 		--data humaneval,gsm8k --n 3 --max-new-tokens 64 --repeats 1 --threads 1 --out runs/demo --force
 
