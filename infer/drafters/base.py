@@ -166,9 +166,9 @@ class DraftVocabOption:
     draft_dtype: str = AUTO
     """Precision of the weights only drafts read: the reduced draft head and (early exit) an exit adapter. auto:
     bf16 where the model runs in fp32 on a CPU whose kernel has native bf16 dot products (AVX512_BF16: half the
-    bytes a draft reads there), else the model's; model; fp32; bf16; fp16. Verification never reads them, so the
-    output is unchanged (drafts may differ slightly). With the full head (draft-vocab off) drafts read the model's
-    own head in its dtype."""
+    bytes a draft reads there; eager executor), else the model's; model; fp32; bf16; fp16. Verification never reads
+    them, so the output is unchanged (drafts may differ slightly). With the full head (draft-vocab off) drafts read
+    the model's own head in its dtype."""
 
     def __post_init__(self) -> None:
         check_draft_vocab_option(self.draft_vocab)

@@ -29,11 +29,12 @@ def draft_head(spec, runner: Runner, tokenizer=None) -> DraftHead | None:
 
 def draft_dtype(option: str, runner: Runner) -> torch.dtype:
     """The dtype of the weights only drafts read (``DraftVocabOption.draft_dtype``) on ``runner``: 'auto' is bf16
-    where the model runs fp32 on a CPU kernel with native bf16 dot products, else the model's dtype."""
+    where the model runs fp32 on the CPU's eager executor with a kernel that has native bf16 dot products, else the
+    model's dtype (the static and graph executors, CUDA's path, keep it)."""
     if option == "model":
         return runner.dtype
     if option == AUTO:
-        native = (runner.dtype == torch.float32 and runner.device.type == "cpu"
+        native = (runner.dtype == torch.float32 and runner.device.type == "cpu" and runner.executor == "eager"
                   and kernels.supports(runner.kernel, torch.bfloat16))
         return torch.bfloat16 if native else runner.dtype
     return parse_dtype(option)
