@@ -172,12 +172,14 @@ def test_the_adapter_drafts_identically_on_every_executor(model, tmp_path, monke
     assert again[2].layer is got[2].layer and (runner.static.builds, again[2].layer.static.builds) == built
 
 
-def test_adaptive_plain_steps_then_drafting_stays_exact(model, tmp_path):
-    """Plain steps leave the adapter's cache behind; the next draft fills it in first."""
+@pytest.mark.parametrize("prefix", ["shared", "copy"])
+def test_adaptive_plain_steps_then_drafting_stays_exact(model, tmp_path, prefix):
+    """Plain steps leave the adapter's cache (and a copied prefix's) behind; the next draft fills it in first (the
+    copy: the missing rows run in front of the draft's first token)."""
     path = tmp_path / "a.safetensors"
     write_adapter(model, path, 2, noise=0.05)
     runner = Runner.from_model(model)
-    drafter = build_drafter("early_exit", runner, {"adapter": str(path), "k": 3, "adaptive": True,
+    drafter = build_drafter("early_exit", runner, {"adapter": str(path), "k": 3, "adaptive": True, "prefix": prefix,
                                                    "recheck_interval": 3, "remember": "off"})
     drafter.gate.mode = "plain"  # start in plain steps, as a gate that measured drafting slower would
     engine = Engine(runner, drafter)

@@ -91,20 +91,6 @@ def test_a_bf16_copy_is_lossless(runner, adapter, exit_layer):
         assert drafted > 0
 
 
-def test_plain_steps_then_drafting_catch_the_copy_up(runner, adapter):
-    """The adaptive gate's plain steps leave the copy's cache (and the adapter's) behind: the next draft runs the
-    missing rows in front of its first token."""
-    for options in ({"E": 3, "k": 3}, {"adapter": adapter, "k": 3}):
-        drafter = build_drafter("early_exit", runner, {**options, "prefix": "copy", "adaptive": True,
-                                                       "recheck_interval": 3, "remember": "off"})
-        drafter.gate.mode = "plain"  # start in plain steps, as a gate that measured drafting slower would
-        engine = Engine(runner, drafter)
-        for prompt in PROMPTS:
-            out = engine.generate(prompt, DecodeConfig(max_new_tokens=40))
-            assert out.tokens == _ar(runner, prompt, 40).tokens
-            assert drafter.forward.cache.lengths[0] <= len(prompt) + 40
-
-
 def test_auto_copies_an_adapters_prefix_where_drafts_are_narrower(runner, adapter):
     """prefix=auto: a copy with an exit adapter where draft-dtype resolves narrower than the model's (bf16 under fp32
     on a CPU kernel with native bf16), else the shared prefix; never without an adapter."""
