@@ -156,11 +156,10 @@ class EarlyExitDrafter(GateOwner, Drafter):
     def start(self, state: DecodeState) -> None:
         self.forwards = self.plain_steps = 0
         self._cycle_start = None
-        if isinstance(self.forward, AdapterForward):
-            kept = (state.prompt_observed or {}).get(self.adapter.exit_layer)  # (P, d), kept by the prefill
+        if self.own_caches:
+            # (P, d): the prompt's stream entering an adapter's exit, kept by the prefill where ``needs`` asked for it
+            kept = None if self.adapter is None else (state.prompt_observed or {}).get(self.adapter.exit_layer)
             self.forward.start(state.cache, state.tokens[:state.n], kept)
-        elif self.own_caches:
-            self.forward.start(state.cache, state.tokens[:state.n])
 
     def propose(self, state: DecodeState) -> Draft | None:
         return self.propose_rows([(self, state)])[0]

@@ -80,8 +80,9 @@ class CopiedPrefixForward:
         caches_a = [f.adapter_cache for f in forwards]
         return hidden, self.adapter.forward_rows(caches_a, hidden, positions, self.vocab)
 
-    def start(self, cache: KVCache, tokens: list[int]) -> None:
-        """A prompt was prefilled into ``cache``: fill the copy's cache (and the adapter's) for its positions."""
+    def start(self, cache: KVCache, tokens: list[int], kept: Tensor | None = None) -> None:
+        """A prompt was prefilled into ``cache``: fill the copy's cache (and the adapter's) for its positions from the
+        copy's own rows (``kept``, the model's stream, is not what the copy computes: unused)."""
         self.cache = self.prefix.cache_beside(cache)
         if self.adapter is not None:
             self.adapter_cache = self.adapter.layer.cache_beside(cache)
