@@ -10,11 +10,13 @@
 // many rows are batched, and batched verification reproduces token-by-token decoding exactly.
 //
 // Paths, chosen once per process from cpuid (never per call, so the order never changes within a run):
-//   avx512  fp32, 16 lanes: one token reads the weight rows one after another (a single sequential stream,
-//           which the hardware prefetcher follows at close to the read rate); several tokens take register
-//           blocks of 4 tokens x 6 rows and prefetch the next 6 rows into L2 as one sequential stream
-//           (beyond 4 tokens spread over all the token blocks, so the stream overlaps the arithmetic);
-//   avx512  bf16 (CPUs with AVX512_BF16): vdpbf16ps on bf16 weights and activations, fp32 accumulation;
+//   avx512  fp32, 16 lanes: one or two tokens read the weight rows one after another, each row against every
+//           token (a single sequential stream, which the hardware prefetcher follows at close to the read
+//           rate); more tokens take register blocks of 4 tokens x 6 rows and prefetch the next 6 rows into L2
+//           as one sequential stream (beyond 4 tokens spread over all the token blocks, so the stream overlaps
+//           the arithmetic);
+//   avx512  bf16 (CPUs with AVX512_BF16): vdpbf16ps on bf16 weights and activations, fp32 accumulation; one row
+//           at a time up to three tokens, the blocks beyond;
 //   avx2    fp32, 8 lanes (the file is compiled with -mavx2 -mfma; AVX-512 code is in target regions).
 // Elsewhere the Python side uses torch (the portable path).
 //
@@ -95,6 +97,10 @@ void f32_range(const float* x, const float* w, float* y, int64_t T, int64_t K, i
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 namespace avx512 {
 
+// Most tokens that still take the weight rows one at a time (``range``), by element type. Measured on Zen 4, the
+// default model's whole forward, 1 thread (docs/KERNELS.md): bf16 2 and 3 tokens 16.1 -> 12.2 and 18.9 -> 15.5 ms
+// against the 6-row blocks (4 tokens: 18.2 blocks, 24.3 rows); fp32 2 tokens the same either way, 3 and 4 slower.
+constexpr int64_t ROWT_F32 = 2, ROWT_BF16 = 3;
 constexpr int ROWS = 24;  // weight rows per parallel work item (a multiple of every NB below)
 constexpr auto PF_HINT = _MM_HINT_T1;  // into L2: prefetching into L1 as well measured slower (v(4) 1.5-1.7 vs 1.0-1.05)
 
@@ -219,15 +225,28 @@ inline void rows(const typename E::T* x, const typename E::T* w, typename E::T* 
   else block<E, 1, NB, true>(x, wn, yn, K, N);
 }
 
-// Work items [i0, i1) of ROWS weight rows each: one token takes one row at a time, several tokens 6 rows.
+template <class E>
+constexpr int64_t row_tokens() { return sizeof(typename E::T) == 2 ? ROWT_BF16 : ROWT_F32; }
+
+// Up to 4 tokens against weight row n alone (the same chains as in any block: bitwise the same outputs).
+template <class E>
+inline void one_row(const typename E::T* x, const typename E::T* w, typename E::T* y, int64_t T, int64_t K,
+                    int64_t N, int64_t n) {
+  if (T == 1) block<E, 1, 1>(x, w + n * K, y + n, K, N);
+  else if (T == 2) block<E, 2, 1>(x, w + n * K, y + n, K, N);
+  else if (T == 3) block<E, 3, 1>(x, w + n * K, y + n, K, N);
+  else block<E, 4, 1>(x, w + n * K, y + n, K, N);
+}
+
+// Work items [i0, i1) of ROWS weight rows each: up to row_tokens() tokens take one row at a time, more take 6 rows.
 template <class E>
 void range(const typename E::T* x, const typename E::T* w, typename E::T* y, int64_t T, int64_t K, int64_t N,
            int64_t i0, int64_t i1) {
   for (int64_t i = i0; i < i1; ++i) {
     int64_t n = i * ROWS;
     const int64_t end = std::min(N, n + ROWS);
-    if (T == 1) {  // one row at a time: a single sequential stream (measured faster than 4-12 rows with prefetch)
-      for (; n < end; ++n) block<E, 1, 1>(x, w + n * K, y + n, K, N);
+    if (T <= row_tokens<E>()) {  // one row at a time: a single sequential stream (faster than 6-row blocks here)
+      for (; n < end; ++n) one_row<E>(x, w, y, T, K, N, n);
     } else {
       for (; n + 6 <= end; n += 6) rows<E, 6>(x, w, y, T, K, N, n);
     }
