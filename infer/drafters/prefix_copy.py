@@ -57,9 +57,9 @@ class CopiedPrefixForward:
         """The sequence's tokens (``catch_up``'s): rows the copy's cache lacks are run from them."""
 
     def __call__(self, cache: KVCache, token: Tensor, position: int) -> tuple[Tensor, Tensor]:
-        ids = self._behind(position, token)  # (T,): missing rows, then the token at ``position``
+        ids = self.missing(position, token)  # (T,): missing rows, then the token at ``position``
         start = position - ids.shape[0] + 1
-        out = self._forward(ids, start)  # (T, V)
+        out = self.run(ids, start)  # (T, V)
         return out[0][-1:], out[1][-1:]  # (1, d), (1, V)
 
     def rows(self, forwards: list[CopiedPrefixForward], caches: list[KVCache], tokens: Tensor,
@@ -67,16 +67,15 @@ class CopiedPrefixForward:
         """The draft forward of R sequences' tokens (R,) at once as packed rows, each sequence's missing rows run
         first on its own: (R, d) streams after the copy, (R, V) logits."""
         for f, token, p in zip(forwards, tokens.split(1), positions, strict=True):
-            ids = f._behind(p, token)
+            ids = f.missing(p, token)
             if ids.shape[0] > 1:
-                f._forward(ids[:-1], p - ids.shape[0] + 1, logits=False)
-        p = self.prefix
-        x = self.runner.embed(tokens).to(p.dtype)  # (R, d)
+                f.run(ids[:-1], p - ids.shape[0] + 1, logits=False)
+        x = self._embed(tokens)  # (R, d)
         segments = [Segment(f.cache, [q]) for f, q in zip(forwards, positions, strict=True)]
         if self.adapter is None:
-            out = packed_span(p, segments, x, 0, self.exit_layer, logits=True, vocab=self.vocab)
+            out = packed_span(self.prefix, segments, x, 0, self.exit_layer, logits=True, vocab=self.vocab)
             return out.hidden, out.logits
-        hidden = packed_span(p, segments, x, 0, self.exit_layer).hidden  # (R, d)
+        hidden = packed_span(self.prefix, segments, x, 0, self.exit_layer).hidden  # (R, d)
         caches_a = [f.adapter_cache for f in forwards]
         return hidden, self.adapter.forward_rows(caches_a, hidden, positions, self.vocab)
 
@@ -106,7 +105,7 @@ class CopiedPrefixForward:
         """Before a draft at position ``n``: the rows in [have, n) are run with the draft's first token."""
         self.tokens = tokens
 
-    def _behind(self, position: int, token: Tensor) -> Tensor:
+    def missing(self, position: int, token: Tensor) -> Tensor:
         """The token ids (T,) to run for a draft at ``position``: the rows the copy's cache lacks, then ``token``."""
         have = self.cache.lengths[0]
         if have >= position:
@@ -116,7 +115,7 @@ class CopiedPrefixForward:
     def _embed(self, ids: Tensor) -> Tensor:
         return self.runner.embed(ids).to(self.prefix.dtype)  # (T, d)
 
-    def _forward(self, ids: Tensor, start: int, logits: bool = True) -> tuple[Tensor, Tensor | None]:
+    def run(self, ids: Tensor, start: int, logits: bool = True) -> tuple[Tensor, Tensor | None]:
         """The copy (and adapter) over ``ids`` (T,) at positions start..start+T-1: (T, d) streams after the copy,
         (T, V) logits when ``logits``."""
         positions = list(range(start, start + ids.shape[0]))
