@@ -13,7 +13,7 @@ import torch
 from infer import kernels
 from infer.model.plan import LayerPlan, PlanFile, check_depth
 from infer.model.runner import DraftHead, Runner
-from layerskip_core.device import parse_dtype
+from layerskip_core.device import DTYPE_NAMES
 from layerskip_core.draft_vocab import AUTO, DraftVocab, resolve_draft_vocab_option
 from layerskip_core.errors import UserError
 
@@ -37,7 +37,7 @@ def draft_dtype(option: str, runner: Runner) -> torch.dtype:
         native = (runner.dtype == torch.float32 and runner.device.type == "cpu" and runner.executor == "eager"
                   and kernels.supports(runner.kernel, torch.bfloat16))
         return torch.bfloat16 if native else runner.dtype
-    return parse_dtype(option)
+    return getattr(torch, DTYPE_NAMES[option])  # an explicit name, checked by the option
 
 
 def head_of(runner: Runner, vocab: DraftVocab | None, dtype: torch.dtype | None = None) -> DraftHead | None:

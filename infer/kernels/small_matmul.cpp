@@ -228,14 +228,14 @@ inline void rows(const typename E::T* x, const typename E::T* w, typename E::T* 
 template <class E>
 constexpr int64_t row_tokens() { return sizeof(typename E::T) == 2 ? ROWT_BF16 : ROWT_F32; }
 
-// Up to 4 tokens against weight row n alone (the same chains as in any block: bitwise the same outputs).
+// Up to 3 tokens against weight row n alone (the same chains as in any block: bitwise the same outputs).
+static_assert(ROWT_F32 <= 3 && ROWT_BF16 <= 3, "one_row takes up to 3 tokens");
 template <class E>
 inline void one_row(const typename E::T* x, const typename E::T* w, typename E::T* y, int64_t T, int64_t K,
                     int64_t N, int64_t n) {
   if (T == 1) block<E, 1, 1>(x, w + n * K, y + n, K, N);
   else if (T == 2) block<E, 2, 1>(x, w + n * K, y + n, K, N);
-  else if (T == 3) block<E, 3, 1>(x, w + n * K, y + n, K, N);
-  else block<E, 4, 1>(x, w + n * K, y + n, K, N);
+  else block<E, 3, 1>(x, w + n * K, y + n, K, N);
 }
 
 // Work items [i0, i1) of ROWS weight rows each: up to row_tokens() tokens take one row at a time, more take 6 rows.

@@ -197,16 +197,16 @@ class Runner:
         pool and static forwards are its own (``spec``: the layers' own, with their windows and RoPE tables; default
         this model's, cut to len(layers)). Its caches are ``KVCache``s of its layers, so every executor runs it as it
         runs the model. ``dtype``: its layers', caches' and RoPE tables' (default this runner's; the head's stays)."""
-        other = copy.copy(self)
-        if dtype is not None and dtype != self.dtype:
-            other.dtype = dtype
-            other._cos, other._sin = [c.to(dtype) for c in self._cos], [s.to(dtype) for s in self._sin]
-        other.own_layers(layers, final_norm, spec)
+        (other := copy.copy(self)).own_layers(layers, final_norm, spec, dtype)
         return other
 
-    def own_layers(self, layers: list[LayerWeights], final_norm: Tensor, spec: ModelSpec | None = None) -> None:
-        """Make this runner (a copy, see ``over_layers``) run ``layers`` with ``final_norm``, with its own spec,
+    def own_layers(self, layers: list[LayerWeights], final_norm: Tensor, spec: ModelSpec | None = None,
+                   dtype: torch.dtype | None = None) -> None:
+        """Make this runner (a copy, ``over_layers``) run ``layers`` with ``final_norm`` in ``dtype``; its own spec,
         counters, cache pool, draft heads, extra layers and static forwards."""
+        if dtype is not None and dtype != self.dtype:
+            self.dtype = dtype
+            self._cos, self._sin = [c.to(dtype) for c in self._cos], [t.to(dtype) for t in self._sin]
         s = self.spec
         self.spec = spec or s.for_layers(tuple(s.window(i) for i in range(len(layers))),
                                          tuple(s.layer_ropes[:len(layers)]))
