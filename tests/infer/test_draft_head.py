@@ -111,15 +111,18 @@ def test_a_subset_head_drafts_only_subset_tokens(model):
 
 
 @pytest.mark.slow
-def test_sampling_with_a_subset_that_excludes_likely_tokens_matches_target():
-    """The draft distribution is zero outside the subset; the residual at rejection covers the rest exactly."""
+@pytest.mark.parametrize("draft_dtype", ["model", "bf16"])
+def test_sampling_with_a_subset_that_excludes_likely_tokens_matches_target(draft_dtype):
+    """The draft distribution is zero outside the subset; the residual at rejection covers the rest exactly. Also with
+    the draft head in bf16 under the fp32 model (q is then the bf16 head's distribution)."""
     model = make_model("llama", seed=7, vocab_size=5, layers=2)
     runner = Runner.from_model(model)
     with torch.no_grad():
         likely = int(model(torch.tensor([[1, 2, 3]])).logits[0, -1].argmax())
     vocab = _vocab(runner, [t for t in range(5) if t != likely])  # the target's favourite first token is out
     engine = Engine(runner, build_drafter("early_exit", runner, {"exit_layer": 1, "num_draft": 3,
-                                                                  "draft_vocab": vocab}))
+                                                                  "draft_vocab": vocab, "draft_dtype": draft_dtype}))
+    assert engine.drafter.vocab.linear.weight.dtype == (torch.float32 if draft_dtype == "model" else torch.bfloat16)
     pvalue, totals = sampling_pvalue(engine, model, [1, 2, 3], SamplingConfig(temperature=1.0), samples=2500,
                                      seed=4321)
     assert 0.1 < totals["accepted"] / totals["drafted"] < 0.95  # drafts are used and sometimes rejected
