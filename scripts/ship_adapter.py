@@ -21,6 +21,14 @@ from layerskip_core.cli import Parser, check_output_file, parse_and_run, write_r
 from layerskip_core.errors import UserError
 
 DTYPES = ("fp32", "bf16")
+_FIRST = "chat,code_python,code_other,prose,math,code_continue"
+_PASSES = [("runs/self-distill", _FIRST, ""), ("runs/self-distill-s1", _FIRST, " --decoding sampled --seed 1"),
+           ("runs/self-distill-w", "questions,writing", ""), ("runs/self-distill-wc", "code_more", ""),
+           ("runs/self-distill-w1", "questions,writing", " --decoding sampled --seed 1"),
+           ("runs/self-distill-wc1", "code_more", " --decoding sampled --seed 1")]
+DATA_COMMAND = " && ".join(f"python -m train.self_distill --out {out} --kinds {kinds} --batch-size 32 --threads 1{more}"
+                           for out, kinds, more in _PASSES)
+"""The commands that made the shipped adapter's data (recipes/cpu-adapter-selfdistill.yaml's header)."""
 
 
 def read_run(run: Path) -> tuple[dict, dict, list[dict]]:
@@ -116,9 +124,7 @@ def parser() -> Parser:
     ap.add_argument("--name", default="smollm2-135m-instruct", help="the model's name in the shipped file's name")
     ap.add_argument("--dtype", choices=DTYPES, default="fp32", help="the shipped tensors' dtype")
     ap.add_argument("--recipe", default="recipes/cpu-adapter-selfdistill.yaml", help="the recipe the run used")
-    ap.add_argument("--data-command", default="python -m train.self_distill --out runs/self-distill --batch-size 32 "
-                    "--threads 1 && python -m train.self_distill --out runs/self-distill-s1 --batch-size 32 "
-                    "--threads 1 --decoding sampled --seed 1", help="the commands that made the self-distilled data")
+    ap.add_argument("--data-command", default=DATA_COMMAND, help="the commands that made the self-distilled data")
     ap.add_argument("--note", default="", help="a remark the provenance carries as written (what the run cannot say)")
     ap.add_argument("--out", default="infer/data/adapters", help="the folder of shipped adapters")
     ap.add_argument("--force", action="store_true", help="replace a shipped adapter of the same name")

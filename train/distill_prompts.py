@@ -93,6 +93,43 @@ _STORY_SUBJECTS = [
 ]
 _RUST_TASKS = _CODE_TASKS[::2] + ["implements a linked list", "reads lines from standard input",
                                   "parses command-line arguments", "spawns two threads and joins them"]
+# Second-round kinds (broader data: more subjects, more languages, practical writing; none is a story, Rust or a
+# manual page, so the held-out kinds stay unseen).
+_SUBJECTS = [
+    "coral reefs", "the Silk Road", "nuclear fusion", "credit scores", "the human brain", "earthquakes",
+    "the Industrial Revolution", "cloud computing", "honeybees", "jazz music", "the Olympic Games", "glaciers",
+    "blood types", "electric guitars", "the Great Wall of China", "solar eclipses", "microplastics", "chess openings",
+    "the Amazon rainforest", "compilers", "hurricanes", "the ancient Egyptians", "wind turbines", "coffee roasting",
+    "the periodic table", "social media", "deserts", "cryptocurrency", "the Moon landing", "penguins",
+    "3D printing", "the Cold War", "rainbows", "operating systems", "bread baking", "the metric system",
+    "migratory birds", "open-source software", "the Byzantine Empire", "batteries", "mountain formation",
+    "vitamins", "the Mars rovers", "traffic lights", "the Great Depression", "neural networks", "tea", "comets",
+    "the postal system", "wildfires", "the violin", "GPS", "the Ottoman Empire", "fermentation", "satellites",
+    "insurance", "the Olympic marathon", "noise pollution", "sharks", "spreadsheets",
+]
+_QUESTION_FORMS = [
+    "What is the history of {t}?", "Why does {t} matter today?", "Write a short FAQ about {t}.",
+    "List five surprising facts about {t}, with one sentence each.", "Describe how {t} works, step by step.",
+    "What would a beginner need to know about {t}?", "Compare {t} today with fifty years ago.",
+]
+_MORE_LANGS = ["Ruby", "PHP", "Kotlin", "Swift", "C#", "Haskell", "Lua", "Perl", "R", "Scala", "Dart", "Julia"]
+_MORE_TASKS = _CODE_TASKS + [
+    "counts the lines of a file", "returns the second largest number in a list", "converts a number to binary",
+    "capitalizes the first letter of every word", "computes the sum of the digits of a number",
+    "checks whether a year is a leap year", "rotates a list by k positions", "zips two lists into pairs",
+]
+_WRITING = [
+    "Write a review of {x}.", "Write a recipe that uses {x}.", "Write a two-minute speech about {x}.",
+    "Write a cover letter for a job at a company that makes {x}.", "Write instructions for setting up {x}.",
+    "Write the minutes of a team meeting that discussed {x}.", "Write an advertisement for {x}.",
+    "Write the opening paragraph of a blog post about {x}.", "Write a letter to a city council about {x}.",
+    "Write a checklist for choosing {x}.",
+]
+_WRITING_SUBJECTS = [
+    "a standing desk", "a vegetable garden", "a mechanical keyboard", "a community swimming pool", "a rice cooker",
+    "a hiking backpack", "an electric scooter", "a language-learning app", "a home espresso machine", "a tent",
+    "a fitness tracker", "a used car", "a bookshelf", "a pair of running shoes", "a board game", "a home printer",
+]
 _MANPAGES = ["ls", "grep", "tar", "cp", "find", "chmod", "ssh", "sort", "curl", "awk", "sed", "ps"]
 
 
@@ -165,6 +202,13 @@ def prompts_of(kind: str) -> list[KindPrompt]:
         return _chat(kind, _math_problems(160, 5))
     if kind == "code_continue":
         return [KindPrompt(kind, f"{kind}-{i}", t, False) for i, t in enumerate(_code_continuations())]
+    if kind == "questions":
+        return _chat(kind, _shuffled([f.format(t=t) for t, f in product(_SUBJECTS, _QUESTION_FORMS)], 6)[:200])
+    if kind == "code_more":
+        texts = [f"Write a {lang} function that {t}." for lang, t in product(_MORE_LANGS, _MORE_TASKS)]
+        return _chat(kind, _shuffled(texts, 7)[:200])
+    if kind == "writing":
+        return _chat(kind, _shuffled([f.format(x=x) for f, x in product(_WRITING, _WRITING_SUBJECTS)], 8))
     if kind == "stories":
         return _chat(kind, [f"Write a short story about {s}." for s in _STORY_SUBJECTS])
     if kind == "code_rust":
@@ -172,7 +216,8 @@ def prompts_of(kind: str) -> list[KindPrompt]:
     raise KeyError(kind)
 
 
-TRAIN_KINDS = ("chat", "code_python", "code_other", "prose", "math", "code_continue")
+TRAIN_KINDS = ("chat", "code_python", "code_other", "prose", "math", "code_continue", "questions", "code_more",
+               "writing")
 """Kinds whose model-generated text trains the adapter."""
 HELDOUT_KINDS = ("stories", "code_rust", "manpages")
 """Kinds kept out of training entirely: a drafter's carry-over to text it never saw is measured on these."""
