@@ -52,8 +52,9 @@ DEMO_DRAFTERS ?= autoregressive,early_exit:E=24:k=4,early_exit:adapter=default:k
 demo: fetch-model
 	@echo "demo rows: autoregressive = plain decoding; early_exit:E=24 = the untrained model's own exit 24 (expected to lose);"
 	@echo "  early_exit:adapter=default = the exit adapter shipped for this model: one attention layer and an MLP on layer"
-	@echo "  4's input, distilled on CPU from the frozen model's own answers to chat, code, prose and arithmetic prompts plus"
-	@echo "  Python source (recipes/cpu-adapter-selfdistill.yaml; model unchanged, output identical), at its setting chosen on"
+	@echo "  4's input, distilled on CPU from the frozen model's own answers to chat, questions, writing, prose, arithmetic"
+	@echo "  and code prompts (Python and 20 other languages) plus Python source (recipes/cpu-adapter-selfdistill.yaml;"
+	@echo "  model unchanged, output identical; it drafts little on kinds of text unlike those), at its setting chosen on"
 	@echo "  validation prompts (k=6, confidence 0.5, the stopping token kept; on a CPU with native bf16 its drafts run in"
 	@echo "  bf16 on a copy of layers 0-3: --prefix, --draft-dtype); swift = SWIFT, training-free."
 	$(BIN)/layerskip bench --model default --drafters $(DEMO_DRAFTERS) --peers hf_generate \
