@@ -11,15 +11,19 @@ writes ``<out>/<kind>.jsonl`` (fields ``id``, ``kind``, ``text``: the prompt in 
 the model's continuation; ``new_tokens``; ``sampled``) and ``<out>/provenance.json`` (model, commit, settings,
 prompts and tokens per kind). Prompts alternate greedy decoding and sampling (``--temperature``), so the data
 holds both the greedy text a drafter meets most often and varied contexts; ``--decoding sampled --seed 1`` into
-another folder adds a second, sampled continuation of every prompt. A recipe reads the files as
-``type: jsonl`` sources, one per kind, its ``max_documents`` setting each kind's share.
+another folder adds a second, sampled continuation of every prompt. ``--prompts FILE`` takes your own prompts
+instead (JSON lines: ``prompt``, optionally ``kind`` and ``chat``), for an adapter that drafts your kind of text: it
+drafts little on kinds unlike its data (docs/RESULTS.md, "The shipped exit adapter by kind of text"). A recipe reads
+the files as ``type: jsonl`` sources, one per kind, its ``max_documents`` setting each kind's share.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -90,7 +94,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = Parser(prog="python -m train.self_distill", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default", help="model folder, hub id or 'default' (the embedded model)")
     ap.add_argument("--out", required=True, help="output folder (refused when it holds data, unless --force)")
-    ap.add_argument("--kinds", default=",".join(TRAIN_KINDS), help=f"comma-separated kinds (of {TRAIN_KINDS})")
+    ap.add_argument("--kinds", default=None, help=f"comma-separated kinds (of {TRAIN_KINDS}; default: all)")
+    ap.add_argument("--prompts", type=Path, default=None,
+                    help="your own prompts instead of the built-in kinds: a JSON-lines file, one object a line with "
+                         "'prompt' (the text), optionally 'kind' (a name: one output file per kind; default 'own') "
+                         "and 'chat' (false: continue the text as raw, not as the user's turn; default true)")
     ap.add_argument("--per-kind", type=int, default=None, help="at most this many prompts per kind (all: default)")
     ap.add_argument("--max-new-tokens", type=int, default=160, help="tokens generated per prompt")
     ap.add_argument("--decoding", choices=("alternate", "greedy", "sampled"), default="alternate",
@@ -105,9 +113,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--force", action="store_true", help="replace an output folder that already holds data")
     args = ap.parse_args(argv)
-    unknown = [k for k in args.kinds.split(",") if k not in TRAIN_KINDS]
-    if unknown:
-        raise UserError(f"--kinds: unknown kind(s) {unknown}; choose from {', '.join(TRAIN_KINDS)}")
+    if args.prompts is not None and args.kinds is not None:
+        raise UserError("--prompts and --kinds exclude each other: give your own prompts or the built-in kinds")
+    if args.prompts is None:
+        args.kinds = args.kinds or ",".join(TRAIN_KINDS)
+        unknown = [k for k in args.kinds.split(",") if k not in TRAIN_KINDS]
+        if unknown:
+            raise UserError(f"--kinds: unknown kind(s) {unknown}; choose from {', '.join(TRAIN_KINDS)}")
     for name in ("per_kind", "max_new_tokens", "batch_size"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -115,6 +127,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.temperature <= 0 or not 0 < args.top_p <= 1:
         raise UserError("--temperature must be > 0 and --top-p in (0, 1]")
     return args
+
+
+def _prompt_line(obj, where: str) -> KindPrompt:
+    """One line of a ``--prompts`` file as a prompt; refused in one line naming ``where`` when malformed."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
+        raise UserError(f"{where}: each line needs an object with a non-empty 'prompt' string")
+    kind, chat = obj.get("kind", "own"), obj.get("chat", True)
+    if not isinstance(kind, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", kind):
+        raise UserError(f"{where}: 'kind' names an output file: letters, digits, '_' or '-' (got {kind!r})")
+    if not isinstance(chat, bool):
+        raise UserError(f"{where}: 'chat' must be true or false (got {chat!r})")
+    return KindPrompt(kind, "", obj["prompt"], chat)
+
+
+def read_prompts(path: Path) -> dict[str, list[KindPrompt]]:
+    """Kind -> prompts of a ``--prompts`` file (kinds in the order they first appear; ids ``kind-index``)."""
+    if not path.is_file():
+        raise UserError(f"--prompts {path}: no such file; give a JSON-lines file of prompts")
+    kinds: dict[str, list[KindPrompt]] = {}
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"--prompts {path}, line {n}: not JSON ({e.msg})") from None
+        p = _prompt_line(obj, f"--prompts {path}, line {n}")
+        same = kinds.setdefault(p.kind, [])
+        same.append(KindPrompt(p.kind, f"{p.kind}-{len(same)}", p.text, p.chat))
+    if not kinds:
+        raise UserError(f"--prompts {path} holds no prompt")
+    return kinds
 
 
 def _prepare_out(out: Path, force: bool) -> None:
@@ -141,6 +185,10 @@ def load(args, path: Path):
 
 def run(args: argparse.Namespace) -> dict:
     """Generate every kind's file and the provenance; returns the provenance."""
+    if args.prompts is not None:  # read before anything is created or loaded: a bad file is refused at once
+        kinds = {k: v[:args.per_kind] for k, v in read_prompts(args.prompts).items()}
+    else:
+        kinds = {k: training_prompts(k, args.per_kind) for k in args.kinds.split(",")}
     out = Path(args.out)
     _prepare_out(out, args.force)
     commit = code_commit()  # the code that runs: taken now, not when the files are written
@@ -149,7 +197,6 @@ def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     path = resolve_model(args.model)
     model, tokenizer = load(args, path)
-    kinds = {k: training_prompts(k, args.per_kind) for k in args.kinds.split(",")}
     started, counts = time.time(), {}
     with tqdm(total=sum(map(len, kinds.values())), desc="self-distill", unit="prompt",
               mininterval=0 if sys.stderr.isatty() else 60) as bar:
@@ -157,8 +204,10 @@ def run(args: argparse.Namespace) -> dict:
             records = generate_kind(model, tokenizer, prompts, args, bar)
             _write_jsonl(out / f"{kind}.jsonl", records)
             counts[kind] = {"prompts": len(records), "new_tokens": sum(r["new_tokens"] for r in records)}
-    provenance = {"model": args.model, "model_path": path.name, "commit": commit,
-                  "kinds": counts, "settings": {k: v for k, v in vars(args).items() if k not in ("out", "force")},
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("out", "force")}
+    if args.prompts is not None:  # which prompts, not only where they were
+        settings["prompts_sha256"] = hashlib.sha256(args.prompts.read_bytes()).hexdigest()
+    provenance = {"model": args.model, "model_path": path.name, "commit": commit, "kinds": counts, "settings": settings,
                   "seconds": round(time.time() - started, 1)}
     (out / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n")
     return provenance

@@ -77,6 +77,55 @@ def test_refuses_to_replace_data_without_force(tiny_model_dir, tmp_path, capsys)
     assert _generate(tiny_model_dir, out, "--force") == 0
 
 
+def _own(tiny_model_dir, out: Path, prompts: Path, *extra: str) -> int:
+    return main(["--model", str(tiny_model_dir), "--out", str(out), "--prompts", str(prompts), "--max-new-tokens", "5",
+                 "--batch-size", "2", "--threads", "1", *extra])
+
+
+def test_own_prompts_give_one_file_per_kind_in_the_chat_template_or_raw(tiny_model_dir, tmp_path):
+    """--prompts: a user's own JSON-lines prompts (a bench data file works as is), one output file per 'kind'."""
+    lines = [{"prompt": "How do I reset my router?", "kind": "support"}, {"id": "x", "prompt": "Where is my order?"},
+             {"prompt": "SELECT name FROM users WHERE", "kind": "sql", "chat": False},
+             {"prompt": "My screen is dark.", "kind": "support"}]
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text("".join(json.dumps(o) + "\n" for o in lines) + "\n")
+    assert _own(tiny_model_dir, tmp_path / "data", prompts) == 0
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = {k: [json.loads(line) for line in (tmp_path / "data" / f"{k}.jsonl").read_text().splitlines()]
+            for k in ("support", "own", "sql")}
+    assert [r["id"] for r in rows["support"]] == ["support-0", "support-1"]
+    assert [r["id"] for r in rows["own"]] == ["own-0"]  # no 'kind': 'own'
+    dark = dp.KindPrompt("support", "", "My screen is dark.", True)
+    assert rows["support"][1]["text"].startswith(prompt_text(tok, dark))
+    assert rows["sql"][0]["text"].startswith("SELECT name FROM users WHERE")  # raw: no template
+    prov = json.loads((tmp_path / "data" / "provenance.json").read_text())
+    assert set(prov["kinds"]) == {"support", "own", "sql"} and prov["settings"]["prompts"] == str(prompts)
+    assert len(prov["settings"]["prompts_sha256"]) == 64
+    assert _own(tiny_model_dir, tmp_path / "one", prompts, "--per-kind", "1") == 0
+    assert len((tmp_path / "one" / "support.jsonl").read_text().splitlines()) == 1
+
+
+@pytest.mark.parametrize("content, says", [
+    (None, "no such file"), ("", "holds no prompt"), ("{oops\n", "line 1: not JSON"),
+    ('{"prompt": "a"}\n{"text": "b"}\n', "line 2: each line needs"), ('{"prompt": "a", "kind": "../x"}\n', "'kind'"),
+    ('{"prompt": "a", "chat": "no"}\n', "'chat' must be"),
+])
+def test_bad_prompt_files_are_refused_in_one_line(tiny_model_dir, tmp_path, capsys, content, says):
+    prompts = tmp_path / "mine.jsonl"
+    if content is not None:
+        prompts.write_text(content)
+    assert _own(tiny_model_dir, tmp_path / "data", prompts) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err and not (tmp_path / "data").exists()
+
+
+def test_own_prompts_and_built_in_kinds_exclude_each_other(tiny_model_dir, tmp_path, capsys):
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text('{"prompt": "a"}\n')
+    assert _own(tiny_model_dir, tmp_path / "data", prompts, "--kinds", "chat") == 2
+    assert "exclude each other" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("bad", [["--kinds", "poems"], ["--per-kind", "0"], ["--temperature", "0"]])
 def test_bad_options_are_refused_in_one_line(tiny_model_dir, tmp_path, capsys, bad):
     assert _generate(tiny_model_dir, tmp_path / "data", *bad) == 2
