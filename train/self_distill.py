@@ -35,6 +35,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from layerskip_core.cli import Parser, finite_float, run_main
 from layerskip_core.errors import UserError
 from layerskip_core.models import resolve_model
+from layerskip_core.prompts import check_text, read_jsonl
 from train.adapter import code_commit
 from train.distill_prompts import TRAIN_KINDS, KindPrompt, training_prompts
 
@@ -129,33 +130,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _prompt_line(obj, where: str) -> KindPrompt:
-    """One line of a ``--prompts`` file as a prompt; refused in one line naming ``where`` when malformed."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"].strip():
+def _prompt_line(row: dict, where: str) -> tuple[str, str, bool]:
+    """(kind, text, chat) of one ``--prompts`` line; refused in one line naming ``where`` when malformed."""
+    text, kind, chat = row.get("prompt"), row.get("kind", "own"), row.get("chat", True)
+    if not isinstance(text, str) or not text.strip():
         raise UserError(f"{where}: each line needs an object with a non-empty 'prompt' string")
-    kind, chat = obj.get("kind", "own"), obj.get("chat", True)
     if not isinstance(kind, str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", kind):
         raise UserError(f"{where}: 'kind' names an output file: letters, digits, '_' or '-' (got {kind!r})")
     if not isinstance(chat, bool):
         raise UserError(f"{where}: 'chat' must be true or false (got {chat!r})")
-    return KindPrompt(kind, "", obj["prompt"], chat)
+    return kind, check_text(text, f"{where}: the prompt"), chat
 
 
 def read_prompts(path: Path) -> dict[str, list[KindPrompt]]:
-    """Kind -> prompts of a ``--prompts`` file (kinds in the order they first appear; ids ``kind-index``)."""
-    if not path.is_file():
-        raise UserError(f"--prompts {path}: no such file; give a JSON-lines file of prompts")
+    """Kind -> prompts of a ``--prompts`` file (the project's JSON-lines reader; kinds in the order they first
+    appear; ids ``kind-index``)."""
     kinds: dict[str, list[KindPrompt]] = {}
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"--prompts {path}, line {n}: not JSON ({e.msg})") from None
-        p = _prompt_line(obj, f"--prompts {path}, line {n}")
-        same = kinds.setdefault(p.kind, [])
-        same.append(KindPrompt(p.kind, f"{p.kind}-{len(same)}", p.text, p.chat))
+    for n, row in read_jsonl(path):
+        kind, text, chat = _prompt_line(row, f"--prompts {path}, line {n}")
+        same = kinds.setdefault(kind, [])
+        same.append(KindPrompt(kind, f"{kind}-{len(same)}", text, chat))
     if not kinds:
         raise UserError(f"--prompts {path} holds no prompt")
     return kinds

@@ -106,7 +106,7 @@ def test_own_prompts_give_one_file_per_kind_in_the_chat_template_or_raw(tiny_mod
 
 
 @pytest.mark.parametrize("content, says", [
-    (None, "no such file"), ("", "holds no prompt"), ("{oops\n", "line 1: not JSON"),
+    (None, "does not exist"), ("", "holds no prompt"), ("{oops\n", ":1: not valid JSON"),
     ('{"prompt": "a"}\n{"text": "b"}\n', "line 2: each line needs"), ('{"prompt": "a", "kind": "../x"}\n', "'kind'"),
     ('{"prompt": "a", "chat": "no"}\n', "'chat' must be"),
 ])
