@@ -151,10 +151,11 @@ class AdapterForward:
             r.release_cache(scratch)
         self.adapter.forward(self.cache, hidden, 0)
 
-    def accept(self, n: int, hidden: Tensor | None, new_n: int) -> None:
+    def accept(self, n: int, hidden: Tensor | None, new_n: int, kept: int) -> None:
         """Verification accepted positions [n, new_n) (``hidden``: their exit states from verification, rows from
-        position n on, or None): keep the adapter rows the draft wrote for them, compute the missing ones."""
-        self.cache.rollback(new_n)
+        position n on, or None): keep the adapter rows the draft wrote for positions [n, kept) (those whose token
+        it ran: up to the first sibling a token tree's path took), compute the missing ones."""
+        self.cache.rollback(kept)
         have = self.cache.lengths[0]
         if have < new_n and hidden is not None and hidden.shape[0] >= new_n - n:
             self.adapter.forward(self.cache, hidden[have - n:new_n - n], have)

@@ -30,6 +30,7 @@ from infer.drafters.chain import ChainAsk, EarlyExitForward, check_size, draft_c
 from infer.drafters.gate import COLD, GateOwner, RememberOption
 from infer.drafters.inputs import draft_dtype, draft_head
 from infer.drafters.prefix_copy import CopiedPrefixForward
+from infer.drafters.tree import TreeOption, chain_rows_kept, chain_tree
 from layerskip_core.draft_vocab import AUTO
 from layerskip_core.errors import UserError
 from layerskip_core.layers import check_exit_layer
@@ -37,7 +38,7 @@ from layerskip_core.options import check_fields
 
 
 @dataclass
-class EarlyExitDrafterConfig(DraftVocabOption, RememberOption):
+class EarlyExitDrafterConfig(DraftVocabOption, RememberOption, TreeOption):
     """Settings of the early-exit drafter."""
 
     exit_layer: int = 8
@@ -76,6 +77,7 @@ class EarlyExitDrafterConfig(DraftVocabOption, RememberOption):
         check_fields(self, "early_exit")
         DraftVocabOption.__post_init__(self)
         RememberOption.__post_init__(self)
+        TreeOption.__post_init__(self)
         check_size(self.num_draft, "num-draft")
         if self.recheck_interval < 1:
             raise UserError(f"recheck-interval must be >= 1, got {self.recheck_interval}")
@@ -147,11 +149,12 @@ class EarlyExitDrafter(GateOwner, Drafter):
         self._cycle_start: float | None = None
 
     def needs(self) -> Needs:
+        c = self.config
+        lookahead = max(c.num_draft, c.max_tree_nodes if c.tree else 0) + 1
         if not isinstance(self.forward, AdapterForward):
-            return Needs(lookahead=self.config.num_draft + 1)
+            return Needs(lookahead=lookahead)
         # the prefill keeps the prompt's stream entering the adapter's exit, which fills the adapter's cache
-        return Needs(lookahead=self.config.num_draft + 1, prompt_layers=(self.adapter.exit_layer,),
-                     prompt_rows=WHOLE_PROMPT)
+        return Needs(lookahead=lookahead, prompt_layers=(self.adapter.exit_layer,), prompt_rows=WHOLE_PROMPT)
 
     def start(self, state: DecodeState) -> None:
         self.forwards = self.plain_steps = 0
@@ -174,7 +177,8 @@ class EarlyExitDrafter(GateOwner, Drafter):
     @classmethod
     def propose_rows(cls, rows: Sequence[tuple[EarlyExitDrafter, DecodeState]]) -> list[Draft | None]:
         """Each row's gate and adapter catch-up on its own, then the drafting rows' chains together (one packed
-        draft forward per step, each chain with its own confidence stop)."""
+        draft forward per step, each chain with its own confidence stop); with ``tree``, each chain grows into its
+        token tree (``infer.drafters.tree``)."""
         asks, drafting = [], []
         for j, (drafter, state) in enumerate(rows):
             if not drafter.begin_cycle():
@@ -185,16 +189,24 @@ class EarlyExitDrafter(GateOwner, Drafter):
             asks.append(ChainAsk(state, drafter.forward, c.num_draft, c.confidence, c.keep_last))
             drafting.append(j)
         drafts: list[Draft | None] = [None] * len(rows)
-        for j, chain in zip(drafting, draft_chains(asks), strict=True):
-            rows[j][0].forwards += chain.forwards
-            drafts[j] = chain.draft if chain.forwards else None
+        trees = any(rows[j][0].config.tree for j in drafting)
+        for j, chain in zip(drafting, draft_chains(asks, keep_dists=trees), strict=True):
+            drafter, state = rows[j]
+            drafter.forwards += chain.forwards
+            if chain.forwards:
+                c = drafter.config
+                drafts[j] = chain_tree(chain, state, c.max_tree_nodes) if c.tree else chain.draft
         return drafts
 
     def update(self, state: DecodeState, outcome: VerifyOutcome) -> None:
         if outcome.draft is None:
             self.plain_steps += 1
         if self.own_caches:
-            self.forward.accept(outcome.start, outcome.exit_hidden, state.n)
+            hidden, draft = outcome.exit_hidden, outcome.draft
+            if hidden is not None and draft is not None and draft.parents is not None:
+                hidden = hidden[outcome.path]  # (len(path), d): the accepted path's rows, in sequence order
+            kept = outcome.start + (1 if draft is None else chain_rows_kept(outcome))
+            self.forward.accept(outcome.start, hidden, state.n, min(kept, state.n))
         if self._cycle_start is not None:  # set by propose only when adaptive
             seconds = time.perf_counter() - self._cycle_start
             self.gate.record(len(outcome.tokens), seconds, drafted=outcome.draft is not None)

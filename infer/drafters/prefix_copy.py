@@ -95,11 +95,12 @@ class CopiedPrefixForward:
             if self.adapter is not None:
                 self.adapter.forward(self.adapter_cache, hidden, 0)
 
-    def accept(self, n: int, hidden: Tensor | None, new_n: int) -> None:
-        """Verification settled positions [0, new_n): drop the rows of rejected tokens (the rest stay)."""
+    def accept(self, n: int, hidden: Tensor | None, new_n: int, kept: int) -> None:
+        """Verification settled positions [0, new_n): drop the rows from ``kept`` on (rejected tokens, and those
+        after the first sibling a token tree's path took); the rest stay."""
         for c in (self.cache, self.adapter_cache):
-            if c is not None and c.lengths[0] > new_n:
-                c.rollback(new_n)
+            if c is not None and c.lengths[0] > kept:
+                c.rollback(kept)
 
     def catch_up(self, cache: KVCache, tokens: list[int], n: int) -> None:
         """Before a draft at position ``n``: the rows in [have, n) are run with the draft's first token."""

@@ -39,7 +39,7 @@ from infer.drafters.gate import COLD, FallbackGate, GateMemory, Rate, RememberOp
 from infer.drafters.inputs import draft_head, given_plan
 from infer.drafters.skipping import matchness_span
 from infer.drafters.swift_search import LayerSetSearch
-from infer.drafters.tree import chain_tree
+from infer.drafters.tree import TreeOption, chain_tree
 from infer.model.plan import (
     LayerPlan,
     PlanFile,
@@ -60,7 +60,7 @@ SCRIPT_MATCH = 0.93
 
 
 @dataclass
-class SwiftConfig(DraftVocabOption, RememberOption):
+class SwiftConfig(DraftVocabOption, RememberOption, TreeOption):
     """Settings of the SWIFT drafter (paper defaults where the paper has one)."""
 
     skip_ratio: float = 0.45
@@ -83,8 +83,6 @@ class SwiftConfig(DraftVocabOption, RememberOption):
     """k: most draft forwards (chain depth) per verification."""
     tree: bool = True
     """Verify a dynamic top-k tree (candidates per depth from the draft's confidence); off = chain only."""
-    max_tree_nodes: int = 12
-    """Cap on drafted tree nodes (verifying more tokens in one forward costs more: docs/RESULTS.md measures it)."""
     opt_budget: float = 0.25
     """Most fraction of wall time spent optimising while drafting pays off (or is still being assessed)."""
     adaptive: bool = True
@@ -120,7 +118,7 @@ class SwiftConfig(DraftVocabOption, RememberOption):
         DraftVocabOption.__post_init__(self)
         RememberOption.__post_init__(self)
         check_size(self.num_draft, "num-draft")
-        check_size(self.max_tree_nodes, "max-tree-nodes")
+        TreeOption.__post_init__(self)
         if self.plan:
             check_plan_option(self.plan, "swift")  # before any model is loaded
         if self.context_window is None:

@@ -7,11 +7,13 @@ allows (``GREEDY_WIDTHS`` / ``SAMPLING_WIDTHS``), up to a cap on the tree's node
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
-from infer.drafters.base import DecodeState, Draft
-from infer.drafters.chain import ChainResult
+from infer.drafters.base import DecodeState, Draft, VerifyOutcome
+from infer.drafters.chain import ChainResult, check_size
 from infer.model.kv_cache import ints_to_device
 
 GREEDY_WIDTHS = (3, 5, 8, 10)  # candidates per depth for top-1 prob > 0.95, > 0.8, > 0.5, else (paper)
@@ -19,6 +21,32 @@ SAMPLING_WIDTHS = (1, 3, 5, 10)
 WIDTH_THRESHOLDS = (0.95, 0.8, 0.5)
 WIDEST = max(GREEDY_WIDTHS + SAMPLING_WIDTHS)
 """Most candidates at one depth: a tree of k depths has at most k * WIDEST nodes."""
+
+
+@dataclass
+class TreeOption:
+    """The option of a drafter that can verify a token tree (its Config subclasses this)."""
+
+    tree: bool = False
+    """Verify a dynamic top-k tree: the draft's next candidates at each depth hang off the chain node before it, as
+    many as the draft's confidence there allows; off = the chain only."""
+    max_tree_nodes: int = 12
+    """Cap on drafted tree nodes (verifying more tokens in one forward costs more: docs/RESULTS.md measures it)."""
+
+    def __post_init__(self) -> None:
+        check_size(self.max_tree_nodes, "max-tree-nodes")
+
+
+def chain_rows_kept(outcome: VerifyOutcome) -> int:
+    """How many of a verified draft's tree positions, from the pending token on, hold the tokens the sequence now has
+    at those positions: the pending token and the chain nodes the accepted path followed (a sibling it took, and
+    everything after it, was never run by the chain's draft forwards)."""
+    kept = 1
+    for i, node in enumerate(outcome.path[1:], start=1):
+        if node != i:
+            break
+        kept += 1
+    return kept
 
 
 def chain_tree(chain: ChainResult, state: DecodeState, max_nodes: int) -> Draft:

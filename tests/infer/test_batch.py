@@ -69,6 +69,8 @@ CASES = {
     "early_exit_prefix_copy": ("early_exit", {"E": 3, "k": 3, "prefix": "copy", "draft_dtype": "bf16"}),
     "early_exit_prefix_copy_adaptive": ("early_exit", {"E": 2, "k": 3, "prefix": "copy", "adaptive": True,
                                                        "recheck_interval": 1, "remember": "off"}),
+    "early_exit_tree": ("early_exit", {"E": 3, "k": 3, "tree": True, "max_tree_nodes": 6, "confidence": 0.013,
+                                       "keep_last": True}),  # rows verify trees of different shapes together
     "self_sd": ("self_sd", {"plan": LayerPlan(L, frozenset({2, 3}), frozenset({4})), "k": 4}),
     "dynamic_exit": ("dynamic_exit", {"exits": "1/3/5", "k": 3, "min_speedup": 0, "adaptive": False,
                                       "observe_every": 1}),  # rows choose their own exits: packed per exit
@@ -77,11 +79,14 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", [*CASES, "adapter", "adapter_prefix_copy"])
+ADAPTER_CASES = {"adapter": {}, "adapter_prefix_copy": {"prefix": "copy"},
+                 "adapter_tree": {"tree": True, "max_tree_nodes": 5, "confidence": 0.013, "keep_last": True}}
+
+
+@pytest.mark.parametrize("case", [*CASES, *ADAPTER_CASES])
 def test_every_row_equals_plain_decoding_alone(model, runner, prompts, eos, case, tmp_path):
     with_adapter = {"adapter": str(adapter_file(model, tmp_path / "a.safetensors")), "k": 3}
-    name, options = ("early_exit", with_adapter | ({"prefix": "copy"} if case.endswith("copy") else {})) \
-        if case.startswith("adapter") else CASES[case]
+    name, options = ("early_exit", with_adapter | ADAPTER_CASES[case]) if case in ADAPTER_CASES else CASES[case]
     config = DecodeConfig(max_new_tokens=16)
     with BatchEngine(runner, lambda: build_drafter(name, runner, options), 3, eos) as engine:
         results = engine.generate(prompts, config)
