@@ -7,8 +7,9 @@ writes the prompt files (``<out>/prompts/<kind>.jsonl``: the user's turn in the 
 text for manual pages), runs ``layerskip bench`` on them (greedy, 1 thread, plain decoding and the adapter at each
 ``--settings``; output checked identical to plain decoding) and writes ``<out>/kinds.md``: per kind and setting
 the acceptance, tokens per verification M, the tokens drafted, the measured speed-up over plain decoding, and the
-cost model's speed-up M / (f·c + v) at the measured draft cost c with verification as cheap as ``--verify-cost``
-(the decoding-speed issue's v(4) target, 1.15), beside the one measured on this machine. ``--group validation``
+cost model's speed-up M / (f·c + v(T)) at the measured draft cost c and the row's mean tokens per verification T
+(a token tree verifies more), with v(T) as cheap as ``--verify-costs`` (the decoding-speed issue's targets, linear
+between them), beside the one measured on this machine. ``--group validation``
 takes each training kind's last prompts (never generated for training, ``train.distill_prompts``);
 ``--group heldout`` the kinds kept out of training (stories, Rust code, manual pages).
 """
@@ -24,7 +25,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from infer.model.plan import cycle_speedup
-from layerskip_core.cli import Parser, check_output_dir, finite_float, run_main
+from layerskip_core.cli import Parser, check_output_dir, run_main
 from layerskip_core.errors import UserError
 from layerskip_core.models import resolve_model
 from train.distill_prompts import (
@@ -73,19 +74,45 @@ def bench_command(args: argparse.Namespace, files: list[Path]) -> list[str]:
             str(args.threads), "--quality-data", "none", "--out", str(Path(args.out) / "bench"), "--force"]
 
 
-def kind_rows(summaries: list[dict], verify_cost: float) -> list[str]:
-    """Markdown rows of the adapter's summaries: measured numbers and the cost model at ``verify_cost``."""
+TARGET_VERIFY_COSTS = "1:1,4:1.15,8:1.4,16:2"
+"""v(T) at a few T: the decoding-speed issue's targets (v(4) <= 1.15, v(8) <= 1.40, v(16) <= 2.0)."""
+
+
+def verify_costs(text: str) -> list[tuple[float, float]]:
+    """``T:v,T:v,...`` -> sorted (T, v) points (at least two, T >= 1, v > 0), or a one-line error."""
+    try:
+        points = sorted((float(t), float(v)) for t, v in (item.split(":") for item in text.split(",")))
+    except ValueError:
+        raise UserError(f"--verify-costs takes T:v pairs separated by commas (e.g. {TARGET_VERIFY_COSTS}), got "
+                        f"{text!r}") from None
+    if len(points) < 2 or any(t < 1 or v <= 0 for t, v in points) or len({t for t, _ in points}) < len(points):
+        raise UserError(f"--verify-costs needs two or more distinct T >= 1 with v > 0, got {text!r}")
+    return points
+
+
+def verify_cost_at(points: list[tuple[float, float]], tokens: float) -> float:
+    """v at ``tokens`` verified tokens: linear between the points, the end segments extended beyond them."""
+    i = next((j for j in range(1, len(points) - 1) if tokens <= points[j][0]), len(points) - 1)
+    (t0, v0), (t1, v1) = points[i - 1], points[i]
+    return v0 + (v1 - v0) * (tokens - t0) / (t1 - t0)
+
+
+def kind_rows(summaries: list[dict], points: list[tuple[float, float]]) -> list[str]:
+    """Markdown rows of the adapter's summaries: measured numbers and the cost model at ``points``' v(T)."""
     rows = []
     for s in summaries:
         if not s["method"].startswith("early_exit"):
             continue
         adapter, _, setting = s["method"].split("adapter=", 1)[1].partition(":")
         setting = f"{Path(adapter).stem}: {setting}"
-        projected = None
-        if s["tokens_per_verify"] and s["draft_cost_ratio"] is not None and s["mean_draft_forwards"] is not None:
-            projected = cycle_speedup(s["tokens_per_verify"], s["mean_draft_forwards"], s["draft_cost_ratio"],
-                                      verify_cost)
-        cells = [s["task"], setting, _f(s["acceptance_rate"]), _f(s["tokens_per_verify"]), str(s.get("drafted")),
+        projected = tokens = None
+        m = s["tokens_per_verify"]
+        if m and s["new_tokens"]:
+            tokens = 1 + s["drafted"] * m / s["new_tokens"]  # per verification: the pending token and the drafted
+        if tokens and s["draft_cost_ratio"] is not None and s["mean_draft_forwards"] is not None:
+            projected = cycle_speedup(m, s["mean_draft_forwards"], s["draft_cost_ratio"],
+                                      verify_cost_at(points, tokens))
+        cells = [s["task"], setting, _f(s["acceptance_rate"]), _f(m), str(s.get("drafted")), _f(tokens),
                  _f(s["speedup_vs_autoregressive"], "x"), _f(s["draft_cost_ratio"]), _f(s["verify_cost_ratio"]),
                  _f(projected, "x"), str(s["exact_mismatches"]), s.get("note") or ""]
         rows.append("| " + " | ".join(cells) + " |")
@@ -96,12 +123,12 @@ def _f(x: float | None, suffix: str = "") -> str:
     return "–" if x is None else f"{x:.2f}{suffix}"
 
 
-def write_table(out: Path, command: list[str], verify_cost: float) -> str:
+def write_table(out: Path, command: list[str], costs: str) -> str:
     results = json.loads((out / "bench" / "results.json").read_text())
-    head = ["kind", "setting", "acceptance", "M", "drafted", "speed-up (measured)", "c", "v (measured)",
-            f"speed-up at v={verify_cost}", "mismatches", "note"]
+    head = ["kind", "setting", "acceptance", "M", "drafted", "T", "speed-up (measured)", "c", "v (measured)",
+            f"speed-up at v(T) {costs}", "mismatches", "note"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += kind_rows(results["summary"], verify_cost)
+    lines += kind_rows(results["summary"], verify_costs(costs))
     text = "\n".join(lines) + "\n\nCommand: `layerskip " + " ".join(command[3:]) + "`\n"
     (out / "kinds.md").write_text(text)
     return text
@@ -119,12 +146,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--verify-cost", type=finite_float, default=1.15, help="v(T) of the cost model's projection")
+    ap.add_argument("--verify-costs", default=TARGET_VERIFY_COSTS,
+                    help="T:v points of the cost model's v(T), linear between them (default: the decoding-speed "
+                         "issue's targets; 1:1,16:1 for verification that costs one step at any T)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--force", action="store_true", help="replace an earlier run's folder")
     args = ap.parse_args(argv)
     if args.n < 1 or args.max_new_tokens < 1 or args.repeats < 1:
         raise UserError("--n, --max-new-tokens and --repeats must be >= 1")
+    verify_costs(args.verify_costs)  # refused before the bench runs
     return args
 
 
@@ -137,7 +167,7 @@ def _main(argv: list[str] | None) -> int:
     command = bench_command(args, files)
     if subprocess.run(command).returncode != 0:
         raise UserError(f"layerskip bench failed (its output is above); command: {' '.join(command[2:])}")
-    print(write_table(out, command, args.verify_cost))
+    print(write_table(out, command, args.verify_costs))
     return 0
 
 
