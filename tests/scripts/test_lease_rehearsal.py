@@ -64,13 +64,14 @@ def test_compile_once(offline_run):
 def test_exactness_parts(offline_run):
     exact = offline_run[2]["exact"]
     assert exact["greedy_fp32_mismatches"] == 0 and exact["greedy_fp32_failures"] == 0
-    assert exact["greedy_runs"] == 3 * 2 * len(DRAFTERS)  # every registered drafter but autoregressive, early exit
-    # also through an exit adapter, x 2 executors x 3
+    assert exact["greedy_runs"] == 3 * 2 * (len(DRAFTERS) + 1)  # every registered drafter but autoregressive,
+    # early exit also through an exit adapter as a chain and as a tree, x 2 executors x 3
     assert {key.split("/")[-1] for key in exact["greedy_detail"]} == set(DRAFTERS) - {"autoregressive"} | {
-        "early_exit_adapter"}
+        "early_exit_adapter", "early_exit_adapter_tree"}
     assert {"llama/static/swift", "llama/eager/early_exit", "llama/static/early_exit_adapter"} <= set(
         exact["greedy_detail"])
     assert exact["greedy_detail"]["llama/static/early_exit_adapter"]["verifications"] > 0
+    assert exact["greedy_detail"]["llama/static/early_exit_adapter_tree"]["verifications"] > 0
     assert exact["greedy_rest_runs"] == 3 * (len(DRAFTERS) - 1) and exact["greedy_rest_fp32_failures"] == 0
     assert "qwen2/static/self_sd" in exact["greedy_rest_detail"] and 0.0 <= exact["parity_max_abs"] < 1e-3
     assert exact["greedy_swift_trees"] > 0  # SWIFT (random search without optuna) verified token trees

@@ -52,13 +52,15 @@ def plan_file(runner: Runner, folder: Path, plan: LayerPlan) -> Path:
 def drafter_specs(runner: Runner, folder: Path, adapter: Path | None = None) -> Specs:
     """Every registered drafter but autoregressive, with settings that make it draft on a 4-layer model: self_sd
     gets a small plan file, swift verifies token trees, and early exit also drafts through ``adapter`` (an exit
-    adapter file for this model) where one is given."""
+    adapter file for this model) where one is given, as a chain and as a token tree."""
     L = runner.num_layers
     plan = plan_file(runner, folder, LayerPlan(L, skip_attn=frozenset({L - 2}), skip_mlp=frozenset({L - 1})))
     specs = {name: (name, options) for name, options in registered_options(runner, plan, L // 2).items()
              if name != "autoregressive"}
     if adapter is not None:
         specs["early_exit_adapter"] = ("early_exit", {"adapter": str(adapter), "num_draft": 3})
+        specs["early_exit_adapter_tree"] = ("early_exit", {"adapter": str(adapter), "num_draft": 3, "tree": True,
+                                                           "max_tree_nodes": 8})
     return specs
 
 
