@@ -4,7 +4,8 @@ Counts token frequencies on calibration data from the front of each set (--mode 
 generations, generated tokens only, with the texts' counts breaking ties; --mode text: the texts' tokens), keeps
 the special tokens plus the most frequent ids (--size in all) and writes them to --out, tied to the model. Coverage
 (the share of held-out target tokens inside the subset) is measured on the model's greedy generations for the last
---heldout prompts of each set, which calibration leaves alone.
+--heldout prompts of each set, which calibration leaves alone, and of each --heldout-data set, which it never reads
+(a .jsonl of texts, as ``train.self_distill`` writes, is counted whole and holds nothing out).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from layerskip_core.cli import check_distinct, check_output_file
 from layerskip_core.device import dtype_name
 from layerskip_core.draft_vocab import coverage_report, special_ids
 from layerskip_core.errors import UserError
-from layerskip_core.prompts import PromptItem, load_prompts
+from layerskip_core.prompts import PromptItem, load_prompts, read_jsonl
 from train.config import SourceConfig
 
 STDLIB = "stdlib"
@@ -35,8 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_flags(p)
     p.add_argument("--data", required=True,
                    help="comma-separated calibration sets: humaneval, gsm8k, stdlib (the Python standard library's "
-                   "source, as the CPU training recipe reads it), .jsonl files with 'prompt' fields, or folders "
-                   "of text files")
+                   "source, as the CPU training recipe reads it), .jsonl files with 'prompt' fields, .jsonl files of "
+                   "texts ('text' fields, as train.self_distill writes the model's own answers; --mode text), or "
+                   "folders of text files")
     p.add_argument("--size", type=int, required=True, help="token ids to keep (special tokens included), e.g. 8192")
     p.add_argument("--mode", default="generate", choices=["generate", "text"],
                    help="count the model's own greedy generations (default) or the calibration texts")
@@ -47,6 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="tokens generated per prompt, for counting and for held-out coverage (default 128)")
     p.add_argument("--heldout", type=int, default=8,
                    help="prompts per set, from its end, whose generations measure coverage (default 8; 0 = none)")
+    p.add_argument("--heldout-data", default="",
+                   help="comma-separated prompt sets never counted: their last --heldout prompts only measure "
+                        "coverage (kinds of text the calibration leaves out)")
     p.add_argument("--report-sizes", default="",
                    help="also report the held-out coverage of these sizes, e.g. 1024,4096,16384")
     p.add_argument("--chat", default="auto", choices=["auto", "always", "never"],
@@ -90,10 +95,42 @@ def split_set(name: str, items: list[PromptItem], n: int, text_n: int,
     return front[:n], front[:text_n], items[len(items) - heldout:]
 
 
-def load_sets(names: list[str], n: int, text_n: int, heldout: int):
-    """Calibration prompts, calibration texts and held-out prompts over all the sets, in order."""
+def text_items(name: str, mode: str) -> list[PromptItem] | None:
+    """The texts of a .jsonl file whose first object has a 'text' field and no 'prompt' (training data, such as
+    ``train.self_distill``'s output), or None for any other source. Texts are counted, never prompted: ``mode``
+    must be text."""
+    path = Path(name).expanduser()
+    if path.suffix != ".jsonl" or not path.is_file():
+        return None
+    rows = read_jsonl(path, "texts file")
+    if not rows or "text" not in rows[0][1] or "prompt" in rows[0][1]:
+        return None
+    if mode != "text":
+        raise UserError(f"{name} holds texts ('text' fields), not prompts: count them with --mode text")
+    items = []
+    for lineno, row in rows:
+        text = row.get("text")
+        if not isinstance(text, str) or not text.strip():
+            raise UserError(f"{path}:{lineno}: expected a non-empty string 'text' field, as on the file's first line")
+        items.append(PromptItem(str(row.get("id", lineno)), text, "", path.stem))
+    return items
+
+
+def load_sets(names: list[str], n: int, text_n: int, heldout: int, mode: str = "generate",
+              heldout_names: tuple[str, ...] = ()):
+    """Calibration prompts, calibration texts and held-out prompts over all the sets, in order; ``heldout_names``
+    give held-out prompts only (their last ``heldout``)."""
     calib, texts, held = [], [], []
+    for name in heldout_names:
+        if heldout < 1:
+            raise UserError("--heldout-data measures coverage on each set's last --heldout prompts: give --heldout 1 "
+                            "or more")
+        held += load_prompts(name)[-heldout:]
     for name in names:
+        texts_only = text_items(name, mode)
+        if texts_only:  # texts are counted whole and are never prompts
+            calib, texts = calib + texts_only, texts + texts_only
+            continue
         items = stdlib_items() if name == STDLIB else load_prompts(name)
         c, t, h = split_set(name, items, n, text_n, heldout)
         calib, texts, held = calib + c, texts + t, held + h
@@ -114,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
     names = [d.strip() for d in args.data.split(",") if d.strip()]
     if not names:
         raise UserError("--data is empty: give one or more sets, e.g. humaneval,gsm8k")
+    heldout_names = tuple(d.strip() for d in args.heldout_data.split(",") if d.strip())
     if args.n < 1 or args.max_new_tokens < 1 or args.heldout < 0 or args.size < 1:
         raise UserError("--size, --n and --max-new-tokens must be >= 1, --heldout >= 0")
     if args.text_n is not None and (args.mode == "text" or args.text_n < 1):
@@ -126,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
             check_output_file(path, flag, force=args.force, inputs=tuple(("--data", d) for d in args.data.split(",")))
     check_distinct(("--out", args.out), ("--counts-out", args.counts_out))
     text_n = args.n if args.text_n is None else args.text_n
-    calib, texts, held = load_sets(names, args.n, text_n, args.heldout)
+    calib, texts, held = load_sets(names, args.n, text_n, args.heldout, args.mode, heldout_names)
     resolved = model_settings(args).resolve()
 
     model = load_resolved(resolved)
@@ -149,8 +187,8 @@ def run(args: argparse.Namespace) -> int:
     if held:
         tokens = heldout_tokens(model, held, args.max_new_tokens, args.chat, progress=not args.quiet)
         vocab = replace(vocab, source=vocab.source | {"heldout": len(held)}, coverage=coverage_report(vocab, tokens))
-        print(f"held-out coverage (the model's greedy generations on the last {args.heldout} prompts of each set):",
-              file=sys.stderr)
+        print(f"held-out coverage (the model's greedy generations on the last {args.heldout} prompts of each set"
+              f"{' and of ' + ', '.join(heldout_names) if heldout_names else ''}):", file=sys.stderr)
         for size in sorted({args.size, *sizes}):
             report = vocab.coverage if size == args.size else coverage_report(counts.top(size), tokens)
             print(coverage_line(size, vocab_size, report), file=sys.stderr)
