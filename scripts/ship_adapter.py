@@ -29,6 +29,24 @@ _PASSES = [("runs/self-distill", _FIRST, ""), ("runs/self-distill-s1", _FIRST, "
 DATA_COMMAND = " && ".join(f"python -m train.self_distill --out {out} --kinds {kinds} --batch-size 32 --threads 1{more}"
                            for out, kinds, more in _PASSES)
 """The commands that made the shipped adapter's data (recipes/cpu-adapter-selfdistill.yaml's header)."""
+VOCAB_COMMAND = ('layerskip draft-vocab --model default --data "$(ls runs/self-distill*/*.jsonl | paste -sd, -)" '
+                 "--mode text --size 8192 --out runs/vocab-sd/vocab.json --counts-out "
+                 "layerskip_core/data/draft_vocab/smollm2-135m-instruct.json --force")
+"""The command that counted the shipped counts ``draft_vocab: auto`` reads, on the same data (the recipe's header)."""
+
+
+def counts_record(draft_vocab: dict | None, name: str) -> dict | None:
+    """Which token counts an adapter trained with ``draft_vocab: auto`` drafts from: the file shipped for the model
+    ``name`` (its SHA-256, so a later recount shows) and the command that made it; None for any other vocabulary."""
+    import hashlib
+
+    from layerskip_core.draft_vocab import BUNDLED_DIR
+
+    path = BUNDLED_DIR / f"{name}.json"
+    if not draft_vocab or draft_vocab.get("option") != "auto" or not path.is_file():
+        return None
+    return {"file": f"layerskip_core/data/draft_vocab/{path.name}",
+            "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "command": VOCAB_COMMAND}
 
 
 def read_run(run: Path) -> tuple[dict, dict, list[dict]]:
@@ -56,7 +74,7 @@ def agreement_by_step(records: list[dict], exit_layer: int) -> dict:
     return out
 
 
-def provenance(run: Path, meta: dict, records: list[dict], recipe: str, data_command: str) -> dict:
+def provenance(run: Path, meta: dict, records: list[dict], recipe: str, data_command: str, name: str) -> dict:
     """The provenance file's fields, from the adapter's header, the run's metrics and its config's start time."""
     from train.distill_prompts import HELDOUT_KINDS  # lazy: torch via train
 
@@ -82,6 +100,7 @@ def provenance(run: Path, meta: dict, records: list[dict], recipe: str, data_com
         "recipe": recipe, "data_command": data_command,
         "train_command": f"python train/layerskip.py --config {recipe}",
         "shape": shape, "target": trained["target"], "draft_vocab": trained.get("draft_vocab"),
+        "draft_vocab_counts": counts_record(trained.get("draft_vocab"), name),
         "self_distilled_kinds": kinds,
         "self_distill_passes": passes,
         "self_distill_generated_tokens": sum(k["new_tokens"] for k in kinds.values()),
@@ -105,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     target = check_output_file(out / f"{name}.safetensors", "the shipped adapter", force=args.force,
                                inputs=(("--run", Path(args.run) / "adapter.safetensors"),))
-    record = provenance(Path(args.run), meta, records, args.recipe, args.data_command)
+    record = provenance(Path(args.run), meta, records, args.recipe, args.data_command, args.name)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, str(target), metadata=meta)

@@ -211,7 +211,9 @@ def test_bundled_counts_file_is_valid():
     assert [f.name for f in files] == ["smollm2-135m-instruct.json"]
     counts = TokenCounts.load(files[0])
     assert counts.model["vocab_size"] == 49152 and counts.model["num_layers"] == 30
-    assert counts.source["mode"] == "generate" and counts.tokens > 10_000
+    # counted on the model's own answers of the exit adapter's nine training kinds (train.self_distill's files)
+    assert counts.source["mode"] == "text" and counts.tokens > 400_000
+    assert all(path.startswith("runs/self-distill") for path in counts.source["data"])
     assert {0, 1, 2} <= set(counts.special)
     assert counts.top(8192).size == 8192
 
@@ -224,6 +226,8 @@ def test_bundled_counts_fit_the_default_model(default_model_path):
     assert resolve_draft_vocab("1024", model.runner).ids == bundled_counts(model.runner).top(1024).ids
     text = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
     assert coverage(vocab, model.encode(text)) > 0.9  # common code tokens are in
+    prose = "Choosing the right laptop for university is crucial for your academic journey: here is a short guide."
+    assert coverage(vocab, model.encode(prose)) > 0.9  # and common English words (counts from code alone missed 5)
 
 
 # --------------------------------------------------------------------------- tensors
@@ -267,6 +271,53 @@ def test_command_text_mode_on_the_stdlib(capsys, tiny_model_dir, tmp_path):
     assert "held-out coverage" not in captured.err
 
 
+def test_command_text_mode_on_files_of_texts(capsys, tiny, tiny_model_dir, tmp_path):
+    """A .jsonl of texts ('text' fields, as train.self_distill writes) is counted whole (any --n), none held out."""
+    texts = ["def add(a, b):\n    return a + b", "hello there, hello again", "x = 1"]
+    path = tmp_path / "answers.jsonl"
+    path.write_text("".join(json.dumps({"id": f"t{i}", "kind": "chat", "text": t}) + "\n" for i, t in enumerate(texts)))
+    out, counts_out = tmp_path / "v.json", tmp_path / "c.json"
+    code = main(["draft-vocab", "--model", str(tiny_model_dir), "--data", str(path), "--mode", "text", "--size", "30",
+                 "--n", "1", "--out", str(out), "--counts-out", str(counts_out), "--quiet"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    counts = TokenCounts.load(counts_out)
+    items = [PromptItem(f"t{i}", t, "", "answers") for i, t in enumerate(texts)]
+    assert counts.counts == count_tokens(tiny, items, "text").counts and counts.source["items"] == 3
+    assert "held-out coverage" not in captured.err  # texts are never prompts: none held out (the default is 8)
+
+
+def test_command_measures_coverage_on_sets_it_never_counts(capsys, tiny, tiny_model_dir, prompts_file, tmp_path):
+    path = tmp_path / "answers.jsonl"
+    path.write_text(json.dumps({"text": "hello there, hello again"}) + "\n")
+    out, counts_out = tmp_path / "v.json", tmp_path / "c.json"
+    code = main(["draft-vocab", "--model", str(tiny_model_dir), "--data", str(path), "--mode", "text", "--size", "30",
+                 "--heldout-data", str(prompts_file), "--heldout", "2", "--max-new-tokens", "8", "--out", str(out),
+                 "--counts-out", str(counts_out), "--quiet"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert TokenCounts.load(counts_out).counts == count_tokens(tiny, [PromptItem("1", "hello there, hello again", "",
+                                                                                 "answers")], "text").counts
+    held = [PromptItem(str(i), p, "", "calib") for i, p in enumerate(["print('hi')", "import os"])]
+    vocab = DraftVocab.load(out)
+    assert vocab.coverage == coverage_report(vocab, heldout_tokens(tiny, held, 8)) and vocab.source["heldout"] == 2
+    assert f"and of {prompts_file}" in captured.err
+
+
+@pytest.mark.parametrize("line,mode,message", [
+    ({"text": "some words"}, "generate", "holds texts ('text' fields), not prompts: count them with --mode text"),
+    ({"text": ""}, "text", ":2: expected a non-empty string 'text' field"),
+])
+def test_command_refuses_texts_it_cannot_count(capsys, tiny_model_dir, tmp_path, line, mode, message):
+    path = tmp_path / "answers.jsonl"
+    path.write_text(json.dumps({"text": "first"}) + "\n" + json.dumps(line) + "\n")
+    code = main(["draft-vocab", "--model", str(tiny_model_dir), "--data", str(path), "--mode", mode, "--size", "30",
+                 "--heldout", "0", "--out", str(tmp_path / "v.json"), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "v.json").exists()
+
+
 @pytest.mark.parametrize("args,message", [
     (["--out", "v.txt"], "should be a .json file"),
     (["--counts-out", "c.yaml"], "should be a .json file"),
@@ -280,6 +331,7 @@ def test_command_text_mode_on_the_stdlib(capsys, tiny_model_dir, tmp_path):
     (["--report-sizes", "100,2"], "size 2 is out of range"),
     (["--data", " , "], "--data is empty"),
     (["--data", "/no/such/set"], "unknown prompt source"),
+    (["--heldout-data", "humaneval", "--heldout", "0"], "give --heldout 1 or more"),
     (["--max-new-tokens", "510"], "leave no room for 510 new tokens"),
     (["--model", "/definitely/not/here"], "does not exist"),
 ])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -177,6 +178,9 @@ def test_the_shipped_adapter_carries_its_provenance_and_never_saw_a_held_out_kin
     assert (beside["steps"], beside["loss_tokens"], beside["code_commit"]) == \
         (header["steps"], header["tokens"], header["commit"])
     assert (folder.parents[2] / beside["recipe"]).is_file()
+    # its head was trained on the draft vocabulary `auto` reads now: the counts shipped beside it, not a recount
+    counts = folder.parents[2] / beside["draft_vocab_counts"]["file"]
+    assert hashlib.sha256(counts.read_bytes()).hexdigest() == beside["draft_vocab_counts"]["sha256"]
 
 
 def test_the_data_and_the_adapter_record_the_code_at_their_start(tiny_recipe, tiny_model_dir, tmp_path, monkeypatch):

@@ -93,6 +93,7 @@ def test_ship_adapter_writes_the_file_in_bf16_with_its_provenance(tiny_recipe, t
     assert shipped.stat().st_size < 0.6 * (run / "adapter.safetensors").stat().st_size
     assert (record["steps"], record["dtype"], record["shape"]["mlp_size"]) == (6, "bf16", 16)
     assert set(record["validation_agreement_at_exit_2"]) == {"plain_exit", "adapter_step_3", "adapter_step_6"}
+    assert record["draft_vocab_counts"] is None  # the tiny model has no shipped counts
     runner = Runner.from_pretrained(tiny_model_dir)
     prompt = list(range(40, 60))
     outs = [Engine(runner, build_drafter("early_exit", runner, {"adapter": str(f), "k": 3}))
