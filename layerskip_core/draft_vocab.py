@@ -325,6 +325,12 @@ def check_draft_vocab_option(spec) -> None:
                         "make a file with `layerskip draft-vocab`")
 
 
+def ids_digest(ids: Iterable[int]) -> str:
+    """A short digest of a set of token ids (order ignored): what an exit adapter's head was trained on, recorded in
+    its provenance so a drafter can tell when the vocabulary it resolves now is another one."""
+    return hashlib.sha256(",".join(map(str, sorted(int(i) for i in ids))).encode()).hexdigest()[:16]
+
+
 def resolve_draft_vocab_option(spec, model, tokenizer=None, directory: Path = BUNDLED_DIR) -> DraftVocab | None:
     """A drafter's ``draft_vocab`` option: None or 'off'/'none' (the full head), 'auto' (the top ``AUTO_SIZE`` of
     the shipped counts when some fit ``model``, else the full head), a ``DraftVocab``, a size or a file."""

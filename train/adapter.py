@@ -31,7 +31,7 @@ from layerskip_core.adapter_spec import (
     read_metadata,
     weight_fingerprint,
 )
-from layerskip_core.draft_vocab import resolve_draft_vocab_option
+from layerskip_core.draft_vocab import ids_digest, resolve_draft_vocab_option
 from layerskip_core.errors import UserError
 from train.config import AdapterConfig
 from train.data import IGNORE, Examples
@@ -327,7 +327,8 @@ def save_adapter(accelerator, lm, cfg, path, tokens: int, step: int) -> None:
     tokens, each source (``source_provenance``), block size and the commit of the code that trained it."""
     if accelerator.is_main_process:
         model = accelerator.unwrap_model(lm)
-        vocab = None if model.vocab is None else {"option": model.cfg.draft_vocab, "size": len(model.vocab.ids)}
+        vocab = None if model.vocab is None else {"option": model.cfg.draft_vocab, "size": len(model.vocab.ids),
+                                                  "ids_sha256": ids_digest(model.vocab.ids.tolist())}
         model.save(path, {"target": model.cfg.target, "draft_vocab": vocab, "steps": step, "tokens": tokens,
                           "data": [s.type for s in cfg.data.sources],
                           "sources": [source_provenance(s) for s in cfg.data.sources],

@@ -24,6 +24,7 @@ from infer.model.kv_cache import KVCache
 from infer.model.packed import packed_span
 from infer.model.runner import DraftHead, Runner
 from layerskip_core.adapter_spec import LAYER_NAMES, AdapterShape, read_file, read_metadata
+from layerskip_core.draft_vocab import ids_digest
 from layerskip_core.errors import UserError
 
 BUNDLED_DIR = Path(__file__).parent.parent / "data" / "adapters"
@@ -88,6 +89,20 @@ class ExitAdapter:
         segments = [Segment(cache, [start]) for cache, start in zip(caches, starts, strict=True)]
         self.runner.counters.lm_head_tokens += hidden.shape[0]
         return packed_span(self.layer, segments, hidden.to(self.layer.dtype), 0, 1, logits=True, vocab=vocab).logits
+
+
+def vocab_note(adapter: ExitAdapter, vocab: DraftHead | None) -> str | None:
+    """A one-line note when ``vocab`` (the draft head a drafter resolved; None: the whole head) is not the draft
+    vocabulary the adapter's head was trained on (its provenance's ``draft_vocab.ids_sha256``, written since
+    2026-12-05): drafts stay exact but may accept less. None when they match or the file does not say."""
+    trained = adapter.provenance.get("draft_vocab") or {}
+    want = trained.get("ids_sha256") if isinstance(trained, dict) else None
+    if not want or (vocab is not None and ids_digest(vocab.ids.tolist()) == want):
+        return None
+    have = "the whole head" if vocab is None else f"{vocab.size} other ids"
+    return (f"layerskip: note: the adapter's head was trained on a draft vocabulary of {trained.get('size')} ids "
+            f"(draft_vocab={trained.get('option')} when it was trained), this drafter scores {have}: output unchanged, "
+            "drafts may accept less; give draft_vocab= the vocabulary it was trained on, or train it again")
 
 
 def adapter_path(spec: str, runner: Runner) -> Path:

@@ -10,11 +10,12 @@ layers < E for the last drafted token, which no draft pass has seen).
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from infer.assets.adapter import AdapterForward, ExitAdapter, adapter_path
+from infer.assets.adapter import AdapterForward, ExitAdapter, adapter_path, vocab_note
 from infer.drafters.base import (
     WHOLE_PROMPT,
     DecodeState,
@@ -128,7 +129,11 @@ class EarlyExitDrafter(GateOwner, Drafter):
                             f"{config.exit_layer} or give {adapter.exit_layer}")
         if adapter is None:
             check_exit_layer(config.exit_layer, runner.num_layers)
-        return DraftInputs(vocab=draft_head(spec, runner, tokenizer), adapter=adapter)
+        vocab = draft_head(spec, runner, tokenizer)
+        note = None if adapter is None else vocab_note(adapter, vocab)
+        if note:
+            print(note, file=sys.stderr)
+        return DraftInputs(vocab=vocab, adapter=adapter)
 
     def __init__(self, runner, config: EarlyExitDrafterConfig, inputs: DraftInputs):
         self.config = config

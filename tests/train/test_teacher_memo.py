@@ -158,7 +158,7 @@ def _vocab_file(model_dir, path, ids) -> str:
 
 
 def test_a_run_with_a_draft_vocabulary_trains_and_reports_the_drafted_agreement(tiny_recipe, tiny_model_dir,
-                                                                               tmp_path):
+                                                                               tmp_path, capsys):
     vocab = _vocab_file(tiny_model_dir, tmp_path / "vocab.json", range(0, 128))
     cfg = tiny_recipe("adapter.enabled=true", "adapter.exit_layer=2", "adapter.mlp_size=32", "adapter.teacher_top_k=16",
                       f"adapter.draft_vocab={vocab}", "optim.max_steps=12", "optim.grad_accum_steps=1",
@@ -171,6 +171,21 @@ def test_a_run_with_a_draft_vocabulary_trains_and_reports_the_drafted_agreement(
     assert all(0 < x < 10 for x in losses)  # per batch, noisy at 12 steps; the fixed batch above falls
     assert evals[-1]["adapter_agreement"]["2"] > evals[0]["adapter_agreement"]["2"]  # what it would draft
     assert (out / "adapter.safetensors").exists()
+    # the file says which ids its head was trained on; a drafter scoring others says so in one line (output unchanged)
+    from infer.drafters import build_drafter
+    from infer.model.runner import Runner
+    from layerskip_core.adapter_spec import read_file
+    from layerskip_core.draft_vocab import DraftVocab, ids_digest
+
+    trained = json.loads(read_file(out / "adapter.safetensors")[0]["provenance"])["draft_vocab"]
+    assert trained["ids_sha256"] == ids_digest(range(0, 128)) and trained["size"] == 128
+    runner = Runner.from_pretrained(tiny_model_dir)
+    same, other = (DraftVocab(ids=list(ids), model=runner.identity()) for ids in (range(0, 128), range(0, 256, 2)))
+    for draft_vocab, noted in ((same, False), (other, True), ("off", True)):
+        capsys.readouterr()
+        build_drafter("early_exit", runner, {"adapter": str(out / "adapter.safetensors"), "draft_vocab": draft_vocab})
+        err = capsys.readouterr().err
+        assert ("trained on a draft vocabulary of 128 ids" in err) == noted, (draft_vocab, err)
 
 
 def test_a_draft_vocabulary_for_another_model_or_target_is_refused(tiny_recipe, tiny_model_dir, tmp_path):
