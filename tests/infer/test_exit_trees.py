@@ -16,18 +16,8 @@ from infer.model.sampling import SamplingConfig
 from layerskip_core.errors import UserError
 from tiny_models import make_model, noisy_adapter
 
-L = 6
 PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 250, 17], [42] * 12 + [7, 8]]
-
-
-@pytest.fixture(scope="module")
-def model():
-    return make_model("llama", seed=0, layers=L)
-
-
-@pytest.fixture(scope="module")
-def runner(model):
-    return Runner.from_model(model)
+# ``model`` (seeded, 6 layers) and ``eager`` (its runner) come from tests/infer/conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +62,7 @@ def _plain(runner, new_tokens=32):
 
 
 @pytest.mark.parametrize("case", ["exit", "adapter_shared", "adapter_copy", "adapter_copy_bf16"])
-def test_greedy_trees_equal_plain_decoding_and_take_siblings(runner, adapter, case):
+def test_greedy_trees_equal_plain_decoding_and_take_siblings(eager, adapter, case):
     """Paths that leave the chain for a sibling are taken (the tiny model's drafts are often second-best), and the
     adapter's cache and a copied prefix's are rolled back to the chain rows the path kept, then refilled."""
     options = {"E": 3, "k": 4, "tree": True, "max_tree_nodes": 8, "confidence": 0.02, "keep_last": True}
@@ -80,18 +70,18 @@ def test_greedy_trees_equal_plain_decoding_and_take_siblings(runner, adapter, ca
         options |= {"adapter": adapter, "prefix": "shared" if case.endswith("shared") else "copy"}
     if case.endswith("bf16"):
         options["draft_dtype"] = "bf16"
-    outs, siblings = _decode(runner, options)
-    assert outs == _plain(runner)
+    outs, siblings = _decode(eager, options)
+    assert outs == _plain(eager)
     assert siblings > 0, case
 
 
 @pytest.mark.parametrize("prefix", ["shared", "copy"])
-def test_the_adapter_cache_holds_the_rows_of_the_sequence_tokens(runner, adapter, prefix):
+def test_the_adapter_cache_holds_the_rows_of_the_sequence_tokens(eager, adapter, prefix):
     """Stale rows would not change the output (verification is exact) but would spoil later drafts: after every
     verification, each row the adapter's cache holds equals the row a fresh start over the tokens computes."""
     options = {"adapter": adapter, "k": 4, "tree": True, "max_tree_nodes": 8, "confidence": 0.02, "keep_last": True,
                "prefix": prefix, "draft_dtype": "model"}
-    drafter = build_drafter("early_exit", runner, options)
+    drafter = build_drafter("early_exit", eager, options)
     checked, siblings, update = [0], [0], drafter.update
 
     def checking(state, outcome):
@@ -99,21 +89,21 @@ def test_the_adapter_cache_holds_the_rows_of_the_sequence_tokens(runner, adapter
         siblings[0] += outcome.draft is not None and any(node != i for i, node in enumerate(outcome.path))
         own = drafter.forward.cache if prefix == "shared" else drafter.forward.adapter_cache
         have = own.lengths[0]
-        fresh = build_drafter("early_exit", runner, options).forward
-        fresh.start(runner.new_cache(state.n + 8), state.tokens[:have])
+        fresh = build_drafter("early_exit", eager, options).forward
+        fresh.start(eager.new_cache(state.n + 8), state.tokens[:have])
         want = fresh.cache if prefix == "shared" else fresh.adapter_cache
         torch.testing.assert_close(own.k[:, :, :have], want.k[:, :, :have], rtol=1e-4, atol=1e-5)
         checked[0] += have > 0
 
     drafter.update = checking
-    engine = Engine(runner, drafter)
+    engine = Engine(eager, drafter)
     for p in PROMPTS:
         engine.generate(p, DecodeConfig(max_new_tokens=24))
     assert checked[0] > 10 and siblings[0] > 0
 
 
-def test_a_tree_never_exceeds_its_node_cap(runner, adapter):
-    drafter = build_drafter("early_exit", runner, {"adapter": adapter, "k": 3, "tree": True, "max_tree_nodes": 5})
+def test_a_tree_never_exceeds_its_node_cap(eager, adapter):
+    drafter = build_drafter("early_exit", eager, {"adapter": adapter, "k": 3, "tree": True, "max_tree_nodes": 5})
     sizes, propose = [], drafter.propose
 
     def recorded(state):
@@ -122,13 +112,13 @@ def test_a_tree_never_exceeds_its_node_cap(runner, adapter):
         return draft
 
     drafter.propose = recorded
-    Engine(runner, drafter).generate(PROMPTS[0], DecodeConfig(max_new_tokens=24))
+    Engine(eager, drafter).generate(PROMPTS[0], DecodeConfig(max_new_tokens=24))
     assert max(sizes) == 5 and drafter.needs().lookahead == 6
 
 
-def test_a_bad_node_cap_is_a_one_line_error(runner):
+def test_a_bad_node_cap_is_a_one_line_error(eager):
     with pytest.raises(UserError, match="max-tree-nodes"):
-        build_drafter("early_exit", runner, {"tree": True, "max_tree_nodes": 0})
+        build_drafter("early_exit", eager, {"tree": True, "max_tree_nodes": 0})
 
 
 @pytest.mark.slow
