@@ -320,6 +320,9 @@ def check_draft_vocab_option(spec) -> None:
             raise UserError(f"draft-vocab must be a size >= 1 or a file, got {text!r}")
     elif text and Path(text).expanduser().is_dir():
         raise UserError(f"draft-vocab {text!r} is a folder; give a file made by `layerskip draft-vocab` (or a size)")
+    elif text and ("/" in text or text.endswith(".json")) and not Path(text).expanduser().exists():
+        raise UserError(f"draft-vocab file {text!r} does not exist; give a file made by `layerskip draft-vocab`, "
+                        "a size (e.g. 8192), 'auto' or 'off'")
     elif not text or not Path(text).expanduser().is_file():
         raise UserError(f"draft-vocab {text!r} is neither a size (e.g. 8192), 'auto', 'off' nor an existing file; "
                         "make a file with `layerskip draft-vocab`")

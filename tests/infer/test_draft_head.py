@@ -131,8 +131,10 @@ def test_sampling_with_a_subset_that_excludes_likely_tokens_matches_target(draft
 
 def test_bad_draft_vocab_options_are_one_line_errors(model, tmp_path):
     runner = Runner.from_model(model)
-    with pytest.raises(UserError, match="neither a size"):
+    with pytest.raises(UserError, match="draft-vocab file .*missing.json' does not exist; give a file made by"):
         build_drafter("early_exit", runner, {"draft_vocab": str(tmp_path / "missing.json")})
+    with pytest.raises(UserError, match="neither a size"):
+        build_drafter("early_exit", runner, {"draft_vocab": "nonsense"})
     with pytest.raises(UserError, match="size >= 1"):
         build_drafter("early_exit", runner, {"draft_vocab": "0"})
     with pytest.raises(UserError, match="bundled|draft-vocab"):
