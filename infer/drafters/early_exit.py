@@ -210,8 +210,7 @@ class EarlyExitDrafter(GateOwner, Drafter):
             hidden, draft = outcome.exit_hidden, outcome.draft
             if hidden is not None and draft is not None and draft.parents is not None:
                 hidden = hidden[outcome.path]  # (len(path), d): the accepted path's rows, in sequence order
-            kept = outcome.start + (1 if draft is None else chain_rows_kept(outcome))
-            self.forward.accept(outcome.start, hidden, state.n, min(kept, state.n))
+            self.forward.accept(outcome.start, hidden, state.n, outcome.start + chain_rows_kept(outcome))
         if self._cycle_start is not None:  # set by propose only when adaptive
             seconds = time.perf_counter() - self._cycle_start
             self.gate.record(len(outcome.tokens), seconds, drafted=outcome.draft is not None)
