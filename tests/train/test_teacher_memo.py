@@ -122,27 +122,29 @@ def test_a_draft_vocabulary_of_every_token_gives_the_whole_heads_loss():
 
 
 def test_the_adapter_scores_only_its_draft_vocabulary(tiny_hf):
+    torch.manual_seed(0)  # the adapter's init and the batch, whatever ran before (10 seeds: 0.92-1.0 after training)
     ids = tuple(range(0, 256, 3))  # 86 of the tiny model's tokens
     lm = AdapterLM(tiny_hf, AdapterConfig(enabled=True, exit_layer=2, mlp_size=16, teacher_top_k=8), ids)
     whole = AdapterLM(tiny_hf, AdapterConfig(enabled=True, exit_layer=2, mlp_size=16, teacher_top_k=8))
     whole.adapter.load_state_dict(lm.adapter.state_dict())
-    batch = torch.randint(3, 200, (2, 16))
-    h, _, rope = lm.teacher(batch)
-    sub, full = lm.adapter_logits(h, rope), whole.adapter_logits(h, rope)  # (2, 16, 86), (2, 16, V)
+    batch = torch.randint(3, 200, (4, 32))
+    h, target, rope = lm.teacher(batch)  # the frozen model's: the same before and after the adapter trains
+    sub, full = lm.adapter_logits(h, rope), whole.adapter_logits(h, rope)  # (4, 32, 86), (4, 32, V)
     assert sub.shape[-1] == len(ids) and torch.allclose(sub, full[..., list(ids)], atol=1e-5)
     assert set(lm.vocab.argmax(sub).flatten().tolist()) <= set(ids)
+    inside = lm.vocab.columns[target.greedy()] >= 0  # (4, 32): the full model's token is one it can draft
+    before = (lm.vocab.argmax(lm.adapter_logits(h, rope)) == target.greedy())[inside].float().mean()
     opt, losses = torch.optim.Adam(lm.adapter.parameters(), lr=3e-3), []
-    for _ in range(20):  # one batch, over and over: the loss falls, the drafted token becomes the teacher's
+    for _ in range(60):  # one batch, over and over: the loss falls, the drafted token becomes the teacher's
         loss = lm(batch, batch.clone())["loss"]
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0]
-    h, target, rope = lm.teacher(batch)
-    inside = lm.vocab.columns[target.greedy()] >= 0  # (2, 16): the full model's token is one it can draft
-    drafted = lm.vocab.argmax(lm.adapter_logits(h, rope))  # (2, 16)
-    assert inside.any() and (drafted == target.greedy())[inside].float().mean() > 0.9
+    drafted = lm.vocab.argmax(lm.adapter_logits(h, rope))  # (4, 32)
+    after = (drafted == target.greedy())[inside].float().mean()
+    assert inside.sum() >= 16 and after > 0.9 and after > before
 
 
 def _vocab_file(model_dir, path, ids) -> str:
