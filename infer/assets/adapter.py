@@ -24,7 +24,7 @@ from infer.model.kv_cache import KVCache
 from infer.model.packed import packed_span
 from infer.model.runner import DraftHead, Runner
 from layerskip_core.adapter_spec import LAYER_NAMES, AdapterShape, read_file, read_metadata
-from layerskip_core.draft_vocab import ids_digest
+from layerskip_core.draft_vocab import AUTO, ids_digest, is_size
 from layerskip_core.errors import UserError
 
 BUNDLED_DIR = Path(__file__).parent.parent / "data" / "adapters"
@@ -89,6 +89,17 @@ class ExitAdapter:
         segments = [Segment(cache, [start]) for cache, start in zip(caches, starts, strict=True)]
         self.runner.counters.lm_head_tokens += hidden.shape[0]
         return packed_span(self.layer, segments, hidden.to(self.layer.dtype), 0, 1, logits=True, vocab=vocab).logits
+
+
+def trained_vocab_size(adapter: ExitAdapter) -> str | None:
+    """What ``draft_vocab=auto`` means with this adapter: the size of the draft vocabulary its head was trained on,
+    when that vocabulary was the top of the shipped counts (its provenance's option 'auto' or a size, so the same
+    ids resolve again); None for a vocabulary file or the whole head (auto then keeps its usual meaning)."""
+    trained = adapter.provenance.get("draft_vocab")
+    if not isinstance(trained, dict) or not isinstance(trained.get("size"), int):
+        return None
+    option = str(trained.get("option", "")).strip().lower()
+    return str(trained["size"]) if option == AUTO or is_size(option) else None
 
 
 def vocab_note(adapter: ExitAdapter, vocab: DraftHead | None) -> str | None:

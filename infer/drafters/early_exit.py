@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from infer.assets.adapter import AdapterForward, ExitAdapter, adapter_path, vocab_note
+from infer.assets.adapter import AdapterForward, ExitAdapter, adapter_path, trained_vocab_size, vocab_note
 from infer.drafters.base import (
     WHOLE_PROMPT,
     DecodeState,
@@ -129,7 +129,7 @@ class EarlyExitDrafter(GateOwner, Drafter):
                             f"{config.exit_layer} or give {adapter.exit_layer}")
         if adapter is None:
             check_exit_layer(config.exit_layer, runner.num_layers)
-        vocab = draft_head(spec, runner, tokenizer)
+        vocab = draft_head(spec, runner, tokenizer, auto=None if adapter is None else trained_vocab_size(adapter))
         note = None if adapter is None else vocab_note(adapter, vocab)
         if note:
             print(note, file=sys.stderr)

@@ -18,12 +18,15 @@ from layerskip_core.draft_vocab import AUTO, DraftVocab, resolve_draft_vocab_opt
 from layerskip_core.errors import UserError
 
 
-def draft_head(spec, runner: Runner, tokenizer=None) -> DraftHead | None:
+def draft_head(spec, runner: Runner, tokenizer=None, auto: str | None = None) -> DraftHead | None:
     """The draft head of ``spec``: the vocabulary it was given as an object, else its ``draft_vocab`` option (a
     size, file, 'auto' or 'off': ``layerskip_core.draft_vocab.resolve_draft_vocab_option``) for ``runner``'s model,
-    in its ``draft_dtype``."""
-    vocab = spec.vocab if spec.vocab is not None else \
-        resolve_draft_vocab_option(spec.config.draft_vocab, runner, tokenizer)
+    in its ``draft_dtype``. ``auto``: what the option 'auto' stands for here (an exit adapter's trained size),
+    default the shipped top ``AUTO_SIZE``."""
+    option = spec.config.draft_vocab
+    if auto is not None and str(option).strip().lower() == AUTO:
+        option = auto
+    vocab = spec.vocab if spec.vocab is not None else resolve_draft_vocab_option(option, runner, tokenizer)
     return head_of(runner, vocab, draft_dtype(spec.config.draft_dtype, runner))
 
 

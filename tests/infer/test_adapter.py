@@ -282,3 +282,38 @@ def test_the_shipped_adapter_drafts_losslessly_on_the_default_model(default_mode
         assert engine.drafter.adapter.exit_layer == engine.drafter.forward.exact_layers == 4  # the file's E
         out = engine.generate(prompt, DecodeConfig(max_new_tokens=24))
     assert out.tokens == plain.tokens and out.stats.drafted > 0
+
+
+@pytest.mark.real_model
+def test_auto_drafts_from_the_vocabulary_size_the_adapter_was_trained_on(default_model_path, tmp_path):
+    """With an adapter, draft_vocab=auto is the size its head was trained on (the top N of the shipped counts);
+    an explicit size, a file or 'off' is used as given, and a vocabulary file in the provenance leaves auto at the
+    shipped AUTO_SIZE."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from infer.assets.adapter import adapter_path
+    from infer.loading import load_model
+    from layerskip_core.adapter_spec import read_file
+    from layerskip_core.draft_vocab import AUTO_SIZE
+
+    model = load_model(str(default_model_path), device="cpu")
+    shipped = adapter_path("default", model.runner)
+    meta, tensors = read_file(shipped)
+    provenance = json.loads(meta["provenance"])
+
+    def sized(option, size: int):
+        path = tmp_path / f"adapter-{size}-{option.replace('/', '_')}.safetensors"
+        provenance["draft_vocab"] = {**provenance["draft_vocab"], "option": option, "size": size}
+        save_file(tensors, str(path), {**meta, "provenance": json.dumps(provenance)})
+        return str(path)
+
+    def head_size(adapter, **options):
+        with model.engine("early_exit", adapter=adapter, num_draft=2, **options) as engine:
+            return engine.drafter.vocab.size
+    assert head_size("default") == AUTO_SIZE  # the shipped adapter: trained on auto
+    assert head_size(sized("16384", 16384)) == 16384
+    assert head_size(sized("auto", 4096)) == 4096
+    assert head_size(sized("runs/vocab.json", 16384)) == AUTO_SIZE  # a file: auto keeps its meaning
+    assert head_size(sized("16384", 16384), draft_vocab="2048") == 2048
