@@ -36,14 +36,16 @@ VOCAB_COMMAND = ('layerskip draft-vocab --model default --data "$(ls runs/self-d
 
 
 def counts_record(draft_vocab: dict | None, name: str) -> dict | None:
-    """Which token counts an adapter trained with ``draft_vocab: auto`` drafts from: the file shipped for the model
-    ``name`` (its SHA-256, so a later recount shows) and the command that made it; None for any other vocabulary."""
+    """Which token counts an adapter trained with ``draft_vocab: auto`` or a size N (the top N of them) drafts from:
+    the file shipped for the model ``name`` (its SHA-256, so a later recount shows) and the command that made it;
+    None for any other vocabulary."""
     import hashlib
 
-    from layerskip_core.draft_vocab import BUNDLED_DIR
+    from layerskip_core.draft_vocab import AUTO, BUNDLED_DIR, is_size
 
     path = BUNDLED_DIR / f"{name}.json"
-    if not draft_vocab or draft_vocab.get("option") != "auto" or not path.is_file():
+    option = str((draft_vocab or {}).get("option", "")).strip().lower()
+    if not (option == AUTO or is_size(option)) or not path.is_file():
         return None
     return {"file": f"layerskip_core/data/draft_vocab/{path.name}",
             "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "command": VOCAB_COMMAND}

@@ -183,6 +183,19 @@ def test_the_shipped_adapter_carries_its_provenance_and_never_saw_a_held_out_kin
     assert hashlib.sha256(counts.read_bytes()).hexdigest() == beside["draft_vocab_counts"]["sha256"]
 
 
+def test_the_counts_are_recorded_for_a_head_trained_on_the_top_of_them():
+    """'auto' and a size N both read the shipped counts (their top 8192 or N): both record them; a vocabulary file
+    or the whole head records none."""
+    import ship_adapter
+
+    name = "smollm2-135m-instruct"
+    for option, recorded in (("auto", True), ("16384", True), ("runs/vocab.json", False), ("off", False)):
+        record = ship_adapter.counts_record({"option": option}, name)
+        assert (record is not None) == recorded, option
+    assert ship_adapter.counts_record(None, name) is None
+    assert ship_adapter.counts_record({"option": "auto"}, "no-such-model") is None
+
+
 def test_the_data_and_the_adapter_record_the_code_at_their_start(tiny_recipe, tiny_model_dir, tmp_path, monkeypatch):
     """The checkout may move on while a long generation or training runs: both record the commit taken when they
     started, not when their files are written (here the commit 'moves' once the work has begun)."""
