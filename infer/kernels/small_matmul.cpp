@@ -12,11 +12,12 @@
 // Paths, chosen once per process from cpuid (never per call, so the order never changes within a run):
 //   avx512  fp32, 16 lanes: one or two tokens read the weight rows one after another, each row against every
 //           token (a single sequential stream, which the hardware prefetcher follows at close to the read
-//           rate); more tokens take register blocks of 4 tokens x 6 rows and prefetch the next 6 rows into L2
-//           as one sequential stream (beyond 4 tokens spread over all the token blocks, so the stream overlaps
-//           the arithmetic);
+//           rate); four to eight tokens take all of them against 3 rows at a time, prefetching the next 3 rows
+//           into L2; three and more than eight take register blocks of 4 tokens x 6 rows and prefetch the next 6
+//           rows as one sequential stream (beyond 4 tokens spread over all the token blocks, so the stream
+//           overlaps the arithmetic);
 //   avx512  bf16 (CPUs with AVX512_BF16): vdpbf16ps on bf16 weights and activations, fp32 accumulation; one row
-//           at a time up to three tokens, the blocks beyond;
+//           at a time up to three tokens, the 6-row blocks beyond;
 //   avx2    fp32, 8 lanes (the file is compiled with -mavx2 -mfma; AVX-512 code is in target regions).
 // Elsewhere the Python side uses torch (the portable path).
 //
@@ -101,6 +102,11 @@ namespace avx512 {
 // default model's whole forward, 1 thread (docs/KERNELS.md): bf16 2 and 3 tokens 16.1 -> 12.2 and 18.9 -> 15.5 ms
 // against the 6-row blocks (4 tokens: 18.2 blocks, 24.3 rows); fp32 2 tokens the same either way, 3 and 4 slower.
 constexpr int64_t ROWT_F32 = 2, ROWT_BF16 = 3;
+// fp32 tokens that take 3 rows at a time (``three_rows``). Measured on Zen 4, the default model's whole forward, 1
+// thread, two builds alternated (docs/KERNELS.md): 4 / 5 / 6 / 8 tokens 30.0-31.2 / 31.3-31.9 / 32.8-33.3 /
+// 38.2-38.4 ms against 31.9-32.6 / 34.6 / 34.6-35.1 / 39.3-39.5 with 6-row blocks of 4 tokens. bf16 not: its 6 and 8
+// tokens gained under 1 ms and that build's one-token step measured 1.4 ms slower.
+constexpr int64_t THREE_MIN_F32 = 4, THREE_MAX_F32 = 8;
 constexpr int ROWS = 24;  // weight rows per parallel work item (a multiple of every NB below)
 constexpr auto PF_HINT = _MM_HINT_T1;  // into L2: prefetching into L1 as well measured slower (v(4) 1.5-1.7 vs 1.0-1.05)
 
@@ -225,6 +231,24 @@ inline void rows(const typename E::T* x, const typename E::T* w, typename E::T* 
   else block<E, 1, NB, true>(x, wn, yn, K, N);
 }
 
+// 4 to 8 tokens against 3 rows at once, all tokens in one block (up to 24 accumulators), prefetching the next 3
+// rows: ``range``'s shape for fp32 from THREE_MIN_F32 to THREE_MAX_F32 tokens (measured faster than 6-row blocks of
+// 4 tokens on Zen 4, docs/KERNELS.md; why three rows read faster than six is unmeasured: this VM has no hardware
+// counters).
+template <class E>
+inline void three_rows(const typename E::T* x, const typename E::T* w, typename E::T* y, int64_t T, int64_t K,
+                       int64_t N, int64_t n) {
+  const auto* wn = w + n * K;
+  auto* yn = y + n;
+  switch (T) {
+    case 4: block<E, 4, 3, true>(x, wn, yn, K, N); break;
+    case 5: block<E, 5, 3, true>(x, wn, yn, K, N); break;
+    case 6: block<E, 6, 3, true>(x, wn, yn, K, N); break;
+    case 7: block<E, 7, 3, true>(x, wn, yn, K, N); break;
+    default: block<E, 8, 3, true>(x, wn, yn, K, N); break;
+  }
+}
+
 template <class E>
 constexpr int64_t row_tokens() { return sizeof(typename E::T) == 2 ? ROWT_BF16 : ROWT_F32; }
 
@@ -247,6 +271,8 @@ void range(const typename E::T* x, const typename E::T* w, typename E::T* y, int
     const int64_t end = std::min(N, n + ROWS);
     if (T <= row_tokens<E>()) {  // one row at a time: a single sequential stream (faster than 6-row blocks here)
       for (; n < end; ++n) one_row<E>(x, w, y, T, K, N, n);
+    } else if (sizeof(typename E::T) == 4 && T >= THREE_MIN_F32 && T <= THREE_MAX_F32) {
+      for (; n + 3 <= end; n += 3) three_rows<E>(x, w, y, T, K, N, n);
     } else {
       for (; n + 6 <= end; n += 6) rows<E, 6>(x, w, y, T, K, N, n);
     }
