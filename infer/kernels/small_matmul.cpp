@@ -12,7 +12,7 @@
 // Paths, chosen once per process from cpuid (never per call, so the order never changes within a run):
 //   avx512  fp32, 16 lanes: one or two tokens read the weight rows one after another, each row against every
 //           token (a single sequential stream, which the hardware prefetcher follows at close to the read
-//           rate); four to eight tokens take all of them against 3 rows at a time, prefetching the next 3 rows
+//           rate); four to eight tokens take all of them against 3 rows at a time, prefetching 12 rows ahead
 //           into L2; three and more than eight take register blocks of 4 tokens x 6 rows and prefetch the next 6
 //           rows as one sequential stream (beyond 4 tokens spread over all the token blocks, so the stream
 //           overlaps the arithmetic);
@@ -102,11 +102,14 @@ namespace avx512 {
 // default model's whole forward, 1 thread (docs/KERNELS.md): bf16 2 and 3 tokens 16.1 -> 12.2 and 18.9 -> 15.5 ms
 // against the 6-row blocks (4 tokens: 18.2 blocks, 24.3 rows); fp32 2 tokens the same either way, 3 and 4 slower.
 constexpr int64_t ROWT_F32 = 2, ROWT_BF16 = 3;
-// fp32 tokens that take 3 rows at a time (``three_rows``). Measured on Zen 4, the default model's whole forward, 1
-// thread, two builds alternated (docs/KERNELS.md): 4 / 5 / 6 / 8 tokens 30.0-31.2 / 31.3-31.9 / 32.8-33.3 /
-// 38.2-38.4 ms against 31.9-32.6 / 34.6 / 34.6-35.1 / 39.3-39.5 with 6-row blocks of 4 tokens. bf16 not: its 6 and 8
-// tokens gained under 1 ms and that build's one-token step measured 1.4 ms slower.
-constexpr int64_t THREE_MIN_F32 = 4, THREE_MAX_F32 = 8;
+// fp32 tokens that take 3 rows at a time (``three_rows``), and how far ahead those blocks prefetch. Measured on Zen 4,
+// the default model's whole forward, 1 thread, builds alternated (docs/KERNELS.md): 3 rows prefetching the next 3
+// took 4 / 6 / 8 tokens from 31.9-32.6 / 34.6-35.1 / 39.3-39.5 ms (6-row blocks of 4 tokens) to 30.0-31.2 /
+// 32.8-33.3 / 38.2-38.4; prefetching 4 groups (12 rows) ahead instead, 28.3-29.4 -> 24.6-26.2 ms at 4 tokens
+// (the one-token step's time). bf16 not: its 6 and 8 tokens gained under 1 ms and that build's one-token step
+// measured 1.4 ms slower.
+constexpr int THREE_AHEAD = 4;  // 3-row groups ahead ``three_rows`` prefetches (~27 KB at K = 576; past a matrix's end
+                                // the prefetches read nothing: they never fault)
 constexpr int ROWS = 24;  // weight rows per parallel work item (a multiple of every NB below)
 constexpr auto PF_HINT = _MM_HINT_T1;  // into L2: prefetching into L1 as well measured slower (v(4) 1.5-1.7 vs 1.0-1.05)
 
@@ -144,8 +147,8 @@ struct BF16 {
 };
 
 // TB tokens x NB weight rows: TB * NB accumulators in registers, each element's chain identical for all
-// (TB, NB). With ``PF`` it also prefetches the next NB rows (the memory right after these), one 64-byte line
-// per row and chunk, so memory sees one sequential stream instead of NB interleaved ones (measured: NB
+// (TB, NB). With ``PF`` it also prefetches NB rows ``GROUPS`` groups on (1: the memory right after these), one
+// 64-byte line per row and chunk, so memory sees one sequential stream instead of NB interleaved ones (measured: NB
 // interleaved row streams read at well under the single-stream rate on Zen 4).
 //
 // ``ahead``: lines of memory further on to prefetch while the block computes, ``per`` each k-chunk, from ``pf`` up
@@ -156,13 +159,13 @@ struct Ahead {
   int per = 0;
 };
 
-template <class E, int TB, int NB, bool PF = false>
+template <class E, int TB, int NB, bool PF = false, int GROUPS = 1>
 inline void block(const typename E::T* x, const typename E::T* w, typename E::T* y, int64_t K, int64_t N,
                   Ahead ahead = Ahead()) {
   __m512 acc[TB][NB];
   for (int t = 0; t < TB; ++t)
     for (int r = 0; r < NB; ++r) acc[t][r] = _mm512_setzero_ps();
-  const char* next = reinterpret_cast<const char*>(w + NB * K);
+  const char* next = reinterpret_cast<const char*>(w + GROUPS * NB * K);
   int64_t k = 0;
   for (; k + E::LANES <= K; k += E::LANES, next += NB * 64) {
     decltype(E::load(w)) wv[NB];
@@ -231,8 +234,8 @@ inline void rows(const typename E::T* x, const typename E::T* w, typename E::T* 
   else block<E, 1, NB, true>(x, wn, yn, K, N);
 }
 
-// 4 to 8 tokens against 3 rows at once, all tokens in one block (up to 24 accumulators), prefetching the next 3
-// rows: ``range``'s shape for fp32 from THREE_MIN_F32 to THREE_MAX_F32 tokens (measured faster than 6-row blocks of
+// 4 to 8 tokens against 3 rows at once, all tokens in one block (up to 24 accumulators), prefetching the 3 rows
+// THREE_AHEAD groups on: ``range``'s shape for fp32 from THREE_MIN_F32 to THREE_MAX_F32 tokens (measured faster than 6-row blocks of
 // 4 tokens on Zen 4, docs/KERNELS.md; why three rows read faster than six is unmeasured: this VM has no hardware
 // counters).
 template <class E>
@@ -240,12 +243,13 @@ inline void three_rows(const typename E::T* x, const typename E::T* w, typename 
                        int64_t N, int64_t n) {
   const auto* wn = w + n * K;
   auto* yn = y + n;
+  constexpr int G = THREE_AHEAD;
   switch (T) {
-    case 4: block<E, 4, 3, true>(x, wn, yn, K, N); break;
-    case 5: block<E, 5, 3, true>(x, wn, yn, K, N); break;
-    case 6: block<E, 6, 3, true>(x, wn, yn, K, N); break;
-    case 7: block<E, 7, 3, true>(x, wn, yn, K, N); break;
-    default: block<E, 8, 3, true>(x, wn, yn, K, N); break;
+    case 4: block<E, 4, 3, true, G>(x, wn, yn, K, N); break;
+    case 5: block<E, 5, 3, true, G>(x, wn, yn, K, N); break;
+    case 6: block<E, 6, 3, true, G>(x, wn, yn, K, N); break;
+    case 7: block<E, 7, 3, true, G>(x, wn, yn, K, N); break;
+    default: block<E, 8, 3, true, G>(x, wn, yn, K, N); break;
   }
 }
 
