@@ -108,8 +108,9 @@ constexpr int64_t ROWT_F32 = 2, ROWT_BF16 = 3;
 // 32.8-33.3 / 38.2-38.4; prefetching 4 groups (12 rows) ahead instead, 28.3-29.4 -> 24.6-26.2 ms at 4 tokens
 // (the one-token step's time). bf16 not: its 6 and 8 tokens gained under 1 ms and that build's one-token step
 // measured 1.4 ms slower.
-constexpr int THREE_AHEAD = 4;  // 3-row groups ahead ``three_rows`` prefetches (~27 KB at K = 576; past a matrix's end
-                                // the prefetches read nothing: they never fault)
+constexpr int64_t THREE_MIN_F32 = 4, THREE_MAX_F32 = 8;
+constexpr int THREE_AHEAD = 4;  // 3-row groups ahead ``three_rows`` prefetches (~27 KB at K = 576; past a matrix's
+                                // end the prefetches read nothing: they never fault)
 constexpr int ROWS = 24;  // weight rows per parallel work item (a multiple of every NB below)
 constexpr auto PF_HINT = _MM_HINT_T1;  // into L2: prefetching into L1 as well measured slower (v(4) 1.5-1.7 vs 1.0-1.05)
 
@@ -235,9 +236,9 @@ inline void rows(const typename E::T* x, const typename E::T* w, typename E::T* 
 }
 
 // 4 to 8 tokens against 3 rows at once, all tokens in one block (up to 24 accumulators), prefetching the 3 rows
-// THREE_AHEAD groups on: ``range``'s shape for fp32 from THREE_MIN_F32 to THREE_MAX_F32 tokens (measured faster than 6-row blocks of
-// 4 tokens on Zen 4, docs/KERNELS.md; why three rows read faster than six is unmeasured: this VM has no hardware
-// counters).
+// THREE_AHEAD groups on: ``range``'s shape for fp32 from THREE_MIN_F32 to THREE_MAX_F32 tokens (measured faster
+// than 6-row blocks of 4 tokens on Zen 4, docs/KERNELS.md; why three rows read faster than six is unmeasured: this
+// VM has no hardware counters).
 template <class E>
 inline void three_rows(const typename E::T* x, const typename E::T* w, typename E::T* y, int64_t T, int64_t K,
                        int64_t N, int64_t n) {

@@ -6,6 +6,7 @@ A runner's T-token forward against token-by-token decoding, in fp32 and bf16: bi
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -34,6 +35,15 @@ def _module():
     if module is None:
         pytest.skip("small-matmul kernel unavailable on this machine (the portable torch path runs instead)")
     return module
+
+
+def test_the_kernel_builds_where_it_can():
+    """On a CPU the kernel supports, with a C++ compiler, the sources must compile: every other kernel test skips
+    when the kernel is unavailable (so a source that no longer compiles would otherwise pass the suite, with the
+    runners quietly on torch's matmul)."""
+    if not kernels.cpu_supported() or not any(shutil.which(c) for c in (os.environ.get("CXX", "c++"), "c++", "g++")):
+        pytest.skip("no AVX2 CPU or no C++ compiler here: the portable torch path is the expected one")
+    assert kernels.load() is not None
 
 
 def check_kernel(module, dtype: torch.dtype, atol: float, rtol: float) -> None:
