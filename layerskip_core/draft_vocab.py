@@ -307,6 +307,13 @@ def is_size(text: str) -> bool:
     return text.isascii() and text.isdigit()
 
 
+def names_shipped_top(option) -> bool:
+    """Whether a ``draft_vocab`` option names the top of the counts shipped for the model ('auto' or a size N), as an
+    exit adapter's provenance records it: the same ids resolve again from the option alone."""
+    text = str(option if option is not None else "").strip().lower()
+    return text == AUTO or is_size(text)
+
+
 def check_draft_vocab_option(spec) -> None:
     """Refuse a ``draft_vocab`` option that is neither a size, a file, 'auto', 'off' nor a vocabulary, before any
     model loads."""

@@ -41,11 +41,10 @@ def counts_record(draft_vocab: dict | None, name: str) -> dict | None:
     None for any other vocabulary."""
     import hashlib
 
-    from layerskip_core.draft_vocab import AUTO, BUNDLED_DIR, is_size
+    from layerskip_core.draft_vocab import BUNDLED_DIR, names_shipped_top
 
     path = BUNDLED_DIR / f"{name}.json"
-    option = str((draft_vocab or {}).get("option", "")).strip().lower()
-    if not (option == AUTO or is_size(option)) or not path.is_file():
+    if not names_shipped_top((draft_vocab or {}).get("option")) or not path.is_file():
         return None
     return {"file": f"layerskip_core/data/draft_vocab/{path.name}",
             "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "command": VOCAB_COMMAND}

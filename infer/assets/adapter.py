@@ -24,7 +24,7 @@ from infer.model.kv_cache import KVCache
 from infer.model.packed import packed_span
 from infer.model.runner import DraftHead, Runner
 from layerskip_core.adapter_spec import LAYER_NAMES, AdapterShape, read_file, read_metadata
-from layerskip_core.draft_vocab import AUTO, ids_digest, is_size
+from layerskip_core.draft_vocab import ids_digest, names_shipped_top
 from layerskip_core.errors import UserError
 
 BUNDLED_DIR = Path(__file__).parent.parent / "data" / "adapters"
@@ -98,8 +98,7 @@ def trained_vocab_size(adapter: ExitAdapter) -> str | None:
     trained = adapter.provenance.get("draft_vocab")
     if not isinstance(trained, dict) or not isinstance(trained.get("size"), int):
         return None
-    option = str(trained.get("option", "")).strip().lower()
-    return str(trained["size"]) if option == AUTO or is_size(option) else None
+    return str(trained["size"]) if names_shipped_top(trained.get("option")) else None
 
 
 def vocab_note(adapter: ExitAdapter, vocab: DraftHead | None) -> str | None:
