@@ -99,18 +99,22 @@ void f32_range(const float* x, const float* w, float* y, int64_t T, int64_t K, i
 namespace avx512 {
 
 // Most tokens that still take the weight rows one at a time (``range``), by element type. Measured on Zen 4, the
-// default model's whole forward, 1 thread (docs/KERNELS.md): bf16 2 and 3 tokens 16.1 -> 12.2 and 18.9 -> 15.5 ms
-// against the 6-row blocks (4 tokens: 18.2 blocks, 24.3 rows); fp32 2 tokens the same either way, 3 and 4 slower.
-constexpr int64_t ROWT_F32 = 2, ROWT_BF16 = 3;
+// default model's whole forward, 1 thread (docs/KERNELS.md): bf16 2 tokens 16.1 -> 12.2 ms against the 6-row blocks
+// (3 tokens: 18.9 -> 15.5, now ``three_rows``); fp32 2 tokens the same either way, 3 and 4 slower.
+constexpr int64_t ROWT_F32 = 2, ROWT_BF16 = 2;
 // fp32 tokens that take 3 rows at a time (``three_rows``), and how far ahead those blocks prefetch. Measured on Zen 4,
 // the default model's whole forward, 1 thread, builds alternated (docs/KERNELS.md): 3 rows prefetching the next 3
 // took 4 / 6 / 8 tokens from 31.9-32.6 / 34.6-35.1 / 39.3-39.5 ms (6-row blocks of 4 tokens) to 30.0-31.2 /
 // 32.8-33.3 / 38.2-38.4; prefetching 4 groups (12 rows) ahead instead, 28.3-29.4 -> 24.6-26.2 ms at 4 tokens
 // (the one-token step's time). bf16 not: its 6 and 8 tokens gained under 1 ms and that build's one-token step
 // measured 1.4 ms slower.
-constexpr int64_t THREE_MIN_F32 = 4, THREE_MAX_F32 = 8;
-constexpr int THREE_AHEAD = 4;  // 3-row groups ahead ``three_rows`` prefetches (~27 KB at K = 576; past a matrix's
-                                // end the prefetches read nothing: they never fault)
+// bf16 from 3 to 8 tokens too, 8 groups ahead (the same ~27 KB: its rows are half as long), measured against 6-row
+// blocks prefetching 4 groups ahead, alternated three times (2026-12-05, 10:20): v(4) 1.34-1.36 against 1.41-1.50,
+// v(8) 1.50-1.57 against 1.68-1.71, 3 tokens 1.22-1.28 against one row at a time's 1.19-1.24.
+constexpr int64_t THREE_MIN_F32 = 4, THREE_MIN_BF16 = 3, THREE_MAX = 8;
+constexpr int THREE_AHEAD_F32 = 4, THREE_AHEAD_BF16 = 8;  // 3-row groups ahead ``three_rows`` prefetches (~27 KB at
+                                                          // K = 576; past a matrix's end prefetches never fault)
+constexpr int SPREAD_AHEAD = 2;  // ``spread``: the next rows' prefetch starts this many NB-row groups on
 constexpr int ROWS = 24;  // weight rows per parallel work item (a multiple of every NB below)
 constexpr auto PF_HINT = _MM_HINT_T1;  // into L2: prefetching into L1 as well measured slower (v(4) 1.5-1.7 vs 1.0-1.05)
 
@@ -205,7 +209,7 @@ inline void spread(const typename E::T* x, const typename E::T* w, typename E::T
   const int64_t blocks = (T + 3) / 4, chunks = (K + E::LANES - 1) / E::LANES;
   const int64_t lines = (NB * K * int64_t(sizeof(typename E::T)) + 63) / 64;  // of the next NB rows
   const int64_t share = (lines + blocks - 1) / blocks;  // lines per token block
-  const char* next = reinterpret_cast<const char*>(wn + NB * K);
+  const char* next = reinterpret_cast<const char*>(wn + SPREAD_AHEAD * NB * K);
   const char* stop = reinterpret_cast<const char*>(w + N * K);  // no prefetch past the matrix
   Ahead ahead;
   ahead.per = int((share + chunks - 1) / chunks);
@@ -235,17 +239,23 @@ inline void rows(const typename E::T* x, const typename E::T* w, typename E::T* 
   else block<E, 1, NB, true>(x, wn, yn, K, N);
 }
 
-// 4 to 8 tokens against 3 rows at once, all tokens in one block (up to 24 accumulators), prefetching the 3 rows
-// THREE_AHEAD groups on: ``range``'s shape for fp32 from THREE_MIN_F32 to THREE_MAX_F32 tokens (measured faster
-// than 6-row blocks of 4 tokens on Zen 4, docs/KERNELS.md; why three rows read faster than six is unmeasured: this
-// VM has no hardware counters).
+// 3 to 8 tokens against 3 rows at once, all tokens in one block (up to 24 accumulators), prefetching the 3 rows
+// three_ahead() groups on: ``range``'s shape from three_min() to THREE_MAX tokens (measured faster than 6-row blocks
+// of 4 tokens on Zen 4, docs/KERNELS.md; why three rows read faster than six is unmeasured: this VM has no hardware
+// counters).
+template <class E>
+constexpr int64_t three_min() { return sizeof(typename E::T) == 2 ? THREE_MIN_BF16 : THREE_MIN_F32; }
+template <class E>
+constexpr int three_ahead() { return sizeof(typename E::T) == 2 ? THREE_AHEAD_BF16 : THREE_AHEAD_F32; }
+static_assert(THREE_MIN_BF16 >= 3 && THREE_MIN_F32 >= 3 && THREE_MAX == 8, "three_rows takes 3 to 8 tokens");
 template <class E>
 inline void three_rows(const typename E::T* x, const typename E::T* w, typename E::T* y, int64_t T, int64_t K,
                        int64_t N, int64_t n) {
   const auto* wn = w + n * K;
   auto* yn = y + n;
-  constexpr int G = THREE_AHEAD;
+  constexpr int G = three_ahead<E>();
   switch (T) {
+    case 3: block<E, 3, 3, true, G>(x, wn, yn, K, N); break;
     case 4: block<E, 4, 3, true, G>(x, wn, yn, K, N); break;
     case 5: block<E, 5, 3, true, G>(x, wn, yn, K, N); break;
     case 6: block<E, 6, 3, true, G>(x, wn, yn, K, N); break;
@@ -267,7 +277,8 @@ inline void one_row(const typename E::T* x, const typename E::T* w, typename E::
   else block<E, 3, 1>(x, w + n * K, y + n, K, N);
 }
 
-// Work items [i0, i1) of ROWS weight rows each: up to row_tokens() tokens take one row at a time, more take 6 rows.
+// Work items [i0, i1) of ROWS weight rows each: up to row_tokens() tokens take one row at a time, three_min() to
+// THREE_MAX tokens 3 rows, more 6 rows.
 template <class E>
 void range(const typename E::T* x, const typename E::T* w, typename E::T* y, int64_t T, int64_t K, int64_t N,
            int64_t i0, int64_t i1) {
@@ -276,7 +287,7 @@ void range(const typename E::T* x, const typename E::T* w, typename E::T* y, int
     const int64_t end = std::min(N, n + ROWS);
     if (T <= row_tokens<E>()) {  // one row at a time: a single sequential stream (faster than 6-row blocks here)
       for (; n < end; ++n) one_row<E>(x, w, y, T, K, N, n);
-    } else if (sizeof(typename E::T) == 4 && T >= THREE_MIN_F32 && T <= THREE_MAX_F32) {
+    } else if (T >= three_min<E>() && T <= THREE_MAX) {
       for (; n + 3 <= end; n += 3) three_rows<E>(x, w, y, T, K, N, n);
     } else {
       for (; n + 6 <= end; n += 6) rows<E, 6>(x, w, y, T, K, N, n);
