@@ -42,9 +42,14 @@ _SOURCE = _HERE / "small_matmul.cpp"
 SOURCES = ("layer_span.cpp", "kernels.h")
 """Beside ``small_matmul.cpp`` (``_SOURCE``), compiled into the same extension (a header is copied, not compiled)."""
 NAME = "layerskip_small_matmul"
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off")
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp")
 """``-ffp-contract=off``: no product and sum contracted into one FMA where the source writes two operations (the fused
-layer span's elementwise arithmetic must round as torch's ops do; the kernel's FMAs are explicit intrinsics)."""
+layer span's elementwise arithmetic must round as torch's ops do; the kernel's FMAs are explicit intrinsics).
+``-fopenmp``: ``at::parallel_for`` is a header template that, under torch's OpenMP backend, splits work with an
+``omp parallel`` pragma compiled into this extension; without the flag the pragma is ignored and every call runs on
+one thread whatever ``torch.set_num_threads`` says (measured: 2 threads no faster than 1 until this flag)."""
+LDFLAGS = ("-fopenmp",)
+"""Link flags: the OpenMP runtime the pragmas call (torch's own, already loaded in the process)."""
 BUILD_WAIT_S = 900.0
 """Longest wait for another process's build of the kernel before falling back to ``torch.matmul``."""
 TORCH_LOCK = "lock"
@@ -91,7 +96,7 @@ def sources() -> list[Path]:
 def build_key(source: bytes, torch_version: str) -> str:
     """What a build depends on: the sources (``source``: their bytes, joined), the flags, torch and Python (their
     ABIs)."""
-    digest = hashlib.sha256(source + "\0".join(CFLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source + "\0".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:16]
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
     return f"{digest}-torch{torch_version.replace('+', '_')}-{py}"
 
@@ -119,7 +124,8 @@ def _build(folder: Path):
     copies = [_copy_into(folder, path) for path in sources()]
     print("layerskip: building the small-matmul CPU kernel (once, about a minute) ...", file=sys.stderr, flush=True)
     return cpp_extension.load(name=NAME, sources=[str(c) for c in copies if c.suffix == ".cpp"],
-                              extra_cflags=list(CFLAGS), build_directory=str(folder), verbose=False)
+                              extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), build_directory=str(folder),
+                              verbose=False)
 
 
 def _copy_into(folder: Path, path: Path) -> Path:

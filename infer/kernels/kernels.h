@@ -12,6 +12,9 @@ namespace layerskip {
 std::string path_name();
 // Whether bf16 runs here (AVX512_BF16).
 bool supports_bf16();
+// How many threads one of the kernel's parallel regions (``at::parallel_for``, as the matmuls split their rows) runs
+// on now: torch.get_num_threads() where this extension was compiled for torch's parallel backend, 1 where not.
+int64_t parallel_threads();
 // y = x @ w^T, x (T, K), w (N, K); every output element accumulated in the same order whatever T is.
 torch::Tensor small_matmul(const torch::Tensor& x, const torch::Tensor& w);
 // w * (x * rsqrt(mean(x^2) + eps)) per row (bf16: HF's arithmetic); AVX-512 path only.

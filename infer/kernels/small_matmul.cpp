@@ -482,6 +482,16 @@ std::string path_name() { return isa().avx512 ? "avx512" : "avx2"; }
 
 bool supports_bf16() { return isa().bf16; }
 
+int64_t parallel_threads() {
+  std::vector<char> seen(at::get_num_threads() + 1, 0);
+  // One item per grain, as many items as the matmuls of a large matrix: each thread marks itself.
+  const int64_t last = int64_t(seen.size()) - 1;
+  at::parallel_for(0, 1024, 1, [&](int64_t, int64_t) { seen[std::min<int64_t>(at::get_thread_num(), last)] = 1; });
+  int64_t n = 0;
+  for (char c : seen) n += c;
+  return n;
+}
+
 torch::Tensor small_matmul(const torch::Tensor& x, const torch::Tensor& w) {
   const bool bf16 = x.dtype() == torch::kBFloat16;
   TORCH_CHECK(x.dtype() == w.dtype() && (bf16 || x.dtype() == torch::kFloat32), "x and w both fp32 or both bf16");

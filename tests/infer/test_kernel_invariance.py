@@ -201,13 +201,18 @@ def test_bf16_rms_norm_is_hf_arithmetic_and_batch_invariant():
 
 
 def test_threads_split_rows_without_changing_any_bit():
+    """Two threads really split the rows (the extension is built for torch's parallel backend: without ``-fopenmp``
+    ``at::parallel_for`` ran every call on one thread, and this test passed with nothing split) and give the same
+    bits as one."""
     module = _module()
     x, w = torch.randn(5, 576), torch.randn(300, 576)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
+        assert module.parallel_threads() == 1
         one = module.small_matmul(x, w)
         torch.set_num_threads(2)
+        assert module.parallel_threads() == 2
         assert torch.equal(module.small_matmul(x, w), one)
     finally:
         torch.set_num_threads(threads)
