@@ -411,8 +411,11 @@ void attend_row(const E* q, const E* k, const E* v, const bool* vis, const Rows&
         acc[j] = _mm512_fmadd_ps(qv[c], load16(k + seen[std::min(i + j, n - 1)] * r.ks + 16 * c, mk[c]), acc[j]);
     _mm256_storeu_ps(score + i, _mm256_mul_ps(reduce8(acc), _mm256_set1_ps(r.scale)));
   }
-  float m = -INFINITY, sums[2] = {0.0f, 0.0f};
-  for (int64_t i = 0; i < n; ++i) m = std::max(m, score[i]);
+  // The visible scores' max, 16 lanes at a time (a max is exact in any order; a NaN score is passed over, as
+  // std::max(m, score) would: vmaxps returns its second operand when either is NaN).
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < n; i += 16) mx = _mm512_max_ps(_mm512_mask_loadu_ps(mx, first(n - i), score + i), mx);
+  float m = _mm512_reduce_max_ps(mx), sums[2] = {0.0f, 0.0f};
   for (int64_t i = 0; i < n; i += 16)
     store16(score + i, exp16(_mm512_sub_ps(load16(score + i, first(n - i)), _mm512_set1_ps(m))), first(n - i));
   for (int c = 0; c < NC; ++c) acc[c] = odd[c] = _mm512_setzero_ps();
