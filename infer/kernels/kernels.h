@@ -20,7 +20,8 @@ torch::Tensor small_matmul(const torch::Tensor& x, const torch::Tensor& w);
 // w * (x * rsqrt(mean(x^2) + eps)) per row (bf16: HF's arithmetic); AVX-512 path only.
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
 // softmax(q k^T scale) v, one query row at a time over its visible keys; q (Hq, T, D), k, v (Hkv, S, D), mask (T, S)
-// bool or none. Returns (Hq, T, D) as a view of a (T, Hq, D) tensor. AVX-512 path only.
+// bool or none. Returns (Hq, T, D) as a view of a (T, Hq, D) tensor. fp32 on either path (AVX2: D % 8 == 0), bf16 on
+// the AVX-512 path with AVX512_BF16.
 torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                           const c10::optional<torch::Tensor>& mask, double scale);
 // attend_rows after writing k, v (Hkv, T, D) at slots [start, start + T) of layer ``layer`` of ck, cv (L, Hkv, C, D).

@@ -321,7 +321,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("path", &path_name, "the instruction set this process uses: 'avx512' or 'avx2'");
   m.def("supports_bf16", &supports_bf16, "whether bf16 weights run here (AVX512_BF16)");
   m.def("parallel_threads", &parallel_threads, "how many threads one of the kernel's parallel regions runs on now");
-  m.def("attend_rows", &attend_rows, "softmax(q k^T scale) v one query row at a time (fp32, bf16; AVX-512 path)");
+  m.def("attend_rows", &attend_rows, "softmax(q k^T scale) v one query row at a time (fp32; bf16 with AVX512_BF16)");
   m.def("attend_cache", &attend_cache, "attend_rows after writing k, v into one layer of the KV caches");
   m.def("rms_norm", &rms_norm, "w * x * rsqrt(mean(x^2) + eps) over the last dim (fp32, bf16; AVX-512 path)");
   py::class_<LayerStack>(m, "LayerStack", "a runner's decoder layers, run as one span per call (AVX-512 path)")

@@ -460,6 +460,90 @@ void attend_range(const E* q, int64_t qh, int64_t qt, const E* k, const E* v, co
 }  // namespace avx512
 #pragma GCC pop_options
 
+// ------------------------------------------------------------------------------------- AVX2 row attention
+// fp32 only, D % 8 == 0: the AVX-512 path's ``attend_row`` in 8 lanes, so CPUs without AVX-512 keep T-token
+// verification bitwise equal to one-token decoding in fp32. Its own arithmetic (another lane count, another
+// reduction tree): equal to the AVX-512 path's to rounding, not bitwise; each path is batch invariant on its own.
+namespace avx2 {
+
+// Eight dot products at once, one per vector: out[j] = ((x0+x1)+(x2+x3)) + ((x4+x5)+(x6+x7)), x_i = a[j] lane i:
+// the same tree for every j, so a key's score does not depend on where in a block of 8 it falls.
+inline __m256 reduce8(const __m256* a) {
+  const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+}
+
+// exp(x) for x <= 0, 8 lanes: the AVX-512 path's Cephes expf, times 2^n from the exponent bits (the clamp at -88
+// keeps n + 127 >= 0). Elementwise: a score's exp does not depend on its lane.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 hi = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), hi);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256 e = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(e, _mm256_castsi256_ps(two_n));
+}
+
+constexpr int MAX_CHUNKS = 32;  // D <= 256
+
+// One query row against one KV head's keys, as ``avx512::attend_row``: every visible key's score in blocks of 8;
+// their max, exp and the weighted sum of their values in ascending order, the n-th visible key into sum n % 2.
+// ``score`` and ``seen``: S + 16 entries of scratch.
+inline void attend_row(const float* q, const float* k, const float* v, const bool* vis, const avx512::Rows& r,
+                       float* score, int64_t* seen, float* out) {
+  const int64_t nc = r.D / 8;
+  int64_t n = 0;
+  for (int64_t s = 0; s < r.S; ++s) seen[n] = s, n += vis == nullptr || vis[s];
+  for (int64_t i = 0; i < n; i += 8) {
+    __m256 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < nc; ++c) {
+      const __m256 qv = _mm256_loadu_ps(q + 8 * c);
+      for (int j = 0; j < 8; ++j)  // past the last key: the last key again (its score is not used)
+        acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + seen[std::min(i + j, n - 1)] * r.ks + 8 * c), acc[j]);
+    }
+    _mm256_storeu_ps(score + i, _mm256_mul_ps(reduce8(acc), _mm256_set1_ps(r.scale)));
+  }
+  float m = -INFINITY, sums[2] = {0.0f, 0.0f};
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, score[i]);
+  for (int64_t i = 0; i < n; i += 8)  // up to 7 scratch entries past n: computed, never read
+    _mm256_storeu_ps(score + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(score + i), _mm256_set1_ps(m))));
+  __m256 acc[MAX_CHUNKS], odd[MAX_CHUNKS];
+  for (int64_t c = 0; c < nc; ++c) acc[c] = odd[c] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 2) {
+    const __m256 p = _mm256_set1_ps(score[i]);
+    sums[0] += score[i];
+    for (int64_t c = 0; c < nc; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + seen[i] * r.vs + 8 * c), acc[c]);
+    if (i + 1 == n) break;
+    const __m256 p1 = _mm256_set1_ps(score[i + 1]);
+    sums[1] += score[i + 1];
+    for (int64_t c = 0; c < nc; ++c)
+      odd[c] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v + seen[i + 1] * r.vs + 8 * c), odd[c]);
+  }
+  const __m256 inv = _mm256_set1_ps(n > 0 ? 1.0f / (sums[0] + sums[1]) : 0.0f);  // no visible key: zeros
+  for (int64_t c = 0; c < nc; ++c) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(_mm256_add_ps(acc[c], odd[c]), inv));
+}
+
+// Items [i0, i1) of the (query head, row) pairs, as ``avx512::attend_range`` (fp32).
+void attend_range(const float* q, int64_t qh, int64_t qt, const float* k, const float* v, const bool* mask, float* out,
+                  int64_t Hq, int64_t T, int64_t G, const avx512::Rows& r, int64_t i0, int64_t i1) {
+  std::vector<float> score(r.S + 16);
+  std::vector<int64_t> seen(r.S + 16);
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t h = i / T, t = i % T, j = h / G;
+    attend_row(q + h * qh + t * qt, k + j * r.kh, v + j * r.vh, mask == nullptr ? nullptr : mask + t * r.S, r,
+               score.data(), seen.data(), out + (t * Hq + h) * r.D);
+  }
+}
+
+}  // namespace avx2
+
 // ------------------------------------------------------------------------------------------ dispatch
 struct Isa {
   bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -554,11 +638,13 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
 
 // q (Hq, T, D) over k, v (Hkv, S, D) (any strides, the last dim contiguous), ``mask`` (T, S) bool or None (all
 // visible): softmax(q k^T scale) v per query row, each row alone (``avx512::attend_row``), fp32 or bf16 (fp32
-// arithmetic, the output rounded once). Returns (Hq, T, D) as a view of a (T, Hq, D) tensor. AVX-512 path only.
+// arithmetic, the output rounded once). Returns (Hq, T, D) as a view of a (T, Hq, D) tensor. On the AVX2 path fp32
+// only, D % 8 == 0 (``avx2::attend_row``).
 torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                           const c10::optional<torch::Tensor>& mask, double scale) {
-  const bool bf16 = q.dtype() == torch::kBFloat16;
-  TORCH_CHECK(isa().avx512 && (!bf16 || isa().bf16), "attend_rows: AVX-512 path only (bf16: with AVX512_BF16)");
+  const bool bf16 = q.dtype() == torch::kBFloat16, wide = isa().avx512;
+  TORCH_CHECK(!bf16 || (wide && isa().bf16), "attend_rows: bf16 runs on the AVX-512 path with AVX512_BF16 only");
+  TORCH_CHECK(wide || q.size(-1) % 8 == 0, "attend_rows: the AVX2 path needs a head dim divisible by 8");
   TORCH_CHECK(q.dtype() == k.dtype() && q.dtype() == v.dtype() && (bf16 || q.dtype() == torch::kFloat32) &&
               q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "fp32 or bf16 CPU tensors");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.size(2) == k.size(2) &&
@@ -578,7 +664,10 @@ torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& k, const 
   const bool* mp = mc.defined() ? mc.data_ptr<bool>() : nullptr;
   const int64_t G = Hq / k.size(0);
   at::parallel_for(0, Hq * T, 4, [&](int64_t i0, int64_t i1) {
-    if (bf16) {
+    if (!wide) {
+      avx2::attend_range(qc.data_ptr<float>(), qc.stride(0), qc.stride(1), kc.data_ptr<float>(), vc.data_ptr<float>(),
+                         mp, out.data_ptr<float>(), Hq, T, G, r, i0, i1);
+    } else if (bf16) {
       using B = c10::BFloat16;
       avx512::attend_range<B>(reinterpret_cast<const B*>(qc.data_ptr()), qc.stride(0), qc.stride(1),
                               reinterpret_cast<const B*>(kc.data_ptr()), reinterpret_cast<const B*>(vc.data_ptr()), mp,

@@ -84,6 +84,22 @@ def test_avx2_path_close_to_torch_and_batch_invariant():
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
 
 
+def test_avx2_path_row_attention_is_batch_invariant():
+    """CPUs without AVX-512 run the row attention's AVX2 version (fp32): the attention tests and a runner's T-token
+    forward against one token at a time (bitwise), forced onto the AVX2 path in a fresh process. The fp32 tests must
+    run there, not skip (bf16 has no AVX2 path and skips)."""
+    _module()
+    here = os.path.dirname(__file__)
+    env = dict(os.environ, LAYERSKIP_KERNEL_ISA="avx2",
+               PYTHONPATH=os.pathsep.join([here, os.path.dirname(here), *sys.path]))
+    tests = [os.path.join(here, "test_kernel_attention.py"),
+             os.path.join(here, "test_kernel_invariance.py") + "::test_runner_verification_matches_token_by_token"]
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "no:xdist",
+                          *tests], env=env, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(here))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert " passed" in out.stdout and "torch.float32 here" not in out.stdout, out.stdout[-3000:]
+
+
 def _bf16_module():
     module = _module()
     if not module.supports_bf16():
