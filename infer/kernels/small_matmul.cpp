@@ -39,6 +39,19 @@ namespace {
 // ------------------------------------------------------------------------------------------- AVX2
 namespace avx2 {
 
+// Eight dot products at once, one per vector: out[j] = ((x0+x1)+(x2+x3)) + ((x4+x5)+(x6+x7)), x_i = a[j] lane i:
+// the same tree for every j, so a key's score does not depend on where in a block of 8 it falls.
+inline __m256 reduce8(const __m256* a) {
+  const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+}
+
+// Cephes' expf, both paths' ``exp``: x = n ln2 + r (ln2 in two parts), then a degree-6 polynomial in r times 2^n.
+constexpr float EXP_LOG2E = 1.44269504088896341f, EXP_LN2_HI = 0.693359375f, EXP_LN2_LO = -2.12194440e-4f;
+constexpr float EXP_P[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
+                            5.0000001201e-1f};
+
 inline float hsum(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v);
   __m128 hi = _mm256_extractf128_ps(v, 1);
@@ -363,26 +376,25 @@ inline __m512 load16(const c10::BFloat16* p, __mmask16 m) { return widen(_mm256_
 inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
 inline void store16(c10::BFloat16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, narrow(v)); }
 
-// Eight dot products at once, one per vector: out[j] = ((x0+x1)+(x2+x3)) + ((x4+x5)+(x6+x7)), x_i = a[j] lane i + lane
-// i+8: the same tree for every j, so a key's score does not depend on where in a block of 8 it falls.
+// Eight dot products at once, one per vector: lane i + lane i+8 of each (``fold``), then ``avx2::reduce8``'s tree:
+// the same for every vector, so a key's score does not depend on where in a block of 8 it falls.
 inline __m256 fold(__m512 a) { return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)); }
 inline __m256 reduce8(const __m512* a) {
-  const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(fold(a[0]), fold(a[1])), _mm256_hadd_ps(fold(a[2]), fold(a[3])));
-  const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(fold(a[4]), fold(a[5])), _mm256_hadd_ps(fold(a[6]), fold(a[7])));
-  return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+  __m256 f[8];
+  for (int j = 0; j < 8; ++j) f[j] = fold(a[j]);
+  return avx2::reduce8(f);
 }
 
-// exp(x), 16 lanes (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, times 2^n); elementwise, so a score's
-// exp does not depend on its lane either.
+// exp(x), 16 lanes (``avx2::EXP_P``'s Cephes expf, 2^n by scalef); elementwise, so a score's exp does not depend on
+// its lane either.
 inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(avx2::EXP_LOG2E)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 hi = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), hi);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  const __m512 hi = _mm512_fnmadd_ps(n, _mm512_set1_ps(avx2::EXP_LN2_HI), x);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(avx2::EXP_LN2_LO), hi);
+  __m512 p = _mm512_set1_ps(avx2::EXP_P[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(avx2::EXP_P[i]));
   return _mm512_scalef_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f))), n);
 }
 
@@ -466,25 +478,16 @@ void attend_range(const E* q, int64_t qh, int64_t qt, const E* k, const E* v, co
 // reduction tree): equal to the AVX-512 path's to rounding, not bitwise; each path is batch invariant on its own.
 namespace avx2 {
 
-// Eight dot products at once, one per vector: out[j] = ((x0+x1)+(x2+x3)) + ((x4+x5)+(x6+x7)), x_i = a[j] lane i:
-// the same tree for every j, so a key's score does not depend on where in a block of 8 it falls.
-inline __m256 reduce8(const __m256* a) {
-  const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
-}
-
 // exp(x) for x <= 0, 8 lanes: the AVX-512 path's Cephes expf, times 2^n from the exponent bits (the clamp at -88
 // keeps n + 127 >= 0). Elementwise: a score's exp does not depend on its lane.
 inline __m256 exp8(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-88.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 hi = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), hi);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256 hi = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), hi);
+  __m256 p = _mm256_set1_ps(EXP_P[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P[i]));
   const __m256 e = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(e, _mm256_castsi256_ps(two_n));
