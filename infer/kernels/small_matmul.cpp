@@ -119,9 +119,8 @@ constexpr int64_t ROWT_F32 = 2, ROWT_BF16 = 2;
 // the default model's whole forward, 1 thread, builds alternated (docs/KERNELS.md): 3 rows prefetching the next 3
 // took 4 / 6 / 8 tokens from 31.9-32.6 / 34.6-35.1 / 39.3-39.5 ms (6-row blocks of 4 tokens) to 30.0-31.2 /
 // 32.8-33.3 / 38.2-38.4; prefetching 4 groups (12 rows) ahead instead, 28.3-29.4 -> 24.6-26.2 ms at 4 tokens
-// (the one-token step's time). bf16 not: its 6 and 8 tokens gained under 1 ms and that build's one-token step
-// measured 1.4 ms slower.
-// bf16 from 3 to 8 tokens too, 8 groups ahead (the same ~27 KB: its rows are half as long), measured against 6-row
+// (the one-token step's time). (bf16 with the fp32 constants gained under 1 ms at 6 and 8 tokens.) bf16 from 3 to 8
+// tokens since, 8 groups ahead (the same ~27 KB: its rows are half as long), measured against 6-row
 // blocks prefetching 4 groups ahead, alternated three times (2026-12-05, 10:20): v(4) 1.34-1.36 against 1.41-1.50,
 // v(8) 1.50-1.57 against 1.68-1.71, 3 tokens 1.22-1.28 against one row at a time's 1.19-1.24.
 constexpr int64_t THREE_MIN_F32 = 4, THREE_MIN_BF16 = 3, THREE_MAX = 8;
