@@ -17,12 +17,15 @@
 //           rows as one sequential stream (beyond 4 tokens spread over all the token blocks, so the stream
 //           overlaps the arithmetic);
 //   avx512  bf16 (CPUs with AVX512_BF16): vdpbf16ps on bf16 weights and activations, fp32 accumulation; one row
-//           at a time up to three tokens, the 6-row blocks beyond;
-//   avx2    fp32, 8 lanes (the file is compiled with -mavx2 -mfma; AVX-512 code is in target regions).
+//           at a time up to two tokens, three to eight against 3 rows at a time (prefetching 24 rows ahead), the
+//           6-row blocks beyond;
+//   avx2    fp32, 8 lanes, and its own row attention (the file is compiled with -mavx2 -mfma; AVX-512 code is in
+//           target regions).
 // Elsewhere the Python side uses torch (the portable path).
 //
-// On the AVX-512 path the module also has the RMSNorm of a row (``rms_norm``) and decoding attention one query row
-// at a time (``attend_rows``: each row over its visible keys in ascending order, the same arithmetic whatever T is).
+// On the AVX-512 path the module also has the RMSNorm of a row (``rms_norm``); on both paths decoding attention one
+// query row at a time (``attend_rows``: each row over its visible keys in ascending order, the same arithmetic
+// whatever T is; fp32 on AVX2, fp32 and bf16 on AVX-512).
 // The functions Python calls are declared in kernels.h (namespace layerskip) and bound in layer_span.cpp.
 #include "kernels.h"
 
@@ -279,14 +282,13 @@ inline void three_rows(const typename E::T* x, const typename E::T* w, typename 
 template <class E>
 constexpr int64_t row_tokens() { return sizeof(typename E::T) == 2 ? ROWT_BF16 : ROWT_F32; }
 
-// Up to 3 tokens against weight row n alone (the same chains as in any block: bitwise the same outputs).
-static_assert(ROWT_F32 <= 3 && ROWT_BF16 <= 3, "one_row takes up to 3 tokens");
+// Up to 2 tokens against weight row n alone (the same chains as in any block: bitwise the same outputs).
+static_assert(ROWT_F32 <= 2 && ROWT_BF16 <= 2, "one_row takes up to 2 tokens");
 template <class E>
 inline void one_row(const typename E::T* x, const typename E::T* w, typename E::T* y, int64_t T, int64_t K,
                     int64_t N, int64_t n) {
   if (T == 1) block<E, 1, 1>(x, w + n * K, y + n, K, N);
-  else if (T == 2) block<E, 2, 1>(x, w + n * K, y + n, K, N);
-  else block<E, 3, 1>(x, w + n * K, y + n, K, N);
+  else block<E, 2, 1>(x, w + n * K, y + n, K, N);
 }
 
 // Work items [i0, i1) of ROWS weight rows each: up to row_tokens() tokens take one row at a time, three_min() to
