@@ -25,7 +25,8 @@
 //
 // On the AVX-512 path the module also has the RMSNorm of a row (``rms_norm``); on both paths decoding attention one
 // query row at a time (``attend_rows``: each row over its visible keys in ascending order, the same arithmetic
-// whatever T is; fp32 on AVX2, fp32 and bf16 on AVX-512).
+// whatever T is; fp32 on AVX2, fp32 and bf16 on AVX-512, where the query heads sharing a KV head run up to 3 at a
+// time over each key and value load, each head's arithmetic unchanged).
 // The functions Python calls are declared in kernels.h (namespace layerskip) and bound in layer_span.cpp.
 #include "kernels.h"
 
@@ -404,69 +405,122 @@ struct Rows {  // strides in elements; the last dim of every tensor is contiguou
   float scale;
 };
 
-// Query row q (D = NC chunks of 16, the last masked) against one KV head's keys: every key's score in blocks of 8
-// (``reduce8``); the visible keys (mask row ``vis``, null: all) listed in ascending order; their max, exp
-// (``exp16``) and the weighted sum of their values in that order, the n-th visible key into sum n % 2 (two
-// dependency chains; the two added at the end). A masked key adds nothing, so a row of a T-token call computes what
-// the same row computes alone. ``score`` and ``seen``: S + 16 entries of scratch.
-template <class E, int NC>
-void attend_row(const E* q, const E* k, const E* v, const bool* vis, const Rows& r, float* score, int64_t* seen,
-                E* out) {
+// The scores' max (16 lanes at a time: a max is exact in any order; a NaN score is passed over, as std::max(m,
+// score) would: vmaxps returns its second operand when either is NaN), each score's exp(score - max) in place, and
+// 1 / their sum (the n-th into sum n % 2, the two added at the end; no score: 0, so the output is zeros).
+inline float softmax_weights(float* score, int64_t n) {
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < n; i += 16) mx = _mm512_max_ps(_mm512_mask_loadu_ps(mx, first(n - i), score + i), mx);
+  const float m = _mm512_reduce_max_ps(mx);
+  for (int64_t i = 0; i < n; i += 16)
+    store16(score + i, exp16(_mm512_sub_ps(load16(score + i, first(n - i)), _mm512_set1_ps(m))), first(n - i));
+  float even = 0.0f, odd = 0.0f;  // two chains in registers
+  int64_t i = 0;
+  for (; i + 1 < n; i += 2) even += score[i], odd += score[i + 1];
+  if (i < n) even += score[i];
+  return n > 0 ? 1.0f / (even + odd) : 0.0f;
+}
+
+// Chunks [c0, c0 + 4) of the QB heads' outputs: the weighted sum of the visible keys' values in order, the n-th
+// into sum n % 2 (the heads share each value load), times ``inv``.
+template <class E, int NC, int QB>
+inline void values(const E* v, const int64_t* seen, int64_t n, int64_t vs, const float* score, int64_t stride,
+                   const float* inv, int c0, const __mmask16* mk, E* const* out) {
+  constexpr int CB = NC < 4 ? NC : 4;
+  const int cn = std::min(CB, NC - c0);
+  __m512 acc[QB][CB], odd[QB][CB];
+  for (int b = 0; b < QB; ++b)
+    for (int c = 0; c < CB; ++c) acc[b][c] = odd[b][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 2) {
+    const E* row = v + seen[i] * vs + 16 * c0;
+    for (int c = 0; c < cn; ++c) {
+      const __m512 x = load16(row + 16 * c, mk[c0 + c]);
+      for (int b = 0; b < QB; ++b) acc[b][c] = _mm512_fmadd_ps(_mm512_set1_ps(score[b * stride + i]), x, acc[b][c]);
+    }
+    if (i + 1 == n) break;
+    const E* next = v + seen[i + 1] * vs + 16 * c0;
+    for (int c = 0; c < cn; ++c) {
+      const __m512 x = load16(next + 16 * c, mk[c0 + c]);
+      for (int b = 0; b < QB; ++b)
+        odd[b][c] = _mm512_fmadd_ps(_mm512_set1_ps(score[b * stride + i + 1]), x, odd[b][c]);
+    }
+  }
+  for (int b = 0; b < QB; ++b)
+    for (int c = 0; c < cn; ++c)
+      store16(out[b] + 16 * (c0 + c), _mm512_mul_ps(_mm512_add_ps(acc[b][c], odd[b][c]), _mm512_set1_ps(inv[b])),
+              mk[c0 + c]);
+}
+
+// QB query heads of one row (D = NC chunks of 16, the last masked), all reading one KV head with the same visible
+// keys (mask row ``vis``, null: all), listed in ascending order: every visible key's score for each head in blocks
+// of 8 (``reduce8``; the heads share each key load), their max, exp (``exp16``) and the weighted sum of the values
+// in that order, the n-th visible key into sum n % 2 (two dependency chains; the two added at the end). Every
+// head's arithmetic is what it computes alone (QB = 1), in the same order, and a masked key adds nothing, so a row
+// of a T-token call computes what the same row computes alone. ``score``: QB (S + 16) entries of scratch (head b's
+// at b (S + 16)), ``seen``: S + 16.
+template <class E, int NC, int QB>
+void attend_heads(const E* const* q, const E* k, const E* v, const bool* vis, const Rows& r, float* score,
+                  int64_t* seen, E* const* out) {
   __mmask16 mk[NC];
-  __m512 qv[NC], acc[NC > 8 ? NC : 8], odd[NC];
-  for (int c = 0; c < NC; ++c) qv[c] = load16(q + 16 * c, mk[c] = first(r.D - 16 * c));
+  for (int c = 0; c < NC; ++c) mk[c] = first(r.D - 16 * c);
+  const int64_t stride = r.S + 16;
   int64_t n = 0;
   for (int64_t s = 0; s < r.S; ++s) seen[n] = s, n += vis == nullptr || vis[s];
   for (int64_t i = 0; i < n; i += 8) {
-    for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
-    for (int c = 0; c < NC; ++c)
-      for (int j = 0; j < 8; ++j)  // past the last key: the last key again (its score is not used)
-        acc[j] = _mm512_fmadd_ps(qv[c], load16(k + seen[std::min(i + j, n - 1)] * r.ks + 16 * c, mk[c]), acc[j]);
-    _mm256_storeu_ps(score + i, _mm256_mul_ps(reduce8(acc), _mm256_set1_ps(r.scale)));
+    __m512 acc[QB][8];
+    const E* key[8];
+    for (int j = 0; j < 8; ++j) key[j] = k + seen[std::min(i + j, n - 1)] * r.ks;  // past the last key: the last again
+    for (int b = 0; b < QB; ++b)
+      for (int j = 0; j < 8; ++j) acc[b][j] = _mm512_setzero_ps();
+    for (int c = 0; c < NC; ++c) {
+      __m512 qc[QB];
+      for (int b = 0; b < QB; ++b) qc[b] = load16(q[b] + 16 * c, mk[c]);
+      for (int j = 0; j < 8; ++j) {
+        const __m512 kc = load16(key[j] + 16 * c, mk[c]);
+        for (int b = 0; b < QB; ++b) acc[b][j] = _mm512_fmadd_ps(qc[b], kc, acc[b][j]);
+      }
+    }
+    for (int b = 0; b < QB; ++b)
+      _mm256_storeu_ps(score + b * stride + i, _mm256_mul_ps(reduce8(acc[b]), _mm256_set1_ps(r.scale)));
   }
-  // The visible scores' max, 16 lanes at a time (a max is exact in any order; a NaN score is passed over, as
-  // std::max(m, score) would: vmaxps returns its second operand when either is NaN).
-  __m512 mx = _mm512_set1_ps(-INFINITY);
-  for (int64_t i = 0; i < n; i += 16) mx = _mm512_max_ps(_mm512_mask_loadu_ps(mx, first(n - i), score + i), mx);
-  float m = _mm512_reduce_max_ps(mx), sums[2] = {0.0f, 0.0f};
-  for (int64_t i = 0; i < n; i += 16)
-    store16(score + i, exp16(_mm512_sub_ps(load16(score + i, first(n - i)), _mm512_set1_ps(m))), first(n - i));
-  for (int c = 0; c < NC; ++c) acc[c] = odd[c] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 2) {
-    const __m512 p = _mm512_set1_ps(score[i]);
-    sums[0] += score[i];
-    for (int c = 0; c < NC; ++c) acc[c] = _mm512_fmadd_ps(p, load16(v + seen[i] * r.vs + 16 * c, mk[c]), acc[c]);
-    if (i + 1 == n) break;
-    const __m512 p1 = _mm512_set1_ps(score[i + 1]);
-    sums[1] += score[i + 1];
-    for (int c = 0; c < NC; ++c) odd[c] = _mm512_fmadd_ps(p1, load16(v + seen[i + 1] * r.vs + 16 * c, mk[c]), odd[c]);
-  }
-  const __m512 inv = _mm512_set1_ps(n > 0 ? 1.0f / (sums[0] + sums[1]) : 0.0f);  // no visible key: zeros
-  for (int c = 0; c < NC; ++c) store16(out + 16 * c, _mm512_mul_ps(_mm512_add_ps(acc[c], odd[c]), inv), mk[c]);
+  float inv[QB];
+  for (int b = 0; b < QB; ++b) inv[b] = softmax_weights(score + b * stride, n);
+  for (int c0 = 0; c0 < NC; c0 += 4) values<E, NC, QB>(v, seen, n, r.vs, score, stride, inv, c0, mk, out);
 }
 
-// attend_row with NC = ceil(D / 16) fixed at compile time (1..16: head dims up to 256), so q and the accumulators
-// stay in registers.
+// attend_heads with NC = ceil(D / 16) fixed at compile time (1..16: head dims up to 256) and QB (1..3) heads.
 template <class E, int NC = 1>
-void attend_any(int64_t nc, const E* q, const E* k, const E* v, const bool* vis, const Rows& r, float* score,
-                int64_t* seen, E* out) {
+void attend_any(int64_t nc, int qb, const E* const* q, const E* k, const E* v, const bool* vis, const Rows& r,
+                float* score, int64_t* seen, E* const* out) {
   if constexpr (NC < 16) {
-    if (nc > NC) return attend_any<E, NC + 1>(nc, q, k, v, vis, r, score, seen, out);
+    if (nc > NC) return attend_any<E, NC + 1>(nc, qb, q, k, v, vis, r, score, seen, out);
   }
-  attend_row<E, NC>(q, k, v, vis, r, score, seen, out);
+  if (qb == 3) attend_heads<E, NC, 3>(q, k, v, vis, r, score, seen, out);
+  else if (qb == 2) attend_heads<E, NC, 2>(q, k, v, vis, r, score, seen, out);
+  else attend_heads<E, NC, 1>(q, k, v, vis, r, score, seen, out);
 }
 
-// Items [i0, i1) of the (query head, row) pairs, Hq * T of them, head-major; q (Hq, T, D) at strides qh, qt;
+// The query heads reading one KV head (G of them) split into parts of up to 3, as even as they go: part p's first
+// head within the group and its count.
+inline int64_t parts(int64_t G) { return (G + 2) / 3; }
+inline int64_t part_start(int64_t G, int64_t p) { return p * G / parts(G); }
+
+// Items [i0, i1) of the (head part, row) pairs, Hkv parts(G) T of them, part-major; q (Hq, T, D) at strides qh, qt;
 // mask (T, S); out (T, Hq, D) contiguous. Query head h reads KV head h / G.
 template <class E>
 void attend_range(const E* q, int64_t qh, int64_t qt, const E* k, const E* v, const bool* mask, E* out,
                   int64_t Hq, int64_t T, int64_t G, const Rows& r, int64_t i0, int64_t i1) {
-  std::vector<float> score(r.S + 16);
+  std::vector<float> score(3 * (r.S + 16));
   std::vector<int64_t> seen(r.S + 16);
+  const int64_t P = parts(G);
   for (int64_t i = i0; i < i1; ++i) {
-    const int64_t h = i / T, t = i % T, j = h / G;
-    attend_any<E>((r.D + 15) / 16, q + h * qh + t * qt, k + j * r.kh, v + j * r.vh,
-                  mask == nullptr ? nullptr : mask + t * r.S, r, score.data(), seen.data(), out + (t * Hq + h) * r.D);
+    const int64_t g = i / T, t = i % T, j = g / P, p = g % P;
+    const int64_t h0 = j * G + part_start(G, p), qb = part_start(G, p + 1) - part_start(G, p);
+    const E* qs[3];
+    E* outs[3];
+    for (int64_t b = 0; b < qb; ++b) qs[b] = q + (h0 + b) * qh + t * qt, outs[b] = out + (t * Hq + h0 + b) * r.D;
+    attend_any<E>((r.D + 15) / 16, int(qb), qs, k + j * r.kh, v + j * r.vh, mask == nullptr ? nullptr : mask + t * r.S,
+                  r, score.data(), seen.data(), outs);
   }
 }
 
@@ -474,9 +528,10 @@ void attend_range(const E* q, int64_t qh, int64_t qt, const E* k, const E* v, co
 #pragma GCC pop_options
 
 // ------------------------------------------------------------------------------------- AVX2 row attention
-// fp32 only, D % 8 == 0: the AVX-512 path's ``attend_row`` in 8 lanes, so CPUs without AVX-512 keep T-token
-// verification bitwise equal to one-token decoding in fp32. Its own arithmetic (another lane count, another
-// reduction tree): equal to the AVX-512 path's to rounding, not bitwise; each path is batch invariant on its own.
+// fp32 only, D % 8 == 0: the AVX-512 path's ``attend_heads`` one head at a time in 8 lanes, so CPUs without AVX-512
+// keep T-token verification bitwise equal to one-token decoding in fp32. Its own arithmetic (another lane count,
+// another reduction tree): equal to the AVX-512 path's to rounding, not bitwise; each path is batch invariant on its
+// own.
 namespace avx2 {
 
 // exp(x) for x <= 0, 8 lanes: the AVX-512 path's Cephes expf, times 2^n from the exponent bits (the clamp at -88
@@ -496,8 +551,9 @@ inline __m256 exp8(__m256 x) {
 
 constexpr int MAX_CHUNKS = 32;  // D <= 256
 
-// One query row against one KV head's keys, as ``avx512::attend_row``: every visible key's score in blocks of 8;
-// their max, exp and the weighted sum of their values in ascending order, the n-th visible key into sum n % 2.
+// One query row against one KV head's keys, as ``avx512::attend_heads`` for one head: every visible key's score in
+// blocks of 8; their max, exp and the weighted sum of their values in ascending order, the n-th visible key into sum
+// n % 2.
 // ``score`` and ``seen``: S + 16 entries of scratch.
 inline void attend_row(const float* q, const float* k, const float* v, const bool* vis, const avx512::Rows& r,
                        float* score, int64_t* seen, float* out) {
@@ -641,7 +697,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
 }
 
 // q (Hq, T, D) over k, v (Hkv, S, D) (any strides, the last dim contiguous), ``mask`` (T, S) bool or None (all
-// visible): softmax(q k^T scale) v per query row, each row alone (``avx512::attend_row``), fp32 or bf16 (fp32
+// visible): softmax(q k^T scale) v per query row, each row alone (``avx512::attend_heads``), fp32 or bf16 (fp32
 // arithmetic, the output rounded once). Returns (Hq, T, D) as a view of a (T, Hq, D) tensor. On the AVX2 path fp32
 // only, D % 8 == 0 (``avx2::attend_row``).
 torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -666,8 +722,8 @@ torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& k, const 
   const avx512::Rows r{S, D, kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), static_cast<float>(scale)};
   auto out = torch::empty({T, Hq, D}, q.options());
   const bool* mp = mc.defined() ? mc.data_ptr<bool>() : nullptr;
-  const int64_t G = Hq / k.size(0);
-  at::parallel_for(0, Hq * T, 4, [&](int64_t i0, int64_t i1) {
+  const int64_t G = Hq / k.size(0), items = wide ? k.size(0) * avx512::parts(G) * T : Hq * T;
+  at::parallel_for(0, items, wide ? 1 : 4, [&](int64_t i0, int64_t i1) {
     if (!wide) {
       avx2::attend_range(qc.data_ptr<float>(), qc.stride(0), qc.stride(1), kc.data_ptr<float>(), vc.data_ptr<float>(),
                          mp, out.data_ptr<float>(), Hq, T, G, r, i0, i1);

@@ -73,6 +73,25 @@ def test_each_row_is_what_it_computes_alone(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("G, D", [(2, 64), (3, 64), (4, 136), (8, 24), (5, 256)])
+def test_each_query_head_is_what_it_computes_alone(dtype, G, D):
+    """The query heads sharing a KV head run together (up to 3 at a time, sharing each key and value load): each one's
+    output is bitwise what it computes as the only head, for any group size and head dim (D = 136: values in passes
+    of 4 chunks)."""
+    rows = _rows(dtype)
+    gen = torch.Generator().manual_seed(G * D)
+    S, T = 29, 3
+    q, k, v = _qkv(gen, 2 * G, 2, T, S, D, dtype)
+    mask = torch.ones(T, S, dtype=torch.bool).tril(S - T)
+    mask[1, 4:9] = False
+    out = rows.attend_rows(q, k, v, mask, 0.2)
+    for h in range(2 * G):
+        j = h // G
+        alone = rows.attend_rows(q[h:h + 1], k[j:j + 1], v[j:j + 1], mask, 0.2)
+        assert torch.equal(alone[0], out[h]), h
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_attend_cache_writes_the_rows_then_attends(dtype):
     """``attend_cache`` (the runner's call): k, v written at [start, start + T) of one layer of the caches, nothing else
     touched, and the result ``attend_rows`` gives over that layer's slots [0, start + T)."""
