@@ -128,8 +128,9 @@ def qkv_widths(s: ModelSpec) -> list[int]:
 
 def norm_weight(weight: Tensor, spec: ModelSpec) -> Tensor:
     """A checkpoint's norm weight as ``infer.model.layer_math.norm`` takes it: 1 + w in fp32 for the (1 + w) flavour
-    (Gemma 3 computes (normed * (1 + w.float())).to(dtype)), else as it is."""
-    return 1.0 + weight.float() if spec.family.norm_offset else weight
+    (Gemma 3 computes (normed * (1 + w.float())).to(dtype)), else a copy of it (a view of a memory-mapped checkpoint
+    would keep the whole file mapped, for a vector of a few KB)."""
+    return 1.0 + weight.float() if spec.family.norm_offset else weight.clone()
 
 
 def fused_layer(get: Callable[[str], Tensor | None], spec: ModelSpec, kernel, mlp: bool = True,
@@ -187,7 +188,10 @@ def fused_weights(state: dict[str, Tensor], config, dt: torch.dtype, dev: torch.
         missing = "embed_tokens.weight" if embed is None else "norm.weight"
         raise UserError(f"checkpoint has no tensor {missing!r}; is it a {spec.model_type} model?")
     tied = head is None or getattr(config, "tie_word_embeddings", False)
-    return embed, norm_weight(norm, spec), Linear(embed if tied else head, None, kernel), layers
+    lm_head = Linear(embed if tied else head, None, kernel)
+    if tied:  # the embedding reads the head's matrix (where the arena copied it out of the checkpoint's mapping)
+        embed = lm_head.weight
+    return embed, norm_weight(norm, spec), lm_head, layers
 
 
 UNFUSED = {"o": "self_attn.o_proj.weight", "down": "mlp.down_proj.weight"}

@@ -5,8 +5,11 @@ runner's outputs change."""
 from __future__ import annotations
 
 import copy
+import sys
 
+import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from infer.kernels import arena
 from infer.model.runner import Runner
@@ -63,3 +66,31 @@ def test_arena_slabs_start_on_huge_page_boundaries():
         assert second.data_ptr() - first.data_ptr() == 64 * 64 * 4  # back to back after it
     finally:
         arena.release()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="file mappings are read from /proc/self/maps")
+def test_a_large_matrix_in_a_file_mapping_gets_its_own_copy(tmp_path):
+    """A matrix over MAX_BYTES read by mmap from a checkpoint (an LM head tied to the embedding) is copied to a buffer
+    of its own on a 2 MB boundary, with the same values; an anonymous one stays where it is."""
+    rows = arena.MAX_BYTES // (64 * 4) + 8  # just over MAX_BYTES of fp32
+    save_file({"w": torch.randn(rows, 64)}, tmp_path / "w.safetensors")
+    mapped = load_file(tmp_path / "w.safetensors")["w"]
+    assert arena.file_backed(mapped.data_ptr())
+    placed = arena.place(mapped)
+    assert placed.data_ptr() != mapped.data_ptr() and placed.data_ptr() % arena.HUGE_PAGE == 0
+    assert not arena.file_backed(placed.data_ptr()) and torch.equal(placed, mapped)
+    anonymous = torch.randn(rows, 64)
+    assert not arena.file_backed(anonymous.data_ptr())
+    assert arena.place(anonymous).data_ptr() == anonymous.data_ptr()
+
+
+def test_a_tied_embedding_reads_the_lm_head_matrix(tmp_path):
+    """With tied embeddings the runner holds one matrix for both (the LM head's, wherever the arena put it), and no
+    tensor of the checkpoint's own: its file can be unmapped."""
+    model = make_model("llama", seed=13, tie_word_embeddings=True)
+    model.save_pretrained(tmp_path)
+    runner = Runner.from_pretrained(tmp_path)
+    assert runner.embed_w.data_ptr() == runner.lm_head.weight.data_ptr()
+    tensors = [runner.final_norm, runner.embed_w, *(t for layer in runner.layers for t in vars(layer).values()
+                                                    if isinstance(t, torch.Tensor))]
+    assert not any(arena.file_backed(t.data_ptr()) for t in tensors)
