@@ -13,7 +13,8 @@
 //   avx512  fp32, 16 lanes: one or two tokens read the weight rows one after another, each row against every
 //           token (a single sequential stream, which the hardware prefetcher follows at close to the read
 //           rate); four to eight tokens take all of them against 3 rows at a time, prefetching 12 rows ahead
-//           into L2; three and more than eight take register blocks of 4 tokens x 6 rows and prefetch the next 6
+//           into L2 (six to eight keep each token's chunk in a register where their rows fit L1: ``keep_x``);
+//           three and more than eight take register blocks of 4 tokens x 6 rows and prefetch the next 6
 //           rows as one sequential stream (beyond 4 tokens spread over all the token blocks, so the stream
 //           overlaps the arithmetic);
 //   avx512  bf16 (CPUs with AVX512_BF16): vdpbf16ps on bf16 weights and activations, fp32 accumulation; one row
@@ -180,7 +181,7 @@ struct Ahead {
   int per = 0;
 };
 
-template <class E, int TB, int NB, bool PF = false, int GROUPS = 1>
+template <class E, int TB, int NB, bool PF = false, int GROUPS = 1, bool XREG = false>
 inline void block(const typename E::T* x, const typename E::T* w, typename E::T* y, int64_t K, int64_t N,
                   Ahead ahead = Ahead()) {
   __m512 acc[TB][NB];
@@ -196,7 +197,8 @@ inline void block(const typename E::T* x, const typename E::T* w, typename E::T*
       wv[r] = E::load(w + r * K + k);
     }
     for (int t = 0; t < TB; ++t) {
-      const auto xv = E::load(x + t * K + k);
+      auto xv = E::load(x + t * K + k);
+      if constexpr (XREG) asm("" : "+v"(xv));  // kept in a register (``keep_x``)
       for (int r = 0; r < NB; ++r) acc[t][r] = E::fma(acc[t][r], xv, wv[r]);
     }
   }
@@ -264,19 +266,33 @@ constexpr int64_t three_min() { return sizeof(typename E::T) == 2 ? THREE_MIN_BF
 template <class E>
 constexpr int three_ahead() { return sizeof(typename E::T) == 2 ? THREE_AHEAD_BF16 : THREE_AHEAD_F32; }
 static_assert(THREE_MIN_BF16 >= 3 && THREE_MIN_F32 >= 3 && THREE_MAX == 8, "three_rows takes 3 to 8 tokens");
+// Whether a three-row block of T fp32 tokens keeps each token's chunk in a register: GCC folds that load into each
+// of the 3 rows' multiply-adds (3 loads of it a chunk). Measured on Zen 4, 1 thread, the default model's matrices
+// streamed (docs/KERNELS.md, "Kept: 6-8 fp32 tokens' vectors in registers"): 8 tokens 18-20% faster where the tokens'
+// rows fit L1 (K = 576: 18 KB), 48% slower where they do not (K = 1536: 48 KB); 5 tokens slower; bf16 unchanged.
+constexpr int64_t KEEP_X_MIN = 6, KEEP_X_BYTES = 24 * 1024;
+template <class E>
+inline bool keep_x(int64_t T, int64_t K) {
+  return sizeof(typename E::T) == 4 && T >= KEEP_X_MIN && T * K * 4 <= KEEP_X_BYTES;
+}
+template <class E, int TB>
+inline void three(const typename E::T* x, const typename E::T* w, typename E::T* y, int64_t K, int64_t N) {
+  constexpr int G = three_ahead<E>();
+  if (TB >= KEEP_X_MIN && keep_x<E>(TB, K)) block<E, TB, 3, true, G, TB >= KEEP_X_MIN>(x, w, y, K, N);
+  else block<E, TB, 3, true, G>(x, w, y, K, N);
+}
 template <class E>
 inline void three_rows(const typename E::T* x, const typename E::T* w, typename E::T* y, int64_t T, int64_t K,
                        int64_t N, int64_t n) {
   const auto* wn = w + n * K;
   auto* yn = y + n;
-  constexpr int G = three_ahead<E>();
   switch (T) {
-    case 3: block<E, 3, 3, true, G>(x, wn, yn, K, N); break;
-    case 4: block<E, 4, 3, true, G>(x, wn, yn, K, N); break;
-    case 5: block<E, 5, 3, true, G>(x, wn, yn, K, N); break;
-    case 6: block<E, 6, 3, true, G>(x, wn, yn, K, N); break;
-    case 7: block<E, 7, 3, true, G>(x, wn, yn, K, N); break;
-    default: block<E, 8, 3, true, G>(x, wn, yn, K, N); break;
+    case 3: three<E, 3>(x, wn, yn, K, N); break;
+    case 4: three<E, 4>(x, wn, yn, K, N); break;
+    case 5: three<E, 5>(x, wn, yn, K, N); break;
+    case 6: three<E, 6>(x, wn, yn, K, N); break;
+    case 7: three<E, 7>(x, wn, yn, K, N); break;
+    default: three<E, 8>(x, wn, yn, K, N); break;
   }
 }
 
