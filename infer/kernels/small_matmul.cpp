@@ -279,8 +279,10 @@ inline bool keep_x(int64_t T, int64_t K) {
 template <class E, int TB>
 inline void three(const typename E::T* x, const typename E::T* w, typename E::T* y, int64_t K, int64_t N) {
   constexpr int G = three_ahead<E>();
-  if (TB >= KEEP_X_MIN && keep_x<E>(TB, K)) block<E, TB, 3, true, G, TB >= KEEP_X_MIN>(x, w, y, K, N);
-  else block<E, TB, 3, true, G>(x, w, y, K, N);
+  if constexpr (TB >= KEEP_X_MIN) {
+    if (keep_x<E>(TB, K)) return block<E, TB, 3, true, G, true>(x, w, y, K, N);
+  }
+  block<E, TB, 3, true, G>(x, w, y, K, N);
 }
 template <class E>
 inline void three_rows(const typename E::T* x, const typename E::T* w, typename E::T* y, int64_t T, int64_t K,
