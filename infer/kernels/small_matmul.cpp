@@ -14,10 +14,9 @@
 //           token (a single sequential stream, which the hardware prefetcher follows at close to the read
 //           rate); four to eight tokens take all of them against 3 rows at a time, prefetching 12 rows ahead
 //           into L2 (six to eight keep each token's chunk in a register where their rows fit L1: ``keep_x``,
-//           and eleven to sixteen such tokens take two passes of half of them); three and more than eight take
-//           register blocks of 4 tokens x 6 rows and prefetch the next 6
-//           rows as one sequential stream (beyond 4 tokens spread over all the token blocks, so the stream
-//           overlaps the arithmetic);
+//           and nine to sixteen such tokens take two passes, at least six in the first); three and more than eight
+//           take register blocks of 4 tokens x 6 rows and prefetch the next 6 rows as one sequential stream
+//           (beyond 4 tokens spread over all the token blocks, so the stream overlaps the arithmetic);
 //   avx512  bf16 (CPUs with AVX512_BF16): vdpbf16ps on bf16 weights and activations, fp32 accumulation; one row
 //           at a time up to two tokens, three to eight against 3 rows at a time (prefetching 24 rows ahead), the
 //           6-row blocks beyond;
@@ -311,9 +310,12 @@ inline void one_row(const typename E::T* x, const typename E::T* w, typename E::
   else block<E, 2, 1>(x, w + n * K, y + n, K, N);
 }
 
+// The first of two passes over 3 rows for 9-16 tokens: half of them, and at least KEEP_X_MIN (the second gets 3-8).
+inline int64_t first_pass(int64_t T) { return std::max(KEEP_X_MIN, (T + 1) / 2); }
+
 // Work items [i0, i1) of ROWS weight rows each: up to row_tokens() tokens take one row at a time, three_min() to
-// THREE_MAX tokens 3 rows, up to twice that in fp32 3 rows in two passes of half the tokens where ``keep_x`` holds
-// for a half (measured on Zen 4, docs/KERNELS.md: 12 tokens over the default model's K = 576 matrices 14-18% faster
+// THREE_MAX tokens 3 rows, up to twice that in fp32 3 rows in two passes (``first_pass``) where ``keep_x`` holds for
+// the first (measured on Zen 4, docs/KERNELS.md: 12 tokens over the default model's K = 576 matrices 14-18% faster
 // than the 6-row blocks, its K = 1536 ones 5% slower), more 6 rows.
 template <class E>
 void range(const typename E::T* x, const typename E::T* w, typename E::T* y, int64_t T, int64_t K, int64_t N,
@@ -325,8 +327,8 @@ void range(const typename E::T* x, const typename E::T* w, typename E::T* y, int
       for (; n < end; ++n) one_row<E>(x, w, y, T, K, N, n);
     } else if (T >= three_min<E>() && T <= THREE_MAX) {
       for (; n + 3 <= end; n += 3) three_rows<E>(x, w, y, T, K, N, n);
-    } else if (T <= 2 * THREE_MAX && keep_x<E>((T + 1) / 2, K)) {  // two passes over each 3 rows (in L1 for the second)
-      const int64_t half = (T + 1) / 2;
+    } else if (T > THREE_MAX && T <= 2 * THREE_MAX && keep_x<E>(first_pass(T), K)) {  // two passes (L1 for the 2nd)
+      const int64_t half = first_pass(T);
       for (; n + 3 <= end; n += 3) {
         three_rows<E>(x, w, y, half, K, N, n);
         three_rows<E>(x + half * K, w, y + half * N, T - half, K, N, n);

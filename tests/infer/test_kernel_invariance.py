@@ -24,9 +24,10 @@ from infer.model.weights import Linear, load_kernel
 from tiny_models import make_model
 
 SHAPES = [(1, 37, 64), (2, 6, 8), (3, 64, 128), (4, 23, 576), (5, 13, 576), (6, 25, 40), (7, 26, 40),
-          (8, 28, 576), (8, 31, 1536), (9, 100, 1536), (12, 35, 576), (16, 49, 24), (17, 30, 72), (32, 8, 8)]
+          (8, 28, 576), (8, 31, 1536), (9, 100, 1536), (9, 20, 64), (10, 17, 576), (12, 35, 576), (16, 49, 24),
+          (17, 30, 72), (32, 8, 8)]
 """(T, N, K): token counts that hit every block shape (rows one at a time; 3 rows x 4-8 tokens, with 6-8 fp32
-tokens' vectors kept in registers where their rows fit L1 and loaded per row where not, 11-16 such tokens in two
+tokens' vectors kept in registers where their rows fit L1 and loaded per row where not, 9-16 such tokens in two
 passes; 6 rows x token blocks of 4, 3, 2, 1), row counts off the 3-, 6- and 24-row blocks, K off the 16- and 32-lane
 chunks (the masked last chunk)."""
 
