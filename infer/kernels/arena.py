@@ -67,15 +67,11 @@ def place(weight: Tensor) -> Tensor:
 
 
 def _own_copy(weight: Tensor) -> Tensor:
-    """A CPU copy of ``weight`` in a buffer of its own from a 2 MB boundary, advised to huge pages and collapsed."""
+    """A CPU copy of ``weight`` in a buffer of its own (``_huge_buffer``), its pages then collapsed."""
     nbytes = weight.numel() * weight.element_size()
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
-    offset = -raw.data_ptr() % HUGE_PAGE
-    length = -(-nbytes // HUGE_PAGE) * HUGE_PAGE  # whole 2 MB pages (the allocation has room for the last)
-    advise_huge_pages(raw.data_ptr() + offset, length)
-    copy = raw[offset:offset + nbytes].view(weight.dtype).view(weight.shape)
+    copy = _huge_buffer(nbytes).view(weight.dtype).view(weight.shape)
     copy.copy_(weight)
-    advise_huge_pages(raw.data_ptr() + offset, length, MADV_COLLAPSE)
+    _collapse(copy.data_ptr(), -(-nbytes // HUGE_PAGE) * HUGE_PAGE)  # whole 2 MB pages: the buffer has room
     return copy
 
 
@@ -94,14 +90,20 @@ def file_backed(address: int) -> bool:
 
 
 def _new_slab(device: torch.device) -> Tensor:
-    """A fresh slab: on the CPU ``SLAB_BYTES`` from a 2 MB boundary, advised to huge pages (nothing is touched yet, so
-    the first writes fault them in as such where the host has them free)."""
+    """A fresh slab: on the CPU ``SLAB_BYTES`` of ``_huge_buffer`` (nothing is touched yet, so the first writes fault
+    them in as huge pages where the host has them free)."""
     if device.type != "cpu":
         return torch.empty(SLAB_BYTES, dtype=torch.uint8, device=device)
-    raw = torch.empty(SLAB_BYTES + HUGE_PAGE, dtype=torch.uint8, device=device)
+    return _huge_buffer(SLAB_BYTES)
+
+
+def _huge_buffer(nbytes: int) -> Tensor:
+    """``nbytes`` CPU bytes from a 2 MB boundary, with room up to the next one, advised to huge pages (a view: it
+    holds the whole allocation)."""
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
     offset = -raw.data_ptr() % HUGE_PAGE
-    advise_huge_pages(raw.data_ptr() + offset, SLAB_BYTES)
-    return raw[offset:offset + SLAB_BYTES]  # (a view: it holds the whole allocation)
+    advise_huge_pages(raw.data_ptr() + offset, -(-nbytes // HUGE_PAGE) * HUGE_PAGE)
+    return raw[offset:offset + nbytes]
 
 
 def advise_huge_pages(address: int, length: int, advice: int = MADV_HUGEPAGE) -> bool:
