@@ -9,7 +9,8 @@ buffer as large as the weights (``torch.sum``), then the route runs once per T. 
 bandwidth ratio against the probe (median of rounds), v(T) = T tokens over one, and which ones meet issue 44's
 targets (ratio >= 0.8 for the matmuls alone; v(4) <= 1.15, v(8) <= 1.40, v(16) <= 2.0).
 
-Routes: ``kernel`` (``infer.kernels``, weights in ``infer.kernels.arena``), ``linear`` (``F.linear``: MKL/oneDNN),
+Routes: ``kernel`` (``infer.kernels`` through the runner's ``Linear``: on AVX-512 the weights packed in panels, all
+in ``infer.kernels.arena``), ``linear`` (``F.linear``: MKL/oneDNN),
 ``mkl_packed`` (``torch.ops.mkl._mkl_linear`` over weights packed once by ``_mkl_reorder_linear_weight``: what
 inductor emits for fp32 linears on CPU; packed per T), ``mkldnn_packed`` (``torch.ops.mkldnn._linear_pointwise``
 over ``_reorder_linear_weight``: inductor's bf16 route), ``compile`` (``torch.compile`` of a module of the same
@@ -38,11 +39,9 @@ TARGETS = {4: 1.15, 8: 1.40, 16: 2.0}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def weights(dtype: torch.dtype, kernel) -> list[torch.Tensor]:
-
+def weights(dtype: torch.dtype) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    ws = [(torch.randn(n, k, generator=gen) * k ** -0.5).to(dtype) for n, k in SHAPES]
-    return [Linear(w, None, kernel).weight for w in ws]  # in the arena where the kernel runs
+    return [(torch.randn(n, k, generator=gen) * k ** -0.5).to(dtype) for n, k in SHAPES]
 
 
 def compiled(ws: list[torch.Tensor], autotune: bool, T: int) -> Callable:
@@ -69,13 +68,14 @@ def compiled(ws: list[torch.Tensor], autotune: bool, T: int) -> Callable:
     return lambda x, h: step(x, h)
 
 
-def route(name: str, ws: list[torch.Tensor], T: int, kernel) -> Callable:
-    """A function of (x (T, D), h (T, FF)) that multiplies by every matrix in ``ws`` with route ``name``."""
+def route(name: str, ws: list[torch.Tensor], T: int, linears: list[Linear]) -> Callable:
+    """A function of (x (T, D), h (T, FF)) that multiplies by every matrix in ``ws`` with route ``name``
+    (``kernel``: through ``linears``, the runner's ``Linear`` of each, as a runner holds them)."""
     def per_matrix(fn):
         return lambda x, h: [fn(x if w.shape[1] == D else h, w, i) for i, w in enumerate(ws)]
 
     if name == "kernel":
-        return per_matrix(lambda a, w, i: kernel.small_matmul(a, w))
+        return per_matrix(lambda a, w, i: linears[i](a))
     if name == "linear":
         return per_matrix(lambda a, w, i: F.linear(a, w))
     if name == "mkl_packed":
@@ -92,10 +92,12 @@ def route(name: str, ws: list[torch.Tensor], T: int, kernel) -> Callable:
 
 
 def measure(name: str, dtype: torch.dtype, sizes: list[int], rounds: int, kernel) -> dict:
-    ws = weights(dtype, kernel if name == "kernel" else None)
+    ws = weights(dtype)
     nbytes = sum(w.numel() * w.element_size() for w in ws)
+    # the kernel's route reads what a runner's matrices hold: packed panels (AVX-512) or the matrices, in the arena
+    linears = [Linear(w, None, kernel) for w in ws] if name == "kernel" else []
     probe = torch.ones(nbytes // 4)
-    fns = {T: route(name, ws, T, kernel) for T in sizes}
+    fns = {T: route(name, ws, T, linears) for T in sizes}
     inputs = {T: (torch.randn(T, D).to(dtype), torch.randn(T, FF).to(dtype)) for T in sizes}
     times: dict[int, list[float]] = {T: [] for T in sizes}
     ratios = []

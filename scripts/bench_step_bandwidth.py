@@ -42,7 +42,7 @@ def weight_bytes(runner: Runner) -> int:
     """Bytes of the matrices one step reads (the layers' and the LM head's)."""
     linears = [runner.lm_head] + [m for w in runner.layers for m in (w.qkv, w.o, w.gate_up, w.down)
                                   if isinstance(m, Linear)]
-    return sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    return sum(m.nbytes for m in linears)
 
 
 def _timed(fn) -> float:

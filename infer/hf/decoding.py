@@ -294,14 +294,16 @@ def unpadded_rows(input_ids: Tensor, attention_mask: Tensor | None) -> list[tupl
 def share_weights(model: PreTrainedModel, runner: Runner) -> int:
     """Point ``model``'s q/k/v and gate/up parameters at row slices of the runner's fused matrices, which hold the
     same values, so the separate copies are freed; returns the bytes no longer held twice. Parameters in another
-    dtype or on another device than the runner's keep their own storage."""
+    dtype or on another device than the runner's keep their own storage, and so do those of a matrix the kernel
+    holds packed only (its AVX-512 path)."""
     freed = 0
     for i, layer in enumerate(runner.layers):
         prefix = layer_prefix(model, i)
         for fused_name in ("qkv", "gate_up"):
             fused = getattr(layer, fused_name)
             parts = [(n, model.get_submodule(prefix + n)) for n, (f, _) in FUSED.items() if f == fused_name]
-            for kind, matrix in (("weight", fused.weight), ("bias", getattr(fused, "bias", None))):
+            for kind, matrix in (("weight", fused.plain), ("bias", getattr(fused, "bias", None))):  # plain: None
+                # where the kernel holds the matrix packed only (nothing to share)
                 freed += point_at_rows([getattr(module, kind, None) for _, module in parts], matrix)
     return freed
 

@@ -39,7 +39,7 @@ from layerskip_core.packages import cache_root
 
 _HERE = Path(__file__).parent
 _SOURCE = _HERE / "small_matmul.cpp"
-SOURCES = ("layer_span.cpp", "kernels.h")
+SOURCES = ("panels.cpp", "layer_span.cpp", "kernels.h")
 """Beside ``small_matmul.cpp`` (``_SOURCE``), compiled into the same extension (a header is copied, not compiled)."""
 NAME = "layerskip_small_matmul"
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp")

@@ -1,4 +1,4 @@
-// The kernel module's functions (small_matmul.cpp), for the fused layer span (layer_span.cpp) and the Python
+// The kernel module's functions (small_matmul.cpp, panels.cpp), for the fused layer span (layer_span.cpp) and the Python
 // bindings (also in layer_span.cpp). One extension is built from both sources (infer/kernels/__init__.py).
 #pragma once
 
@@ -15,8 +15,17 @@ bool supports_bf16();
 // How many threads one of the kernel's parallel regions (``at::parallel_for``, as the matmuls split their rows) runs
 // on now: torch.get_num_threads() where this extension was compiled for torch's parallel backend, 1 where not.
 int64_t parallel_threads();
-// y = x @ w^T, x (T, K), w (N, K); every output element accumulated in the same order whatever T is.
+// y = x @ w^T, x (T, K), w (N, K); every output element accumulated in the same order whatever T is (on the AVX-512
+// path w is packed on the fly: panel_matmul).
 torch::Tensor small_matmul(const torch::Tensor& x, const torch::Tensor& w);
+// Weight rows per group of the panel layout (panels.cpp; infer/kernels/panels.py packs it).
+constexpr int64_t PANEL_ROWS = 48;
+// w (N, K) fp32 or bf16, K even, packed in panels: (G, K, PANEL_ROWS), G = ceil(N / PANEL_ROWS) (panels.cpp's layout).
+torch::Tensor pack_panels(const torch::Tensor& w);
+// y = x @ w^T, x (T, K), w's n rows packed in panels (G, K, PANEL_ROWS); AVX-512 path; batch invariant.
+torch::Tensor panel_matmul(const torch::Tensor& x, const torch::Tensor& w, int64_t n);
+// x @ w^T for w packed (3-D: panel_matmul) or plain (N, K) with N == n (small_matmul).
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n);
 // w * (x * rsqrt(mean(x^2) + eps)) per row (bf16: HF's arithmetic); AVX-512 path only.
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
 // softmax(q k^T scale) v, one query row at a time over its visible keys; q (Hq, T, D), k, v (Hkv, S, D), mask (T, S)

@@ -88,7 +88,7 @@ void combine(E* y, const E* x, int64_t n, bool add) {
 #pragma GCC pop_options
 
 struct Layer {
-  torch::Tensor attn_norm, qkv, o;  // (d,), ((Hq + 2 Hkv) D, d), (d, Hq D)
+  torch::Tensor attn_norm, qkv, o;  // (d,), ((Hq + 2 Hkv) D, d), (d, Hq D); each matrix plain or packed (G, K, 48)
   torch::Tensor mlp_norm, gate_up, down;  // (d,), (2 I, d), (d, I); undefined: no MLP (an exit adapter's layer)
   int64_t rope = 0;  // its RoPE table
 };
@@ -194,8 +194,8 @@ class LayerStack {
       TORCH_CHECK(t.size() == 7, "a layer: (attn_norm, qkv, o, mlp_norm, gate_up, down, rope table)");
       auto get = [&](size_t k) { return t[k].is_none() ? torch::Tensor() : t[k].cast<torch::Tensor>(); };
       Layer w{get(0), get(1), get(2), get(3), get(4), get(5), t[6].cast<int64_t>()};
-      TORCH_CHECK(w.qkv.size(0) == (heads + 2 * kv_heads) * head_dim && w.o.size(1) == heads * head_dim &&
-                  w.gate_up.defined() == w.down.defined() && w.gate_up.defined() == w.mlp_norm.defined(),
+      TORCH_CHECK(w.o.size(1) == heads * head_dim && w.gate_up.defined() == w.down.defined() &&
+                  w.gate_up.defined() == w.mlp_norm.defined(),
                   "layer shapes: fused q/k/v, o, and the MLP's three tensors all or none");
       layers_.push_back(std::move(w));
     }
@@ -280,7 +280,8 @@ class LayerStack {
     TORCH_CHECK(stop <= c.ck.size(2), "KV cache full: layer ", i, " needs ", stop, " slots, capacity ",
                 c.ck.size(2));
     c.lengths[i] = stop;
-    const auto heads = layerskip::small_matmul(layerskip::rms_norm(h, w.attn_norm, eps_), w.qkv);  // (T, (Hq+2Hkv) D)
+    const auto heads = layerskip::linear(layerskip::rms_norm(h, w.attn_norm, eps_), w.qkv,
+                                         (Hq_ + 2 * Hkv_) * D_);  // (T, (Hq + 2 Hkv) D)
     auto q = torch::empty({T, Hq_, D_}, h.options());  // (T, Hq, D)
     auto kl = c.ck.select(0, i), vl = c.cv.select(0, i);  // (Hkv, C, D)
     const auto &cos = c.cos.at(w.rope), &sin = c.sin.at(w.rope);
@@ -288,7 +289,7 @@ class LayerStack {
     else rope_rows<float>(heads, q, kl, vl, cos, sin, c, slot);
     const auto out = layerskip::attend_rows(q.transpose(0, 1), kl.narrow(1, 0, stop), vl.narrow(1, 0, stop), mask,
                                             scale_);  // (Hq, T, D), a view of (T, Hq, D)
-    auto y = layerskip::small_matmul(out.transpose(0, 1).reshape({T, Hq_ * D_}), w.o);  // (T, d)
+    auto y = layerskip::linear(out.transpose(0, 1).reshape({T, Hq_ * D_}), w.o, h.size(1));  // (T, d)
     add_into(y, h);
     return y;
   }
@@ -296,14 +297,14 @@ class LayerStack {
   // layer_math.mlp: norm, gate/up, SiLU(gate) * up, down, residual: (T, d).
   torch::Tensor mlp(const Layer& w, const torch::Tensor& h) {
     if (!w.gate_up.defined()) return h;
-    const auto gu = layerskip::small_matmul(layerskip::rms_norm(h, w.mlp_norm, eps_), w.gate_up);  // (T, 2 I)
-    const int64_t I = gu.size(1) / 2;
+    const int64_t I = w.down.size(1);  // the down matrix's K, plain or packed
+    const auto gu = layerskip::linear(layerskip::rms_norm(h, w.mlp_norm, eps_), w.gate_up, 2 * I);  // (T, 2 I)
     auto act = at::silu(gu.narrow(1, 0, I));  // (T, I): torch's SiLU on the view F.silu gets from chunk
     const auto up = gu.narrow(1, I, I);  // (T, I)
     if (act.stride(1) != 1) act.mul_(up);
     else if (act.scalar_type() == torch::kBFloat16) multiply_rows<BF16>(act, up);
     else multiply_rows<float>(act, up);
-    auto y = layerskip::small_matmul(act, w.down);  // (T, d)
+    auto y = layerskip::linear(act, w.down, h.size(1));  // (T, d)
     add_into(y, h);
     return y;
   }
@@ -318,6 +319,9 @@ class LayerStack {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace layerskip;
   m.def("small_matmul", &small_matmul, "y = x @ w.T for small T (fp32, or bf16 with AVX512_BF16)");
+  m.def("pack_panels", &pack_panels, "w (N, K) packed in panels (G, K, 48) for panel_matmul (AVX-512 path)");
+  m.def("panel_matmul", &panel_matmul, "y = x @ w.T, w's n rows packed in panels (infer.kernels.panels; AVX-512)",
+        py::arg("x"), py::arg("w"), py::arg("n"));
   m.def("path", &path_name, "the instruction set this process uses: 'avx512' or 'avx2'");
   m.def("supports_bf16", &supports_bf16, "whether bf16 weights run here (AVX512_BF16)");
   m.def("parallel_threads", &parallel_threads, "how many threads one of the kernel's parallel regions runs on now");

@@ -4,24 +4,16 @@
 // every call at such small T; this kernel streams each weight row from memory once and reuses it for
 // every token while it sits in cache, so verifying T tokens costs little more than one token.
 //
-// Batch invariance: every output element is one dot product accumulated in the same order whatever T
-// is and whichever block shape computes it (one vector accumulator per element, k-chunks in sequence,
-// a masked last chunk, then the same horizontal sum), so a row's result is bitwise independent of how
-// many rows are batched, and batched verification reproduces token-by-token decoding exactly.
+// Batch invariance: every output element is accumulated in the same order whatever T is and whichever block shape
+// computes it, so a row's result is bitwise independent of how many rows are batched, and batched verification
+// reproduces token-by-token decoding exactly.
 //
 // Paths, chosen once per process from cpuid (never per call, so the order never changes within a run):
-//   avx512  fp32, 16 lanes: one or two tokens read the weight rows one after another, each row against every
-//           token (a single sequential stream, which the hardware prefetcher follows at close to the read
-//           rate); four to eight tokens take all of them against 3 rows at a time, prefetching 12 rows ahead
-//           into L2 (six to eight keep each token's chunk in a register where their rows fit L1: ``keep_x``,
-//           and nine to sixteen such tokens take two passes, at least six in the first); three and more than eight
-//           take register blocks of 4 tokens x 6 rows and prefetch the next 6 rows as one sequential stream
-//           (beyond 4 tokens spread over all the token blocks, so the stream overlaps the arithmetic);
-//   avx512  bf16 (CPUs with AVX512_BF16): vdpbf16ps on bf16 weights and activations, fp32 accumulation; one row
-//           at a time up to two tokens, three to eight against 3 rows at a time (prefetching 24 rows ahead), the
-//           6-row blocks beyond;
-//   avx2    fp32, 8 lanes, and its own row attention (the file is compiled with -mavx2 -mfma; AVX-512 code is in
-//           target regions).
+//   avx512  fp32, and bf16 on CPUs with AVX512_BF16: the weights packed in panels (panels.cpp; the runner packs each
+//           matrix once at load, ``small_matmul`` here packs on the fly);
+//   avx2    fp32, 8 lanes, one dot product per output element (one vector accumulator, k-chunks in sequence, then the
+//           same horizontal sum): one token streams 8 rows at once, several share 4-row halves; and its own row
+//           attention (the file is compiled with -mavx2 -mfma; AVX-512 code is in target regions).
 // Elsewhere the Python side uses torch (the portable path).
 //
 // On the AVX-512 path the module also has the RMSNorm of a row (``rms_norm``); on both paths decoding attention one
@@ -116,237 +108,10 @@ void f32_range(const float* x, const float* w, float* y, int64_t T, int64_t K, i
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 namespace avx512 {
 
-// Most tokens that still take the weight rows one at a time (``range``), by element type. Measured on Zen 4, the
-// default model's whole forward, 1 thread (docs/KERNELS.md): bf16 2 tokens 16.1 -> 12.2 ms against the 6-row blocks
-// (3 tokens: 18.9 -> 15.5, now ``three_rows``); fp32 2 tokens the same either way, 3 and 4 slower.
-constexpr int64_t ROWT_F32 = 2, ROWT_BF16 = 2;
-// fp32 tokens that take 3 rows at a time (``three_rows``), and how far ahead those blocks prefetch. Measured on Zen 4,
-// the default model's whole forward, 1 thread, builds alternated (docs/KERNELS.md): 3 rows prefetching the next 3
-// took 4 / 6 / 8 tokens from 31.9-32.6 / 34.6-35.1 / 39.3-39.5 ms (6-row blocks of 4 tokens) to 30.0-31.2 /
-// 32.8-33.3 / 38.2-38.4; prefetching 4 groups (12 rows) ahead instead, 28.3-29.4 -> 24.6-26.2 ms at 4 tokens
-// (the one-token step's time). (bf16 with the fp32 constants gained under 1 ms at 6 and 8 tokens.) bf16 from 3 to 8
-// tokens since, 8 groups ahead (the same ~27 KB: its rows are half as long), measured against 6-row
-// blocks prefetching 4 groups ahead, alternated three times (2026-12-05, 10:20): v(4) 1.34-1.36 against 1.41-1.50,
-// v(8) 1.50-1.57 against 1.68-1.71, 3 tokens 1.22-1.28 against one row at a time's 1.19-1.24.
-constexpr int64_t THREE_MIN_F32 = 4, THREE_MIN_BF16 = 3, THREE_MAX = 8;
-constexpr int THREE_AHEAD_F32 = 4, THREE_AHEAD_BF16 = 8;  // 3-row groups ahead ``three_rows`` prefetches (~27 KB at
-                                                          // K = 576; past a matrix's end prefetches never fault)
-constexpr int SPREAD_AHEAD = 2;  // ``spread``: the next rows' prefetch starts this many NB-row groups on
-constexpr int ROWS = 24;  // weight rows per parallel work item (a multiple of every NB below)
-constexpr auto PF_HINT = _MM_HINT_T1;  // into L2: prefetching into L1 as well measured slower (v(4) 1.5-1.7 vs 1.0-1.05)
-
 inline float hsum(__m512 v) {
   const __m256 lo = _mm512_castps512_ps256(v);
   const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
   return avx2::hsum(_mm256_add_ps(lo, hi));
-}
-
-// The fp32 element type: 16 k-values a vector.
-struct F32 {
-  using T = float;
-  static constexpr int64_t LANES = 16;
-  static inline __m512 load(const float* p) { return _mm512_loadu_ps(p); }
-  static inline __m512 load_tail(const float* p, int64_t n) {
-    return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
-  }
-  static inline __m512 fma(__m512 acc, __m512 x, __m512 w) { return _mm512_fmadd_ps(x, w, acc); }
-  static inline float out(float v) { return v; }
-};
-
-// The bf16 element type: 32 k-values a vector, as 16 pairs; vdpbf16ps adds each pair's two products into
-// the pair's fp32 lane.
-struct BF16 {
-  using T = c10::BFloat16;
-  static constexpr int64_t LANES = 32;
-  static inline __m512i load(const T* p) { return _mm512_loadu_si512(p); }
-  static inline __m512i load_tail(const T* p, int64_t n) {
-    return _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << n) - 1), p);
-  }
-  static inline __m512 fma(__m512 acc, __m512i x, __m512i w) {
-    return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(x), reinterpret_cast<__m512bh>(w));
-  }
-  static inline T out(float v) { return T(v); }  // round to nearest even, as torch
-};
-
-// TB tokens x NB weight rows: TB * NB accumulators in registers, each element's chain identical for all
-// (TB, NB). With ``PF`` it also prefetches NB rows ``GROUPS`` groups on (1: the memory right after these), one
-// 64-byte line per row and chunk, so memory sees one sequential stream instead of NB interleaved ones (measured: NB
-// interleaved row streams read at well under the single-stream rate on Zen 4).
-//
-// ``ahead``: lines of memory further on to prefetch while the block computes, ``per`` each k-chunk, from ``pf`` up
-// to ``end`` (several tokens: a share of the next rows, see ``rows``).
-struct Ahead {
-  const char* pf = nullptr;
-  const char* end = nullptr;
-  int per = 0;
-};
-
-template <class E, int TB, int NB, bool PF = false, int GROUPS = 1, bool XREG = false>
-inline void block(const typename E::T* x, const typename E::T* w, typename E::T* y, int64_t K, int64_t N,
-                  Ahead ahead = Ahead()) {
-  __m512 acc[TB][NB];
-  for (int t = 0; t < TB; ++t)
-    for (int r = 0; r < NB; ++r) acc[t][r] = _mm512_setzero_ps();
-  const char* next = reinterpret_cast<const char*>(w + GROUPS * NB * K);
-  int64_t k = 0;
-  for (; k + E::LANES <= K; k += E::LANES, next += NB * 64) {
-    decltype(E::load(w)) wv[NB];
-    for (int p = 0; p < ahead.per && ahead.pf < ahead.end; ++p, ahead.pf += 64) _mm_prefetch(ahead.pf, PF_HINT);
-    for (int r = 0; r < NB; ++r) {
-      if (PF) _mm_prefetch(next + r * 64, PF_HINT);
-      wv[r] = E::load(w + r * K + k);
-    }
-    for (int t = 0; t < TB; ++t) {
-      auto xv = E::load(x + t * K + k);
-      if constexpr (XREG) asm("" : "+v"(xv));  // kept in a register (``keep_x``)
-      for (int r = 0; r < NB; ++r) acc[t][r] = E::fma(acc[t][r], xv, wv[r]);
-    }
-  }
-  if (k < K) {  // the last, partial chunk: zeros beyond K add nothing
-    decltype(E::load(w)) wv[NB];
-    for (int r = 0; r < NB; ++r) wv[r] = E::load_tail(w + r * K + k, K - k);
-    for (int t = 0; t < TB; ++t) {
-      const auto xv = E::load_tail(x + t * K + k, K - k);
-      for (int r = 0; r < NB; ++r) acc[t][r] = E::fma(acc[t][r], xv, wv[r]);
-    }
-  }
-  for (int t = 0; t < TB; ++t)
-    for (int r = 0; r < NB; ++r) y[t * N + r] = E::out(hsum(acc[t][r]));
-}
-
-// More than 4 tokens against NB rows: every token block prefetches an equal share of the next NB rows, so the
-// weight stream runs while the later blocks compute on rows already in cache (prefetching all of it from the
-// first block, as up to 4 tokens do, bursts past what memory delivers and leaves it idle during the other
-// blocks: no overlap, v(T) the sum of the stream and the arithmetic). The arithmetic is the blocks' own, in the
-// same order: prefetches change no result.
-template <class E, int NB>
-inline void spread(const typename E::T* x, const typename E::T* w, typename E::T* y, int64_t T, int64_t K,
-                   int64_t N, int64_t n) {
-  const auto* wn = w + n * K;
-  auto* yn = y + n;
-  const int64_t blocks = (T + 3) / 4, chunks = (K + E::LANES - 1) / E::LANES;
-  const int64_t lines = (NB * K * int64_t(sizeof(typename E::T)) + 63) / 64;  // of the next NB rows
-  const int64_t share = (lines + blocks - 1) / blocks;  // lines per token block
-  const char* next = reinterpret_cast<const char*>(wn + SPREAD_AHEAD * NB * K);
-  const char* stop = reinterpret_cast<const char*>(w + N * K);  // no prefetch past the matrix
-  Ahead ahead;
-  ahead.per = int((share + chunks - 1) / chunks);
-  for (int64_t t = 0, j = 0; t < T; ++j) {
-    ahead.pf = next + j * share * 64;
-    ahead.end = std::min(ahead.pf + share * 64, stop);
-    const int64_t left = T - t;
-    if (left >= 4) block<E, 4, NB>(x + t * K, wn, yn + t * N, K, N, ahead);
-    else if (left == 3) block<E, 3, NB>(x + t * K, wn, yn + t * N, K, N, ahead);
-    else if (left == 2) block<E, 2, NB>(x + t * K, wn, yn + t * N, K, N, ahead);
-    else block<E, 1, NB>(x + t * K, wn, yn + t * N, K, N, ahead);
-    t += std::min<int64_t>(left, 4);
-  }
-}
-
-// All T tokens against NB rows starting at row n: token blocks of 4, then 3, 2, 1. Up to 4 tokens, the one block
-// streams these rows and prefetches the next NB; beyond 4 the blocks are ``spread``.
-template <class E, int NB>
-inline void rows(const typename E::T* x, const typename E::T* w, typename E::T* y, int64_t T, int64_t K,
-                 int64_t N, int64_t n) {
-  const auto* wn = w + n * K;
-  auto* yn = y + n;
-  if (T > 4) spread<E, NB>(x, w, y, T, K, N, n);
-  else if (T == 4) block<E, 4, NB, true>(x, wn, yn, K, N);
-  else if (T == 3) block<E, 3, NB, true>(x, wn, yn, K, N);
-  else if (T == 2) block<E, 2, NB, true>(x, wn, yn, K, N);
-  else block<E, 1, NB, true>(x, wn, yn, K, N);
-}
-
-// 3 to 8 tokens against 3 rows at once, all tokens in one block (up to 24 accumulators), prefetching the 3 rows
-// three_ahead() groups on: ``range``'s shape from three_min() to THREE_MAX tokens (measured faster than 6-row blocks
-// of 4 tokens on Zen 4, docs/KERNELS.md; why three rows read faster than six is unmeasured: this VM has no hardware
-// counters).
-template <class E>
-constexpr int64_t three_min() { return sizeof(typename E::T) == 2 ? THREE_MIN_BF16 : THREE_MIN_F32; }
-template <class E>
-constexpr int three_ahead() { return sizeof(typename E::T) == 2 ? THREE_AHEAD_BF16 : THREE_AHEAD_F32; }
-static_assert(THREE_MIN_BF16 >= 3 && THREE_MIN_F32 >= 3 && THREE_MAX == 8, "three_rows takes 3 to 8 tokens");
-// Whether a three-row block of T fp32 tokens keeps each token's chunk in a register: GCC folds that load into each
-// of the 3 rows' multiply-adds (3 loads of it a chunk). Measured on Zen 4, 1 thread, the default model's matrices
-// streamed (docs/KERNELS.md, "Kept: 6-8 fp32 tokens' vectors in registers"): 8 tokens 18-20% faster where the tokens'
-// rows fit L1 (K = 576: 18 KB), 48% slower where they do not (K = 1536: 48 KB); 5 tokens slower; bf16 unchanged.
-constexpr int64_t KEEP_X_MIN = 6, KEEP_X_BYTES = 24 * 1024;
-template <class E>
-inline bool keep_x(int64_t T, int64_t K) {
-  return sizeof(typename E::T) == 4 && T >= KEEP_X_MIN && T * K * 4 <= KEEP_X_BYTES;
-}
-template <class E, int TB>
-inline void three(const typename E::T* x, const typename E::T* w, typename E::T* y, int64_t K, int64_t N) {
-  constexpr int G = three_ahead<E>();
-  if constexpr (TB >= KEEP_X_MIN) {
-    if (keep_x<E>(TB, K)) return block<E, TB, 3, true, G, true>(x, w, y, K, N);
-  }
-  block<E, TB, 3, true, G>(x, w, y, K, N);
-}
-template <class E>
-inline void three_rows(const typename E::T* x, const typename E::T* w, typename E::T* y, int64_t T, int64_t K,
-                       int64_t N, int64_t n) {
-  const auto* wn = w + n * K;
-  auto* yn = y + n;
-  switch (T) {
-    case 3: three<E, 3>(x, wn, yn, K, N); break;
-    case 4: three<E, 4>(x, wn, yn, K, N); break;
-    case 5: three<E, 5>(x, wn, yn, K, N); break;
-    case 6: three<E, 6>(x, wn, yn, K, N); break;
-    case 7: three<E, 7>(x, wn, yn, K, N); break;
-    default: three<E, 8>(x, wn, yn, K, N); break;
-  }
-}
-
-template <class E>
-constexpr int64_t row_tokens() { return sizeof(typename E::T) == 2 ? ROWT_BF16 : ROWT_F32; }
-
-// Up to 2 tokens against weight row n alone (the same chains as in any block: bitwise the same outputs).
-static_assert(ROWT_F32 <= 2 && ROWT_BF16 <= 2, "one_row takes up to 2 tokens");
-template <class E>
-inline void one_row(const typename E::T* x, const typename E::T* w, typename E::T* y, int64_t T, int64_t K,
-                    int64_t N, int64_t n) {
-  if (T == 1) block<E, 1, 1>(x, w + n * K, y + n, K, N);
-  else block<E, 2, 1>(x, w + n * K, y + n, K, N);
-}
-
-// The first of two passes over 3 rows for 9-16 tokens: half of them, and at least KEEP_X_MIN (the second gets 3-8).
-inline int64_t first_pass(int64_t T) { return std::max(KEEP_X_MIN, (T + 1) / 2); }
-
-// Work items [i0, i1) of ROWS weight rows each: up to row_tokens() tokens take one row at a time, three_min() to
-// THREE_MAX tokens 3 rows, up to twice that in fp32 3 rows in two passes (``first_pass``) where ``keep_x`` holds for
-// the first (measured on Zen 4, docs/KERNELS.md: 12 tokens over the default model's K = 576 matrices 14-18% faster
-// than the 6-row blocks, its K = 1536 ones 5% slower), more 6 rows.
-template <class E>
-void range(const typename E::T* x, const typename E::T* w, typename E::T* y, int64_t T, int64_t K, int64_t N,
-           int64_t i0, int64_t i1) {
-  for (int64_t i = i0; i < i1; ++i) {
-    int64_t n = i * ROWS;
-    const int64_t end = std::min(N, n + ROWS);
-    if (T <= row_tokens<E>()) {  // one row at a time: a single sequential stream (faster than 6-row blocks here)
-      for (; n < end; ++n) one_row<E>(x, w, y, T, K, N, n);
-    } else if (T >= three_min<E>() && T <= THREE_MAX) {
-      for (; n + 3 <= end; n += 3) three_rows<E>(x, w, y, T, K, N, n);
-    } else if (T > THREE_MAX && T <= 2 * THREE_MAX && keep_x<E>(first_pass(T), K)) {  // two passes (L1 for the 2nd)
-      const int64_t half = first_pass(T);
-      for (; n + 3 <= end; n += 3) {
-        three_rows<E>(x, w, y, half, K, N, n);
-        three_rows<E>(x + half * K, w, y + half * N, T - half, K, N, n);
-      }
-    } else {
-      for (; n + 6 <= end; n += 6) rows<E, 6>(x, w, y, T, K, N, n);
-    }
-    for (; n < end; ++n) rows<E, 1>(x, w, y, T, K, N, n);
-  }
-}
-
-void f32_range(const float* x, const float* w, float* y, int64_t T, int64_t K, int64_t N, int64_t i0, int64_t i1) {
-  range<F32>(x, w, y, T, K, N, i0, i1);
-}
-
-void bf16_range(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat16* y, int64_t T, int64_t K, int64_t N,
-                int64_t i0, int64_t i1) {
-  range<BF16>(x, w, y, T, K, N, i0, i1);
 }
 
 // RMSNorm of one row: the sum of squares in 16 fp32 lanes over the row in order, then the same horizontal sum.
@@ -358,7 +123,7 @@ inline float inv_rms(const float* x, int64_t d, float eps) {
     acc = _mm512_fmadd_ps(v, v, acc);
   }
   if (k < d) {
-    const __m512 v = F32::load_tail(x + k, d - k);
+    const __m512 v = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (d - k)) - 1), x + k);
     acc = _mm512_fmadd_ps(v, v, acc);
   }
   return 1.0f / std::sqrt(hsum(acc) / static_cast<float>(d) + eps);
@@ -675,30 +440,16 @@ torch::Tensor small_matmul(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x (T, K) and w (N, K)");
   TORCH_CHECK(x.size(1) % 8 == 0, "K must be a multiple of 8");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "CPU tensors only");
+  if (isa().avx512) return panel_matmul(x, pack_panels(w), w.size(0));  // packed on the fly (the runner packs once)
   const auto xc = x.contiguous();
   const auto wc = w.contiguous();
   const int64_t T = xc.size(0), K = xc.size(1), N = wc.size(0);
   auto y = torch::empty({T, N}, xc.options());
   if (T == 0 || N == 0) return y;
-  if (bf16) {
-    const auto* xp = reinterpret_cast<const c10::BFloat16*>(xc.data_ptr());
-    const auto* wp = reinterpret_cast<const c10::BFloat16*>(wc.data_ptr());
-    auto* yp = reinterpret_cast<c10::BFloat16*>(y.data_ptr());
-    at::parallel_for(0, (N + avx512::ROWS - 1) / avx512::ROWS, 8, [&](int64_t i0, int64_t i1) {
-      avx512::bf16_range(xp, wp, yp, T, K, N, i0, i1);
-    });
-    return y;
-  }
   const float* xp = xc.data_ptr<float>();
   const float* wp = wc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  if (isa().avx512) {
-    at::parallel_for(0, (N + avx512::ROWS - 1) / avx512::ROWS, 8, [&](int64_t i0, int64_t i1) {
-      avx512::f32_range(xp, wp, yp, T, K, N, i0, i1);
-    });
-  } else {
-    at::parallel_for(0, (N + 7) / 8, 32, [&](int64_t b0, int64_t b1) { avx2::f32_range(xp, wp, yp, T, K, N, b0, b1); });
-  }
+  at::parallel_for(0, (N + 7) / 8, 32, [&](int64_t b0, int64_t b1) { avx2::f32_range(xp, wp, yp, T, K, N, b0, b1); });
   return y;
 }
 

@@ -11,8 +11,9 @@ run under ``torch.no_grad()``, since dynamo guards on the grad mode and a call i
 tensors differ from ordinary ones in dispatch keys, which dynamo guards on too. ``StepCache`` shares the compiled
 steps among runners of the same model geometry, dtype and device (their graphs are the same), so a second runner
 of a model compiles nothing. Inductor fuses each RMSNorm, the RoPE rotation and the residual adds into single
-kernels. What it cannot see through (the CPU small-matmul kernel) is not used here: compiled matmuls are
-inductor's, so a compiled forward equals the uncompiled one within rounding, not bitwise.
+kernels. The matmuls: on the CPU kernel's AVX-512 path the kernel's own (``infer.kernels.panels.traced_matmul``, one
+opaque operator in the graph), elsewhere inductor's (the steps pass ``bulk``: torch's matmul); a compiled forward
+equals the uncompiled one within rounding, not bitwise (inductor fuses the norms and RoPE its own way).
 """
 
 from __future__ import annotations

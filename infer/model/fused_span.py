@@ -38,7 +38,7 @@ class FusedSpan:
 
     def __init__(self, runner: ForwardModel):
         s = runner.spec
-        rows = [(w.attn_norm, w.qkv.weight, w.o.weight, w.mlp_norm, _weight(w.gate_up), _weight(w.down),
+        rows = [(w.attn_norm, w.qkv.matrix(), w.o.matrix(), w.mlp_norm, _weight(w.gate_up), _weight(w.down),
                  runner.rope_rows[i]) for i, w in enumerate(runner.layers)]
         scale = s.head_dim ** -0.5 if s.attn_scale is None else s.attn_scale  # infer.model.attention.score_scale
         self.stack = runner.kernel.LayerStack(rows, s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps, scale)
@@ -69,7 +69,7 @@ class FusedSpan:
 
 
 def _weight(linear) -> Tensor | None:
-    return None if linear is None else linear.weight
+    return None if linear is None else linear.matrix()  # (out, in), or packed (G, in, 48)
 
 
 def for_runner(runner: ForwardModel) -> FusedSpan | None:

@@ -84,7 +84,7 @@ class DraftHead:
 
     def logits(self, normed: Tensor) -> Tensor:
         """(T, d) final-normed hidden -> (T, V) fp32 logits, -inf outside the subset."""
-        sub = layer_math.softcap(self.linear(normed.to(self.linear.weight.dtype)).float(), self.spec)  # (T, N)
+        sub = layer_math.softcap(self.linear(normed.to(self.linear.dtype)).float(), self.spec)  # (T, N)
         full = sub.new_full((sub.shape[0], self.vocab_size), float("-inf"))  # (T, V)
         return full.index_copy_(1, self.ids, sub)
 
@@ -181,8 +181,8 @@ class Runner:
     def from_model(cls, model, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
                    kernel: str = "auto", executor: str = "eager", compile: bool = False) -> Runner:
         """Wrap an instantiated HF model (its weights are copied into fused tensors; by default in the model's own
-        dtype, on its own device; its o_proj and down_proj weights then point at the runner's copies, one copy each:
-        ``share_unfused``). A model not loaded whole on one device is refused (``weights_device``)."""
+        dtype, on its own device; its o_proj and down_proj weights then point at the runner's copies: ``share_unfused``,
+        except where the kernel holds them packed only). A model not loaded whole on one device is refused."""
         home = weights_device(model)
         state = {k: v.detach() for k, v in model.state_dict().items()}
         runner = cls(model.config, state, dtype=dtype or next(model.parameters()).dtype, device=device or home,
@@ -314,8 +314,8 @@ class Runner:
     def num_layers(self) -> int:
         return self.spec.num_layers
 
-    def embed(self, ids: Tensor) -> Tensor:
-        x = F.embedding(ids, self.embed_w)  # (T,) -> (T, d)
+    def embed(self, ids: Tensor) -> Tensor:  # embed_w None: tied to the LM head, whose rows it reads
+        x = self.lm_head.rows(ids) if self.embed_w is None else F.embedding(ids, self.embed_w)  # (T,) -> (T, d)
         return x if self.embed_scale is None else x * self.embed_scale
 
     def logits(self, hidden: Tensor, vocab: DraftHead | None = None) -> Tensor:
@@ -329,7 +329,7 @@ class Runner:
         h = layer_math.norm(hidden, self.final_norm, self.spec)  # (T, d)
         if vocab is not None:
             return vocab.logits(h)  # (T, V)
-        return layer_math.softcap(self.lm_head(h.to(self.lm_head.weight.dtype)).float(), self.spec)  # (T, V)
+        return layer_math.softcap(self.lm_head(h.to(self.lm_head.dtype)).float(), self.spec)  # (T, V)
 
     def draft_head(self, ids: Tensor | list[int], dtype: torch.dtype | None = None) -> DraftHead:
         """The draft head over token ``ids`` (N,) in ``dtype`` (default the runner's), made on first use and kept."""

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from infer import kernels
-from infer.kernels import arena
+from infer.kernels import arena, panels
 from layerskip_core.adapter_spec import FINGERPRINT_VALUES, weight_fingerprint
 from layerskip_core.errors import UserError
 from layerskip_core.models import ModelSpec
@@ -27,23 +27,58 @@ class Linear:
 
     On x86 CPUs in fp32, and in bf16 where the CPU has AVX512_BF16, it runs the small-batch kernel of
     ``infer.kernels``: verifying T tokens then costs little more than one, and every row's result is bitwise
-    independent of T, so a batched verification reproduces token-by-token decoding exactly. The weight then sits
-    in ``infer.kernels.arena`` right after the previously built one (a step reads them as one stream).
-    Elsewhere, and for ``bulk`` (prompt prefill): ``F.linear``.
+    independent of T, so a batched verification reproduces token-by-token decoding exactly. On the kernel's AVX-512
+    path the kernel reads W packed in panels (``panels``, ``infer.kernels.panels``; prompt prefill too: measured
+    faster than torch's matmul there, docs/KERNELS.md), placed in ``infer.kernels.arena`` right after the previously
+    built one (a step reads them as one stream), and are the only copy: ``weight`` unpacks W when asked (loading, a
+    draft head's rows), ``rows`` gathers rows from them (a tied embedding). On the AVX2 path W is placed in the arena
+    and read as it is. Elsewhere, and for ``bulk`` (prompt prefill) on AVX2: ``F.linear``.
     """
 
     def __init__(self, weight: Tensor, bias: Tensor | None, kernel):
         usable = (kernels.supports(kernel, weight.dtype) and weight.device.type == "cpu" and weight.dim() == 2
                   and weight.shape[1] % 8 == 0)
         self.kernel = kernel if usable else None
-        self.weight = arena.place(weight) if usable else weight.contiguous()  # (out, in)
+        self.shape = tuple(weight.shape)  # (out, in)
+        self.dtype = weight.dtype
+        self.panels = panels.place(kernel, weight) if usable and panels.usable(kernel, weight) else None  # (G, in, 48)
+        if self.panels is not None:
+            self.plain = None  # (out, in): the panels are the only copy
+        else:
+            self.plain = arena.place(weight) if usable else weight.contiguous()
         self.bias = bias
 
+    @property
+    def weight(self) -> Tensor:
+        """W (out, in): the matrix, or unpacked from the panels (a new tensor each time: for loading, a draft head's
+        rows and checks, not for a step)."""
+        return self.plain if self.plain is not None else panels.unpack(self.panels, self.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of W (what one step reads of this matrix)."""
+        return self.shape[0] * self.shape[1] * self.dtype.itemsize
+
     def __call__(self, x: Tensor, bulk: bool = False) -> Tensor:
-        if self.kernel is None or bulk or x.dtype != self.weight.dtype:
+        if self.kernel is None or x.dtype != self.dtype or (bulk and self.panels is None):
             return F.linear(x, self.weight, self.bias)  # (T, out)
-        y = self.kernel.small_matmul(x, self.weight)  # (T, out)
+        if self.panels is not None and torch.compiler.is_compiling():
+            y = panels.traced_matmul(x, self.panels, self.shape[0])  # (T, out)
+        elif self.panels is not None:
+            y = self.kernel.panel_matmul(x, self.panels, self.shape[0])  # (T, out)
+        else:
+            y = self.kernel.small_matmul(x, self.plain)  # (T, out)
         return y if self.bias is None else y + self.bias
+
+    def rows(self, ids: Tensor) -> Tensor:
+        """Rows ``ids`` (T,) of W: (T, in) (a tied embedding's lookup; gathered from the panels where they are)."""
+        if self.plain is not None:
+            return F.embedding(ids, self.plain)
+        return panels.rows(self.panels, ids)
+
+    def matrix(self) -> Tensor:
+        """What the kernel reads: the panels (G, in, 48) where there are, else W (out, in)."""
+        return self.plain if self.panels is None else self.panels
 
 
 @dataclass
@@ -69,7 +104,8 @@ def cast_layer(w: LayerWeights, dtype: torch.dtype, spec: ModelSpec, kernel) -> 
     """A copy of layer ``w`` in ``dtype``: its matmuls on ``kernel`` where that runs ``dtype`` (else torch's), its
     norm weights as ``norm_weight`` keeps them (the (1 + w) flavour stays fp32)."""
     def linear(m: Linear | None) -> Linear | None:
-        return None if m is None else Linear(m.weight.to(dtype), None if m.bias is None else m.bias.to(dtype), kernel)
+        bias = None if m is None or m.bias is None else m.bias.to(dtype)
+        return None if m is None else Linear(m.weight.to(dtype), bias, kernel)
 
     def norm(t: Tensor | None) -> Tensor | None:
         return t if t is None or spec.family.norm_offset else t.to(dtype)
@@ -163,7 +199,8 @@ def fused_layer(get: Callable[[str], Tensor | None], spec: ModelSpec, kernel, ml
     if mlp:
         layer.mlp_norm = norm("pre_feedforward_layernorm.weight" if family.sandwich_norms
                               else "post_attention_layernorm.weight")
-        layer.gate_up = Linear(torch.cat([need("mlp.gate_proj.weight"), need("mlp.up_proj.weight")]), None, kernel)
+        gate_up = torch.cat([need("mlp.gate_proj.weight"), need("mlp.up_proj.weight")])  # (2 I, d)
+        layer.gate_up = Linear(gate_up, None, kernel)
         layer.down = Linear(need("mlp.down_proj.weight"), None, kernel)
         if family.sandwich_norms:
             layer.post_mlp_norm = norm("post_feedforward_layernorm.weight")
@@ -172,7 +209,8 @@ def fused_layer(get: Callable[[str], Tensor | None], spec: ModelSpec, kernel, ml
 
 def fused_weights(state: dict[str, Tensor], config, dt: torch.dtype, dev: torch.device, kernel):
     """(embedding, final norm, LM head, per-layer weights) of a supported model's state dict, on ``dev`` in ``dt``;
-    the final norm's weight as ``norm_weight`` gives it."""
+    the final norm's weight as ``norm_weight`` gives it; the embedding None where it is tied to the LM head (the
+    runner then reads the head's rows: ``Linear.rows``)."""
     spec = ModelSpec.from_config(config)
 
     def getter(prefix: str) -> Callable[[str], Tensor | None]:
@@ -189,9 +227,7 @@ def fused_weights(state: dict[str, Tensor], config, dt: torch.dtype, dev: torch.
         raise UserError(f"checkpoint has no tensor {missing!r}; is it a {spec.model_type} model?")
     tied = head is None or getattr(config, "tie_word_embeddings", False)
     lm_head = Linear(embed if tied else head, None, kernel)
-    if tied:  # the embedding reads the head's matrix (where the arena copied it out of the checkpoint's mapping)
-        embed = lm_head.weight
-    return embed, norm_weight(norm, spec), lm_head, layers
+    return None if tied else embed, norm_weight(norm, spec), lm_head, layers
 
 
 UNFUSED = {"o": "self_attn.o_proj.weight", "down": "mlp.down_proj.weight"}
@@ -202,7 +238,8 @@ def share_unfused(model, layers: list[LayerWeights]) -> int:
     """Point an HF ``model``'s o_proj and down_proj weights at the runner's copies of them (``layers``: the runner's
     ``LayerWeights``, built from this model; the kernel placed them in ``infer.kernels.arena``), so each matrix is held
     once, as before the arena; returns the bytes freed. A parameter in another dtype, device or shape than the
-    runner's matrix keeps its own storage. (q/k/v and gate/up are fused copies: ``infer.hf.decoding.share_weights``.)"""
+    runner's matrix keeps its own storage, and so does one the kernel holds packed only (its AVX-512 path). (q/k/v and
+    gate/up are fused copies: ``infer.hf.decoding.share_weights``.)"""
     params = strip_prefix(dict(model.named_parameters()))
     freed = 0
     for i, layer in enumerate(layers):
@@ -210,8 +247,9 @@ def share_unfused(model, layers: list[LayerWeights]) -> int:
             linear, p = getattr(layer, attr), params.get(f"layers.{i}.{name}")
             if linear is None or p is None:
                 continue
-            w = linear.weight  # (out, in)
-            if (p.dtype, p.device, p.shape) != (w.dtype, w.device, w.shape) or p.data_ptr() == w.data_ptr():
+            w = linear.plain  # (out, in); None where the kernel holds panels only (nothing to share)
+            if (w is None or (p.dtype, p.device, p.shape) != (w.dtype, w.device, w.shape)
+                    or p.data_ptr() == w.data_ptr()):
                 continue
             freed += p.numel() * p.element_size()
             p.data = w

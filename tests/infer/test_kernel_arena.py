@@ -23,12 +23,14 @@ def _unfused(model, i: int) -> list[torch.nn.Parameter]:
 
 
 def test_from_model_points_o_and_down_at_the_runner_copies():
+    """Where the runner keeps its matrices plain (torch's matmul here; the AVX2 kernel's path too), the model's o_proj
+    and down_proj weights become the runner's: one copy each."""
     model = make_model("llama", seed=11)
     twin = copy.deepcopy(model)  # untouched: the reference for values and outputs
     ids = torch.arange(3, 30)
     with torch.no_grad():
         before = model(ids[None]).logits
-    runner = Runner.from_model(model)
+    runner = Runner.from_model(model, kernel="torch")
     for i, layer in enumerate(runner.layers):
         mine = (layer.o.weight, layer.down.weight)
         for p, w, ref in zip(_unfused(model, i), mine, _unfused(twin, i), strict=True):
@@ -37,22 +39,41 @@ def test_from_model_points_o_and_down_at_the_runner_copies():
             assert isinstance(p, torch.nn.Parameter) and p.requires_grad == ref.requires_grad
     with torch.no_grad():
         assert torch.equal(model(ids[None]).logits, before)  # the model computes what it did
-    other = Runner.from_model(copy.deepcopy(twin))  # (a runner whose model keeps nothing of ours)
+    other = Runner.from_model(copy.deepcopy(twin), kernel="torch")  # (a runner whose model keeps nothing of ours)
     assert torch.equal(runner.forward(runner.new_cache(64), ids), other.forward(other.new_cache(64), ids))
 
 
 def test_share_unfused_frees_each_matrix_once_and_skips_other_dtypes():
     model = make_model("llama", seed=12)
-    runner = Runner.from_model(model)
+    runner = Runner.from_model(model, kernel="torch")
     assert share_unfused(model, runner.layers) == 0  # already shared: nothing more to free
     fresh = make_model("llama", seed=12)
     expected = sum(p.numel() * p.element_size() for i in range(len(runner.layers)) for p in _unfused(fresh, i))
     assert share_unfused(fresh, runner.layers) == expected  # a same-valued model of its own: every matrix re-pointed
-    bf16 = Runner.from_model(make_model("llama", seed=12), dtype=torch.bfloat16)
+    bf16 = Runner.from_model(make_model("llama", seed=12), dtype=torch.bfloat16, kernel="torch")
     kept = make_model("llama", seed=12)  # fp32 parameters, bf16 runner: each keeps its own
     ptrs = [p.data_ptr() for i in range(len(bf16.layers)) for p in _unfused(kept, i)]
     assert share_unfused(kept, bf16.layers) == 0
     assert ptrs == [p.data_ptr() for i in range(len(bf16.layers)) for p in _unfused(kept, i)]
+
+
+def test_a_packed_runner_leaves_the_model_its_weights():
+    """On the kernel's AVX-512 path the runner's layer matrices are packed panels only: nothing of the model is
+    shared or changed, and the runner computes what a runner on torch's matmul computes, to rounding."""
+    model = make_model("llama", seed=14)
+    runner = Runner.from_model(model)
+    if runner.layers[0].o.panels is None:
+        pytest.skip("the kernel's AVX-512 path is not this CPU's (no packed panels)")
+    twin = copy.deepcopy(model)
+    for i, layer in enumerate(runner.layers):
+        assert all(m.plain is None for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        for p, ref in zip(_unfused(model, i), _unfused(twin, i), strict=True):
+            assert torch.equal(p, ref)
+    assert share_unfused(model, runner.layers) == 0
+    ids = torch.arange(3, 30)
+    plain = Runner.from_model(twin, kernel="torch")
+    torch.testing.assert_close(runner.forward(runner.new_cache(64), ids), plain.forward(plain.new_cache(64), ids),
+                               atol=1e-4, rtol=1e-5)
 
 
 def test_arena_slabs_start_on_huge_page_boundaries():
@@ -85,12 +106,16 @@ def test_a_large_matrix_in_a_file_mapping_gets_its_own_copy(tmp_path):
 
 
 def test_a_tied_embedding_reads_the_lm_head_matrix(tmp_path):
-    """With tied embeddings the runner holds one matrix for both (the LM head's, wherever the arena put it), and no
-    tensor of the checkpoint's own: its file can be unmapped."""
+    """With tied embeddings the runner holds one matrix for both (the LM head's: packed panels on the kernel's AVX-512
+    path, whose rows the embedding gathers; the matrix itself, wherever the arena put it, elsewhere), and no tensor of
+    the checkpoint's own: its file can be unmapped."""
     model = make_model("llama", seed=13, tie_word_embeddings=True)
     model.save_pretrained(tmp_path)
     runner = Runner.from_pretrained(tmp_path)
-    assert runner.embed_w.data_ptr() == runner.lm_head.weight.data_ptr()
-    tensors = [runner.final_norm, runner.embed_w, *(t for layer in runner.layers for t in vars(layer).values()
-                                                    if isinstance(t, torch.Tensor))]
+    assert runner.embed_w is None
+    ids = torch.tensor([0, 47, 48, 95, 5, model.config.vocab_size - 1])  # on and off the 48-row panel groups
+    assert torch.equal(runner.embed(ids), model.get_input_embeddings().weight[ids].detach())
+    head = [t for t in (runner.lm_head.plain, runner.lm_head.panels) if t is not None]
+    tensors = [runner.final_norm, *head, *(t for layer in runner.layers for t in vars(layer).values()
+                                           if isinstance(t, torch.Tensor))]
     assert not any(arena.file_backed(t.data_ptr()) for t in tensors)
