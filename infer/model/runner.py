@@ -75,7 +75,7 @@ class DraftHead:
         self.key = key  # identifies the ids and the dtype (static forwards are keyed by it)
         self.vocab_size = runner.spec.vocab_size
         self.spec = runner.spec  # its final logit softcapping
-        rows = runner.lm_head.weight.index_select(0, self.ids).to(dtype or runner.dtype)  # (N, d)
+        rows = runner.lm_head.rows(self.ids).to(dtype or runner.dtype)  # (N, d)
         self.linear = Linear(rows, None, runner.kernel)  # a copy, in ``dtype``: only drafts read it
 
     @property
