@@ -1,12 +1,13 @@
 """Optional C++ kernel for small-batch matmuls on x86 CPUs: fp32 (AVX-512 where the CPU has it, else AVX2 + FMA)
 and bf16 (CPUs with AVX512_BF16 only). The path is chosen once per process from cpuid (``module.path()``,
 ``supports(module, dtype)``); ``LAYERSKIP_KERNEL_ISA=avx2`` forces the AVX2 path. Why it is built the way it
-is, and what torch's own routes measured beside it: docs/KERNELS.md.
+is, and what torch's own routes measured beside it: docs/KERNELS.md. On the AVX-512 path the matmuls read weights
+packed once, at load, into panels (``panels.cpp``; ``infer.kernels.panels`` packs and places them).
 
 The same module runs a runner's decoder layers as one C++ call (``LayerStack``, ``layer_span.cpp``; the Python side
 and what it covers: ``infer.model.fused_span``), bitwise what the Python layer loop computes.
 
-Built on first use with ``torch.utils.cpp_extension`` (about a minute) from its sources (``SOURCES``: the two C++
+Built on first use with ``torch.utils.cpp_extension`` (about a minute) from its sources (``SOURCES``: the three C++
 files and their header, one extension), into a folder keyed by a
 hash of the kernel sources and compiler flags, the torch version and the Python version:
 ``$TORCH_EXTENSIONS_DIR/layerskip_small_matmul-<key>`` when that variable is set, otherwise
