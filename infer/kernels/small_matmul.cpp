@@ -245,9 +245,26 @@ inline void values(const E* v, const int64_t* seen, int64_t n, int64_t vs, const
               mk[c0 + c]);
 }
 
+// bf16 scores of 8 keys for QB heads: 32 dims a vdpbf16ps (each lane adds a pair of products, exact in fp32, into its
+// accumulator), no widening; the last chunk masked (zeros add nothing).
+template <int NC, int QB>
+inline void pair_dots(const c10::BFloat16* const* q, const c10::BFloat16* const* key, int64_t D, __m512 (&acc)[QB][8]) {
+  for (int c = 0; c < (NC + 1) / 2; ++c) {
+    const int64_t left = D - 32 * c;
+    const __mmask32 m = left >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1u << left) - 1);
+    __m512i qc[QB];
+    for (int b = 0; b < QB; ++b) qc[b] = _mm512_maskz_loadu_epi16(m, q[b] + 32 * c);
+    for (int j = 0; j < 8; ++j) {
+      const __m512i kc = _mm512_maskz_loadu_epi16(m, key[j] + 32 * c);
+      for (int b = 0; b < QB; ++b)
+        acc[b][j] = _mm512_dpbf16_ps(acc[b][j], reinterpret_cast<__m512bh>(qc[b]), reinterpret_cast<__m512bh>(kc));
+    }
+  }
+}
+
 // QB query heads of one row (D = NC chunks of 16, the last masked), all reading one KV head with the same visible
 // keys (mask row ``vis``, null: all), listed in ascending order: every visible key's score for each head in blocks
-// of 8 (``reduce8``; the heads share each key load), their max, exp (``exp16``) and the weighted sum of the values
+// of 8 (bf16: ``pair_dots``; ``reduce8``; the heads share each key load), their max, exp (``exp16``) and the weighted sum of the values
 // in that order, the n-th visible key into sum n % 2 (two dependency chains; the two added at the end). Every
 // head's arithmetic is what it computes alone (QB = 1), in the same order, and a masked key adds nothing, so a row
 // of a T-token call computes what the same row computes alone. ``score``: QB (S + 16) entries of scratch (head b's
@@ -266,12 +283,16 @@ void attend_heads(const E* const* q, const E* k, const E* v, const bool* vis, co
     for (int j = 0; j < 8; ++j) key[j] = k + seen[std::min(i + j, n - 1)] * r.ks;  // past the last key: the last again
     for (int b = 0; b < QB; ++b)
       for (int j = 0; j < 8; ++j) acc[b][j] = _mm512_setzero_ps();
-    for (int c = 0; c < NC; ++c) {
-      __m512 qc[QB];
-      for (int b = 0; b < QB; ++b) qc[b] = load16(q[b] + 16 * c, mk[c]);
-      for (int j = 0; j < 8; ++j) {
-        const __m512 kc = load16(key[j] + 16 * c, mk[c]);
-        for (int b = 0; b < QB; ++b) acc[b][j] = _mm512_fmadd_ps(qc[b], kc, acc[b][j]);
+    if constexpr (sizeof(E) == 2) {
+      pair_dots<NC, QB>(q, key, r.D, acc);
+    } else {
+      for (int c = 0; c < NC; ++c) {
+        __m512 qc[QB];
+        for (int b = 0; b < QB; ++b) qc[b] = load16(q[b] + 16 * c, mk[c]);
+        for (int j = 0; j < 8; ++j) {
+          const __m512 kc = load16(key[j] + 16 * c, mk[c]);
+          for (int b = 0; b < QB; ++b) acc[b][j] = _mm512_fmadd_ps(qc[b], kc, acc[b][j]);
+        }
       }
     }
     for (int b = 0; b < QB; ++b)
