@@ -302,8 +302,8 @@ def share_weights(model: PreTrainedModel, runner: Runner) -> int:
         for fused_name in ("qkv", "gate_up"):
             fused = getattr(layer, fused_name)
             parts = [(n, model.get_submodule(prefix + n)) for n, (f, _) in FUSED.items() if f == fused_name]
-            for kind, matrix in (("weight", fused.plain), ("bias", getattr(fused, "bias", None))):  # plain: None
-                # where the kernel holds the matrix packed only (nothing to share)
+            # plain: None where the kernel holds the matrix packed only (nothing to share)
+            for kind, matrix in (("weight", fused.plain), ("bias", getattr(fused, "bias", None))):
                 freed += point_at_rows([getattr(module, kind, None) for _, module in parts], matrix)
     return freed
 
