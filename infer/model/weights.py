@@ -42,10 +42,8 @@ class Linear:
         self.shape = tuple(weight.shape)  # (out, in)
         self.dtype = weight.dtype
         self.panels = panels.place(kernel, weight) if usable and panels.usable(kernel, weight) else None  # (G, in, 48)
-        if self.panels is not None:
-            self.plain = None  # (out, in): the panels are the only copy
-        else:
-            self.plain = arena.place(weight) if usable else weight.contiguous()
+        # (out, in), None where the panels are the only copy
+        self.plain = None if self.panels is not None else arena.place(weight) if usable else weight.contiguous()
         self.bias = bias
 
     @property
@@ -62,10 +60,9 @@ class Linear:
     def __call__(self, x: Tensor, bulk: bool = False) -> Tensor:
         if self.kernel is None or x.dtype != self.dtype or (bulk and self.panels is None):
             return F.linear(x, self.weight, self.bias)  # (T, out)
-        if self.panels is not None and torch.compiler.is_compiling():
-            y = panels.traced_matmul(x, self.panels, self.shape[0])  # (T, out)
-        elif self.panels is not None:
-            y = self.kernel.panel_matmul(x, self.panels, self.shape[0])  # (T, out)
+        if self.panels is not None:  # under torch.compile as one opaque operator
+            matmul = panels.traced_matmul if torch.compiler.is_compiling() else self.kernel.panel_matmul
+            y = matmul(x, self.panels, self.shape[0])  # (T, out)
         else:
             y = self.kernel.small_matmul(x, self.plain)  # (T, out)
         return y if self.bias is None else y + self.bias
