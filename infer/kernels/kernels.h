@@ -8,6 +8,11 @@
 
 namespace layerskip {
 
+// Cephes' expf, the attentions' ``exp``: x = n ln2 + r (ln2 in two parts), then a degree-6 polynomial in r times 2^n.
+constexpr float EXP_LOG2E = 1.44269504088896341f, EXP_LN2_HI = 0.693359375f, EXP_LN2_LO = -2.12194440e-4f;
+constexpr float EXP_P[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
+                            5.0000001201e-1f};
+
 // The instruction set this process uses ("avx512" or "avx2"), chosen once from cpuid.
 std::string path_name();
 // Whether bf16 runs here (AVX512_BF16).
@@ -33,6 +38,13 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
 // the AVX-512 path with AVX512_BF16.
 torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                           const c10::optional<torch::Tensor>& mask, double scale);
+// attend_rows's AVX-512 path (attention.cpp): q (Hq, T, D), k, v (Hkv, S, D) with the last dim contiguous, mask (T, S)
+// contiguous or null. Returns (T, Hq, D).
+torch::Tensor wide_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const bool* mask,
+                             double scale);
+// Whether bf16 attention sums its values over pairs of keys (vdpbf16ps, where this CPU adds a pair's products in key
+// order; attention.cpp's ``sequential_pairs``) rather than one key at a time.
+bool bf16_value_pairs();
 // attend_rows after writing k, v (Hkv, T, D) at slots [start, start + T) of layer ``layer`` of ck, cv (L, Hkv, C, D).
 torch::Tensor attend_cache(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                            const torch::Tensor& ck, const torch::Tensor& cv, int64_t layer, int64_t start,

@@ -327,6 +327,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("parallel_threads", &parallel_threads, "how many threads one of the kernel's parallel regions runs on now");
   m.def("attend_rows", &attend_rows, "softmax(q k^T scale) v one query row at a time (fp32; bf16 with AVX512_BF16)");
   m.def("attend_cache", &attend_cache, "attend_rows after writing k, v into one layer of the KV caches");
+  m.def("bf16_value_pairs", &bf16_value_pairs, "whether bf16 attention sums values over pairs of keys (vdpbf16ps)");
   m.def("rms_norm", &rms_norm, "w * x * rsqrt(mean(x^2) + eps) over the last dim (fp32, bf16; AVX-512 path)");
   py::class_<LayerStack>(m, "LayerStack", "a runner's decoder layers, run as one span per call (AVX-512 path)")
       .def(py::init<const py::list&, int64_t, int64_t, int64_t, double, double>(), py::arg("layers"),

@@ -16,10 +16,9 @@
 //           attention (the file is compiled with -mavx2 -mfma; AVX-512 code is in target regions).
 // Elsewhere the Python side uses torch (the portable path).
 //
-// On the AVX-512 path the module also has the RMSNorm of a row (``rms_norm``); on both paths decoding attention one
-// query row at a time (``attend_rows``: each row over its visible keys in ascending order, the same arithmetic
-// whatever T is; fp32 on AVX2, fp32 and bf16 on AVX-512, where the query heads sharing a KV head run up to 3 at a
-// time over each key and value load, each head's arithmetic unchanged).
+// On the AVX-512 path the module also has the RMSNorm of a row (``rms_norm``); on both paths decoding attention
+// (``attend_rows``: each query row as it computes alone over its visible keys, the same arithmetic whatever T is;
+// fp32 on AVX2, one row at a time, here; fp32 and bf16 on AVX-512, every query of a KV head together, attention.cpp).
 // The functions Python calls are declared in kernels.h (namespace layerskip) and bound in layer_span.cpp.
 #include "kernels.h"
 
@@ -44,10 +43,10 @@ inline __m256 reduce8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
 }
 
-// Cephes' expf, both paths' ``exp``: x = n ln2 + r (ln2 in two parts), then a degree-6 polynomial in r times 2^n.
-constexpr float EXP_LOG2E = 1.44269504088896341f, EXP_LN2_HI = 0.693359375f, EXP_LN2_LO = -2.12194440e-4f;
-constexpr float EXP_P[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
-                            5.0000001201e-1f};
+using layerskip::EXP_LN2_HI;
+using layerskip::EXP_LN2_LO;
+using layerskip::EXP_LOG2E;
+using layerskip::EXP_P;
 
 inline float hsum(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v);
@@ -165,191 +164,22 @@ void rms_norm_bf16(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat16
   }
 }
 
-// ---- attention of one query row over the cache (batch invariant: the row's arithmetic never depends on T)
-inline __mmask16 first(int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1); }
-inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16(const c10::BFloat16* p, __mmask16 m) { return widen(_mm256_maskz_loadu_epi16(m, p)); }
-inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-inline void store16(c10::BFloat16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, narrow(v)); }
+}  // namespace avx512
+#pragma GCC pop_options
 
-// Eight dot products at once, one per vector: lane i + lane i+8 of each (``fold``), then ``avx2::reduce8``'s tree:
-// the same for every vector, so a key's score does not depend on where in a block of 8 it falls.
-inline __m256 fold(__m512 a) { return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)); }
-inline __m256 reduce8(const __m512* a) {
-  __m256 f[8];
-  for (int j = 0; j < 8; ++j) f[j] = fold(a[j]);
-  return avx2::reduce8(f);
-}
-
-// exp(x), 16 lanes (``avx2::EXP_P``'s Cephes expf, 2^n by scalef); elementwise, so a score's exp does not depend on
-// its lane either.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(avx2::EXP_LOG2E)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 hi = _mm512_fnmadd_ps(n, _mm512_set1_ps(avx2::EXP_LN2_HI), x);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(avx2::EXP_LN2_LO), hi);
-  __m512 p = _mm512_set1_ps(avx2::EXP_P[0]);
-  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(avx2::EXP_P[i]));
-  return _mm512_scalef_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f))), n);
-}
+// ------------------------------------------------------------------------------------- AVX2 row attention
+// fp32 only, D % 8 == 0: one query row at a time over its visible keys, so CPUs without AVX-512 keep T-token
+// verification bitwise equal to one-token decoding in fp32. Its own arithmetic (scores by a reduction tree, two chains
+// of keys): equal to the AVX-512 path's (attention.cpp) to rounding, not bitwise; each path is batch invariant on its
+// own.
+namespace avx2 {
 
 struct Rows {  // strides in elements; the last dim of every tensor is contiguous
   int64_t S, D, kh, ks, vh, vs;  // keys; head dim; k head/row strides; v head/row strides
   float scale;
 };
 
-// The scores' max (16 lanes at a time: a max is exact in any order; a NaN score is passed over, as std::max(m,
-// score) would: vmaxps returns its second operand when either is NaN), each score's exp(score - max) in place, and
-// 1 / their sum (the n-th into sum n % 2, the two added at the end; no score: 0, so the output is zeros).
-inline float softmax_weights(float* score, int64_t n) {
-  __m512 mx = _mm512_set1_ps(-INFINITY);
-  for (int64_t i = 0; i < n; i += 16) mx = _mm512_max_ps(_mm512_mask_loadu_ps(mx, first(n - i), score + i), mx);
-  const float m = _mm512_reduce_max_ps(mx);
-  for (int64_t i = 0; i < n; i += 16)
-    store16(score + i, exp16(_mm512_sub_ps(load16(score + i, first(n - i)), _mm512_set1_ps(m))), first(n - i));
-  float even = 0.0f, odd = 0.0f;  // two chains in registers
-  int64_t i = 0;
-  for (; i + 1 < n; i += 2) even += score[i], odd += score[i + 1];
-  if (i < n) even += score[i];
-  return n > 0 ? 1.0f / (even + odd) : 0.0f;
-}
-
-// Chunks [c0, c0 + 4) of the QB heads' outputs: the weighted sum of the visible keys' values in order, the n-th
-// into sum n % 2 (the heads share each value load), times ``inv``.
-template <class E, int NC, int QB>
-inline void values(const E* v, const int64_t* seen, int64_t n, int64_t vs, const float* score, int64_t stride,
-                   const float* inv, int c0, const __mmask16* mk, E* const* out) {
-  constexpr int CB = NC < 4 ? NC : 4;
-  const int cn = std::min(CB, NC - c0);
-  __m512 acc[QB][CB], odd[QB][CB];
-  for (int b = 0; b < QB; ++b)
-    for (int c = 0; c < CB; ++c) acc[b][c] = odd[b][c] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 2) {
-    const E* row = v + seen[i] * vs + 16 * c0;
-    for (int c = 0; c < cn; ++c) {
-      const __m512 x = load16(row + 16 * c, mk[c0 + c]);
-      for (int b = 0; b < QB; ++b) acc[b][c] = _mm512_fmadd_ps(_mm512_set1_ps(score[b * stride + i]), x, acc[b][c]);
-    }
-    if (i + 1 == n) break;
-    const E* next = v + seen[i + 1] * vs + 16 * c0;
-    for (int c = 0; c < cn; ++c) {
-      const __m512 x = load16(next + 16 * c, mk[c0 + c]);
-      for (int b = 0; b < QB; ++b)
-        odd[b][c] = _mm512_fmadd_ps(_mm512_set1_ps(score[b * stride + i + 1]), x, odd[b][c]);
-    }
-  }
-  for (int b = 0; b < QB; ++b)
-    for (int c = 0; c < cn; ++c)
-      store16(out[b] + 16 * (c0 + c), _mm512_mul_ps(_mm512_add_ps(acc[b][c], odd[b][c]), _mm512_set1_ps(inv[b])),
-              mk[c0 + c]);
-}
-
-// bf16 scores of 8 keys for QB heads: 32 dims a vdpbf16ps (each lane adds a pair of products, exact in fp32, into its
-// accumulator), no widening; the last chunk masked (zeros add nothing).
-template <int NC, int QB>
-inline void pair_dots(const c10::BFloat16* const* q, const c10::BFloat16* const* key, int64_t D, __m512 (&acc)[QB][8]) {
-  for (int c = 0; c < (NC + 1) / 2; ++c) {
-    const int64_t left = D - 32 * c;
-    const __mmask32 m = left >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1u << left) - 1);
-    __m512i qc[QB];
-    for (int b = 0; b < QB; ++b) qc[b] = _mm512_maskz_loadu_epi16(m, q[b] + 32 * c);
-    for (int j = 0; j < 8; ++j) {
-      const __m512i kc = _mm512_maskz_loadu_epi16(m, key[j] + 32 * c);
-      for (int b = 0; b < QB; ++b)
-        acc[b][j] = _mm512_dpbf16_ps(acc[b][j], reinterpret_cast<__m512bh>(qc[b]), reinterpret_cast<__m512bh>(kc));
-    }
-  }
-}
-
-// QB query heads of one row (D = NC chunks of 16, the last masked), all reading one KV head with the same visible
-// keys (mask row ``vis``, null: all), listed in ascending order: every visible key's score for each head in blocks
-// of 8 (bf16: ``pair_dots``; ``reduce8``; the heads share each key load), their max, exp (``exp16``) and the weighted sum of the values
-// in that order, the n-th visible key into sum n % 2 (two dependency chains; the two added at the end). Every
-// head's arithmetic is what it computes alone (QB = 1), in the same order, and a masked key adds nothing, so a row
-// of a T-token call computes what the same row computes alone. ``score``: QB (S + 16) entries of scratch (head b's
-// at b (S + 16)), ``seen``: S + 16.
-template <class E, int NC, int QB>
-void attend_heads(const E* const* q, const E* k, const E* v, const bool* vis, const Rows& r, float* score,
-                  int64_t* seen, E* const* out) {
-  __mmask16 mk[NC];
-  for (int c = 0; c < NC; ++c) mk[c] = first(r.D - 16 * c);
-  const int64_t stride = r.S + 16;
-  int64_t n = 0;
-  for (int64_t s = 0; s < r.S; ++s) seen[n] = s, n += vis == nullptr || vis[s];
-  for (int64_t i = 0; i < n; i += 8) {
-    __m512 acc[QB][8];
-    const E* key[8];
-    for (int j = 0; j < 8; ++j) key[j] = k + seen[std::min(i + j, n - 1)] * r.ks;  // past the last key: the last again
-    for (int b = 0; b < QB; ++b)
-      for (int j = 0; j < 8; ++j) acc[b][j] = _mm512_setzero_ps();
-    if constexpr (sizeof(E) == 2) {
-      pair_dots<NC, QB>(q, key, r.D, acc);
-    } else {
-      for (int c = 0; c < NC; ++c) {
-        __m512 qc[QB];
-        for (int b = 0; b < QB; ++b) qc[b] = load16(q[b] + 16 * c, mk[c]);
-        for (int j = 0; j < 8; ++j) {
-          const __m512 kc = load16(key[j] + 16 * c, mk[c]);
-          for (int b = 0; b < QB; ++b) acc[b][j] = _mm512_fmadd_ps(qc[b], kc, acc[b][j]);
-        }
-      }
-    }
-    for (int b = 0; b < QB; ++b)
-      _mm256_storeu_ps(score + b * stride + i, _mm256_mul_ps(reduce8(acc[b]), _mm256_set1_ps(r.scale)));
-  }
-  float inv[QB];
-  for (int b = 0; b < QB; ++b) inv[b] = softmax_weights(score + b * stride, n);
-  for (int c0 = 0; c0 < NC; c0 += 4) values<E, NC, QB>(v, seen, n, r.vs, score, stride, inv, c0, mk, out);
-}
-
-// attend_heads with NC = ceil(D / 16) fixed at compile time (1..16: head dims up to 256) and QB (1..3) heads.
-template <class E, int NC = 1>
-void attend_any(int64_t nc, int qb, const E* const* q, const E* k, const E* v, const bool* vis, const Rows& r,
-                float* score, int64_t* seen, E* const* out) {
-  if constexpr (NC < 16) {
-    if (nc > NC) return attend_any<E, NC + 1>(nc, qb, q, k, v, vis, r, score, seen, out);
-  }
-  if (qb == 3) attend_heads<E, NC, 3>(q, k, v, vis, r, score, seen, out);
-  else if (qb == 2) attend_heads<E, NC, 2>(q, k, v, vis, r, score, seen, out);
-  else attend_heads<E, NC, 1>(q, k, v, vis, r, score, seen, out);
-}
-
-// The query heads reading one KV head (G of them) split into parts of up to 3, as even as they go: part p's first
-// head within the group and its count.
-inline int64_t parts(int64_t G) { return (G + 2) / 3; }
-inline int64_t part_start(int64_t G, int64_t p) { return p * G / parts(G); }
-
-// Items [i0, i1) of the (head part, row) pairs, Hkv parts(G) T of them, part-major; q (Hq, T, D) at strides qh, qt;
-// mask (T, S); out (T, Hq, D) contiguous. Query head h reads KV head h / G.
-template <class E>
-void attend_range(const E* q, int64_t qh, int64_t qt, const E* k, const E* v, const bool* mask, E* out,
-                  int64_t Hq, int64_t T, int64_t G, const Rows& r, int64_t i0, int64_t i1) {
-  std::vector<float> score(3 * (r.S + 16));
-  std::vector<int64_t> seen(r.S + 16);
-  const int64_t P = parts(G);
-  for (int64_t i = i0; i < i1; ++i) {
-    const int64_t g = i / T, t = i % T, j = g / P, p = g % P;
-    const int64_t h0 = j * G + part_start(G, p), qb = part_start(G, p + 1) - part_start(G, p);
-    const E* qs[3];
-    E* outs[3];
-    for (int64_t b = 0; b < qb; ++b) qs[b] = q + (h0 + b) * qh + t * qt, outs[b] = out + (t * Hq + h0 + b) * r.D;
-    attend_any<E>((r.D + 15) / 16, int(qb), qs, k + j * r.kh, v + j * r.vh, mask == nullptr ? nullptr : mask + t * r.S,
-                  r, score.data(), seen.data(), outs);
-  }
-}
-
-}  // namespace avx512
-#pragma GCC pop_options
-
-// ------------------------------------------------------------------------------------- AVX2 row attention
-// fp32 only, D % 8 == 0: the AVX-512 path's ``attend_heads`` one head at a time in 8 lanes, so CPUs without AVX-512
-// keep T-token verification bitwise equal to one-token decoding in fp32. Its own arithmetic (another lane count,
-// another reduction tree): equal to the AVX-512 path's to rounding, not bitwise; each path is batch invariant on its
-// own.
-namespace avx2 {
-
-// exp(x) for x <= 0, 8 lanes: the AVX-512 path's Cephes expf, times 2^n from the exponent bits (the clamp at -88
+// exp(x) for x <= 0, 8 lanes: Cephes' expf (layerskip::EXP_*), times 2^n from the exponent bits (the clamp at -88
 // keeps n + 127 >= 0). Elementwise: a score's exp does not depend on its lane.
 inline __m256 exp8(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-88.0f));
@@ -366,11 +196,10 @@ inline __m256 exp8(__m256 x) {
 
 constexpr int MAX_CHUNKS = 32;  // D <= 256
 
-// One query row against one KV head's keys, as ``avx512::attend_heads`` for one head: every visible key's score in
-// blocks of 8; their max, exp and the weighted sum of their values in ascending order, the n-th visible key into sum
+// One query row against one KV head's keys: every visible key's score in blocks of 8 (``reduce8``); their max, exp and the weighted sum of their values in ascending order, the n-th visible key into sum
 // n % 2.
 // ``score`` and ``seen``: S + 16 entries of scratch.
-inline void attend_row(const float* q, const float* k, const float* v, const bool* vis, const avx512::Rows& r,
+inline void attend_row(const float* q, const float* k, const float* v, const bool* vis, const Rows& r,
                        float* score, int64_t* seen, float* out) {
   const int64_t nc = r.D / 8;
   int64_t n = 0;
@@ -405,9 +234,10 @@ inline void attend_row(const float* q, const float* k, const float* v, const boo
   for (int64_t c = 0; c < nc; ++c) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(_mm256_add_ps(acc[c], odd[c]), inv));
 }
 
-// Items [i0, i1) of the (query head, row) pairs, as ``avx512::attend_range`` (fp32).
+// Items [i0, i1) of the (query head, row) pairs, row-minor: q (Hq, T, D) at strides qh, qt; mask (T, S); out (T, Hq,
+// D) contiguous. Query head h reads KV head h / G.
 void attend_range(const float* q, int64_t qh, int64_t qt, const float* k, const float* v, const bool* mask, float* out,
-                  int64_t Hq, int64_t T, int64_t G, const avx512::Rows& r, int64_t i0, int64_t i1) {
+                  int64_t Hq, int64_t T, int64_t G, const Rows& r, int64_t i0, int64_t i1) {
   std::vector<float> score(r.S + 16);
   std::vector<int64_t> seen(r.S + 16);
   for (int64_t i = i0; i < i1; ++i) {
@@ -498,9 +328,9 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
 }
 
 // q (Hq, T, D) over k, v (Hkv, S, D) (any strides, the last dim contiguous), ``mask`` (T, S) bool or None (all
-// visible): softmax(q k^T scale) v per query row, each row alone (``avx512::attend_heads``), fp32 or bf16 (fp32
-// arithmetic, the output rounded once). Returns (Hq, T, D) as a view of a (T, Hq, D) tensor. On the AVX2 path fp32
-// only, D % 8 == 0 (``avx2::attend_row``).
+// visible): softmax(q k^T scale) v per query row, each row as it computes alone; fp32 or bf16 (fp32 arithmetic, the
+// output rounded once) on the AVX-512 path (attention.cpp: every query of a KV head over each key load), fp32 with
+// D % 8 == 0 on the AVX2 path (``avx2::attend_row``). Returns (Hq, T, D) as a view of a (T, Hq, D) tensor.
 torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                           const c10::optional<torch::Tensor>& mask, double scale) {
   const bool bf16 = q.dtype() == torch::kBFloat16, wide = isa().avx512;
@@ -520,23 +350,14 @@ torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& k, const 
     mc = mask->contiguous();
     TORCH_CHECK(mc.dtype() == torch::kBool && mc.dim() == 2 && mc.size(0) == T && mc.size(1) == S, "mask (T, S) bool");
   }
-  const avx512::Rows r{S, D, kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), static_cast<float>(scale)};
-  auto out = torch::empty({T, Hq, D}, q.options());
   const bool* mp = mc.defined() ? mc.data_ptr<bool>() : nullptr;
-  const int64_t G = Hq / k.size(0), items = wide ? k.size(0) * avx512::parts(G) * T : Hq * T;
-  at::parallel_for(0, items, wide ? 1 : 4, [&](int64_t i0, int64_t i1) {
-    if (!wide) {
-      avx2::attend_range(qc.data_ptr<float>(), qc.stride(0), qc.stride(1), kc.data_ptr<float>(), vc.data_ptr<float>(),
-                         mp, out.data_ptr<float>(), Hq, T, G, r, i0, i1);
-    } else if (bf16) {
-      using B = c10::BFloat16;
-      avx512::attend_range<B>(reinterpret_cast<const B*>(qc.data_ptr()), qc.stride(0), qc.stride(1),
-                              reinterpret_cast<const B*>(kc.data_ptr()), reinterpret_cast<const B*>(vc.data_ptr()), mp,
-                              reinterpret_cast<B*>(out.data_ptr()), Hq, T, G, r, i0, i1);
-    } else {
-      avx512::attend_range<float>(qc.data_ptr<float>(), qc.stride(0), qc.stride(1), kc.data_ptr<float>(),
-                                  vc.data_ptr<float>(), mp, out.data_ptr<float>(), Hq, T, G, r, i0, i1);
-    }
+  if (wide) return wide_attention(qc, kc, vc, mp, scale).transpose(0, 1);
+  const avx2::Rows r{S, D, kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), static_cast<float>(scale)};
+  auto out = torch::empty({T, Hq, D}, q.options());
+  const int64_t G = Hq / k.size(0);
+  at::parallel_for(0, Hq * T, 4, [&](int64_t i0, int64_t i1) {
+    avx2::attend_range(qc.data_ptr<float>(), qc.stride(0), qc.stride(1), kc.data_ptr<float>(), vc.data_ptr<float>(),
+                       mp, out.data_ptr<float>(), Hq, T, G, r, i0, i1);
   });
   return out.transpose(0, 1);
 }
