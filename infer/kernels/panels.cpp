@@ -16,7 +16,9 @@
 // Tokens go through a group in passes of up to 8 (3 x 8 accumulators + 3 weight vectors in the 32 registers), the
 // tokens split evenly over the passes; with more than one pass each pass also prefetches an equal share of the group
 // AHEAD groups on into L2, so the weight stream runs on while the later passes compute on a group already in cache.
-// Measured on Zen 4 (docs/KERNELS.md, "Kept: weights packed in panels").
+// One pass of SOLO_FROM or more tokens (as long on the arithmetic units as the group takes to arrive) prefetches the
+// next group likewise; fewer tokens leave the stream to the hardware prefetcher, which follows it best alone.
+// Measured on Zen 4 (docs/KERNELS.md, "Kept: weights packed in panels", and "Kept: attention over every query").
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -36,6 +38,8 @@ constexpr int64_t PANELS = 3;  // 16-row panels per group
 constexpr int64_t GROUP = 16 * PANELS;  // weight rows per group (layerskip::PANEL_ROWS)
 constexpr int PASS_MAX = 8;  // tokens per pass
 constexpr int64_t AHEAD = 2;  // groups on that a multi-pass group prefetches
+constexpr int64_t SOLO_FROM = 7;  // tokens from which a single pass prefetches too
+constexpr int64_t SOLO_AHEAD = 1;  // groups on that it prefetches
 constexpr int64_t GRAIN = 4;  // groups per parallel chunk (at::parallel_for's grain)
 static_assert(GROUP == layerskip::PANEL_ROWS, "the Python packer's group size");
 
@@ -117,12 +121,14 @@ void groups(const typename E::T* x, const typename E::T* w, typename E::T* y, in
   const int64_t size = K * GROUP;  // elements of a group
   const int64_t passes = (T + PASS_MAX - 1) / PASS_MAX;
   const int64_t steps = K / E::STEP, lines = size * int64_t(sizeof(Elem)) / 64;
-  const int64_t per = passes > 1 ? (lines + passes * steps - 1) / (passes * steps) : 0;  // prefetches a step
+  const bool fetch = passes > 1 || T >= SOLO_FROM;
+  const int64_t per = fetch ? (lines + passes * steps - 1) / (passes * steps) : 0;  // prefetches a step
+  const int64_t ahead = passes > 1 ? AHEAD : SOLO_AHEAD;
   const char* end = reinterpret_cast<const char*>(w + G * size);
   float out[PASS_MAX * GROUP];
   for (int64_t g = g0; g < g1; ++g) {
     const Elem* wg = w + g * size;
-    const char* next = reinterpret_cast<const char*>(wg + AHEAD * size);
+    const char* next = reinterpret_cast<const char*>(wg + ahead * size);
     const int64_t rows = std::min(GROUP, N - g * GROUP);
     for (int64_t t = 0, p = 0; t < T; ++p) {
       const int64_t left = T - t, tb = (left + (passes - p) - 1) / (passes - p);
