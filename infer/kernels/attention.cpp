@@ -205,6 +205,23 @@ inline void weights(float* score, int64_t nb) {
   }
 }
 
+// QN queries' accumulators (4 vectors each) and weight sums, all zero.
+template <int QN>
+__attribute__((always_inline)) inline void clear(__m512 (&acc)[QN][4], __m512 (&sum)[QN]) {
+#pragma GCC unroll 8
+  for (int q = 0; q < QN; ++q) {
+    sum[q] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) acc[q][c] = _mm512_setzero_ps();
+  }
+}
+
+// 1 / a weight sum that every lane holds; 0 where the sum is 0 (no visible key: the output is zeros).
+inline __m512 inverse(__m512 sum) {
+  const __mmask16 some = _mm512_cmp_ps_mask(sum, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+  return _mm512_maskz_div_ps(some, _mm512_set1_ps(1.0f), sum);
+}
+
 // Dims [16 c0, 16 c0 + 64) of QN queries' outputs: the weights' sum and the weighted sum of the values, each one
 // chain over keys [0, S) in order, the values' sums times 1 / the weights' sum (none: 0). p: QN weight rows.
 template <class E, int QN>
@@ -212,12 +229,7 @@ void value_tile(const E* v, const Shape& s, const float* const* p, int64_t c0, E
   __mmask16 mk[4];
   for (int c = 0; c < 4; ++c) mk[c] = first(s.D - LANES * (c0 + c));
   __m512 acc[QN][4], sum[QN];
-#pragma GCC unroll 8
-  for (int q = 0; q < QN; ++q) {
-    sum[q] = _mm512_setzero_ps();
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) acc[q][c] = _mm512_setzero_ps();
-  }
+  clear<QN>(acc, sum);
   const float* pq[QN];
   for (int q = 0; q < QN; ++q) pq[q] = p[q];
   const int64_t S = s.S, vs = s.vs;
@@ -235,9 +247,8 @@ void value_tile(const E* v, const Shape& s, const float* const* p, int64_t c0, E
     }
   }
 #pragma GCC unroll 8
-  for (int q = 0; q < QN; ++q) {  // 1 / sum, 0 where the sum is 0 (no visible key); every lane holds the sum
-    const __mmask16 some = _mm512_cmp_ps_mask(sum[q], _mm512_setzero_ps(), _CMP_NEQ_UQ);
-    const __m512 inv = _mm512_maskz_div_ps(some, _mm512_set1_ps(1.0f), sum[q]);
+  for (int q = 0; q < QN; ++q) {
+    const __m512 inv = inverse(sum[q]);
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) store16(out[q] + LANES * (c0 + c), _mm512_mul_ps(acc[q][c], inv), mk[c]);
   }
@@ -263,12 +274,7 @@ void pair_tile(const BF16* v, const Shape& s, const int32_t* const* pairs, int64
   __mmask32 mk[2];
   for (int c = 0; c < 2; ++c) mk[c] = first32(s.D - 32 * (c0 + c));
   __m512 acc[QN][4], sum[QN];  // acc: chunk c0's low, high, chunk c0 + 1's low, high
-#pragma GCC unroll 8
-  for (int q = 0; q < QN; ++q) {
-    sum[q] = _mm512_setzero_ps();
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) acc[q][c] = _mm512_setzero_ps();
-  }
+  clear<QN>(acc, sum);
   const int32_t* pq[QN];
   for (int q = 0; q < QN; ++q) pq[q] = pairs[q];
   const __m512bh ones = reinterpret_cast<__m512bh>(_mm512_set1_epi32(0x3F803F80));  // (1.0, 1.0)
@@ -296,8 +302,7 @@ void pair_tile(const BF16* v, const Shape& s, const int32_t* const* pairs, int64
   const __m512i back = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
 #pragma GCC unroll 8
   for (int q = 0; q < QN; ++q) {
-    const __mmask16 some = _mm512_cmp_ps_mask(sum[q], _mm512_setzero_ps(), _CMP_NEQ_UQ);
-    const __m512 inv = _mm512_maskz_div_ps(some, _mm512_set1_ps(1.0f), sum[q]);
+    const __m512 inv = inverse(sum[q]);
 #pragma GCC unroll 2
     for (int c = 0; c < 2; ++c) {
       const __m512 lo = _mm512_mul_ps(acc[q][2 * c], inv), hi = _mm512_mul_ps(acc[q][2 * c + 1], inv);
