@@ -77,7 +77,8 @@ inline void transpose16(__m512i (&r)[16]) {
   }
   for (int c = 0; c < 4; ++c) {
     const __m512i a = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), b = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
-    const __m512i e = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44), f = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    const __m512i e = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512i f = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
     r[c] = _mm512_shuffle_i32x4(a, e, 0x88);
     r[4 + c] = _mm512_shuffle_i32x4(a, e, 0xDD);
     r[8 + c] = _mm512_shuffle_i32x4(b, f, 0x88);
@@ -110,7 +111,7 @@ inline bool sequential_pairs() {
   return found;
 }
 
-// One KV head's sizes and strides (elements; the last dim contiguous) and the call's query layout.
+// The call's sizes and strides (elements; the last dim contiguous).
 struct Shape {
   int64_t Hq, T, G, S, D, Dw;  // query heads, rows, heads per KV head, keys, head dim, dwords per row (bf16: D / 2 up)
   int64_t qh, qt, kh, ks, vh, vs;  // q (Hq, T, D), k and v (Hkv, S, D) strides
@@ -199,9 +200,8 @@ inline void weights(float* score, int64_t nb) {
   const float m = _mm512_reduce_max_ps(mx);
   for (int64_t b = 0; b < nb; ++b) {
     const __m512 x = _mm512_loadu_ps(score + b * LANES);
-    const __mmask16 seen = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);
-    _mm512_storeu_ps(score + b * LANES,
-                     m == -INFINITY ? _mm512_setzero_ps() : _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(x, _mm512_set1_ps(m)))));
+    const __mmask16 seen = m == -INFINITY ? 0 : _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ);
+    _mm512_storeu_ps(score + b * LANES, _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(x, _mm512_set1_ps(m)))));
   }
 }
 
@@ -338,7 +338,8 @@ template <class E>
 void fetch(const E* rows, int64_t stride, const Shape& s) {
   const int64_t bytes = s.D * int64_t(sizeof(E));
   for (int64_t r = 0; r < s.S; ++r)
-    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(rows + r * stride) + b, _MM_HINT_T0);
+    for (int64_t b = 0; b < bytes; b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(rows + r * stride) + b, _MM_HINT_T0);
 }
 
 // Queries [u0, u1) of KV head j (query u: row u / G, head j G + u % G): pack the head's keys, then tiles of

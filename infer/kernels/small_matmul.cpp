@@ -196,9 +196,9 @@ inline __m256 exp8(__m256 x) {
 
 constexpr int MAX_CHUNKS = 32;  // D <= 256
 
-// One query row against one KV head's keys: every visible key's score in blocks of 8 (``reduce8``); their max, exp and the weighted sum of their values in ascending order, the n-th visible key into sum
-// n % 2.
-// ``score`` and ``seen``: S + 16 entries of scratch.
+// One query row against one KV head's keys: every visible key's score in blocks of 8 (``reduce8``); their max, exp
+// and the weighted sum of their values in ascending order, the n-th visible key into sum n % 2. ``score`` and
+// ``seen``: S + 16 entries of scratch.
 inline void attend_row(const float* q, const float* k, const float* v, const bool* vis, const Rows& r,
                        float* score, int64_t* seen, float* out) {
   const int64_t nc = r.D / 8;
