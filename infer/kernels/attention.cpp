@@ -44,10 +44,10 @@ constexpr int QUERY_TILE = 4;  // queries per register tile (scores: x 2 blocks;
 constexpr int64_t MAX_QUERIES = 48;  // queries per work item: 16 rows of a group of 3 heads in one item
 constexpr int64_t FETCH_BYTES = 256 << 10;  // a KV head's keys and values up to this size are prefetched first
 
-inline __mmask16 first(int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : n <= 0 ? 0 : (1u << n) - 1); }
-inline __mmask32 first32(int64_t n) { return n >= 32 ? ~__mmask32(0) : n <= 0 ? 0 : (__mmask32(1) << n) - 1; }
+using layerskip::simd::first;
+using layerskip::simd::first32;
+using layerskip::simd::widen;
 
-inline __m512 widen(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16(const BF16* p, __mmask16 m) { return widen(_mm256_maskz_loadu_epi16(m, p)); }
 inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
@@ -115,6 +115,7 @@ inline bool sequential_pairs() {
 // The call's sizes and strides (elements; the last dim contiguous).
 struct Shape {
   int64_t Hq, T, G, S, D, Dw;  // query heads, rows, heads per KV head, keys, head dim, dwords per row (bf16: D / 2 up)
+  int64_t Dp;  // Dw rounded up to 16: a packed key block's dword columns
   int64_t qh, qt, kh, ks, vh, vs;  // q (Hq, T, D), k and v (Hkv, S, D) strides
   float scale;
 };
@@ -123,7 +124,7 @@ struct Shape {
 // (zeros past S and past Dw). kt: nb Dp 16 dwords, nb = ceil(S / 16), Dp = Dw rounded up to 16.
 template <class E>
 void pack_keys(const E* k, const Shape& s, int32_t* kt) {
-  const int64_t nb = (s.S + LANES - 1) / LANES, Dp = (s.Dw + LANES - 1) / LANES * LANES, D = s.D, ks = s.ks;
+  const int64_t nb = (s.S + LANES - 1) / LANES, Dp = s.Dp, D = s.D, ks = s.ks;
   const int64_t width = sizeof(E) == 2 ? D : s.Dw;
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t keys = s.S - b * LANES;
@@ -163,7 +164,7 @@ void score_tile(const int32_t* qs, const int32_t* kt, const bool* const* vis, co
   __m512 acc[QN][KB];
   for (int q = 0; q < QN; ++q)
     for (int j = 0; j < KB; ++j) acc[q][j] = _mm512_setzero_ps();
-  const int64_t Dw = s.Dw, Dp = (Dw + LANES - 1) / LANES * LANES;
+  const int64_t Dw = s.Dw, Dp = s.Dp;
   for (int64_t w = 0; w < Dw; ++w) {
     __m512i keys[KB];
 #pragma GCC unroll 2
@@ -355,7 +356,8 @@ void attend_item(const E* q, const E* k, const E* v, const bool* mask, E* out, c
   thread_local std::vector<float> score;
   const bool paired = sizeof(E) == 2 && sequential_pairs();
   pairs.resize(paired ? QUERY_TILE * stride / 2 : 0);
-  kt.resize(nb * ((s.Dw + LANES - 1) / LANES) * LANES * LANES);
+  int32_t* pp = paired ? pairs.data() : nullptr;
+  kt.resize(nb * s.Dp * LANES);
   qs.assign(QUERY_TILE * s.Dw, 0);
   score.resize(QUERY_TILE * stride);
   if (2 * s.S * s.D * int64_t(sizeof(E)) <= FETCH_BYTES) {
@@ -374,7 +376,6 @@ void attend_item(const E* q, const E* k, const E* v, const bool* mask, E* out, c
       outs[i] = out + (t * s.Hq + h) * s.D;
     }
     const E* vj = v + j * s.vh;
-    int32_t* pp = paired ? pairs.data() : nullptr;
     if (n == 4) tile<E, 4>(vj, s, qs.data(), kt.data(), vis, score.data(), stride, pp, outs);
     else if (n == 3) tile<E, 3>(vj, s, qs.data(), kt.data(), vis, score.data(), stride, pp, outs);
     else if (n == 2) tile<E, 2>(vj, s, qs.data(), kt.data(), vis, score.data(), stride, pp, outs);
@@ -411,8 +412,10 @@ torch::Tensor wide_attention(const torch::Tensor& q, const torch::Tensor& k, con
                              const bool* mask, double scale) {
   const bool bf16 = q.scalar_type() == torch::kBFloat16;
   const int64_t Hq = q.size(0), T = q.size(1), D = q.size(2), Hkv = k.size(0);
-  const wide::Shape s{Hq, T, Hq / Hkv, k.size(1), D, bf16 ? (D + 1) / 2 : D, q.stride(0), q.stride(1),
-                      k.stride(0), k.stride(1), v.stride(0), v.stride(1), static_cast<float>(scale)};
+  const int64_t Dw = bf16 ? (D + 1) / 2 : D;
+  const wide::Shape s{Hq, T, Hq / Hkv, k.size(1), D, Dw, (Dw + wide::LANES - 1) / wide::LANES * wide::LANES,
+                      q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                      static_cast<float>(scale)};
   auto out = torch::empty({T, Hq, D}, q.options());  // (T, Hq, D)
   if (bf16) {
     attend_all(reinterpret_cast<const BF16*>(q.data_ptr()), reinterpret_cast<const BF16*>(k.data_ptr()),

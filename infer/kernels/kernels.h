@@ -1,8 +1,10 @@
-// The kernel module's functions (small_matmul.cpp, panels.cpp), for the fused layer span (layer_span.cpp) and the Python
-// bindings (also in layer_span.cpp). One extension is built from both sources (infer/kernels/__init__.py).
+// The kernel module's functions (small_matmul.cpp, panels.cpp, attention.cpp), for the fused layer span
+// (layer_span.cpp) and the Python bindings (also in layer_span.cpp). One extension is built from all of them
+// (infer/kernels/__init__.py).
 #pragma once
 
 #include <torch/extension.h>
+#include <immintrin.h>
 
 #include <string>
 
@@ -51,3 +53,17 @@ torch::Tensor attend_cache(const torch::Tensor& q, const torch::Tensor& k, const
                            const c10::optional<torch::Tensor>& mask, double scale);
 
 }  // namespace layerskip
+
+// The AVX-512 files' shared lane helpers (each file calls them from its own target region).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+namespace layerskip::simd {
+
+// The first n of 16 (fp32) or 32 (bf16) lanes: a load or store mask for a row's tail.
+inline __mmask16 first(int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : n <= 0 ? 0 : (1u << n) - 1); }
+inline __mmask32 first32(int64_t n) { return n >= 32 ? ~__mmask32(0) : n <= 0 ? 0 : (__mmask32(1) << n) - 1; }
+// 16 bf16 values (their bits) widened to fp32, exactly.
+inline __m512 widen(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
+
+}  // namespace layerskip::simd
+#pragma GCC pop_options

@@ -37,8 +37,8 @@ using BF16 = c10::BFloat16;
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
 namespace vec {
 
-inline __mmask16 first(int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1); }
-inline __m512 widen(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
+using layerskip::simd::first;
+using layerskip::simd::widen;
 
 // fp32 -> bf16 as ATen's vectorised ops round (cvtfp32_bf16): nearest even by integer arithmetic, NaN -> 0xffff.
 // (Not vcvtneps2bf16: that one flushes denormal inputs to zero, which torch does not.)

@@ -141,7 +141,7 @@ void rms_norm_f32(const float* x, const float* w, float* y, int64_t rows, int64_
 
 // bf16 rows as HF's LlamaRMSNorm computes them: normalise in fp32, round to bf16, times the bf16 weight (the
 // product rounded to bf16 again, as torch multiplies two bf16 tensors).
-inline __m512 widen(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
+using layerskip::simd::widen;
 
 inline __m512 load_bf16(const c10::BFloat16* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
