@@ -50,13 +50,34 @@ def checkpoints_dir(output_dir: str | Path) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
+def step_in_name(name: str) -> int | None:
+    """The step a checkpoint folder's name says (``step-`` and ASCII digits, e.g. ``step-000300``), or None for
+    any other name (``step-000300.bak``, a copy; ``step-²``, which ``str.isdigit`` accepts and ``int`` refuses).
+    The one reader of checkpoint names."""
+    named = name[len(PREFIX):] if name.startswith(PREFIX) else ""
+    return int(named) if named.isascii() and named.isdigit() else None
+
+
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
+    """Complete checkpoints (a checkpoint's name, a state file), oldest first; anything else in ``checkpoints/``
+    (a copy such as ``step-000300.bak``) is not one (:func:`note_skipped` says so)."""
     root = checkpoints_dir(output_dir)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.name.startswith(PREFIX) and (p / STATE_FILE).is_file()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+    found = [p for p in root.iterdir() if step_in_name(p.name) is not None and (p / STATE_FILE).is_file()]
+    return sorted(found, key=lambda p: step_in_name(p.name))
+
+
+def note_skipped(output_dir: str | Path) -> list[str]:
+    """Say once, on stderr, which entries of ``checkpoints/`` are not checkpoints by name and are skipped (a copied
+    ``step-000300.bak``, another file); a run's own temporaries (``.tmp-*``) are not named. Returns the names."""
+    root = checkpoints_dir(output_dir)
+    skipped = sorted(p.name for p in root.iterdir() if step_in_name(p.name) is None
+                     and not p.name.startswith(".tmp-")) if root.is_dir() else []
+    if skipped:
+        print(f"layerskip: note: skipped what in {root} is not a checkpoint by name ({PREFIX}<step>): "
+              f"{', '.join(skipped)}", file=sys.stderr)
+    return skipped
 
 
 def find_resume(cfg: TrainConfig) -> Path | None:
@@ -173,6 +194,8 @@ def prepare_run_folder(cfg: TrainConfig, overwrite: bool = False) -> Path | None
                         f"(checkpoint.resume={mode})")
     ensure_writable_dir(out, "checkpoint.output_dir", "choose a writable checkpoint.output_dir")
     present = run_files(out)
+    if not overwrite:
+        note_skipped(out)
     if overwrite:
         check_overwrite(cfg)
     if mode == "never":
@@ -204,8 +227,8 @@ def _step_of(ckpt: Path) -> int:
     try:
         return int(read_state(ckpt)["step"])
     except UserError:
-        named = ckpt.name[len(PREFIX):]
-        return int(named) if named.isascii() and named.isdigit() else -1  # not '²', which int() refuses
+        named = step_in_name(ckpt.name)
+        return -1 if named is None else named
 
 
 def read_state(path: Path) -> dict:
@@ -216,8 +239,8 @@ def read_state(path: Path) -> dict:
     with jsonfile.checked(file, "checkpoint state file", "resume from another checkpoint"):
         step = jsonfile.integer(state["step"], "step", 0)
         jsonfile.integer(state.get("tokens", 0), "tokens", 0)
-        named = Path(path).name.removeprefix(PREFIX)
-        if Path(path).name.startswith(PREFIX) and named.isascii() and named.isdigit() and int(named) != step:
+        named = step_in_name(Path(path).name)
+        if named is not None and named != step:
             raise ValueError(f"it says step {step}, but its folder is {Path(path).name} (a checkpoint's state "
                              "describes the step it was saved at)")
     return state

@@ -16,7 +16,7 @@ from pathlib import Path
 from layerskip_core import inputs
 from layerskip_core.errors import UserError
 from layerskip_core.packages import normal_permissions
-from train.checkpoint import STATE_FILE, list_checkpoints, read_state
+from train.checkpoint import STATE_FILE, list_checkpoints, note_skipped, read_state
 from train.recipe import dump_config, load_config
 
 WEIGHTS = "model.safetensors"
@@ -34,6 +34,7 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
         read_state(path)  # a damaged or inconsistent state file is one line
         return path
     found = list_checkpoints(path)
+    note_skipped(path)
     if found:
         return found[-1]
     raise UserError(f"{path} is neither a checkpoint (checkpoints/step-N with {STATE_FILE}) nor a run folder that "

@@ -263,3 +263,27 @@ def test_training_with_a_bad_run_lock_is_one_line_and_writes_nothing(recipe, tmp
     assert code == 2 and f"lock file {lock} cannot be used" in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert sorted(p.name for p in out.iterdir()) == [RUN_LOCK] and target.read_text() == "keep me\n"
+
+
+def test_a_copied_checkpoint_folder_is_skipped_with_one_note(recipe, tmp_path, capsys):
+    """Issue 67 item 14: ``cp -r step-000002 step-000002.bak`` broke --resume, a rerun's refusal and `layerskip
+    export` with ``ValueError: invalid literal for int()``; a folder not named like a checkpoint is skipped, and
+    each command says so once."""
+    import shutil
+
+    from train.checkpoint_export import find_checkpoint
+
+    out = tmp_path / "run"
+    assert _main(capsys, "--config", str(recipe))[0] == 0
+    root = out / "checkpoints"
+    shutil.copytree(root / "step-000002", root / "step-000002.bak")
+    (root / "notes").mkdir()
+    assert [p.name for p in list_checkpoints(out)] == ["step-000001", "step-000002"]
+    assert find_checkpoint(out).name == "step-000002"
+    assert capsys.readouterr().err.count("checkpoint by name (step-<step>): notes, step-000002.bak") == 1
+    code, err = _main(capsys, "--config", str(recipe))  # a rerun is refused, naming the checkpoint to resume
+    assert code == 2 and "from step-000002)" in err and err.count("not a checkpoint by name") == 1
+    code, err = _main(capsys, "--config", str(recipe), "--resume", "optim.max_steps=3")
+    assert code == 0, err
+    assert err.count("step-000002.bak") == 1 and _steps(out) == [1, 2, 3]
+    assert (root / "step-000002.bak").is_dir()  # never pruned: not this run's checkpoint
