@@ -39,7 +39,6 @@ With ``skip_ratio`` the plan skips exactly round(ratio·2L) sublayers: the sampl
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -55,6 +54,7 @@ from infer.drafters.gp_ucb import GPUCB, GPUCBConfig
 from infer.model.plan import CostModel, LayerPlan, PlanFile, PlanSpace, head_record, weights_cost
 from infer.model.runner import Runner
 from infer.selfsd.search_objectives import Calibration, ModelObjective, SpeedObjective, calibration_set, measure_cost
+from infer.selfsd.study import holding_search, open_study
 from layerskip_core.draft_vocab import DraftVocab, check_draft_vocab_option, resolve_draft_vocab_option
 from layerskip_core.errors import UserError
 from layerskip_core.options import check_fields
@@ -207,70 +207,6 @@ def _sampler(name: str, seed: int, startup: int, deterministic: bool):
     return optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup, multivariate=True)
 
 
-def open_study(storage_path: Path | None, settings: dict, fresh: bool = False):
-    """Create or resume the study stored in a journal file (None: in memory)."""
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    storage = None
-    if storage_path is not None:
-        from optuna.storages import JournalStorage
-        from optuna.storages.journal import JournalFileBackend
-
-        storage_path.parent.mkdir(parents=True, exist_ok=True)
-        if fresh and storage_path.exists():
-            storage_path.unlink()
-        _remove_stale_lock(storage_path)
-        _check_journal(storage_path)
-    try:
-        if storage_path is not None:
-            storage = JournalStorage(JournalFileBackend(str(storage_path)))
-        study = optuna.create_study(storage=storage, study_name="self_sd", direction="maximize", load_if_exists=True)
-    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:  # JSONDecodeError is a ValueError
-        raise UserError(f"the study journal {storage_path} is damaged ({type(e).__name__}); pass --force to "
-                        "start the search over") from None
-    stored = study.user_attrs.get("settings")
-    if stored is None:
-        study.set_user_attr("settings", settings)
-    elif stored != settings:
-        diff = ", ".join(f"{k}: {stored.get(k)!r} -> {settings.get(k)!r}" for k in sorted(set(stored) | set(settings))
-                         if stored.get(k) != settings.get(k))
-        raise UserError(f"the study in {storage_path} was run with other settings ({diff}); pass --force to "
-                        "start over or choose another --out")
-    return study
-
-
-def _check_journal(journal: Path) -> None:
-    """Refuse a journal cut short (no final newline) or holding a line that is not JSON, before optuna reads it."""
-    try:
-        data = journal.read_bytes() if journal.exists() else b""
-        ok = not data or data.endswith(b"\n")
-        for line in data.splitlines() if ok else ():
-            if line.strip():
-                json.loads(line)
-    except (OSError, ValueError):
-        ok = False
-    if not ok:
-        raise UserError(f"the study journal {journal} is damaged (cut short or not a journal); pass --force to "
-                        "start the search over")
-
-
-def _remove_stale_lock(journal: Path, stale_after: float = 2.0) -> None:
-    """Remove the journal's lock left by a killed search (optuna would wait 30 s for it).
-
-    The lock is held only while one log line is written (milliseconds), so one older than a couple
-    of seconds belongs to a process that is gone.
-    """
-    lock = journal.with_name(journal.name + ".lock")
-    try:
-        age = time.time() - lock.lstat().st_mtime
-    except OSError:
-        return
-    if age > stale_after:
-        with contextlib.suppress(OSError):
-            lock.unlink()
-
-
 def run_search(evaluate: Evaluate, space: PlanSpace, cfg: SearchConfig, study, on_best=None,
                progress: bool = True, deterministic: bool = True) -> SearchResult:
     """Evaluate plans until the study holds ``cfg.trials`` distinct ones (or the timeout); return the best.
@@ -371,11 +307,6 @@ def _result(study, wall: float, history: list[float]) -> SearchResult:
 
 
 # --------------------------------------------------------------------------- glue for the CLI
-def study_path_for(out: Path) -> Path:
-    """The optuna journal beside the plan: plans/x.json -> plans/x.study.log."""
-    return out.with_name(out.stem + ".study.log")
-
-
 def build_objective(runner: Runner, prompts: list[list[int]], cfg: SearchConfig,
                     vocab: DraftVocab | None = None, study=None, progress: bool = False) -> tuple[Evaluate, dict]:
     """The objective function, scoring with the draft head of ``vocab`` (None: the full head), and what it measured
@@ -402,11 +333,16 @@ def build_objective(runner: Runner, prompts: list[list[int]], cfg: SearchConfig,
 
 def search_plan(runner: Runner, prompts: list[list[int]], cfg: SearchConfig, out: Path, task: str = "",
                 study_path: Path | None = None, fresh: bool = False, progress: bool = True,
-                extra: dict | None = None) -> tuple[SearchResult, PlanFile]:
+                extra: dict | None = None, lock: bool = True) -> tuple[SearchResult, PlanFile]:
     """Search, saving the best plan to ``out`` (atomically) whenever it improves; returns the final result.
 
     ``cfg.draft_vocab`` is resolved here, once, against the runner's weights (the CLI resolves it with the
-    tokenizer first and passes the ``DraftVocab``); its head is the one the plan file records."""
+    tokenizer first and passes the ``DraftVocab``); its head is the one the plan file records. The search holds
+    :func:`holding_search`'s locks on ``out`` and the study while it runs (``lock=False``: the caller holds them
+    already, as the CLI does from before the model loads)."""
+    if lock:
+        with holding_search(out, None if cfg.paper else study_path):
+            return search_plan(runner, prompts, cfg, out, task, study_path, fresh, progress, extra, lock=False)
     t_start = time.perf_counter()
     vocab = resolve_draft_vocab_option(cfg.draft_vocab, runner)
     head = None if vocab is None else runner.draft_head(vocab.ids)

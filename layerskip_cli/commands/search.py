@@ -86,8 +86,8 @@ def _check_resume(args: argparse.Namespace, study: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # torch, transformers and optuna load only once the arguments are known to be good
-    from infer.loading import load_resolved  # lazy: transformers, when the command runs
-    from infer.selfsd.search import SearchConfig, search_plan, study_path_for  # lazy: torch and optuna, when it runs
+    from infer.selfsd.search import SearchConfig  # lazy: torch and optuna, once the flags are good
+    from infer.selfsd.study import holding_search, study_path_for
 
     # Everything that can be checked without the model is checked first.
     cfg = SearchConfig(objective=args.objective, trials=args.trials, skip_ratio=args.skip_ratio, seed=args.seed,
@@ -104,6 +104,15 @@ def run(args: argparse.Namespace) -> int:
     check_distinct(("--out", args.out), ("--study", args.study))
     if args.study is not None:  # an existing study is continued (--resume) or started over (--force)
         check_output_file(args.study, "--study", force=True, inputs=(("--data", args.data),))
+    with holding_search(args.out, None if cfg.paper else study):  # a second search into them meanwhile: refused
+        return _search(args, cfg, study)
+
+
+def _search(args: argparse.Namespace, cfg, study: Path) -> int:
+    """The search, its outputs' locks held: the calibration prompts, the model, the trials, the summary."""
+    from infer.loading import load_resolved  # lazy: transformers, when the command runs
+    from infer.selfsd.search import search_plan  # lazy: torch and optuna, when it runs
+
     items = load_prompts(args.data, cfg.n_prompts)
     if len(items) < cfg.n_prompts:
         print(f"layerskip: note: {args.data} has only {len(items)} prompts", file=sys.stderr)
@@ -130,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"layerskip: calibrating on {len(prompts)} prompts (the full model's outputs and the cost of a draft), "
               "then the trials", file=sys.stderr, flush=True)
     result, plan_file = search_plan(model.runner, prompts, cfg, args.out, task, study, fresh=args.force,
-                                    progress=not args.quiet, extra=extra)
+                                    progress=not args.quiet, extra=extra, lock=False)
     print(best_line(result, cfg), file=sys.stderr)
     where = "" if cfg.paper else f" (study: {study})"
     print(f"search took {plan_file.search['wall_time_s']}s{where}", file=sys.stderr)

@@ -1,0 +1,79 @@
+"""Issue 67 items 13 and 16: bad input and lost work (two searches into one --out, damaged journals, duplicate
+prompt ids, a damaged bench log)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tiny_models import save_tiny
+
+REPO = Path(__file__).resolve().parents[2]
+CLI = "import sys; from layerskip_cli.main import main; sys.exit(main(sys.argv[1:]))"
+
+
+def _search_argv(model: Path, prompts: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-c", CLI, "search", "--model", str(model), "--data", str(prompts), "--out", str(out),
+            "--n", "2", "--max-new-tokens", "8", "--cost", "weights", "--quiet", "--threads", "1", *extra]
+
+
+def _wait_for(predicate, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return predicate()
+
+
+def test_a_second_search_into_the_same_out_is_refused_while_the_first_runs(tmp_path):
+    """Two searches with --force into one --out both ran to exit 0, the second deleting the first's journal mid-run
+    and mixing its trials into it; now the second is refused in one line naming the first, and the journal is left
+    to the first."""
+    model = save_tiny(tmp_path / "model", layers=12)  # 2^24 plans: the first search is still running when asked
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n{"prompt": "import os"}\n')
+    out, study = tmp_path / "plans" / "p.json", tmp_path / "plans" / "p.study.log"
+    first = subprocess.Popen(_search_argv(model, prompts, out, "--trials", "100000", "--timeout", "120", "--force"),
+                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert _wait_for(lambda: out.is_file() or first.poll() is not None, 120), "the first search wrote no plan"
+        assert first.poll() is None, first.communicate()[1]
+        head = study.read_bytes()[:200]
+        second = subprocess.run(_search_argv(model, prompts, out, "--trials", "5", "--force"), cwd=REPO,
+                                capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2, second.stderr
+        lines = second.stderr.strip().splitlines()
+        assert len(lines) == 1 and "in use by another search" in lines[0] and f"pid {first.pid}" in lines[0], lines
+        assert first.poll() is None and study.read_bytes()[:200] == head  # the first's journal was not deleted
+        again = subprocess.run(_search_argv(model, prompts, tmp_path / "q.json", "--trials", "5", "--study",
+                                            str(study), "--force"), cwd=REPO, capture_output=True, text=True,
+                               timeout=120)
+        assert again.returncode == 2 and "in use by another search" in again.stderr, again.stderr  # its journal too
+    finally:
+        os.kill(first.pid, signal.SIGINT)
+        first.communicate(timeout=60)
+    assert not list(out.parent.glob(".*.lock"))  # released by the interrupted search
+
+
+def test_a_journal_line_optuna_cannot_replay_is_refused_naming_the_line(capsys, tiny_model_dir, tmp_path):
+    """A valid-JSON line that is no journal operation ended in optuna's AssertionError traceback on --resume."""
+    from layerskip_cli.main import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n{"prompt": "import os"}\n')
+    out, study = tmp_path / "p.json", tmp_path / "p.study.log"
+    argv = ["search", "--model", str(tiny_model_dir), "--data", str(prompts), "--trials", "2", "--out", str(out),
+            "--cost", "weights", "--n", "2", "--max-new-tokens", "8", "--quiet"]
+    assert main(argv) == 0, capsys.readouterr().err
+    good = study.read_text()
+    count = len(good.splitlines())
+    for line in ('{"op_code": 99, "worker_id": "w"}', '{"foo": 1}', "[1, 2]",
+                 '{"op_code": 8, "worker_id": "w", "trial_id": 0, "user_attr": {}}'):
+        study.write_text(good + line + "\n")
+        capsys.readouterr()
+        assert main([*argv, "--resume"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and str(study) in err[0] and f"line {count + 1} " in err[0] and "--force" in err[0], err
