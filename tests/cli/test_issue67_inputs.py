@@ -36,21 +36,21 @@ def test_a_second_search_into_the_same_out_is_refused_while_the_first_runs(tmp_p
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "def add(a, b):"}\n{"prompt": "import os"}\n')
     out, study = tmp_path / "plans" / "p.json", tmp_path / "plans" / "p.study.log"
-    first = subprocess.Popen(_search_argv(model, prompts, out, "--trials", "100000", "--timeout", "120", "--force"),
+    first = subprocess.Popen(_search_argv(model, prompts, out, "--trials", "100000", "--timeout", "600", "--force"),
                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert _wait_for(lambda: out.is_file() or first.poll() is not None, 120), "the first search wrote no plan"
+        assert _wait_for(lambda: out.is_file() or first.poll() is not None, 400), "the first search wrote no plan"
         assert first.poll() is None, first.communicate()[1]
         head = study.read_bytes()[:200]
         second = subprocess.run(_search_argv(model, prompts, out, "--trials", "5", "--force"), cwd=REPO,
-                                capture_output=True, text=True, timeout=120)
+                                capture_output=True, text=True, timeout=400)
         assert second.returncode == 2, second.stderr
         lines = second.stderr.strip().splitlines()
         assert len(lines) == 1 and "in use by another search" in lines[0] and f"pid {first.pid}" in lines[0], lines
         assert first.poll() is None and study.read_bytes()[:200] == head  # the first's journal was not deleted
         again = subprocess.run(_search_argv(model, prompts, tmp_path / "q.json", "--trials", "5", "--study",
                                             str(study), "--force"), cwd=REPO, capture_output=True, text=True,
-                               timeout=120)
+                               timeout=400)
         assert again.returncode == 2 and "in use by another search" in again.stderr, again.stderr  # its journal too
     finally:
         os.kill(first.pid, signal.SIGINT)
