@@ -28,6 +28,7 @@ from infer.model.plan import cycle_speedup
 from layerskip_core.cli import Parser, check_output_dir, run_main
 from layerskip_core.errors import UserError
 from layerskip_core.models import resolve_model
+from layerskip_core.settings import check_threads
 from train.distill_prompts import (
     HELDOUT_KINDS,
     TRAIN_KINDS,
@@ -154,6 +155,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.n < 1 or args.max_new_tokens < 1 or args.repeats < 1:
         raise UserError("--n, --max-new-tokens and --repeats must be >= 1")
+    check_threads(args.threads)  # here, not only in the bench it starts after writing the prompt files
     verify_costs(args.verify_costs)  # refused before the bench runs
     return args
 

@@ -32,6 +32,7 @@ from infer import kernels
 from infer.model.weights import Linear
 from layerskip_core.cli import Parser, add_output_flags, check_output_file, parse_and_run, write_result
 from layerskip_core.errors import UserError
+from layerskip_core.settings import check_threads
 
 D, FF, QKV, VOCAB, LAYERS = 576, 1536, 960, 49152, 30  # SmolLM2-135M
 SHAPES = [(QKV, D), (D, D), (2 * FF, D), (D, FF)] * LAYERS + [(VOCAB, D)]
@@ -129,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     sizes = sorted({1, *(int(x) for x in args.sizes.split(","))})
     if args.out:
         check_output_file(args.out, "--out", force=args.force)
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(check_threads(args.threads))
     kernel = kernels.load()
     results = []
     for dt in args.dtypes.split(","):

@@ -10,6 +10,7 @@ parameters, so exits are not free). All variants run in one process on the same 
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
@@ -17,6 +18,8 @@ import time
 from pathlib import Path
 
 from layerskip_core.cli import Parser, write_result
+from layerskip_core.errors import UserError
+from layerskip_core.settings import check_threads
 from train.config import DataConfig, EarlyExitConfig, LayerDropoutConfig, SourceConfig
 
 
@@ -33,10 +36,20 @@ def variants(exits: list[int], p_maxes: list[float], rotation: int) -> dict[str,
     return out
 
 
+def thread_counts(text: str) -> list[int]:
+    """An argparse ``type``: comma-separated thread counts, each checked as every command checks --threads."""
+    try:
+        return [check_threads(int(t)) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    except UserError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--threads ")) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default")
-    parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
+    parser.add_argument("--threads", default=[1, 2], type=thread_counts, help="comma-separated thread counts")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--block", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
@@ -61,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
            for name, (d, e) in variants(exits, [float(p) for p in args.p_max.split(",")], args.rotation).items()
            if name.startswith("plain") or not args.only or any(o in name for o in args.only.split(","))}
     results = {}
-    for threads in [int(t) for t in args.threads.split(",")]:
+    for threads in args.threads:
         torch.set_num_threads(threads)
         times: dict[str, list[float]] = {name: [] for name in lms}
         skipped: dict[str, float] = {name: 0.0 for name in lms}

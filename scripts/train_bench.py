@@ -37,7 +37,9 @@ from transformers import LlamaConfig
 from infer.measure.seeded_models import byte_tokenizer
 from infer.measure.seeded_models import random_model as seeded_random_model
 from layerskip_core.cli import Parser, write_result
+from layerskip_core.device import resolve_device
 from layerskip_core.doc_sections import GPU_TRAINING, write_section
+from layerskip_core.errors import UserError
 from train.config import EarlyExitConfig, LayerDropoutConfig
 
 NOT_RUN = "Not yet run on a GPU."
@@ -324,6 +326,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the result here")
     parser.add_argument("--doc", help="also write the table into this Markdown file (e.g. docs/TRAINING.md)")
     args = parser.parse_args(argv)
+    try:  # a device this machine lacks (or 'tpu') is one line, as every command says it, not a torch traceback
+        args.device = str(resolve_device(args.device))
+    except UserError as e:
+        parser.error(str(e))
     result = train_check(args.device, args.tiny, args.tokenizer_dir)
     print(training_table(result))
     if args.json:

@@ -32,14 +32,13 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from layerskip_core.cli import Parser, finite_float, run_main
+from layerskip_core.cli import Parser, check_output_dir, finite_float, run_main
 from layerskip_core.errors import UserError
-from layerskip_core.models import resolve_model
+from layerskip_core.options import add_dataclass_flags, from_args
 from layerskip_core.prompts import check_text, read_jsonl
+from layerskip_core.settings import ModelSettings
 from train.adapter import code_commit
 from train.distill_prompts import TRAIN_KINDS, KindPrompt, training_prompts
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def prompt_text(tokenizer, p: KindPrompt) -> str:
@@ -91,10 +90,23 @@ def _write_jsonl(path: Path, records: list[dict]) -> None:
     os.replace(tmp, path)
 
 
+SEED_LIMIT = 2**63
+"""Seeds are in [0, 2**63), as a training recipe's ``seed`` (torch's generator takes no more)."""
+MODEL_DEFAULTS = ModelSettings(dtype="fp32")
+"""This command's defaults of the shared model flags: fp32 (the data's tokens as the fp32 model writes them), one
+thread, the device ``auto`` picks (``--dtype bf16`` on a GPU halves the time)."""
+MODEL_FLAGS_SKIPPED = ("executor", "compile")
+"""Shared model flags this command has no use for (transformers' ``generate`` decodes, not the runner)."""
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The flags, checked: the shared model flags (``layerskip_core.settings.ModelSettings``: --model, --device,
+    --dtype, --threads, as every command checks them) and this command's own; a bad value is one line."""
     ap = Parser(prog="python -m train.self_distill", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="default", help="model folder, hub id or 'default' (the embedded model)")
-    ap.add_argument("--out", required=True, help="output folder (refused when it holds data, unless --force)")
+    add_dataclass_flags(ap.add_argument_group("model and device"), ModelSettings, skip=MODEL_FLAGS_SKIPPED,
+                        defaults=MODEL_DEFAULTS)
+    ap.add_argument("--out", type=Path, required=True,
+                    help="output folder (refused when it holds data, unless --force)")
     ap.add_argument("--kinds", default=None, help=f"comma-separated kinds (of {TRAIN_KINDS}; default: all)")
     ap.add_argument("--prompts", type=Path, default=None,
                     help="your own prompts instead of the built-in kinds: a JSON-lines file, one object a line with "
@@ -108,12 +120,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=finite_float, default=0.8, help="temperature of the sampled half")
     ap.add_argument("--top-p", type=finite_float, default=0.95, help="top-p of the sampled half")
     ap.add_argument("--batch-size", type=int, default=16, help="prompts per generate call")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="model dtype (bf16 on GPUs)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of torch's generator, for the sampled half (default 0)")
     ap.add_argument("--force", action="store_true", help="replace an output folder that already holds data")
     args = ap.parse_args(argv)
+    settings = model_settings(args)  # checked (threads in range); the defaults filled in, as the provenance says
+    for name in ("model", "device", "dtype", "threads"):
+        setattr(args, name, getattr(settings, name))
+    _check_options(args)
+    return args
+
+
+def model_settings(args: argparse.Namespace) -> ModelSettings:
+    """The shared model settings of the flags given, over this command's defaults (threads checked here)."""
+    return from_args(ModelSettings, args, MODEL_DEFAULTS, skip=MODEL_FLAGS_SKIPPED)
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    """This command's own flags, each refused in one line when out of range."""
     if args.prompts is not None and args.kinds is not None:
         raise UserError("--prompts and --kinds exclude each other: give your own prompts or the built-in kinds")
     if args.prompts is None:
@@ -127,7 +150,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1 (got {value})")
     if args.temperature <= 0 or not 0 < args.top_p <= 1:
         raise UserError("--temperature must be > 0 and --top-p in (0, 1]")
-    return args
+    if not 0 <= args.seed < SEED_LIMIT:
+        raise UserError(f"--seed must be in [0, 2**63), got {args.seed}")
 
 
 def _prompt_line(row: dict, where: str) -> tuple[str, str, bool]:
@@ -155,25 +179,27 @@ def read_prompts(path: Path) -> dict[str, list[KindPrompt]]:
     return kinds
 
 
-def _prepare_out(out: Path, force: bool) -> None:
-    """Create ``out``; one holding files is refused unless ``force``, which removes an earlier run's data files
-    (``*.jsonl``, ``provenance.json``) so no kind of an older run is left beside the new ones."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is an existing file; give a folder")
+def _prepare_out(out: Path, force: bool, kinds: list[str], prompts: Path | None) -> None:
+    """Create ``out`` under the output policy (``layerskip_core.cli.check_output_dir``: not a file, creatable,
+    never the ``--prompts`` file); one holding files is refused unless ``force``, which removes an earlier run's data
+    files (``*.jsonl``, ``provenance.json``) so no kind of an older run is left beside the new ones."""
+    doomed = {p.name for p in out.glob("*.jsonl")} if out.is_dir() else set()
+    writes = tuple(sorted(doomed | {f"{kind}.jsonl" for kind in kinds} | {"provenance.json"}))
+    check_output_dir(out, "--out", writes=writes, force=True, inputs=(("--prompts", prompts),))
     if out.exists() and any(out.iterdir()):
         if not force:
             raise UserError(f"{out} already holds files; choose another --out or pass --force to replace them")
-        for old in [*out.glob("*.jsonl"), out / "provenance.json"]:
-            old.unlink(missing_ok=True)
+        for name in writes:
+            (out / name).unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
 
 
-def load(args, path: Path):
+def load(args, path: Path, device, dtype):
     """(model in eval mode, tokenizer with left padding) from the folder ``path`` (``--model`` resolved)."""
     tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[args.dtype]).to(args.device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     return model, tokenizer
 
 
@@ -184,13 +210,13 @@ def run(args: argparse.Namespace) -> dict:
     else:
         kinds = {k: training_prompts(k, args.per_kind) for k in args.kinds.split(",")}
     out = Path(args.out)
-    _prepare_out(out, args.force)
+    resolved = model_settings(args).resolve()  # a device this machine lacks is refused before anything is written
+    _prepare_out(out, args.force, list(kinds), args.prompts)
     commit = code_commit()  # the code that runs: taken now, not when the files are written
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    resolved.apply_threads()
     torch.manual_seed(args.seed)
-    path = resolve_model(args.model)
-    model, tokenizer = load(args, path)
+    path = resolved.model
+    model, tokenizer = load(args, path, resolved.device, resolved.dtype)
     started, counts = time.time(), {}
     with tqdm(total=sum(map(len, kinds.values())), desc="self-distill", unit="prompt",
               mininterval=0 if sys.stderr.isatty() else 60) as bar:

@@ -77,3 +77,39 @@ def test_a_journal_line_optuna_cannot_replay_is_refused_naming_the_line(capsys, 
         assert main([*argv, "--resume"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and str(study) in err[0] and f"line {count + 1} " in err[0] and "--force" in err[0], err
+
+
+def _exit_code(main, argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except SystemExit as e:  # argparse's refusals exit at once
+        return e.code
+
+
+def _no_gpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+SCRIPT_FLAGS = [("bench_matmul_routes", ["--threads", "100000"], "--threads must be an integer in [1, "),
+                ("bench_matmul_routes", ["--threads", "-1"], "--threads must be an integer in [1, "),
+                ("adapter_kinds", ["--group", "validation", "--out", "{tmp}/k", "--threads", "100000"],
+                 "--threads must be an integer in [1, "),
+                ("bench_train_step", ["--threads", "1,100000"], "must be an integer in [1, "),
+                ("bench_train_step", ["--threads", "1,x"], "expected comma-separated integers"),
+                ("train_bench", ["--device", "tpu"], "unknown device 'tpu'"),
+                *([("train_bench", ["--device", "cuda"], "CUDA is not available")] if _no_gpu() else [])]
+
+
+def test_the_scripts_check_threads_and_devices_as_every_command_does(capsys, tmp_path):
+    """Issue 67 item 12's neighbours: scripts with their own --threads / --device passed 100000 threads to torch
+    (a crash in libgomp) or a device name to torch.device (a traceback); each is one line and exit code 2 now."""
+    from script_modules import load_script
+
+    for name, argv, says in SCRIPT_FLAGS:
+        module = load_script(name)
+        code = _exit_code(module.main, [a.format(tmp=tmp_path) for a in argv])
+        err = capsys.readouterr().err
+        assert code == 2 and says in err and len(err.strip().splitlines()) == 1, (name, argv, err)
+    assert not (tmp_path / "k").exists()

@@ -228,3 +228,45 @@ def test_the_data_and_the_adapter_record_the_code_at_their_start(tiny_recipe, ti
     run_training(cfg)
     with safe_open(str(Path(cfg.checkpoint.output_dir) / "adapter.safetensors"), framework="pt") as f:
         assert json.loads(f.metadata()["provenance"])["commit"] == "run-start"
+
+
+def _no_gpu_device() -> list[list[str]]:
+    import torch
+
+    return [] if torch.cuda.is_available() else [["--device", "cuda"]]
+
+
+@pytest.mark.parametrize("bad, says", [
+    (["--threads", "-1"], "--threads must be an integer in [1, "), (["--threads", "0"], "--threads must be"),
+    (["--seed", str(2**64)], "--seed must be in [0, 2**63)"), (["--seed", "-1"], "--seed must be in"),
+    (["--device", "tpu"], "unknown device 'tpu'"), (["--dtype", "fp8"], "invalid choice: 'fp8'"),
+    *[(d, "CUDA is not available") for d in _no_gpu_device()],
+])
+def test_the_shared_model_flags_are_checked_as_every_command_checks_them(tiny_model_dir, tmp_path, capsys, bad, says):
+    """Issue 67 item 12: --threads -1, a 2**64 seed, --device tpu and cuda without a GPU ended in tracebacks; they
+    are the CLI's shared flags now (``ModelSettings``), refused in one line before the output folder is made."""
+    try:
+        code = _generate(tiny_model_dir, tmp_path / "data", *bad)
+    except SystemExit as e:  # argparse's own refusals (a dtype that is no choice) exit at once, with code 2 too
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert not (tmp_path / "data").exists()
+
+
+def test_an_out_under_a_file_and_a_thread_count_past_the_machine_are_one_line(tiny_model_dir, tmp_path, capsys):
+    """--out below a file was a NotADirectoryError traceback; --threads 100000 ended in SIGSEGV (after a misleading
+    'interrupted'), so it runs in its own process here."""
+    import subprocess
+    import sys
+
+    (tmp_path / "file").write_text("x")
+    assert _generate(tiny_model_dir, tmp_path / "file" / "data") == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and "cannot create it" in err and len(err.strip().splitlines()) == 1, err
+    argv = ["--model", str(tiny_model_dir), "--out", str(tmp_path / "data"), "--threads", "100000"]
+    proc = subprocess.run([sys.executable, "-m", "train.self_distill", *argv], capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 2 and "--threads must be an integer in [1, " in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "data").exists()
