@@ -19,6 +19,7 @@ from torch import Tensor
 from infer.decode.cycle import CycleObserver, step_rows
 from infer.decode.prefill import Prompt, prefill
 from infer.decode.processing import PROCESSED, PositionProcessor
+from infer.decode.stopping import StopRules, StopScan
 from infer.drafters.base import DecodeState, Drafter, DrafterStats, VerifyOutcome
 from infer.model.graphs import BUCKETS
 from infer.model.kv_cache import capacity_bucket
@@ -39,7 +40,10 @@ class DecodeConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Greedy (temperature 0) or sampling settings."""
     stop_strings: tuple[str, ...] = ()
-    """Stop once the decoded output contains any of these (kept in the output)."""
+    """Stop at the first token that completes any of these in the decoded text (the output keeps it). Checked after
+    every committed token in order, as plain decoding checks, so every drafter stops where plain decoding stops; a
+    match may begin in the prompt's text but must end in a generated token's, as transformers' ``stop_strings``
+    (``infer.decode.stopping``)."""
     stop_at_eos: bool = True
     """Stop at the model's end-of-sequence token(s)."""
     target_exit: int | None = None
@@ -53,6 +57,8 @@ class DecodeConfig:
             raise UserError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.target_exit is not None and self.target_exit < 1:
             raise UserError(f"target-exit must be >= 1 (a layer count), got {self.target_exit}")
+        if any(not s for s in self.stop_strings):
+            raise UserError("a stop string must not be empty (it would end every output at once)")
 
 
 def token_ids(prompt_ids) -> list[int]:
@@ -143,7 +149,9 @@ class Generation:
     stats: GenerationStats
     """Counters and timings so far."""
     tokens: list[int]
-    """Generated tokens so far (a multi-token step may run past a stop; ``Engine.finish`` cuts it)."""
+    """Generated tokens so far (a step that commits several is cut at the first stop condition among them)."""
+    stops: StopRules
+    """Its stop conditions, asked after every committed token in order (``infer.decode.stopping``)."""
     finish_reason: str | None = None
     """None while running; then 'eos', 'length' or 'stop_string'."""
     started: float = 0.0
@@ -243,7 +251,9 @@ class Engine:
         state = DecodeState(self.runner, cache, config.sampling, generator, tokens=list(prompt), prompt_len=len(prompt),
                             eos=self.eos if config.stop_at_eos else frozenset(), depth=self.target_depth(config))
         stats.target_exit = None if state.depth == self.runner.num_layers else state.depth
-        return Generation(state, config, stats, [], processor=processor)
+        strings = StopScan(config.stop_strings, self.decode, prompt) if config.stop_strings else None
+        stops = StopRules(state.eos, config.max_new_tokens, strings)
+        return Generation(state, config, stats, [], stops, processor=processor)
 
     def step(self, gen: Generation) -> VerifyOutcome:
         """One cycle (``infer.decode.cycle.step_rows`` over this one row, seen by ``observers``): the drafter proposes,
@@ -260,18 +270,17 @@ class Engine:
         stats.verify_calls += 1
         stats.drafted += outcome.drafted
         stats.accepted += outcome.accepted
-        gen.tokens.extend(outcome.tokens)
-        gen.finish_reason = self._stop_reason(gen.tokens, gen.config, len(outcome.tokens))
+        self.take(gen, outcome.tokens)
         state.tokens.extend(outcome.tokens)
         if not gen.done:
             self.drafter.update(state, outcome)
             stats.update_time += time.perf_counter() - t2
 
     def finish(self, gen: Generation) -> GenerationResult:
-        """The result of a finished generation (output cut at its first stop condition)."""
+        """The result of a finished generation (its output ends at its first stop condition)."""
         if not gen.done:
             raise ValueError("the generation is still running; call step() until done")
-        out, finish = self._truncate(gen.tokens, gen.finish_reason, gen.config)
+        out, finish = list(gen.tokens), gen.finish_reason
         if gen.state.cache is not None:  # back to the runner's pool for the next generation
             self.runner.release_cache(gen.state.cache)
             gen.state.cache = None
@@ -357,33 +366,18 @@ class Engine:
             sampling = sampling if sampling.greedy else PROCESSED
         first = int(select(logits, sampling, state.generator)[0])  # the prefill's sync
         state.tokens.append(first)
-        gen.tokens.append(first)
-        gen.finish_reason = self._stop_reason(gen.tokens, gen.config)
+        self.take(gen, [first])
 
-    def _stop_reason(self, out: list[int], config: DecodeConfig, new: int = 1) -> str | None:
-        fresh = out[len(out) - new:]
-        if config.stop_at_eos and self.eos and any(t in self.eos for t in fresh):
-            return "eos"
-        if config.stop_strings and self.decode is not None:
-            tail = self.decode(out[-(new + 16):])
-            if any(s in tail for s in config.stop_strings):
-                return "stop_string"
-        if len(out) >= config.max_new_tokens:
-            return "length"
-        return None
-
-    def _truncate(self, out: list[int], finish: str, config: DecodeConfig) -> tuple[list[int], str]:
-        """Cut what a multi-token step appended past the first stop condition."""
-        for k in range(1, len(out) + 1):
-            if config.stop_at_eos and out[k - 1] in self.eos:
-                return out[:k], "eos"
-            if config.stop_strings and finish == "stop_string":
-                text = self.decode(out[:k])
-                if any(s in text for s in config.stop_strings):
-                    return out[:k], "stop_string"
-            if k >= config.max_new_tokens:
-                return out[:k], "length"
-        return out, finish
+    @staticmethod
+    def take(gen: Generation, tokens: list[int]) -> None:
+        """Append committed ``tokens`` to the output, examined one at a time in order (``StopRules.scan``): the output
+        ends at the first where plain decoding stops, with its reason."""
+        start = len(gen.tokens)
+        gen.tokens.extend(tokens)
+        stop = gen.stops.scan(gen.tokens, start)
+        if stop is not None:
+            del gen.tokens[stop[0]:]
+            gen.finish_reason = stop[1]
 
 
 def start_rows(rows: Sequence[tuple[Engine, Generation]]) -> None:
