@@ -91,18 +91,31 @@ def check_text(text: str, where: str) -> str:
 
 
 def read_prompts_file(path: Path) -> list[PromptItem]:
-    """A jsonl file whose lines carry a ``prompt`` field (optional ``id``, ``reference``)."""
+    """A jsonl file whose lines carry a ``prompt`` field (optional ``id``, ``reference``).
+
+    A line without an ``id`` is known by its index among the prompts (``"0"``, ``"1"``, ...). Ids name a prompt's
+    results (bench rows, outputs, plans' calibration), so two prompts with one id (``"id": 0`` beside an implicit
+    ``"0"``, or ``0`` beside ``"0"``) are refused, naming both lines."""
     path = Path(path)
-    items = []
+    items, seen = [], {}
     for i, (lineno, row) in enumerate(read_jsonl(path)):
         prompt = row.get("prompt")
         if not isinstance(prompt, str):
             raise UserError(f"{path}: line {lineno} has no string 'prompt' field")
         check_text(prompt, f"{path}: line {lineno}: the prompt")
-        items.append(PromptItem(str(row.get("id", i)), prompt, str(row.get("reference", "")), path.stem))
+        item = PromptItem(str(row.get("id", i)), prompt, str(row.get("reference", "")), path.stem)
+        first = seen.setdefault(item.id, (lineno, "id" not in row))
+        if first[0] != lineno:
+            raise UserError(f"{path}: prompt id {item.id!r} is on line {first[0]}{_implicit(first[1])} and line "
+                            f"{lineno}{_implicit('id' not in row)}; give each prompt its own 'id'")
+        items.append(item)
     if not items:
         raise UserError(f"{path} holds no prompts")
     return items
+
+
+def _implicit(implicit: bool) -> str:
+    return " (no 'id': its index among the prompts)" if implicit else ""
 
 
 def _text_folder(path: Path, max_chars: int) -> list[PromptItem]:

@@ -113,3 +113,30 @@ def test_the_scripts_check_threads_and_devices_as_every_command_does(capsys, tmp
         err = capsys.readouterr().err
         assert code == 2 and says in err and len(err.strip().splitlines()) == 1, (name, argv, err)
     assert not (tmp_path / "k").exists()
+
+
+def test_duplicate_prompt_ids_are_refused_naming_the_file_the_id_and_both_lines(capsys, tiny_model_dir, tmp_path):
+    """Two prompts with one id (an explicit ``"id": 0`` beside the implicit "0" of an id-less first line, or ``0``
+    beside ``"0"``) were accepted, and their results shared one name."""
+    import pytest
+
+    from layerskip_cli.main import main
+    from layerskip_core.errors import UserError
+    from layerskip_core.prompts import load_prompts
+
+    path = tmp_path / "p.jsonl"
+    cases = {'{"prompt": "a"}\n\n{"prompt": "b", "id": 0}\n': ("'0'", "line 1 (no 'id'", "line 3"),
+             '{"prompt": "a", "id": "x"}\n{"prompt": "b", "id": "y"}\n{"prompt": "c", "id": "x"}\n':
+                 ("'x'", "line 1 and line 3", ""),
+             '{"prompt": "a", "id": 7}\n{"prompt": "b", "id": "7"}\n': ("'7'", "line 1 and line 2", "")}
+    for text, says in cases.items():
+        path.write_text(text)
+        with pytest.raises(UserError) as e:
+            load_prompts(str(path))
+        assert str(path) in str(e.value) and all(s in str(e.value) for s in says), str(e.value)
+    ok = tmp_path / "ok.jsonl"
+    ok.write_text('{"prompt": "a"}\n{"prompt": "b", "id": "one"}\n{"prompt": "c"}\n')
+    assert [it.id for it in load_prompts(str(ok))] == ["0", "one", "2"]
+    code = main(["generate", "--model", str(tiny_model_dir), "--prompts-file", str(path), "--max-new-tokens", "2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "prompt id '7'" in err[0], err
