@@ -21,18 +21,24 @@ repeatable). transformers 5.24 hands a callable neither the ``streamer``, ``assi
 that ``generate`` got: the first two are read from the running ``generate`` call; for ``stop_strings`` pass
 ``hf_generate(..., stop_strings=[...], tokenizer=tok)`` (the folder form takes them as ``generate`` keywords).
 
-Weights: the runner uses the model's tensors where its layout equals theirs (embeddings, norms, o/down
-projections, a tied LM head) and fuses q/k/v and gate/up into single matrices; the model's q/k/v and gate/up
-parameters are then pointed at row slices of those fused matrices (same values), so the model and the runner
-share every weight and nothing is held twice. Where the runner needs another dtype or device than the model's
-(``dtype=``/``device=`` options), it holds its own copy. The runner is built once per model and reused by this
-callable; in-place changes to the model's weights (``load_state_dict``, an optimizer step) reach it.
+Weights: the runner uses the model's tensors where its layout equals theirs and fuses q/k/v and gate/up into single
+matrices; where it keeps plain matrices in the model's dtype and on its device (the kernel's AVX2 path, torch's), the
+model's q/k/v, gate/up, o and down parameters are then pointed at the runner's matrices (same values), so no matrix
+is held twice. It holds copies too: the norm weights on every path, every matrix packed in panels on the kernel's
+AVX-512 path (the model keeps its own), a draft head's rows and a copied prefix; where the runner needs another dtype
+or device than the model's (``dtype=``/``device=``), every weight. The runner is kept per model and settings, for
+every callable on that model (one reused, one written inline per call, the folder form's: ``infer.hf.runners``),
+and before every call the model's parameters are checked against what it was built from (each parameter object,
+its version counter, storage, shape, dtype and device, and a sample of its values: well under a millisecond): after
+``load_state_dict``, an optimizer step (fused ones included), ``param.data = ...`` or ``model.to(...)`` the runner
+and every drafter's copy are built again from the weights as they are, and the output equals plain ``generate`` of
+the changed model. A write the check cannot see (through ``param.data`` or from outside torch, to a few values it
+does not sample) needs ``infer.hf.runners.release(model)``; it also frees a kept runner's memory.
 """
 
 from __future__ import annotations
 
 import inspect
-import weakref
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +58,7 @@ from transformers.generation import (
 
 from infer.decode.engine import DecodeConfig, Engine, start_rows
 from infer.drafters import ResolvedSpec, Spec, drafter_spec
+from infer.hf import runners
 from infer.hf.contract import (
     check_config,
     check_generate_arguments,
@@ -60,6 +67,7 @@ from infer.hf.contract import (
     check_processors,
 )
 from infer.hf.rows import RowProcessor, RowRun, lockstep
+from infer.hf.runners import RunnerSettings
 from infer.model.runner import Runner
 from infer.model.sampling import SamplingConfig
 from layerskip_core.errors import UserError
@@ -71,11 +79,6 @@ FOLDER = Path(__file__).resolve().parent / "custom_generate_folder"
 FAST_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 """Warpers the engine applies itself on the device (``SamplingConfig``: temperature, then top-k, then top-p) when they
 are the only processors, each at most once, in an order that computes the same distribution (``fast_sampling``)."""
-
-FUSED = {"self_attn.q_proj": ("qkv", 0), "self_attn.k_proj": ("qkv", 1), "self_attn.v_proj": ("qkv", 2),
-         "mlp.gate_proj": ("gate_up", 0), "mlp.up_proj": ("gate_up", 1)}
-"""Model projection -> (the runner's fused matrix, its index among the parts fused in it)."""
-
 
 @dataclass
 class LayerSkipGenerateOutput(GenerateDecoderOnlyOutput):
@@ -128,7 +131,6 @@ class HFGenerate:
         self.streamer = streamer
         self.criteria = criteria or []
         self.runner_settings = (dtype, device, executor, compile)
-        self.runners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __call__(self, model: PreTrainedModel, input_ids: Tensor, logits_processor=None, stopping_criteria=None,
                  generation_config=None, synced_gpus: bool = False, streamer=None, **model_kwargs):
@@ -195,18 +197,14 @@ class HFGenerate:
         return Engine(runner, resolved.build(runner), eos, decode)
 
     def runner_for(self, model: PreTrainedModel) -> Runner:
-        """The runner over ``model``'s weights: built (and its weights shared with the model) on first use."""
+        """The runner over ``model``'s weights as they are now (``infer.hf.runners``: kept per model and settings
+        across callables, built again when the weights changed, its matrices shared with the model)."""
         dtype, device, executor, compile = self.runner_settings
         first = next(model.parameters())
-        want = (dtype or first.dtype, torch.device(device) if device is not None else first.device)
-        runner = self.runners.get(model)
-        if runner is None or (runner.dtype, runner.device) != want:
-            runner = Runner.from_model(model, dtype=want[0], device=want[1],
-                                       executor=resolve_executor(executor, want[1]),
-                                       compile=resolve_compile(compile, want[1]))
-            share_weights(model, runner)
-            self.runners[model] = runner
-        return runner
+        dtype = dtype or first.dtype
+        device = torch.device(device) if device is not None else first.device
+        settings = RunnerSettings(dtype, device, resolve_executor(executor, device), resolve_compile(compile, device))
+        return runners.runner_for(model, settings)
 
 
 def generate_arguments(model: PreTrainedModel) -> dict:
@@ -289,47 +287,3 @@ def unpadded_rows(input_ids: Tensor, attention_mask: Tensor | None) -> list[tupl
                             "per row")
         rows.append((ids[:start], ids[start:]))
     return rows
-
-
-def share_weights(model: PreTrainedModel, runner: Runner) -> int:
-    """Point ``model``'s q/k/v and gate/up parameters at row slices of the runner's fused matrices, which hold the
-    same values, so the separate copies are freed; returns the bytes no longer held twice. Parameters in another
-    dtype or on another device than the runner's keep their own storage, and so do those of a matrix the kernel
-    holds packed only (its AVX-512 path)."""
-    freed = 0
-    for i, layer in enumerate(runner.layers):
-        prefix = layer_prefix(model, i)
-        for fused_name in ("qkv", "gate_up"):
-            fused = getattr(layer, fused_name)
-            parts = [(n, model.get_submodule(prefix + n)) for n, (f, _) in FUSED.items() if f == fused_name]
-            # plain: None where the kernel holds the matrix packed only (nothing to share)
-            for kind, matrix in (("weight", fused.plain), ("bias", getattr(fused, "bias", None))):
-                freed += point_at_rows([getattr(module, kind, None) for _, module in parts], matrix)
-    return freed
-
-
-def point_at_rows(params: list, fused: Tensor | None) -> int:
-    """Make ``params`` (in order) views of consecutive row blocks of ``fused`` when they fit exactly."""
-    if fused is None or any(p is None for p in params) or sum(p.shape[0] for p in params) != fused.shape[0]:
-        return 0
-    if any(p.dtype != fused.dtype or p.device != fused.device or p.shape[1:] != fused.shape[1:] for p in params):
-        return 0
-    freed, start = 0, 0
-    for p in params:
-        rows = p.shape[0]
-        if p.untyped_storage().data_ptr() != fused.untyped_storage().data_ptr():
-            freed += p.numel() * p.element_size()
-            p.data = fused[start:start + rows]
-        start += rows
-    return freed
-
-
-def layer_prefix(model: PreTrainedModel, i: int) -> str:
-    """The module path of decoder layer ``i`` ('model.layers.3.' for a ForCausalLM)."""
-    for name in (f"model.layers.{i}.", f"layers.{i}."):
-        try:
-            model.get_submodule(name[:-1])
-            return name
-        except AttributeError:
-            continue
-    raise UserError(f"{type(model).__name__} has no decoder layer {i} at model.layers; is it a Llama-family model?")

@@ -7,12 +7,13 @@
 transformers copies this file into its module cache and calls ``generate(model=..., **generate's arguments)``; it
 imports ``infer``, so the toolkit must be installed (or on ``PYTHONPATH``) where it runs. Keywords named like a
 drafter option (``exit_layer``, ``num_draft``, ``plan``, ...) go to the drafter; the rest to ``generate``. Each call
-builds the runner afresh (re-fusing the model's q/k/v and gate/up: a moment, no lasting copy); the callable form,
-``custom_generate=hf_generate(...)``, builds it once per model. ``stop_strings`` with ``tokenizer`` are honoured here
-(transformers does not hand the tokenizer to a callable); ``token_healing`` is refused in one line (transformers heals
-before the loop, with a tokenizer it does not keep for a custom one: heal with ``model.heal_tokens`` first);
-``cache_implementation="paged"`` is refused (transformers would run its own continuous batching instead of our loop).
-The streamer gets ``end()`` exactly once, also when something fails before decoding starts.
+makes a new ``hf_generate`` callable, but the runner is kept per model (``infer.hf.runners``: built on the first
+call, built again only when the model's weights changed), so later calls cost what the callable form costs.
+``stop_strings`` with ``tokenizer`` are honoured here (transformers does not hand the tokenizer to a callable);
+``token_healing`` is refused in one line (transformers heals before the loop, with a tokenizer it does not keep for a
+custom one: heal with ``model.heal_tokens`` first); ``cache_implementation="paged"`` is refused (transformers would
+run its own continuous batching instead of our loop). The streamer gets ``end()`` exactly once, also when something
+fails before decoding starts.
 """
 
 from transformers import GenerationMixin
