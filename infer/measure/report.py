@@ -13,6 +13,7 @@ import csv
 import io
 import json
 import statistics
+import sys
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,7 +26,8 @@ from infer.measure.methods import BASELINE, PEERS, BenchConfig
 from infer.measure.provenance import machine_info
 from infer.measure.quality import WORSE_NATS, compare_to_base, flag, quality_table
 from infer.model.plan import cycle_speedup
-from layerskip_core import jsonfile
+from layerskip_core import inputs, jsonfile
+from layerskip_core.errors import UserError
 
 
 @dataclass
@@ -225,13 +227,13 @@ def _fmt(x, spec: str = ".2f", suffix: str = "") -> str:
     return "–" if x is None else format(x, spec) + suffix
 
 
-def _noted(ratio: float | None, note: str | None) -> str:
+def noted_cell(ratio: float | None, note: str | None) -> str:
     """A measured ratio with the note that says why it does not measure drafting beside it: '0.88x (never drafted)'."""
     cell = _fmt(ratio, suffix="x")
     return cell if note is None else f"{cell} ({note})"
 
 
-def _exact_cell(r: Summary) -> str:
+def exact_cell(r: Summary) -> str:
     """yes / n tie flip(s) / **n mismatched** (bugs), 'lossy' for early-exit decoding, n/a when sampling."""
     if r.lossy:
         return "lossy"
@@ -247,7 +249,7 @@ ALPHA = "α (drafted/tokens)"
 """The acceptance column: α, and beside it how many tokens were drafted for how many generated."""
 
 
-def _alpha(r: Summary) -> str:
+def alpha_cell(r: Summary) -> str:
     """α with the drafted tokens and the generated ones beside it (``0.67 (3/128)``): a high α over a handful of
     drafts is not drafting."""
     return _fmt(r.acceptance_rate) if r.drafted is None else f"{_fmt(r.acceptance_rate)} ({r.drafted}/{r.new_tokens})"
@@ -270,11 +272,11 @@ def markdown_table(rows: list[Summary]) -> str:
         out.append("|" + "---|" * len(head))
         for r in task_rows:
             cells = [r.model, r.method, f"{r.tokens_per_second:.1f}",
-                     _noted(r.speedup_vs_autoregressive, r.note), _noted(r.speedup_vs_hf_generate, r.note),
-                     _alpha(r),
+                     noted_cell(r.speedup_vs_autoregressive, r.note), noted_cell(r.speedup_vs_hf_generate, r.note),
+                     alpha_cell(r),
                      _fmt(r.tokens_per_verify), _fmt(r.mean_draft_forwards), _fmt(r.draft_cost_ratio),
                      "–" if r.note == "never drafted" else _fmt(r.expected_speedup, suffix="x"),
-                     _fmt(r.opt_time_share, ".1%"), _exact_cell(r)]
+                     _fmt(r.opt_time_share, ".1%"), exact_cell(r)]
             if agree:
                 cells.append("–" if r.agreement is None else f"{r.agreement:.2f} ({r.prefix_agreement:.2f})")
             if acc:
@@ -298,9 +300,9 @@ def batch_table(rows: list[Summary]) -> str:
         for r in task_rows:
             cells = [r.model, r.method, str(r.batch_size), f"{r.tokens_per_second:.1f}",
                      _fmt(r.decode_tokens_per_second, ".1f"), _fmt(r.row_latency),
-                     _noted(r.speedup_vs_autoregressive, r.note), _noted(r.speedup_vs_hf_generate, r.note),
-                     _fmt(r.speedup_vs_b1, suffix="x"), _alpha(r), _fmt(r.tokens_per_verify),
-                     _exact_cell(r)]
+                     noted_cell(r.speedup_vs_autoregressive, r.note), noted_cell(r.speedup_vs_hf_generate, r.note),
+                     _fmt(r.speedup_vs_b1, suffix="x"), alpha_cell(r), _fmt(r.tokens_per_verify),
+                     exact_cell(r)]
             out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n" if out else ""
 
@@ -356,18 +358,23 @@ class RecordLog:
 
 
 def read_records(out_dir: Path) -> tuple[dict, list[Record]]:
-    """(header, records) of ``out_dir/records.jsonl``; a last line cut mid-write (a killed bench) is dropped."""
-    lines = (out_dir / RECORDS_FILE).read_text(encoding="utf-8").splitlines()
+    """(header, records) of ``out_dir/records.jsonl``. Only its last line can be cut (a kill mid-write: a bench writes
+    whole lines): it is dropped with a note. A damaged line elsewhere (an edited or corrupted file) is refused naming
+    the file and line, not skipped: a skipped record would change the rebuilt averages, and a note is easily missed."""
+    path = out_dir / RECORDS_FILE
+    lines = inputs.read_text(path, "bench records file", "give the --out folder of a bench").splitlines()
     header, records = {}, []
-    for i, line in enumerate(lines):
+    for number, line in enumerate(lines, 1):
         try:
-            value = json.loads(line)
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:
-                break  # the line being written when the bench was killed
-            raise
-        if "record" in value:
-            records.append(Record.from_dict(value["record"]))
+            value = _record_line(line)
+        except ValueError as e:
+            if number < len(lines) or not line.strip():
+                raise UserError(f"{path}: line {number} is damaged ({e}); only the last line of a killed bench can be "
+                                "cut short: restore the file or delete the line (its record is then lost)") from None
+            print(f"layerskip: note: {path}: last line {number} cut short (a killed bench), dropped", file=sys.stderr)
+            break
+        if isinstance(value, Record):
+            records.append(value)
         elif "quality" in value:
             header.setdefault("quality", {}).update(value["quality"])
         else:
@@ -375,14 +382,31 @@ def read_records(out_dir: Path) -> tuple[dict, list[Record]]:
     return header, records
 
 
+def _record_line(line: str) -> Record | dict:
+    """One line of the records file: a ``Record``, or the header / a quality object; ValueError saying why not."""
+    value = json.loads(line)  # a JSONDecodeError is a ValueError
+    if not isinstance(value, dict):
+        raise ValueError("not a JSON object")
+    if "record" not in value and not isinstance(value.get("quality", {}), dict):
+        raise ValueError("its 'quality' is not an object")
+    if "record" not in value:
+        return value
+    try:
+        return Record.from_dict(value["record"])
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"its record does not read back: {type(e).__name__} {e}") from None
+
+
 def _config_dict(cfg: BenchConfig) -> dict:
     return asdict(cfg) | {"methods": [m.label for m in cfg.methods], "run": cfg.run.to_dict()}
 
 
 def write_outputs(cfg: BenchConfig, records: list[Record], out_dir: Path, command: str,
-                  quality: dict[str, dict] | None = None) -> list[Summary]:
+                  quality: dict[str, dict] | None = None, resolved: dict[str, dict[str, str]] | None = None) \
+        -> list[Summary]:
     """results.json, results.csv, results.md and plots under ``out_dir``; ``quality``: each model's verifier quality
-    (label -> ``infer.measure.quality.verifier_quality``), a model without one reported as not measured."""
+    (label -> ``infer.measure.quality.verifier_quality``), a model without one reported as not measured;
+    ``resolved``: each model's drafters as they ran (model -> method -> spec: ``bench.check_methods``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = summarize(records)
     quality = dict(quality or {})
@@ -390,7 +414,8 @@ def write_outputs(cfg: BenchConfig, records: list[Record], out_dir: Path, comman
     meta = machine_info(cfg.run) | {"command": command}
     config = _config_dict(cfg)
     best = recommend(rows)
-    payload = {"meta": meta, "config": config, "quality": quality, "summary": [asdict(r) for r in rows],
+    payload = {"meta": meta, "config": config, "quality": quality, "resolved": resolved or {},
+               "summary": [asdict(r) for r in rows],
                "recommended": [{"model": m, "task": t, "method": v} for (m, t), v in best.items()],
                "records": [r.to_dict() for r in records]}
     table = io.StringIO(newline="")
@@ -421,11 +446,22 @@ def write_outputs(cfg: BenchConfig, records: list[Record], out_dir: Path, comman
              f"{WORSE_NATS} nats is flagged).\n",
              BATCH_NOTE if cfg.batch_sizes else "", quality_table(quality, rows, cfg.labels), markdown_table(rows),
              "\n**Recommended (fastest of ours) per model and task:** " +
-             "; ".join(f"{m}/{t}: `{v}`" for (m, t), v in best.items()) + "\n"]
+             "; ".join(f"{m}/{t}: `{v}`" for (m, t), v in best.items()) + "\n", methods_section(resolved or {})]
     lines += [f"\n![{p.stem}]({p.name})\n" for p in figures]
     jsonfile.write(out_dir / "results.md", "\n".join(lines))
     jsonfile.write(out_dir / "results.json", json.dumps(payload, indent=1) + "\n")  # whole, and last: it marks a
     return rows  # finished run (what the comparison script's steps look for)
+
+
+def methods_section(resolved: dict[str, dict[str, str]]) -> str:
+    """results.md's list of each method as written and as it ran where the two differ (options an exit adapter's
+    tuned setting filled, a drafter's defaults spelled out): the full specs the bench's screen shortens."""
+    lines = [f"- `{method}` on {model}: `{spec}`" for model, methods in resolved.items()
+             for method, spec in methods.items() if spec != method]
+    if not lines:
+        return ""
+    return "\n**Methods as they ran** (the options each drafter ran with beyond its defaults):\n\n" + "\n".join(lines) \
+        + "\n"
 
 
 BATCH_NOTE = ("Batched (`--batch-size B`): each method decodes the task's prompts B at a time (ours through the "

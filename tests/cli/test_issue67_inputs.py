@@ -140,3 +140,33 @@ def test_duplicate_prompt_ids_are_refused_naming_the_file_the_id_and_both_lines(
     code = main(["generate", "--model", str(tiny_model_dir), "--prompts-file", str(path), "--max-new-tokens", "2"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "prompt id '7'" in err[0], err
+
+
+def _records(tmp_path: Path, *lines: str) -> Path:
+    from infer.measure.report import RECORDS_FILE
+
+    (tmp_path / RECORDS_FILE).write_text("".join(line + "\n" for line in lines[:-1]) + lines[-1])
+    return tmp_path / RECORDS_FILE
+
+
+def test_a_damaged_bench_record_that_is_not_the_last_is_refused_naming_the_line(tmp_path, capsys):
+    """``report.rebuild``, the recovery of a killed bench, raised JSONDecodeError on a damaged line that was not the
+    last; only the last line can be cut by a kill (dropped with a note), any other is refused naming file and line."""
+    import pytest
+
+    from infer.measure.report import read_records, rebuild
+    from layerskip_core.errors import UserError
+
+    header = '{"command": "layerskip bench", "config": {}}'
+    for damaged in ('{"record": {"model": "m", "ta', "[1]", '{"record": {"model": "m"}}', '{"quality": 3}', ""):
+        path = _records(tmp_path, header, damaged, '{"quality": {"m": {}}}', "")
+        for read in (read_records, rebuild):
+            with pytest.raises(UserError) as e:
+                read(tmp_path)
+            assert f"{path}: line 2 is damaged" in str(e.value), str(e.value)
+    path = _records(tmp_path, header, '{"quality": {"m": {}}}', '{"record": {"model": "m", "ta')
+    found_header, records = read_records(tmp_path)
+    assert found_header["command"] == "layerskip bench" and records == []
+    assert f"{path}: last line 3 cut short" in capsys.readouterr().err
+    with pytest.raises(UserError, match="bench records file"):
+        read_records(tmp_path / "missing")
