@@ -301,7 +301,7 @@ class Engine:
         a timed run builds nothing, except SWIFT's drafting forward for a plan first found in it. On the eager
         executor one short generation loads what needs loading (kernels, allocator).
         """
-        config = dataclasses.replace(config or DecodeConfig(), stop_at_eos=False)
+        config = dataclasses.replace(config or DecodeConfig(), stop_at_eos=False, stop_strings=())  # full length
         if self.runner.static is None:
             self.generate(prompts[0], dataclasses.replace(config, max_new_tokens=min(4, config.max_new_tokens)))
             return

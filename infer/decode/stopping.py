@@ -5,7 +5,7 @@ hold a stop string, is the token budget spent (in that order). A verification co
 ``StopRules.scan`` examines them one at a time, in order, with the same questions, and the generation ends at the
 first token where plain decoding would have ended, with its reason: the position and the reason never depend on how
 many tokens a step committed. What a scan learns of the text is kept between calls (``TextTail``), so each committed
-token costs two decodes of a few tokens and a search of a few characters, whatever the output's length.
+token costs about one decode of a few tokens and a search of a few characters, whatever the output's length.
 
 A stop string matches, as transformers' ``StopStringCriteria`` matches it, when it ends in the text a committed token
 added: it may begin earlier, also in the prompt's text (a prompt ending in ``"\\n"`` with stop string ``"\\n\\n"``
@@ -22,6 +22,9 @@ REPLACEMENT = "\ufffd"
 PREFIX_TOKENS = 5
 """Tokens before the new ones that each decode re-reads, so a decoder's joins (a word's leading space, a character
 split over several tokens) come out as in the whole text."""
+SPAN_TOKENS = 16
+"""Tokens a decode may read past its prefix before the prefix moves up to the last ones: one decode per token, and one
+more every ``SPAN_TOKENS``."""
 MAX_PENDING = 16
 """Tokens that may wait for their text (an unfinished character, special tokens the decoder skips) before the scan
 moves on without it: a bound on each decode's length."""
@@ -30,36 +33,42 @@ moves on without it: a bound on each decode's length."""
 class TextTail:
     """The text of a token stream, grown one token at a time: ``push`` gives the characters a token added.
 
-    Incremental detokenization: the text a token adds is ``decode(prefix + pending + [token])`` less
-    ``decode(prefix)``, where ``prefix`` is the few tokens before the ones whose text is not out yet; text that ends in
-    an unfinished character waits for the next token. Only ``decode`` (ids -> str) is asked of the tokenizer.
+    Incremental detokenization: the window holds a few tokens whose text is known (the prefix) and the tokens after
+    them; the text a token adds is what ``decode(window)`` shows past the characters given out already. Text that ends
+    in an unfinished character waits for the next token. Only ``decode`` (ids -> str) is asked of the tokenizer, and
+    each call reads at most ``PREFIX_TOKENS + SPAN_TOKENS + MAX_PENDING`` tokens.
     """
 
     def __init__(self, decode: Callable[[list[int]], str], context: Sequence[int]):
         self.decode = decode
-        self.window = list(context[-PREFIX_TOKENS:])
-        """The prefix tokens, then the pending ones (added, their text not out yet)."""
-        self.read = len(self.window)
-        """window[:read] is the prefix, whose text ``prefix_text`` is."""
-        self.prefix_text = decode(self.window) if self.window else ""
+        self.window = list(context)
+        """The prefix, then the tokens pushed since (their text given out, or pending)."""
+        self.seen = 0
+        """Characters of ``decode(window)`` given out (or the prefix's)."""
+        self.pending = 0
+        """Tokens pushed since the last that gave out text."""
+        self._rebase()
 
     def push(self, token: int) -> str:
         """The characters ``token`` adds to the text ("" while a character is unfinished, or for a skipped token)."""
         self.window.append(int(token))
         text = self.decode(self.window)
-        if len(text) <= len(self.prefix_text) or text.endswith(REPLACEMENT):
-            if len(self.window) - self.read > MAX_PENDING:  # no text for many tokens: move on without it
-                self._move_to(len(self.window))
+        if len(text) <= self.seen or text.endswith(REPLACEMENT):
+            self.pending += 1
+            if self.pending > MAX_PENDING:  # no text for many tokens: move on without it
+                self._rebase()
             return ""
-        new = text[len(self.prefix_text):]
-        self._move_to(len(self.window))
+        new, self.seen, self.pending = text[self.seen:], len(text), 0
+        if len(self.window) >= PREFIX_TOKENS + SPAN_TOKENS:
+            self._rebase()
         return new
 
-    def _move_to(self, read: int) -> None:
-        """Tokens before ``read`` have had their text: the last few of them become the prefix."""
-        self.window = self.window[max(0, read - PREFIX_TOKENS):]
-        self.read = len(self.window)
-        self.prefix_text = self.decode(self.window)
+    def _rebase(self) -> None:
+        """The last ``PREFIX_TOKENS`` tokens become the prefix (their text counted as given out)."""
+        self.window = self.window[len(self.window) - PREFIX_TOKENS:] if len(self.window) > PREFIX_TOKENS \
+            else self.window
+        self.seen = len(self.decode(self.window)) if self.window else 0
+        self.pending = 0
 
 
 class StopScan:

@@ -12,8 +12,9 @@ import torch
 
 from infer import hf_generate
 from infer.decode.batch import BatchEngine
+from infer.decode.cycle import CycleObserver
 from infer.decode.engine import DecodeConfig, Engine
-from infer.decode.stopping import MAX_PENDING, PREFIX_TOKENS, TextTail
+from infer.decode.stopping import MAX_PENDING, PREFIX_TOKENS, SPAN_TOKENS, TextTail
 from infer.drafters import build_drafter
 from infer.drafters.base import Draft
 from infer.drafters.registry import DRAFTERS
@@ -293,8 +294,8 @@ def test_a_stop_string_of_a_multibyte_character(runner, prompt):
 
 
 def test_the_search_decodes_a_bounded_window_per_token(runner, prompt):
-    """256 new tokens with a stop string that never matches: every decode but the prompt's one reads at most
-    PREFIX_TOKENS + MAX_PENDING + 1 tokens (no decode of the whole output per step)."""
+    """256 new tokens with a stop string that never matches: every decode but the prompt's one reads a bounded window
+    (no decode of the whole output per step), about one decode per token."""
     lengths = []
 
     def counting(ids):
@@ -305,8 +306,22 @@ def test_the_search_decodes_a_bounded_window_per_token(runner, prompt):
     result = engine.generate(prompt, DecodeConfig(max_new_tokens=256, stop_strings=("never \x00 here",)))
     assert len(result.tokens) == 256 and result.finish_reason == "length"
     during = lengths[:-1]  # the last decode is the result's text
-    assert sum(n > PREFIX_TOKENS + MAX_PENDING + 1 for n in during) <= 1  # the prompt's text, once
-    assert len(during) <= 2 * 256 + 2
+    assert sum(n > PREFIX_TOKENS + SPAN_TOKENS + MAX_PENDING for n in during) <= 1  # the prompt's text, once
+    assert len(during) <= 256 + 256 // SPAN_TOKENS + 3
+
+
+def test_warm_up_runs_its_full_length_whatever_the_stop_strings(runner, prompt, free):
+    """A warm-up sets up the shapes of a whole generation: a stop string that ends the first token does not cut it."""
+    cycles = []
+
+    class Count(CycleObserver):
+        def advanced(self, rows, outcomes):
+            cycles.append(len(rows))
+
+    engine = Engine(runner, build_drafter("autoregressive", runner), decode=decode)
+    engine.observers.append(Count())
+    engine.warm_up([prompt], DecodeConfig(max_new_tokens=8, stop_strings=(decode(free[:1]),)))
+    assert len(cycles) == 3  # the eager executor's one short generation: 4 tokens, the prefill's and 3 steps
 
 
 def test_an_empty_stop_string_is_refused():
