@@ -18,8 +18,8 @@ lock (``layerskip_core.locks``: one builder at a time, a waiting process says wh
 up after ``BUILD_WAIT_S``); a build killed midway leaves no lock that blocks the next one (torch's own
 ``lock`` file, left behind by a killed build, is removed by the next builder). A library is imported only when it
 is whole: a build writes a stamp beside it (``STAMP_SUFFIX``: size and SHA-256) once it succeeded, and a library
-whose stamp disagrees, or that has no stamp and is shorter than its own ELF headers say, is rebuilt (importing a
-cut-off library kills the process with SIGBUS, with no message, on every later run). Where the kernel cannot be
+whose stamp disagrees or is missing is rebuilt (importing a cut-off or damaged library kills the process with SIGBUS
+or SIGSEGV, with no message, on every later run). Where the kernel cannot be
 built or the CPU lacks AVX2/FMA, ``load()`` returns None and the runner uses ``torch.matmul`` (the portable path);
 set ``LAYERSKIP_KERNEL=torch`` (read by ``layerskip_core.settings``) to force that.
 """
@@ -152,34 +152,15 @@ def stamp(library: Path) -> None:
     os.replace(tmp, stamp_file)
 
 
-def _elf_end(data: bytes) -> int | None:
-    """The file size a 64-bit little-endian ELF's headers claim (segments and section table), or None if not one."""
-    if len(data) < 64 or data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
-        return None
-    phoff, shoff = int.from_bytes(data[0x20:0x28], "little"), int.from_bytes(data[0x28:0x30], "little")
-    phentsize, phnum = int.from_bytes(data[0x36:0x38], "little"), int.from_bytes(data[0x38:0x3A], "little")
-    shentsize, shnum = int.from_bytes(data[0x3A:0x3C], "little"), int.from_bytes(data[0x3C:0x3E], "little")
-    end = max(shoff + shentsize * shnum, phoff + phentsize * phnum)
-    for i in range(phnum):
-        entry = data[phoff + i * phentsize:phoff + (i + 1) * phentsize]
-        if len(entry) < 0x28:
-            return None
-        end = max(end, int.from_bytes(entry[0x08:0x10], "little") + int.from_bytes(entry[0x20:0x28], "little"))
-    return end
-
-
 def is_whole(library: Path) -> bool:
-    """Whether ``library`` is as its build left it: its stamp matches, or (a build from before stamps) it is an ELF
-    file at least as long as its headers say."""
+    """Whether ``library`` is as its build left it: its stamp (written after a successful build) matches its size and
+    SHA-256. A library without a stamp is not trusted (a build from before stamps, or one whose stamp was lost): its
+    ELF headers cannot tell bytes damaged at full length, and importing it can kill the process; it is rebuilt."""
     stamp_file = library.with_name(library.name + STAMP_SUFFIX)
     try:
-        if stamp_file.is_file():
-            return stamp_file.read_text().strip() == _digest(library)
-        data = library.read_bytes()
+        return stamp_file.is_file() and stamp_file.read_text().strip() == _digest(library)
     except OSError:
         return False
-    end = _elf_end(data)
-    return end is not None and len(data) >= end
 
 
 def _import_or_none(library: Path):
