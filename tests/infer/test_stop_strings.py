@@ -283,6 +283,21 @@ def test_text_tail_gives_the_whole_texts_characters():
         assert "\ufffd" not in "".join(out)
 
 
+def test_text_tail_with_the_default_models_tokenizer(default_model_path):
+    """Byte-level BPE with merges (SmolLM2's): accents, CJK and emoji split over tokens, after a chat prompt; the
+    characters pushed are the whole text's, and the prompt's text and the output's join as in one decode."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_path)
+    whole = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    ids = tok("Héllo wörld! 日本語のテキスト 🙂🚀 — naïve café.\n\n  def f(x):\n\treturn x ** 2\n" * 3)["input_ids"]
+    tail = TextTail(whole, prompt)
+    out = "".join(tail.push(t) for t in ids)
+    assert out == whole(ids) and whole(prompt + ids) == whole(prompt) + out
+
+
 def test_a_stop_string_of_a_multibyte_character(runner, prompt):
     """A stop string whose character takes three byte tokens stops at its last byte (through a scripted stream)."""
     stream = TOK("ab日cd")["input_ids"]
