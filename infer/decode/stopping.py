@@ -10,7 +10,9 @@ token costs about one decode of a few tokens and a search of a few characters, w
 A stop string matches, as transformers' ``StopStringCriteria`` matches it, when it ends in the text a committed token
 added: it may begin earlier, also in the prompt's text (a prompt ending in ``"\\n"`` with stop string ``"\\n\\n"``
 stops at a first token ``"\\n"``), but a stop string wholly inside the prompt matches nothing. The output (the tokens
-up to and including the one that completed the match) is kept, as transformers keeps it.
+up to and including the one that completed the match) is kept, as transformers keeps it. The text is the engine's
+``decode`` of the tokens (``LoadedModel.decode`` skips special tokens), grown token by token; a decoder whose clean-up
+rewrites characters already given out (``" n't"`` -> ``"n't"``) is read as the token-by-token text shows them.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class StopScan:
         """The last ``keep`` characters of the text so far (the prompt's, then the generated tokens')."""
 
     def push(self, token: int) -> bool:
+        """Whether a stop string ends in the characters ``token`` adds to the text."""
         new = self.text.push(token)
         if not new:
             return False
