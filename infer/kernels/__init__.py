@@ -7,7 +7,10 @@ packed once, at load, into panels (``panels.cpp``; ``infer.kernels.panels`` pack
 The same module runs a runner's decoder layers as one C++ call (``LayerStack``, ``layer_span.cpp``; the Python side
 and what it covers: ``infer.model.fused_span``), bitwise what the Python layer loop computes.
 
-Built on first use with ``torch.utils.cpp_extension`` (about a minute) from its sources (``SOURCES``: the four C++
+The module also has the gated MLP's activation row by row (``gated_act``, ``activation.cpp``: SiLU or GELU-tanh, the
+same bits for a row whatever T and the threads), which ``infer.model.layer_math`` calls wherever the matmuls run here.
+
+Built on first use with ``torch.utils.cpp_extension`` (about a minute) from its sources (``SOURCES``: the five C++
 files and their header, one extension), into a folder keyed by a
 hash of the kernel sources and compiler flags, the torch version and the Python version:
 ``$TORCH_EXTENSIONS_DIR/layerskip_small_matmul-<key>`` when that variable is set, otherwise
@@ -40,7 +43,7 @@ from layerskip_core.packages import cache_root
 
 _HERE = Path(__file__).parent
 _SOURCE = _HERE / "small_matmul.cpp"
-SOURCES = ("panels.cpp", "attention.cpp", "layer_span.cpp", "kernels.h")
+SOURCES = ("panels.cpp", "attention.cpp", "activation.cpp", "layer_span.cpp", "quant.cpp", "kernels.h")
 """Beside ``small_matmul.cpp`` (``_SOURCE``), compiled into the same extension (a header is copied, not compiled)."""
 NAME = "layerskip_small_matmul"
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp")

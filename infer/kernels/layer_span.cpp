@@ -2,19 +2,19 @@
 //
 // The eager layer loop (infer/model/packed.py over infer/model/layer_math.py) runs ~34 small torch ops a layer and
 // the interpreter between them: ~4 ms of a 30-layer one-token step beside ~26 ms of matmuls. This file runs the same
-// layers from C++: the kernel's own functions (rms_norm, small_matmul, attend_rows) called directly, torch's own SiLU
-// (at::silu on the same view F.silu gets), and the elementwise steps that torch computes as one rounding per op
-// (RoPE's two products and their sum, the gate product, the residual sums) written here with the same roundings:
-// fp32 products and sums, never contracted into an FMA (the extension is built with -ffp-contract=off); bf16 each op
-// in fp32 on the widened values, rounded to bf16 as ATen rounds (round to nearest even in integer arithmetic). So
-// every bit of the output, the KV cache rows, the cache lengths and the layer counters equals the Python loop's
-// (tests/infer/test_kernel_layer.py).
+// layers from C++: the kernel's own functions (rms_norm, small_matmul, attend_rows, gated_act: the MLP's activation
+// row by row, as the Python loop calls it on the kernel) called directly, and the elementwise steps that torch
+// computes as one rounding per op (RoPE's two products and their sum, the residual sums) written here with the same
+// roundings: fp32 products and sums, never contracted into an FMA (the extension is built with -ffp-contract=off);
+// bf16 each op in fp32 on the widened values, rounded to bf16 as ATen rounds (round to nearest even in integer
+// arithmetic). So every bit of the output, the KV cache rows, the cache lengths and the layer counters equals the
+// Python loop's (tests/infer/test_kernel_layer.py).
 //
-// Scope (the Python side, infer/kernels/layer_span.py, decides once per runner and per call): Llama-shaped layers (no
+// Scope (the Python side, infer/model/fused_span.py, decides once per runner and per call): Llama-shaped layers (no
 // q/k norms, no post norms, no biases, SiLU, full attention, the plain RMSNorm) on the AVX-512 path, fp32 and bf16
 // (AVX512_BF16), T <= 32 rows of one sequence, never T > 1 rows from an empty layer (those attend causally on SDPA).
 //
-// This file also holds the module's Python bindings (the kernel functions are small_matmul.cpp's, see kernels.h).
+// This file also holds the module's Python bindings (the kernel functions are the other files', see kernels.h).
 #include "kernels.h"
 
 #include <ATen/ATen.h>
@@ -38,26 +38,9 @@ using BF16 = c10::BFloat16;
 namespace vec {
 
 using layerskip::simd::first;
-using layerskip::simd::widen;
-
-// fp32 -> bf16 as ATen's vectorised ops round (cvtfp32_bf16): nearest even by integer arithmetic, NaN -> 0xffff.
-// (Not vcvtneps2bf16: that one flushes denormal inputs to zero, which torch does not.)
-inline __m256i round_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  __m512i t = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  t = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(t, _mm512_set1_epi32(0x7fff)), bits), 16);
-  t = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), _mm512_set1_epi32(0xffff), t);
-  return _mm512_cvtusepi32_epi16(t);
-}
-
-inline __m512 load(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load(const BF16* p, __mmask16 m) { return widen(_mm256_maskz_loadu_epi16(m, p)); }
-inline void store(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-inline void store(BF16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, round_bf16(v)); }
-
-// A result as a tensor of dtype E holds it: fp32 as computed, bf16 rounded (what a torch op stores).
-inline __m512 held(__m512 v, const float*) { return v; }
-inline __m512 held(__m512 v, const BF16*) { return widen(round_bf16(v)); }
+using layerskip::simd::held;
+using layerskip::simd::load;
+using layerskip::simd::store;
 
 // RoPE of one head row x (D): (x * c) + (roll(x, D/2) * s), as layer_math.qkv_rope's (qk * cos).add_(qk.roll(D // 2,
 // dims=-1).mul_(sin)): each product and the sum one op in E. ``rolled``: D elements of scratch.
@@ -74,13 +57,12 @@ void rope_row(const E* x, const E* c, const E* s, E* out, int64_t D, E* rolled) 
   }
 }
 
-// y[j] = y[j] + x[j] (``add``) or y[j] * x[j] over n elements, in fp32 then stored in E: torch's y.add_(x), y.mul_(x).
+// y[j] = y[j] + x[j] over n elements, in fp32 then stored in E: torch's y.add_(x).
 template <class E>
-void combine(E* y, const E* x, int64_t n, bool add) {
+void add(E* y, const E* x, int64_t n) {
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 m = first(n - j);
-    const __m512 a = load(y + j, m), b = load(x + j, m);
-    store(y + j, add ? _mm512_add_ps(a, b) : _mm512_mul_ps(a, b), m);
+    store(y + j, _mm512_add_ps(load(y + j, m), load(x + j, m)), m);
   }
 }
 
@@ -146,17 +128,10 @@ const c10::optional<torch::Tensor>& visible(Call& c, int64_t slot) {
 void add_into(torch::Tensor& y, const torch::Tensor& x) {
   const auto xc = x.contiguous();
   if (y.scalar_type() == torch::kBFloat16) {
-    vec::combine(y.data_ptr<BF16>(), xc.data_ptr<BF16>(), y.numel(), true);
+    vec::add(y.data_ptr<BF16>(), xc.data_ptr<BF16>(), y.numel());
   } else {
-    vec::combine(y.data_ptr<float>(), xc.data_ptr<float>(), y.numel(), true);
+    vec::add(y.data_ptr<float>(), xc.data_ptr<float>(), y.numel());
   }
-}
-
-// act *= up row by row (act (T, I) with unit inner stride, up a (T, I) view of the gate/up output): act.mul_(up).
-template <class E>
-void multiply_rows(torch::Tensor& act, const torch::Tensor& up) {
-  for (int64_t t = 0; t < act.size(0); ++t)
-    vec::combine(act.data_ptr<E>() + t * act.stride(0), up.data_ptr<E>() + t * up.stride(0), act.size(1), false);
 }
 
 // RoPE on each row's q heads into q (T, Hq, D) and its k heads into the layer's cache rows [slot, slot + T); v copied
@@ -294,16 +269,13 @@ class LayerStack {
     return y;
   }
 
-  // layer_math.mlp: norm, gate/up, SiLU(gate) * up, down, residual: (T, d).
+  // layer_math.mlp: norm, gate/up, SiLU(gate) * up (the kernel's row activation, as layer_math.gated), down,
+  // residual: (T, d).
   torch::Tensor mlp(const Layer& w, const torch::Tensor& h) {
     if (!w.gate_up.defined()) return h;
     const int64_t I = w.down.size(1);  // the down matrix's K, plain or packed
     const auto gu = layerskip::linear(layerskip::rms_norm(h, w.mlp_norm, eps_), w.gate_up, 2 * I);  // (T, 2 I)
-    auto act = at::silu(gu.narrow(1, 0, I));  // (T, I): torch's SiLU on the view F.silu gets from chunk
-    const auto up = gu.narrow(1, I, I);  // (T, I)
-    if (act.stride(1) != 1) act.mul_(up);
-    else if (act.scalar_type() == torch::kBFloat16) multiply_rows<BF16>(act, up);
-    else multiply_rows<float>(act, up);
+    const auto act = layerskip::gated_act(gu, false);  // (T, I)
     auto y = layerskip::linear(act, w.down, h.size(1));  // (T, d)
     add_into(y, h);
     return y;
@@ -328,6 +300,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend_rows", &attend_rows, "softmax(q k^T scale) v one query row at a time (fp32; bf16 with AVX512_BF16)");
   m.def("attend_cache", &attend_cache, "attend_rows after writing k, v into one layer of the KV caches");
   m.def("bf16_value_pairs", &bf16_value_pairs, "whether bf16 attention sums values over pairs of keys (vdpbf16ps)");
+  m.def("gated_act", &gated_act, "act(gate) * up of gate_up (T, 2 I) = [gate | up], row by row (SiLU; GELU-tanh "
+        "where gelu)", py::arg("gate_up"), py::arg("gelu") = false);
   m.def("rms_norm", &rms_norm, "w * x * rsqrt(mean(x^2) + eps) over the last dim (fp32, bf16; AVX-512 path)");
   py::class_<LayerStack>(m, "LayerStack", "a runner's decoder layers, run as one span per call (AVX-512 path)")
       .def(py::init<const py::list&, int64_t, int64_t, int64_t, double, double>(), py::arg("layers"),

@@ -150,7 +150,8 @@ namespace layerskip {
 torch::Tensor pack_panels(const torch::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && (w.dtype() == torch::kFloat32 || w.dtype() == torch::kBFloat16) && w.device().is_cpu(),
               "w (N, K) fp32 or bf16 on the CPU");
-  TORCH_CHECK(w.size(1) % 2 == 0 && w.size(0) > 0, "w (N, K) with N > 0 and K even");
+  TORCH_CHECK(w.size(0) > 0 && (w.dtype() == torch::kFloat32 || w.size(1) % 2 == 0),
+              "w (N, K) with N > 0 (bf16: K even, the layout's pairs)");
   const auto wc = w.contiguous();
   const int64_t N = wc.size(0), K = wc.size(1), G = (N + PANEL_ROWS - 1) / PANEL_ROWS;
   auto out = torch::zeros({G, K, PANEL_ROWS}, wc.options());  // (G, K, 48); the last group's missing rows zero
@@ -179,7 +180,7 @@ torch::Tensor panel_matmul(const torch::Tensor& x, const torch::Tensor& w, int64
               "x (T, K) and w packed (G, K, ", PANEL_ROWS, ") contiguous (infer.kernels.panels.pack)");
   TORCH_CHECK(n > 0 && (n + PANEL_ROWS - 1) / PANEL_ROWS == w.size(0), "n: ", w.size(0), " groups hold ",
               w.size(0) * PANEL_ROWS - PANEL_ROWS + 1, " to ", w.size(0) * PANEL_ROWS, " rows, not ", n);
-  TORCH_CHECK(x.size(1) % 2 == 0, "K must be even");
+  TORCH_CHECK(!bf16 || x.size(1) % 2 == 0, "bf16: K must be even (the layout's pairs)");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "CPU tensors only");
   const auto xc = x.contiguous();
   const int64_t T = xc.size(0), K = xc.size(1), G = w.size(0);

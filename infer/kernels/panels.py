@@ -16,9 +16,11 @@ GROUP = 48
 
 
 def usable(module, weight: Tensor) -> bool:
-    """Whether the built ``module`` runs ``weight`` (N, K) packed: its AVX-512 path, K even."""
+    """Whether the built ``module`` runs ``weight`` (N, K) packed: its AVX-512 path, any N > 0 and K in fp32 (the last
+    group's missing rows are zero), K even in bf16 (the layout pairs k)."""
     return (module is not None and hasattr(module, "panel_matmul") and module.path() == "avx512"
-            and weight.dim() == 2 and weight.shape[0] > 0 and weight.shape[1] % 2 == 0)
+            and weight.dim() == 2 and weight.shape[0] > 0
+            and (weight.dtype == torch.float32 or weight.shape[1] % 2 == 0))
 
 
 def place(module, weight: Tensor) -> Tensor:

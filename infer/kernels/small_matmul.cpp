@@ -11,8 +11,9 @@
 // Paths, chosen once per process from cpuid (never per call, so the order never changes within a run):
 //   avx512  fp32, and bf16 on CPUs with AVX512_BF16: the weights packed in panels (panels.cpp; the runner packs each
 //           matrix once at load, ``small_matmul`` here packs on the fly);
-//   avx2    fp32, 8 lanes, one dot product per output element (one vector accumulator, k-chunks in sequence, then the
-//           same horizontal sum): one token streams 8 rows at once, several share 4-row halves; and its own row
+//   avx2    fp32, 8 lanes, one dot product per output element (one vector accumulator, k-chunks in sequence, a row's
+//           last K % 8 values by masked loads, then the same horizontal sum): one token streams 8 rows at once,
+//           several share 4-row halves; and its own row
 //           attention (the file is compiled with -mavx2 -mfma; AVX-512 code is in target regions).
 // Elsewhere the Python side uses torch (the portable path).
 //
@@ -59,20 +60,27 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(sums);
 }
 
-// TB tokens x NB weight rows per block: TB * NB accumulators stay in registers. K % 8 == 0.
+// One k-chunk of 8 into the block's accumulators; TAIL: the last K % 8 columns by masked loads (zeros past K, so
+// a row's tail adds exact zeros, the same in every block shape).
+template <int TB, int NB, bool TAIL>
+inline void chunk(__m256 (&acc)[TB][NB], const float* x, const float* w, int64_t K, int64_t k, __m256i m) {
+  __m256 wv[NB];
+  for (int r = 0; r < NB; ++r) wv[r] = TAIL ? _mm256_maskload_ps(w + r * K + k, m) : _mm256_loadu_ps(w + r * K + k);
+  for (int t = 0; t < TB; ++t) {
+    const __m256 xv = TAIL ? _mm256_maskload_ps(x + t * K + k, m) : _mm256_loadu_ps(x + t * K + k);
+    for (int r = 0; r < NB; ++r) acc[t][r] = _mm256_fmadd_ps(xv, wv[r], acc[t][r]);
+  }
+}
+
+// TB tokens x NB weight rows per block: TB * NB accumulators stay in registers; any K.
 template <int TB, int NB>
 inline void block(const float* x, const float* w, float* y, int64_t K, int64_t N) {
   __m256 acc[TB][NB];
   for (int t = 0; t < TB; ++t)
     for (int r = 0; r < NB; ++r) acc[t][r] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
-    __m256 wv[NB];
-    for (int r = 0; r < NB; ++r) wv[r] = _mm256_loadu_ps(w + r * K + k);
-    for (int t = 0; t < TB; ++t) {
-      const __m256 xv = _mm256_loadu_ps(x + t * K + k);
-      for (int r = 0; r < NB; ++r) acc[t][r] = _mm256_fmadd_ps(xv, wv[r], acc[t][r]);
-    }
-  }
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) chunk<TB, NB, false>(acc, x, w, K, k, _mm256_setzero_si256());
+  if (k < K) chunk<TB, NB, true>(acc, x, w, K, k, layerskip::simd::first8(K - k));
   for (int t = 0; t < TB; ++t)
     for (int r = 0; r < NB; ++r) y[t * N + r] = hsum(acc[t][r]);
 }
@@ -168,10 +176,10 @@ void rms_norm_bf16(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat16
 #pragma GCC pop_options
 
 // ------------------------------------------------------------------------------------- AVX2 row attention
-// fp32 only, D % 8 == 0: one query row at a time over its visible keys, so CPUs without AVX-512 keep T-token
-// verification bitwise equal to one-token decoding in fp32. Its own arithmetic (scores by a reduction tree, two chains
-// of keys): equal to the AVX-512 path's (attention.cpp) to rounding, not bitwise; each path is batch invariant on its
-// own.
+// fp32 only, any head dim (its last D % 8 dims by masked loads): one query row at a time over its visible keys, so
+// CPUs without AVX-512 keep T-token verification bitwise equal to one-token decoding in fp32. Its own arithmetic
+// (scores by a reduction tree, two chains of keys): equal to the AVX-512 path's (attention.cpp) to rounding, not
+// bitwise; each path is batch invariant on its own.
 namespace avx2 {
 
 struct Rows {  // strides in elements; the last dim of every tensor is contiguous
@@ -201,16 +209,20 @@ constexpr int MAX_CHUNKS = 32;  // D <= 256
 // ``seen``: S + 16 entries of scratch.
 inline void attend_row(const float* q, const float* k, const float* v, const bool* vis, const Rows& r,
                        float* score, int64_t* seen, float* out) {
-  const int64_t nc = r.D / 8;
+  const int64_t full = r.D / 8, nc = (r.D + 7) / 8;  // whole chunks of 8 dims; all chunks, a masked last one
+  const __m256i tail = layerskip::simd::first8(r.D - 8 * full);
+  const auto load = [&](const float* p, int64_t c) {  // zeros past D
+    return c < full ? _mm256_loadu_ps(p + 8 * c) : _mm256_maskload_ps(p + 8 * c, tail);
+  };
   int64_t n = 0;
   for (int64_t s = 0; s < r.S; ++s) seen[n] = s, n += vis == nullptr || vis[s];
   for (int64_t i = 0; i < n; i += 8) {
     __m256 acc[8];
     for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
     for (int64_t c = 0; c < nc; ++c) {
-      const __m256 qv = _mm256_loadu_ps(q + 8 * c);
+      const __m256 qv = load(q, c);
       for (int j = 0; j < 8; ++j)  // past the last key: the last key again (its score is not used)
-        acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + seen[std::min(i + j, n - 1)] * r.ks + 8 * c), acc[j]);
+        acc[j] = _mm256_fmadd_ps(qv, load(k + seen[std::min(i + j, n - 1)] * r.ks, c), acc[j]);
     }
     _mm256_storeu_ps(score + i, _mm256_mul_ps(reduce8(acc), _mm256_set1_ps(r.scale)));
   }
@@ -223,15 +235,18 @@ inline void attend_row(const float* q, const float* k, const float* v, const boo
   for (int64_t i = 0; i < n; i += 2) {
     const __m256 p = _mm256_set1_ps(score[i]);
     sums[0] += score[i];
-    for (int64_t c = 0; c < nc; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + seen[i] * r.vs + 8 * c), acc[c]);
+    for (int64_t c = 0; c < nc; ++c) acc[c] = _mm256_fmadd_ps(p, load(v + seen[i] * r.vs, c), acc[c]);
     if (i + 1 == n) break;
     const __m256 p1 = _mm256_set1_ps(score[i + 1]);
     sums[1] += score[i + 1];
-    for (int64_t c = 0; c < nc; ++c)
-      odd[c] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v + seen[i + 1] * r.vs + 8 * c), odd[c]);
+    for (int64_t c = 0; c < nc; ++c) odd[c] = _mm256_fmadd_ps(p1, load(v + seen[i + 1] * r.vs, c), odd[c]);
   }
   const __m256 inv = _mm256_set1_ps(n > 0 ? 1.0f / (sums[0] + sums[1]) : 0.0f);  // no visible key: zeros
-  for (int64_t c = 0; c < nc; ++c) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(_mm256_add_ps(acc[c], odd[c]), inv));
+  for (int64_t c = 0; c < nc; ++c) {
+    const __m256 o = _mm256_mul_ps(_mm256_add_ps(acc[c], odd[c]), inv);
+    if (c < full) _mm256_storeu_ps(out + 8 * c, o);
+    else _mm256_maskstore_ps(out + 8 * c, tail, o);
+  }
 }
 
 // Items [i0, i1) of the (query head, row) pairs, row-minor: q (Hq, T, D) at strides qh, qt; mask (T, S); out (T, Hq,
@@ -289,7 +304,6 @@ torch::Tensor small_matmul(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(x.dtype() == w.dtype() && (bf16 || x.dtype() == torch::kFloat32), "x and w both fp32 or both bf16");
   TORCH_CHECK(!bf16 || isa().bf16, "bf16 needs a CPU with AVX512_BF16");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x (T, K) and w (N, K)");
-  TORCH_CHECK(x.size(1) % 8 == 0, "K must be a multiple of 8");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "CPU tensors only");
   if (isa().avx512) return panel_matmul(x, pack_panels(w), w.size(0));  // packed on the fly (the runner packs once)
   const auto xc = x.contiguous();
@@ -329,13 +343,12 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
 
 // q (Hq, T, D) over k, v (Hkv, S, D) (any strides, the last dim contiguous), ``mask`` (T, S) bool or None (all
 // visible): softmax(q k^T scale) v per query row, each row as it computes alone; fp32 or bf16 (fp32 arithmetic, the
-// output rounded once) on the AVX-512 path (attention.cpp: every query of a KV head over each key load), fp32 with
-// D % 8 == 0 on the AVX2 path (``avx2::attend_row``). Returns (Hq, T, D) as a view of a (T, Hq, D) tensor.
+// output rounded once) on the AVX-512 path (attention.cpp: every query of a KV head over each key load), fp32 on
+// the AVX2 path (``avx2::attend_row``). Returns (Hq, T, D) as a view of a (T, Hq, D) tensor.
 torch::Tensor attend_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                           const c10::optional<torch::Tensor>& mask, double scale) {
   const bool bf16 = q.dtype() == torch::kBFloat16, wide = isa().avx512;
   TORCH_CHECK(!bf16 || (wide && isa().bf16), "attend_rows: bf16 runs on the AVX-512 path with AVX512_BF16 only");
-  TORCH_CHECK(wide || q.size(-1) % 8 == 0, "attend_rows: the AVX2 path needs a head dim divisible by 8");
   TORCH_CHECK(q.dtype() == k.dtype() && q.dtype() == v.dtype() && (bf16 || q.dtype() == torch::kFloat32) &&
               q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "fp32 or bf16 CPU tensors");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.size(2) == k.size(2) &&

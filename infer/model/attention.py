@@ -48,13 +48,12 @@ def group_mask(visible: Tensor, groups: int, dtype) -> Tensor:
 
 def row_kernel(kernel, q: Tensor):
     """``kernel`` when it has the batch-invariant row attention for ``q`` here (CPU, head dim <= 256, no gradient
-    wanted; on the AVX-512 path fp32, or bf16 with AVX512_BF16; on the AVX2 path fp32 with a head dim divisible by 8);
-    else None."""
+    wanted; on the AVX-512 path fp32, or bf16 with AVX512_BF16; on the AVX2 path fp32); else None."""
     if (kernel is None or q.device.type != "cpu" or q.shape[-1] > 256 or not hasattr(kernel, "attend_rows")
             or (q.requires_grad and torch.is_grad_enabled())):
         return None  # (the C++ call has no backward: autograd takes SDPA)
     if kernel.path() == "avx2":
-        return kernel if q.dtype == torch.float32 and q.shape[-1] % 8 == 0 else None
+        return kernel if q.dtype == torch.float32 else None
     if q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and kernel.supports_bf16()):
         return kernel
     return None

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from infer.model.weights import LayerWeights, rms_norm
+from infer.model.weights import LayerWeights, Linear, rms_norm
 from layerskip_core.errors import UserError
 from layerskip_core.families import DEFAULT_ROPE, NO_ROPE, ModelSpec
 
@@ -78,12 +78,26 @@ def mlp(spec: ModelSpec, w: LayerWeights, hidden: Tensor, bulk: bool = False) ->
     if w.gate_up is None:
         return hidden
     x = norm(hidden, w.mlp_norm, spec)  # (T, d)
-    gate, up = w.gate_up(x, bulk).chunk(2, dim=-1)  # (T, I) each
-    act = F.silu(gate) if spec.family.activation == "silu" else F.gelu(gate, approximate="tanh")  # (T, I)
-    y = w.down(act.mul_(up), bulk)  # (T, d)
+    y = w.down(gated(spec, w.gate_up, w.gate_up(x, bulk)), bulk)  # (T, d)
     if w.post_mlp_norm is not None:
         y = norm(y, w.post_mlp_norm, spec)
     return y.add_(hidden)  # hidden + y bitwise, into y's fresh memory
+
+
+def gated(spec: ModelSpec, gate_up: Linear, gu: Tensor) -> Tensor:
+    """The gated MLP's act(gate) * up of the gate/up output ``gu`` (T, 2 I): (T, I). Where ``gate_up`` runs on the
+    kernel, the kernel's activation (``gated_act``: each row alone, its tail in the same vector code), so a row's bits
+    do not depend on T or on the threads; torch's F.silu / F.gelu compute a stretch's last elements by another code
+    path and split a large tensor among threads mid-row (docs/KERNELS.md, "Where the exactness contract holds").
+    Elsewhere (torch's matmul, autograd, ``torch.compile`` tracing) torch's functions."""
+    gelu = spec.family.activation != "silu"
+    kernel = gate_up.kernel
+    if (kernel is not None and gu.dtype == gate_up.dtype and gu.device.type == "cpu" and hasattr(kernel, "gated_act")
+            and not (torch.is_grad_enabled() and gu.requires_grad) and not torch.compiler.is_compiling()):
+        return kernel.gated_act(gu, gelu)  # (T, I)
+    gate, up = gu.chunk(2, dim=-1)  # (T, I) each
+    act = F.gelu(gate, approximate="tanh") if gelu else F.silu(gate)  # (T, I)
+    return act.mul_(up)
 
 
 # --------------------------------------------------------------------------- RoPE tables

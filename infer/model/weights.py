@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,13 +22,29 @@ from layerskip_core.adapter_spec import FINGERPRINT_VALUES, weight_fingerprint
 from layerskip_core.errors import UserError
 from layerskip_core.models import ModelSpec
 
+CONTRACT_DOC = "docs/KERNELS.md, 'Where the exactness contract holds'"
+"""Where the exactness contract and the shapes and paths outside it are written down."""
+
+
+class ExactnessWarning(UserWarning):
+    """A model loaded where a T-token verification may round differently from one-token decoding, so a drafter's
+    greedy output may differ from plain decoding where two tokens nearly tie (``CONTRACT_DOC``)."""
+
+
+def kernel_takes(weight: Tensor) -> bool:
+    """Whether the kernel's matmuls take a matrix (out, in) of this width: any width in fp32 (the panels read one k
+    at a time, the AVX2 path loads a row's last in % 8 values masked), an even input width in bf16 (the panels pair
+    k)."""
+    return weight.dim() == 2 and (weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0)
+
 
 class Linear:
     """y = x @ W^T (+ b), W (out, in) as in HF checkpoints.
 
     On x86 CPUs in fp32, and in bf16 where the CPU has AVX512_BF16, it runs the small-batch kernel of
-    ``infer.kernels``: verifying T tokens then costs little more than one, and every row's result is bitwise
-    independent of T, so a batched verification reproduces token-by-token decoding exactly. On the kernel's AVX-512
+    ``infer.kernels`` (any width in fp32, even input widths in bf16: ``kernel_takes``): verifying T tokens then costs
+    little more than one, and every row's result is bitwise independent of T, so a batched verification reproduces
+    token-by-token decoding exactly. On the kernel's AVX-512
     path the kernel reads W packed in panels (``panels``, ``infer.kernels.panels``; prompt prefill too: measured
     faster than torch's matmul there, docs/KERNELS.md), placed in ``infer.kernels.arena`` right after the previously
     built one (a step reads them as one stream), and are the only copy: ``weight`` unpacks W when asked (loading, a
@@ -36,8 +53,7 @@ class Linear:
     """
 
     def __init__(self, weight: Tensor, bias: Tensor | None, kernel):
-        usable = (kernels.supports(kernel, weight.dtype) and weight.device.type == "cpu" and weight.dim() == 2
-                  and weight.shape[1] % 8 == 0)
+        usable = kernels.supports(kernel, weight.dtype) and weight.device.type == "cpu" and kernel_takes(weight)
         self.kernel = kernel if usable else None
         self.shape = tuple(weight.shape)  # (out, in)
         self.dtype = weight.dtype
@@ -127,6 +143,38 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * x32.to(x.dtype)
 
 
+NEAR_TIES = ("a T-token verification may round differently from one-token decoding, so greedy output may differ from "
+             f"plain decoding at near-ties ({CONTRACT_DOC})")
+"""What falling outside the exactness contract means, for the warnings below."""
+
+
+def warn_outside_contract(spec: ModelSpec, dtype: torch.dtype, device: torch.device, kernel) -> None:
+    """Warn (once per process and message) at load where a runner's path is outside the exactness contract
+    (``CONTRACT_DOC``): fp32 off the CPU kernel (on a GPU, or on torch's matmul: the portable path), or a head dim the
+    kernel's row attention does not take. bf16/fp16 off the kernel's bf16 path are the documented near-tie rule
+    (README; ``layerskip generate`` says it once), not warned here."""
+    why = None
+    if dtype == torch.float32 and device.type != "cpu":
+        why = f"fp32 on {device.type}: torch's matmuls and attention there choose their kernels by the row count"
+    elif dtype == torch.float32 and kernel is None:
+        why = ("fp32 on torch's matmul and SDPA (the portable path: no small-matmul kernel for this CPU, or "
+               "kernel='torch' / LAYERSKIP_KERNEL=torch)")
+    elif kernel is not None and spec.head_dim > 256:
+        why = f"head dim {spec.head_dim}: the kernel's row attention takes up to 256, so attention runs on SDPA"
+    if why is not None:
+        warnings.warn(f"layerskip: {why}: {NEAR_TIES}", ExactnessWarning, stacklevel=3)
+
+
+def warn_off_kernel(linears: dict[str, Linear | None], kernel) -> None:
+    """Warn (once per process, matrix name and width) where a matrix runs on torch's matmul although the kernel runs
+    its dtype here: a width the kernel does not take (``kernel_takes``: an odd input width in bf16)."""
+    for name, m in linears.items():
+        if m is not None and m.kernel is None and kernels.supports(kernel, m.dtype):
+            warnings.warn(f"layerskip: {name} ({m.shape[0]} x {m.shape[1]}, {str(m.dtype).removeprefix('torch.')}) "
+                          f"runs on torch's matmul (the kernel's bf16 matmul takes even input widths only): "
+                          f"{NEAR_TIES}", ExactnessWarning, stacklevel=3)
+
+
 def load_kernel(dtype: torch.dtype, device: torch.device, kernel: str):
     """The small-matmul kernel module when ``kernel`` is 'auto', on CPU, for fp32, or for bf16 on a CPU with
     AVX512_BF16 (and it builds); else None (torch's matmul)."""
@@ -201,6 +249,8 @@ def fused_layer(get: Callable[[str], Tensor | None], spec: ModelSpec, kernel, ml
         layer.down = Linear(need("mlp.down_proj.weight"), None, kernel)
         if family.sandwich_norms:
             layer.post_mlp_norm = norm("post_feedforward_layernorm.weight")
+    warn_off_kernel({"self_attn.q/k/v_proj": layer.qkv, "self_attn.o_proj": layer.o,
+                     "mlp.gate/up_proj": layer.gate_up, "mlp.down_proj": layer.down}, kernel)
     return layer
 
 
@@ -224,6 +274,8 @@ def fused_weights(state: dict[str, Tensor], config, dt: torch.dtype, dev: torch.
         raise UserError(f"checkpoint has no tensor {missing!r}; is it a {spec.model_type} model?")
     tied = head is None or getattr(config, "tie_word_embeddings", False)
     lm_head = Linear(embed if tied else head, None, kernel)
+    warn_off_kernel({"lm_head": lm_head}, kernel)
+    warn_outside_contract(spec, dt, dev, kernel)
     return None if tied else embed, norm_weight(norm, spec), lm_head, layers
 
 
