@@ -7,17 +7,28 @@ import itertools
 import numpy as np
 import torch
 from scipy.stats import chisquare
+from torch import Tensor
+from transformers.generation import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from infer.decode.engine import DecodeConfig
-from infer.model.sampling import SamplingConfig, probs_from_logits
+from infer.model.sampling import SamplingConfig
+from tiny_models import make_model
 
 P_THRESHOLD = 1e-3  # fixed seeds make the tests deterministic; the threshold guards against a real bias
 
 
 def chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
-    """Chi-square goodness of fit, pooling cells expected to hold fewer than 5 samples."""
+    """Chi-square goodness of fit, pooling cells expected to hold fewer than 5 samples; 0 where a cell of
+    probability 0 was drawn."""
     probs = np.asarray(probs, dtype=np.float64)
     probs = probs / probs.sum()
+    if counts[probs == 0].sum() > 0:  # a draw the target rules out (a token outside its top-k / top-p): not a fit
+        return 0.0
     keep = probs * counts.sum() >= 5
     obs = np.append(counts[keep], counts[~keep].sum())
     exp = np.append(probs[keep], probs[~keep].sum()) * counts.sum()
@@ -26,8 +37,25 @@ def chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     return chisquare(obs, exp).pvalue
 
 
+def transformers_probs(logits: Tensor, cfg: SamplingConfig) -> Tensor:
+    """(..., V) logits -> (..., V) probabilities under transformers' own warpers, as ``generate`` builds them for
+    ``cfg`` (temperature unless 1, top-k unless 0, top-p unless 1, on fp32 scores), then its softmax: the reference
+    that ``probs_from_logits`` must equal, ties included."""
+    processors = LogitsProcessorList()
+    if cfg.temperature != 1.0:
+        processors.append(TemperatureLogitsWarper(float(cfg.temperature)))
+    if cfg.top_k:
+        processors.append(TopKLogitsWarper(cfg.top_k))
+    if cfg.top_p < 1.0:
+        processors.append(TopPLogitsWarper(cfg.top_p))
+    scores = logits.float().reshape(-1, logits.shape[-1])  # (rows, V)
+    return torch.softmax(processors(None, scores), dim=-1).reshape(logits.shape)
+
+
 def target_joint(model, prompt: list[int], cfg: SamplingConfig, steps: int) -> dict[tuple[int, ...], float]:
-    """Exact probability of every sequence of the first ``steps`` generated tokens, by enumeration."""
+    """Exact probability of every sequence of the first ``steps`` generated tokens, by enumeration, each position's
+    distribution made by transformers' own warpers (``transformers_probs``: a reference independent of the code under
+    test)."""
     vocab = model.config.vocab_size
     joint = {}
     for seq in itertools.product(range(vocab), repeat=steps):
@@ -35,7 +63,7 @@ def target_joint(model, prompt: list[int], cfg: SamplingConfig, steps: int) -> d
         for i in range(steps):
             with torch.no_grad():
                 logits = model(torch.tensor([prompt + list(seq[:i])])).logits[0, -1]
-            prob *= probs_from_logits(logits, cfg)[seq[i]].item()
+            prob *= transformers_probs(logits, cfg)[seq[i]].item()
             if prob == 0:
                 break
         joint[seq] = prob
@@ -80,3 +108,17 @@ def totals_of(results) -> dict:
     """Accepted, drafted and draft forwards summed over generation results."""
     return {"accepted": sum(r.stats.accepted for r in results), "drafted": sum(r.stats.drafted for r in results),
             "draft_forwards": sum(r.stats.drafter.draft_forwards for r in results)}
+
+
+TIE_TOP_P = 0.85
+"""With LM-head row 2 a copy of row 1, the first position's ascending probabilities are 0.099, 0.099 (the tied 1 and
+2), 0.183, ...: the nucleus boundary 1 - 0.85 falls between the tied tokens, so the tie rule decides which is kept."""
+
+
+def tied_model():
+    """The sampling matrix's 5-token model with LM-head rows 1 and 2 identical: tokens 1 and 2 tie exactly at every
+    position (in transformers' forward and in the runner's)."""
+    model = make_model("llama", seed=7, vocab_size=5, layers=4)
+    with torch.no_grad():
+        model.lm_head.weight[2] = model.lm_head.weight[1]
+    return model

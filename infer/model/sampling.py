@@ -26,7 +26,8 @@ class SamplingConfig:
     top_k: int = 0
     """Keep only the k most likely tokens before sampling (0 = off)."""
     top_p: float = 1.0
-    """Keep the smallest set of tokens whose probability reaches top_p (1.0 = off)."""
+    """Keep the most likely tokens whose probability together reaches top_p (1.0 = off), by transformers' rule (see
+    ``nucleus``)."""
     seed: int | None = None
     """Seed of the sampling RNG; None draws a fresh one."""
 
@@ -55,25 +56,46 @@ class SamplingConfig:
 
 
 def probs_from_logits(logits: Tensor, cfg: SamplingConfig) -> Tensor:
-    """(..., V) logits -> (..., V) fp32 probabilities after temperature, top-k and top-p.
-
-    The largest logit is subtracted before dividing by the temperature, and the largest stays 0, so a tiny temperature
-    (1e-39, or 1e-50, which is 0 in fp32) gives the argmax's limit (every other logit falls to -inf; ties share it)
-    instead of inf / inf or 0 / 0."""
-    shifted = logits.float() - logits.float().amax(-1, keepdim=True)  # (..., V), <= 0
-    logits = torch.where(shifted == 0, shifted, shifted / cfg.temperature)  # (..., V)
-    if cfg.top_k and cfg.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, cfg.top_k, dim=-1).values[..., -1:]  # (..., 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    """(..., V) logits -> (..., V) fp32 probabilities after temperature, then top-k, then top-p: the order, the rules
+    and the arithmetic of transformers' ``TemperatureLogitsWarper``, ``TopKLogitsWarper`` and ``TopPLogitsWarper``
+    (``min_tokens_to_keep=1``) as ``generate`` builds them, then its softmax of the processed scores, so the kept set
+    is theirs also where tokens tie (frequent in bf16): top-k keeps every token tied with the k-th largest, top-p
+    drops tied tokens in the order transformers' sort puts them (``nucleus``). No host sync (CUDA graphs and the
+    static executor run it)."""
+    scores = scale(logits, cfg.temperature)  # (..., V) fp32
+    if cfg.top_k and cfg.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, cfg.top_k, dim=-1).values[..., -1:]  # (..., 1)
+        scores = scores.masked_fill(scores < kth, float("-inf"))  # ties with the k-th stay
     if cfg.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        # keep a token if the mass strictly before it is below top_p (the first always stays)
-        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= cfg.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+        scores = nucleus(scores, cfg.top_p)
+    return torch.softmax(scores, dim=-1)
+
+
+def scale(logits: Tensor, temperature: float) -> Tensor:
+    """(..., V) logits -> (..., V) fp32 ``logits / temperature`` (transformers' temperature warper on the fp32 scores
+    ``generate`` makes). A row this overflows (a temperature of 1e-39; 1e-50 is 0 in fp32) gets the argmax's limit
+    instead of inf / inf or 0 / 0: the largest logit stays 0, the others fall to -inf (ties share it)."""
+    x = logits.float()  # (..., V)
+    scores = x / temperature  # (..., V)
+    shifted = x - x.amax(-1, keepdim=True)  # (..., V), <= 0
+    limit = torch.where(shifted == 0, shifted, shifted / temperature)  # (..., V)
+    overflowed = (x.isfinite() & ~scores.isfinite()).any(-1, keepdim=True)  # (..., 1)
+    return torch.where(overflowed, limit, scores)
+
+
+def nucleus(scores: Tensor, top_p: float) -> Tensor:
+    """(..., V) scores -> (..., V) with the tokens outside the nucleus at -inf, by transformers' rule: sort ascending,
+    drop every token whose cumulative probability so far is <= 1 - top_p, keep the last (the largest) always.
+
+    Of tied tokens the one sorted first is dropped first. The sort is transformers' very call (``torch.sort``, not
+    stable: on the CPU it puts ties in id order up to 16 tokens, in its own order beyond), so the same scores give
+    transformers' order and its kept set; a stable sort would not."""
+    ascending, order = torch.sort(scores, dim=-1)  # (..., V) each
+    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)  # (..., V)
+    drop_sorted = cumulative <= (1 - top_p)  # (..., V)
+    drop_sorted[..., -1:] = False
+    drop = drop_sorted.scatter(-1, order, drop_sorted)  # (..., V) back in token order
+    return scores.masked_fill(drop, float("-inf"))
 
 
 def sample(probs: Tensor, generator: torch.Generator) -> Tensor:

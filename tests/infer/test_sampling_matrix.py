@@ -11,7 +11,15 @@ Tokens 2 and 3 are drafted positions (4 tokens are generated: the prefill's toke
 from __future__ import annotations
 
 import pytest
-from lossless_stats import P_THRESHOLD, batch_sampling_pvalue, sampling_pvalue
+import torch
+from lossless_stats import (
+    P_THRESHOLD,
+    TIE_TOP_P,
+    batch_sampling_pvalue,
+    sampling_pvalue,
+    tied_model,
+    transformers_probs,
+)
 
 from infer.decode.batch import BatchEngine
 from infer.decode.engine import Engine
@@ -145,3 +153,17 @@ def test_new_families_sample_the_target(kind):
     runner = Runner.from_model(model)
     engine = Engine(runner, build_drafter("early_exit", runner, {"exit_layer": 1, "num_draft": 3, "confidence": 0.3}))
     check(*sampling_pvalue(engine, model, PROMPT, T1, STEPS, SAMPLES, seed=21, new_tokens=NEW_TOKENS))
+
+
+def test_tied_tokens_at_the_nucleus_boundary_sample_what_transformers_keeps():
+    """Two tokens with equal logits, the top-p boundary between them: transformers' TopPLogitsWarper drops token 1 and
+    keeps 2; the engine's draws (drafted positions included) fit its processed joint (a descending sort kept 1 and
+    dropped 2: about one draw in nine began with a token transformers rules out)."""
+    model = tied_model()
+    cfg = SamplingConfig(temperature=1.0, top_p=TIE_TOP_P)
+    with torch.no_grad():
+        first = transformers_probs(model(torch.tensor([PROMPT])).logits[0, -1], cfg)  # (V,)
+    assert first[1] == 0 and first[2] > 0.1  # the boundary splits the tie
+    runner = Runner.from_model(model)
+    engine = Engine(runner, build_drafter("early_exit", runner, {"exit_layer": 1, "num_draft": 3}))
+    check(*sampling_pvalue(engine, model, PROMPT, cfg, STEPS, SAMPLES // 2, seed=14, new_tokens=NEW_TOKENS))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lossless_stats import P_THRESHOLD, chi2_pvalue
+from lossless_stats import P_THRESHOLD, TIE_TOP_P, chi2_pvalue, tied_model
 from transformers.generation import (
     LogitsProcessorList,
     MinPLogitsWarper,
@@ -90,3 +90,21 @@ def test_transformers_entry_samples_what_generate_would(case):
     cells = (new[:, 0] * 25 + new[:, 1] * 5 + new[:, 2]).bincount(minlength=125).double()
     assert sum(s.drafted for s in out.stats) > 100  # the rows drafted
     assert chi2_pvalue(cells.numpy(), joint.double().numpy()) > P_THRESHOLD
+
+
+def test_tied_tokens_at_the_nucleus_boundary_through_generate():
+    """Two tokens with equal logits (identical LM-head rows), the top-p boundary between them: the fast path of
+    ``hf_generate`` keeps the one transformers' TopPLogitsWarper keeps (it kept the other: p = 2e-15 in the issue)."""
+    model = tied_model()
+    kwargs = {"top_p": TIE_TOP_P, "top_k": 0}
+    joint = processed_joint(model, generate_processors(model, do_sample=True, **kwargs))  # (V, V, V)
+    assert joint[1].sum() == 0 and joint[2].sum() > 0.1  # the boundary splits the tie at the first position
+    torch.manual_seed(0)
+    custom = hf_generate("early_exit", exit_layer=1, num_draft=2)
+    out = model.generate(torch.tensor([PROMPT]), custom_generate=custom, max_new_tokens=NEW_TOKENS, do_sample=True,
+                         num_return_sequences=ROWS // 2, eos_token_id=None, pad_token_id=0,
+                         return_dict_in_generate=True, **kwargs)
+    new = out.sequences[:, len(PROMPT):len(PROMPT) + STEPS]  # (rows, 3)
+    cells = (new[:, 0] * 25 + new[:, 1] * 5 + new[:, 2]).bincount(minlength=125).double()
+    assert sum(s.drafted for s in out.stats) > 100  # the rows drafted
+    assert chi2_pvalue(cells.numpy(), joint.reshape(-1).double().numpy()) > P_THRESHOLD
