@@ -155,7 +155,7 @@ class EarlyExitDrafter(GateOwner, Drafter):
 
     def needs(self) -> Needs:
         c = self.config
-        lookahead = max(c.num_draft, c.max_tree_nodes if c.tree else 0) + 1
+        lookahead = c.most_nodes(c.num_draft) + 1
         if not isinstance(self.forward, AdapterForward):
             return Needs(lookahead=lookahead)
         # the prefill keeps the prompt's stream entering the adapter's exit, which fills the adapter's cache
@@ -191,7 +191,7 @@ class EarlyExitDrafter(GateOwner, Drafter):
             if drafter.own_caches:
                 drafter.forward.catch_up(state.cache, state.tokens, state.n)
             c = drafter.config
-            asks.append(ChainAsk(state, drafter.forward, c.num_draft, c.confidence, c.keep_last))
+            asks.append(ChainAsk(state, drafter.forward, c.chain_depth(c.num_draft), c.confidence, c.keep_last))
             drafting.append(j)
         drafts: list[Draft | None] = [None] * len(rows)
         trees = any(rows[j][0].config.tree for j in drafting)

@@ -39,7 +39,7 @@ from infer.drafters.gate import COLD, FallbackGate, GateMemory, Rate, RememberOp
 from infer.drafters.inputs import draft_head, given_plan
 from infer.drafters.skipping import matchness_span
 from infer.drafters.swift_search import LayerSetSearch
-from infer.drafters.tree import TreeOption, chain_tree
+from infer.drafters.tree import TreeOption, chain_depth, chain_tree
 from infer.model.plan import (
     LayerPlan,
     PlanFile,
@@ -288,7 +288,8 @@ class SwiftDrafter(Drafter):
         self._draft_seconds = 0.0
         if self.mode == "plain":
             return None
-        chain = draft_chain(state, self.forward, self.config.num_draft, self.config.confidence, keep_last=True,
+        depth = chain_depth(self.config.num_draft, self.config.tree, self.tree_nodes)
+        chain = draft_chain(state, self.forward, depth, self.config.confidence, keep_last=True,
                             keep_dists=self.config.tree)
         self.forwards += chain.forwards
         if not chain.forwards:
@@ -473,7 +474,8 @@ class SwiftDrafter(Drafter):
             head_share = 1.0 if self.vocab is None else self.vocab.size / self.runner.spec.vocab_size
             c, v = weights_cost(self.runner.spec, 1).draft(self.best, head_share), 1.0
         a = min(matchness, 0.999)
-        return max(cycle_speedup(iid_tokens_per_cycle(a, k), k, c, v) for k in range(1, self.config.num_draft + 1))
+        depth = chain_depth(self.config.num_draft, self.config.tree, self.tree_nodes)  # k: the chain's draft forwards
+        return max(cycle_speedup(iid_tokens_per_cycle(a, k), k, c, v) for k in range(1, depth + 1))
 
     # -------------------------------------------------------------- persistence
     def save(self, path: str) -> None:

@@ -2,7 +2,8 @@
 
 Beside the chain drafting of ``infer.drafters.chain``: a chain of m drafted tokens becomes a tree by hanging the
 next candidates of each depth off the chain node before it, as many per depth as the draft's confidence there
-allows (``GREEDY_WIDTHS`` / ``SAMPLING_WIDTHS``), up to a cap on the tree's nodes.
+allows (``GREEDY_WIDTHS`` / ``SAMPLING_WIDTHS``), up to a cap on the tree's nodes: the chain's included, so a
+verification of a capped tree checks at most cap + 1 tokens (the chain is drafted at most cap deep).
 """
 
 from __future__ import annotations
@@ -31,10 +32,26 @@ class TreeOption:
     """Verify a dynamic top-k tree: the draft's next candidates at each depth hang off the chain node before it, as
     many as the draft's confidence there allows; off = the chain only."""
     max_tree_nodes: int = 12
-    """Cap on drafted tree nodes (verifying more tokens in one forward costs more: docs/RESULTS.md measures it)."""
+    """With tree: most tokens drafted per verification, the chain's included (the chain stops at this many even where
+    num-draft allows more; siblings fill what the chain leaves), so a verification checks at most max-tree-nodes + 1
+    tokens (verifying more in one forward costs more: docs/RESULTS.md measures it)."""
 
     def __post_init__(self) -> None:
         check_size(self.max_tree_nodes, "max-tree-nodes")
+
+    def chain_depth(self, num_draft: int) -> int:
+        """Most chain tokens (draft forwards) per verification (``chain_depth``)."""
+        return chain_depth(num_draft, self.tree, self.max_tree_nodes)
+
+    def most_nodes(self, num_draft: int) -> int:
+        """Most drafted tokens per verification: the node cap with a tree, else the chain's k."""
+        return self.max_tree_nodes if self.tree else num_draft
+
+
+def chain_depth(num_draft: int, tree: bool, max_nodes: int) -> int:
+    """Most chain tokens (draft forwards) per verification: k, and with a tree no more than its node cap (the chain's
+    nodes are the tree's)."""
+    return min(num_draft, max_nodes) if tree else num_draft
 
 
 def chain_rows_kept(outcome: VerifyOutcome) -> int:
@@ -50,16 +67,18 @@ def chain_rows_kept(outcome: VerifyOutcome) -> int:
 
 
 def chain_tree(chain: ChainResult, state: DecodeState, max_nodes: int) -> Draft:
-    """Chain nodes first (positions 1..m), then siblings of each chain node, shallow depths first, at most
-    ``max_nodes`` drafted nodes in all.
+    """Chain nodes first (positions 1..m, m <= ``max_nodes``), then siblings of each chain node, shallow depths first,
+    at most ``max_nodes`` drafted nodes in all.
 
     Candidates for every depth are chosen on the device at once and read in one transfer (with the
     chain's confidences when the chain did not read them): one host sync per tree, not several per depth.
     """
     draft = chain.draft
     m = draft.size
+    if m > max_nodes:  # a drafter's bug: its chain must stop at the cap (``TreeOption.chain_depth``)
+        raise ValueError(f"a chain of {m} drafted tokens under a tree cap of {max_nodes} nodes")
     room = max_nodes - m
-    if m == 0 or room <= 0:
+    if m == 0 or room == 0:
         return draft
     greedy = state.sampling.greedy
     widths = GREEDY_WIDTHS if greedy else SAMPLING_WIDTHS
