@@ -1,0 +1,318 @@
+// Weight-only int8 / int4 matmul for quantized drafts: y = x @ dequantize(w)^T with x (T, K) fp32 or bf16, the
+// arithmetic in fp32, y in x's dtype (infer/kernels/quant.py packs the weights and is the Python API).
+//
+// The layout is the panels' (panels.cpp): the weight's rows in groups of 48 (three 16-row panels; the last group
+// padded with zero rows), each group one contiguous block, k-major, so a step reads a matrix as one sequential stream
+// and an output needs no horizontal sum (lane l of panel q is row 48 g + 16 q + l).
+//   int8 (per output channel): for each k, the group's 48 codes (int8) side by side: (G, K, 48) bytes; one scale a
+//        row, (G * 48) fp32 or bf16, applied once at the end.
+//   int4 (groups of ``group`` k along a row, symmetric): for each 8 consecutive k0..k0+7, each row's 8 codes in one
+//        little-endian 32-bit word, the code of k0 + 2p (two's complement, -8..7) in bits 4p..4p+3 and that of
+//        k0 + 2p + 1 in bits 16 + 4p..: (G, K / 8, 48) words; one scale per row and group, (G, K / group, 48) fp32
+//        or bf16. So a panel's line of 16 words, read as 32 16-bit halves and shifted by 4p, holds in the low bits
+//        of each half the codes of the pair (k0 + 2p, k0 + 2p + 1) of each row: vdpbf16ps's operand layout.
+// (The pairing lets a bf16 dot-product path read the same layout; measured slower than the FMAs below on the
+// developers' AVX512_BF16 CPU, docs/KERNELS.md, so not kept.) Arithmetic, activations kept in float (bf16 x widened
+// exactly): the codes become fp32 values in registers (int8: a sign extension and a convert; int4 on AVX-512: a
+// shift and a 16-entry table lookup, vpermps; on AVX2: a shift pair and a convert) and are multiplied into fp32
+// accumulators with FMAs, one broadcast x[k] per token; the output is rounded once to x's dtype.
+//
+// Batch invariance: an int8 output element is one accumulator, fmadd over k in ascending order from zero, times its
+// scale; an int4 one is, group by group in ascending order, an accumulator of fmadd over the group's k in order from
+// zero, added into the output as fmadd(acc, scale, out) (out from zero). Neither depends on T, on the pass that
+// computes a token, or on how the row groups are split over threads: row t of a T-row call is bitwise the 1-row call.
+//
+// Paths (chosen by the module's path(): "avx512" or "avx2", LAYERSKIP_KERNEL_ISA=avx2 forces the latter): AVX-512
+// runs up to 8 tokens a pass over 3 panel vectors; AVX2 the same layout as six 8-lane halves, 2 tokens a pass. The
+// two paths sum in the same order per lane, so they agree bitwise too. Registered as torch operators
+// (``torch.ops.layerskip_quant``), so they exist once the kernel module is loaded.
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t ROWS = layerskip::PANEL_ROWS;  // weight rows per group (48)
+constexpr int64_t GRAIN = 4;  // row groups per parallel chunk
+constexpr int BIT[8] = {0, 16, 4, 20, 8, 24, 12, 28};  // where k0 + c's int4 code sits in a row's word
+
+// What a call multiplies: x (T, K) fp32 (bf16 widened first), one row group's codes and scales at a time.
+struct Job {
+  const float* x;
+  int64_t T, K, group;  // group: int4's k per scale (0 for int8)
+  const void* scales;
+  bool bf16_scales;
+};
+
+// ------------------------------------------------------------------------------------------ AVX-512
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+namespace wide {
+
+constexpr int PANELS = 3, PASS_MAX = 8;
+
+inline __m512 scales16(const Job& j, int64_t i) {
+  if (j.bf16_scales) return layerskip::simd::widen(_mm256_loadu_si256(
+      reinterpret_cast<const __m256i*>(static_cast<const c10::BFloat16*>(j.scales) + i)));
+  return _mm512_loadu_ps(static_cast<const float*>(j.scales) + i);
+}
+
+// TB tokens (x rows from t0) against row group g of int8 codes w (K, 48): out (TB, 48) fp32, scaled.
+template <int TB>
+void pass8(const Job& j, int64_t t0, const int8_t* w, int64_t g, float* out) {
+  __m512 acc[TB][PANELS];
+  for (int t = 0; t < TB; ++t)
+    for (int q = 0; q < PANELS; ++q) acc[t][q] = _mm512_setzero_ps();
+  const float* x = j.x + t0 * j.K;
+  for (int64_t k = 0; k < j.K; ++k, w += ROWS) {
+    __m512 wv[PANELS];
+    for (int q = 0; q < PANELS; ++q)
+      wv[q] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * q))));
+    for (int t = 0; t < TB; ++t) {
+      const __m512 xb = _mm512_set1_ps(x[t * j.K + k]);
+      for (int q = 0; q < PANELS; ++q) acc[t][q] = _mm512_fmadd_ps(wv[q], xb, acc[t][q]);
+    }
+  }
+  for (int q = 0; q < PANELS; ++q) {
+    const __m512 s = scales16(j, g * ROWS + 16 * q);
+    for (int t = 0; t < TB; ++t) _mm512_storeu_ps(out + t * ROWS + 16 * q, _mm512_mul_ps(acc[t][q], s));
+  }
+}
+
+// fp32 values of the int4 codes 0..15 (two's complement): vpermps reads the low 4 bits of each index lane.
+inline __m512 int4_table() { return _mm512_set_ps(-1, -2, -3, -4, -5, -6, -7, -8, 7, 6, 5, 4, 3, 2, 1, 0); }
+
+// Code of k0 + C (C = 0..7) of each lane's word as fp32, exactly: one shift (none for C = 0) and a table lookup.
+template <int C>
+inline __m512 nibble(__m512i v, __m512 table) {
+  return _mm512_permutexvar_ps(BIT[C] == 0 ? v : _mm512_srli_epi32(v, BIT[C]), table);
+}
+
+template <int TB, int C>
+inline void step4(__m512 (&acc)[TB][PANELS], const __m512i (&v)[PANELS], __m512 table, const float* x, int64_t K) {
+  __m512 wv[PANELS];
+  for (int q = 0; q < PANELS; ++q) wv[q] = nibble<C>(v[q], table);
+  for (int t = 0; t < TB; ++t) {
+    const __m512 xb = _mm512_set1_ps(x[t * K + C]);
+    for (int q = 0; q < PANELS; ++q) acc[t][q] = _mm512_fmadd_ps(wv[q], xb, acc[t][q]);
+  }
+}
+
+// TB tokens against row group g of int4 words w (K / 8, 48): out (TB, 48) fp32, scaled group by group.
+template <int TB>
+void pass4(const Job& j, int64_t t0, const int32_t* w, int64_t g, float* out) {
+  const int64_t groups = j.K / j.group;
+  const float* x = j.x + t0 * j.K;
+  const __m512 table = int4_table();
+  for (int64_t i = 0; i < TB * ROWS; ++i) out[i] = 0.0f;
+  for (int64_t kg = 0; kg < groups; ++kg) {
+    __m512 acc[TB][PANELS];
+    for (int t = 0; t < TB; ++t)
+      for (int q = 0; q < PANELS; ++q) acc[t][q] = _mm512_setzero_ps();
+    for (int64_t k = kg * j.group; k < (kg + 1) * j.group; k += 8, w += ROWS) {
+      __m512i v[PANELS];
+      for (int q = 0; q < PANELS; ++q) v[q] = _mm512_loadu_si512(w + 16 * q);
+      step4<TB, 0>(acc, v, table, x + k, j.K);
+      step4<TB, 1>(acc, v, table, x + k, j.K);
+      step4<TB, 2>(acc, v, table, x + k, j.K);
+      step4<TB, 3>(acc, v, table, x + k, j.K);
+      step4<TB, 4>(acc, v, table, x + k, j.K);
+      step4<TB, 5>(acc, v, table, x + k, j.K);
+      step4<TB, 6>(acc, v, table, x + k, j.K);
+      step4<TB, 7>(acc, v, table, x + k, j.K);
+    }
+    for (int q = 0; q < PANELS; ++q) {
+      const __m512 s = scales16(j, (g * groups + kg) * ROWS + 16 * q);
+      for (int t = 0; t < TB; ++t) {
+        float* o = out + t * ROWS + 16 * q;
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(acc[t][q], s, _mm512_loadu_ps(o)));
+      }
+    }
+  }
+}
+
+template <bool INT4>
+void pass(int tb, const Job& j, int64_t t0, const void* w, int64_t g, float* out) {
+  using P = void (*)(const Job&, int64_t, const void*, int64_t, float*);
+  static constexpr P table[PASS_MAX] = {
+#define LAYERSKIP_QUANT_PASS(TB)                                                                                     \
+  [](const Job& j, int64_t t0, const void* w, int64_t g, float* out) {                                           \
+    if constexpr (INT4) pass4<TB>(j, t0, static_cast<const int32_t*>(w), g, out);                                  \
+    else pass8<TB>(j, t0, static_cast<const int8_t*>(w), g, out);                                                  \
+  }
+      LAYERSKIP_QUANT_PASS(1), LAYERSKIP_QUANT_PASS(2), LAYERSKIP_QUANT_PASS(3), LAYERSKIP_QUANT_PASS(4),
+      LAYERSKIP_QUANT_PASS(5), LAYERSKIP_QUANT_PASS(6), LAYERSKIP_QUANT_PASS(7), LAYERSKIP_QUANT_PASS(8)};
+#undef LAYERSKIP_QUANT_PASS
+  table[tb - 1](j, t0, w, g, out);
+}
+
+}  // namespace wide
+#pragma GCC pop_options
+
+// ------------------------------------------------------------------------------------------ AVX2
+namespace narrow {
+
+constexpr int HALVES = 6, PASS_MAX = 2;  // 8-lane halves of a row group; tokens a pass
+
+inline __m256 scales8(const Job& j, int64_t i) {
+  if (j.bf16_scales) {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const c10::BFloat16*>(j.scales) + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+  }
+  return _mm256_loadu_ps(static_cast<const float*>(j.scales) + i);
+}
+
+template <int TB>
+void pass8(const Job& j, int64_t t0, const int8_t* w, int64_t g, float* out) {
+  __m256 acc[TB][HALVES];
+  for (int t = 0; t < TB; ++t)
+    for (int h = 0; h < HALVES; ++h) acc[t][h] = _mm256_setzero_ps();
+  const float* x = j.x + t0 * j.K;
+  for (int64_t k = 0; k < j.K; ++k, w += ROWS) {
+    __m256 xb[TB];
+    for (int t = 0; t < TB; ++t) xb[t] = _mm256_set1_ps(x[t * j.K + k]);
+    for (int h = 0; h < HALVES; ++h) {
+      const __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8 * h))));
+      for (int t = 0; t < TB; ++t) acc[t][h] = _mm256_fmadd_ps(wv, xb[t], acc[t][h]);
+    }
+  }
+  for (int h = 0; h < HALVES; ++h) {
+    const __m256 s = scales8(j, g * ROWS + 8 * h);
+    for (int t = 0; t < TB; ++t) _mm256_storeu_ps(out + t * ROWS + 8 * h, _mm256_mul_ps(acc[t][h], s));
+  }
+}
+
+template <int TB>
+void pass4(const Job& j, int64_t t0, const int32_t* w, int64_t g, float* out) {
+  const int64_t groups = j.K / j.group;
+  const float* x = j.x + t0 * j.K;
+  for (int64_t i = 0; i < TB * ROWS; ++i) out[i] = 0.0f;
+  for (int64_t kg = 0; kg < groups; ++kg) {
+    __m256 acc[TB][HALVES];
+    for (int t = 0; t < TB; ++t)
+      for (int h = 0; h < HALVES; ++h) acc[t][h] = _mm256_setzero_ps();
+    for (int64_t k = kg * j.group; k < (kg + 1) * j.group; k += 8, w += ROWS) {
+      for (int h = 0; h < HALVES; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 8 * h));
+        for (int c = 0; c < 8; ++c) {
+          const __m256 wv = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 28 - BIT[c]), 28));
+          for (int t = 0; t < TB; ++t) acc[t][h] = _mm256_fmadd_ps(wv, _mm256_set1_ps(x[t * j.K + k + c]), acc[t][h]);
+        }
+      }
+    }
+    for (int h = 0; h < HALVES; ++h) {
+      const __m256 s = scales8(j, (g * groups + kg) * ROWS + 8 * h);
+      for (int t = 0; t < TB; ++t) {
+        float* o = out + t * ROWS + 8 * h;
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(acc[t][h], s, _mm256_loadu_ps(o)));
+      }
+    }
+  }
+}
+
+template <bool INT4>
+void pass(int tb, const Job& j, int64_t t0, const void* w, int64_t g, float* out) {
+  if constexpr (INT4) {
+    if (tb == 1) return pass4<1>(j, t0, static_cast<const int32_t*>(w), g, out);
+    return pass4<2>(j, t0, static_cast<const int32_t*>(w), g, out);
+  } else {
+    if (tb == 1) return pass8<1>(j, t0, static_cast<const int8_t*>(w), g, out);
+    return pass8<2>(j, t0, static_cast<const int8_t*>(w), g, out);
+  }
+}
+
+}  // namespace narrow
+
+// Row groups [g0, g1) for all T tokens in passes of at most pass_max, the tokens split evenly: y (T, N).
+template <bool INT4, bool WIDE, class Out>
+void groups(const Job& j, const char* w, int64_t group_bytes, Out* y, int64_t N, int64_t g0, int64_t g1) {
+  constexpr int pass_max = WIDE ? wide::PASS_MAX : narrow::PASS_MAX;
+  const int64_t passes = (j.T + pass_max - 1) / pass_max;
+  float out[wide::PASS_MAX * ROWS];
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t rows = std::min(ROWS, N - g * ROWS);
+    for (int64_t t = 0, p = 0; t < j.T; ++p) {
+      const int64_t tb = (j.T - t + (passes - p) - 1) / (passes - p);
+      if constexpr (WIDE) wide::pass<INT4>(int(tb), j, t, w + g * group_bytes, g, out);
+      else narrow::pass<INT4>(int(tb), j, t, w + g * group_bytes, g, out);
+      for (int64_t i = 0; i < tb; ++i)
+        for (int64_t r = 0; r < rows; ++r) y[(t + i) * N + g * ROWS + r] = Out(out[i * ROWS + r]);
+      t += tb;
+    }
+  }
+}
+
+template <bool INT4, class Out>
+void run(const Job& j, const char* w, int64_t group_bytes, Out* y, int64_t N, int64_t G) {
+  const bool wide_path = layerskip::path_name() == "avx512";
+  at::parallel_for(0, G, GRAIN, [&](int64_t g0, int64_t g1) {
+    if (wide_path) groups<INT4, true>(j, w, group_bytes, y, N, g0, g1);
+    else groups<INT4, false>(j, w, group_bytes, y, N, g0, g1);
+  });
+}
+
+void check(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales, int64_t n, int64_t bits,
+           int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && (x.dtype() == torch::kFloat32 || x.dtype() == torch::kBFloat16) && x.device().is_cpu(),
+              "quant matmul: x (T, K) fp32 or bf16 on the CPU");
+  TORCH_CHECK(bits == 8 || bits == 4, "quant matmul: bits 8 or 4, not ", bits);
+  const int64_t K = x.size(1), G = w.size(0);
+  TORCH_CHECK(n > 0 && (n + ROWS - 1) / ROWS == G, "quant matmul: ", G, " row groups do not hold ", n, " rows");
+  TORCH_CHECK(w.is_contiguous() && scales.is_contiguous() && w.device().is_cpu() && scales.device().is_cpu(),
+              "quant matmul: packed codes and scales contiguous on the CPU (infer.kernels.quant)");
+  TORCH_CHECK(scales.dtype() == torch::kFloat32 || scales.dtype() == torch::kBFloat16, "quant matmul: fp32 or bf16 "
+              "scales");
+  if (bits == 8) {
+    TORCH_CHECK(w.dim() == 3 && w.dtype() == torch::kInt8 && w.size(1) == K && w.size(2) == ROWS,
+                "quant matmul: int8 codes packed (G, K, 48)");
+    TORCH_CHECK(scales.numel() == G * ROWS, "quant matmul: int8 scales (G * 48)");
+  } else {
+    TORCH_CHECK(group > 0 && group % 8 == 0 && K % group == 0, "quant matmul: int4 group ", group,
+                " must be a multiple of 8 dividing K = ", K);
+    TORCH_CHECK(w.dim() == 3 && w.dtype() == torch::kInt32 && w.size(1) == K / 8 && w.size(2) == ROWS,
+                "quant matmul: int4 words packed (G, K / 8, 48)");
+    TORCH_CHECK(scales.numel() == G * (K / group) * ROWS, "quant matmul: int4 scales (G, K / group, 48)");
+  }
+}
+
+}  // namespace
+
+namespace layerskip {
+
+// y = x @ dequantize(w)^T (T, n) in x's dtype; w, scales packed by infer.kernels.quant (layout above).
+torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales, int64_t n,
+                           int64_t bits, int64_t group) {
+  check(x, w, scales, n, bits, group);
+  const auto xf = x.to(torch::kFloat32).contiguous();  // bf16 widened exactly; fp32 as it is
+  const int64_t T = xf.size(0), K = xf.size(1), G = w.size(0);
+  auto y = torch::empty({T, n}, x.options());
+  if (T == 0) return y;
+  const Job j{xf.data_ptr<float>(), T, K, bits == 4 ? group : 0, scales.data_ptr(),
+              scales.dtype() == torch::kBFloat16};
+  const int64_t group_bytes = w.stride(0) * w.element_size();
+  const char* wp = static_cast<const char*>(w.data_ptr());
+  if (x.dtype() == torch::kBFloat16) {
+    auto* yp = reinterpret_cast<c10::BFloat16*>(y.data_ptr());
+    if (bits == 4) run<true>(j, wp, group_bytes, yp, n, G);
+    else run<false>(j, wp, group_bytes, yp, n, G);
+  } else {
+    float* yp = y.data_ptr<float>();
+    if (bits == 4) run<true>(j, wp, group_bytes, yp, n, G);
+    else run<false>(j, wp, group_bytes, yp, n, G);
+  }
+  return y;
+}
+
+}  // namespace layerskip
+
+TORCH_LIBRARY(layerskip_quant, m) {
+  m.def("matmul(Tensor x, Tensor codes, Tensor scales, int n, int bits, int group) -> Tensor");
+  m.impl("matmul", c10::DispatchKey::CPU, TORCH_FN(layerskip::quant_matmul));
+}
