@@ -7,19 +7,22 @@ model's final norm), then the model's shared LM head. Training starts from the p
 attention and MLP output projections start at zero, the norms and the other projections are copies of layer E's.
 
 The file is safetensors with string metadata: ``format``, ``shape`` (this module's ``AdapterShape`` as JSON),
-``model`` (the base model's identity: architecture numbers and weight fingerprint, as ``Runner.identity()``)
-and ``provenance`` (how it was trained). Both sides name tensors with ``tensor_shapes``. This module does not
-import torch: ``read_file`` checks the tensors it reads with their own methods (finite, the ones the header
-names), and ``AdapterShape.check_layout`` the header against the model the readers in ``infer.assets.adapter`` and
-``train.adapter`` load it on.
+``model`` (the base model's identity: architecture numbers and weight fingerprint, as ``Runner.identity()``),
+``provenance`` (how it was trained) and, once it was tuned, ``decoding`` (``TunedDecoding``: the early-exit setting
+it was tuned with and its measured speed-up, which decoding with the adapter uses for every option left unset).
+Both sides name tensors with ``tensor_shapes``. This module does not import torch: ``read_file`` checks the tensors
+it reads with their own methods (finite, the ones the header names), and ``AdapterShape.check_layout`` the header
+against the model the readers in ``infer.assets.adapter`` and ``train.adapter`` load it on.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from layerskip_core import inputs, jsonfile
@@ -43,6 +46,8 @@ IDENTITY_KEYS = ("model_type", "num_layers", "hidden_size", "vocab_size", "weigh
 """What an adapter file must share with the model it drafts for."""
 LAYOUT_KEYS = ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "rms_norm_eps")
 """The head layout an adapter's header must share with its model (``AdapterShape.check_layout``)."""
+DECODING_KEYS = {"num_draft": int, "confidence": float, "keep_last": bool, "tree": bool, "max_tree_nodes": int}
+"""The early-exit options (``infer.drafters.early_exit``'s field names and types) a tuned setting may hold."""
 
 
 def weight_fingerprint(first_values: Callable[[str], bytes | None]) -> str:
@@ -107,10 +112,80 @@ class AdapterShape:
                             "file is damaged or made for another model: train the adapter again")
 
 
-def metadata(shape: AdapterShape, identity: dict, provenance: dict) -> dict[str, str]:
+@dataclass(frozen=True)
+class TunedDecoding:
+    """The early-exit setting an adapter was tuned with and what it measured there (the header's ``decoding``): the
+    one place a shipped adapter's best setting lives, read by ``--drafter best`` and used by early exit with the
+    adapter for every option its caller leaves unset."""
+
+    settings: dict = field(default_factory=dict)
+    """Early-exit options by field name (``DECODING_KEYS``), e.g. {"num_draft": 6, "confidence": 0.5}."""
+    speedup: float | None = None
+    """Measured speed-up over plain decoding at this setting (None: not measured)."""
+    measured: str = ""
+    """What the speed-up was measured on (prompts, dtype, threads, machine)."""
+    source: str = ""
+    """Where the measurement is recorded (a section of a results page, a bench's results.json and command)."""
+
+    def __post_init__(self) -> None:
+        for key, value in self.settings.items():
+            want = DECODING_KEYS.get(key)
+            if want is None:
+                raise ValueError(f"unknown option {key!r} (a tuned setting holds {', '.join(DECODING_KEYS)})")
+            ok = isinstance(value, bool) if want is bool else \
+                isinstance(value, (int, float) if want is float else int) and not isinstance(value, bool)
+            if not ok or (isinstance(value, float) and not math.isfinite(value)):
+                raise ValueError(f"{key} must be {want.__name__}, got {value!r}")
+        if self.speedup is not None and (isinstance(self.speedup, bool) or not isinstance(self.speedup, (int, float))
+                                         or not math.isfinite(self.speedup) or self.speedup <= 0):
+            raise ValueError(f"speedup must be a positive number, got {self.speedup!r}")
+        if not isinstance(self.measured, str) or not isinstance(self.source, str):
+            raise ValueError("measured and source must be text")
+
+    def spec_text(self) -> str:
+        """The settings as a spec's options: ``num_draft=6:confidence=0.5:keep_last=true``."""
+        return ":".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in self.settings.items())
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+def read_decoding(meta: dict[str, str] | None, path: str | Path) -> TunedDecoding | None:
+    """The tuned setting of an adapter file's metadata (None: never tuned); a damaged one is refused in one line
+    naming the file."""
+    if not meta or "decoding" not in meta:
+        return None
+    try:
+        return TunedDecoding(**jsonfile.obj(jsonfile.parse(meta["decoding"]), "decoding"))
+    except (TypeError, ValueError, UserError) as e:
+        raise UserError(f"{path}: damaged tuned decoding setting in the adapter header ({e}); tune it again "
+                        "(scripts/best_fixed.py --write-adapter) or remove it") from None
+
+
+def write_decoding(path: str | Path, decoding: TunedDecoding) -> None:
+    """Record ``decoding`` in the header of the adapter file at ``path`` (tensors and the rest of the header kept),
+    written whole or not at all (a temporary file beside it, renamed over it)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    meta, tensors = read_file(path)
+    if not meta or meta.get("format") != FORMAT:
+        raise UserError(f"{path} is not an exit adapter file (no {FORMAT!r} header)")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        save_file(tensors, str(tmp), metadata=dict(meta) | {"decoding": decoding.to_json()})
+        os.chmod(tmp, path.stat().st_mode & 0o777)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def metadata(shape: AdapterShape, identity: dict, provenance: dict,
+             decoding: TunedDecoding | None = None) -> dict[str, str]:
     """The safetensors metadata of an adapter file (all values strings, as the format requires)."""
-    return {"format": FORMAT, "shape": json.dumps(asdict(shape)),
+    meta = {"format": FORMAT, "shape": json.dumps(asdict(shape)),
             "model": json.dumps({k: identity[k] for k in IDENTITY_KEYS}), "provenance": json.dumps(provenance)}
+    return meta | ({"decoding": decoding.to_json()} if decoding is not None else {})
 
 
 def read_file(path: str | Path, hint: str = "") -> tuple[dict[str, str] | None, dict]:

@@ -23,7 +23,14 @@ from infer.model.forward_model import Segment, SpanOutput
 from infer.model.kv_cache import KVCache
 from infer.model.packed import packed_span
 from infer.model.runner import DraftHead, Runner
-from layerskip_core.adapter_spec import LAYER_NAMES, AdapterShape, read_file, read_metadata
+from layerskip_core.adapter_spec import (
+    LAYER_NAMES,
+    AdapterShape,
+    TunedDecoding,
+    read_decoding,
+    read_file,
+    read_metadata,
+)
 from layerskip_core.draft_vocab import ids_digest, names_shipped_top
 from layerskip_core.errors import UserError
 
@@ -35,14 +42,22 @@ class ExitAdapter:
     """One adapter's weights as a decoder layer on a runner's device and dtype, and its forward."""
 
     def __init__(self, runner: Runner, shape: AdapterShape, weights: dict[str, Tensor], provenance: dict,
-                 source: str | Path = "the adapter", dtype: torch.dtype | None = None):
-        shape.check_model(runner.num_layers)
+                 source: str | Path = "the adapter", dtype: torch.dtype | None = None,
+                 decoding: TunedDecoding | None = None):
+        try:
+            shape.check_model(runner.num_layers)
+        except UserError as e:
+            raise UserError(f"{source}: {e}") from None
         shape.check_layout(runner.spec, source)  # the adapter's layer runs with the model's head layout
-        self.runner, self.shape, self.provenance = runner, shape, provenance
+        self.runner, self.shape, self.provenance, self.source = runner, shape, provenance, source
+        self.decoding = decoding
+        """The early-exit setting the adapter was tuned with and its measured speed-up (its header's ``decoding``;
+        None: never tuned): what early exit with it uses for the options its caller leaves unset."""
         for name, want in shape.tensor_shapes().items():
             if name not in weights or tuple(weights[name].shape) != want:
                 got = tuple(weights[name].shape) if name in weights else "missing"
-                raise UserError(f"adapter tensor {name!r} should have shape {want}, has {got}; the file is damaged")
+                raise UserError(f"{source}: adapter tensor {name!r} should have shape {want}, has {got}; the file "
+                                "is damaged")
         layer = {LAYER_NAMES[k]: weights[k] for k in shape.tensor_shapes() if k in LAYER_NAMES}
         self.layer = runner.extra_layer(layer, weights["out_norm.weight"], dtype)
         """The runner over the adapter's layer, its output norm before the LM head (kept by ``runner``), in ``dtype``
@@ -58,7 +73,7 @@ class ExitAdapter:
         path = Path(path).expanduser()
         meta, weights = read_file(path, hint=", or 'default'")
         shape, provenance = read_metadata(meta, runner.identity(), str(path))
-        return cls(runner, shape, weights, provenance, path, dtype)
+        return cls(runner, shape, weights, provenance, path, dtype, read_decoding(meta, path))
 
     def new_cache(self, capacity: int) -> KVCache:
         """A one-layer cache for the adapter's keys and values at positions [0, capacity)."""
@@ -96,9 +111,14 @@ def trained_vocab_size(adapter: ExitAdapter) -> str | None:
     when that vocabulary was the top of the shipped counts (its provenance's option 'auto' or a size, so the same
     ids resolve again); None for a vocabulary file or the whole head (auto then keeps its usual meaning)."""
     trained = adapter.provenance.get("draft_vocab")
-    if not isinstance(trained, dict) or not isinstance(trained.get("size"), int):
+    if not isinstance(trained, dict) or "size" not in trained or not names_shipped_top(trained.get("option")):
         return None
-    return str(trained["size"]) if names_shipped_top(trained.get("option")) else None
+    size, vocab = trained["size"], adapter.runner.spec.vocab_size
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= vocab:
+        raise UserError(f"{adapter.source}: the adapter's provenance says its head was trained on a draft vocabulary "
+                        f"of {size!r} ids, not a size in [1, {vocab}]; the file is damaged: train the adapter again, "
+                        "or give draft_vocab= a size or a vocabulary file")
+    return str(size)
 
 
 def vocab_note(adapter: ExitAdapter, vocab: DraftHead | None) -> str | None:
