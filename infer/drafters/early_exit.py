@@ -44,7 +44,7 @@ class EarlyExitDrafterConfig(DraftVocabOption, RememberOption, TreeOption):
 
     exit_layer: int = 8
     """E: draft with decoder layers [0, E), then the final norm and LM head (1 <= E <= L); with an adapter, the
-    adapter's E (leave it at its default or give the same)."""
+    adapter's E (leave it unset or give the same: any other is refused)."""
     num_draft: int = 6
     """k: most tokens drafted per verification."""
     confidence: float = 0.0
@@ -90,8 +90,6 @@ class EarlyExitDrafterConfig(DraftVocabOption, RememberOption, TreeOption):
 
 PREFIXES = (AUTO, "shared", "copy")
 """The values of ``EarlyExitDrafterConfig.prefix``."""
-EXIT_DEFAULT = EarlyExitDrafterConfig.exit_layer
-"""The exit layer's default, which an adapter's own E replaces."""
 
 
 @dataclass
@@ -124,7 +122,7 @@ class EarlyExitDrafter(GateOwner, Drafter):
         config = spec.config
         adapter = None if config.adapter is None else \
             ExitAdapter.load(adapter_path(config.adapter, runner), runner, draft_dtype(config.draft_dtype, runner))
-        if adapter is not None and config.exit_layer not in (EXIT_DEFAULT, adapter.exit_layer):
+        if adapter is not None and "exit_layer" in spec.given and config.exit_layer != adapter.exit_layer:
             raise UserError(f"the adapter was trained at exit layer {adapter.exit_layer}; drop --exit-layer "
                             f"{config.exit_layer} or give {adapter.exit_layer}")
         if adapter is None:
