@@ -109,10 +109,13 @@ def token_agreement(reference: list[int], out: list[int]) -> tuple[int, int]:
 
 
 def run_bench(cfg: BenchConfig, progress: bool = True, log: Callable[[Record], None] | None = None,
-              on_quality: Callable[[str, dict], None] | None = None) -> list[Record]:
+              on_quality: Callable[[str, dict], None] | None = None,
+              on_methods: Callable[[str, dict[str, str]], None] | None = None) -> list[Record]:
     """Run every method on every prompt, ``cfg.repeats`` times, interleaved; return raw records. ``log`` gets each
     record as soon as it is finished (``report.RecordLog``: a killed bench leaves every finished record readable);
-    ``on_quality(label, quality)`` each model's verifier quality (``infer.measure.quality``) before it is timed."""
+    ``on_quality(label, quality)`` each model's verifier quality (``infer.measure.quality``) before it is timed;
+    ``on_methods(label, {method: spec as it runs})`` each model's drafters as resolved (an adapter's tuned setting
+    in)."""
     from infer.loading import load_resolved  # lazy: transformers; report reads records through this module without it
 
     tasks = {task_name(src): load_prompts(src, cfg.n, from_end=True, skip_end=cfg.skip) for src in cfg.data}
@@ -126,7 +129,9 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log: Callable[[Record], N
     for source, label in reversed(list(zip(sources, labels, strict=True))):  # every model x method before timing
         ready = None  # one model in memory at a time; the first one to time stays loaded
         ready = load(source)
-        check_methods(cfg, ready, label, source)
+        resolved = check_methods(cfg, ready, label, source)
+        if on_methods is not None:
+            on_methods(label, resolved)
     records: list[Record] = []
     for source, label in zip(sources, labels, strict=True):
         model, ready = ready or load(source), None
@@ -155,16 +160,34 @@ def _quality(model: LoadedModel, cfg: BenchConfig, label: str, timed: set[str], 
     return q
 
 
-def check_methods(cfg: BenchConfig, model: LoadedModel, label: str, source: str) -> None:
+def resolved_text(name: str, config) -> str:
+    """A drafter's spec as it ran: its options that differ from the class defaults (an adapter's tuned setting
+    included), ``remember`` left out (the bench sets it)."""
+    fields = [f for f in dataclasses.fields(config) if f.name != "remember"]
+    parts = []
+    for f in fields:
+        value = getattr(config, f.name)
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        if value != default:
+            parts.append(f"{f.name}={str(value).lower() if isinstance(value, bool) else value}")
+    return ":".join([name, *parts])
+
+
+def check_methods(cfg: BenchConfig, model: LoadedModel, label: str, source: str) -> dict[str, str]:
     """Build every drafter of ``cfg`` for ``model`` (options, plan files checked against this model, exit layers)
-    without running it, so that a bad spec is refused before anything is timed."""
-    check_layers(cfg.methods, model.runner.num_layers)
+    without running it, so that a bad spec is refused before anything is timed. The drafters come first: a peer the
+    bench adds by default (``hf_early_exit`` at each early exit's E) must not take the blame for a drafter's value.
+    Returns each drafter's spec as it runs on the model (``resolved_text``)."""
+    resolved = {}
     for method in cfg.methods:
         if not method.is_peer:
             try:
-                engine_for(method, model, label, cfg.start)  # not closed: finish() may write (save_plan)
+                engine = engine_for(method, model, label, cfg.start)  # not closed: finish() may write (save_plan)
             except UserError as e:
                 raise UserError(f"{method.label} on model {label!r}: {e}") from None
+            resolved[method.label] = resolved_text(method.name, engine.drafter.config)
+    check_layers(cfg.methods, model.runner.num_layers)
+    return resolved
 
 
 def engine_for(method: Method, model: LoadedModel, label: str, start: str, warm_up: bool = False,

@@ -22,7 +22,7 @@ def test_bench_end_to_end_outputs(tiny_model_dir, prompts_file, tmp_path, capsys
     code = bench(tiny_model_dir, prompts_file, out, "early_exit:E=2:k=3", "--sweep", "--exits", "1,3", "--ks", "2,4")
     assert code == 0
     payload = json.loads((out / "results.json").read_text())
-    assert set(payload) == {"meta", "config", "quality", "summary", "recommended", "records"}
+    assert set(payload) == {"meta", "config", "quality", "summary", "recommended", "records", "resolved"}
     assert {"cpu", "torch", "transformers", "threads", "command"} <= set(payload["meta"])
     methods = {row["method"] for row in payload["summary"]}
     assert {"autoregressive", "early_exit:E=2:k=3", "hf_generate", "prompt_lookup", "hf_early_exit:E=2",
