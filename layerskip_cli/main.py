@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 
 from layerskip_cli.commands import bench, draft_vocab, eval_exits, export, fetch_model, generate, plan, search, train
@@ -19,13 +21,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+BROKEN_PIPE = 128 + 13
+"""The exit status of a command whose reader went away (``| head``): a Unix tool killed by SIGPIPE reports 141."""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["train"]:  # every later argument (--help included) belongs to train/layerskip.py
-        return run_main("layerskip", lambda: train.main(argv[1:]))
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    return run_main("layerskip", lambda: args.func(args))
+    try:
+        if argv[:1] == ["train"]:  # every later argument (--help included) belongs to train/layerskip.py
+            code = run_main("layerskip", lambda: train.main(argv[1:]))
+        else:
+            parser = build_parser()
+            args = parser.parse_args(argv)
+            code = run_main("layerskip", lambda: args.func(args))
+        sys.stdout.flush()  # a reader that left meanwhile is met here, not at the interpreter's exit
+        return code
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _reader_gone() -> int:
+    """The output's reader closed it (``layerskip generate --json | head -c 10``): stop quietly as Unix tools do,
+    with standard output pointed at the null device so the interpreter's last flush cannot fail again."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # a stream without a descriptor (captured)
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+    return BROKEN_PIPE
 
 
 if __name__ == "__main__":

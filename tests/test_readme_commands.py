@@ -114,12 +114,13 @@ def check_specs(argv: list[str]) -> None:
     ``--drafter`` names one and every peer of ``--peers`` is one."""
     from infer import parse_spec
     from infer.drafters import drafter_class
+    from infer.drafters.spec import BEST
     from infer.measure.methods import parse_peer
     from layerskip_core.errors import UserError
 
     for flag, value in zip(argv, argv[1:], strict=False):
         if flag == "--drafter":
-            drafter_class(value)
+            parse_spec(value) if value == BEST else drafter_class(value)  # a drafter's name, or `best`
         if flag == "--drafters":
             for spec in (s for s in value.split(",") if "$" not in s):  # $P: a shell variable the doc sets
                 try:

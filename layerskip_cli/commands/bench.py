@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import shlex
 import sys
 from pathlib import Path
@@ -83,10 +82,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _sampling_defaults():
+def _sampling_defaults(sample: bool = False):
+    """The bench's sampling defaults: seed 0, and temperature 1.0 with --sample (greedy without)."""
     from infer.model.sampling import SamplingConfig  # torch-heavy: imported when the parser is built
 
-    return SamplingConfig(seed=0)
+    return SamplingConfig(temperature=1.0 if sample else 0.0, seed=0)
 
 
 def config_from_args(args: argparse.Namespace):
@@ -96,9 +96,7 @@ def config_from_args(args: argparse.Namespace):
 
     check_output_dir(args.out, "--out", writes=RESULT_FILES, force=args.force)
     run = run_settings(args).resolve()  # once; a missing GPU is refused before anything loads
-    sampling = sampling_config(args, _sampling_defaults())
-    if args.sample and args.temperature is None:
-        sampling = dataclasses.replace(sampling, temperature=1.0)
+    sampling = sampling_config(args, _sampling_defaults(args.sample), sample_with="--sample")
     sizes = None if args.batch_size is None else parse_batch_sizes(args.batch_size)
     peers = "" if args.peers == "none" else "hf_generate" if args.peers is None and sizes else args.peers
     methods = parse_methods(args.drafters, peers)
@@ -121,19 +119,22 @@ def config_from_args(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     from infer.measure.bench import run_bench  # torch-heavy: imported when the command runs
-    from infer.measure.report import RESULT_FILES, RecordLog, bugs, markdown_table, write_outputs  # lazy, as above
+    from infer.measure.report import RESULT_FILES, RecordLog, bugs, write_outputs  # lazy, as above
+    from infer.measure.screen import screen  # lazy, as above
 
     cfg = config_from_args(args)
     command = "layerskip " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     with holding_output_dir(args.out, "--out"):  # a second bench into this folder meanwhile is refused
         check_output_dir(args.out, "--out", writes=RESULT_FILES, force=args.force)  # again, now no one else writes
         log = RecordLog(cfg, args.out, command)  # every finished record, as it finishes: a killed bench keeps them
+        resolved: dict[str, dict[str, str]] = {}  # each model's drafters as they run (full specs for results.md)
         try:
-            records = run_bench(cfg, progress=not args.quiet, log=log, on_quality=log.add_quality)
+            records = run_bench(cfg, progress=not args.quiet, log=log, on_quality=log.add_quality,
+                                on_methods=resolved.__setitem__)
         finally:
             log.close()
-        rows = write_outputs(cfg, records, args.out, command, log.quality)
-    print(markdown_table(rows))
+        rows = write_outputs(cfg, records, args.out, command, log.quality, resolved)
+    print(screen(rows, args.out))  # short labels, a legend and the recommendation; every column in results.md
     print(f"wrote {args.out}/results.json, results.csv, results.md and plots", file=sys.stderr)
     wrong = bugs(rows)
     if wrong:

@@ -8,9 +8,13 @@ greedy choice may differ (``layerskip bench`` classifies every such mismatch).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import signal
 import sys
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from layerskip_cli.args import (
@@ -26,6 +30,9 @@ from layerskip_core.device import dtype_name
 from layerskip_core.errors import UserError
 from layerskip_core.options import add_dataclass_flags, from_args
 from layerskip_core.prompts import PromptItem, check_text, read_prompts_file
+
+ORDERS = ("input", "finish")
+"""``--order``: a batch's rows printed in the prompts' order, or as they finish."""
 
 
 def add_generation_flags(p: argparse.ArgumentParser) -> None:
@@ -70,11 +77,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="treat the prompts as one input stream: the drafter keeps its state (e.g. SWIFT's plan and "
                    "optimiser) across prompts; reports per-prompt statistics and a stream summary")
     p.add_argument("--batch-size", type=int, default=1, metavar="B",
-                   help="decode B prompts at a time in one batched engine, each printed as it finishes (in that "
-                   "order, under its id; each prompt gets a fresh drafter and its output is the same as alone, also "
-                   "sampled with --seed unless a drafter decides from measured time: --adaptive, dynamic_exit's "
+                   help="decode B prompts at a time in one batched engine, printed in the prompts' order under "
+                   "their ids (see --order; each prompt gets a fresh drafter and its output is the same as alone, "
+                   "also sampled with --seed unless a drafter decides from measured time: --adaptive, dynamic_exit's "
                    "calibrate, SWIFT's fallback; rows that finish leave, the next "
                    "prompts join); not with --stream")
+    p.add_argument("--order", choices=ORDERS, default="input",
+                   help="with --batch-size: input = print the rows in the prompts' order (a row that finishes early "
+                   "waits for the rows before it), finish = as they finish; either way a run stopped by Ctrl-C or "
+                   "SIGTERM prints every row that finished (default input)")
     add_generation_flags(p)
     add_drafter_flags(p)
     p.set_defaults(func=run)
@@ -152,11 +163,10 @@ def run(args: argparse.Namespace) -> int:
     _notes(args, engine, dtype_name(model.runner.dtype), generation)
     if args.batch_size > 1:
         engine.close()
-        with model.batch_engine(spec.drafter, drafter, batch_size=args.batch_size) as batch:
-            # each row is printed as it finishes (in that order; every row names its prompt), so an interruption
-            # loses no finished row
-            batch.generate(encoded, generation,
-                           on_result=lambda i, result: _print_result(args, model, prompts[i], result, True))
+        printer = RowPrinter(lambda i, result: _print_result(args, model, prompts[i], result, True), args.order)
+        with model.batch_engine(spec.drafter, drafter, batch_size=args.batch_size) as batch, \
+                printer.keeping_finished(), _stop_on_sigterm():
+            batch.generate(encoded, generation, on_result=printer)
         return 0
     results = []
     for item, ids in zip(prompts, encoded, strict=True):
@@ -168,7 +178,84 @@ def run(args: argparse.Namespace) -> int:
     engine.close()  # after the output is printed: --save-plan, the gate's memory
     if args.stream:
         _stream_summary(args, results)
+    _say_if_drafting_lost(spec, model.runner, results)
     return 0
+
+
+class RowPrinter:
+    """A batch's finished rows to ``emit(i, result)``: in the prompts' order (``order`` 'input': a row that finishes
+    early is held until every row before it is printed) or as they finish ('finish'). ``keeping_finished`` prints
+    every row still held when the run is stopped, so a stopped run loses no finished row."""
+
+    def __init__(self, emit: Callable, order: str):
+        self.emit, self.order = emit, order
+        self.held: dict[int, object] = {}
+        """Finished rows waiting for a row before them, by prompt index."""
+        self.next = 0
+        """The prompt index printed next in input order."""
+
+    def __call__(self, i: int, result) -> None:
+        if self.order == "finish":
+            self.emit(i, result)
+            return
+        self.held[i] = result
+        while self.next in self.held:
+            self.emit(self.next, self.held.pop(self.next))
+            self.next += 1
+
+    @contextlib.contextmanager
+    def keeping_finished(self) -> Iterator[None]:
+        """On any stop but a closed output, print the rows still held (in the prompts' order), then stop."""
+        try:
+            yield
+        except BrokenPipeError:  # the reader is gone: nothing more can reach it
+            raise
+        except BaseException:
+            if self.held:
+                print(f"layerskip: stopped: the {len(self.held)} finished row(s) after the first unfinished one "
+                      "follow, each under its id", file=sys.stderr, flush=True)
+            for i in sorted(self.held):
+                self.emit(i, self.held.pop(i))
+            raise
+
+
+@contextlib.contextmanager
+def _stop_on_sigterm() -> Iterator[None]:
+    """SIGTERM raises (exit status 143) while the block runs, so what is finished is printed before the exit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _say_if_drafting_lost(spec, runner, results) -> None:
+    """Once, at the end: when drafting was measurably slower than plain decoding would have been (estimated from the
+    run's own statistics: ``infer.measure.verdict``), say so on stderr with what to use instead."""
+    from infer.drafters.spec import check_best  # lazy: torch, when the command runs
+    from infer.measure.verdict import judge  # lazy, as above
+
+    verdict = judge([r.stats for r in results if not r.stats.lossy])
+    if verdict is None or not verdict.slower:
+        return
+    instead = []
+    if not spec.best:
+        with contextlib.suppress(UserError):  # refused: no best setting is known for this model
+            check_best(runner)
+            instead.append("--drafter best (this model's best measured setting)")
+    if getattr(spec.config, "adaptive", True) is False:
+        instead.append("--adaptive (draft only while drafting measures faster)")
+    instead.append("plain decoding (--drafter autoregressive)")
+    print(f"layerskip: note: drafting was slower than plain decoding here: {verdict.describe()}; use "
+          f"{', or '.join(instead)}",
+          file=sys.stderr, flush=True)
 
 
 def stream_summary(results) -> dict:

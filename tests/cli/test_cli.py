@@ -61,8 +61,10 @@ def test_generate_chat_and_sampling(capsys, tiny_model_dir):
     (["--drafter", "nope"], "unknown drafter 'nope'"),
     (["--drafter", "early_exit", "--exit-layer", "9"], "exit layer 9 is out of range"),
     (["--drafter", "early_exit", "--exit-layer", "0"], "exit layer 0 is out of range"),
-    (["--num-draft", "2"], "does not apply to drafter 'autoregressive'"),
-    (["--exit-layer", "5"], "is spelled target_exit"),  # refused: the one spelling is --target-exit 5
+    (["--num-draft", "2"], "no --drafter was given"),  # a drafter's option: the drafters that take it are named
+    (["--drafter", "autoregressive", "--num-draft", "2"], "does not apply to drafter 'autoregressive'"),
+    (["--exit-layer", "5"], "--target-exit E"),  # refused: lossy early exit's one spelling is --target-exit 5
+    (["--drafter", "autoregressive", "--exit-layer", "5"], "is spelled target_exit"),
     (["--stop", ""], "--stop needs a non-empty text"),
     (["--device", "cuda:x"], "bad device"),
     (["--prompt", "   "], "is empty"),
