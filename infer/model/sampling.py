@@ -55,6 +55,11 @@ class SamplingConfig:
         return g
 
 
+OVERFLOW_TEMPERATURE = 1e-8
+"""At or above this temperature logits / temperature overflows fp32 only for logits beyond 3.4e30, which no working
+model makes (``sample`` reports the non-finite result); below it ``scale`` checks each row for overflow."""
+
+
 def probs_from_logits(logits: Tensor, cfg: SamplingConfig) -> Tensor:
     """(..., V) logits -> (..., V) fp32 probabilities after temperature, then top-k, then top-p: the order, the rules
     and the arithmetic of transformers' ``TemperatureLogitsWarper``, ``TopKLogitsWarper`` and ``TopPLogitsWarper``
@@ -73,10 +78,13 @@ def probs_from_logits(logits: Tensor, cfg: SamplingConfig) -> Tensor:
 
 def scale(logits: Tensor, temperature: float) -> Tensor:
     """(..., V) logits -> (..., V) fp32 ``logits / temperature`` (transformers' temperature warper on the fp32 scores
-    ``generate`` makes). A row this overflows (a temperature of 1e-39; 1e-50 is 0 in fp32) gets the argmax's limit
-    instead of inf / inf or 0 / 0: the largest logit stays 0, the others fall to -inf (ties share it)."""
+    ``generate`` makes). Below ``OVERFLOW_TEMPERATURE`` a row this overflows (a temperature of 1e-39; 1e-50 is 0 in
+    fp32) gets the argmax's limit instead of inf / inf or 0 / 0: the largest logit stays 0, the others fall to -inf
+    (ties share it)."""
     x = logits.float()  # (..., V)
     scores = x / temperature  # (..., V)
+    if temperature >= OVERFLOW_TEMPERATURE:
+        return scores
     shifted = x - x.amax(-1, keepdim=True)  # (..., V), <= 0
     limit = torch.where(shifted == 0, shifted, shifted / temperature)  # (..., V)
     overflowed = (x.isfinite() & ~scores.isfinite()).any(-1, keepdim=True)  # (..., 1)
