@@ -41,6 +41,27 @@ REPO = Path(__file__).resolve().parents[2]
 """The checkout (or installed tree) a shipped file's path is shown relative to."""
 
 
+class Said:
+    """The runners something was said on, held weakly (a runner that ends is forgotten); a copy or a pickle starts
+    empty, so a spec stays copyable and picklable."""
+
+    def __init__(self):
+        self.runners: weakref.WeakSet = weakref.WeakSet()
+
+    def first(self, runner) -> bool:
+        """True the first time ``runner`` is asked about (then remembered)."""
+        if runner in self.runners:
+            return False
+        self.runners.add(runner)
+        return True
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.runners = weakref.WeakSet()
+
+
 @dataclass(frozen=True)
 class Spec:
     """One drafter as chosen: its name, its Config (built and checked), and ``target_exit`` (plain decoding of a
@@ -60,7 +81,7 @@ class Spec:
     """A skip plan given as an object, used instead of ``config.plan``'s file."""
     best: bool = False
     """Written as ``best``: the model's best measured setting (its shipped adapter's tuned setting) is required."""
-    said: weakref.WeakSet = field(default_factory=weakref.WeakSet, compare=False, repr=False)
+    said: Said = field(default_factory=Said, compare=False, repr=False)
     """Runners this spec (and the specs made from it) has announced its tuned setting on: said once per model."""
 
     @property
@@ -96,8 +117,7 @@ class Spec:
             {k: v for k, v in decoding.settings.items() if k not in self.given and hasattr(self.config, k)}
         spec = dataclasses.replace(self, config=dataclasses.replace(self.config, **unset)) if unset else self
         check_unused(spec)
-        if decoding is not None and runner is not None and runner not in self.said and (unset or self.best):
-            self.said.add(runner)
+        if decoding is not None and runner is not None and (unset or self.best) and self.said.first(runner):
             print(tuned_note(spec, adapter, unset), file=sys.stderr, flush=True)
         return spec
 
