@@ -95,9 +95,11 @@ def recommendation(rows: list, labels: dict[str, str]) -> str:
         return (f"plain decoding (autoregressive): no drafter measured faster by more than {NOISE:.0%} on these "
                 f"prompts{nxt}")
     alpha = "" if top.acceptance_rate is None else f", α {top.acceptance_rate:.2f}"
-    return (f"{labels[best]}: {top.speedup_vs_autoregressive:.2f}x plain decoding ({top.tokens_per_second:.1f} tok/s; "
-            f"M {_cell(top.tokens_per_verify)}{alpha}; output {exact_cell(top)}); why: the fastest lossless method "
-            f"measured on these prompts{nxt}")
+    exact = exact_cell(top)
+    output = "output identical to plain decoding" if exact == "yes" else f"exact: {exact}"
+    return (f"{labels[best]}, {top.speedup_vs_autoregressive:.2f}x plain decoding ({top.tokens_per_second:.1f} tok/s; "
+            f"M {_cell(top.tokens_per_verify)}{alpha}; {output}); why: the fastest lossless method measured on these "
+            f"prompts{nxt}")
 
 
 def screen(rows: list, out_dir: Path | None = None) -> str:
