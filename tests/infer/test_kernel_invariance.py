@@ -25,11 +25,11 @@ from tiny_models import make_model
 
 SHAPES = [(1, 37, 64), (2, 6, 8), (3, 64, 128), (4, 23, 576), (5, 13, 576), (6, 25, 40), (7, 26, 40),
           (8, 28, 576), (8, 31, 1536), (9, 100, 1536), (9, 20, 64), (10, 17, 576), (12, 35, 576), (16, 49, 24),
-          (17, 30, 72), (32, 8, 8)]
+          (17, 30, 72), (32, 8, 8), (1, 50, 7), (3, 20, 102), (5, 9, 13), (8, 17, 1100), (16, 33, 63)]
 """(T, N, K): token counts that hit every pass shape of the AVX-512 panels (1-8 tokens in one pass, 9-16 in two, 17
 and 32 in three and four, each pass's own count) and every block of the AVX2 path (8 rows for one token, 4-row
 halves of 4, 2 and 1 tokens); row counts off the 48-row panel groups and the 8-row blocks; K off the 8- and 16-lane
-chunks."""
+chunks, and off 8 altogether (the AVX2 path's masked last chunk; odd K: fp32 only, bf16's panels pair k)."""
 
 
 def _module():
@@ -61,6 +61,8 @@ def within_rounding(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> bool:
 def check_kernel(module, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(0)
     for T, N, K in SHAPES:
+        if dtype == torch.bfloat16 and K % 2:
+            continue
         x = torch.randn(T, K, generator=gen).to(dtype)
         w = torch.randn(N, K, generator=gen).to(dtype)
         y = module.small_matmul(x, w)
