@@ -4,6 +4,9 @@ transformers applies them. docs/MODELS.md says what each family needed."""
 
 from __future__ import annotations
 
+import math
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from layerskip_core.errors import UserError
@@ -110,12 +113,42 @@ class ModelSpec:
         mlp = 3 * d * self.intermediate_size + d + d * f.sandwich_norms
         return attn, mlp
 
+    def weight_shapes(self) -> dict[str, tuple[tuple[int, ...], str, bool]]:
+        """Every tensor the runner reads (names without ``model.``): (its shape, the config fields that set it,
+        whether it must be there). The LM head (tied to the embedding when absent) and biases are optional."""
+        d, V, D, I = self.hidden_size, self.vocab_size, self.head_dim, self.intermediate_size  # noqa: E741
+        q, kv = self.num_heads * D, self.num_kv_heads * D
+        qf, kvf = "num_attention_heads x head_dim", "num_key_value_heads x head_dim"
+        layer = {"input_layernorm.weight": ((d,), "hidden_size", True),
+                 "self_attn.q_proj.weight": ((q, d), f"{qf}, hidden_size", True),
+                 "self_attn.k_proj.weight": ((kv, d), f"{kvf}, hidden_size", True),
+                 "self_attn.v_proj.weight": ((kv, d), f"{kvf}, hidden_size", True),
+                 "self_attn.o_proj.weight": ((d, q), f"hidden_size, {qf}", True),
+                 "self_attn.q_proj.bias": ((q,), qf, False), "self_attn.k_proj.bias": ((kv,), kvf, False),
+                 "self_attn.v_proj.bias": ((kv,), kvf, False), "self_attn.o_proj.bias": ((d,), "hidden_size", False),
+                 "post_attention_layernorm.weight": ((d,), "hidden_size", True),
+                 "mlp.gate_proj.weight": ((I, d), "intermediate_size, hidden_size", True),
+                 "mlp.up_proj.weight": ((I, d), "intermediate_size, hidden_size", True),
+                 "mlp.down_proj.weight": ((d, I), "hidden_size, intermediate_size", True)}
+        if self.family.qk_norm:
+            layer |= {"self_attn.q_norm.weight": ((D,), "head_dim", True),
+                      "self_attn.k_norm.weight": ((D,), "head_dim", True)}
+        if self.family.sandwich_norms:
+            layer |= {f"{n}_feedforward_layernorm.weight": ((d,), "hidden_size", True) for n in ("pre", "post")}
+        head = ((V, d), "vocab_size, hidden_size")
+        shapes = {"embed_tokens.weight": (*head, True), "norm.weight": ((d,), "hidden_size", True),
+                  "lm_head.weight": (*head, False)}
+        for i in range(self.num_layers):
+            shapes |= {f"layers.{i}.{name}": want for name, want in layer.items()}
+        return shapes
+
     @classmethod
-    def from_config(cls, config) -> ModelSpec:
+    def from_config(cls, config, where: str = "the model's config") -> ModelSpec:
+        """The spec of a HF config (a transformers config object, or a config.json's dict), checked first
+        (``check_config``: every refusal one line naming ``where`` and the field)."""
+        check_config(config, where)
+        config = _Fields(config)
         model_type = config.model_type
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UserError(f"model type {model_type!r} is not supported; the runner and the trainer handle "
-                            f"{', '.join(SUPPORTED_MODEL_TYPES)} checkpoints")
         act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
         if act not in ACTIVATIONS:
             raise UserError(f"activation {act!r} is not supported (the runner has {', '.join(ACTIVATIONS)})")
@@ -142,6 +175,120 @@ class ModelSpec:
             attn_scale=None if scalar is None else float(scalar) ** -0.5,
             final_softcap=getattr(config, "final_logit_softcapping", None) if model_type == "gemma3_text" else None,
         )
+
+
+class _Fields:
+    """A config's fields as attributes, from a config object or a config.json's dict (absent: ``getattr``'s
+    default)."""
+
+    def __init__(self, config):
+        self._config = config
+
+    def __getattr__(self, name: str):
+        if isinstance(self._config, Mapping):
+            if name not in self._config:
+                raise AttributeError(name)
+            return self._config[name]
+        return getattr(self._config, name)
+
+
+def field(config, name: str, default=None):
+    """A config's field ``name`` (a config object's attribute or a config.json dict's key), or ``default``."""
+    return config.get(name, default) if isinstance(config, Mapping) else getattr(config, name, default)
+
+
+SIZES = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+         "intermediate_size", "vocab_size", "max_position_embeddings")
+"""Config fields that must be positive integers where given (absent: the config class's default)."""
+POSITIVE_NUMBERS = ("rms_norm_eps", "rope_theta", "query_pre_attn_scalar", "final_logit_softcapping")
+"""Config fields that must be finite numbers above 0 where given (None: not used)."""
+LAYER_TYPES = ("sliding_attention", "full_attention")
+FIX = "fix it, or use the config.json the checkpoint was saved with"
+
+
+def check_config(config, where: str = "the model's config") -> None:
+    """Refuse a config the runner would misread or decode garbage with, in one line naming ``where`` and the field:
+    no or an unsupported ``model_type``, a size that is no positive integer (a string layer count, zero heads), query
+    heads not a multiple of the KV heads, an epsilon or RoPE base that is no positive number, a sliding window that is
+    applied and not a positive integer (Mistral's ``-4``), per-layer lists of another length than the layers.
+    ``config``: a transformers config object or a config.json's dict (fields absent there keep their defaults)."""
+    model_type = field(config, "model_type")
+    if not model_type:
+        raise UserError(f"{where} has no model_type; it is not a Hugging Face causal language model config (the "
+                        f"runner and the trainer handle {', '.join(SUPPORTED_MODEL_TYPES)}); {FIX}")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UserError(f"{where}: model type {model_type!r} is not supported; the runner and the trainer handle "
+                        f"{', '.join(SUPPORTED_MODEL_TYPES)} checkpoints")
+    for name in SIZES:
+        value = field(config, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise UserError(f"{where}: {name} must be a positive integer, got {value!r}; {FIX}")
+    rope = field(config, "rope_parameters") or field(config, "rope_scaling") or {}
+    numbers = {name: field(config, name) for name in POSITIVE_NUMBERS}
+    numbers["rope_theta"] = numbers["rope_theta"] or (rope.get("rope_theta") if isinstance(rope, Mapping) else None)
+    for name, value in numbers.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                  or not math.isfinite(value) or value <= 0):
+            raise UserError(f"{where}: {name} must be a number above 0, got {value!r}; {FIX}")
+    heads, kv = field(config, "num_attention_heads"), field(config, "num_key_value_heads")
+    if heads is not None and kv is not None and heads % kv:
+        raise UserError(f"{where}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv}); "
+                        f"{FIX}")
+    _check_layer_fields(config, where)
+
+
+def _check_layer_fields(config, where: str) -> None:
+    """The sliding window where it is applied, and the per-layer lists (``layer_types``, SmolLM3's
+    ``no_rope_layers``): as long as the layers, with known values."""
+    window = field(config, "sliding_window")
+    applied = window is not None and field(config, "use_sliding_window", True) is not False
+    if applied and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+        raise UserError(f"{where}: sliding_window must be a positive integer (the tokens a layer attends over) or "
+                        f"null, got {window!r}; {FIX}")
+    layers = field(config, "num_hidden_layers")
+    for name, allowed in (("layer_types", LAYER_TYPES), ("no_rope_layers", (0, 1))):
+        values = field(config, name) if name == "layer_types" or field(config, "model_type") == "smollm3" else None
+        if values is None:
+            continue
+        if not isinstance(values, list | tuple) or len(values) != layers or any(v not in allowed for v in values):
+            raise UserError(f"{where}: {name} must list one of {', '.join(map(repr, allowed))} for each of the "
+                            f"{layers} layers (num_hidden_layers), got {values!r}; {FIX}")
+
+
+LAYER_TENSOR = re.compile(r"layers\.(\d+)\.")
+
+
+def check_weights(spec: ModelSpec, shapes: Mapping[str, tuple[int, ...]], config_where: str,
+                  file_of: Callable[[str], str]) -> None:
+    """Refuse weights that do not fit their config, in one line naming the file and the fields: layers beyond
+    ``num_hidden_layers`` (a config cut to fewer layers would run a truncated model), a tensor the config's layers
+    need that is missing, a shape the config's sizes do not give. ``shapes``: tensor name (``model.`` stripped) ->
+    shape; ``file_of(name)``: the file that holds it (or the weights' folder)."""
+    indices = {int(m.group(1)): name for name in shapes if (m := LAYER_TENSOR.match(name))}
+    if indices and max(indices) >= spec.num_layers:
+        last = max(indices)
+        raise UserError(f"{file_of(indices[last])} holds layers up to {last} ({indices[last]!r}), but {config_where} "
+                        f"says num_hidden_layers: {spec.num_layers}: the config does not fit the weights (it would "
+                        f"run a truncated model); {FIX}")
+    for name, (want, fields, required) in spec.weight_shapes().items():
+        got = shapes.get(name)
+        if got is None and required:
+            raise UserError(f"{config_where} says num_hidden_layers: {spec.num_layers} ({spec.model_type}), but the "
+                            f"weights ({file_of('')}) have no tensor {name!r}; the config does not fit the weights")
+        if got is not None and tuple(got) != want:
+            raise UserError(f"{file_of(name)}: tensor {name!r} is {tuple(got)}, but {config_where} gives {want} "
+                            f"({fields}); the config does not fit the weights; {FIX}")
+
+
+def loading_problem(info: Mapping) -> str | None:
+    """What transformers' loading report (``from_pretrained(..., output_loading_info=True)``) says did not fit the
+    config, or None: tensors in the checkpoint it dropped (layers beyond ``num_hidden_layers``), tensors it did not
+    find and initialised at random (an LM head tied to the embedding aside), tensors of another shape."""
+    for kind in ("unexpected_keys", "missing_keys", "mismatched_keys"):
+        keys = sorted(str(k) for k in info.get(kind) or () if not str(k).endswith("lm_head.weight"))
+        if keys:
+            return f"{kind.replace('_', ' ')}: {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}"
+    return None
 
 
 def layer_windows(config) -> tuple[int | None, ...]:

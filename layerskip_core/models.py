@@ -11,6 +11,8 @@ before loading) or a hub id such as ``facebook/layerskip-llama3.2-1B``, fetched 
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import re
@@ -25,6 +27,7 @@ from layerskip_core import jsonfile
 from layerskip_core.errors import UserError
 from layerskip_core.families import SUPPORTED_MODEL_TYPES as SUPPORTED_MODEL_TYPES  # re-exported: callers import
 from layerskip_core.families import ModelSpec as ModelSpec  # them from here (the families live in families.py)
+from layerskip_core.families import check_config
 from layerskip_core.packages import (
     PackagedFile,
     cache_root,
@@ -145,6 +148,7 @@ def check_model_folder(path: Path, what: str = "model folder", fix: str = "") ->
                         f"({type(e).__name__}); {fix}") from None
     if not isinstance(config, dict):
         raise UserError(f"{what} {path} cannot be loaded: its config.json is not a JSON object; {fix}")
+    check_config(config, str(path / "config.json"))  # before a tokenizer or transformers reads it and blames itself
     if (path / "tokenizer.json").is_file():
         try:
             json.loads((path / "tokenizer.json").read_bytes())
@@ -157,6 +161,42 @@ def check_model_folder(path: Path, what: str = "model folder", fix: str = "") ->
     problem = weights_problem(path)
     if problem:
         raise UserError(f"{what} {path} cannot be loaded: {problem}; {fix}")
+
+
+CHECKED_DIR = "checked-weights"
+"""Under the toolkit cache: one record per model folder stamp whose weights were scanned and found finite."""
+CHECKED_KEEP = 256
+"""Records kept (the newest): a folder whose record was pruned is scanned again once."""
+
+
+def folder_stamp(path: Path) -> str:
+    """A model folder's stamp: its real path, every weights file's name, size and modification time, and the hash of
+    its config.json; any change to the weights or the config (or another folder) gives another stamp."""
+    path = Path(os.path.realpath(path))
+    digest = hashlib.sha256(str(path).encode())
+    for f in _weight_files(path):
+        st = f.stat()
+        digest.update(f"\0{f.name}\0{st.st_size}\0{st.st_mtime_ns}".encode())
+    digest.update(b"\0" + sha256_of(path / "config.json").encode())
+    return digest.hexdigest()[:32]
+
+
+def checked_record(path: Path) -> Path:
+    """Where the record of ``path``'s weights scanned clean at its current stamp lies (present: skip the scan)."""
+    return cache_root() / CHECKED_DIR / f"{folder_stamp(path)}.json"
+
+
+def record_checked(path: Path, seconds: float) -> None:
+    """Record that ``path``'s weights were scanned clean at its current stamp (an unwritable cache: not recorded,
+    the next load scans again)."""
+    record = checked_record(path)
+    with contextlib.suppress(OSError):
+        record.parent.mkdir(parents=True, exist_ok=True)
+        jsonfile.write(record, json.dumps({"folder": str(path), "finite": True, "scan_seconds": round(seconds, 3)})
+                       + "\n")
+        records = sorted(record.parent.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in records[CHECKED_KEEP:]:
+            old.unlink(missing_ok=True)
 
 
 def folder_manifest(path: Path) -> dict[str, dict]:
@@ -327,7 +367,9 @@ def resolve_model(name_or_path: str | os.PathLike, log: Callable[[str], None] = 
     a Hugging Face hub id; anything else must be a folder with a config and whole weights.
     """
     if str(name_or_path) == "default":
-        return fetch_default_model(log=log)
+        path = fetch_default_model(log=log)
+        check_config(jsonfile.read(path / "config.json", "model config file"), str(path / "config.json"))
+        return path
     text = str(name_or_path)
     path = Path(text).expanduser()
     if not path.exists() and HUB_ID.match(text):

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from layerskip_core.device import parse_dtype
 from layerskip_core.errors import UserError
-from layerskip_core.families import SUPPORTED_MODEL_TYPES, layer_windows
+from layerskip_core.families import SUPPORTED_MODEL_TYPES, layer_windows, loading_problem
 from layerskip_core.heldout import next_token_targets
 from layerskip_core.models import is_model_dir, resolve_model
 from train.config import EarlyExitConfig, KeepFinalConfig, LayerDropoutConfig
@@ -324,8 +324,15 @@ def load_model(name_or_path: str, dtype: str = "fp32", attn_implementation: str 
     path = resolve_model(name_or_path)
     if not is_model_dir(path):
         raise UserError(f"{path} has no weights (*.safetensors or *.bin)")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype),
-                                                 attn_implementation=attn_implementation)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype), output_loading_info=True,
+                                                           attn_implementation=attn_implementation)
+    except RuntimeError as e:  # a tensor of another shape than the config's (transformers' report is above)
+        raise UserError(f"{path}: its weights do not fit its config.json ({' '.join(str(e).split())[:200]})") \
+            from None
+    if (problem := loading_problem(info)) is not None:  # else a model cut to the config's layers would train
+        raise UserError(f"{path}: its weights do not fit its config.json ({problem}); fix the config, or use the "
+                        "one the checkpoint was saved with")
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -22,7 +22,6 @@ Prompt prefill always runs eagerly, on the causal attention kernel (no mask).
 from __future__ import annotations
 
 import copy
-import glob
 import hashlib
 import os
 import sys
@@ -38,6 +37,7 @@ from torch import Tensor
 
 from infer.model import fused_span, layer_math
 from infer.model.attention import attend, rows_for, score_scale
+from infer.model.checks import check_state, load_checked
 from infer.model.forward_model import Segment, SpanOutput
 from infer.model.graphs import StaticExecutor
 from infer.model.kv_cache import CachePool, KVCache, capacity_bucket, ints_to_device
@@ -50,7 +50,6 @@ from infer.model.weights import (
     fused_layer,
     fused_weights,
     load_kernel,
-    load_safetensors_dir,
     norm_weight,
     share_unfused,
     strip_prefix,
@@ -166,15 +165,9 @@ class Runner:
     def from_pretrained(cls, path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu", kernel: str = "auto", executor: str = "eager",
                         compile: bool = False) -> Runner:
-        """Load from a local HF folder (safetensors read directly; .bin through transformers)."""
-        from transformers import AutoConfig, AutoModelForCausalLM  # here: a --help that imports drafters stays fast
-
-        path = Path(path)
-        config = AutoConfig.from_pretrained(path)
-        if glob.glob(os.path.join(path, "*.safetensors")):
-            state = load_safetensors_dir(path)
-        else:
-            state = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+        """Load from a local HF folder (safetensors read directly; .bin through transformers), the config and weights
+        checked against each other and the weights for NaN or infinite values (``infer.model.checks``)."""
+        config, state = load_checked(Path(path))
         return cls(config, state, dtype=dtype, device=device, kernel=kernel, executor=executor, compile=compile)
 
     @classmethod
@@ -185,6 +178,7 @@ class Runner:
         except where the kernel holds them packed only). A model not loaded whole on one device is refused."""
         home = weights_device(model)
         state = {k: v.detach() for k, v in model.state_dict().items()}
+        check_state(state, model.config)  # fits its config, no NaN or infinity: once per runner built
         runner = cls(model.config, state, dtype=dtype or next(model.parameters()).dtype, device=device or home,
                      kernel=kernel, executor=executor, compile=compile)
         share_unfused(model, runner.layers)
