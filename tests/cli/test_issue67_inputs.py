@@ -170,3 +170,41 @@ def test_a_damaged_bench_record_that_is_not_the_last_is_refused_naming_the_line(
     assert f"{path}: last line 3 cut short" in capsys.readouterr().err
     with pytest.raises(UserError, match="bench records file"):
         read_records(tmp_path / "missing")
+
+
+def test_every_adapter_error_names_the_adapter_file(tmp_path):
+    """An adapter whose provenance records a damaged draft vocabulary size was refused by the vocabulary code without
+    naming the adapter file (or, for -3, as a missing vocabulary file '-3'); so were wrong tensors and exit layers
+    given to ``ExitAdapter`` itself."""
+    import json
+
+    import pytest
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from infer.assets.adapter import ExitAdapter
+    from infer.drafters import build_drafter
+    from infer.model.runner import Runner
+    from layerskip_core.adapter_spec import read_file, read_metadata
+    from layerskip_core.errors import UserError
+    from tiny_models import make_model, noisy_adapter
+
+    model = make_model("llama", seed=0, layers=4)
+    noisy_adapter(model, tmp_path / "a.safetensors", 2)
+    runner = Runner.from_model(model)
+    with safe_open(str(tmp_path / "a.safetensors"), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    for size in (0, -3, 10**9, runner.spec.vocab_size + 1, "8192", True, 8.5):
+        path = tmp_path / "damaged.safetensors"
+        provenance = json.loads(meta["provenance"]) | {"draft_vocab": {"option": "auto", "size": size}}
+        save_file(tensors, str(path), metadata=meta | {"provenance": json.dumps(provenance)})
+        with pytest.raises(UserError) as e:
+            build_drafter("early_exit", runner, {"adapter": str(path)})
+        assert str(e.value).startswith(f"{path}: ") and "draft vocabulary" in str(e.value), str(e.value)
+    shape, provenance = read_metadata(*read_file(tmp_path / "a.safetensors")[:1], runner.identity(), "a")
+    with pytest.raises(UserError, match=r"^x\.safetensors: adapter tensor 'q_proj\.weight' should have shape"):
+        ExitAdapter(runner, shape, {k: v for k, v in tensors.items() if k != "q_proj.weight"}, provenance,
+                    "x.safetensors")
+    deep = Runner.from_model(make_model("llama", seed=0, layers=2))
+    with pytest.raises(UserError, match=r"^x\.safetensors: "):
+        ExitAdapter(deep, shape, tensors, provenance, "x.safetensors")
