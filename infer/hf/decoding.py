@@ -222,15 +222,14 @@ def generate_arguments(model: PreTrainedModel) -> dict:
 def fast_sampling(processors) -> bool:
     """Whether ``processors`` (in the order ``generate`` applies them: a caller's own first, then the config's) compute
     what ``SamplingConfig`` computes: only temperature, top-k and top-p warpers keeping one token at least, each at
-    most once (two temperatures multiply, which one value does not say), and top-p, if any, last (the nucleus of a
-    sharpened or truncated distribution is another set than the nucleus before it; temperature and top-k commute,
-    as top-k keeps the same tokens at any temperature). Anything else runs through the processors themselves."""
+    most once (two temperatures multiply, which one value does not say), in ``SamplingConfig``'s order (temperature,
+    top-k, top-p). Order matters even between temperature and top-k: two fp32 scores one ulp apart can round to one
+    value once divided by a temperature, and a top-k after the division keeps both where one before it kept one.
+    Anything else runs through the processors themselves."""
     if any(type(p) not in FAST_WARPERS or getattr(p, "min_tokens_to_keep", 1) != 1 for p in processors):
         return False
-    kinds = [type(p) for p in processors]
-    if len(set(kinds)) != len(kinds):
-        return False
-    return TopPLogitsWarper not in kinds or kinds[-1] is TopPLogitsWarper
+    order = [FAST_WARPERS.index(type(p)) for p in processors]
+    return len(set(order)) == len(order) and order == sorted(order)
 
 
 def sampling_config(config, processors) -> SamplingConfig:

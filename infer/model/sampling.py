@@ -26,8 +26,8 @@ class SamplingConfig:
     top_k: int = 0
     """Keep only the k most likely tokens before sampling (0 = off)."""
     top_p: float = 1.0
-    """Keep the most likely tokens whose probability together reaches top_p (1.0 = off), by transformers' rule (see
-    ``nucleus``)."""
+    """Keep the most likely tokens whose probability together reaches top_p (1.0 = off; 0.0 keeps the most likely
+    token alone, as transformers' warper does), by transformers' rule (see ``nucleus``)."""
     seed: int | None = None
     """Seed of the sampling RNG; None draws a fresh one."""
 
@@ -39,8 +39,8 @@ class SamplingConfig:
             raise UserError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
             raise UserError(f"top-k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise UserError(f"top-p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.top_p <= 1.0:  # transformers' TopPLogitsWarper takes [0, 1] too
+            raise UserError(f"top-p must be in [0, 1], got {self.top_p}")
 
     @property
     def greedy(self) -> bool:
