@@ -198,6 +198,17 @@ def test_unchanged_weights_keep_the_runner(builds):
     assert custom.runner_for(model) is runner and builds == [model]
 
 
+def test_a_nan_weight_is_not_a_change_on_every_call():
+    """Sampled values are compared bit for bit: a NaN among them (which never equals itself as a float) is the same
+    weight on the next call, so the stamp still holds (a runner is not built on NaN weights at all: issue 67,
+    item 11)."""
+    model = make_model("llama", seed=3)
+    with torch.no_grad():
+        model.model.norm.weight.view(-1)[::2] = float("nan")  # every other value: some are sampled
+    stamp = runners.WeightStamp.of(model)
+    assert stamp.holds(model) and stamp.holds(model)
+
+
 def test_release_frees_the_kept_runner(builds):
     model = make_model("llama", seed=3)
     runner = hf_generate().runner_for(model)
@@ -208,7 +219,8 @@ def test_release_frees_the_kept_runner(builds):
 @pytest.mark.real_model
 def test_the_check_is_cheap_on_the_default_model(default_model_path):
     """The check before every call (each parameter's identity, version, storage, shape and a sample of its values)
-    costs well under the time of one decoded token: measured ~0.3-0.6 ms for the default model's 272 parameters."""
+    costs well under the time of one decoded token: measured ~0.7 ms for the default model's 272 parameters
+    (1 thread, on a loaded 2-core machine)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32)
