@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from infer.model.loop import EagerExecutor
 from infer.model.runner import Runner
 from infer.model.weights import Linear
 from layerskip_cli.args import add_model_flags, model_settings
@@ -92,13 +93,17 @@ def summary(nbytes: int, times: dict[int, list[float]], probe_s: list[float]) ->
             "probe_gb_s": statistics.median(nbytes / p / 1e9 for p in probe_s), "step_gb_s": nbytes / base / 1e9}
 
 
-def on_sdpa(runner: Runner) -> Runner:
-    """``runner`` attending through SDPA instead of the kernel's row attention (as its ``bulk`` calls do), on the
-    Python layer loop (``unfused``)."""
-    def cached_attention(i, cache, q, k, v, attn_mask, scale=None, bulk=False):
-        return Runner.cached_attention(runner, i, cache, q, k, v, attn_mask, scale, bulk=True)
+class SdpaLoop(EagerExecutor):
+    """The layer loop attending through SDPA instead of the kernel's row attention (as its ``BULK`` rows do)."""
 
-    runner.cached_attention = cached_attention
+    def cached_attention(self, i, cache, q, k, v, attn_mask, bulk=False):
+        return super().cached_attention(i, cache, q, k, v, attn_mask, bulk=True)
+
+
+def on_sdpa(runner: Runner) -> Runner:
+    """``runner`` attending through SDPA instead of the kernel's row attention, on the Python layer loop
+    (``unfused``)."""
+    runner.eager = SdpaLoop(runner)
     return unfused(runner)
 
 

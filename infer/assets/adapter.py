@@ -19,9 +19,8 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from infer.model.forward_model import Segment, SpanOutput
 from infer.model.kv_cache import KVCache
-from infer.model.packed import packed_span
+from infer.model.program import BULK, Output, Program, Rows, Segment
 from infer.model.runner import DraftHead, Runner
 from layerskip_core.adapter_spec import (
     LAYER_NAMES,
@@ -80,15 +79,15 @@ class ExitAdapter:
         return self.layer.new_cache(capacity)
 
     def forward(self, cache: KVCache, hidden: Tensor, start: int, logits: bool = False,
-                vocab: DraftHead | None = None) -> SpanOutput:
+                vocab: DraftHead | None = None) -> Output:
         """Hidden (T, d) entering layer E at positions start..start+T-1 (the cache must hold ``start``) through the
         adapter's layer, appending T rows to its cache: ``hidden`` (T, d) is the adapter's output (in its dtype) before
         its output norm; with ``logits``, the (T, V) fp32 logits after it and the LM head (or ``vocab``'s)."""
         T = hidden.shape[0]
         if cache.lengths[0] != start:
             raise RuntimeError(f"adapter cache holds {cache.lengths[0]} positions; asked to write from {start}")
-        out = self.layer.span(cache, hidden.to(self.layer.dtype), list(range(start, start + T)), 0, 1, logits=logits,
-                              vocab=vocab)
+        rows = Rows.one(cache, hidden.to(self.layer.dtype), list(range(start, start + T)))
+        out = self.layer.run(Program(0, 1, logits=logits, vocab=vocab), rows)
         if logits:
             self.runner.counters.lm_head_tokens += T
         return out
@@ -103,7 +102,8 @@ class ExitAdapter:
                 raise RuntimeError(f"adapter cache holds {cache.lengths[0]} positions; asked to write from {start}")
         segments = [Segment(cache, [start]) for cache, start in zip(caches, starts, strict=True)]
         self.runner.counters.lm_head_tokens += hidden.shape[0]
-        return packed_span(self.layer, segments, hidden.to(self.layer.dtype), 0, 1, logits=True, vocab=vocab).logits
+        rows = Rows(hidden.to(self.layer.dtype), segments)
+        return self.layer.run(Program(0, 1, logits=True, vocab=vocab), rows).logits
 
 
 def trained_vocab_size(adapter: ExitAdapter) -> str | None:
@@ -161,12 +161,14 @@ class AdapterForward:
     def __init__(self, runner: Runner, adapter: ExitAdapter, vocab: DraftHead | None = None):
         self.runner, self.adapter, self.vocab = runner, adapter, vocab
         self.exact_layers = adapter.exit_layer
+        self.program = Program(0, self.exact_layers)
+        """Layers [0, E) of the model, exactly."""
         self.cache: KVCache | None = None
         """The adapter layer's one-layer cache, paired with the model's cache of the sequence being decoded."""
 
     def __call__(self, cache: KVCache, token: Tensor, position: int) -> tuple[Tensor, Tensor]:
         r = self.runner
-        exact = r.span(cache, r.embed(token), [position], 0, self.exact_layers).hidden  # (1, d)
+        exact = r.run(self.program, Rows.one(cache, r.embed(token), [position])).hidden  # (1, d)
         return exact, self.adapter.forward(self.cache, exact, position, logits=True, vocab=self.vocab).logits
 
     def rows(self, forwards: list[AdapterForward], caches: list[KVCache], tokens: Tensor,
@@ -175,7 +177,7 @@ class AdapterForward:
         forward's adapter cache), as packed rows: (R, d) exact streams at layer E, (R, V) logits."""
         r = self.runner
         segments = [Segment(cache, [p]) for cache, p in zip(caches, positions, strict=True)]
-        exact = packed_span(r, segments, r.embed(tokens), 0, self.exact_layers).hidden  # (R, d)
+        exact = r.run(self.program, Rows(r.embed(tokens), segments)).hidden  # (R, d)
         return exact, self.adapter.forward_rows([f.cache for f in forwards], exact, positions, self.vocab)
 
     def start(self, cache: KVCache, tokens: list[int], kept: Tensor | None = None) -> None:
@@ -190,8 +192,8 @@ class AdapterForward:
         scratch = r.take_cache(P)
         try:
             ids = r.to_device(tokens)  # (P,)
-            hidden = r.forward_layers(scratch, r.embed(ids), torch.arange(P, device=r.device), 0,
-                                      self.exact_layers, bulk=True)  # (P, d)
+            rows = Rows.one(scratch, r.embed(ids), torch.arange(P, device=r.device), kind=BULK)
+            hidden = r.run(self.program, rows).hidden  # (P, d)
         finally:
             r.release_cache(scratch)
         self.adapter.forward(self.cache, hidden, 0)
@@ -213,6 +215,6 @@ class AdapterForward:
             return
         r = self.runner
         cache.rollback(have, 0, self.exact_layers)
-        hidden = r.span(cache, r.embed(r.to_device(tokens[have:n])), list(range(have, n)), 0,
-                        self.exact_layers).hidden  # (n - have, d)
+        rows = Rows.one(cache, r.embed(r.to_device(tokens[have:n])), list(range(have, n)))
+        hidden = r.run(self.program, rows).hidden  # (n - have, d)
         self.adapter.forward(self.cache, hidden, have)

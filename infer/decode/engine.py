@@ -23,6 +23,7 @@ from infer.decode.stopping import StopRules, StopScan
 from infer.drafters.base import DecodeState, Drafter, DrafterStats, VerifyOutcome
 from infer.model.graphs import BUCKETS
 from infer.model.kv_cache import capacity_bucket
+from infer.model.program import Program, Rows
 from infer.model.runner import Runner
 from infer.model.sampling import SamplingConfig, select
 from layerskip_core.errors import UserError
@@ -337,9 +338,10 @@ class Engine:
                             depth=self.target_depth(config))
         try:
             logits = prefill(runner, [Prompt(state)])[0]  # (1, V)
+            step = Program(0, state.depth, logits=True)
             for i, token in enumerate(tokens):
                 hidden = runner.embed(runner.to_device([int(token)]))  # (1, d)
-                logits = runner.span(cache, hidden, [len(prompt) + i], 0, state.depth, logits=True).logits  # (1, V)
+                logits = runner.run(step, Rows.one(cache, hidden, [len(prompt) + i])).logits  # (1, V)
         finally:
             runner.release_cache(cache)
         return logits[0]

@@ -5,7 +5,7 @@ drafter asked for (``Needs.prompt_layers``), per prompt exactly what prefilling 
 the same round (the batch's first rows, and rows joining when others finish). The engine turns the logits into the
 first token (``infer.decode.engine``); this module only runs the target over prompts.
 
-**The packing rule** (``packs``). Prompts share one packed forward (``infer.model.packed``: the norms, projections and
+**The packing rule** (``packs``). Prompts share one packed forward (``infer.model.loop``: the norms, projections and
 MLPs run once over all N = sum P_r prompt positions; the attention runs per prompt over its own cache, causal from slot
 0, so no position sees another prompt's keys) only where each prompt's result provably does not depend on the others:
 
@@ -38,8 +38,8 @@ from itertools import accumulate
 from torch import Tensor
 
 from infer.drafters.base import DecodeState, Drafter, cut_layers
-from infer.model.forward_model import Segment
-from infer.model.packed import packed_layers, packs
+from infer.model.loop import packs
+from infer.model.program import BULK, ONCE, Program, Rows, Segment
 from infer.model.runner import Runner
 
 PACK_ROWS = 4096
@@ -67,10 +67,6 @@ class Prompt:
     @property
     def size(self) -> int:
         return self.state.prompt_len
-
-    def keeps(self, layer: int) -> bool:
-        """Whether the stream entering ``layer`` (the depth: after the last layer) is kept."""
-        return bool(self.layers) and (layer in self.layers or layer == self.state.depth)
 
 
 def prefill(runner: Runner, prompts: Sequence[Prompt]) -> list[Tensor]:
@@ -105,35 +101,24 @@ def groups(prompts: Sequence[Prompt], packed: bool) -> list[list[int]]:
 
 
 def forward(runner: Runner, prompts: Sequence[Prompt], bulk: bool) -> Tensor:
-    """One forward over the prompts' positions (packed rows; one prompt when ``bulk``, on ``F.linear``), split at
+    """One forward over the prompts' positions (packed rows; one prompt when ``bulk``, on ``F.linear``), observed at
     the layers any of them keeps (the same layers on the same rows: the output is unchanged); returns the (R, V)
     logits of each prompt's last position."""
     depth = prompts[0].state.depth
     ends = list(accumulate(p.size for p in prompts))  # R host ints: each prompt's end row
     ids = runner.to_device([t for p in prompts for t in p.state.tokens[:p.size]])  # (N,)
-    pos = runner.to_device([i for p in prompts for i in range(p.size)])  # (N,): each prompt from position 0
-    rope = None if bulk else (*runner.rope(pos), pos)  # K x (N, 1, D) cos and sin, the positions
-    hidden, start = runner.embed(ids), 0  # (N, d)
-    for p in prompts:
+    hidden = runner.embed(ids)  # (N, d)
+    if bulk:  # one prompt
+        rows = Rows.one(prompts[0].state.cache, hidden, runner.to_device(list(range(prompts[0].size))), kind=BULK)
+    else:  # each prompt causal over its own cache from slot 0, from position 0
+        rows = Rows(hidden, [Segment(p.state.cache, list(range(p.size))) for p in prompts], ONCE)
+    observe = tuple(sorted({cut for p in prompts for cut in p.layers}))
+    out = runner.run(Program(0, depth, observe=observe), rows)
+    for p, end in zip(prompts, ends, strict=True):
         p.state.prompt_observed = None
-    for layer in sorted({*(cut for p in prompts for cut in p.layers), depth}):
-        if bulk:
-            hidden = runner.forward_layers(prompts[0].state.cache, hidden, pos, start, layer, bulk=True)  # (P, d)
-        else:
-            hidden = packed(runner, prompts, hidden, rope, start, layer)  # (N, d)
-        for p, end in zip(prompts, ends, strict=True):
-            if p.keeps(layer):
-                kept = hidden[max(end - p.size, end - p.rows):end]  # (m, d)
-                p.state.prompt_observed = (p.state.prompt_observed or {}) | {layer: kept.clone()}
-        start = layer
-    for p in prompts:
+        if p.layers:  # the kept streams of its last ``rows`` positions, at its layers and after the last one
+            kept = slice(max(end - p.size, end - p.rows), end)
+            streams = [(x, out.observed[x]) for x in sorted(p.layers)] + [(depth, out.hidden)]
+            p.state.prompt_observed = {x: h[kept].clone() for x, h in streams}  # (m, d) each
         p.state.n = p.size
-    return runner.logits(hidden.index_select(0, runner.to_device([end - 1 for end in ends])))  # (R, V)
-
-
-def packed(runner: Runner, prompts: Sequence[Prompt], hidden: Tensor, rope: tuple, start: int, end: int) -> Tensor:
-    """Layers ``[start, end)`` over the prompts' positions ``hidden`` (N, d) as packed rows (``infer.model.packed``),
-    each prompt causal over its own cache from slot 0; ``rope``: (cos, sin, positions) of the N rows."""
-    segments = [Segment(p.state.cache, list(range(p.size))) for p in prompts]
-    return packed_layers(runner, segments, hidden, rope, start, end, None, [None] * len(prompts),
-                         [{} for _ in prompts])  # (N, d)
+    return runner.logits(out.hidden.index_select(0, runner.to_device([end - 1 for end in ends])))  # (R, V)

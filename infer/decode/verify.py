@@ -3,7 +3,8 @@
 ``Engine`` verifies one sequence per step and ``BatchEngine`` (``infer.decode.batch``) a batch; both go through
 ``verify_rows``: ``VerifyRow.of`` lays a sequence's pending token and draft tree out (positions, tree mask, which
 layers the draft already computed exactly, the rollback of the rest), ``target_forward`` runs the target over every
-row's tokens as packed rows (``infer.model.packed``; one sequence is a plain ``Runner.span``), and ``accept`` decides
+row's tokens as packed rows (``Runner.run`` of a program over the rows' segments, ``infer.model.program``), and
+``accept`` decides
 each row's accepted path and bonus token with one host read for all greedy rows and chain-sampling rows together.
 """
 
@@ -18,8 +19,7 @@ from torch import Tensor
 from infer.decode.acceptance import TreeShape, chain_accept, chain_accept_draws, greedy_accept, sampling_accept
 from infer.decode.processing import PROCESSED, PositionProcessor, process_tree
 from infer.drafters.base import DecodeState, Draft, VerifyOutcome, cut_layers
-from infer.model.forward_model import Segment
-from infer.model.packed import packed_span
+from infer.model.program import Program, Rows, Segment
 from infer.model.sampling import probs_from_logits
 
 
@@ -111,14 +111,14 @@ def target_forward(rows: Sequence[VerifyRow]) -> tuple[Tensor, _Streams]:
                  if (r.exact >= hi and s.fresh[j] is not None) or r.exact <= lo]
         if parts:
             segs = [rows[j].segment(rows[j].reused if rows[j].exact >= hi else 0) for j, _ in parts]
-            out = packed_span(runner, segs, torch.cat([h for _, h in parts]), lo, hi).hidden  # (sum, d)
+            out = runner.run(Program(lo, hi), Rows(torch.cat([h for _, h in parts]), segs)).hidden  # (sum, d)
             for (j, _), piece in zip(parts, out.split([g.size for g in segs]), strict=True):
                 if rows[j].exact >= hi:
                     s.fresh[j] = piece
                 else:
                     s.current[j] = piece
     segs = [r.segment() for r in rows]
-    logits = packed_span(runner, segs, torch.cat(s.current), cuts[-1], depth, logits=True).logits  # (N, V)
+    logits = runner.run(Program(cuts[-1], depth, logits=True), Rows(torch.cat(s.current), segs)).logits  # (N, V)
     return logits, s
 
 

@@ -13,10 +13,9 @@ import torch
 from torch import Tensor
 
 from infer.drafters.base import DecodeState, Draft
-from infer.model.forward_model import Segment
 from infer.model.kv_cache import KVCache, ints_to_device
-from infer.model.packed import packed_span
 from infer.model.plan import LayerPlan
+from infer.model.program import Program, Rows, Segment
 from infer.model.runner import DraftHead, Runner
 from infer.model.sampling import probs_from_logits, sample
 from layerskip_core.errors import UserError
@@ -32,6 +31,11 @@ def check_size(value: int, what: str) -> None:
         raise UserError(f"{what} must be between 1 and {MAX_DRAFT} (draft tokens per verification), got {value}")
 
 
+def one_per_row(caches: list[KVCache], hidden: Tensor, positions: list[int]) -> Rows:
+    """R sequences' rows (R, d), one each, at ``positions`` in their own ``caches``, as packed rows."""
+    return Rows(hidden, [Segment(cache, [p]) for cache, p in zip(caches, positions, strict=True)])
+
+
 class EarlyExitForward:
     """Layers [0, E) then the final norm and LM head (LayerSkip); all of it is exact.
 
@@ -39,10 +43,11 @@ class EarlyExitForward:
 
     def __init__(self, runner: Runner, exit_layer: int, vocab: DraftHead | None = None):
         self.runner, self.exact_layers, self.vocab = runner, exit_layer, vocab
+        self.program = Program(0, exit_layer, logits=True, vocab=vocab)
 
     def __call__(self, cache: KVCache, token: Tensor, position: int) -> tuple[Tensor, Tensor]:
         r = self.runner
-        out = r.span(cache, r.embed(token), [position], 0, self.exact_layers, logits=True, vocab=self.vocab)
+        out = r.run(self.program, Rows.one(cache, r.embed(token), [position]))
         return out.hidden, out.logits  # (1, d), (1, V)
 
     def rows(self, forwards: list, caches: list[KVCache], tokens: Tensor,
@@ -50,8 +55,7 @@ class EarlyExitForward:
         """The forward of R sequences' tokens (R,) at once, each at its position in its own cache, as packed rows
         (``forwards``: each sequence's forward, all alike): (R, d), (R, V)."""
         r = self.runner
-        segments = [Segment(cache, [p]) for cache, p in zip(caches, positions, strict=True)]
-        out = packed_span(r, segments, r.embed(tokens), 0, self.exact_layers, logits=True, vocab=self.vocab)
+        out = r.run(self.program, one_per_row(caches, r.embed(tokens), positions))
         return out.hidden, out.logits
 
 
@@ -62,29 +66,23 @@ class ObservingForward(EarlyExitForward):
         super().__init__(runner, exit_layer, vocab)
         self.layers = [x for x in layers if x < exit_layer]
         self.kept: dict[int, list[Tensor]] = {x: [] for x in self.layers}
+        self.program = Program(0, exit_layer, observe=tuple(self.layers), logits=True, vocab=vocab)
 
     def __call__(self, cache, token: Tensor, position: int) -> tuple[Tensor, Tensor]:
-        r, start = self.runner, 0
-        hidden = r.embed(token)  # (1, d)
+        r = self.runner
+        out = r.run(self.program, Rows.one(cache, r.embed(token), [position]))
         for x in self.layers:
-            hidden = r.span(cache, hidden, [position], start, x).hidden  # (1, d)
-            self.kept[x].append(hidden)
-            start = x
-        out = r.span(cache, hidden, [position], start, self.exact_layers, logits=True, vocab=self.vocab)
+            self.kept[x].append(out.observed[x])  # (1, d)
         return out.hidden, out.logits  # (1, d), (1, V)
 
     def rows(self, forwards: list, caches: list, tokens: Tensor, positions: list[int]) -> tuple[Tensor, Tensor]:
         """The forward of R sequences' tokens (R,) at once as packed rows (a batch; ``forwards``: each sequence's
         own, alike), each keeping its row at every observed layer: (R, d), (R, V)."""
-        r, start = self.runner, 0
-        segments = [Segment(cache, [p]) for cache, p in zip(caches, positions, strict=True)]
-        hidden = r.embed(tokens)  # (R, d)
+        r = self.runner
+        out = r.run(self.program, one_per_row(caches, r.embed(tokens), positions))
         for x in self.layers:
-            hidden = packed_span(r, segments, hidden, start, x).hidden  # (R, d)
-            for forward, row in zip(forwards, hidden.split(1), strict=True):
+            for forward, row in zip(forwards, out.observed[x].split(1), strict=True):
                 forward.kept[x].append(row)  # (1, d)
-            start = x
-        out = packed_span(r, segments, hidden, start, self.exact_layers, logits=True, vocab=self.vocab)
         return out.hidden, out.logits  # (R, d), (R, V)
 
     def observed(self) -> dict[int, Tensor]:
@@ -99,11 +97,11 @@ class PlanForward:
 
     def __init__(self, runner: Runner, plan: LayerPlan, vocab: DraftHead | None = None):
         self.runner, self.plan, self.exact_layers, self.vocab = runner, plan, plan.exact_prefix, vocab
+        self.program = Program(0, runner.num_layers, self.exact_layers, plan, logits=True, vocab=vocab)
 
     def __call__(self, cache: KVCache, token: Tensor, position: int) -> tuple[Tensor, Tensor]:
         r = self.runner
-        out = r.span(cache, r.embed(token), [position], 0, r.num_layers, exact_until=self.exact_layers,
-                     plan=self.plan, logits=True, vocab=self.vocab)
+        out = r.run(self.program, Rows.one(cache, r.embed(token), [position]))
         return out.exact, out.logits  # (1, d), (1, V)
 
     def rows(self, forwards: list, caches: list[KVCache], tokens: Tensor,
@@ -111,9 +109,7 @@ class PlanForward:
         """The forward of R sequences' tokens (R,) at once under the plan, as packed rows (``forwards``: each
         sequence's forward, all alike): (R, d) exact streams, (R, V) logits."""
         r = self.runner
-        segments = [Segment(cache, [p]) for cache, p in zip(caches, positions, strict=True)]
-        out = packed_span(r, segments, r.embed(tokens), 0, r.num_layers, exact_until=self.exact_layers,
-                          plan=self.plan, logits=True, vocab=self.vocab)
+        out = r.run(self.program, one_per_row(caches, r.embed(tokens), positions))
         return out.exact, out.logits
 
 

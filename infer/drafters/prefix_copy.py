@@ -19,9 +19,9 @@ import torch
 from torch import Tensor
 
 from infer.assets.adapter import ExitAdapter
-from infer.model.forward_model import Segment
 from infer.model.kv_cache import KVCache
-from infer.model.packed import packed_span, packs
+from infer.model.loop import packs
+from infer.model.program import BULK, ONCE, Program, Rows, Segment
 from infer.model.runner import DraftHead, Runner
 from infer.model.weights import cast_layer
 
@@ -50,6 +50,10 @@ class CopiedPrefixForward:
         self.runner, self.adapter, self.vocab, self.exit_layer = runner, adapter, vocab, exit_layer
         self.prefix = prefix_copy(runner, exit_layer, dtype)
         """The runner over the copied layers (kept by ``runner`` per E and dtype)."""
+        self.to_exit = Program(0, exit_layer)
+        """The copied layers, without a head."""
+        self.to_logits = Program(0, exit_layer, logits=True, vocab=vocab)
+        """The copied layers, the final norm and the (draft) head."""
         self.cache: KVCache | None = None
         """The copy's cache, paired with the model's cache of the sequence being decoded."""
         self.adapter_cache: KVCache | None = None
@@ -71,11 +75,11 @@ class CopiedPrefixForward:
             if ids.shape[0] > 1:
                 f.run(ids[:-1], p - ids.shape[0] + 1, logits=False)
         x = self._embed(tokens)  # (R, d)
-        segments = [Segment(f.cache, [q]) for f, q in zip(forwards, positions, strict=True)]
+        rows = Rows(x, [Segment(f.cache, [q]) for f, q in zip(forwards, positions, strict=True)])
         if self.adapter is None:
-            out = packed_span(self.prefix, segments, x, 0, self.exit_layer, logits=True, vocab=self.vocab)
+            out = self.prefix.run(self.to_logits, rows)
             return out.hidden, out.logits
-        hidden = packed_span(self.prefix, segments, x, 0, self.exit_layer).hidden  # (R, d)
+        hidden = self.prefix.run(self.to_exit, rows).hidden  # (R, d)
         caches_a = [f.adapter_cache for f in forwards]
         return hidden, self.adapter.forward_rows(caches_a, hidden, positions, self.vocab)
 
@@ -89,9 +93,10 @@ class CopiedPrefixForward:
         if tokens:
             # the route the engine's prefill takes for the model (``packs``): a copy in the model's dtype then holds
             # bitwise the model's rows
-            hidden = self.prefix.forward_layers(self.cache, self._embed(self.runner.to_device(tokens)),
-                                                torch.arange(len(tokens), device=self.runner.device), 0,
-                                                self.exit_layer, bulk=not packs(self.runner))  # (P, d)
+            rows = Rows.one(self.cache, self._embed(self.runner.to_device(tokens)),
+                            torch.arange(len(tokens), device=self.runner.device),
+                            kind=ONCE if packs(self.runner) else BULK)
+            hidden = self.prefix.run(self.to_exit, rows).hidden  # (P, d)
             if self.adapter is not None:
                 self.adapter.forward(self.adapter_cache, hidden, 0)
 
@@ -119,10 +124,9 @@ class CopiedPrefixForward:
     def run(self, ids: Tensor, start: int, logits: bool = True) -> tuple[Tensor, Tensor | None]:
         """The copy (and adapter) over ``ids`` (T,) at positions start..start+T-1: (T, d) streams after the copy,
         (T, V) logits when ``logits``."""
-        positions = list(range(start, start + ids.shape[0]))
-        x = self._embed(ids)
+        rows = Rows.one(self.cache, self._embed(ids), list(range(start, start + ids.shape[0])))
         if self.adapter is None:
-            out = self.prefix.span(self.cache, x, positions, 0, self.exit_layer, logits=logits, vocab=self.vocab)
+            out = self.prefix.run(self.to_logits if logits else self.to_exit, rows)
             return out.hidden, out.logits
-        hidden = self.prefix.span(self.cache, x, positions, 0, self.exit_layer).hidden  # (T, d)
+        hidden = self.prefix.run(self.to_exit, rows).hidden  # (T, d)
         return hidden, self.adapter.forward(self.adapter_cache, hidden, start, logits=logits, vocab=self.vocab).logits

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from infer.drafters.base import DecodeState
 from infer.model.plan import LayerPlan
+from infer.model.program import ONCE, Program, Rows
 
 KV_VIEWS = ("draft", "exact")
 
@@ -71,8 +72,9 @@ def verified_window(runner, cache, n: int, start: int, tokens: Tensor, target: T
     inputs = [runner.embed(tokens)]  # (w, d)
     if layer_inputs:
         exact = rerun_mask(w, n - start, runner.device, "draft")  # the full model in draft view is exact
-        for layer in range(runner.num_layers):
-            inputs.append(runner.forward_layers(cache, inputs[-1], positions, layer, layer + 1, mask=exact))
+        L = runner.num_layers
+        out = runner.run(Program(0, L, observe=tuple(range(1, L))), Rows.one(cache, inputs[0], positions, exact, ONCE))
+        inputs += [out.observed[layer] for layer in range(1, L)] + [out.hidden]
         cache.rollback(n)
     return Window(cache, n, positions, target, rerun_mask(w, n - start, runner.device, kv), inputs)
 
@@ -82,8 +84,8 @@ def agreement(runner, window: Window, plan: LayerPlan, vocab=None) -> tuple[Tens
     """(agree (w,) bool, top1 (w,)): does the plan's draft argmax equal the verified token; its top-1 probability.
     ``vocab``: the reduced-vocabulary draft head the plan drafts with (``infer.model.runner.DraftHead``), if any."""
     first = min(plan.exact_prefix, len(window.inputs) - 1)  # layers before it skip nothing: their output is exact
-    hidden = runner.forward_layers(window.cache, window.inputs[first], window.positions, first, runner.num_layers,
-                                   plan=plan, mask=window.mask)  # (w, d)
+    rows = Rows.one(window.cache, window.inputs[first], window.positions, window.mask, ONCE)
+    hidden = runner.run(Program(first, runner.num_layers, plan=plan), rows).hidden  # (w, d)
     window.cache.rollback(window.n)
     logits = runner.logits(hidden, vocab)  # (w, V)
     return logits.argmax(-1) == window.target, torch.softmax(logits, -1).amax(-1)

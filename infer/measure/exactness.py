@@ -42,6 +42,7 @@ from torch import Tensor
 
 from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import build_drafter
+from infer.model.program import BULK, Program, Rows
 from infer.model.runner import Runner
 
 ULPS = 4
@@ -179,21 +180,21 @@ def chain_spread(runner, prompt_ids: Sequence[int], sizes: Sequence[int] = SPREA
     cache = runner.take_cache(engine.cache_length(P, n))
     try:
         ids = runner.to_device(prompt)  # (P,)
-        hidden = runner.forward_layers(cache, runner.embed(ids), torch.arange(P, device=runner.device),
-                                       bulk=True)  # (P, d)
+        hidden = runner.run(Program(0, L), Rows.one(cache, runner.embed(ids), torch.arange(P, device=runner.device),
+                                                    kind=BULK)).hidden  # (P, d)
         chain = [int(runner.logits(hidden[-1:])[0].argmax())]
-        singles = []
+        singles, step = [], Program(0, L, logits=True)
         for i in range(n):
             one = runner.embed(runner.to_device(chain[i:i + 1]))  # (1, d)
-            row = runner.span(cache, one, [P + i], 0, L, logits=True).logits  # (1, V)
+            row = runner.run(step, Rows.one(cache, one, [P + i])).logits  # (1, V)
             singles.append(row)
             chain.append(int(row[0].argmax()))
         alone = torch.cat(singles)  # (n, V)
         out = {}
         for T in sizes:
             cache.rollback(P)
-            many = runner.span(cache, runner.embed(runner.to_device(chain[:T])), list(range(P, P + T)), 0, L,
-                               logits=True).logits  # (T, V)
+            rows = Rows.one(cache, runner.embed(runner.to_device(chain[:T])), list(range(P, P + T)))
+            many = runner.run(step, rows).logits  # (T, V)
             out[T] = float((many - alone[:T]).abs().max())
     finally:
         runner.release_cache(cache)
@@ -226,13 +227,13 @@ def chain_rounding(runner, reference, prompt_ids: Sequence[int], n: int) -> floa
     prompt, P, L = [int(t) for t in prompt_ids], len(prompt_ids), runner.num_layers
     cache = runner.take_cache(engine.cache_length(P, n))
     try:
-        hidden = runner.forward_layers(cache, runner.embed(runner.to_device(prompt)),
-                                       torch.arange(P, device=runner.device), bulk=True)  # (P, d)
-        rows = [runner.logits(hidden[-1:])]  # [(1, V)]
-        chain = [int(rows[0][0].argmax())]
+        given = Rows.one(cache, runner.embed(runner.to_device(prompt)), torch.arange(P, device=runner.device),
+                         kind=BULK)
+        rows = [runner.logits(runner.run(Program(0, L), given).hidden[-1:])]  # [(1, V)]
+        chain, step = [int(rows[0][0].argmax())], Program(0, L, logits=True)
         for i in range(n):
             one = runner.embed(runner.to_device(chain[i:i + 1]))  # (1, d)
-            rows.append(runner.span(cache, one, [P + i], 0, L, logits=True).logits)  # (1, V)
+            rows.append(runner.run(step, Rows.one(cache, one, [P + i])).logits)  # (1, V)
             chain.append(int(rows[-1][0].argmax()))
     finally:
         runner.release_cache(cache)

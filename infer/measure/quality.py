@@ -97,6 +97,8 @@ def block_loss(model: LoadedModel, blocks: list[list[int]]) -> tuple[float, int]
     over ``blocks``, each from an empty cache."""
     import torch
 
+    from infer.model.program import BULK, Program, Rows  # here, as torch: a bench without quality stays light
+
     runner = model.runner
     nats = torch.zeros((), dtype=torch.float64, device=runner.device)
     count = torch.zeros((), dtype=torch.float64, device=runner.device)
@@ -105,7 +107,8 @@ def block_loss(model: LoadedModel, blocks: list[list[int]]) -> tuple[float, int]
             ids = torch.tensor(block, dtype=torch.long, device=runner.device)  # (T,)
             cache = runner.new_cache(len(block))
             positions = torch.arange(len(block), device=runner.device)  # (T,)
-            hidden = runner.forward_layers(cache, runner.embed(ids), positions, bulk=True)  # (T, d)
+            rows = Rows.one(cache, runner.embed(ids), positions, kind=BULK)
+            hidden = runner.run(Program(0, runner.num_layers), rows).hidden  # (T, d)
             s, n = loss_sums(runner.head(hidden), next_token_targets(ids[None])[0])  # head: (T, V) fp32
             nats += s
             count += n

@@ -1,5 +1,5 @@
 """The per-layer steps of a static forward, run as they are or through ``torch.compile``, and a count of the kernels a
-decoding forward launches per layer.
+call launches.
 
 One compiled function per sublayer kind, shared by every layer (the layer's weights are arguments, not
 constants), so a model compiles a handful of graphs, not one per layer. The row count and the cache capacity are
@@ -27,7 +27,7 @@ from torch import Tensor
 
 from infer.model import layer_math
 from infer.model.attention import grouped_attention
-from infer.model.forward_model import ForwardModel
+from infer.model.stack import Stack
 from infer.model.weights import LayerWeights
 
 BACKENDS = ("inductor", "eager")
@@ -35,7 +35,7 @@ BACKENDS = ("inductor", "eager")
 and guards, the graph runs as traced: counts graphs in seconds on a CPU, for tests and rehearsals)."""
 
 
-def attention_step(runner: ForwardModel, w: LayerWeights, hidden: Tensor, cos: Tensor, sin: Tensor,
+def attention_step(runner: Stack, w: LayerWeights, hidden: Tensor, cos: Tensor, sin: Tensor,
                    window_start: Tensor, offsets: Tensor, mask: Tensor, k: Tensor, v: Tensor, bulk: bool) -> Tensor:
     """One attention sublayer over a cache layer's whole capacity: new K/V written at slots ``window_start`` (0-dim)
     + ``offsets`` (rows,) of ``k``, ``v`` (Hkv, C, D); ``mask`` (G rows, C) additive, shared by a group's layers."""
@@ -56,7 +56,7 @@ def _dense(x: Tensor) -> Tensor:
     return x.clone(memory_format=torch.contiguous_format)
 
 
-def mlp_step(runner: ForwardModel, w: LayerWeights, hidden: Tensor, bulk: bool) -> Tensor:
+def mlp_step(runner: Stack, w: LayerWeights, hidden: Tensor, bulk: bool) -> Tensor:
     return runner.mlp(w, hidden, bulk)
 
 
@@ -123,7 +123,7 @@ class LayerSteps:
         return compile_fx(graph, example_inputs)
 
 
-def step_key(runner: ForwardModel) -> tuple:
+def step_key(runner: Stack) -> tuple:
     """What fixes a runner's compiled steps: its layer geometry and family math, whether its projections carry
     biases, dtype and device (runners equal in these trace the same graphs)."""
     s, w = runner.spec, runner.layers[0]
@@ -141,7 +141,7 @@ class StepCache:
         self.backend = backend
         self._steps: dict[tuple, LayerSteps] = {}
 
-    def steps(self, runner: ForwardModel) -> LayerSteps:
+    def steps(self, runner: Stack) -> LayerSteps:
         key = step_key(runner)
         if key not in self._steps:
             self._steps[key] = LayerSteps(True, self.backend)
@@ -190,21 +190,3 @@ def count_kernels(fn, device: torch.device) -> int:
     if cuda:
         return sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     return sum(1 for e in events if e.cpu_parent is None and not e.name.startswith(VIEWS))
-
-
-@torch.no_grad()
-def kernels_per_layer(runner: ForwardModel, prompt: int = 16) -> float:
-    """Kernels per layer of one decode step (one row through every layer, with the LM head) on the runner's
-    executor, after two warm-up steps (compiling and capturing happen there, not in the count)."""
-    cache = runner.new_cache(max(256, prompt + 64))
-    ids = torch.arange(prompt, device=runner.device) % runner.spec.vocab_size
-    runner.forward_layers(cache, runner.embed(ids), ids)
-    one = runner.embed(ids[:1])  # (1, d)
-
-    def step():
-        runner.span(cache, one, [prompt], 0, runner.num_layers, logits=True)
-        cache.rollback(prompt)
-
-    step()
-    step()
-    return count_kernels(step, runner.device) / runner.num_layers

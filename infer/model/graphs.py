@@ -7,7 +7,9 @@ the authoritative ``KVCache.lengths``); attention runs over the cache capacity w
 per group of layers with the same window start; T rows are padded up to a bucket, and padded rows see only the
 prefix and themselves, writing K/V past the new length, which the host length marks free.
 
-A static forward per ``SpanKey`` and cache: it is captured on its first use, or its ``PLAN_CAPTURE_AFTER``-th
+The executor takes a program (``infer.model.program``) over one sequence's rows of a decoding step (``STEP``); its
+steps and cuts are the program's, its masks the segment's (``program.visible``) laid over the cache capacity. A static
+forward per ``SpanKey`` and cache: it is captured on its first use, or its ``PLAN_CAPTURE_AFTER``-th
 when it runs a skip plan (SWIFT tries many plans briefly); the least recently used plan forwards are dropped
 first. The executor's ``builds``, ``captures`` and ``compiles`` count what a benchmark must keep out of its
 timed region. Host syncs: none in a draft step or a verification forward (outputs are cloned on the device).
@@ -23,12 +25,12 @@ from weakref import WeakKeyDictionary
 import torch
 from torch import Tensor
 
-from infer.model import layer_math
 from infer.model.attention import group_mask
 from infer.model.compiled import LayerSteps, StepCache
-from infer.model.forward_model import ForwardModel, VocabHead  # what the runner offers: the runner imports this module
 from infer.model.kv_cache import KVCache
 from infer.model.plan import LayerPlan
+from infer.model.program import STEP, Declined, Output, Program, Rows, near, visible
+from infer.model.stack import Stack
 
 BUCKETS = (1, 2, 4, 8, 16, 32)
 """Row counts a static forward is padded up to; larger calls run eagerly."""
@@ -68,6 +70,8 @@ class SpanKey:
     groups: tuple[int, ...] = ()
     """For each attention layer run, in order, the first of them with the same window start and sliding window:
     layers of a group share one attention mask (computed once per forward, not once per layer)."""
+    observe: tuple[int, ...] = ()
+    """Layers whose input stream the forward also returns (``Program.observe``)."""
 
 
 def bucket(rows: int, buckets: tuple[int, ...] = BUCKETS) -> int | None:
@@ -89,11 +93,7 @@ def padded_window(rows: int, T: int, extra: int, mask: Tensor | None) -> Tensor:
     """
     W = extra + rows
     out = torch.zeros(rows, W, dtype=torch.long)  # (rows, W)
-    if mask is None:
-        out[:T, extra:extra + T] = torch.ones(T, T, dtype=torch.long).tril()
-        out[:T, :extra] = 1
-    else:
-        out[:T, :extra + T] = mask.to("cpu", torch.long)
+    out[:T, :extra + T] = visible(T, extra, None if mask is None else mask.cpu()).long()  # (T, extra + T)
     pad = torch.arange(T, rows)
     out[pad, extra + pad] = 1
     return out
@@ -102,21 +102,22 @@ def padded_window(rows: int, T: int, extra: int, mask: Tensor | None) -> Tensor:
 class StaticSpan:
     """One static forward: its input buffers, and on CUDA its captured graph and output buffers."""
 
-    def __init__(self, runner: ForwardModel, key: SpanKey, plan: LayerPlan | None, vocab: VocabHead | None = None):
+    def __init__(self, stack: Stack, key: SpanKey, program: Program):
         # no reference to the cache: the executor's table is keyed by it weakly (a graph dies with its cache)
-        self.runner, self.key, self.plan, self.vocab = runner, key, plan, vocab
-        d, L = runner.spec.hidden_size, runner.num_layers
+        self.stack, self.key, self.program = stack, key, program
+        d, L = stack.spec.hidden_size, stack.num_layers
         W = key.extra + key.rows
-        self.hidden = torch.zeros(key.rows, d, dtype=runner.dtype, device=runner.device)  # (rows, d)
-        self.meta = torch.zeros(key.rows + L + key.rows * W, dtype=torch.long, device=runner.device)
+        self.hidden = torch.zeros(key.rows, d, dtype=stack.dtype, device=stack.device)  # (rows, d)
+        self.meta = torch.zeros(key.rows + L + key.rows * W, dtype=torch.long, device=stack.device)
         self.uses = 0
         """Calls so far."""
         self.graph = None
         """The captured CUDA graph (None until captured)."""
-        self.outputs: tuple[Tensor, Tensor, Tensor | None] | None = None
+        self.outputs: tuple[Tensor | None, ...] | None = None
+        """The captured forward's outputs (``static_forward``'s: the last stream, the logits, the kept streams)."""
 
-    def compute(self, cache: KVCache, steps: LayerSteps) -> tuple[Tensor, Tensor, Tensor | None]:
-        return static_forward(self.runner, cache, self.hidden, self.meta, self.key, self.plan, self.vocab, steps)
+    def compute(self, cache: KVCache, steps: LayerSteps) -> tuple[Tensor | None, ...]:
+        return static_forward(self.stack, cache, self.hidden, self.meta, self.key, self.program, steps)
 
     def capture(self, cache: KVCache, steps: LayerSteps, pool) -> None:
         """Warm up (and compile) on a side stream, then record the forward into the executor's shared memory pool
@@ -132,7 +133,7 @@ class StaticSpan:
             self.outputs = self.compute(cache, steps)
         self.graph = graph
 
-    def run(self, cache: KVCache, executor: StaticExecutor) -> tuple[Tensor, Tensor, Tensor | None]:
+    def run(self, cache: KVCache, executor: StaticExecutor) -> tuple[Tensor | None, ...]:
         self.uses += 1
         if not executor.capture:
             return self.compute(cache, executor.steps)
@@ -143,29 +144,39 @@ class StaticSpan:
         if self.graph is None:
             return self.compute(cache, executor.steps)
         self.graph.replay()
-        exact, hidden, logits = self.outputs
         # replays overwrite the output buffers: hand out copies (device-side, no sync)
-        return exact.clone(), hidden.clone(), None if logits is None else logits.clone()
+        return tuple(None if t is None else t.clone() for t in self.outputs)
+
+
+SEVERAL = Declined("static: several sequences (their shapes vary with the batch)")
+NOT_A_STEP = Declined("static: not a decoding step (a prompt, a re-run window: shapes that come once)")
+TOO_MANY_ROWS = Declined(f"static: more rows than the largest bucket ({BUCKETS[-1]})")
+NARROW_MASK = Declined("static: a mask narrower than its rows")
+NO_ROOM = Declined("static: the padded rows do not fit the window or the cache")
 
 
 class StaticExecutor:
-    """Runs ``Runner.span`` calls as static-shape forwards: their layers compiled when ``compile`` (True, or a
-    ``StepCache`` whose compiled steps runners share), captured as
-    CUDA graphs when ``capture``. Its counters should stop growing once a warm-up has run every shape a workload
-    uses (the runner's pooled caches keep the forwards): ``builds`` (static forwards set up), ``captures`` (graphs
-    recorded), ``compiles`` (graphs inductor compiled)."""
+    """Runs the programs of decoding steps over one sequence as static-shape forwards: their layers compiled when
+    ``compile`` (True, or a ``StepCache`` whose compiled steps runners share), captured as CUDA graphs when
+    ``capture``. Its counters should stop growing once a warm-up has run every shape a workload uses (the runner's
+    pooled caches keep the forwards): ``builds`` (static forwards set up), ``captures`` (graphs recorded),
+    ``compiles`` (graphs inductor compiled)."""
 
-    def __init__(self, runner: ForwardModel, capture: bool, compile: bool | StepCache = False,
+    def __init__(self, stack: Stack, capture: bool, compile: bool | StepCache = False,
                  buckets: tuple[int, ...] = BUCKETS):
-        self.runner, self.capture, self.buckets = runner, capture, buckets
+        self.stack, self.capture, self.buckets = stack, capture, buckets
         self.max_spans = MAX_SPANS
         """Static forwards kept per cache."""
-        self.steps = compile.steps(runner) if isinstance(compile, StepCache) else LayerSteps(bool(compile))
+        self.steps = compile.steps(stack) if isinstance(compile, StepCache) else LayerSteps(bool(compile))
         """The per-layer steps (compiled or not) every static forward runs: a ``StepCache``'s, shared with the other
         runners of the same model geometry, dtype and device, or this executor's own."""
         self._spans: WeakKeyDictionary = WeakKeyDictionary()  # cache -> OrderedDict[SpanKey, StaticSpan]
         self._pool = None
         self.builds = self.captures = 0
+
+    @property
+    def name(self) -> str:
+        return "graphs" if self.capture else "static"
 
     @property
     def compile(self) -> bool:
@@ -190,49 +201,64 @@ class StaticExecutor:
     def graph_pool(self):
         """One CUDA-graph memory pool shared by every graph of this runner (they replay one at a time, and each
         graph's outputs stay allocated, so a later capture reuses only memory no live graph reads)."""
-        if self._pool is None and self.runner.device.type == "cuda":
+        if self._pool is None and self.stack.device.type == "cuda":
             self._pool = torch.cuda.graph_pool_handle()
         return self._pool
 
-    def span(self, cache: KVCache, hidden: Tensor, positions: list[int], start: int, split: int, end: int,
-             plan: LayerPlan | None, mask: Tensor | None, logits: bool,
-             vocab=None) -> tuple[Tensor, Tensor, Tensor | None] | None:
-        """The static forward of ``Runner.span``; None when the call does not fit (run it eagerly)."""
-        T = hidden.shape[0]
-        rows = bucket(T, self.buckets)
-        extra = 0 if mask is None else mask.shape[1] - T
-        if rows is None or extra < 0:
-            return None
-        ran = self._layers_run(start, split, end, plan)
-        extra, mask, window_starts = self._window(cache, ran["attn"], extra, mask, rows)
-        if window_starts is None:
-            return None  # the padded rows would not fit: let the eager path raise or run
-        slide = self.runner.spec.window
-        groups = tuple(next(j for j in ran["attn"] if (window_starts[j], slide(j)) == (window_starts[i], slide(i)))
-                       for i in ran["attn"])
-        vocab = vocab if logits else None
-        key = SpanKey(rows, extra, start, split, end, plan_key(plan) if split < end else None, logits,
-                      None if vocab is None else vocab.key, groups)
-        entry = self._entry(cache, key, plan if split < end else None, vocab)
-        pos = list(positions) + [positions[-1]] * (rows - T)
-        meta = torch.cat([torch.tensor(pos + window_starts, dtype=torch.long),
-                          padded_window(rows, T, extra, mask).flatten()])  # (rows + L + rows * W,)
-        if entry.meta.is_cuda:
-            meta = meta.pin_memory()
-        entry.meta.copy_(meta, non_blocking=True)
-        entry.hidden[:T].copy_(hidden)
+    def run(self, program: Program, rows: Rows) -> Output | Declined:
+        """The program as a static forward over one sequence's rows of a decoding step, or why not (the rows' kind,
+        several sequences, too many rows, a window that does not fit); a failed capture declines for good."""
+        if rows.kind != STEP:
+            return NOT_A_STEP
+        if len(rows.segments) != 1:
+            return SEVERAL
+        prepared = self._prepare(program, rows)
+        if isinstance(prepared, Declined):
+            return prepared
+        entry, cache, T = prepared
         try:
-            with _on_device(self.runner.device, self.capture):
-                exact, out, head = entry.run(cache, self)
+            with _on_device(self.stack.device, self.capture):
+                hidden, head, *kept = entry.run(cache, self)
         except RuntimeError as e:
             if not self.capture:
                 raise
-            self.runner.fall_back_to_eager(str(e).splitlines()[0] if str(e) else type(e).__name__)
-            return None
-        self._account(cache, ran, T, logits)
-        return exact[:T], out[:T], None if head is None else head[:T]
+            return Declined(f"graphs: capture failed ({str(e).splitlines()[0] if str(e) else type(e).__name__})",
+                            broken=True)
+        return program.output(hidden[:T], {c: x[:T] for c, x in zip(program.cuts, kept, strict=True)},
+                              None if head is None else head[:T])
 
-    def _window(self, cache: KVCache, attn: list[int], extra: int, mask: Tensor | None,
+    def _prepare(self, program: Program, rows: Rows) -> tuple[StaticSpan, KVCache, int] | Declined:
+        """The static forward for ``program`` over the rows, its inputs copied in: (it, the cache, T), or why not."""
+        seg = rows.segments[0]
+        cache, mask, T = seg.cache, seg.mask, rows.size
+        padded = bucket(T, self.buckets)
+        extra = 0 if mask is None else mask.shape[1] - T
+        if padded is None:
+            return TOO_MANY_ROWS
+        if extra < 0:
+            return NARROW_MASK
+        attn = program.attention_layers
+        extra, mask, window_starts = self._window(cache, attn, extra, mask, padded)
+        if window_starts is None:
+            return NO_ROOM  # the padded rows would not fit: let the eager path raise or run
+        slide = self.stack.spec.window
+        groups = tuple(next(j for j in attn if (window_starts[j], slide(j)) == (window_starts[i], slide(i)))
+                       for i in attn)
+        vocab = program.vocab
+        key = SpanKey(padded, extra, program.start, program.exact_until, program.end, plan_key(program.plan),
+                      program.logits, None if vocab is None else vocab.key, groups, program.observe)
+        entry = self._entry(cache, key, program)
+        positions = rows.host_positions()
+        pos = positions + [positions[-1]] * (padded - T)
+        meta = torch.cat([torch.tensor(pos + window_starts, dtype=torch.long),
+                          padded_window(padded, T, extra, mask).flatten()])  # (rows + L + rows * W,)
+        if entry.meta.is_cuda:
+            meta = meta.pin_memory()
+        entry.meta.copy_(meta, non_blocking=True)
+        entry.hidden[:T].copy_(rows.hidden)
+        return entry, cache, T
+
+    def _window(self, cache: KVCache, attn: tuple[int, ...], extra: int, mask: Tensor | None,
                 rows: int) -> tuple[int, Tensor | None, list[int] | None]:
         """(extra, mask (T, extra + T), window starts): a window of ``extra`` earlier columns widened to its
         ``EXTRA_BUCKETS`` size where the cache allows (the added columns are slots before the window, visible
@@ -246,44 +272,27 @@ class StaticExecutor:
                 return padded, torch.cat([pad, mask.cpu()], 1), starts  # mask (T, padded + T)
         return extra, mask, self._window_starts(cache, attn, extra, rows)
 
-    def _window_starts(self, cache: KVCache, attn: list[int], extra: int, rows: int) -> list[int] | None:
+    def _window_starts(self, cache: KVCache, attn: tuple[int, ...], extra: int, rows: int) -> list[int] | None:
         """Each attention layer's window start (the last ``extra`` slots before the new rows), or None when the
         window would start before slot 0 or the padded rows would run past the capacity."""
-        starts = [0] * self.runner.num_layers
+        starts = [0] * self.stack.num_layers
         for i in attn:
             starts[i] = cache.lengths[i] - extra
             if starts[i] < 0 or starts[i] + extra + rows > cache.capacity:
                 return None
         return starts
 
-    def _entry(self, cache: KVCache, key: SpanKey, plan: LayerPlan | None, vocab=None) -> StaticSpan:
+    def _entry(self, cache: KVCache, key: SpanKey, program: Program) -> StaticSpan:
         spans = self._spans.setdefault(cache, OrderedDict())
         entry = spans.get(key)
         if entry is None:
-            entry = spans[key] = StaticSpan(self.runner, key, plan, vocab)
+            entry = spans[key] = StaticSpan(self.stack, key, program)
             self.builds += 1
             while len(spans) > self.max_spans:
                 old = next((k for k in spans if k.plan is not None), next(iter(spans)))  # plan forwards first
                 del spans[old]
         spans.move_to_end(key)
         return entry
-
-    def _layers_run(self, start: int, split: int, end: int, plan: LayerPlan | None) -> dict[str, list[int]]:
-        skip_attn = plan.skip_attn if plan is not None else ()
-        skip_mlp = plan.skip_mlp if plan is not None else ()
-        attn = [i for i in range(start, end) if i < split or i not in skip_attn]
-        mlp = [i for i in range(start, end) if i < split or i not in skip_mlp]
-        return {"attn": attn, "mlp": mlp}
-
-    def _account(self, cache: KVCache, ran: dict[str, list[int]], T: int, logits: bool) -> None:
-        """Host-side bookkeeping the eager path does inside its loop: lengths and counters."""
-        counters = self.runner.counters
-        for i in ran["attn"]:
-            cache.lengths[i] += T
-        for i in sorted(set(ran["attn"]) | set(ran["mlp"])):
-            counters.layer_tokens[i] += T
-        if logits:
-            counters.lm_head_tokens += T
 
 
 def _on_device(device: torch.device, capture: bool):
@@ -292,45 +301,42 @@ def _on_device(device: torch.device, capture: bool):
     return torch.cuda.device(device) if capture and device.type == "cuda" else nullcontext()
 
 
-def static_forward(runner: ForwardModel, cache: KVCache, hidden: Tensor, meta: Tensor, key: SpanKey,
-                   plan: LayerPlan | None, vocab: VocabHead | None, steps: LayerSteps
-                   ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """The padded forward itself: only device tensors and Python constants, so it can be captured."""
-    rows, L = key.rows, runner.num_layers
+def static_forward(stack: Stack, cache: KVCache, hidden: Tensor, meta: Tensor, key: SpanKey, program: Program,
+                   steps: LayerSteps) -> tuple[Tensor | None, ...]:
+    """The padded forward itself, the program's walk over only device tensors and Python constants, so it can be
+    captured: (the last stream, the logits or None, the stream at each of the program's cuts)."""
+    rows, L = key.rows, stack.num_layers
     W = key.extra + rows
     positions = meta[:rows]  # (rows,)
     window_starts = meta[rows:rows + L]  # (L,)
     window = meta[rows + L:].view(rows, W).bool()  # (rows, W)
-    cos, sin = runner.rope(positions)  # K x (rows, 1, D) each: one per RoPE table
+    cos, sin = stack.rope(positions)  # K x (rows, 1, D) each: one per RoPE table
     slots = torch.arange(cache.capacity, device=hidden.device)  # (C,)
     offsets = key.extra + torch.arange(rows, device=hidden.device)  # (rows,): new rows' window columns
-    skip_attn = set(plan.skip_attn) if plan is not None else set()
-    skip_mlp = set(plan.skip_mlp) if plan is not None else set()
-    groups = runner.spec.num_heads // runner.spec.num_kv_heads
+    groups = stack.spec.num_heads // stack.spec.num_kv_heads
     leaders = iter(key.groups)
     masks: dict[int, Tensor] = {}
-    exact = hidden
-    for i in range(key.start, key.end):
-        if i == key.split:
-            exact = hidden
-        planned, w = i >= key.split, runner.layers[i]
-        if not (planned and i in skip_attn):
+    kept: list[Tensor] = []
+    for item in program.walk:
+        if type(item) is int:
+            kept.append(hidden)
+            continue
+        i, w = item.layer, stack.layers[item.layer]
+        if item.attn:
             leader = next(leaders)
-            if cache.pos is not None and runner.spec.window(i) is not None:  # the new rows' positions, per layer
+            if cache.pos is not None and stack.spec.window(i) is not None:  # the new rows' positions, per layer
                 cache.pos[i].index_copy_(0, window_starts[i] + offsets, positions)
             if leader not in masks:  # (G rows, C): one additive mask per group of layers
-                visible = _visible(window_starts[leader], window, slots)  # (rows, C)
-                if runner.spec.window(leader) is not None:  # sliding: keys at (p - W, p] of each row's position p
-                    visible = visible & layer_math.near(positions, cache.pos[leader], runner.spec.window(leader))
-                masks[leader] = group_mask(visible, groups, runner.dtype)
-            r = runner.rope_rows[i]
-            hidden = steps.attention(runner, w, hidden, cos[r], sin[r], window_starts[i], offsets, masks[leader],
+                seen = _visible(window_starts[leader], window, slots)  # (rows, C)
+                if stack.spec.window(leader) is not None:  # sliding: keys at (p - W, p] of each row's position p
+                    seen = seen & near(positions, cache.pos[leader], stack.spec.window(leader))
+                masks[leader] = group_mask(seen, groups, stack.dtype)
+            r = stack.rope_rows[i]
+            hidden = steps.attention(stack, w, hidden, cos[r], sin[r], window_starts[i], offsets, masks[leader],
                                      cache.k[i], cache.v[i], steps.compile)  # writes slots window_starts[i] + offsets
-        if not (planned and i in skip_mlp):
-            hidden = steps.mlp(runner, w, hidden, steps.compile)
-    if key.split >= key.end:
-        exact = hidden
-    return exact, hidden, runner.head(hidden, vocab) if key.logits else None
+        if item.mlp:
+            hidden = steps.mlp(stack, w, hidden, steps.compile)
+    return (hidden, stack.head(hidden, program.vocab) if key.logits else None, *kept)
 
 
 def _visible(window_start: Tensor, window: Tensor, slots: Tensor) -> Tensor:

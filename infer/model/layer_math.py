@@ -1,11 +1,11 @@
 """A decoder layer's math, written once for every model family and every forward kind.
 
-The one eager layer loop (``infer.model.packed``: one sequence or packed rows), the static forwards
+The one eager layer loop (``infer.model.loop``: one sequence or packed rows), the static forwards
 (``infer.model.graphs``) and their compiled steps (``infer.model.compiled``) all call these functions, so what a family
 adds to Llama's layer (``layerskip_core.models.Family``: the (1 + w) norm, the embedding scale, q/k norms, norms after
-attention and MLP, GELU-tanh, the attention scale, per-layer RoPE tables and sliding windows, final logit softcapping)
-lives here and survives any rebuild of a layer loop. Each function takes the model's ``ModelSpec`` and a layer's
-``LayerWeights``.
+attention and MLP, GELU-tanh, the attention scale, per-layer RoPE tables, final logit softcapping; a sliding window is a
+mask, ``infer.model.program``'s) lives here and survives any rebuild of a layer loop. Each function takes the model's
+``ModelSpec`` and a layer's ``LayerWeights``.
 """
 
 from __future__ import annotations
@@ -134,10 +134,3 @@ def rope_table(inv_freq: Tensor, scale: float, n: int) -> tuple[Tensor, Tensor]:
     sin = emb.sin() * scale
     sin[:, :half] = -sin[:, :half]  # rotate_half(x) * sin == roll(x, half) * signed sin
     return emb.cos() * scale, sin
-
-
-# --------------------------------------------------------------------------- sliding windows
-def near(positions: Tensor, keys: Tensor, window: int) -> Tensor:
-    """(T, S) bool: which keys (their positions ``keys`` (S,)) lie within the sliding window of each query position
-    (``positions`` (T,)), as transformers' masks: a query at p sees keys at (p - W, p]."""
-    return keys[None, :] > positions[:, None] - window  # (T, S)

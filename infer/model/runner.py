@@ -6,17 +6,14 @@ layer's sliding window and RoPE table its spec's (docs/MODELS.md). It executes a
 sublayer skip plan, against a preallocated KV cache whose length is tracked per layer: early
 exit makes shallow layers run ahead of deep ones, and rollback is setting a length back.
 
-Tensors are ``(T, ...)`` for the T tokens of one call. Every eager forward runs the one layer loop
-(``infer.model.packed``): one sequence is one segment (``forward_layers``, ``span``), a batch of sequences
-several packed rows (``span_rows``): the projections over all rows' tokens at once, ``cached_attention`` per row over
-its own cache.
-
-Decoding forwards (draft steps, verification) go through ``Runner.span``, which an *executor*
-runs: ``eager`` (the layer loop, the CPU default: fastest there, and exact thanks to the
-small-matmul kernel), ``static`` (static shapes with device-side positions and lengths, see
-``infer.model.graphs``) or ``graphs`` (the static forwards captured as CUDA graphs, the CUDA default);
-``compile`` (the settings default it to on CUDA) runs the static forwards' layers through ``torch.compile``.
-Prompt prefill always runs eagerly, on the causal attention kernel (no mask).
+Every forward is a ``Program`` over ``Rows`` (``infer.model.program``): ``Runner.run(program, rows)`` asks the
+runner's *executors*, chosen once per runner, in order, and the first that does not decline runs it: ``static`` or
+``graphs`` (static shapes with device-side positions and lengths, the latter captured as CUDA graphs, the CUDA default:
+``infer.model.graphs``; decoding steps over one sequence), ``fused`` (the layers in C++ calls on the CPU kernel's
+AVX-512 path: ``infer.model.fused_span``; one sequence), ``eager`` (the one layer loop, ``infer.model.loop``: any rows,
+one sequence or several packed). ``compile`` (the settings default it to on CUDA) runs the static forwards' layers
+through ``torch.compile``. Prompt prefill always runs eagerly or fused, on the causal attention kernel (no mask). The
+runner then advances the cache lengths and the layer counters, the same whichever executor ran.
 """
 
 from __future__ import annotations
@@ -26,26 +23,23 @@ import hashlib
 import os
 import sys
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from weakref import WeakKeyDictionary
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from infer.model import fused_span, layer_math
-from infer.model.attention import attend, rows_for, score_scale
 from infer.model.checks import check_state, load_checked
-from infer.model.forward_model import Segment, SpanOutput
 from infer.model.graphs import StaticExecutor
 from infer.model.kv_cache import CachePool, KVCache, capacity_bucket, ints_to_device
-from infer.model.packed import packed_layers
+from infer.model.loop import EagerExecutor
 from infer.model.plan import LayerPlan
+from infer.model.program import ONCE, Declined, Executor, Output, Program, Rows
+from infer.model.stack import DraftHead, RunnerCounters, Stack
 from infer.model.weights import (
     LayerWeights,
-    Linear,
     fingerprint,
     fused_layer,
     fused_weights,
@@ -58,46 +52,6 @@ from infer.model.weights import (
 from layerskip_core.errors import UserError
 from layerskip_core.models import ModelSpec
 from layerskip_core.settings import EXECUTORS
-
-
-class DraftHead:
-    """The LM head restricted to N token ids (a reduced-vocabulary draft head), built once per runner and ids.
-
-    Its weight is a gathered copy of the N rows of the shared head (the model's own head, tied or not, is
-    untouched); ``logits`` scores only those N ids and returns them at their places in the full vocabulary,
-    with -inf elsewhere, so everything downstream (argmax, softmax, sampling, token trees) sees a proper
-    draft distribution that is zero outside the subset. Verification never uses it.
-    """
-
-    def __init__(self, runner: Runner, ids: Tensor, key: str, dtype: torch.dtype | None = None):
-        self.ids = ids.to(runner.device, torch.long)  # (N,) sorted, unique
-        self.key = key  # identifies the ids and the dtype (static forwards are keyed by it)
-        self.vocab_size = runner.spec.vocab_size
-        self.spec = runner.spec  # its final logit softcapping
-        rows = runner.lm_head.rows(self.ids).to(dtype or runner.dtype)  # (N, d)
-        self.linear = Linear(rows, None, runner.kernel)  # a copy, in ``dtype``: only drafts read it
-
-    @property
-    def size(self) -> int:
-        return int(self.ids.shape[0])
-
-    def logits(self, normed: Tensor) -> Tensor:
-        """(T, d) final-normed hidden -> (T, V) fp32 logits, -inf outside the subset."""
-        sub = layer_math.softcap(self.linear(normed.to(self.linear.dtype)).float(), self.spec)  # (T, N)
-        full = sub.new_full((sub.shape[0], self.vocab_size), float("-inf"))  # (T, V)
-        return full.index_copy_(1, self.ids, sub)
-
-
-@dataclass
-class RunnerCounters:
-    """How many token-rows each layer has processed (for tests and profiling)."""
-
-    layer_tokens: list[int] = field(default_factory=list)
-    lm_head_tokens: int = 0
-
-    def reset(self) -> None:
-        self.layer_tokens = [0] * len(self.layer_tokens)
-        self.lm_head_tokens = 0
 
 
 def weights_device(model) -> torch.device:
@@ -118,8 +72,8 @@ def weights_device(model) -> torch.device:
     return devices.pop()
 
 
-class Runner:
-    """Executes layer ranges of a supported model with sublayer skip plans over a KV cache."""
+class Runner(Stack):
+    """Executes programs (layer ranges of a supported model with sublayer skip plans) over KV caches."""
 
     def __init__(self, config, state: dict[str, Tensor], *, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", kernel: str = "auto", executor: str = "eager",
@@ -152,10 +106,14 @@ class Runner:
         self._draft_heads: dict[str, DraftHead] = {}
         self._extra_layers: dict[str, Runner] = {}
         self._beside: WeakKeyDictionary = WeakKeyDictionary()  # another runner's cache -> this runner's paired one
+        self.eager = EagerExecutor(self)
+        """The one layer loop: runs whatever the executors before it decline."""
         self.set_executor(executor, compile)
         self.fused = fused_span.for_runner(self)
-        """The fused layer span (``infer.model.fused_span``): a one-sequence eager forward's layers in one C++ call,
-        bitwise the layer loop; None where this runner does not qualify (decided here, once)."""
+        """The fused executor (``infer.model.fused_span``): one sequence's layers in C++ calls, bitwise the layer loop;
+        None where this runner does not qualify (decided here, once: ``fused_span.unfit`` says why)."""
+        self.declines: dict[str, int] = {}
+        """How often each reason an executor gave for declining a forward came up (``Declined.reason``)."""
         if getattr(config, "attn_logit_softcapping", None) is not None and self.spec.model_type == "gemma3_text":
             print("layerskip: note: attn_logit_softcapping is set, but transformers' Gemma 3 attention does not apply "
                   "it; neither does the runner (its logits stay transformers')", file=sys.stderr)
@@ -208,7 +166,8 @@ class Runner:
         self.layers, self.final_norm = list(layers), final_norm
         self.counters = RunnerCounters([0] * len(layers))
         self.caches, self._draft_heads, self._extra_layers = CachePool(), {}, {}
-        self._beside = WeakKeyDictionary()
+        self._beside, self.declines = WeakKeyDictionary(), {}
+        self.eager = EagerExecutor(self)
         self.static = None if self.static is None else StaticExecutor(self, self.static.capture, self.static.compile)
         self.fused = fused_span.for_runner(self)
 
@@ -243,20 +202,55 @@ class Runner:
         if executor == "graphs" and self.device.type != "cuda":
             raise UserError("CUDA graphs need a CUDA device; use the 'static' or 'eager' executor on "
                             f"{self.device.type}")
-        self.static = None if executor == "eager" else StaticExecutor(self, executor == "graphs", compile)
+        self.static: StaticExecutor | None = None
+        """The static-shape executor (``infer.model.graphs``), or None (``executor='eager'``)."""
+        if executor != "eager":
+            self.static = StaticExecutor(self, executor == "graphs", compile)
 
     @property
     def executor(self) -> str:
-        """The executor in use: 'eager', 'static' or 'graphs'."""
-        if self.static is None:
-            return "eager"
-        return "graphs" if self.static.capture else "static"
+        """The executor kind in use: 'eager', 'static' or 'graphs'."""
+        return "eager" if self.static is None else self.static.name
 
-    def fall_back_to_eager(self, reason: str) -> None:
-        """Drop the static executor after a failure (called once; warns)."""
-        warnings.warn(f"CUDA graph capture failed ({reason}); decoding continues with the eager executor",
-                      RuntimeWarning, stacklevel=3)
-        self.static = None
+    @property
+    def executors(self) -> list[Executor]:
+        """The executors ``run`` asks, in order: the static one (decoding steps of one sequence), the fused one (one
+        sequence on the CPU kernel), the layer loop (anything)."""
+        return [e for e in (self.static, self.fused) if e is not None] + [self.eager]
+
+    def run(self, program: Program, rows: Rows) -> Output:
+        """Run ``program`` over ``rows`` on the first executor that takes them, then advance each segment's cache
+        lengths (by its rows, at every layer whose attention ran) and the counters."""
+        for executor in self.executors:
+            out = executor.run(program, rows)
+            if not isinstance(out, Declined):
+                break
+            self._declined(executor, out)
+        self._account(program, rows)
+        return out
+
+    def _declined(self, executor: Executor, why: Declined) -> None:
+        self.declines[why.reason] = self.declines.get(why.reason, 0) + 1
+        if why.broken:  # e.g. a failed CUDA graph capture: warned once, the executor dropped
+            warnings.warn(f"{why.reason}; decoding continues without the {executor.name} executor", RuntimeWarning,
+                          stacklevel=3)
+            if executor is self.static:
+                self.static = None
+            if executor is self.fused:
+                self.fused = None
+
+    def _account(self, program: Program, rows: Rows) -> None:
+        """The host-side bookkeeping of a run, whichever executor ran it: cache lengths and counters."""
+        counts, N = self.counters.layer_tokens, rows.size
+        for i in program.layers_run:
+            counts[i] += N
+        attention = program.attention_layers
+        for seg in rows.segments:
+            lengths, T = seg.cache.lengths, seg.size
+            for i in attention:
+                lengths[i] += T
+        if program.logits:
+            self.counters.lm_head_tokens += N
 
     def _rope_rows(self, spec: ModelSpec) -> list[int]:
         names = list(self.rope_freqs)
@@ -304,26 +298,10 @@ class Runner:
             self.static.clear()  # captured graphs read the old tables
 
     # ----------------------------------------------------------------- compute
-    @property
-    def num_layers(self) -> int:
-        return self.spec.num_layers
-
-    def embed(self, ids: Tensor) -> Tensor:  # embed_w None: tied to the LM head, whose rows it reads
-        x = self.lm_head.rows(ids) if self.embed_w is None else F.embedding(ids, self.embed_w)  # (T,) -> (T, d)
-        return x if self.embed_scale is None else x * self.embed_scale
-
     def logits(self, hidden: Tensor, vocab: DraftHead | None = None) -> Tensor:
         """Final norm + LM head (or a reduced-vocabulary draft head), returned in fp32 (T, V)."""
         self.counters.lm_head_tokens += hidden.shape[0]
         return self.head(hidden, vocab)
-
-    def head(self, hidden: Tensor, vocab: DraftHead | None = None) -> Tensor:
-        """Final norm + LM head in fp32, without counting (the static executor counts on the host); with
-        ``vocab``, only its N rows of the head run and the other logits are -inf."""
-        h = layer_math.norm(hidden, self.final_norm, self.spec)  # (T, d)
-        if vocab is not None:
-            return vocab.logits(h)  # (T, V)
-        return layer_math.softcap(self.lm_head(h.to(self.lm_head.dtype)).float(), self.spec)  # (T, V)
 
     def draft_head(self, ids: Tensor | list[int], dtype: torch.dtype | None = None) -> DraftHead:
         """The draft head over token ``ids`` (N,) in ``dtype`` (default the runner's), made on first use and kept."""
@@ -338,153 +316,20 @@ class Runner:
             self._draft_heads[key] = DraftHead(self, ids, key, dtype)
         return self._draft_heads[key]
 
-    def span(self, cache: KVCache, hidden: Tensor, positions: list[int], start: int, end: int, *,
-             exact_until: int | None = None, plan: LayerPlan | None = None, mask: Tensor | None = None,
-             logits: bool = False, vocab: DraftHead | None = None) -> SpanOutput:
-        """A decoding forward: layers ``[start, exact_until)`` exactly, then ``[exact_until, end)`` under ``plan``.
-
-        ``hidden`` (T, d) enters layer ``start`` at RoPE ``positions`` (T host ints); ``mask`` (T, W)
-        bool as in ``forward_layers`` (None = causal new tokens). Returns the stream at
-        ``exact_until`` (default ``end``), after ``end``, and the logits when ``logits``. Runs on the
-        static executor when one is set and the call fits it, else eagerly; both write the same
-        cache rows and lengths. ``vocab``: score the logits with that reduced-vocabulary draft head.
-        """
-        split = end if exact_until is None else exact_until
-        if self.static is not None:
-            out = self.static.span(cache, hidden, positions, start, split, end, plan, mask, logits, vocab)
-            if out is not None:
-                return SpanOutput(*out)
-        return self.span_rows([Segment(cache, positions, mask)], hidden, start, split, end, plan, logits, vocab)
-
-    def span_rows(self, segments: Sequence[Segment], hidden: Tensor, start: int, split: int, end: int,
-                  plan: LayerPlan | None = None, logits: bool = False, vocab: DraftHead | None = None) -> SpanOutput:
-        """``span``'s eager forward over packed rows (``infer.model.packed``; one segment is one sequence): ``hidden``
-        (N, d) holds the segments' rows in order; layers ``[start, split)`` exactly, then ``[split, end)`` under
-        ``plan``."""
-        if len(segments) == 1:
-            s = segments[0]
-            fused = self.fused_span(s.cache, hidden, s.positions, start, split, end, plan, s.mask)  # (T, d) x 2
-            if fused is not None:
-                return SpanOutput(*fused, self.logits(fused[1], vocab) if logits else None)
-        pos = self.to_device([p for s in segments for p in s.positions])  # (N,)
-        rope = (*self.rope(pos), pos)  # K x (N, 1, D) cos and sin, the positions
-        masks = [None if s.mask is None else s.mask.to(self.device) for s in segments]  # (T, W) each
-        memo: list[dict] = [{} for _ in segments]  # per segment: attention masks by start slot
-        exact = packed_layers(self, segments, hidden, rope, start, split, None, masks, memo)  # (N, d)
-        out = exact if split >= end else packed_layers(self, segments, exact, rope, split, end, plan, masks, memo)
-        return SpanOutput(exact, out, self.logits(out, vocab) if logits else None)
-
-    def fused_span(self, cache: KVCache, hidden: Tensor, positions: Sequence[int] | Tensor, start: int, split: int,
-                   end: int, plan: LayerPlan | None, mask: Tensor | None) -> tuple[Tensor, Tensor] | None:
-        """One sequence's layers ``[start, split)`` exactly and ``[split, end)`` under ``plan`` on the fused layer
-        span (``self.fused``): (the stream after ``split``, after ``end``), or None where the runner has none or the
-        call is not one it takes (the layer loop runs it then)."""
-        if self.fused is None:
-            return None
-        return self.fused(cache, hidden, positions, start, split, end, plan, mask, (self._cos, self._sin),
-                          self.counters.layer_tokens)
-
     def to_device(self, values: list[int]) -> Tensor:
         """Host ints as a device long tensor; on CUDA through pinned memory, so no host sync."""
         return ints_to_device(values, self.device)
 
-    def forward_layers(self, cache: KVCache, hidden: Tensor, positions: Tensor, start: int = 0,
-                       end: int | None = None, plan: LayerPlan | None = None,
-                       mask: Tensor | None = None, bulk: bool = False) -> Tensor:
-        """Run layers ``[start, end)`` on ``hidden`` (T, d); append K/V at each layer's length.
-
-        ``positions`` (T,) are the RoPE positions. ``mask`` (T, W) bool, if given, says which of
-        the last W attended slots (the W-T slots before the new ones, then the T new ones) each
-        new token sees; all earlier slots are visible. Without a mask the new tokens are causal.
-        A skipped attention sublayer writes no K/V and leaves its layer's length unchanged.
-        ``bulk`` (prompt prefill) uses BLAS even where the small-batch kernel exists: faster for
-        long inputs, and nothing compares prefill rows with token-by-token ones.
-        """
-        end = self.spec.num_layers if end is None else end
-        fused = None if bulk else self.fused_span(cache, hidden, positions, start, start, end, plan, mask)
-        if fused is not None:
-            return fused[1]  # (T, d)
-        segment = Segment(cache, positions, mask)  # one sequence: the one layer loop's single segment
-        rope = (*self.rope(positions), positions)  # K x (T, 1, D) cos and sin, the positions
-        return packed_layers(self, [segment], hidden, rope, start, end, plan, [mask], [{}], bulk)  # (T, d)
-
     def forward(self, cache: KVCache, ids: Tensor, positions: Tensor | None = None,
                 plan: LayerPlan | None = None, mask: Tensor | None = None) -> Tensor:
-        """Full model on token ids (T,), appending to the cache; returns logits (T, V)."""
+        """Full model on token ids (T,) at ``positions`` (default: after the cache's first layer), appending to the
+        cache, under ``plan``, with ``mask`` (T, W) as a ``Segment``'s (None: causal): (T, V) logits. A one-off forward
+        (``ONCE``): the program ``Program(0, L, plan=plan, logits=True)``."""
         if positions is None:
             start = cache.lengths[0]
             positions = torch.arange(start, start + ids.shape[0], device=self.device)
-        return self.logits(self.forward_layers(cache, self.embed(ids), positions, plan=plan, mask=mask))
-
-    def rope(self, positions: Tensor) -> tuple[list[Tensor], list[Tensor]]:
-        """(cos, sin) at ``positions`` (T,) on the device: K tensors (T, 1, D) each, one per RoPE table (layer i reads
-        table ``rope_rows[i]``; each its own tensor, so compiled steps see no storage offset that differs by table);
-        sin has the sign of the roll form folded in."""
-        return [c[positions][:, None] for c in self._cos], [s[positions][:, None] for s in self._sin]
-
-    def attn_mask(self, start_slot: int, T: int, mask: Tensor | None) -> Tensor | None:
-        """(T, start_slot + T) bool; None where no mask is needed (one row, or causal rows from slot 0)."""
-        S = start_slot + T
-        if mask is None:
-            if T == 1 or start_slot == 0:
-                return None
-            return torch.ones(T, S, dtype=torch.bool, device=self.device).tril(diagonal=start_slot)  # (T, S)
-        W = mask.shape[1]
-        if W > S:
-            raise ValueError(f"mask covers {W} slots but only {S} exist")
-        full = torch.ones(T, S, dtype=torch.bool, device=self.device)  # (T, S)
-        full[:, S - W:] = mask
-        return full
-
-    def window_mask(self, cache: KVCache, i: int, base: Tensor | None, positions: Tensor) -> Tensor | None:
-        """Layer ``i``'s mask for T new rows at ``positions`` (T,): ``base`` (``attn_mask``'s) where the layer attends
-        fully; with a sliding window W, the rows' positions are recorded in the cache and keys W or more positions
-        before a row are hidden too (``layer_math.near``), once the layer's slots outnumber W (slot >= position, so
-        before that every key is near)."""
-        window = self.spec.window(i)
-        if window is None:
-            return base
-        T, start = positions.shape[0], cache.lengths[i]
-        cache.pos[i, start:start + T] = positions
-        if start + T <= window:
-            return base
-        near = layer_math.near(positions, cache.pos[i, :start + T], window)  # (T, S)
-        if base is None and T > 1:  # causal rows from slot 0
-            base = torch.ones(T, start + T, dtype=torch.bool, device=self.device).tril(diagonal=start)
-        return near if base is None else base & near
-
-    def cached_attention(self, i: int, cache: KVCache, q: Tensor, k: Tensor, v: Tensor,
-                         attn_mask: Tensor | None, scale: float | None = None, bulk: bool = False) -> Tensor:
-        """Write k, v (Hkv, T, D) at layer ``i``'s length in ``cache``, then attend q (Hq, T, D) over the layer's
-        filled slots with ``attn_mask`` (``attn_mask``'s form; None: causal from slot 0, or all visible) and the
-        score ``scale`` (None: D ** -0.5): (Hq, T, D). The packed batch forward (``infer.model.packed``) calls it once
-        per row over that row's own cache. With the kernel, every row runs the batch-invariant row attention
-        (``infer.model.attention.attend``; the cache writes in the same C++ call), except in ``bulk`` (prompt prefill)
-        calls."""
-        T = q.shape[1]
-        start = cache.lengths[i]
-        stop = start + T
-        if stop > cache.capacity:
-            raise RuntimeError(f"KV cache full: layer {i} needs {stop} slots, capacity {cache.capacity}")
-        cache.lengths[i] = stop
-        rows = None if bulk else rows_for(self.kernel, q, attn_mask, start == 0 and T > 1)
-        if rows is not None:
-            return rows.attend_cache(q, k, v, cache.k, cache.v, i, start, attn_mask, score_scale(q, scale))
-        cache.k[i, :, start:stop] = k
-        cache.v[i, :, start:stop] = v
-        keys = cache.k[i, :, :stop]  # (Hkv, S, D)
-        values = cache.v[i, :, :stop]  # (Hkv, S, D)
-        return attend(q, keys, values, attn_mask, causal=start == 0 and T > 1, scale=scale)  # (Hq, T, D)
-
-    def qkv_rope(self, w: LayerWeights, hidden: Tensor, cos: Tensor, sin: Tensor,
-                 bulk: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-        """A layer's attention norm, q/k/v projection, q/k norms and RoPE (``layer_math.qkv_rope``; ``cos``/``sin``
-        (T, 1, D): the layer's table): (Hq, T, D), (Hkv, T, D), (Hkv, T, D)."""
-        return layer_math.qkv_rope(self.spec, w, hidden, cos, sin, bulk)
-
-    def mlp(self, w: LayerWeights, hidden: Tensor, bulk: bool = False) -> Tensor:
-        """A layer's MLP sublayer with its residual (``layer_math.mlp``): (T, d) -> (T, d)."""
-        return layer_math.mlp(self.spec, w, hidden, bulk)
+        rows = Rows.one(cache, self.embed(ids), positions, mask, ONCE)
+        return self.run(Program(0, self.num_layers, plan=plan, logits=True), rows).logits
 
     # ----------------------------------------------------------------- identity
     def identity(self) -> dict:

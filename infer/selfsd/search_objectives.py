@@ -23,6 +23,7 @@ from infer.drafters import Spec, build_drafter, drafter_spec
 from infer.drafters.self_sd import SelfSDDrafter
 from infer.drafters.skipping import agreement, verified_window
 from infer.model.plan import CostModel, LayerPlan, cycle_speedup
+from infer.model.program import ONCE, Program, Rows
 from infer.model.runner import Runner
 from layerskip_core.draft_vocab import DraftVocab
 
@@ -40,7 +41,8 @@ def measure_cost(runner: Runner, context: Sequence[int], max_tokens: int, repeat
     L = runner.num_layers
     cache = runner.new_cache(len(context) + max_tokens + 8)
     ids = torch.tensor(list(context), device=runner.device)
-    runner.forward_layers(cache, runner.embed(ids), torch.arange(len(context), device=runner.device))
+    runner.run(Program(0, L), Rows.one(cache, runner.embed(ids), torch.arange(len(context), device=runner.device),
+                                       kind=ONCE))
     n = len(context)
 
     def timed(plan: LayerPlan | None, T: int) -> float:
@@ -49,7 +51,7 @@ def measure_cost(runner: Runner, context: Sequence[int], max_tokens: int, repeat
         times = []
         for _ in range(repeats + 1):
             t = time.perf_counter()
-            runner.logits(runner.forward_layers(cache, runner.embed(tok), pos, plan=plan))
+            runner.forward(cache, tok, pos, plan=plan)  # (T, V)
             times.append(time.perf_counter() - t)
             cache.rollback(n)
         return statistics.median(times[1:])
@@ -122,7 +124,8 @@ class ModelObjective:
             cache = runner.new_cache(n + len(item.continuation) + 1)
             ids = torch.tensor(seq, device=runner.device)
             with torch.no_grad():
-                runner.forward_layers(cache, runner.embed(ids[:n]), torch.arange(n, device=runner.device))
+                rows = Rows.one(cache, runner.embed(ids[:n]), torch.arange(n, device=runner.device), kind=ONCE)
+                runner.run(Program(0, runner.num_layers), rows)
             self.windows.append(verified_window(runner, cache, n, s, ids[s:n], ids[s + 1:n + 1], "exact",
                                                 layer_inputs=True))
 

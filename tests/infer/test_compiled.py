@@ -8,9 +8,10 @@ from executor_cases import SIX, drafter_cases, fake_capture, run_drafter
 
 from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import build_drafter
-from infer.model.compiled import kernels_per_layer
+from infer.measure.gpu.counts import kernels_per_layer
 from infer.model.graphs import PLAN_CAPTURE_AFTER, StaticExecutor, StaticSpan
 from infer.model.plan import LayerPlan
+from infer.model.program import ONCE, Program, Rows
 from infer.model.runner import Runner
 from tiny_models import make_model
 
@@ -71,13 +72,13 @@ def test_plan_forwards_are_captured_only_after_a_few_uses(model, monkeypatch):
     runner.static = StaticExecutor(runner, capture=True)
     cache = runner.new_cache(256)
     ids = torch.arange(3, 13)
-    runner.forward_layers(cache, runner.embed(ids), torch.arange(10))
+    runner.run(Program(0, L), Rows.one(cache, runner.embed(ids), torch.arange(10), kind=ONCE))
     one = runner.embed(ids[:1])
     plan = LayerPlan(L, frozenset({2}), frozenset({3}))
     captures = []
     for _ in range(PLAN_CAPTURE_AFTER + 1):
-        runner.span(cache, one, [10], 0, L, logits=True)  # no plan
-        runner.span(cache, one, [10], 0, L, exact_until=1, plan=plan, logits=True)  # a plan's draft step
+        runner.run(Program(0, L, logits=True), Rows.one(cache, one, [10]))  # no plan
+        runner.run(Program(0, L, 1, plan, logits=True), Rows.one(cache, one, [10]))  # a plan's draft step
         cache.rollback(10)
         captures.append(runner.static.captures)
     assert captures == [1] * (PLAN_CAPTURE_AFTER - 1) + [2, 2]
@@ -89,13 +90,13 @@ def test_the_span_limit_drops_plan_forwards_first(model):
     runner.static.max_spans = 3
     cache = runner.new_cache(256)
     ids = torch.arange(3, 13)
-    runner.forward_layers(cache, runner.embed(ids), torch.arange(10))
+    runner.run(Program(0, L), Rows.one(cache, runner.embed(ids), torch.arange(10), kind=ONCE))
     one, two = runner.embed(ids[:1]), runner.embed(ids[:2])
-    runner.span(cache, one, [10], 0, L, logits=True)  # plain draft/verify shapes: kept
-    runner.span(cache, two, [10, 11], 0, L, logits=True)
+    runner.run(Program(0, L, logits=True), Rows.one(cache, one, [10]))  # plain draft/verify shapes: kept
+    runner.run(Program(0, L, logits=True), Rows.one(cache, two, [10, 11]))
     cache.rollback(10)
     for skip in (2, 3, 4):  # three plans tried in turn
-        runner.span(cache, one, [10], 0, L, exact_until=1, plan=LayerPlan(L, frozenset({skip})), logits=True)
+        runner.run(Program(0, L, 1, LayerPlan(L, frozenset({skip})), logits=True), Rows.one(cache, one, [10]))
         cache.rollback(10)
     keys = [s.key for s in runner.static.spans(cache)]
     assert [k.plan for k in keys] == [None, None, ((4,), ())] and runner.static.builds == 5

@@ -11,6 +11,7 @@ from infer.drafters import build_drafter, drafter_spec
 from infer.drafters.dynamic_exit import CycleTiming, DynamicExitDrafter, candidate_exits, exit_prices, realised_cost
 from infer.drafters.exit_choice import Choice, RunEstimates, RunRates, best_choice, predicted_speedup
 from infer.drafters.registry import stats_from_dict
+from infer.model.program import ONCE, Program, Rows
 from infer.model.runner import Runner
 from infer.model.sampling import SamplingConfig
 from layerskip_core.errors import UserError
@@ -70,7 +71,8 @@ def test_observed_streams_are_the_models(runner):
     assert drafted and all(set(o.observed) == {1, 2, 4, 5} for o in drafted)
     for layer in (1, 2, 4, 5):
         cache.reset()
-        ref = runner.forward_layers(cache, runner.embed(ids), torch.arange(len(tokens)), 0, layer)  # (S, d)
+        rows = Rows.one(cache, runner.embed(ids), torch.arange(len(tokens)), kind=ONCE)
+        ref = runner.run(Program(0, layer), rows).hidden  # (S, d)
         for o in outcomes:
             rows = o.observed[layer][o.path]  # (P, d)
             assert torch.allclose(rows, ref[o.start:o.start + len(o.path)], atol=1e-4), layer
@@ -375,7 +377,8 @@ def test_prompt_streams_are_the_models_and_the_prefill_is_unchanged(runner):
     ids, cache = torch.tensor(prompt), runner.new_cache(64)
     for layer in (2, 4, 6):
         cache.reset()
-        ref = runner.forward_layers(cache, runner.embed(ids), torch.arange(len(prompt)), 0, layer)  # (P, d)
+        rows = Rows.one(cache, runner.embed(ids), torch.arange(len(prompt)), kind=ONCE)
+        ref = runner.run(Program(0, layer), rows).hidden  # (P, d)
         assert torch.allclose(kept[layer], ref[-5:], atol=1e-5), layer
     while not gen.done:
         engine.step(gen)

@@ -6,6 +6,7 @@ import torch
 
 from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import Drafter, build_drafter
+from infer.model.program import ONCE, Program, Rows
 from infer.model.runner import Runner
 from stub_drafters import ScriptedDrafter
 from tiny_models import make_model
@@ -256,8 +257,8 @@ def test_early_exit_target_runs_only_its_layers(runner, E):
     assert runner.counters.layer_tokens[E:] == [0] * (runner.num_layers - E)
     ids, expect = list(prompt), []
     for _ in range(12):  # reference: recompute the shallow model on the whole sequence each time
-        hidden = runner.forward_layers(runner.new_cache(64), runner.embed(torch.tensor(ids)),
-                                       torch.arange(len(ids)), 0, E)
+        rows = Rows.one(runner.new_cache(64), runner.embed(torch.tensor(ids)), torch.arange(len(ids)), kind=ONCE)
+        hidden = runner.run(Program(0, E), rows).hidden
         expect.append(int(runner.logits(hidden[-1:]).argmax()))
         ids.append(expect[-1])
     assert got == expect

@@ -4,6 +4,7 @@ local layers). Logits equal transformers' in fp32 on every executor, for context
 import pytest
 import torch
 
+from infer.model.program import ONCE, Program, Rows
 from infer.model.runner import Runner
 from layerskip_core.errors import UserError
 from layerskip_core.models import SUPPORTED_MODEL_TYPES, ModelSpec
@@ -46,9 +47,10 @@ def test_static_executor_equals_transformers(model, ids, ref):
     runner = Runner.from_model(model, executor="static")
     cache = runner.new_cache(256)
     L = runner.num_layers
-    runner.forward_layers(cache, runner.embed(ids[:90]), torch.arange(90))  # prefill runs eagerly
-    got = [runner.span(cache, runner.embed(ids[90:95]), list(range(90, 95)), 0, L, logits=True).logits]
-    got += [runner.span(cache, runner.embed(ids[i:i + 1]), [i], 0, L, logits=True).logits for i in range(95, N)]
+    runner.run(Program(0, L), Rows.one(cache, runner.embed(ids[:90]), torch.arange(90), kind=ONCE))  # runs eagerly
+    step = Program(0, L, logits=True)
+    got = [runner.run(step, Rows.one(cache, runner.embed(ids[90:95]), list(range(90, 95)))).logits]
+    got += [runner.run(step, Rows.one(cache, runner.embed(ids[i:i + 1]), [i])).logits for i in range(95, N)]
     assert runner.static.spans(cache)
     torch.testing.assert_close(torch.cat(got), ref[90:], atol=ATOL, rtol=0)
 
@@ -60,12 +62,12 @@ def test_tree_mask_verification_past_the_window(model, ids, ref):
         runner = Runner.from_model(model, executor=executor)
         cache = runner.new_cache(256)
         P = 2 * TINY_WINDOW
-        runner.forward_layers(cache, runner.embed(ids[:P]), torch.arange(P))
+        runner.run(Program(0, runner.num_layers), Rows.one(cache, runner.embed(ids[:P]), torch.arange(P), kind=ONCE))
         # two branches after the prefix: [P] -> [P+1] and [P] -> other token at depth 1
         tokens = torch.stack([ids[P], ids[P + 1], ids[P + 2]])
         mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
-        out = runner.span(cache, runner.embed(tokens), [P, P + 1, P + 1], 0, runner.num_layers, mask=mask,
-                          logits=True).logits
+        rows = Rows.one(cache, runner.embed(tokens), [P, P + 1, P + 1], mask)
+        out = runner.run(Program(0, runner.num_layers, logits=True), rows).logits
         torch.testing.assert_close(out[:2], ref[P:P + 2], atol=ATOL, rtol=0)
         alone = torch.cat([ids[:P + 1], ids[P + 2:P + 3]])
         with torch.no_grad():

@@ -15,8 +15,7 @@ import torch.nn.functional as F
 
 from infer import kernels
 from infer.model.attention import attend, row_kernel
-from infer.model.forward_model import Segment
-from infer.model.packed import packed_span
+from infer.model.program import BULK, Program, Rows, Segment
 from infer.model.runner import Runner
 from tiny_models import FAMILY_KINDS, family_model, make_model
 
@@ -163,7 +162,7 @@ def test_packed_forward_equals_each_sequence_alone(dtype):
         cache.rollback(len(prompt))
     segments = [Segment(c, list(range(len(p), len(p) + len(n)))) for c, p, n in zip(caches, prompts, news, strict=True)]
     hidden = runner.embed(torch.tensor([t for n in news for t in n]))  # (N, d)
-    packed = packed_span(runner, segments, hidden, 0, runner.num_layers, logits=True).logits
+    packed = runner.run(Program(0, runner.num_layers, logits=True), Rows(hidden, segments)).logits
     assert torch.equal(packed, torch.cat(alone))
 
 
@@ -173,8 +172,9 @@ def test_bulk_prefill_stays_on_sdpa(monkeypatch):
     calls = []
     monkeypatch.setattr("infer.model.attention.row_kernel", lambda kernel, q: calls.append(kernel))
     cache = runner.new_cache(64)
-    runner.forward_layers(cache, runner.embed(torch.arange(5, 25)), torch.arange(20), bulk=True)
-    runner.forward_layers(cache, runner.embed(torch.arange(5, 25)), torch.arange(20, 40), bulk=True)  # masked, bulk
+    prompt = Program(0, runner.num_layers)
+    runner.run(prompt, Rows.one(cache, runner.embed(torch.arange(5, 25)), torch.arange(20), kind=BULK))
+    runner.run(prompt, Rows.one(cache, runner.embed(torch.arange(5, 25)), torch.arange(20, 40), kind=BULK))  # masked
     assert calls == [None] * runner.num_layers  # the causal prefill asks nothing; the masked one is told no kernel
 
 

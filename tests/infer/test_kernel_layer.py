@@ -1,7 +1,7 @@
 """The fused layer span (``infer.model.fused_span``, ``layer_span.cpp``): bitwise the Python layer loop.
 
-Against ``infer.model.packed.packed_layers`` (the loop ``Runner.span_rows`` runs): the stream after ``split`` and after
-``end``, every K/V row of the cache, the cache lengths and the layer counters, in fp32 and bf16 (where the CPU has
+Against ``infer.model.loop`` (the eager executor: ``Runner.run`` without the fused one): the stream at ``split`` and
+after ``end``, every K/V row of the cache, the cache lengths and the layer counters, in fp32 and bf16 (where the CPU has
 AVX512_BF16), for T in 1-5, 8, 16, with and without a token-tree mask, under skip plans (attention, MLP, both
 skipped), from start > 0 to end < depth, over layers whose caches have different lengths; on random small Llama
 configs (head dims 16, 24 and 40, MLP widths off the 16-lane vectors) and on the default model. Runners that do not
@@ -19,8 +19,8 @@ from torch import Tensor
 
 from infer import kernels
 from infer.model import fused_span
-from infer.model.packed import Segment, packed_layers
 from infer.model.plan import LayerPlan
+from infer.model.program import BULK, ONCE, Declined, Program, Rows
 from infer.model.runner import Runner
 from tiny_models import family_model, make_model
 
@@ -54,11 +54,6 @@ def _tiny_runner(name: str, dtype: torch.dtype) -> Runner:
     return Runner.from_model(model, dtype=dtype)
 
 
-def _tables(runner: Runner):
-    """The runner's RoPE tables as the fused span takes them (what ``Runner.span_rows`` passes)."""
-    return runner._cos, runner._sin
-
-
 def _clone(cache):
     other = copy.copy(cache)
     other.k, other.v, other.lengths = cache.k.clone(), cache.v.clone(), list(cache.lengths)
@@ -66,22 +61,23 @@ def _clone(cache):
 
 
 def _python_span(runner: Runner, cache, hidden, pos, start, split, end, plan, mask):
-    """``Runner.span_rows`` of one segment on the Python loop: (exact, out)."""
-    positions = torch.tensor(pos)
-    rope = (*runner.rope(positions), positions)
-    seg, memo = Segment(cache, pos, mask), [{}]
-    exact = packed_layers(runner, [seg], hidden, rope, start, split, None, [mask], memo)
-    out = exact if split >= end else packed_layers(runner, [seg], exact, rope, split, end, plan, [mask], memo)
-    return exact, out
+    """The program on the Python loop (the runner without its fused executor): (exact, out)."""
+    loop = copy.copy(runner)
+    loop.fused = None
+    out = loop.run(Program(start, end, split, plan), Rows.one(cache, hidden, pos, mask))
+    return out.exact, out.hidden
 
 
 def _fused_span(runner: Runner, cache, hidden, pos, start, split, end, plan, mask):
+    """The program on a fused executor of its own (the runner advancing lengths and counters): (exact, out)."""
     fused = fused_span.for_runner(runner)
     assert fused is not None
-    out = fused(cache, hidden, pos, start, split, end, plan, mask, _tables(runner),
-                runner.counters.layer_tokens)
-    assert out is not None, "the fused span refused the call"
-    return out
+    program, rows = Program(start, end, split, plan), Rows.one(cache, hidden, pos, mask)
+    assert fused.declines(program, rows) is None, "the fused span refused the call"
+    alone = copy.copy(runner)
+    alone.fused = fused
+    out = alone.run(program, rows)
+    return out.exact, out.hidden
 
 
 def _check_same(runner: Runner, cache, T: int, start: int, split: int, end: int, plan, mask, label) -> None:
@@ -107,7 +103,7 @@ def _uneven_cache(runner: Runner, context: int):
     cache = runner.new_cache(96)
     runner.forward(cache, torch.arange(3, 3 + context))
     hidden = runner.embed(torch.tensor([40, 41, 42]))
-    runner.forward_layers(cache, hidden, torch.arange(context, context + 3), 0, 2)
+    runner.run(Program(0, 2), Rows.one(cache, hidden, torch.arange(context, context + 3), kind=ONCE))
     return cache
 
 
@@ -150,7 +146,7 @@ def test_default_model_fused_span_is_the_python_loop_bitwise(dtype):
     runner = Runner.from_pretrained(DEFAULT_MODEL, dtype=dtype)
     L = runner.num_layers
     cache = runner.new_cache(64)
-    runner.forward_layers(cache, runner.embed(torch.arange(100, 130)), torch.arange(30), bulk=True)
+    runner.run(Program(0, L), Rows.one(cache, runner.embed(torch.arange(100, 130)), torch.arange(30), kind=BULK))
     plan = LayerPlan(L, frozenset({5, 9, 17}), frozenset({9, 12, 20, 25}))
     for T in (1, 4, 16):
         tree = torch.ones(T, T, dtype=torch.bool).tril()
@@ -162,24 +158,31 @@ def test_default_model_fused_span_is_the_python_loop_bitwise(dtype):
 
 
 def test_calls_the_fused_span_does_not_take_are_refused_untouched():
-    """More than MAX_TOKENS rows, T > 1 rows from an empty layer (causal SDPA), a float mask, autograd: None, and the
-    cache and counters as they were."""
+    """More than MAX_TOKENS rows, T > 1 rows from an empty layer (causal SDPA), a float mask, autograd, several
+    sequences, a BLAS prefill: declined with the reason, and the cache and counters as they were."""
     runner = _tiny_runner("d64-D16", torch.float32)
     fused = fused_span.for_runner(runner)
     cache = _uneven_cache(runner, 40)
     before = _clone(cache)
-    tables, counts = _tables(runner), runner.counters.layer_tokens
-    counted = list(counts)
+    counted = list(runner.counters.layer_tokens)
     rows = fused_span.MAX_TOKENS + 1
-    assert fused(cache, runner.embed(torch.arange(rows)), list(range(43, 43 + rows)), 0, 6, 6, None, None, tables,
-                 counts) is None
-    assert fused(runner.new_cache(32), runner.embed(torch.arange(2)), [0, 1], 0, 6, 6, None, None, tables,
-                 counts) is None
+    every = Program(0, 6)
     two = runner.embed(torch.arange(2))
-    assert fused(cache, two, [43, 44], 0, 6, 6, None, torch.ones(2, 2), tables, counts) is None
+    calls = {
+        "fused: not 1 to": Rows.one(cache, runner.embed(torch.arange(rows)), list(range(43, 43 + rows))),
+        "fused: causal rows from an empty layer": Rows.one(runner.new_cache(32), two, [0, 1]),
+        "fused: a mask that is not": Rows.one(cache, two, [43, 44], torch.ones(2, 2)),
+        "fused: several sequences": Rows(two, [Rows.one(cache, two[:1], [43]).segments[0]] * 2),
+        "fused: a prompt prefill": Rows.one(cache, two, [43, 44], kind=BULK),
+    }
+    for reason, given in calls.items():
+        out = fused.run(every, given)
+        assert isinstance(out, Declined) and out.reason.startswith(reason), (reason, out)
     with torch.enable_grad():
-        assert fused(cache, two.requires_grad_(True), [43, 44], 0, 6, 6, None, None, tables, counts) is None
-    assert torch.equal(cache.k, before.k) and cache.lengths == before.lengths and counts == counted
+        out = fused.run(every, Rows.one(cache, two.requires_grad_(True), [43, 44]))
+        assert isinstance(out, Declined) and out.reason.startswith("fused: autograd"), out
+    assert torch.equal(cache.k, before.k) and cache.lengths == before.lengths
+    assert runner.counters.layer_tokens == counted
 
 
 def test_errors_are_the_python_loops():
@@ -188,12 +191,11 @@ def test_errors_are_the_python_loops():
     fused = fused_span.for_runner(runner)
     cache = runner.new_cache(8)
     runner.forward(cache, torch.arange(3, 9))
-    tables, counts = _tables(runner), runner.counters.layer_tokens
     with pytest.raises(RuntimeError, match="KV cache full: layer 0 needs 10 slots, capacity 8"):
-        fused(cache, runner.embed(torch.arange(4)), [6, 7, 8, 9], 0, 6, 6, None, None, tables, counts)
+        fused.run(Program(0, 6), Rows.one(cache, runner.embed(torch.arange(4)), [6, 7, 8, 9]))
     with pytest.raises(ValueError, match="mask covers 12 slots but only 7 exist"):
-        fused(cache, runner.embed(torch.arange(1)), [6], 0, 6, 6, None, torch.ones(1, 12, dtype=torch.bool), tables,
-              counts)
+        wide = torch.ones(1, 12, dtype=torch.bool)
+        fused.run(Program(0, 6), Rows.one(cache, runner.embed(torch.arange(1)), [6], wide))
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "gemma3_text", "mistral_window"])
@@ -210,6 +212,21 @@ def test_qwen2_biases_and_the_torch_path_keep_the_python_loop():
     assert fused_span.for_runner(Runner.from_model(make_model("llama", seed=1))) is not None
 
 
+class Recording:
+    """A fused executor that records the (start, exact_until, end) of each program it runs."""
+
+    name = "fused"
+
+    def __init__(self, fused, calls: list):
+        self.fused, self.calls = fused, calls
+
+    def run(self, program, rows):
+        out = self.fused.run(program, rows)
+        if not isinstance(out, Declined):
+            self.calls.append((program.start, program.exact_until, program.end))
+        return out
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_runner_takes_the_fused_span_and_computes_what_the_loop_does(dtype):
     """``Runner.span`` and ``forward_layers`` of one sequence run fused (once per call), and a verification with a
@@ -219,8 +236,7 @@ def test_the_runner_takes_the_fused_span_and_computes_what_the_loop_does(dtype):
     loop = copy.copy(runner)
     loop.fused = None  # the same weights on the Python loop
     calls = []
-    fused = runner.fused
-    runner.fused = lambda *args: calls.append(args[3:6]) or fused(*args)
+    runner.fused = Recording(runner.fused, calls)
     plan = LayerPlan(6, frozenset({2}), frozenset({1, 4}))
     results = []
     for r in (runner, loop):
@@ -229,11 +245,11 @@ def test_the_runner_takes_the_fused_span_and_computes_what_the_loop_does(dtype):
         calls.clear()
         tree = torch.ones(4, 4, dtype=torch.bool).tril()
         tree[3, 1] = False
-        verified = r.forward(cache, torch.tensor([9, 8, 7, 6]), mask=tree)  # forward_layers: fused from slot 12
-        draft = r.span(cache, r.embed(torch.tensor([5])), [16], 0, 6, exact_until=3, plan=plan, logits=True)
+        verified = r.forward(cache, torch.tensor([9, 8, 7, 6]), mask=tree)  # fused from slot 12
+        draft = r.run(Program(0, 6, 3, plan, logits=True), Rows.one(cache, r.embed(torch.tensor([5])), [16]))
         results.append((verified, draft.exact, draft.hidden, draft.logits, cache.k, cache.v, cache.lengths,
                         list(r.counters.layer_tokens)))
-        assert calls == ([(0, 0, 6), (0, 3, 6)] if r is runner else [])
+        assert calls == ([(0, 6, 6), (0, 3, 6)] if r is runner else [])
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b) if isinstance(a, Tensor) else a == b
 

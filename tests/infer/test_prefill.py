@@ -15,7 +15,7 @@ from infer.decode.engine import DecodeConfig, Engine
 from infer.decode.prefill import Prompt, prefill
 from infer.drafters import build_drafter
 from infer.drafters.base import DecodeState
-from infer.model.packed import packs
+from infer.model.loop import packs
 from infer.model.plan import LayerPlan
 from infer.model.runner import Runner
 from infer.model.sampling import SamplingConfig

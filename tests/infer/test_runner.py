@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from infer.model.plan import LayerPlan
+from infer.model.program import ONCE, Program, Rows
 from infer.model.runner import Runner
 from tiny_models import make_model
 
@@ -39,10 +40,11 @@ def test_static_executor_parity_with_transformers(kind):
     ids = torch.randint(0, 320, (24,), generator=torch.Generator().manual_seed(0))
     ref = hf_logits(model, ids)
     cache = runner.new_cache(64)
-    runner.forward_layers(cache, runner.embed(ids[:10]), torch.arange(10))  # prefill runs eagerly
     L = runner.num_layers
-    got = [runner.span(cache, runner.embed(ids[10:15]), list(range(10, 15)), 0, L, logits=True).logits]  # 8-row bucket
-    got += [runner.span(cache, runner.embed(ids[i:i + 1]), [i], 0, L, logits=True).logits for i in range(15, 24)]
+    runner.run(Program(0, L), Rows.one(cache, runner.embed(ids[:10]), torch.arange(10), kind=ONCE))  # runs eagerly
+    step = Program(0, L, logits=True)
+    got = [runner.run(step, Rows.one(cache, runner.embed(ids[10:15]), list(range(10, 15)))).logits]  # 8-row bucket
+    got += [runner.run(step, Rows.one(cache, runner.embed(ids[i:i + 1]), [i])).logits for i in range(15, 24)]
     assert cache.lengths == [24] * L
     assert runner.static.spans(cache)  # the static executor ran them
     torch.testing.assert_close(torch.cat(got), ref[10:], atol=1e-4, rtol=0)
@@ -71,7 +73,8 @@ def test_early_exit_hidden_matches_hf_hidden_states():
     with torch.no_grad():
         hs = model(ids[None], output_hidden_states=True).hidden_states
     for E in range(1, 4):
-        h = runner.forward_layers(runner.new_cache(32), runner.embed(ids), torch.arange(len(ids)), 0, E)
+        rows = Rows.one(runner.new_cache(32), runner.embed(ids), torch.arange(len(ids)), kind=ONCE)
+        h = runner.run(Program(0, E), rows).hidden
         torch.testing.assert_close(h, hs[E][0], atol=1e-5, rtol=0)
 
 
@@ -80,7 +83,7 @@ def test_per_layer_lengths_and_rollback(tiny_llama):
     cache = runner.new_cache(32)
     ids = torch.arange(1, 9)
     runner.forward(cache, ids)
-    runner.forward_layers(cache, runner.embed(ids[:2]), torch.tensor([8, 9]), 0, 2)
+    runner.run(Program(0, 2), Rows.one(cache, runner.embed(ids[:2]), torch.tensor([8, 9]), kind=ONCE))
     assert cache.lengths == [10, 10, 8, 8]
     cache.rollback(8)
     assert cache.lengths == [8] * 4
@@ -199,7 +202,8 @@ def test_plan_forward_drafts_exactly_the_plan(tiny_llama):
         forward = PlanForward(runner, plan)
         exact, logits = forward(runner.new_cache(8), token, 0)
         torch.testing.assert_close(logits, runner.forward(runner.new_cache(8), token, plan=plan), atol=1e-5, rtol=0)
-        ref = runner.forward_layers(runner.new_cache(8), runner.embed(token), torch.tensor([0]), 0, plan.exact_prefix)
+        rows = Rows.one(runner.new_cache(8), runner.embed(token), torch.tensor([0]), kind=ONCE)
+        ref = runner.run(Program(0, plan.exact_prefix), rows).hidden
         torch.testing.assert_close(exact, ref, atol=0, rtol=0)
 
 

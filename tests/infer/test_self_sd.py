@@ -13,6 +13,7 @@ from infer.drafters.base import DecodeState, Draft, VerifyOutcome
 from infer.drafters.chain import PlanForward
 from infer.drafters.self_sd import AdaptiveThreshold, SelfSDConfig
 from infer.model.plan import LayerPlan, PlanFile
+from infer.model.program import ONCE, Program, Rows
 from infer.model.runner import Runner
 from infer.model.sampling import SamplingConfig
 from layerskip_cli.main import main
@@ -141,7 +142,7 @@ def _step(engine, gen, context, between):
 def _verify_after(runner, monkeypatch, plan, corrupt=None, broken_rollback=False):
     """Draft once with ``plan``, optionally corrupt cache rows, verify; return (outcome, logits, cache)."""
     engine, gen = _started(runner, drafter(runner, plan, num_draft=5, confidence=0.0), PROMPTS[1])
-    state, captured, logits = gen.state, [], runner.logits
+    state, captured, run = gen.state, [], runner.run
 
     def tamper(draft):
         n, h = state.n, draft.hidden.shape[0]
@@ -152,13 +153,13 @@ def _verify_after(runner, monkeypatch, plan, corrupt=None, broken_rollback=False
             for buf in (state.cache.k, state.cache.v):
                 rows = buf[layers, :, n:n + h + 2]
                 rows.copy_(torch.randn(rows.shape, generator=g) * 50)
-        m.setattr(runner, "logits", lambda hidden, *rest: captured.append(logits(hidden, *rest)) or captured[-1])
+        m.setattr(runner, "run", lambda program, rows: captured.append(run(program, rows)) or captured[-1])
         if broken_rollback:  # an engine that forgot to drop the draft's rows would attend to them
             m.setattr(state.cache, "rollback", lambda length, start=0, end=None: None)
 
     with monkeypatch.context() as m:
         outcome = _step(engine, gen, m, tamper)
-    return outcome, captured[-1], state.cache
+    return outcome, [out.logits for out in captured if out.logits is not None][-1], state.cache
 
 
 def test_verification_never_reads_the_draft_kv_past_the_exact_prefix(runner, monkeypatch):
@@ -215,12 +216,14 @@ def test_draft_step_is_exactly_the_plan(runner, plan):
     ref = runner.new_cache(64)
     runner.forward(ref, prompt[:-1])
     pos = torch.tensor([n])
-    torch.testing.assert_close(logits, runner.logits(runner.forward_layers(ref, runner.embed(prompt[-1:]), pos,
-                                                                            plan=plan)), atol=1e-5, rtol=0)
+    rows = Rows.one(ref, runner.embed(prompt[-1:]), pos, kind=ONCE)
+    alone = runner.run(Program(0, runner.num_layers, plan=plan), rows)
+    torch.testing.assert_close(logits, runner.logits(alone.hidden), atol=1e-5, rtol=0)
     E = plan.exact_prefix
     full = runner.new_cache(64)
     runner.forward(full, prompt[:-1])
-    torch.testing.assert_close(exact, runner.forward_layers(full, runner.embed(prompt[-1:]), pos, 0, E),
+    torch.testing.assert_close(exact, runner.run(Program(0, E), Rows.one(full, runner.embed(prompt[-1:]), pos,
+                                                                     kind=ONCE)).hidden,
                                atol=1e-6, rtol=0)
 
 

@@ -10,6 +10,7 @@ from executor_cases import SIX, drafter_cases, fake_capture, run_drafter
 from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import build_drafter
 from infer.model.graphs import bucket, padded_window
+from infer.model.program import ONCE, Program, Rows
 from infer.model.runner import Runner
 from layerskip_core.errors import UserError
 from layerskip_core.settings import RunSettings
@@ -111,8 +112,8 @@ def test_span_falls_back_to_eager_when_the_bucket_does_not_fit(model, eager):
     outs = []
     for runner in (static, eager):
         cache = runner.new_cache(8)  # 5 prompt + 3 new = 8: the padded 4th row has no slot
-        runner.forward_layers(cache, runner.embed(ids[:5]), torch.arange(5))
-        out = runner.span(cache, runner.embed(ids[5:]), [5, 6, 7], 0, L, logits=True)
+        runner.run(Program(0, L), Rows.one(cache, runner.embed(ids[:5]), torch.arange(5), kind=ONCE))
+        out = runner.run(Program(0, L, logits=True), Rows.one(cache, runner.embed(ids[5:]), [5, 6, 7]))
         assert cache.lengths == [8] * L
         outs.append(out.logits)
     assert static.static.builds == 0 and not static.static.spans()  # nothing static was built
@@ -179,9 +180,10 @@ def test_layers_at_different_lengths(model, eager):
     for runner in (static, eager):
         cache = runner.new_cache(48)
         caches.append(cache)  # the static forwards live as long as their cache
-        runner.forward_layers(cache, runner.embed(ids[:10]), torch.arange(10))
-        runner.forward_layers(cache, runner.embed(ids[10:12]), torch.tensor([10, 11]), 0, 2)  # layers 0, 1 ahead
-        out = runner.span(cache, runner.embed(ids[12:14]), [12, 13], 0, L, logits=True)
+        runner.run(Program(0, L), Rows.one(cache, runner.embed(ids[:10]), torch.arange(10), kind=ONCE))
+        rows = Rows.one(cache, runner.embed(ids[10:12]), torch.tensor([10, 11]), kind=ONCE)
+        runner.run(Program(0, 2), rows)  # layers 0, 1 ahead
+        out = runner.run(Program(0, L, logits=True), Rows.one(cache, runner.embed(ids[12:14]), [12, 13]))
         outs.append(out.logits)
         lengths.append(list(cache.lengths))
     assert lengths[0] == lengths[1] == [14, 14] + [12] * (L - 2)

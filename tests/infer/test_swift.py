@@ -16,6 +16,7 @@ from infer.drafters.skipping import agreement, matchness_span, rerun_mask, verif
 from infer.drafters.swift import SwiftDrafter
 from infer.drafters.swift_search import LayerSetSearch
 from infer.model.plan import LayerPlan, PlanFile
+from infer.model.program import ONCE, Program, Rows
 from infer.model.runner import Runner
 from infer.model.sampling import SamplingConfig
 from layerskip_core.errors import UserError
@@ -412,7 +413,8 @@ def test_paper_mode_scores_each_prompts_first_generated_tokens_on_the_prompts_kv
     cache = runner.new_cache(128)
     runner.forward(cache, torch.tensor(tokens[:prompt_len]))  # the prompt's KV and nothing else
     ids = torch.tensor(tokens[start:end])
-    hidden = runner.forward_layers(cache, runner.embed(ids), torch.arange(start, end), plan=plan)
+    rows = Rows.one(cache, runner.embed(ids), torch.arange(start, end), kind=ONCE)
+    hidden = runner.run(Program(0, runner.num_layers, plan=plan), rows).hidden
     agree = runner.logits(hidden).argmax(-1) == torch.tensor(tokens[start + 1:end + 1])
     assert score == pytest.approx(float(agree.float().mean()))
 

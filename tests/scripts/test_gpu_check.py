@@ -22,6 +22,7 @@ def test_kernels_are_counted_on_the_forward_not_on_a_graph_replay(monkeypatch):
 
     from infer.measure.seeded_models import tiny_model
     from infer.model.graphs import StaticSpan
+    from infer.model.program import Program, Rows
     from infer.model.runner import Runner
 
     monkeypatch.setattr(StaticSpan, "capture", fake_capture)
@@ -30,13 +31,13 @@ def test_kernels_are_counted_on_the_forward_not_on_a_graph_replay(monkeypatch):
     cache = runner.new_cache(256)
     runner.forward(cache, torch.arange(3, 11))
     one = runner.embed(torch.tensor([5]))
-    runner.span(cache, one, [8], 0, 4, logits=True)  # captured (a stand-in graph) on first use
+    runner.run(Program(0, 4, logits=True), Rows.one(cache, one, [8]))  # captured (a stand-in graph) on first use
     cache.rollback(8)
     replays = []
     for span in runner.static.spans(cache):
         monkeypatch.setattr(span.graph, "replay", lambda: replays.append(1), raising=False)
     with uncaptured(runner):
-        runner.span(cache, one, [8], 0, 4, logits=True)
+        runner.run(Program(0, 4, logits=True), Rows.one(cache, one, [8]))
     assert replays == [] and runner.static.capture is True
 
 

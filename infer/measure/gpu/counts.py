@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from infer.model.compiled import count_kernels
+from infer.model.program import ONCE, Program, Rows
 from infer.model.runner import Runner
 
 COUNTS = ("builds", "captures", "compiles")
@@ -134,3 +135,22 @@ def kernels(runner: Runner, P: int, span: Callable[[int, int], Callable[[], obje
               "attention_kernels_eager": eager["attention_kernels"],
               "kernels_at_least_one_per_layer": None if n is None else n >= L}
     return found
+
+
+@torch.no_grad()
+def kernels_per_layer(runner: Runner, prompt: int = 16) -> float:
+    """Kernels per layer of one decode step (one row through every layer, with the LM head) on the runner's
+    executors, after two warm-up steps (compiling and capturing happen there, not in the count)."""
+    cache = runner.new_cache(max(256, prompt + 64))
+    ids = torch.arange(prompt, device=runner.device) % runner.spec.vocab_size
+    runner.run(Program(0, runner.num_layers), Rows.one(cache, runner.embed(ids), ids, kind=ONCE))
+    one = runner.embed(ids[:1])  # (1, d)
+    step_program = Program(0, runner.num_layers, logits=True)
+
+    def step():
+        runner.run(step_program, Rows.one(cache, one, [prompt]))
+        cache.rollback(prompt)
+
+    step()
+    step()
+    return count_kernels(step, runner.device) / runner.num_layers

@@ -22,6 +22,7 @@ from infer.measure.gpu.exact import note_fallback, prompt_ids
 from infer.measure.gpu.run import Run, Settings, error_text, free
 from infer.measure.seeded_models import random_model
 from infer.measure.timing import timed_generate
+from infer.model.program import Program, Rows
 from infer.model.runner import Runner
 
 COMPILE_RESERVE_S = 60.0
@@ -91,9 +92,11 @@ def forward_costs(runner: Runner, settings: Settings, device: torch.device, tall
     def span(T: int, end: int, vocab=None) -> Callable[[], object]:
         ids = torch.arange(10, 10 + T, device=device)  # (T,)
 
+        program = Program(0, end, logits=True, vocab=vocab)
+
         def step():
             cache.rollback(P)
-            return runner.span(cache, runner.embed(ids), list(range(P, P + T)), 0, end, logits=True, vocab=vocab)
+            return runner.run(program, Rows.one(cache, runner.embed(ids), list(range(P, P + T))))
         return step
 
     try:

@@ -20,6 +20,7 @@ from infer.measure.exactness import (
     tie_bound,
     ulp,
 )
+from infer.model.program import STEP
 from infer.model.runner import Runner
 from tiny_models import make_model
 
@@ -193,14 +194,14 @@ def test_rounding_is_measured_against_an_fp32_recomputation_not_the_many_row_pat
     assert 0.0 < bf16["max_abs"] < 0.5 and bf16["dtype"] == "bfloat16"
     with pytest.raises(ValueError, match="fp32 reference"):
         measure_rounding(runner)
-    span = Runner.span
+    run = Runner.run
 
-    def broken(self, cache, hidden, positions, *args, **kwargs):  # a many-row path that rounds badly
-        out = span(self, cache, hidden, positions, *args, **kwargs)
-        if len(positions) > 1 and out.logits is not None:
+    def broken(self, program, rows):  # a many-row path that rounds badly
+        out = run(self, program, rows)
+        if rows.size > 1 and rows.kind == STEP and out.logits is not None:
             out.logits = out.logits + 5.0 * torch.randn_like(out.logits)
         return out
-    monkeypatch.setattr(Runner, "span", broken)
+    monkeypatch.setattr(Runner, "run", broken)
     assert measure_rounding(runner, reference, n=8)["max_abs"] == bf16["max_abs"]
     assert measure_spread(runner, sizes=(2, 4))["max_abs"] > 1.0  # the old bound would have widened
 
