@@ -6,6 +6,7 @@ model, so a new callable per call (an inline ``hf_generate(...)``, the folder fo
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -214,6 +215,17 @@ def test_release_frees_the_kept_runner(builds):
     runner = hf_generate().runner_for(model)
     runners.release(model)
     assert hf_generate().runner_for(model) is not runner and builds == [model, model]
+
+
+def test_a_models_runners_go_with_it():
+    """The cache holds its models weakly: a model no longer used frees its runner (and the runner's copies)."""
+    model = make_model("llama", seed=3)
+    hf_generate().runner_for(model)
+    assert model in runners.RUNNERS.kept
+    kept = len(runners.RUNNERS.kept)
+    del model
+    gc.collect()
+    assert len(runners.RUNNERS.kept) == kept - 1
 
 
 @pytest.mark.real_model
