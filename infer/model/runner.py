@@ -322,9 +322,9 @@ class Runner(Stack):
 
     def forward(self, cache: KVCache, ids: Tensor, positions: Tensor | None = None,
                 plan: LayerPlan | None = None, mask: Tensor | None = None) -> Tensor:
-        """Full model on token ids (T,) at ``positions`` (default: after the cache's first layer), appending to the
+        """Full model on token ids (T,) at ``positions`` (default: from layer 0's cache length on), appending to the
         cache, under ``plan``, with ``mask`` (T, W) as a ``Segment``'s (None: causal): (T, V) logits. A one-off forward
-        (``ONCE``): the program ``Program(0, L, plan=plan, logits=True)``."""
+        (``ONCE`` rows) of the program ``Program(0, L, plan=plan, logits=True)``."""
         if positions is None:
             start = cache.lengths[0]
             positions = torch.arange(start, start + ids.shape[0], device=self.device)
