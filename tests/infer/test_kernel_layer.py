@@ -229,8 +229,9 @@ class Recording:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_runner_takes_the_fused_span_and_computes_what_the_loop_does(dtype):
-    """``Runner.span`` and ``forward_layers`` of one sequence run fused (once per call), and a verification with a
-    tree mask and a draft under a skip plan give the loop's logits, cache rows, lengths and counters bitwise."""
+    """``Runner.run`` of one sequence's decoding step and of a one-off forward run fused (once per call), and a
+    verification with a tree mask and a draft under a skip plan give the loop's logits, cache rows, lengths and counters
+    bitwise."""
     runner = _tiny_runner("d96-D24", dtype)
     assert runner.fused is not None
     loop = copy.copy(runner)

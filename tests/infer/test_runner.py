@@ -66,7 +66,7 @@ def test_skip_plan_equals_zeroed_sublayers():
 
 
 def test_early_exit_hidden_matches_hf_hidden_states():
-    """forward_layers(0, E) is HF hidden_states[E] (the input of layer E)."""
+    """Program(0, E)'s output is HF hidden_states[E] (the input of layer E)."""
     model = make_model("llama", seed=5)
     runner = Runner.from_model(model)
     ids = torch.arange(3, 15)
