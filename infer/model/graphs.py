@@ -307,6 +307,7 @@ def static_forward(stack: Stack, cache: KVCache, hidden: Tensor, meta: Tensor, k
     captured: (the last stream, the logits or None, the stream at each of the program's cuts)."""
     rows, L = key.rows, stack.num_layers
     W = key.extra + rows
+    inputs = hidden  # (rows, d): the static forward's own input buffer
     positions = meta[:rows]  # (rows,)
     window_starts = meta[rows:rows + L]  # (L,)
     window = meta[rows + L:].view(rows, W).bool()  # (rows, W)
@@ -318,8 +319,8 @@ def static_forward(stack: Stack, cache: KVCache, hidden: Tensor, meta: Tensor, k
     masks: dict[int, Tensor] = {}
     kept: list[Tensor] = []
     for item in program.walk:
-        if type(item) is int:
-            kept.append(hidden)
+        if type(item) is int:  # the input buffer itself is refilled by the next call: a stream kept there is copied
+            kept.append(hidden.clone() if hidden is inputs else hidden)
             continue
         i, w = item.layer, stack.layers[item.layer]
         if item.attn:
@@ -336,6 +337,8 @@ def static_forward(stack: Stack, cache: KVCache, hidden: Tensor, meta: Tensor, k
                                      cache.k[i], cache.v[i], steps.compile)  # writes slots window_starts[i] + offsets
         if item.mlp:
             hidden = steps.mlp(stack, w, hidden, steps.compile)
+    if hidden is inputs:  # no layer ran (a plan skipping every sublayer): the stream is the input buffer
+        hidden = hidden.clone()
     return (hidden, stack.head(hidden, program.vocab) if key.logits else None, *kept)
 
 

@@ -181,3 +181,20 @@ def test_lengths_and_counters_advance_once_per_run():
         assert caches[0].lengths == [13, 13, 10, 13, 10, 13] and caches[1].lengths == [13, 13, 12, 13, 12, 13], name
         assert runner.counters.layer_tokens == [4, 4, 4, 4, 0, 4] and runner.counters.lm_head_tokens == 4, name
         assert not any(r.startswith("eager") for r in runner.declines)
+
+
+def test_a_static_stream_kept_at_the_start_is_not_overwritten_by_the_next_call():
+    """A program whose exact prefix is empty (a plan skipping layer 0's attention) keeps the stream entering its first
+    layer: on the static executor that is the forward's own input buffer, which the next call of the same shape
+    fills again; what a call returned must not change afterwards."""
+    runner = _runners()["static"]
+    plan = LayerPlan(L, frozenset({0}), frozenset())
+    program = Program(0, L, plan=plan, logits=True)
+    assert program.exact_until == 0
+    cache = _prefilled(runner)
+    first = runner.run(program, Rows.one(cache, runner.embed(torch.tensor([5])), [12]))
+    kept = first.exact.clone()
+    cache.rollback(12)
+    runner.run(program, Rows.one(cache, runner.embed(torch.tensor([9])), [12]))
+    assert {s.key.plan for s in runner.static.spans()} != {None}  # the static executor ran it
+    assert torch.equal(first.exact, kept)
