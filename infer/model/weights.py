@@ -288,7 +288,7 @@ def share_unfused(model, layers: list[LayerWeights]) -> int:
     ``LayerWeights``, built from this model; the kernel placed them in ``infer.kernels.arena``), so each matrix is held
     once, as before the arena; returns the bytes freed. A parameter in another dtype, device or shape than the
     runner's matrix keeps its own storage, and so does one the kernel holds packed only (its AVX-512 path). (q/k/v and
-    gate/up are fused copies: ``infer.hf.decoding.share_weights``.)"""
+    gate/up are fused copies: ``infer.hf.runners.share_weights``.)"""
     params = strip_prefix(dict(model.named_parameters()))
     freed = 0
     for i, layer in enumerate(layers):
