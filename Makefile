@@ -68,13 +68,13 @@ test: fetch-model
 
 # Training-free vs trained drafting, measured side by side; writes docs/RESULTS.md (hours on a CPU).
 compare: fetch-model
-	BIN=$(BIN) bash scripts/compare_trained_vs_free.sh
+	BIN=$(BIN) bash tools/results/compare_trained_vs_free.sh
 
 # The bundle an offline GPU machine needs (docs/GPU.md, "Running on an offline GPU machine with a time limit"):
 # runs/lease/meta, runs/lease/a, runs/lease/b; it ends by saying what to copy there and what to run.
 lease: fetch-model
 	rm -rf runs/lease
-	$(BIN)/python scripts/gpu_bundle.py
+	$(BIN)/python -m tools.gpu.gpu_bundle
 
 lint: setup
 	$(BIN)/ruff check .

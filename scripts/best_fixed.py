@@ -3,7 +3,7 @@ method with the highest geometric mean over tasks of its speed-up against plain 
 
     python scripts/best_fixed.py runs/compare/tune_fixed/results.json     # -> early_exit:E=24:k=8:confidence=0.7
 
-The held-out bench then times that setting on prompts it was not chosen on (scripts/compare_trained_vs_free.sh).
+The held-out bench then times that setting on prompts it was not chosen on (tools/results/compare_trained_vs_free.sh).
 
 ``--write-adapter FILE`` tunes an exit adapter: the fastest of the bench's ``early_exit`` methods with an adapter
 becomes the setting in FILE's header (``layerskip_core.adapter_spec.TunedDecoding``: its options, its speed-up,

@@ -23,28 +23,10 @@ from layerskip_core.settings import check_threads
 from train.recipe import load_config
 
 
-def adapter_eval(model, adapter, examples, pad_id: int, batch_size: int = 2) -> dict:
-    """Agreement with the full model of the adapter file ``adapter`` and of the plain exit at its E on
-    ``examples``, on the loaded base ``model`` (checked against the file's header: refused if not its model)."""
-    from train.adapter import AdapterLM  # lazy: torch, after the flags are checked
-
-    lm, provenance = AdapterLM.from_file(model, adapter)
-    stats = lm.evaluate(examples, batch_size, pad_id, "cpu", list(range(len(examples))))
-    n = float(stats[4])
-    if n < 1:
-        raise UserError("the held-out examples hold no token to score; give a recipe whose validation split has text")
-    if not bool(stats.isfinite().all()):
-        raise UserError(f"{adapter}: the adapter's loss is not a finite number (NaN or infinite); the adapter is "
-                        "damaged or diverged in training: train it again")
-    return {"adapter": str(adapter), "exit_layer": lm.shape.exit_layer, "provenance": provenance,
-            "examples": len(examples), "tokens": int(n), "adapter_loss": float(stats[0]) / n,
-            "adapter_agreement": float(stats[1]) / n, "exit_agreement": float(stats[2]) / n,
-            "adapter_accuracy": float(stats[3]) / n}
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from train.adapter import adapter_eval  # lazy: torch, after the flags are checked
     from train.data import build_dataset  # lazy: torch, after the flags are checked
     from train.model import load_model  # lazy: torch, after the flags are checked
 

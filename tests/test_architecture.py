@@ -1,6 +1,7 @@
-"""docs/ARCHITECTURE.md matches the code: every module it names exists, every package module is named, no library
-imports a layer above it (infer never imports train or the command line; layerskip_core imports neither), infer's
-subpackages import only those below them, and no module imports one that imports it back."""
+"""docs/ARCHITECTURE.md matches the code: every module it names exists, every module of the packages and of tools/ is
+named, no library imports a layer above it (infer never imports train or the command line; layerskip_core imports
+neither; no package imports tools/ or scripts/, and tools/ never scripts/), infer's subpackages import only those below
+them, and no module imports one that imports it back."""
 
 import ast
 import re
@@ -8,14 +9,17 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("layerskip_core", "infer", "train", "layerskip_cli")
+"""The product: what the wheel installs."""
+LAB = "tools"
+"""The lab on top of the product: imports the packages, never imported by them, not installed."""
 DOC = REPO / "docs" / "ARCHITECTURE.md"
 
 
 def package_modules() -> set[str]:
-    """Every module file of the packages, as a repository path (package faces and the kernel folder's
-    __init__.py are named by their folder)."""
-    out = set()
-    for package in PACKAGES:
+    """Every module file of the packages and of tools/, as a repository path (package faces and the kernel folder's
+    __init__.py are named by their folder; tools/ names its own face)."""
+    out = {f"{LAB}/__init__.py"}
+    for package in (*PACKAGES, LAB):
         for path in (REPO / package).rglob("*.py"):
             rel = path.relative_to(REPO).as_posix()
             if path.name == "__init__.py":
@@ -30,10 +34,10 @@ def named_paths(text: str) -> set[str]:
     """Paths in backticks, plus the files a `folder/` row lists by their bare names in the same cell."""
     names = set(re.findall(r"`([\w/.]+)`", text))
     for row in text.splitlines():
-        folders = re.findall(r"`((?:layerskip_core|infer|train|layerskip_cli|scripts)/[\w/]+/)`", row)
+        folders = re.findall(r"`((?:layerskip_core|infer|train|layerskip_cli|scripts|tools)/[\w/]+/)`", row)
         for folder in folders:
-            names |= {folder + bare for bare in re.findall(r"`(\w+\.py)`", row)}
-    return {n for n in names if n.split("/")[0] in PACKAGES + ("scripts",) or n.startswith("scripts/")}
+            names |= {folder + bare for bare in re.findall(r"`(\w+\.(?:py|sh))`", row)}
+    return {n for n in names if n.split("/")[0] in (*PACKAGES, "scripts", LAB)}
 
 
 def test_every_named_module_exists():
@@ -46,11 +50,14 @@ def test_every_package_module_is_named():
     text = DOC.read_text(encoding="utf-8")
     named = named_paths(text)
     layerskip_cli_commands = {f"layerskip_cli/commands/{bare}" for bare in re.findall(r"`(\w+\.py)`", text)}
-    scripts = {f"scripts/{bare}" for bare in re.findall(r"`(\w+\.(?:py|sh))`", text.split("## `scripts/`")[1])}
+    section = text.split("### `scripts/`")[1].split("\n#")[0]
+    scripts = {f"scripts/{bare}" for bare in re.findall(r"`(\w+\.(?:py|sh))`", section)}
     unnamed = sorted(package_modules() - named - layerskip_cli_commands)
     assert not unnamed, f"modules docs/ARCHITECTURE.md does not name: {unnamed}"
     on_disk = {p.relative_to(REPO).as_posix() for p in (REPO / "scripts").iterdir() if p.suffix in (".py", ".sh")}
     assert on_disk <= scripts, f"scripts docs/ARCHITECTURE.md does not name: {sorted(on_disk - scripts)}"
+    lab = {p.relative_to(REPO).as_posix() for p in (REPO / LAB).rglob("*.sh")}
+    assert lab <= named, f"tools/ programs docs/ARCHITECTURE.md does not name: {sorted(lab - named)}"
 
 
 def imported_packages(path: Path) -> set[str]:
@@ -64,9 +71,17 @@ def imported_packages(path: Path) -> set[str]:
     return out
 
 
+def scripts_names() -> set[str]:
+    """The programs of scripts/ by the name a sibling import would use."""
+    return {p.stem for p in (REPO / "scripts").glob("*.py")}
+
+
 def test_layers_import_only_downwards():
-    above = {"layerskip_core": {"infer", "train", "layerskip_cli"}, "infer": {"train", "layerskip_cli"},
-             "train": {"infer", "layerskip_cli"}}
+    """Each layer imports only those below it: tools/ on top (any package, never a script), the command line over
+    the libraries, no package importing tools/ or a script."""
+    off = {LAB, "scripts"} | scripts_names()
+    above = {"layerskip_core": {"infer", "train", "layerskip_cli"} | off, "infer": {"train", "layerskip_cli"} | off,
+             "train": {"infer", "layerskip_cli"} | off, "layerskip_cli": off, LAB: {"scripts"} | scripts_names()}
     wrong = []
     for package, forbidden in above.items():
         for path in (REPO / package).rglob("*.py"):
@@ -107,7 +122,7 @@ MAX_FUNCTION_LINES = 60
 
 def test_library_files_and_functions_are_short():
     long = []
-    for package in PACKAGES:
+    for package in (*PACKAGES, LAB):
         for path in sorted((REPO / package).rglob("*.py")):
             rel = path.relative_to(REPO).as_posix()
             text = path.read_text(encoding="utf-8")
@@ -133,7 +148,7 @@ def module_name(path: Path) -> str:
 
 
 def project_modules() -> dict[str, Path]:
-    return {module_name(p): p for package in PACKAGES for p in (REPO / package).rglob("*.py")}
+    return {module_name(p): p for package in (*PACKAGES, LAB) for p in (REPO / package).rglob("*.py")}
 
 
 def project_imports(path: Path, modules: dict[str, Path]) -> set[str]:
@@ -204,3 +219,40 @@ def test_no_module_imports_one_that_imports_it_back():
         if v not in index:
             visit(v)
     assert not circles, circles
+
+
+PRODUCT_ENTRIES = ("layerskip_cli.main", "layerskip_cli.__main__", "infer", "train.layerskip", "train.self_distill",
+                   "infer.hf.custom_generate_folder.custom_generate.generate")
+"""Where the product is entered: the console script, ``python -m layerskip_cli``, the Python API (``infer``, whose
+public names load on first use: ``infer._EXPORTS``), the training entry, ``python -m train.self_distill`` and
+``hf_generate``'s folder form."""
+BEING_WIRED = {"infer.kernels.quant": "the quantized draft weights' format, which the quantized drafters being wired "
+                                      "run (issue 65 item 1); until then the tests and tools/bench run it"}
+"""Package modules the product does not reach yet, each with why it is in a package all the same."""
+
+
+def api_exports() -> set[str]:
+    """The modules ``infer``'s public names load from (``infer/__init__.py``'s ``_EXPORTS``, imported by name)."""
+    tree = ast.parse((REPO / "infer" / "__init__.py").read_text(encoding="utf-8"))
+    [table] = [n.value for n in ast.walk(tree) if isinstance(n, ast.Assign)
+               and any(getattr(t, "id", None) == "_EXPORTS" for t in n.targets)]
+    return {v.value for v in table.values}
+
+
+def test_every_package_module_serves_the_product():
+    """The wheel carries no lab code: every module of the packages is imported, directly or through others (function-
+    local imports included), from one of the product's entries; what only the GPU check, a benchmark or an experiment
+    runs lives in tools/."""
+    graph = import_graph()
+    graph["infer"] = graph["infer"] | api_exports()
+    seen, todo = set(), list(PRODUCT_ENTRIES)
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        parts = module.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts))] + sorted(graph.get(module, ()))
+    assert set(BEING_WIRED) <= set(graph), f"BEING_WIRED names what does not exist: {set(BEING_WIRED) - set(graph)}"
+    lab = sorted(m for m in graph if m.split(".")[0] in PACKAGES and m not in seen and m not in BEING_WIRED)
+    assert not lab, f"package modules the product never imports (lab code: move them to tools/): {lab}"

