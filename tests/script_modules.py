@@ -13,7 +13,9 @@ TOOLS = REPO / "tools"
 
 def load_script(name: str) -> ModuleType:
     """``scripts/NAME.py`` as module ``NAME``, or the one ``tools/*/NAME.py`` as ``tools.FOLDER.NAME``, executed
-    afresh and registered in sys.modules (dataclasses look their module up there)."""
+    afresh and registered in sys.modules (dataclasses look their module up there) and as its package's attribute,
+    so a program loaded after it that imports it (``from tools.gpu import lease``) gets this module: a test that
+    patches it (``lease.REPO``) patches what the programs use."""
     path = SCRIPTS / f"{name}.py"
     if path.is_file():
         dotted = name
@@ -24,4 +26,7 @@ def load_script(name: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[dotted] = module
     spec.loader.exec_module(module)
+    if "." in dotted:
+        package, _, leaf = dotted.rpartition(".")
+        setattr(importlib.import_module(package), leaf, module)
     return module
