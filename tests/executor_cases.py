@@ -2,7 +2,7 @@
 every executor must decode exactly as the eager path does."""
 
 from infer.decode.engine import DecodeConfig, Engine
-from infer.drafters import build_drafter
+from infer.drafters import ExampleModel, build_drafter, example_cases
 from infer.model.plan import LayerPlan, PlanFile
 
 SIX = 6
@@ -16,17 +16,11 @@ def plan_path(runner, tmp_path, name: str, plan: LayerPlan) -> str:
 
 
 def drafter_cases(runner, tmp_path, *extra: tuple[str, dict]) -> list[tuple[str, dict]]:
-    """Every drafter with a skip plan over layers 2-4, exit layers 2 and 5 (with a confidence stop), and ``extra``."""
-    plan = LayerPlan(SIX, frozenset({2, 4}), frozenset({3}))
-    return [
-        ("autoregressive", {}),
-        ("early_exit", {"exit_layer": 2, "num_draft": 4}),
-        ("early_exit", {"exit_layer": 5, "num_draft": 3, "confidence": 0.3}),
-        *extra,
-        ("self_sd", {"plan": plan_path(runner, tmp_path, "sd", plan)}),
-        ("swift", {"plan": plan_path(runner, tmp_path, "sw", plan), "tree": True, "adaptive": False,
-                   "context_window": 8, "opt_budget": 0.95, "opt_seed": 0}),
-    ]
+    """Every registered drafter's examples with a skip plan over layers 2-4 (a plan file), early exit also at exit 5
+    with a confidence stop, and ``extra``."""
+    plan = plan_path(runner, tmp_path, "plan", LayerPlan(SIX, frozenset({2, 4}), frozenset({3})))
+    return [*example_cases(ExampleModel(SIX, plan=plan)).values(),
+            ("early_exit", {"exit_layer": 5, "num_draft": 3, "confidence": 0.3}), *extra]
 
 
 def run_drafter(runner, name: str, options: dict, prompt: list[int], n: int):

@@ -256,3 +256,46 @@ def test_every_package_module_serves_the_product():
     assert set(BEING_WIRED) <= set(graph), f"BEING_WIRED names what does not exist: {set(BEING_WIRED) - set(graph)}"
     lab = sorted(m for m in graph if m.split(".")[0] in PACKAGES and m not in seen and m not in BEING_WIRED)
     assert not lab, f"package modules the product never imports (lab code: move them to tools/): {lab}"
+
+
+def drafter_names_in(node: ast.AST, names: set[str]) -> set[str]:
+    """The registered drafters a literal list, tuple, set or dict names: as an element or key (``"swift"``), or as
+    the first item of a (name, options) pair (``("swift", {...})``). Spec strings (``"swift:k=3"``) are inputs of
+    the tests that parse them, not names."""
+    if isinstance(node, ast.Dict):
+        items = [k for k in node.keys if k is not None] + list(node.values)
+    elif isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+        items = node.elts
+    else:
+        return set()
+    found = set()
+    for item in items:
+        if isinstance(item, ast.Tuple) and item.elts:
+            item = item.elts[0]
+        if isinstance(item, ast.Constant) and item.value in names:
+            found.add(item.value)
+    return found
+
+
+LIST_SIZE = 3
+"""A literal naming this many registered drafters or more is a list of drafters (two is a comparison: plain decoding
+and one drafter, or two drafters side by side)."""
+
+
+def test_no_list_of_drafters_outside_the_registry():
+    """A drafter is one file and one registry entry: every list of drafters (the tests that run every drafter, the GPU
+    check and comparison) comes from ``infer.drafters.registry`` (``DRAFTERS``, ``example_cases``), so adding a
+    drafter needs no edit elsewhere. The documentation may name them."""
+    from infer.drafters.registry import DRAFTERS
+
+    names, lists = set(DRAFTERS), []
+    own = REPO / "infer" / "drafters" / "registry.py"
+    for folder in (*PACKAGES, LAB, "scripts", "tests"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            if path == own:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                found = drafter_names_in(node, names)
+                if len(found) >= LIST_SIZE:
+                    lists.append(f"{path.relative_to(REPO)}:{node.lineno} {sorted(found)}")
+    assert not lists, f"lists of drafters outside the registry (take them from example_cases): {lists}"

@@ -20,6 +20,7 @@ class AutoregressiveDrafter(Drafter):
     name = "autoregressive"
     Config = AutoregressiveConfig
     drafts = False
+    examples = {"": {}}  # plain decoding takes no options (infer.drafters.examples)
 
     def __init__(self, runner, config: AutoregressiveConfig | None = None, inputs: DraftInputs = NO_INPUTS):
         self.config = config or AutoregressiveConfig()

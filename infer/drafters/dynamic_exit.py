@@ -40,6 +40,7 @@ from infer.drafters.base import (
     VerifyOutcome,
 )
 from infer.drafters.chain import ChainAsk, EarlyExitForward, ObservingForward, check_size, draft_chains
+from infer.drafters.examples import ExampleModel
 from infer.drafters.exit_choice import Choice, RunEstimates, best_choice, parse_stops
 from infer.drafters.gate import COLD, GateOwner, Rate, RememberOption
 from infer.drafters.inputs import draft_head
@@ -282,6 +283,13 @@ class DynamicExitDrafter(GateOwner, Drafter):
     Config = DynamicExitConfig
     aliases = {"k": "num_draft"}
     WARM_UP = {"remember": "off"}
+
+    @classmethod
+    def examples(cls, model: ExampleModel) -> dict[str, dict]:
+        """Choosing among several exits from counts alone (``infer.drafters.examples``): every cycle drafts (no
+        speed-up required, no gate, no confidence stop, no timing calibration) and observes."""
+        return {"": {"exits": model.exits, "num_draft": 3, "min_speedup": 0, "adaptive": False, "observe_every": 1,
+                     "calibrate": False, "stops": "0"}}
 
     @classmethod
     def resolve(cls, spec, runner, tokenizer=None) -> DraftInputs:

@@ -28,6 +28,7 @@ from infer.drafters.base import (
     VerifyOutcome,
 )
 from infer.drafters.chain import ChainAsk, EarlyExitForward, check_size, draft_chains
+from infer.drafters.examples import ExampleModel
 from infer.drafters.gate import COLD, GateOwner, RememberOption
 from infer.drafters.inputs import draft_dtype, draft_head
 from infer.drafters.prefix_copy import CopiedPrefixForward
@@ -115,6 +116,17 @@ class EarlyExitDrafter(GateOwner, Drafter):
     Config = EarlyExitDrafterConfig
     aliases = {"E": "exit_layer", "k": "num_draft"}
     WARM_UP = {"remember": "off"}
+
+    @classmethod
+    def examples(cls, model: ExampleModel) -> dict[str, dict]:
+        """A chain and a token tree from the model's exit (``infer.drafters.examples``), and both through its exit
+        adapter where it has one."""
+        out = {"": {"exit_layer": model.exit, "num_draft": 3},
+               "tree": {"exit_layer": model.exit, "num_draft": 4, "tree": True, "max_tree_nodes": 6}}
+        if model.adapter is not None:
+            out |= {"adapter": {"adapter": model.adapter, "num_draft": 3},
+                    "adapter_tree": {"adapter": model.adapter, "num_draft": 3, "tree": True, "max_tree_nodes": 8}}
+        return out
 
     @classmethod
     def resolve(cls, spec, runner, tokenizer=None) -> DraftInputs:

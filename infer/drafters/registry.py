@@ -1,7 +1,9 @@
 """The drafters by name, and their options as the command line shows them.
 
-Each drafter class has a ``name``, a ``Config`` dataclass (one docstring per field) and an ``aliases`` map of the
-short option names of compact specs (``early_exit:E=8:k=6``); ``infer.drafters.spec`` turns either into a spec.
+Each drafter class has a ``name``, a ``Config`` dataclass (one docstring per field), an ``aliases`` map of the
+short option names of compact specs (``early_exit:E=8:k=6``; ``infer.drafters.spec`` turns either into a spec) and
+its ``examples`` (``infer.drafters.examples``: what the tests that run every drafter and the GPU check run it with).
+Adding a drafter is its file and one entry in ``DRAFTERS``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from infer.drafters.autoregressive import AutoregressiveDrafter
 from infer.drafters.base import Drafter, DrafterStats
 from infer.drafters.dynamic_exit import DynamicExitDrafter
 from infer.drafters.early_exit import EarlyExitDrafter
+from infer.drafters.examples import ExampleModel
 from infer.drafters.self_sd import SelfSDDrafter
 from infer.drafters.swift import SwiftConfig, SwiftDrafter
 from infer.drafters.swift_paper import SwiftPaperDrafter
@@ -33,6 +36,24 @@ def drafter_class(name: str) -> type[Drafter]:
     if name not in DRAFTERS:
         raise UserError(f"unknown drafter {name!r}; choose one of: {', '.join(DRAFTERS)}")
     return DRAFTERS[name]
+
+
+def example_cases(model: ExampleModel, main_only: bool = False) -> dict[str, tuple[str, dict]]:
+    """Every registered drafter's examples for ``model`` (its class's ``examples``), in registry order, as case ->
+    (drafter name, options): a drafter's main example is the case of its name, a variant ``NAME_VARIANT``;
+    ``main_only``: the main one of each. A class without examples of its own (not inherited) is refused."""
+    out: dict[str, tuple[str, dict]] = {}
+    for name, cls in DRAFTERS.items():
+        if "examples" not in vars(cls):
+            raise TypeError(f"drafter {name!r} ({cls.__name__}) names no examples of its own: give its class an "
+                            "examples classmethod (infer.drafters.examples)")
+        variants = cls.examples(model) if callable(cls.examples) else cls.examples
+        if "" not in variants:
+            raise TypeError(f"drafter {name!r}'s examples have no main one (the key '')")
+        for variant, options in variants.items():
+            if variant == "" or not main_only:
+                out[f"{name}_{variant}" if variant else name] = (name, dict(options))
+    return out
 
 
 def class_for(name: str, config) -> type[Drafter]:

@@ -45,6 +45,7 @@ from infer.drafters.base import (
     VerifyOutcome,
 )
 from infer.drafters.chain import ChainAsk, PlanForward, check_size, draft_chains
+from infer.drafters.examples import ExampleModel
 from infer.drafters.gate import COLD
 from infer.drafters.inputs import draft_dtype, draft_head, given_plan, load_plan, plan_head
 from infer.model.plan import check_plan_option
@@ -157,6 +158,11 @@ class SelfSDDrafter(Drafter):
     name = "self_sd"
     Config = SelfSDConfig
     aliases = {"k": "num_draft", "gamma": "confidence"}
+
+    @classmethod
+    def examples(cls, model: ExampleModel) -> dict[str, dict]:
+        """Drafting under the model's example skip plan (``infer.drafters.examples``)."""
+        return {"": {"plan": model.skip_plan, "num_draft": 4}}
 
     @classmethod
     def check_spec(cls, spec) -> None:

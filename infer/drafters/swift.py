@@ -196,10 +196,10 @@ class SwiftDrafter(Drafter):
     """Most fraction of its time a drafter spends optimising while plain when what it restored says no plan pays
     (the remembered best plan's predicted speed-up below 1, from the remembered draft and verify costs)."""
 
-    bayes: ClassVar[str] = "tpe"
-    """What proposes the Bayesian candidates (``infer.drafters.swift_search.BAYES``)."""
-    strict_stop: ClassVar[bool] = False
-    """Stop criteria compare with > rather than >=."""
+    bayes: ClassVar[str] = "tpe"  # what proposes the Bayesian candidates (``infer.drafters.swift_search.BAYES``)
+    strict_stop: ClassVar[bool] = False  # stop criteria compare with > rather than >=
+    examples: ClassVar[dict] = {"": {"context_window": 8, "opt_budget": 0.95, "max_opt_steps": 40, "adaptive": False,
+                                     "confidence": 0.013}}  # trees from the first cycles (infer.drafters.examples)
 
     @classmethod
     def resolve(cls, spec, runner, tokenizer=None) -> DraftInputs:

@@ -10,14 +10,14 @@ import torch
 from infer.decode import batch as batch_module
 from infer.decode.batch import BatchEngine
 from infer.decode.engine import DecodeConfig, Engine
-from infer.drafters import build_drafter
-from infer.model.plan import LayerPlan
+from infer.drafters import ExampleModel, build_drafter, example_cases
 from infer.model.runner import Runner
 from infer.model.sampling import SamplingConfig
 from layerskip_core.errors import UserError
 from tiny_models import make_model, noisy_adapter
 
 L = 6
+PLAIN = "autoregressive"
 LENGTHS = [1, 37, 5, 12, 3, 24]  # very different prompt lengths; more prompts than rows: later ones join
 
 
@@ -60,23 +60,19 @@ def adapter_file(model, path):
     return path
 
 
-CASES = {
-    "autoregressive": ("autoregressive", {}),
-    "early_exit": ("early_exit", {"E": 2, "k": 3}),
-    "early_exit_confidence": ("early_exit", {"E": 4, "k": 5, "confidence": 0.013}),  # stops some chains early
-    "early_exit_adaptive": ("early_exit", {"E": 2, "k": 3, "adaptive": True, "recheck_interval": 1,
-                                           "remember": "off"}),
-    "early_exit_prefix_copy": ("early_exit", {"E": 3, "k": 3, "prefix": "copy", "draft_dtype": "bf16"}),
-    "early_exit_prefix_copy_adaptive": ("early_exit", {"E": 2, "k": 3, "prefix": "copy", "adaptive": True,
-                                                       "recheck_interval": 1, "remember": "off"}),
-    "early_exit_tree": ("early_exit", {"E": 3, "k": 3, "tree": True, "max_tree_nodes": 6, "confidence": 0.013,
-                                       "keep_last": True}),  # rows verify trees of different shapes together
-    "self_sd": ("self_sd", {"plan": LayerPlan(L, frozenset({2, 3}), frozenset({4})), "k": 4}),
-    "dynamic_exit": ("dynamic_exit", {"exits": "1/3/5", "k": 3, "min_speedup": 0, "adaptive": False,
-                                      "observe_every": 1}),  # rows choose their own exits: packed per exit
-    "swift": ("swift", {"context_window": 8, "opt_budget": 0.95, "fallback_opt_budget": 0.95, "remember": "off",
-                        "confidence": 0.013}),
+EARLY_EXIT = {
+    "early_exit_confidence": {"E": 4, "k": 5, "confidence": 0.013},  # stops some chains early
+    "early_exit_adaptive": {"E": 2, "k": 3, "adaptive": True, "recheck_interval": 1, "remember": "off"},
+    "early_exit_prefix_copy": {"E": 3, "k": 3, "prefix": "copy", "draft_dtype": "bf16"},
+    "early_exit_prefix_copy_adaptive": {"E": 2, "k": 3, "prefix": "copy", "adaptive": True, "recheck_interval": 1,
+                                        "remember": "off"},
+    "early_exit_tree_stop": {"E": 3, "k": 3, "tree": True, "max_tree_nodes": 6, "confidence": 0.013,
+                             "keep_last": True},  # rows verify trees of different shapes together
 }
+"""Early exit's own variants in a batch: its gate, copied prefix and stops."""
+CASES = example_cases(ExampleModel(L)) | {case: ("early_exit", options) for case, options in EARLY_EXIT.items()}
+"""Every registered drafter's examples (dynamic exit's rows choose their own exits: packed per exit), and early
+exit's variants."""
 
 
 ADAPTER_CASES = {"adapter": {}, "adapter_prefix_copy": {"prefix": "copy"},
@@ -95,7 +91,7 @@ def test_every_row_equals_plain_decoding_alone(model, runner, prompts, eos, case
         assert (result.tokens, result.finish_reason) == alone(runner, prompt, config, eos), (case, len(prompt))
         finished.add(result.finish_reason)
     assert finished == {"eos", "length"}
-    if CASES.get(case, ("",))[0] != "autoregressive":
+    if CASES.get(case, ("",))[0] != PLAIN:
         assert sum(r.stats.drafted for r in results) > 0
 
 
@@ -115,14 +111,10 @@ def test_stop_strings_and_one_token_rows(runner, prompts):
             assert (result.tokens, result.finish_reason) == alone(runner, prompt, config, decode=decode)
 
 
-CLOCK_FREE = {
-    "early_exit_confidence": CASES["early_exit_confidence"],
-    "self_sd": CASES["self_sd"],  # its threshold gamma adapts and carries from one prompt to the next
-    "dynamic_exit": ("dynamic_exit", CASES["dynamic_exit"][1] | {"calibrate": False}),  # estimates carry over
-    "swift": ("swift", {"context_window": 8, "adaptive": False, "confidence": 0.013, "remember": "off",
-                        "max_opt_steps": 40, "opt_budget": 0.95}),  # its plan search carries over
-}
-"""Drafters whose choices are counts, not clocks, several of them with state that carries from prompt to prompt."""
+CLOCK_FREE = {case: c for case, c in example_cases(ExampleModel(L), main_only=True).items() if c[0] != PLAIN} | {
+    "early_exit_confidence": CASES["early_exit_confidence"]}
+"""Every drafter's main example (their choices are counts, not clocks: Self-SD's threshold gamma, dynamic exit's
+estimates and SWIFT's plan search carry from one prompt to the next), and early exit with a confidence stop."""
 
 
 @pytest.mark.parametrize("case", sorted(CLOCK_FREE))

@@ -7,7 +7,7 @@ import torch
 from infer import hf_generate
 from infer.decode.batch import BatchEngine
 from infer.decode.engine import DecodeConfig, Engine
-from infer.drafters import build_drafter
+from infer.drafters import ExampleModel, build_drafter, example_cases
 from infer.model.plan import LayerPlan, PlanFile
 from infer.model.runner import Runner
 from layerskip_core.draft_vocab import DraftVocab
@@ -16,6 +16,7 @@ from tiny_models import FAMILY_KINDS, TINY_WINDOW, family_model, noisy_adapter
 L = 6
 NEW = TINY_WINDOW + 16  # prompt + new tokens run past the window
 PROMPTS = [[5, 17, 99, 3, 44, 120, 7], list(range(60, 90))]
+PLAIN = "autoregressive"
 SWIFT = {"context_window": 8, "opt_budget": 0.95, "fallback_opt_budget": 0.95, "remember": "off",
          "confidence": 0.013}
 
@@ -50,16 +51,11 @@ def adapter_path(model, tmp_path_factory):
 
 
 def cases(runner, adapter: str) -> dict[str, tuple[str, dict]]:
+    """Every registered drafter's examples but plain decoding (with the exit adapter), and early exit with a reduced
+    draft vocabulary."""
     vocab = DraftVocab(ids=list(range(3, 300)), model=runner.identity())
-    return {
-        "early_exit": ("early_exit", {"E": 2, "k": 3}),
-        "early_exit_vocab": ("early_exit", {"E": 3, "k": 4, "draft_vocab": vocab}),
-        "early_exit_adapter": ("early_exit", {"adapter": adapter, "k": 3}),
-        "dynamic_exit": ("dynamic_exit", {"exits": "1/3/5", "k": 3, "min_speedup": 0, "adaptive": False,
-                                          "observe_every": 1, "calibrate": False, "stops": "0"}),
-        "self_sd": ("self_sd", {"plan": LayerPlan(L, frozenset({2, 3}), frozenset({4})), "k": 4}),
-        "swift": ("swift", SWIFT),
-    }
+    drafting = {case: c for case, c in example_cases(ExampleModel(L, adapter=adapter)).items() if c[0] != PLAIN}
+    return drafting | {"early_exit_vocab": ("early_exit", {"E": 3, "k": 4, "draft_vocab": vocab})}
 
 
 def test_plain_decoding_equals_transformers_generate(model, plain):
@@ -118,8 +114,7 @@ def test_hf_generate_equals_plain_generate(kind, tmp_path):
     PlanFile(LayerPlan(L, frozenset({2}), frozenset({3})), Runner.from_model(model).identity(), task="t").save(plan)
     ids = torch.tensor(PROMPTS[:1])
     ref = model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
-    for name, options in [("early_exit", {"exit_layer": 2, "num_draft": 3}), ("self_sd", {"plan": str(plan)}),
-                          ("swift", {"plan": str(plan), "adaptive": False, "context_window": 8, "remember": "off"})]:
+    for case, (name, options) in example_cases(ExampleModel(L, plan=str(plan)), main_only=True).items():
         out = model.generate(ids, custom_generate=hf_generate(name, **options), max_new_tokens=NEW,
                              eos_token_id=None, pad_token_id=0)
-        assert torch.equal(out, ref), name
+        assert torch.equal(out, ref), case

@@ -10,8 +10,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from infer import hf_generate, load_model
 from infer.decode.engine import DecodeConfig
+from infer.drafters import ExampleModel, example_cases
+from infer.drafters.examples import default_plan
 from infer.hf.decoding import FOLDER
-from infer.model.plan import LayerPlan, PlanFile
+from infer.model.plan import PlanFile
 from infer.model.runner import Runner
 from layerskip_core.errors import UserError
 from tiny_models import make_model
@@ -19,14 +21,13 @@ from tiny_models import make_model
 PROMPT = [[5, 17, 99, 3, 44, 120, 7]]
 
 
-def drafters(model, tmp_path) -> list[tuple[str, dict]]:
-    """Every drafter with options that make it draft on a 4-layer tiny model."""
+def drafters(model, tmp_path) -> dict[str, tuple[str, dict]]:
+    """Every registered drafter's examples on a 4-layer tiny model (their skip plan as a plan file, as
+    ``hf_generate``'s keywords take one)."""
     plan = tmp_path / "plan.json"
     identity = Runner.from_model(model).identity()
-    PlanFile(LayerPlan(4, frozenset({2}), frozenset({3})), identity, task="test").save(plan)
-    return [("autoregressive", {}), ("early_exit", {"exit_layer": 2, "num_draft": 3}),
-            ("self_sd", {"plan": str(plan)}),
-            ("swift", {"plan": str(plan), "adaptive": False, "context_window": 8, "remember": "off"})]
+    PlanFile(default_plan(4), identity, task="test").save(plan)
+    return example_cases(ExampleModel(4, plan=str(plan)))
 
 
 @pytest.fixture(params=["llama", "qwen2"])
@@ -37,12 +38,12 @@ def model(request):
 def test_greedy_equals_plain_generate_for_every_drafter(model, tmp_path):
     ids = torch.tensor(PROMPT)
     ref = model.generate(ids, max_new_tokens=40, do_sample=False)
-    for name, options in drafters(model, tmp_path):
+    for case, (name, options) in drafters(model, tmp_path).items():
         out = model.generate(ids, custom_generate=hf_generate(name, **options), max_new_tokens=40,
                              return_dict_in_generate=True)
-        assert torch.equal(out.sequences, ref), name
+        assert torch.equal(out.sequences, ref), case
         stats = out.stats[0]
-        assert stats.new_tokens == 40 and (name == "autoregressive" or stats.drafted > 0), name
+        assert stats.new_tokens == 40 and (name == "autoregressive" or stats.drafted > 0), case
     assert torch.equal(model.generate(ids, max_new_tokens=40, do_sample=False), ref)  # the model still decodes
 
 

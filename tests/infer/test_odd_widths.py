@@ -19,9 +19,8 @@ import torch.nn.functional as F
 
 from infer import kernels
 from infer.decode.engine import DecodeConfig, Engine
-from infer.drafters import build_drafter
+from infer.drafters import ExampleModel, build_drafter, example_cases
 from infer.model.layer_math import gated
-from infer.model.plan import LayerPlan
 from infer.model.runner import Runner
 from infer.model.weights import ExactnessWarning, Linear
 from layerskip_core.families import ModelSpec
@@ -194,15 +193,8 @@ def near_tie_model():
 
 
 def drafter_cases(layers: int) -> dict[str, tuple[str, dict]]:
-    return {
-        "early_exit": ("early_exit", {"E": 2, "k": 3}),
-        "early_exit_tree": ("early_exit", {"E": 3, "k": 4, "tree": True, "max_tree_nodes": 6}),
-        "dynamic_exit": ("dynamic_exit", {"exits": "1/3/5", "k": 3, "min_speedup": 0, "adaptive": False,
-                                          "observe_every": 1, "calibrate": False, "stops": "0"}),
-        "self_sd": ("self_sd", {"plan": LayerPlan(layers, frozenset({2, 3}), frozenset({4})), "k": 4}),
-        "swift": ("swift", {"context_window": 8, "opt_budget": 0.95, "fallback_opt_budget": 0.95, "remember": "off",
-                            "confidence": 0.013}),
-    }
+    """Every registered drafter's examples but plain decoding's (the reference)."""
+    return {case: c for case, c in example_cases(ExampleModel(layers)).items() if c[0] != "autoregressive"}
 
 
 def test_every_drafter_equals_plain_decoding_at_near_ties():

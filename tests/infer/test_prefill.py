@@ -13,10 +13,9 @@ from infer.decode import prefill as prefill_module
 from infer.decode.batch import BatchEngine
 from infer.decode.engine import DecodeConfig, Engine
 from infer.decode.prefill import Prompt, prefill
-from infer.drafters import build_drafter
+from infer.drafters import ExampleModel, build_drafter, example_cases
 from infer.drafters.base import DecodeState
 from infer.model.loop import packs
-from infer.model.plan import LayerPlan
 from infer.model.runner import Runner
 from infer.model.sampling import SamplingConfig
 from tiny_models import family_model, make_model, noisy_adapter
@@ -151,15 +150,10 @@ def test_where_packing_is_not_exact_every_prompt_runs_alone(model, runner, monke
     assert prefill_module.groups([Prompt(fresh(runner, p)) for p in prompts], True) == [[0], [1, 2]]
 
 
-CASES = {
-    "autoregressive": ("autoregressive", {}),
-    "early_exit": ("early_exit", {"E": 2, "k": 3}),  # drafts over the prefill's exact layers [0, E)
-    "dynamic_exit": ("dynamic_exit", {"exits": "1/3/5", "k": 3, "min_speedup": 0, "adaptive": False,
-                                      "calibrate": False, "observe_every": 1, "prompt_rows": 6}),  # asks for rows
-    "self_sd": ("self_sd", {"plan": LayerPlan(L, frozenset({2, 3}), frozenset({4})), "k": 4}),
-    "swift": ("swift", {"context_window": 8, "adaptive": False, "confidence": 0.013, "remember": "off",
-                        "max_opt_steps": 40, "opt_budget": 0.95}),
-}
+EXAMPLES = example_cases(ExampleModel(L))
+CASES = EXAMPLES | {"dynamic_exit_prompt_rows": ("dynamic_exit", EXAMPLES["dynamic_exit"][1] | {"prompt_rows": 6})}
+"""Every registered drafter's examples (early exit drafts over the prefill's exact layers [0, E)), and dynamic exit
+asking the prefill for rows."""
 
 
 @pytest.mark.parametrize("case", [*CASES, "adapter"])

@@ -7,7 +7,7 @@ from lossless_stats import P_THRESHOLD, chi2_pvalue, sampling_pvalue, transforme
 
 from infer.decode.acceptance import TreeShape, sampling_accept
 from infer.decode.engine import DecodeConfig, Engine
-from infer.drafters import build_drafter
+from infer.drafters import ExampleModel, build_drafter, example_cases
 from infer.model.runner import Runner
 from infer.model.sampling import SamplingConfig, probs_from_logits, select
 from layerskip_core.errors import UserError
@@ -126,8 +126,9 @@ def test_a_tiny_temperature_is_the_greedy_limit_for_every_drafter(temperature):
     model = make_model("llama", seed=3)
     runner = Runner.from_model(model)
     cfg = DecodeConfig(max_new_tokens=10, sampling=SamplingConfig(temperature=temperature, seed=0))
-    for name, options in [("autoregressive", {}), ("early_exit", {"exit_layer": 2, "confidence": 0.3}),
-                          ("swift", {"adaptive": False, "remember": "off"})]:
+    cases = example_cases(ExampleModel(runner.num_layers)) | {
+        "early_exit_confidence": ("early_exit", {"exit_layer": 2, "confidence": 0.3})}
+    for name, options in cases.values():
         engine = Engine(runner, build_drafter(name, runner, options))
         greedy = engine.generate([5, 6, 7], DecodeConfig(max_new_tokens=10))
         assert Engine(runner, build_drafter(name, runner, options)).generate([5, 6, 7], cfg).tokens == greedy.tokens

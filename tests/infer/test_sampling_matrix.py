@@ -23,7 +23,7 @@ from lossless_stats import (
 
 from infer.decode.batch import BatchEngine
 from infer.decode.engine import Engine
-from infer.drafters import build_drafter, drafter_spec
+from infer.drafters import ExampleModel, build_drafter, drafter_spec, example_cases
 from infer.model.plan import LayerPlan
 from infer.model.runner import Runner
 from infer.model.sampling import SamplingConfig
@@ -59,29 +59,43 @@ def adapter_file(model, tmp_path_factory):
     return str(path)
 
 
-def options(case: str, runner: Runner, adapter: str) -> tuple[str, dict]:
-    """The drafter and its options for a case of the matrix."""
+def example_model(adapter: str) -> ExampleModel:
+    """This model for the registered drafters' examples: one-exit drafting from exit 1 (where ``STOP`` is tuned), a
+    plan skipping attention at layer 2 and the MLPs of layers 1 and 3, the exit adapter at E = 1."""
+    return ExampleModel(4, exit_layer=1, plan=LayerPlan(4, frozenset({2}), frozenset({1, 3})), adapter=adapter)
+
+
+REGISTRY = [case for case, (name, _) in example_cases(example_model("adapter")).items() if name != "autoregressive"]
+"""Every registered drafter's examples (plain decoding drafts nothing to test)."""
+
+
+def variants(runner: Runner, adapter: str) -> dict[str, dict]:
+    """Options of one drafter that change what it proposes, each labelled ``DRAFTER-what``: confidence stops, a
+    reduced draft vocabulary (the target's likely token left out: the residual), an exit adapter with a stop and with
+    its stopping token kept, dynamic exit's stops, SWIFT's token trees from a uniform plan."""
     likely = 2  # a token the target often picks first: leaving it out of the draft vocabulary tests the residual
-    table = {
-        "early_exit": ("early_exit", {"exit_layer": 1, "num_draft": 3}),
-        "early_exit-stop": ("early_exit", {"exit_layer": 1, "num_draft": 3, "confidence": STOP}),
-        "early_exit-vocab-stop": ("early_exit", {"exit_layer": 1, "num_draft": 3, "confidence": STOP, "draft_vocab":
-                                                 DraftVocab(ids=[t for t in range(5) if t != likely],
-                                                            model=runner.identity())}),
-        "early_exit-adapter-stop": ("early_exit", {"adapter": adapter, "num_draft": 3, "confidence": STOP}),
-        "early_exit-adapter-keep": ("early_exit", {"adapter": adapter, "num_draft": 3, "confidence": STOP,
-                                                   "keep_last": True}),
-        "dynamic_exit-stop": ("dynamic_exit", FORCED_DYNAMIC | {"stops": str(STOP)}),
-        "dynamic_exit-stops": ("dynamic_exit", FORCED_DYNAMIC | {"stops": "0/0.3/0.5"}),
-        "self_sd": ("self_sd", {"plan": LayerPlan(4, frozenset({2}), frozenset({1, 3})), "num_draft": 3,
-                                "confidence": 0.5}),
-        "swift-tree": ("swift", {"confidence": 0.99, "num_draft": 2, "adaptive": False, "max_opt_steps": 0,
-                                 "skip_ratio": 0.3}),
-        "swift-tree-vocab": ("swift", {"confidence": 0.99, "num_draft": 2, "adaptive": False, "max_opt_steps": 0,
-                                       "skip_ratio": 0.3, "draft_vocab": DraftVocab(ids=[0, 1, 2, 3],
-                                                                                   model=runner.identity())}),
+    stop = {"exit_layer": 1, "num_draft": 3, "confidence": STOP}
+    tree = {"confidence": 0.99, "num_draft": 2, "adaptive": False, "max_opt_steps": 0, "skip_ratio": 0.3}
+    return {
+        "early_exit-stop": stop,
+        "early_exit-vocab-stop": stop | {"draft_vocab": DraftVocab(ids=[t for t in range(5) if t != likely],
+                                                                   model=runner.identity())},
+        "early_exit-adapter-stop": {"adapter": adapter, "num_draft": 3, "confidence": STOP},
+        "early_exit-adapter-keep": {"adapter": adapter, "num_draft": 3, "confidence": STOP, "keep_last": True},
+        "dynamic_exit-stop": FORCED_DYNAMIC | {"stops": str(STOP)},
+        "dynamic_exit-stops": FORCED_DYNAMIC | {"stops": "0/0.3/0.5"},
+        "self_sd-stop": {"plan": LayerPlan(4, frozenset({2}), frozenset({1, 3})), "num_draft": 3, "confidence": 0.5},
+        "swift-tree": tree,
+        "swift-tree-vocab": tree | {"draft_vocab": DraftVocab(ids=[0, 1, 2, 3], model=runner.identity())},
     }
-    return table[case]
+
+
+def options(case: str, runner: Runner, adapter: str) -> tuple[str, dict]:
+    """The drafter and its options for a case of the matrix: a registered drafter's example, or a variant (its
+    drafter the label's first part)."""
+    if case in REGISTRY:
+        return example_cases(example_model(adapter))[case]
+    return case.split("-")[0], variants(runner, adapter)[case]
 
 
 def check(pvalue: float, totals: dict) -> None:
@@ -91,9 +105,8 @@ def check(pvalue: float, totals: dict) -> None:
     assert pvalue > P_THRESHOLD
 
 
-CASES = ["early_exit", "early_exit-stop", "early_exit-vocab-stop", "early_exit-adapter-stop", "early_exit-adapter-keep",
-         "dynamic_exit-stop",
-         "dynamic_exit-stops", "self_sd", "swift-tree", "swift-tree-vocab"]
+CASES = [*REGISTRY, "early_exit-stop", "early_exit-vocab-stop", "early_exit-adapter-stop", "early_exit-adapter-keep",
+         "dynamic_exit-stop", "dynamic_exit-stops", "self_sd-stop", "swift-tree", "swift-tree-vocab"]
 
 
 @pytest.mark.parametrize("case", CASES)

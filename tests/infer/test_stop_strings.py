@@ -15,10 +15,9 @@ from infer.decode.batch import BatchEngine
 from infer.decode.cycle import CycleObserver
 from infer.decode.engine import DecodeConfig, Engine
 from infer.decode.stopping import MAX_PENDING, PREFIX_TOKENS, SPAN_TOKENS, TextTail
-from infer.drafters import build_drafter
+from infer.drafters import ExampleModel, build_drafter, example_cases
 from infer.drafters.base import Draft
 from infer.drafters.registry import DRAFTERS
-from infer.model.plan import LayerPlan
 from infer.model.runner import Runner
 from layerskip_core.errors import UserError
 from stub_drafters import ScriptedDrafter
@@ -111,22 +110,13 @@ class Oracle(ScriptedDrafter):
 
 
 def registry_cases() -> dict[str, tuple[str, dict]]:
-    """Every registered drafter with example options (as tests/infer/test_families_drafters.py), and the variants that
-    commit the most tokens at once on a random model: early exit at the full depth (its drafts are the target's own
-    tokens) as a chain and as a tree, and SWIFT's paper mode."""
-    swift = {"context_window": 8, "opt_budget": 0.95, "fallback_opt_budget": 0.95, "remember": "off",
-             "confidence": 0.013}
-    return {
-        "autoregressive": ("autoregressive", {}),
-        "early_exit": ("early_exit", {"E": 2, "k": 3}),
-        "early_exit_full_depth": ("early_exit", {"E": L, "k": 7}),
-        "early_exit_full_depth_tree": ("early_exit", {"E": L, "k": 5, "tree": True, "max_tree_nodes": 8}),
-        "dynamic_exit": ("dynamic_exit", {"exits": "1/3/5", "k": 4, "min_speedup": 0, "adaptive": False,
-                                          "observe_every": 1, "calibrate": False, "stops": "0"}),
-        "self_sd": ("self_sd", {"plan": LayerPlan(L, frozenset({2}), frozenset({4})), "k": 4}),
-        "swift": ("swift", swift),
-        "swift_paper": ("swift", {"paper": "true", "context_window": "8", "confidence": "0.3", "num_draft": "4"}),
-    }
+    """Every registered drafter's examples (``infer.drafters.registry.example_cases``), and the variants that commit
+    the most tokens at once on a random model: early exit at the full depth (its drafts are the target's own tokens)
+    as a chain and as a tree; and SWIFT's paper mode."""
+    full_depth = {"early_exit_full_depth": {"E": L, "k": 7},
+                  "early_exit_full_depth_tree": {"E": L, "k": 5, "tree": True, "max_tree_nodes": 8}}
+    return example_cases(ExampleModel(L)) | {case: ("early_exit", o) for case, o in full_depth.items()} | {
+        "swift_paper": ("swift", {"paper": "true", "context_window": "8", "confidence": "0.3", "num_draft": "4"})}
 
 
 CASES = registry_cases()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from infer import kernels
-from infer.drafters import DRAFTERS
+from infer.drafters import DRAFTERS, ExampleModel, example_cases
 from lease_rehearsal import returned_files
 from script_modules import load_script
 
@@ -61,18 +61,25 @@ def test_compile_once(offline_run):
     assert all(s["compiles_in_timed"] == 0 for s in result["shapes"].values())
 
 
+def drafting_cases(adapter: str | None) -> set[str]:
+    """The keys the check runs every registered drafter's examples under (plain decoding, the reference, apart)."""
+    cases = example_cases(ExampleModel(4, adapter=adapter))
+    return {key for key, (name, _) in cases.items() if name != "autoregressive"}
+
+
 def test_exactness_parts(offline_run):
     exact = offline_run[2]["exact"]
     assert exact["greedy_fp32_mismatches"] == 0 and exact["greedy_fp32_failures"] == 0
-    assert exact["greedy_runs"] == 3 * 2 * (len(DRAFTERS) + 1)  # every registered drafter but autoregressive,
+    cases, adapted = drafting_cases(adapter=None), drafting_cases(adapter="a.safetensors")
+    assert "early_exit_adapter" in adapted and "early_exit_adapter_tree" in adapted
+    assert exact["greedy_runs"] == 3 * 2 * len(adapted)  # every registered drafter's examples but autoregressive's,
     # early exit also through an exit adapter as a chain and as a tree, x 2 executors x 3
-    assert {key.split("/")[-1] for key in exact["greedy_detail"]} == set(DRAFTERS) - {"autoregressive"} | {
-        "early_exit_adapter", "early_exit_adapter_tree"}
+    assert {key.split("/")[-1] for key in exact["greedy_detail"]} == adapted
     assert {"llama/static/swift", "llama/eager/early_exit", "llama/static/early_exit_adapter"} <= set(
         exact["greedy_detail"])
     assert exact["greedy_detail"]["llama/static/early_exit_adapter"]["verifications"] > 0
     assert exact["greedy_detail"]["llama/static/early_exit_adapter_tree"]["verifications"] > 0
-    assert exact["greedy_rest_runs"] == 3 * (len(DRAFTERS) - 1) and exact["greedy_rest_fp32_failures"] == 0
+    assert exact["greedy_rest_runs"] == 3 * len(cases) and exact["greedy_rest_fp32_failures"] == 0
     assert "qwen2/static/self_sd" in exact["greedy_rest_detail"] and 0.0 <= exact["parity_max_abs"] < 1e-3
     assert exact["greedy_swift_trees"] > 0  # SWIFT (random search without optuna) verified token trees
     spread = exact["spread"]
@@ -84,7 +91,7 @@ def test_exactness_parts(offline_run):
     invariant = kernels.supports(kernels.load(), torch.bfloat16)
     assert (spread["llama/bfloat16/eager"]["max_abs"] == 0) == invariant
     sampling = exact["sampling"]
-    assert set(sampling) == set(DRAFTERS)  # every registered drafter
+    assert set(sampling) == cases | {"autoregressive"}  # every registered drafter's examples
     assert all(s["ok"] and s["tokens"] == 16 for s in sampling.values())
 
 
@@ -94,8 +101,8 @@ def test_sync_counts_and_targets(offline_run):
     assert set(s) == set(DRAFTERS) | {"early_exit_confidence"}
     assert s["autoregressive"]["per_cycle"] == 1.0 and s["early_exit"]["draft_steps_per_cycle"] > 1
     targets = result["sync_targets"]
-    assert set(targets) == {"early_exit", "self_sd", "swift"} and all(isinstance(t["met"], bool)
-                                                                      for t in targets.values())
+    assert set(targets) == set(DRAFTERS) - {"autoregressive"} and all(isinstance(t["met"], bool)
+                                                                     for t in targets.values())
 
 
 def test_shapes(offline_run):

@@ -62,11 +62,27 @@ class CompareSettings:
 
 EARLY_EXITS = ["early_exit:E=12:k=3", "early_exit:E=16:k=3", "early_exit:E=24:k=2", "early_exit:E=16:k=3:adaptive=true"]
 """The first GPU run's best E/k after training (12/3, 16/3, 24/2), and the adaptive gate at 16/3."""
-SEARCHED = ["self_sd:plan={plan}", "swift"]
-"""The drafters that need a searched plan or optuna ({plan}: the per-model Self-SD plan)."""
-DYNAMIC = "dynamic_exit:verify_slope=0.02"
-"""The exit chosen per context, with the verification cost slope of a GPU in bf16, where extra verified rows are
-nearly free (measured: docs/RESULTS.md), instead of the CPU's default slope."""
+COMPARED_AT = {"dynamic_exit": "verify_slope=0.02", "self_sd": "plan={plan}"}
+"""What a drafter is compared at beyond its defaults: dynamic exit with the verification cost slope of a GPU in bf16,
+where extra verified rows are nearly free (measured: docs/RESULTS.md), instead of the CPU's default slope; Self-SD
+with the plan searched for each model on the device ({plan})."""
+SEARCHED = ("self_sd", "swift")
+"""The drafters that need a searched plan or optuna (skipped, with a note, where neither is there)."""
+
+
+def compared(early_exits: list[str]) -> list[str]:
+    """Every registered drafter as the comparison benches it: plain decoding, early exit at ``early_exits``, every
+    other at its defaults with ``COMPARED_AT``'s options, so a drafter the registry adds is compared at once."""
+    from infer.drafters import DRAFTERS  # local: torch, after gpu_compare's flags are checked
+
+    first = ("autoregressive", "early_exit")
+    rest = [f"{name}:{COMPARED_AT[name]}" if name in COMPARED_AT else name for name in DRAFTERS if name not in first]
+    return [first[0], *early_exits, *rest]
+
+
+def searched(spec: str) -> bool:
+    """Whether drafter ``spec`` needs a searched plan or optuna (``SEARCHED``)."""
+    return spec.split(":")[0] in SEARCHED
 
 
 def gpu_settings() -> CompareSettings:
@@ -75,7 +91,7 @@ def gpu_settings() -> CompareSettings:
                            eval_batch=16, prompts=8, max_new_tokens=48, repeats=2, trials=40, search_timeout=40.0,
                            search_prompts=4, search_tokens=32, humaneval_items=None, gsm8k_items=None, gsm8k_tokens=256,
                            gsm8k_batch=50,
-                           drafters=["autoregressive", *EARLY_EXITS, DYNAMIC, *SEARCHED],
+                           drafters=compared(EARLY_EXITS),
                            peers=["hf_generate", "hf_early_exit:E=12:k=3", "hf_static"])  # the compiled peer last
 
 
@@ -96,7 +112,7 @@ def tiny_settings(form: CompareSettings) -> CompareSettings:
     dry = dry_settings()
     kinds = {x.split(":")[0] for x in form.peers}
     return replace(dry, tasks=form.tasks, quality=form.quality, search=form.search,
-                   drafters=dry.drafters if form.search else [d for d in dry.drafters if d not in SEARCHED],
+                   drafters=dry.drafters if form.search else [d for d in dry.drafters if not searched(d)],
                    peers=[x for x in dry.peers if x.split(":")[0] in kinds])
 
 
@@ -116,6 +132,5 @@ def dry_settings() -> CompareSettings:
                            eval_examples=2, eval_batch=2, prompts=1, max_new_tokens=6, repeats=1, trials=2,
                            search_timeout=20.0, search_prompts=1, search_tokens=4, humaneval_items=2, gsm8k_items=2,
                            gsm8k_tokens=8, gsm8k_batch=2,
-                           drafters=["autoregressive", "early_exit:E={e1}:k=2", "early_exit:E={e2}:k=2:adaptive=true",
-                              DYNAMIC, *SEARCHED],
+                           drafters=compared(["early_exit:E={e1}:k=2", "early_exit:E={e2}:k=2:adaptive=true"]),
                            peers=["hf_generate", "hf_early_exit:E={e1}:k=2", "hf_static"])

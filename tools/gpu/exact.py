@@ -17,7 +17,7 @@ from infer.drafters import build_drafter
 from infer.measure.exactness import DivergenceJudge, decode_verified, measure_rounding, measure_spread, spread_prompts
 from infer.model.runner import Runner
 from infer.model.sampling import SamplingConfig
-from tools.gpu.drafters import SYNC_TARGETS, drafter_specs, sync_specs
+from tools.gpu.drafters import drafter_specs, sync_specs, sync_target
 from tools.gpu.run import Run, error_text, free
 from tools.seeded_models import tiny_model
 from tools.syncs import measure_decode
@@ -197,8 +197,8 @@ def syncs(run: Run, new_tokens: int) -> dict:
                 continue
             out[key] = {k: float(m[k]) for k in ("per_cycle", "per_token", "draft_steps_per_cycle",
                                                  "update_per_cycle")} | {"cycles": m["cycles"], "tokens": m["tokens"]}
-            if key in SYNC_TARGETS:
-                rule, check = SYNC_TARGETS[key]
+            if sync_target(key) is not None:
+                rule, check = sync_target(key)
                 targets[key] = {"target": rule, "met": bool(check(out[key]))}
     note_fallback(run, runner, "syncs")
     return {"syncs": out, "sync_targets": targets}

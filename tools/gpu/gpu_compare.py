@@ -49,7 +49,7 @@ from tools.gpu import lease
 from tools.gpu.budget import Budget
 from tools.gpu.bundle import unpack_bundle
 from tools.gpu.compare_report import Report, bench_rows, markdown_section, partial_rows
-from tools.gpu.compare_settings import CODE_TASK, CompareSettings, form_settings
+from tools.gpu.compare_settings import CODE_TASK, SEARCHED, CompareSettings, form_settings, searched
 from tools.gpu.pipeline import PROG, OutOfBudget, Pipeline, device_flags, layerskip, python
 from tools.gpu.task_quality import quality
 from train.recipe import load_config
@@ -253,9 +253,10 @@ def compare_steps(args, p: Pipeline, rows: list[dict], quality_: dict, save) -> 
         for name, path in models.items():
             search_plan(p, name, path)
         drafters = [d.replace("{plan}", str(out / "plans" / "{model}.json")) for d in drafters]
-    elif any(d.startswith(("self_sd", "swift")) for d in drafters):
-        p.note("optuna is not installed: self_sd and swift are skipped (bring its wheels with tools/gpu/gpu_bundle.py)")
-        drafters = [d for d in drafters if not d.startswith(("self_sd", "swift"))]
+    elif any(searched(d) for d in drafters):
+        p.note(f"optuna is not installed: {' and '.join(SEARCHED)} are skipped (bring its wheels with "
+               "tools/gpu/gpu_bundle.py)")
+        drafters = [d for d in drafters if not searched(d)]
     sources = {CODE_TASK: str(prompts_file), "humaneval": "humaneval", "gsm8k": "gsm8k"}
     for task in s.tasks:
         try:
