@@ -13,12 +13,49 @@ from layerskip_core.cli import Parser, run_main
 COMMANDS = (fetch_model, generate, search, plan, draft_vocab, bench, eval_exits, train, export)
 
 
-def build_parser() -> argparse.ArgumentParser:
+class _Listed(Exception):
+    """Raised by ``_Names.add_parser``: a command's register stops once its name and help are known."""
+
+
+class _Names:
+    """A stand-in for the subparsers of ``layerskip``: records the name and help a command's ``register`` gives its
+    parser, and stops the rest of it (options, drafter flags: what imports torch)."""
+
+    def __init__(self) -> None:
+        self.found: list[tuple[str, str | None]] = []
+
+    def add_parser(self, name: str, help: str | None = None, **_) -> None:
+        self.found.append((name, help))
+        raise _Listed
+
+
+def command_name(command) -> tuple[str, str | None]:
+    """The name and one-line help of a command module (its parser is not built)."""
+    names = _Names()
+    with contextlib.suppress(_Listed):
+        command.register(names)
+    [found] = names.found
+    return found
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``layerskip`` parser: every command listed by name and help, and only ``command``'s own parser built
+    (``None``: every command's), so ``--help``, an unknown command and a command's bad flags answer without building
+    the others (the drafters' options import torch)."""
     parser = Parser(prog="layerskip", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in COMMANDS:
-        command.register(sub)
+    for module in COMMANDS:
+        name, text = command_name(module)
+        if command is None or name == command:
+            module.register(sub)
+        else:
+            sub.add_parser(name, help=text)
     return parser
+
+
+def chosen_command(argv: list[str]) -> str:
+    """The command ``argv`` names (its first argument that is no option), or '' when it names none."""
+    return next((a for a in argv if not a.startswith("-")), "")
 
 
 BROKEN_PIPE = 128 + 13
@@ -31,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         if argv[:1] == ["train"]:  # every later argument (--help included) belongs to train/layerskip.py
             code = run_main("layerskip", lambda: train.main(argv[1:]))
         else:
-            parser = build_parser()
+            parser = build_parser(chosen_command(argv))
             args = parser.parse_args(argv)
             code = run_main("layerskip", lambda: args.func(args))
         sys.stdout.flush()  # a reader that left meanwhile is met here, not at the interpreter's exit

@@ -7,8 +7,6 @@ import shlex
 import sys
 from pathlib import Path
 
-from infer.measure.methods import BenchConfig, parse_batch_sizes, parse_methods, sweep_methods
-from infer.measure.quality import QualityConfig
 from layerskip_cli.args import add_run_flags, add_sampling_flags, run_settings, sampling_config
 from layerskip_core.cli import check_output_dir, holding_output_dir
 from layerskip_core.errors import UserError
@@ -92,6 +90,8 @@ def _sampling_defaults(sample: bool = False):
 def config_from_args(args: argparse.Namespace):
     if args.temperature is not None and not args.sample:
         raise UserError("--temperature needs --sample")
+    from infer.measure.methods import BenchConfig, parse_batch_sizes, parse_methods, sweep_methods  # torch: lazy
+    from infer.measure.quality import QualityConfig  # lazy, as above
     from infer.measure.report import RESULT_FILES  # torch-heavy: not at import (--help stays light)
 
     check_output_dir(args.out, "--out", writes=RESULT_FILES, force=args.force)
