@@ -11,7 +11,7 @@ a prompt prefill on BLAS. What a segment's mask means (the last W slots, earlier
 sliding window's cut are written here, once, for every executor.
 
 ``Runner.run(program, rows)`` asks its executors in order (``infer.model.runner``): each returns an ``Output`` or
-``Declined`` with the reason (``fused: several sequences``), and the runner then advances the cache lengths and the
+``Declined`` with the reason (``static: several sequences``), and the runner then advances the cache lengths and the
 layer counters, the same for every executor.
 """
 

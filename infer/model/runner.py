@@ -9,11 +9,12 @@ exit makes shallow layers run ahead of deep ones, and rollback is setting a leng
 Every forward is a ``Program`` over ``Rows`` (``infer.model.program``): ``Runner.run(program, rows)`` asks the
 runner's *executors*, chosen once per runner, in order, and the first that does not decline runs it: ``static`` or
 ``graphs`` (static shapes with device-side positions and lengths, the latter captured as CUDA graphs, the CUDA default:
-``infer.model.graphs``; decoding steps over one sequence), ``fused`` (the layers in C++ calls on the CPU kernel's
-AVX-512 path: ``infer.model.fused_span``; one sequence), ``eager`` (the one layer loop, ``infer.model.loop``: any rows,
-one sequence or several packed). ``compile`` (the settings default it to on CUDA) runs the static forwards' layers
-through ``torch.compile``. Prompt prefill always runs eagerly or fused, on the causal attention kernel (no mask). The
-runner then advances the cache lengths and the layer counters, the same whichever executor ran.
+``infer.model.graphs``; decoding steps over one sequence), ``fused`` (the layers in one C++ call on the CPU kernel's
+AVX-512 path: ``infer.model.fused_span``; one sequence or several packed, every family), ``eager`` (the one layer
+loop, ``infer.model.loop``: any rows, one sequence or several packed). ``compile`` (the settings default it to on
+CUDA) runs the static forwards' layers through ``torch.compile``. Prompt prefill (T > 1 rows from an empty cache)
+runs on the layer loop, on the causal attention kernel (no mask). The runner then advances the cache lengths and the
+layer counters, the same whichever executor ran.
 """
 
 from __future__ import annotations
@@ -110,8 +111,8 @@ class Runner(Stack):
         """The one layer loop: runs whatever the executors before it decline."""
         self.set_executor(executor, compile)
         self.fused = fused_span.for_runner(self)
-        """The fused executor (``infer.model.fused_span``): one sequence's layers in C++ calls, bitwise the layer loop;
-        None where this runner does not qualify (decided here, once: ``fused_span.unfit`` says why)."""
+        """The fused executor (``infer.model.fused_span``): a program over packed rows in one C++ call, bitwise the
+        layer loop; None where this runner does not qualify (decided here, once: ``fused_span.unfit`` says why)."""
         self.declines: dict[str, int] = {}
         """How often each reason an executor gave for declining a forward came up (``Declined.reason``)."""
         if getattr(config, "attn_logit_softcapping", None) is not None and self.spec.model_type == "gemma3_text":
@@ -215,7 +216,7 @@ class Runner(Stack):
     @property
     def executors(self) -> list[Executor]:
         """The executors ``run`` asks, in order: the static one (decoding steps of one sequence), the fused one (one
-        sequence on the CPU kernel), the layer loop (anything)."""
+        sequence or several on the CPU kernel), the layer loop (anything)."""
         return [e for e in (self.static, self.fused) if e is not None] + [self.eager]
 
     def run(self, program: Program, rows: Rows) -> Output:

@@ -8,6 +8,7 @@ from infer import hf_generate
 from infer.decode.batch import BatchEngine
 from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import ExampleModel, build_drafter, example_cases
+from infer.model import fused_span
 from infer.model.plan import LayerPlan, PlanFile
 from infer.model.runner import Runner
 from layerskip_core.draft_vocab import DraftVocab
@@ -58,6 +59,15 @@ def cases(runner, adapter: str) -> dict[str, tuple[str, dict]]:
     return drafting | {"early_exit_vocab": ("early_exit", {"E": 3, "k": 4, "draft_vocab": vocab})}
 
 
+def _fused_runs(runner, what: str = "runs") -> int:
+    """How many programs the runner's fused executor ran (``packed``: over several sequences); the runner has one
+    on the kernel's AVX-512 path (every family of these tests qualifies)."""
+    if runner.kernel is None or runner.kernel.path() != "avx512":
+        pytest.skip("the fused executor runs on the kernel's AVX-512 path only")
+    assert runner.fused is not None, fused_span.unfit(runner)
+    return getattr(runner.fused, what)
+
+
 def test_plain_decoding_equals_transformers_generate(model, plain):
     for prompt, ours in zip(PROMPTS, plain, strict=True):
         with torch.no_grad():
@@ -70,12 +80,13 @@ def test_plain_decoding_equals_transformers_generate(model, plain):
 def test_every_drafter_greedy_equals_plain_decoding(runner, plain, adapter_path):
     config = DecodeConfig(max_new_tokens=NEW)
     for case, (name, options) in cases(runner, adapter_path).items():
-        drafted = 0
+        drafted, fused = 0, _fused_runs(runner)
         for prompt, ref in zip(PROMPTS, plain, strict=True):
             result = Engine(runner, build_drafter(name, runner, options)).generate(prompt, config)
             assert result.tokens == ref, (case, prompt[:3])
             drafted += result.stats.drafted
         assert drafted > 0, case
+        assert _fused_runs(runner) > fused, case  # drafts and verifications ran on the fused executor
 
 
 @pytest.mark.parametrize("how", ["static", "compiled", "captured"])
@@ -103,9 +114,11 @@ def test_drafters_on_the_static_executor(model, plain, how, monkeypatch):
 def test_batched_rows_equal_plain_decoding(runner, plain, adapter_path):
     config = DecodeConfig(max_new_tokens=NEW)
     for case, (name, options) in cases(runner, adapter_path).items():
+        packed = _fused_runs(runner, "packed")
         with BatchEngine(runner, lambda name=name, options=options: build_drafter(name, runner, options), 2) as batch:
             results = batch.generate(PROMPTS, config)
         assert [r.tokens for r in results] == plain, case
+        assert _fused_runs(runner, "packed") > packed, case  # the two rows' forwards ran packed, fused
 
 
 def test_hf_generate_equals_plain_generate(kind, tmp_path):

@@ -5,7 +5,7 @@ after ``end``, every K/V row of the cache, the cache lengths and the layer count
 AVX512_BF16), for T in 1-5, 8, 16, with and without a token-tree mask, under skip plans (attention, MLP, both
 skipped), from start > 0 to end < depth, over layers whose caches have different lengths; on random small Llama
 configs (head dims 16, 24 and 40, MLP widths off the 16-lane vectors) and on the default model. Runners that do not
-qualify (other families, ``kernel='torch'``) keep the Python loop."""
+qualify (``kernel='torch'``) keep the Python loop; every family and packed rows: test_fused_families.py."""
 
 from __future__ import annotations
 
@@ -158,8 +158,8 @@ def test_default_model_fused_span_is_the_python_loop_bitwise(dtype):
 
 
 def test_calls_the_fused_span_does_not_take_are_refused_untouched():
-    """More than MAX_TOKENS rows, T > 1 rows from an empty layer (causal SDPA), a float mask, autograd, several
-    sequences, a BLAS prefill: declined with the reason, and the cache and counters as they were."""
+    """More than MAX_TOKENS rows, T > 1 rows from an empty layer (causal SDPA), a float mask, autograd, two
+    segments over one cache, a BLAS prefill: declined with the reason, and the cache and counters as they were."""
     runner = _tiny_runner("d64-D16", torch.float32)
     fused = fused_span.for_runner(runner)
     cache = _uneven_cache(runner, 40)
@@ -172,7 +172,7 @@ def test_calls_the_fused_span_does_not_take_are_refused_untouched():
         "fused: not 1 to": Rows.one(cache, runner.embed(torch.arange(rows)), list(range(43, 43 + rows))),
         "fused: causal rows from an empty layer": Rows.one(runner.new_cache(32), two, [0, 1]),
         "fused: a mask that is not": Rows.one(cache, two, [43, 44], torch.ones(2, 2)),
-        "fused: several sequences": Rows(two, [Rows.one(cache, two[:1], [43]).segments[0]] * 2),
+        "fused: two segments over one cache": Rows(two, [Rows.one(cache, two[:1], [43]).segments[0]] * 2),
         "fused: a prompt prefill": Rows.one(cache, two, [43, 44], kind=BULK),
     }
     for reason, given in calls.items():
@@ -198,17 +198,20 @@ def test_errors_are_the_python_loops():
         fused.run(Program(0, 6), Rows.one(cache, runner.embed(torch.arange(1)), [6], wide))
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "gemma3_text", "mistral_window"])
-def test_other_families_keep_the_python_loop(kind):
-    """q/k norms, Gemma's norms and GELU, sliding windows: no fused span."""
+@pytest.mark.parametrize("kind", ["qwen3", "gemma3_text", "mistral_window", "qwen2_window", "smollm3"])
+def test_every_family_takes_the_fused_span(kind):
+    """q/k norms, Gemma's norms and GELU, sliding windows, biases, layers without RoPE: fused
+    (tests/infer/test_fused_families.py: bitwise the loop)."""
     _need_kernel(torch.float32)
-    assert fused_span.for_runner(Runner.from_model(family_model(kind, seed=1))) is None
+    assert fused_span.unfit(Runner.from_model(family_model(kind, seed=1))) is None
 
 
-def test_qwen2_biases_and_the_torch_path_keep_the_python_loop():
+def test_the_torch_path_keeps_the_python_loop():
     _need_kernel(torch.float32)
-    assert fused_span.for_runner(Runner.from_model(make_model("qwen2", seed=1))) is None
-    assert fused_span.for_runner(Runner.from_model(make_model("llama", seed=1), kernel="torch")) is None
+    assert fused_span.for_runner(Runner.from_model(make_model("qwen2", seed=1))) is not None
+    runner = Runner.from_model(make_model("llama", seed=1), kernel="torch")
+    assert fused_span.for_runner(runner) is None
+    assert fused_span.unfit(runner) == "fused: no AVX-512 kernel for the runner's dtype on a CPU"
     assert fused_span.for_runner(Runner.from_model(make_model("llama", seed=1))) is not None
 
 
@@ -257,7 +260,6 @@ def test_the_runner_takes_the_fused_span_and_computes_what_the_loop_does(dtype):
 
 def test_runners_that_do_not_qualify_have_no_fused_span():
     _need_kernel(torch.float32)
-    assert Runner.from_model(family_model("qwen3", seed=1)).fused is None
     assert Runner.from_model(make_model("llama", seed=1), kernel="torch").fused is None
     runner = Runner.from_model(make_model("llama", seed=1))
     assert runner.fused is not None

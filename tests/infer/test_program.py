@@ -128,7 +128,7 @@ def test_the_static_executor_declines_what_it_does_not_run():
     assert runner.declines["static: several sequences (their shapes vary with the batch)"] == 1
 
 
-def test_a_fused_runner_declines_bulk_prefill_and_several_sequences_to_the_loop():
+def test_a_fused_runner_declines_bulk_prefill_to_the_loop_and_runs_several_sequences():
     module = kernels.load()
     if module is None or module.path() != "avx512":
         pytest.skip("the fused span runs on the kernel's AVX-512 path only")
@@ -138,9 +138,9 @@ def test_a_fused_runner_declines_bulk_prefill_and_several_sequences_to_the_loop(
     runner.declines.clear()  # (the prefills above: causal rows from an empty layer)
     runner.run(Program(0, L), Rows.one(caches[0], runner.embed(torch.arange(4)), torch.arange(4), kind=BULK))
     one = runner.embed(torch.tensor([5, 6]))
+    runs = runner.fused.packed
     runner.run(Program(0, L), Rows(one, [Segment(caches[1], [12]), Segment(caches[2], [12])]))
-    assert set(runner.declines) == {"fused: a prompt prefill on BLAS",
-                                    "fused: several sequences (the C++ span runs one)"}
+    assert set(runner.declines) == {"fused: a prompt prefill on BLAS"} and runner.fused.packed == runs + 1
     assert caches[0].lengths == [4] * L and caches[1].lengths == caches[2].lengths == [13] * L
 
 
@@ -177,7 +177,7 @@ def test_lengths_and_counters_advance_once_per_run():
         assert caches[0].lengths == [12, 12, 10, 12, 10, 12], name
         assert runner.counters.layer_tokens == [2, 2, 2, 2, 0, 2] and runner.counters.lm_head_tokens == 2, name
         rows = Rows(runner.embed(torch.tensor([5, 6])), [Segment(caches[0], [12]), Segment(caches[1], [12])])
-        runner.run(program, rows)  # several sequences: the layer loop
+        runner.run(program, rows)  # several sequences: the fused executor where there is one, else the loop
         assert caches[0].lengths == [13, 13, 10, 13, 10, 13] and caches[1].lengths == [13, 13, 12, 13, 12, 13], name
         assert runner.counters.layer_tokens == [4, 4, 4, 4, 0, 4] and runner.counters.lm_head_tokens == 4, name
         assert not any(r.startswith("eager") for r in runner.declines)
