@@ -148,7 +148,8 @@ def load_model(model: str | os.PathLike | PreTrainedModel = "default", tokenizer
                threads: int = 1, compile: bool | None = None) -> LoadedModel:
     """Load a model to decode with (the Python API's edge: the names are resolved here, once).
 
-    ``model``: a local Hugging Face folder, a hub id (org/name), ``"default"`` (SmolLM2-135M-Instruct, fetched
+    ``model``: a local Hugging Face folder, a hub id (org/name), ``"gemma3-270m"`` (Gemma 3 270M, Gemma Terms of
+    Use), ``"default"`` (SmolLM2-135M-Instruct, fetched
     once), or a ``transformers`` model object already in memory (then ``tokenizer`` is required; its weights
     are copied into the runner's fused layout). ``device`` / ``dtype`` take names (``auto`` = CUDA + bf16 when
     available, else CPU + fp32) or torch objects; ``executor``, ``threads`` (default 1) and ``compile`` as in

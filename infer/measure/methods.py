@@ -20,6 +20,7 @@ from layerskip_core.cli import split_named
 from layerskip_core.errors import UserError
 from layerskip_core.layers import check_exit_layer
 from layerskip_core.settings import Resolved
+from layerskip_core.shipped import SHIPPED
 
 PEERS = ("hf_generate", "hf_static", "hf_early_exit", "prompt_lookup")
 PEER_OPTIONS = {"hf_early_exit": ("E", "k"), "prompt_lookup": ("k",)}
@@ -187,15 +188,16 @@ def check_batch_peers(methods: list[Method], sizes: list[int]) -> None:
 
 
 def model_labels(models: list[str]) -> list[str]:
-    """One row name per ``--model``: its NAME of NAME=PATH, 'default', else the shortest end of its folder path that
+    """One row name per ``--model``: its NAME of NAME=PATH, a model's name ('default', 'gemma3-270m'), else the shortest
+    end of its folder path that
     tells it apart from the others (``runs/a/final``, ``runs/b/final`` -> ``a/final``, ``b/final``). Two models that
     still share a name (the same folder twice, or a NAME equal to another's) are refused."""
     named = [split_named(m) for m in models]
-    parts = [Path(src).expanduser().resolve().parts if not name and src != "default" else None for name, src in named]
+    parts = [Path(src).expanduser().resolve().parts if not name and src not in SHIPPED else None for name, src in named]
 
     def tail(i: int, n: int) -> str:
         name, src = named[i]
-        return name or ("default" if parts[i] is None else "/".join(parts[i][-n:]))
+        return name or (src if parts[i] is None else "/".join(parts[i][-n:]))
 
     labels = [tail(i, 1) for i in range(len(models))]
     for n in range(2, max((len(p) for p in parts if p), default=1) + 1):
@@ -213,7 +215,8 @@ class BenchConfig:
     """What `layerskip bench` runs."""
 
     models: list[str]
-    """Model folders or 'default', optionally labelled as NAME=PATH (the label names rows and '{model}')."""
+    """Model folders or models fetched by name ('default', 'gemma3-270m'), optionally labelled as NAME=PATH (the label
+    names rows and '{model}')."""
     methods: list[Method]
     """Drafters and peers to time."""
     data: list[str]

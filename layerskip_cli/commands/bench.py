@@ -31,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "results), and write results.json/.csv/.md and plots. 'autoregressive:target_exit=8' is lossy "
                        "early exit, reported with its agreement with the full model and its GSM8K answer accuracy.")
     p.add_argument("--model", action="append", dest="models", default=None,
-                   help="model folder or 'default', optionally NAME=PATH (repeatable: e.g. base=default "
+                   help="model folder, 'default' or 'gemma3-270m', optionally NAME=PATH (repeatable: e.g. base=default "
                    "trained=runs/cpu-demo/final); '{model}' in a drafter option becomes NAME")
     p.add_argument("--drafters", default="autoregressive,early_exit:E=8:k=6",
                    help="comma-separated drafter specs, e.g. autoregressive,early_exit:E=8:k=6,self_sd:plan=P,swift; "

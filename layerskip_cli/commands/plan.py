@@ -26,7 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                              "a JSON file: {\"attention\": [...], \"mlp\": [...]} (Self-SD's skip_layers.json entries; "
                              "pick one with --entry when the file maps model names to sets), SWIFT-style "
                              "attn_skip_layer_id_set/mlp_skip_layer_id_set, or skip_attn/skip_mlp.")
-    imp.add_argument("--model", default="default", help="the model the plan is for: a local folder or 'default'")
+    imp.add_argument("--model", default="default",
+                     help="the model the plan is for: a local folder, 'default' or 'gemma3-270m'")
     imp.add_argument("--attn", default=None, help="skipped attention layers, e.g. 3,5,9")
     imp.add_argument("--mlp", default=None, help="skipped MLP layers, e.g. 7,11")
     imp.add_argument("--from", dest="source", type=Path, default=None, help="a JSON file of skipped layer indices")
