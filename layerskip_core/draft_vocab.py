@@ -5,6 +5,10 @@ head is 21% of the weights). Verification always uses the full head, so greedy o
 sampling stays exact: the draft distribution is zero outside the subset and the residual at a rejection
 covers the rest. Following VocabTrim (Goel et al. 2025), the subset is the N most frequent tokens of
 calibration data, best counted on the target model's own greedy generations; counts ship for the default model.
+For a model with a large vocabulary and no shipped counts (Gemma 3's 262144 tokens: 63% of a step's bytes) the
+drafters' ``auto`` builds counts once from the model's own generations on a small built-in prompt set
+(``infer.assets.auto_vocab``) and keeps them in the toolkit cache (``auto_counts_path``), where ``auto`` and a size N
+find them again.
 
 Which model a file fits: its architecture numbers and vocabulary size, and the tokenizer's fingerprint
 (a digest of its id -> token table); the weight fingerprint is checked instead when no tokenizer is at
@@ -22,6 +26,7 @@ from pathlib import Path
 
 from layerskip_core import jsonfile
 from layerskip_core.errors import UserError
+from layerskip_core.packages import cache_root
 
 COUNTS_FORMAT = "layerskip-token-counts/1"
 VOCAB_FORMAT = "layerskip-draft-vocab/1"
@@ -40,6 +45,10 @@ AUTO_SIZE = 8192
 c 0.68); with the shipped counts (the model's own answers of nine kinds) it covers 0.91-1.00 of the model's tokens on
 those kinds and on held-out stories and Rust, 0.95 / 0.93 on HumanEval / GSM8K (docs/RESULTS.md, "The draft
 vocabulary recounted")."""
+AUTO_MIN_VOCAB = 4 * AUTO_SIZE
+"""A model without shipped counts whose vocabulary has at least this many ids gets its ``auto`` counts built from its
+own generations (``infer.assets.auto_vocab``); below it the head is a small share of a step, and ``auto`` is the full
+head."""
 OFF = ("off", "none", "false")
 """``draft_vocab`` values for the full head ('false': how a YAML-minded option parser reads 'off')."""
 
@@ -273,19 +282,42 @@ def coverage_report(vocab: DraftVocab | Iterable[int], tokens_by_task: dict[str,
 
 
 # --------------------------------------------------------------------------- resolving --draft-vocab
-def bundled_counts(model, tokenizer=None, directory: Path = BUNDLED_DIR) -> TokenCounts:
-    """The shipped counts file that fits ``model`` (a runner or its identity; see ``check_model``)."""
-    for path in sorted(Path(directory).glob("*.json")):
-        counts = TokenCounts.load(path)
+def auto_counts_dir() -> Path:
+    """Where counts built from a model's own generations are kept: the toolkit cache's ``draft_vocab/``."""
+    return cache_root() / "draft_vocab"
+
+
+def auto_counts_path(record: dict) -> Path:
+    """The file of the built counts of the model ``record`` describes (``model_record``: identity and tokenizer)."""
+    digest = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:16]
+    return auto_counts_dir() / f"{record.get('model_type', 'model')}-{digest}.json"
+
+
+def _fitting(paths: Iterable[Path], model, tokenizer) -> TokenCounts | None:
+    for path in paths:
         try:
+            counts = TokenCounts.load(path)
             check_model(counts.model, model, tokenizer, str(path))
-        except UserError:
+        except UserError:  # another model's, or a damaged built file (built again): not this model's counts
             continue
         return counts
+    return None
+
+
+def bundled_counts(model, tokenizer=None, directory: Path = BUNDLED_DIR) -> TokenCounts:
+    """The counts that fit ``model`` (a runner or its identity; see ``check_model``): a shipped file, else counts built
+    for it from its own generations in the toolkit cache (``auto_counts_dir``)."""
+    shipped = sorted(Path(directory).glob("*.json"))
+    built = sorted(auto_counts_dir().glob("*.json")) if auto_counts_dir().is_dir() else []
+    counts = _fitting(shipped, model, tokenizer) or _fitting(built, model, tokenizer)
+    if counts is not None:
+        return counts
     identity = identity_of(model)
-    raise UserError(f"no bundled token counts for this model ({identity.get('model_type')}, "
-                    f"{identity.get('num_layers')} layers, vocabulary {identity.get('vocab_size')}); give a "
-                    f"vocabulary file instead: {MAKE_ONE}")
+    raise UserError(f"no token counts ship for this model ({identity.get('model_type')}, "
+                    f"{identity.get('num_layers')} layers, vocabulary {identity.get('vocab_size')}) and none were "
+                    f"built for it (a drafter's draft-vocab auto builds them for a vocabulary of {AUTO_MIN_VOCAB} or "
+                    "more); "
+                    f"give a vocabulary file instead: {MAKE_ONE}")
 
 
 def resolve_draft_vocab(spec: int | str | os.PathLike, model, tokenizer=None,
@@ -343,7 +375,8 @@ def ids_digest(ids: Iterable[int]) -> str:
 
 def resolve_draft_vocab_option(spec, model, tokenizer=None, directory: Path = BUNDLED_DIR) -> DraftVocab | None:
     """A drafter's ``draft_vocab`` option: None or 'off'/'none' (the full head), 'auto' (the top ``AUTO_SIZE`` of
-    the shipped counts when some fit ``model``, else the full head), a ``DraftVocab``, a size or a file."""
+    the shipped or built counts when some fit ``model``, else the full head: ``infer.drafters.inputs.draft_head``
+    builds them first where ``AUTO_MIN_VOCAB`` says), a ``DraftVocab``, a size or a file."""
     if spec is None or isinstance(spec, DraftVocab):
         return spec
     text = str(spec).strip().lower()
@@ -351,7 +384,8 @@ def resolve_draft_vocab_option(spec, model, tokenizer=None, directory: Path = BU
         return None
     if text == AUTO:
         try:
-            return bundled_counts(model, tokenizer, directory).top(AUTO_SIZE)
-        except UserError:  # no counts ship for this model: the full head
+            counts = bundled_counts(model, tokenizer, directory)
+        except UserError:  # no counts for this model: the full head
             return None
+        return counts.top(AUTO_SIZE) if counts.vocab_size > AUTO_SIZE else None
     return resolve_draft_vocab(spec, model, tokenizer, directory)

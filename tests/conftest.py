@@ -7,8 +7,9 @@ import os
 import pytest
 import torch
 
-from infer.drafters import gate
+from infer.drafters import costs, gate
 from infer.measure import quality
+from layerskip_core import draft_vocab
 from layerskip_core.models import default_model_dir, is_model_dir
 from tiny_models import make_model, save_tiny
 
@@ -19,12 +20,21 @@ def _deterministic_threads():
     yield
 
 
+@pytest.fixture(scope="session")
+def _session_cache(tmp_path_factory):
+    """A toolkit cache shared by the session's tests for what is measured or built once per model and machine (the
+    drafters' measured costs, draft vocabularies built from a model's generations), never the user's."""
+    return tmp_path_factory.mktemp("session-toolkit-cache")
+
+
 @pytest.fixture(autouse=True)
-def _private_gate_memory(tmp_path, monkeypatch):
+def _private_gate_memory(tmp_path, monkeypatch, _session_cache):
     """Each test starts with no remembered fallback-gate state or verifier quality and never writes the user's
-    cache."""
+    cache; measured costs and built draft vocabularies are kept for the session."""
     monkeypatch.setattr(gate, "cache_root", lambda: tmp_path / "toolkit-cache")
     monkeypatch.setattr(quality, "cache_root", lambda: tmp_path / "toolkit-cache")
+    monkeypatch.setattr(costs, "cache_root", lambda: _session_cache)
+    monkeypatch.setattr(draft_vocab, "cache_root", lambda: _session_cache)
 
 
 @pytest.fixture(scope="session")

@@ -161,8 +161,10 @@ class DraftVocabOption:
     draft_vocab: str = AUTO
     """Reduced-vocabulary draft head: drafts score only these token ids, verification always the full head (output
     unchanged). auto: the most frequent ids (draft_vocab.AUTO_SIZE of them) of the counts shipped for this
-    model, if there are some, else the full head (with an exit adapter whose head was trained on the top N of
-    those counts: that N); N: the N most frequent; a file made by `layerskip draft-vocab`; off: the full head."""
+    model, or, for a vocabulary of 32768 ids or more without shipped counts (Gemma 3), of counts built once from
+    the model's own generations on built-in prompts and kept in the toolkit cache (coverage printed when built),
+    else the full head (with an exit adapter whose head was trained on the top N of those counts: that N); N: the N
+    most frequent; a file made by `layerskip draft-vocab`; off: the full head."""
     draft_dtype: str = AUTO
     """Precision of the weights only drafts read: the reduced draft head and (early exit) an exit adapter. auto:
     bf16 where the model runs in fp32 on a CPU whose kernel has native bf16 dot products (AVX512_BF16: half the

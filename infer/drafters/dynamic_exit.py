@@ -7,9 +7,10 @@ Every few cycles (``observe_every``) the verification forward is split at the ca
 position; the draft head scores those rows in one call and each exit's top token is compared with the token the
 target emitted there (its "shadow" draft), and its probability with each candidate confidence stop. Discounted
 counts give, per exit and stop, how often a draft would be proposed and accepted and how such positions run on
-(``infer.drafters.exit_choice``). A cost model prices a draft forward at exit e (e of the L layers plus the draft
-head, as a fraction of a plain step's parameters read) and a verification of T rows (1 + slope (T - 1) plain
-steps); the (E, k, stop) with the most expected tokens per unit of cost drafts next, or a plain step when none is
+(``infer.drafters.exit_choice``). A cost model prices a draft forward at exit e (layers [0, e) and the draft head)
+and a verification of T rows (the first row's layers [e, L) and full head, then a slope per row) in plain steps, as
+this model measured them once on this machine (``infer.drafters.costs``; ``costs=weights``: by the weights each
+reads); the (E, k, stop) with the most expected tokens per unit of cost drafts next, or a plain step when none is
 predicted to beat plain decoding. The
 ``--adaptive`` fallback gate (``infer.drafters.gate``) sits on top: it times plain steps and draft cycles and takes
 plain steps while measured drafting does not pay, so a cost model that is wrong for this machine costs little.
@@ -40,6 +41,7 @@ from infer.drafters.base import (
     VerifyOutcome,
 )
 from infer.drafters.chain import ChainAsk, EarlyExitForward, ObservingForward, check_size, draft_chains
+from infer.drafters.costs import CostsOption, exit_prices, measured_exit_prices, verify_prices
 from infer.drafters.examples import ExampleModel
 from infer.drafters.exit_choice import Choice, RunEstimates, best_choice, parse_stops
 from infer.drafters.gate import COLD, GateOwner, Rate, RememberOption
@@ -61,12 +63,17 @@ PRIORS = (AUTO, "depth", "flat")
 SWITCH_MARGIN = 0.03
 """Another exit becomes the choice only when predicted this much faster than the current exit's best k and stop:
 estimates a few observed positions apart differ by noise, and each switch drafts from an exit measured less."""
+WEIGHTS_SLOPE = 0.13
+"""``verify_slope`` with ``costs`` weights: the default model's on the machines of docs/RESULTS.md."""
+OBSERVE_SHARE = 0.02
+"""Most share of its decoding time the drafter spends scoring observed positions while the cost model takes plain
+steps (a head call per observed cycle: with Gemma 3's full 262144-token head most of a step)."""
 MAX_SCHEDULE = 200
 """Most changes of choice a generation's stats list (``DynamicExitStats.schedule``)."""
 
 
 @dataclass
-class DynamicExitConfig(DraftVocabOption, RememberOption):
+class DynamicExitConfig(DraftVocabOption, RememberOption, CostsOption):
     """Settings of the dynamic-exit drafter."""
 
     exits: str = AUTO
@@ -79,8 +86,9 @@ class DynamicExitConfig(DraftVocabOption, RememberOption):
     """Confidence stops chosen among per context: a chain stops at the first draft whose top-1 probability is under
     the stop ('/'-separated thresholds in [0, 1), 0 = draft all k; one value: always that stop); auto = 0/0.5/0.7/0.9.
     """
-    verify_slope: float = 0.13
-    """Cost of each verified row beyond the first, in plain steps (measured values per machine: docs/RESULTS.md)."""
+    verify_slope: float | None = None
+    """Cost of each verified row beyond the first, in plain steps; default: this model's, measured with ``costs``
+    measured ((v(k + 1) - 1) / k), 0.13 with costs weights (the default model's on the machines of docs/RESULTS.md)."""
     min_speedup: float = 1.05
     """Draft only when the cost model predicts at least this speed-up over a plain step (0: the cost model always
     drafts its best (E, k); with adaptive the gate may still take plain steps); above 1 because a prediction near
@@ -107,8 +115,8 @@ class DynamicExitConfig(DraftVocabOption, RememberOption):
     only seen in drafted text (0 = never)."""
     calibrate: bool = True
     """Divide every drafting choice's predicted speed-up by the measured cost of drafting: seconds per unit of
-    weight-count cost of the drafted cycles against a plain step's seconds (``CycleTiming``); off: weight counts
-    only (deterministic choices)."""
+    priced cost of the drafted cycles against a plain step's seconds (``CycleTiming``); off: the prices alone
+    (``costs``; deterministic choices with costs weights)."""
     adaptive: bool = False
     """Also time plain steps and draft cycles (the fallback gate of early_exit --adaptive) and take plain steps
     while measured drafting does not beat them; off (default): the cost model alone decides, its drafting predictions
@@ -120,6 +128,7 @@ class DynamicExitConfig(DraftVocabOption, RememberOption):
         check_fields(self, "dynamic_exit")
         DraftVocabOption.__post_init__(self)
         RememberOption.__post_init__(self)
+        CostsOption.__post_init__(self)
         check_size(self.num_draft, "num-draft")
         parse_exits(self.exits)
         try:
@@ -133,7 +142,7 @@ class DynamicExitConfig(DraftVocabOption, RememberOption):
                             f"got {self.prompt_rows}")
         if self.explore_every < 0:
             raise UserError(f"explore-every must be >= 0 cycles (0 = never), got {self.explore_every}")
-        if not 0.0 <= self.verify_slope <= 10.0:
+        if self.verify_slope is not None and not 0.0 <= self.verify_slope <= 10.0:
             raise UserError(f"verify-slope must be in [0, 10] (plain steps per extra verified row), "
                             f"got {self.verify_slope}")
         if not 0.0 <= self.min_speedup <= 100.0:
@@ -185,27 +194,6 @@ def candidate_exits(text: str, runner) -> list[int]:
         raise UserError(f"exit {bad[0] if bad else 1} is out of range: the model has {L} layers, so candidate "
                         f"exits lie in 1 <= E < {L}")
     return exits
-
-
-def exit_prices(spec, exits: list[int], draft_rows: int) -> dict[int, float]:
-    """Each exit's draft forward as a fraction of a plain step: the weights it reads (E layers and a head of
-    ``draft_rows`` rows) over a plain step's (L layers and the full head); decoding one token is bound by them."""
-    layer, step = _weights(spec)
-    return {e: (e * layer + draft_rows * spec.hidden_size) / step for e in exits}
-
-
-def verify_prices(spec, exits: list[int]) -> dict[int, float]:
-    """Each exit's verification (its first row) as a fraction of a plain step: layers [E, L) and the full head,
-    since the draft computed the rows' exact KV and stream below E (LayerSkip's reuse)."""
-    layer, step = _weights(spec)
-    return {e: ((spec.num_layers - e) * layer + spec.vocab_size * spec.hidden_size) / step for e in exits}
-
-
-def _weights(spec) -> tuple[int, int]:
-    """A decoder layer's weight count (attention and MLP, norms included, per family: ``ModelSpec.sublayer_weights``)
-    and a plain step's (every layer and the LM head)."""
-    layer = sum(spec.sublayer_weights())
-    return layer, spec.num_layers * layer + spec.vocab_size * spec.hidden_size
 
 
 class CycleTiming:
@@ -300,9 +288,8 @@ class DynamicExitDrafter(GateOwner, Drafter):
     def __init__(self, runner, config: DynamicExitConfig, inputs: DraftInputs):
         self.runner, self.config, self.vocab = runner, config, inputs.vocab
         self.exits = candidate_exits(config.exits, runner)
-        rows = runner.spec.vocab_size if self.vocab is None else self.vocab.size
-        self.prices = exit_prices(runner.spec, self.exits, rows)
-        self.verify_prices = verify_prices(runner.spec, self.exits)
+        self.prices, self.verify_prices, slope = self._prices()
+        self.slope = slope if config.verify_slope is None else config.verify_slope
         self.timing = CycleTiming()
         self.forwards_at = {e: EarlyExitForward(runner, e, self.vocab) for e in self.exits}
         depth = config.prior == "depth" or (config.prior == AUTO and trained_exits(runner) is not None)
@@ -315,11 +302,22 @@ class DynamicExitDrafter(GateOwner, Drafter):
         self._observe: tuple[int, ...] = ()  # what this cycle's draft asks the verification to keep
         self._reset_counts()
 
+    def _prices(self) -> tuple[dict[int, float], dict[int, float], float]:
+        """Each exit's draft forward and verification price and the slope of extra verified rows, in plain steps: this
+        model's, measured once per model, dtype and threads (``costs`` measured: ``infer.drafters.costs``), or by
+        the weights each reads."""
+        if self.config.costs == "measured":
+            p = measured_exit_prices(self.runner, self.exits, self.vocab, self.config.num_draft)
+            return p.draft, p.verify, p.slope
+        rows = self.runner.spec.vocab_size if self.vocab is None else self.vocab.size
+        spec = self.runner.spec
+        return exit_prices(spec, self.exits, rows), verify_prices(spec, self.exits), WEIGHTS_SLOPE
+
     def _reset_counts(self) -> None:
         self.forwards = self.plain_steps = self.cycle = self.observed_rows = self.explored = self.prompt_scored = 0
         self._since_draft = 0
         self._next_start = -1  # the position after the last observed window
-        self.observe_seconds = 0.0
+        self.observe_seconds = self.decode_seconds = 0.0
         self.drafted_at = dict.fromkeys(self.exits, 0)
         self.schedule: list[list[float]] = []
         self._cycle_start: float | None = None
@@ -331,7 +329,7 @@ class DynamicExitDrafter(GateOwner, Drafter):
                      prompt_rows=self.config.prompt_rows)
 
     def _best(self) -> Choice:
-        args = (self.estimates, self.prices, self.config.num_draft, self.config.verify_slope, self.verify_prices)
+        args = (self.estimates, self.prices, self.config.num_draft, self.slope, self.verify_prices)
         best, current = best_choice(*args), self.choice
         if current is not None and best.exit != current.exit:
             stay = best_choice(*args, exits=[current.exit])  # the current exit's best k and stop under new estimates
@@ -388,7 +386,7 @@ class DynamicExitDrafter(GateOwner, Drafter):
     def _drafted(self, chain) -> Draft | None:
         """This sequence's draft from its chain (None: the chain drafted nothing, a plain step)."""
         c = self.choice
-        self._cost = realised_cost(self.prices[c.exit], self.verify_prices[c.exit], self.config.verify_slope,
+        self._cost = realised_cost(self.prices[c.exit], self.verify_prices[c.exit], self.slope,
                                    chain.forwards, len(chain.draft.tokens))
         self.forwards += chain.forwards
         if not chain.forwards:
@@ -404,8 +402,12 @@ class DynamicExitDrafter(GateOwner, Drafter):
     def _observes(self) -> bool:
         """Observe two cycles in a row of every ``2 observe_every`` (a share of 1 / observe_every; ``SPARSE_OBSERVE``
         times fewer while the cost model takes plain steps): consecutive windows, so that plain steps too show
-        whether a good position follows a good one."""
-        n = 2 * self.config.observe_every * (SPARSE_OBSERVE if self.choice.speedup < self.config.min_speedup else 1)
+        whether a good position follows a good one. While it takes plain steps, scoring stays within ``OBSERVE_SHARE``
+        of the decoding time."""
+        plain = self.choice.speedup < self.config.min_speedup
+        if plain and self.observe_seconds > OBSERVE_SHARE * self.decode_seconds:
+            return False
+        n = 2 * self.config.observe_every * (SPARSE_OBSERVE if plain else 1)
         return self.cycle % n in (n - 1, 0)  # cycles count from 1: n - 1 and n, 2n - 1 and 2n, ...
 
     def _drafts(self, c: Choice) -> bool:
@@ -432,18 +434,20 @@ class DynamicExitDrafter(GateOwner, Drafter):
             self.schedule.append([self.cycle, exit, k, stop])
 
     def update(self, state: DecodeState, outcome: VerifyOutcome) -> None:
+        drafted = outcome.drafted > 0  # a plain step that observes verifies an empty draft
         if self._cycle_start is not None:  # timed before an observation's scoring, which either choice pays
             seconds = time.perf_counter() - self._cycle_start
-            if outcome.draft is None:
-                self.timing.plain_step(seconds)
-            else:
+            self.decode_seconds += seconds
+            if drafted:
                 self.timing.cycle(seconds, self._cost)
+            else:
+                self.timing.plain_step(seconds)
         if outcome.observed:  # the estimates change only here
             self._learn(outcome)
             self.choice = self._best()
         if self._cycle_start is not None:
             seconds = time.perf_counter() - self._cycle_start
-            self.gate.record(len(outcome.tokens), seconds, drafted=outcome.draft is not None)
+            self.gate.record(len(outcome.tokens), seconds, drafted=drafted)
             c = self.choice  # a new exit predicted to pay is probed early: the gate measured another one
             moved = c.exit != self._gate_exit and c.speedup >= self.config.min_speedup
             if self.gate.decide(predicted=c.speedup, early_probe=self.gate.mode == "plain" and moved):

@@ -28,10 +28,12 @@ from infer.drafters.base import (
     VerifyOutcome,
 )
 from infer.drafters.chain import ChainAsk, EarlyExitForward, check_size, draft_chains
+from infer.drafters.costs import CostsOption
 from infer.drafters.examples import ExampleModel
 from infer.drafters.gate import COLD, GateOwner, RememberOption
 from infer.drafters.inputs import draft_dtype, draft_head
 from infer.drafters.prefix_copy import CopiedPrefixForward
+from infer.drafters.shadow import ExitShadow
 from infer.drafters.tree import TreeOption, chain_rows_kept, chain_tree
 from layerskip_core.draft_vocab import AUTO
 from layerskip_core.errors import UserError
@@ -40,7 +42,7 @@ from layerskip_core.options import check_fields
 
 
 @dataclass
-class EarlyExitDrafterConfig(DraftVocabOption, RememberOption, TreeOption):
+class EarlyExitDrafterConfig(DraftVocabOption, RememberOption, TreeOption, CostsOption):
     """Settings of the early-exit drafter."""
 
     exit_layer: int = 8
@@ -56,9 +58,15 @@ class EarlyExitDrafterConfig(DraftVocabOption, RememberOption, TreeOption):
     adaptive: bool = False
     """Beyond LayerSkip: draft only while draft-verify cycles measure faster than plain steps; otherwise take
     plain steps and probe drafting again later, so an exit that does not pay costs little (state persists
-    across the prompts a drafter instance decodes)."""
+    across the prompts a drafter instance decodes). Without an adapter it also watches the exit on plain steps
+    (its shadow drafts' acceptance) and probes only where that and this model's costs predict drafting pays
+    (infer.drafters.shadow)."""
     recheck_interval: int = 128
     """With adaptive: plain steps before drafting is probed again (doubling after each failed probe)."""
+    watch: bool = True
+    """With adaptive and no adapter: score the exit's draft on plain steps (a draft-head row per observed step, within
+    2% of the decoding time) and probe drafting only where that acceptance and this model's costs predict it pays;
+    off: probe on the gate's schedule whatever the exit's acceptance."""
     remember: str = "on"
     """With adaptive, what the gate measured (plain and drafting speed, its mode and back-off), kept in the toolkit
     cache per model, device, dtype, threads and these settings: on = start from it and save it (``finish``), read =
@@ -80,6 +88,7 @@ class EarlyExitDrafterConfig(DraftVocabOption, RememberOption, TreeOption):
         DraftVocabOption.__post_init__(self)
         RememberOption.__post_init__(self)
         TreeOption.__post_init__(self)
+        CostsOption.__post_init__(self)
         check_size(self.num_draft, "num-draft")
         if self.recheck_interval < 1:
             raise UserError(f"recheck-interval must be >= 1, got {self.recheck_interval}")
@@ -160,6 +169,14 @@ class EarlyExitDrafter(GateOwner, Drafter):
         self.own_caches = not isinstance(self.forward, EarlyExitForward)
         """The draft forward keeps caches of its own (the adapter's, the copied prefix's), following the tokens."""
         self.init_gate(runner, self.config)
+        self.shadow = None  # the exit's acceptance seen on plain steps: the adaptive gate's prediction
+        if config.adaptive and config.watch and not self.own_caches and exit_layer < runner.num_layers:
+            self.shadow = ExitShadow(runner, exit_layer, self.vocab, config.num_draft, config.costs == "measured")
+            try:
+                if "shadow" in self.remembered:
+                    self.shadow.load(self.remembered["shadow"])
+            except (KeyError, TypeError, ValueError):  # checked when the memory was read: not expected
+                pass
         self.forwards = self.plain_steps = 0
         self._cycle_start: float | None = None
 
@@ -195,15 +212,16 @@ class EarlyExitDrafter(GateOwner, Drafter):
         draft forward per step, each chain with its own confidence stop); with ``tree``, each chain grows into its
         token tree (``infer.drafters.tree``)."""
         asks, drafting = [], []
+        drafts: list[Draft | None] = [None] * len(rows)
         for j, (drafter, state) in enumerate(rows):
             if not drafter.begin_cycle():
+                drafts[j] = drafter.plain_draft()
                 continue
             if drafter.own_caches:
                 drafter.forward.catch_up(state.cache, state.tokens, state.n)
             c = drafter.config
             asks.append(ChainAsk(state, drafter.forward, c.chain_depth(c.num_draft), c.confidence, c.keep_last))
             drafting.append(j)
-        drafts: list[Draft | None] = [None] * len(rows)
         trees = any(rows[j][0].config.tree for j in drafting)
         for j, chain in zip(drafting, draft_chains(asks, keep_dists=trees), strict=True):
             drafter, state = rows[j]
@@ -213,8 +231,15 @@ class EarlyExitDrafter(GateOwner, Drafter):
                 drafts[j] = chain_tree(chain, state, c.max_tree_nodes) if c.tree else chain.draft
         return drafts
 
+    def plain_draft(self) -> Draft | None:
+        """A plain step: one that keeps the stream entering the exit for the shadow estimate when it wants one."""
+        return Draft.plain((self.forward.exact_layers,)) if self.shadow is not None and self.shadow.wants() else None
+
+    def kept_state(self) -> dict:
+        return {} if self.shadow is None else {"shadow": self.shadow.to_dict()}
+
     def update(self, state: DecodeState, outcome: VerifyOutcome) -> None:
-        if outcome.draft is None:
+        if not outcome.drafted:
             self.plain_steps += 1
         if self.own_caches:
             hidden, draft = outcome.exit_hidden, outcome.draft
@@ -223,8 +248,19 @@ class EarlyExitDrafter(GateOwner, Drafter):
             self.forward.accept(outcome.start, hidden, state.n, outcome.start + chain_rows_kept(outcome))
         if self._cycle_start is not None:  # set by propose only when adaptive
             seconds = time.perf_counter() - self._cycle_start
-            self.gate.record(len(outcome.tokens), seconds, drafted=outcome.draft is not None)
-            self.gate.decide()
+            self.gate.record(len(outcome.tokens), seconds, drafted=outcome.drafted > 0)
+            self.gate.decide(None if self.shadow is None else self._watch(outcome, seconds))
+
+    def _watch(self, outcome: VerifyOutcome, seconds: float) -> float:
+        """Count what this cycle shows of the exit's acceptance (an observed plain step, or a drafted chain) into the
+        shadow estimate; its predicted speed-up."""
+        shadow, exit_layer = self.shadow, self.forward.exact_layers
+        shadow.decode_seconds += seconds
+        if outcome.drafted and outcome.draft.parents is None:  # a chain (a tree's acceptance is not per token)
+            shadow.learn_drafted(outcome.accepted, outcome.drafted)
+        elif not outcome.drafted and exit_layer in outcome.observed:
+            shadow.learn(outcome.observed[exit_layer][outcome.path], outcome.tokens)
+        return shadow.predicted()
 
     def stats(self) -> EarlyExitStats:
         stats = EarlyExitStats(self.forwards, COLD if self.memory is None else self.memory.start_state,

@@ -168,6 +168,10 @@ def check_memory(d: dict, num_layers: int | None = None) -> None:
     for name in ("draft_forward", "verify", "opt_step"):
         if name in d:
             check_rate(d[name], name)
+    if "shadow" in d:  # the adaptive early exit's acceptance seen on plain steps (infer.drafters.shadow)
+        shadow = jsonfile.obj(d["shadow"], "'shadow'")
+        seen = jsonfile.number(shadow["seen"], "shadow.seen", 0.0, 1e6)
+        jsonfile.number(shadow["good"], "shadow.good", 0.0, seen)
     if "plan" in d:
         plan = jsonfile.obj(d["plan"], "'plan'")
         top = None if num_layers is None else num_layers - 1
@@ -239,18 +243,27 @@ class GateOwner:
 
     gate: FallbackGate
     memory: GateMemory | None
+    remembered: dict
+    """What the memory held when the drafter started (empty: nothing, or a damaged file)."""
 
     def init_gate(self, runner, config) -> None:
         """Build ``gate`` and ``memory`` for ``config`` (``memory`` None unless ``config.adaptive``)."""
         self.gate = FallbackGate(config.recheck_interval, enabled=config.adaptive)
         self.memory = GateMemory.for_drafter(runner, self.name, config) if config.adaptive else None
+        self.remembered = {}
         if self.memory is not None:
             try:
-                self.gate.load((self.memory.load() or {}).get("gate", {}))
+                self.remembered = self.memory.load() or {}
+                self.gate.load(self.remembered.get("gate", {}))
             except (KeyError, TypeError, ValueError):  # a damaged memory file: start afresh
                 self.gate = FallbackGate(config.recheck_interval, enabled=True)
+                self.remembered = {}
+
+    def kept_state(self) -> dict:
+        """What ``finish`` keeps besides the gate (a drafter adds its own)."""
+        return {}
 
     def finish(self) -> None:
         """The last prompt is done: keep the gate's measurements for the next command."""
         if self.memory is not None:
-            self.memory.save({"gate": self.gate.to_dict()})
+            self.memory.save({"gate": self.gate.to_dict()} | self.kept_state())

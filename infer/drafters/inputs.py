@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from infer import kernels
+from infer.assets.auto_vocab import auto_counts
 from infer.model.plan import LayerPlan, PlanFile, check_depth
 from infer.model.runner import DraftHead, Runner
 from layerskip_core.device import DTYPE_NAMES
@@ -22,10 +23,13 @@ def draft_head(spec, runner: Runner, tokenizer=None, auto: str | None = None) ->
     """The draft head of ``spec``: the vocabulary it was given as an object, else its ``draft_vocab`` option (a
     size, file, 'auto' or 'off': ``layerskip_core.draft_vocab.resolve_draft_vocab_option``) for ``runner``'s model,
     in its ``draft_dtype``. ``auto``: what the option 'auto' stands for here (an exit adapter's trained size),
-    default the shipped top ``AUTO_SIZE``."""
+    default the top ``AUTO_SIZE`` of the shipped counts, or of counts built once from the model's own generations
+    for a large vocabulary without shipped ones (``infer.assets.auto_vocab``)."""
     option = spec.config.draft_vocab
     if auto is not None and str(option).strip().lower() == AUTO:
         option = auto
+    if spec.vocab is None and str(option).strip().lower() == AUTO:
+        auto_counts(runner, tokenizer)  # a large vocabulary without shipped counts: built once, kept in the cache
     vocab = spec.vocab if spec.vocab is not None else resolve_draft_vocab_option(option, runner, tokenizer)
     return head_of(runner, vocab, draft_dtype(spec.config.draft_dtype, runner))
 

@@ -35,6 +35,7 @@ from infer.drafters.base import (
     VerifyOutcome,
 )
 from infer.drafters.chain import PlanForward, check_size, draft_chain
+from infer.drafters.costs import CostsOption, plan_prices
 from infer.drafters.gate import COLD, FallbackGate, GateMemory, Rate, RememberOption
 from infer.drafters.inputs import draft_head, given_plan
 from infer.drafters.skipping import matchness_span
@@ -48,7 +49,6 @@ from infer.model.plan import (
     head_record,
     iid_tokens_per_cycle,
     plan_for,
-    weights_cost,
 )
 from layerskip_core.errors import UserError
 from layerskip_core.options import check_fields
@@ -60,7 +60,7 @@ SCRIPT_MATCH = 0.93
 
 
 @dataclass
-class SwiftConfig(DraftVocabOption, RememberOption, TreeOption):
+class SwiftConfig(DraftVocabOption, RememberOption, TreeOption, CostsOption):
     """Settings of the SWIFT drafter (paper defaults where the paper has one)."""
 
     skip_ratio: float = 0.45
@@ -117,6 +117,7 @@ class SwiftConfig(DraftVocabOption, RememberOption, TreeOption):
         check_fields(self, "swift")
         DraftVocabOption.__post_init__(self)
         RememberOption.__post_init__(self)
+        CostsOption.__post_init__(self)
         check_size(self.num_draft, "num-draft")
         TreeOption.__post_init__(self)
         if self.plan:
@@ -183,7 +184,6 @@ class SwiftStats(DrafterStats):
     """(optimisation step, best matchness) after each step on this prompt."""
 
 
-# --------------------------------------------------------------------------- the drafter
 class SwiftDrafter(Drafter):
     name = "swift"
     Config = SwiftConfig
@@ -233,6 +233,8 @@ class SwiftDrafter(Drafter):
         self.window: tuple[int, int] | None = None
         self._reset_prompt_stats()
         self.hopeless = False  # what was restored says no plan pays: optimise within HOPELESS_OPT_BUDGET
+        tokens = max(chain_depth(cfg.num_draft, cfg.tree, self.tree_nodes), cfg.context_window) + 1  # verified, scored
+        self.prices = plan_prices(runner, self.vocab, tokens, measured=cfg.costs == "measured" and self.fallback)
         self.memory = GateMemory.for_drafter(runner, self.name, cfg) if self.fallback else None
         if self.memory is not None:
             self._restore(self.memory.load() or {})
@@ -362,11 +364,13 @@ class SwiftDrafter(Drafter):
         taking plain steps (the fallback, and before the first probe, which waits for a scored plan), of this
         drafter's own time: what earlier commands decoded is not credit (their plan, when remembered, was paid
         for then); plain, at most ``HOPELESS_OPT_BUDGET`` when what was restored says no plan pays. The step's cost
-        is what scoring a plan took so far (remembered across commands; 0 before any), twice when the window is
-        new (the incumbent is rescored too), so a step the prompt's own decoding cannot pay for is not taken up
-        front, while a long prompt or a stream still earns steps (whose better plan can bring an early probe).
+        is what scoring a plan took so far (remembered across commands; before any, what this model's measured
+        costs expect of it: ``PlanPrices.seconds``), twice when the window is new (the incumbent is rescored too),
+        so a step the prompt's own decoding cannot pay for is not taken up front, while a long prompt or a stream
+        still earns steps (whose better plan can bring an early probe).
         """
-        step = (self.opt_step.seconds if self.opt_step.cycles else 0.0) * (2 if self.window is None else 1)
+        step = (self.opt_step.seconds if self.opt_step.cycles else self.prices.seconds(self.config.context_window)) \
+            * (2 if self.window is None else 1)
         share = self.config.opt_budget if self.mode == "draft" else self.config.fallback_opt_budget
         if self.hopeless and self.mode == "plain":
             share = min(share, self.HOPELESS_OPT_BUDGET)
@@ -434,14 +438,13 @@ class SwiftDrafter(Drafter):
 
         The cost model is evaluated only when the gate will read it: at a periodic re-check, before the first
         probe, or when the best matchness has gained ``REPROBE_GAIN`` since the last probe (an early probe if
-        it predicts >= 1). Before drafting was ever timed it is an optimistic bound (``predicted_speedup``), and
-        before any plan was scored nothing is known, so the first probe waits for a score: a plan that cannot
+        it predicts >= 1). Before drafting was ever timed it uses this model's measured costs (``predicted_speedup``),
+        and before any plan was scored nothing is known, so the first probe waits for a score: a plan that cannot
         pay is never drafted with, and a cold start costs what plain decoding costs.
         """
         if not self.fallback:
             return
-        predicted = None
-        early = False
+        predicted, early = None, False
         if self.mode == "plain":
             self.plain_steps += 1
             gained = self.best_score >= self.score_at_probe + self.REPROBE_GAIN
@@ -459,23 +462,20 @@ class SwiftDrafter(Drafter):
 
         a = matchness (per-token acceptance), M(a, k) = (1 - a^(k+1)) / (1 - a) tokens per chain of k drafts
         (Leviathan et al. 2023), c and v the measured draft-forward and verification times over a plain step.
-        Before any draft was timed: an optimistic bound with c = the share of the weights the plan's draft
-        reads (a draft cannot cost less than reading them where decoding is memory-bound) and v = 1 (a
-        verification costs at least a plain step). None when the plan has no score yet. Without a score and
-        while optimising, the first probe waits for one; with optimisation off it follows the gate's schedule.
+        Before any draft was timed: ``PlanPrices.speedup`` (this model's measured c and v(k + 1), or by weights).
+        None when the plan has no score yet. Without a score and while optimising, the first probe waits for one;
+        with optimisation off it follows the gate's schedule.
         """
         if matchness < 0:
             return None
+        a = min(matchness, 0.999)
+        depth = chain_depth(self.config.num_draft, self.config.tree, self.tree_nodes)  # k: the chain's draft forwards
         if self.plain.value and self.draft_forward.value and self.verify.value:
             step = 1.0 / self.plain.value
             c = 1.0 / self.draft_forward.value / step
             v = 1.0 / self.verify.value / step
-        else:
-            head_share = 1.0 if self.vocab is None else self.vocab.size / self.runner.spec.vocab_size
-            c, v = weights_cost(self.runner.spec, 1).draft(self.best, head_share), 1.0
-        a = min(matchness, 0.999)
-        depth = chain_depth(self.config.num_draft, self.config.tree, self.tree_nodes)  # k: the chain's draft forwards
-        return max(cycle_speedup(iid_tokens_per_cycle(a, k), k, c, v) for k in range(1, depth + 1))
+            return max(cycle_speedup(iid_tokens_per_cycle(a, k), k, c, v) for k in range(1, depth + 1))
+        return self.prices.speedup(self.best, a, depth)
 
     # -------------------------------------------------------------- persistence
     def save(self, path: str) -> None:

@@ -62,7 +62,8 @@ def adapter_file(model, path):
 
 EARLY_EXIT = {
     "early_exit_confidence": {"E": 4, "k": 5, "confidence": 0.013},  # stops some chains early
-    "early_exit_adaptive": {"E": 2, "k": 3, "adaptive": True, "recheck_interval": 1, "remember": "off"},
+    "early_exit_adaptive": {"E": 2, "k": 3, "adaptive": True, "recheck_interval": 1, "remember": "off",
+                            "watch": False},
     "early_exit_prefix_copy": {"E": 3, "k": 3, "prefix": "copy", "draft_dtype": "bf16"},
     "early_exit_prefix_copy_adaptive": {"E": 2, "k": 3, "prefix": "copy", "adaptive": True, "recheck_interval": 1,
                                         "remember": "off"},

@@ -191,14 +191,14 @@ def test_heldout_tokens_are_generations_grouped_by_task(tiny):
 # --------------------------------------------------------------------------- resolving --draft-vocab
 def test_resolve_size_from_bundled_counts_and_path(tiny, tmp_path):
     counts = counts_of(tiny, {100: 5, 200: 4, 150: 4})
-    with pytest.raises(UserError, match="no bundled token counts") as e:
+    with pytest.raises(UserError, match="no token counts ship") as e:
         resolve_draft_vocab(8, tiny.runner, tiny.tokenizer, directory=tmp_path)
     assert "layerskip draft-vocab" in one_line_error(e)
     counts.save(tmp_path / "tiny.json")
     for spec in (5, "5", " 5 "):
         assert resolve_draft_vocab(spec, tiny.runner, tiny.tokenizer, directory=tmp_path).ids == (0, 1, 2, 100, 150)
     assert resolve_draft_vocab(5, tiny.runner.identity(), directory=tmp_path).size == 5
-    with pytest.raises(UserError, match="no bundled token counts"):
+    with pytest.raises(UserError, match="no token counts ship"):
         resolve_draft_vocab(5, tiny.runner.identity() | {"hidden_size": 32}, tiny.tokenizer, directory=tmp_path)
     counts.top(6).save(tmp_path / "v6.json")
     assert resolve_draft_vocab(str(tmp_path / "v6.json"), tiny.runner, tiny.tokenizer).size == 6

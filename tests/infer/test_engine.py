@@ -54,7 +54,7 @@ def test_adaptive_early_exit_is_lossless_over_a_stream(runner, E):
     from infer.drafters.gate import FallbackGate
 
     drafter = build_drafter("early_exit", runner, {"E": str(E), "k": "3", "adaptive": "true",
-                                                   "recheck_interval": "4"})
+                                                   "recheck_interval": "4", "watch": "false"})
     engine = Engine(runner, drafter)
     drafted = plain = 0
     for i, prompt in enumerate(PROMPTS * 2):
@@ -94,7 +94,7 @@ def test_adaptive_early_exit_falls_back_when_drafting_cannot_pay(runner, monkeyp
         return draft
 
     monkeypatch.setattr(EarlyExitDrafter, "propose", slow)
-    drafter = build_drafter("early_exit", runner, {"E": "3", "k": "4", "adaptive": "true"})
+    drafter = build_drafter("early_exit", runner, {"E": "3", "k": "4", "adaptive": "true", "watch": "false"})
     res = Engine(runner, drafter).generate(PROMPTS[0], DecodeConfig(max_new_tokens=80))
     assert res.tokens == generate(runner, max_new_tokens=80).tokens
     assert res.stats.drafter.mode == "plain" and res.stats.drafter.plain_steps > 50

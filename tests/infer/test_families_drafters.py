@@ -19,7 +19,7 @@ NEW = TINY_WINDOW + 16  # prompt + new tokens run past the window
 PROMPTS = [[5, 17, 99, 3, 44, 120, 7], list(range(60, 90))]
 PLAIN = "autoregressive"
 SWIFT = {"context_window": 8, "opt_budget": 0.95, "fallback_opt_budget": 0.95, "remember": "off",
-         "confidence": 0.013}
+         "confidence": 0.013, "costs": "weights"}
 
 
 @pytest.fixture(scope="module", params=FAMILY_KINDS)

@@ -80,7 +80,8 @@ def test_a_remembered_plain_mode_spends_nothing_on_probes(runner, cache):
     """Once drafting was measured not to pay, the next command's prompt takes plain steps only."""
     options = {"E": "2", "k": "3", "adaptive": "true"}
     fresh = build_drafter("early_exit", runner, options)
-    assert decode(runner, fresh).stats.drafted > 0  # a fresh gate probes drafting on its first prompt
+    fresh.shadow.seen = fresh.shadow.good = 100.0  # as if exit 2 had been seen to agree everywhere: it probes
+    assert decode(runner, fresh).stats.drafted > 0
     fresh.gate.plain.add(10, 1.0)  # as if plain steps had measured faster than drafting
     fresh.gate.drafting.add(1, 1.0)
     fresh.gate.load(fresh.gate.to_dict() | {"mode": "plain", "mode_cycles": 0})
@@ -88,6 +89,35 @@ def test_a_remembered_plain_mode_spends_nothing_on_probes(runner, cache):
     again = build_drafter("early_exit", runner, options)
     res = decode(runner, again)
     assert res.stats.drafted == 0 and again.gate.mode == "plain"
+
+
+def test_a_fresh_gate_does_not_probe_an_exit_seen_not_to_agree(runner, cache):
+    """The adaptive early exit watches its exit on plain steps (shadow drafts): an exit whose drafts would not be
+    accepted is never probed, so a cold start costs no drafting (Gemma 3 270M's untrained exit 9: 0.15-0.3x when
+    probed); the output is plain decoding's."""
+    options = {"E": "1", "k": "3", "adaptive": "true", "costs": "weights"}
+    drafter = build_drafter("early_exit", runner, options)
+    res = decode(runner, drafter)
+    assert res.stats.drafted == 0 and drafter.shadow.seen > 7 and drafter.shadow.acceptance < 0.3
+    assert res.tokens == decode(runner, build_drafter("autoregressive", runner)).tokens
+    drafter.finish()
+    again = build_drafter("early_exit", runner, options)  # the next command starts from what it saw
+    assert again.shadow.seen == drafter.shadow.seen and again.shadow.predicted() < gate.FallbackGate.HOPELESS
+
+
+def test_a_fresh_gate_probes_an_exit_seen_to_agree(cache):
+    """An exit that agrees with the model is seen to on plain steps, predicted to pay and probed: here layers 4 and 5
+    of 6 add nothing to the stream (their output projections zeroed), so exit 4's drafts are the model's."""
+    model = make_model("llama", seed=0, layers=6)
+    with torch.no_grad():
+        for layer in model.model.layers[4:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    runner = Runner.from_model(model)
+    drafter = build_drafter("early_exit", runner, {"E": "4", "k": "3", "adaptive": "true", "costs": "weights"})
+    res = decode(runner, drafter, 120)
+    assert drafter.shadow.acceptance > 0.8 and res.stats.drafted > 0 and res.stats.accepted == res.stats.drafted
+    assert res.tokens == decode(runner, build_drafter("autoregressive", runner), 120).tokens
 
 
 def damaged(saved: dict, how: str) -> dict:

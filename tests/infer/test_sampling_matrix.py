@@ -36,7 +36,8 @@ STOP = 0.4
 """A confidence stop this model's exit-1 draft falls below at about three positions in four."""
 T1 = SamplingConfig(temperature=1.0)
 WARPED = {"t07-topk3": SamplingConfig(temperature=0.7, top_k=3), "topp08": SamplingConfig(temperature=1.0, top_p=0.8)}
-FORCED_DYNAMIC = {"min_speedup": 0, "adaptive": False, "observe_every": 1, "calibrate": False, "exits": "1/2", "k": 2}
+FORCED_DYNAMIC = {"min_speedup": 0, "adaptive": False, "observe_every": 1, "calibrate": False, "exits": "1/2", "k": 2,
+                  "costs": "weights"}
 """dynamic_exit always drafting its best (E, k) from weight-count prices, observing every cycle (no clock involved)."""
 
 

@@ -243,9 +243,9 @@ def test_plan_for_another_model_is_refused(runner, tmp_path):
 def test_cost_model_prediction(runner):
     from infer.model.plan import weights_cost
 
-    drafter = SwiftDrafter(runner, SwiftDrafter.Config(num_draft=4, remember="off"))
+    drafter = SwiftDrafter(runner, SwiftDrafter.Config(num_draft=4, remember="off", costs="weights"))
     assert drafter.predicted_speedup(-1.0) is None  # no score yet
-    c = weights_cost(runner.spec, 1).draft(drafter.best)  # nothing timed yet: the optimistic bound (v = 1)
+    c = weights_cost(runner.spec, 1).draft(drafter.best)  # nothing timed yet, by weights: the optimistic bound (v = 1)
     bound = max((1 - 0.8 ** (k + 1)) / 0.2 / (k * c + 1) for k in range(1, 5))
     assert drafter.predicted_speedup(0.8) == pytest.approx(bound)
     drafter.plain.add(1, 0.1)  # 10 tokens/s plain
