@@ -169,11 +169,14 @@ def task_name(source: str) -> str:
     return Path(source).stem if ("/" in source or "." in source) else source
 
 
-def use_chat_template(task: str, mode: str = "auto") -> bool:
-    """``always`` / ``never``, or ``auto``: the chat template for question-answer tasks (GSM8K) only."""
+def use_chat_template(task: str, mode: str = "auto", tokenizer=None) -> bool:
+    """``always`` / ``never``, or ``auto``: the chat template for question-answer tasks (GSM8K) only, where the model
+    has one (``tokenizer`` given without a chat template, as a base model's (Gemma 3 270M): the question as plain
+    text)."""
     if mode not in CHAT_MODES:
         raise UserError(f"--chat must be one of {', '.join(CHAT_MODES)}, got {mode!r}")
-    return mode == "always" or (mode == "auto" and task in CHAT_TASKS)
+    templated = tokenizer is None or bool(getattr(tokenizer, "chat_template", None))
+    return mode == "always" or (mode == "auto" and task in CHAT_TASKS and templated)
 
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")

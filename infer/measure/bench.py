@@ -141,8 +141,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log: Callable[[Record], N
             timed = {it.id for src in cfg.data if same_source(src, cfg.quality.source) for it in tasks[task_name(src)]}
             on_quality(label, _quality(model, cfg, label, timed, progress))
         for task, items in tasks.items():
-            prompts = [Prompt(it.id, model.encode(it.prompt, use_chat_template(task, cfg.chat)), it.reference)
-                       for it in items]
+            chat = use_chat_template(task, cfg.chat, model.tokenizer)
+            prompts = [Prompt(it.id, model.encode(it.prompt, chat), it.reference) for it in items]
             run_task = _run_task if cfg.batch_sizes is None else run_batched_task
             records += run_task(cfg, model, peer, label, task, prompts, progress, log)
         del model, peer

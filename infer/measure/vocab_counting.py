@@ -29,7 +29,7 @@ def text_tokens(item: PromptItem, tokenizer) -> list[int]:
 def encode_prompts(model, items: Sequence[PromptItem], max_new_tokens: int, chat: str = "auto") -> list[list[int]]:
     """Token ids of the items' prompts (chat template per the prompt set's task policy); refuses, naming them, the
     prompts that leave no room for ``max_new_tokens`` in the model's context."""
-    prompts = [model.encode(item.prompt, use_chat_template(item.task, chat)) for item in items]
+    prompts = [model.encode(item.prompt, use_chat_template(item.task, chat, model.tokenizer)) for item in items]
     limit = model.runner.spec.max_position_embeddings
     long = [f"{item.task}/{item.id}" for item, ids in zip(items, prompts, strict=True)
             if len(ids) + max_new_tokens > limit]

@@ -122,7 +122,7 @@ def _search(args: argparse.Namespace, cfg, study: Path) -> int:
     # the search's one draft head, resolved with the tokenizer (a finetuned checkpoint keeps its base's counts)
     cfg.draft_vocab = resolve_draft_vocab_option(cfg.draft_vocab, model.runner, model.tokenizer) or "off"
     task = task_name(args.data)
-    chat = use_chat_template(task, args.chat)
+    chat = use_chat_template(task, args.chat, model.tokenizer)
     prompts = [model.encode(item.prompt, chat) for item in items]
     limit = model.runner.spec.max_position_embeddings
     too_long = [it.id for it, ids in zip(items, prompts, strict=True) if len(ids) + cfg.max_new_tokens

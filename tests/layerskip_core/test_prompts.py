@@ -61,3 +61,16 @@ def test_skip_leaves_out_the_held_out_end_for_tuning():
     assert not {p.prompt for p in tuning} & {p.prompt for p in held_out}
     with pytest.raises(UserError, match="cannot leave out the last"):
         load_prompts("humaneval", 4, from_end=True, skip_end=len(every))
+
+
+def test_auto_chat_needs_a_chat_template():
+    """--chat auto wraps question-answer tasks (GSM8K) in the model's chat template only where it has one: a base
+    model's tokenizer (Gemma 3 270M) gets the question as plain text, not a refusal."""
+    from types import SimpleNamespace
+
+    from layerskip_core.prompts import use_chat_template
+
+    base, chat = SimpleNamespace(chat_template=None), SimpleNamespace(chat_template="{{ messages }}")
+    assert use_chat_template("gsm8k", "auto", chat) and not use_chat_template("gsm8k", "auto", base)
+    assert use_chat_template("gsm8k") and not use_chat_template("humaneval", "auto", chat)
+    assert use_chat_template("humaneval", "always", base)  # asked for: refused later, naming the model

@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     model = load_resolved(resolved)
     prompts = []
     for source in [s.strip() for s in args.data.split(",") if s.strip()]:
-        chat = use_chat_template(task_name(source))
+        chat = use_chat_template(task_name(source), tokenizer=model.tokenizer)
         prompts += [(f"{task_name(source)}/{it.id}", model.encode(it.prompt, chat))
                     for it in load_prompts(source, args.n, from_end=True)]
     base_config = DecodeConfig(max_new_tokens=args.max_new_tokens, stop_at_eos=False)

@@ -171,7 +171,8 @@ def _run(argv: list[str] | None) -> int:
         label, source = split_named(spec)
         label = label or source
         model = load_resolved(dataclasses.replace(run, model=resolve_model(source)))
-        prompts = [(task, pid, model.encode(text, chat=use_chat_template(task))) for task, pid, text in items]
+        prompts = [(task, pid, model.encode(text, chat=use_chat_template(task, tokenizer=model.tokenizer)))
+                   for task, pid, text in items]
         runs: dict[str, list[list[dict]]] = defaultdict(list)
         with tqdm(total=len(specs) * args.repeats * len(prompts), desc=label) as bar:
             for _ in range(args.repeats):
