@@ -56,6 +56,21 @@ def test_demo_shows_a_drafter_that_does_not_lose_beside_the_untrained_early_exit
     assert n * repeats >= 3  # enough timed generations per row not to be marked 'too few samples'
 
 
+def test_demo_on_gemma_fetches_it_and_shows_its_own_rows():
+    """`make demo MODEL=gemma3-270m`: Gemma 3 270M fetched, its own rows (no adapter ships for it), its own output
+    folder; the default demo's rows and folder unchanged."""
+    def planned(*variables: str) -> str:
+        return subprocess.run(["make", "--no-print-directory", "-n", "-B", "demo", "VENV=/tmp/dry-venv", *variables],
+                              cwd=REPO, env=MAKE_ENV, capture_output=True, text=True, timeout=60, check=True).stdout
+
+    gemma, default = planned("MODEL=gemma3-270m"), planned()
+    assert "layerskip fetch-model gemma3-270m" in gemma and "--model gemma3-270m" in gemma
+    assert "--drafters autoregressive,dynamic_exit,swift " in gemma and "--out runs/demo-gemma3-270m" in gemma
+    assert "adapter=default" not in gemma.split("layerskip bench", 1)[1]
+    assert "--model default --drafters autoregressive,early_exit:E=24:k=4,early_exit:adapter=default,swift " in \
+        default and "--out runs/demo --force" in default
+
+
 def test_a_setup_with_another_torch_flavour_is_not_up_to_date(tmp_path):
     """The install stamp names the torch flavour and the extras: a CPU setup does not make `make setup TORCH=cu128`
     or `make setup EXTRAS=dev,eval` a no-op."""
