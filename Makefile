@@ -80,8 +80,17 @@ endif
 # One pytest worker per core (at most 4; xdist), each taking whole test files (--dist loadfile: a file's module
 # fixtures, such as the GPU lease rehearsal, run once). A single file runs as usual: .venv/bin/python -m pytest tests/...
 TEST_WORKERS ?= auto
-test: fetch-model
-	WANDB_MODE=disabled $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile
+# GEMMA=1 also fetches Gemma 3 270M and requires its tests (tests/infer/test_gemma_real.py: about 2 minutes of download
+# and conversion once, 40 s of tests); CI sets it (.ci/run). A plain `make test` does not fetch a model under the
+# Gemma Terms of Use on your behalf: its tests skip.
+GEMMA ?= 0
+test: setup
+	$(BIN)/layerskip fetch-model
+ifeq ($(GEMMA),1)
+	$(BIN)/layerskip fetch-model gemma3-270m
+endif
+	WANDB_MODE=disabled $(if $(filter 1,$(GEMMA)),LAYERSKIP_REQUIRE_GEMMA=1 )$(BIN)/python -m pytest -q \
+		-n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile
 
 # Training-free vs trained drafting, measured side by side; writes docs/RESULTS.md (hours on a CPU).
 compare: fetch-model

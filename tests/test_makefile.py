@@ -71,6 +71,19 @@ def test_demo_on_gemma_fetches_it_and_shows_its_own_rows():
         default and "--out runs/demo --force" in default
 
 
+def test_make_test_fetches_gemma_only_when_asked():
+    """CI's GEMMA=1 fetches Gemma 3 270M and requires its tests; a plain `make test` fetches the default model only
+    (no model under the Gemma Terms of Use fetched on a user's behalf)."""
+    def planned(*variables: str) -> str:
+        return subprocess.run(["make", "--no-print-directory", "-n", "-B", "test", "VENV=/tmp/dry-venv", *variables],
+                              cwd=REPO, env=MAKE_ENV, capture_output=True, text=True, timeout=60, check=True).stdout
+
+    plain, gemma = planned(), planned("GEMMA=1")
+    assert "layerskip fetch-model\n" in plain and "gemma3-270m" not in plain and "REQUIRE_GEMMA" not in plain
+    assert "layerskip fetch-model gemma3-270m" in gemma and "LAYERSKIP_REQUIRE_GEMMA=1" in gemma
+    assert "GEMMA=1" in (REPO / ".ci" / "run").read_text()
+
+
 def test_a_setup_with_another_torch_flavour_is_not_up_to_date(tmp_path):
     """The install stamp names the torch flavour and the extras: a CPU setup does not make `make setup TORCH=cu128`
     or `make setup EXTRAS=dev,eval` a no-op."""

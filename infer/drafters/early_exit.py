@@ -65,7 +65,7 @@ class EarlyExitDrafterConfig(DraftVocabOption, RememberOption, TreeOption, Costs
     """With adaptive: plain steps before drafting is probed again (doubling after each failed probe)."""
     watch: bool = True
     """With adaptive and no adapter: score the exit's draft on plain steps (a draft-head row per observed step, within
-    2% of the decoding time) and probe drafting only where that acceptance and this model's costs predict it pays;
+    1% of the decoding time) and probe drafting only where that acceptance and this model's costs predict it pays;
     off: probe on the gate's schedule whatever the exit's acceptance."""
     remember: str = "on"
     """With adaptive, what the gate measured (plain and drafting speed, its mode and back-off), kept in the toolkit

@@ -34,7 +34,7 @@ DECAY = 0.97
 """Weight a seen position keeps per later one (about the last 33 count)."""
 MIN_SEEN = 8
 """Positions seen before a prediction is made (before: 0, no probe)."""
-SHARE = 0.02
+SHARE = 0.01
 """Most share of the decoding time spent scoring observed plain steps."""
 
 

@@ -44,7 +44,9 @@ def test_the_fetched_folder_is_gemma_3_270m(gemma_path):
         ("gemma3_text", 18, 640, 2048)
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (4, 1, 256)
     assert config["vocab_size"] == 262144 and config.get("tie_word_embeddings", True)
-    windows = layer_windows(config)
+    from transformers import AutoConfig
+
+    windows = layer_windows(AutoConfig.from_pretrained(gemma_path))
     assert windows.count(512) == 15 and [i for i, w in enumerate(windows) if w is None] == [5, 11, 17]
     provenance = json.loads((gemma_path / PROVENANCE_FILE).read_text())
     assert provenance["sha256"] == GEMMA3_270M.source.sha256 and len(provenance["parts"]) == 4
