@@ -277,7 +277,7 @@ class DynamicExitDrafter(GateOwner, Drafter):
         """Choosing among several exits from counts alone (``infer.drafters.examples``): every cycle drafts (no
         speed-up required, no gate, no confidence stop, no timing calibration) and observes."""
         return {"": {"exits": model.exits, "num_draft": 3, "min_speedup": 0, "adaptive": False, "observe_every": 1,
-                     "calibrate": False, "stops": "0"}}
+                     "calibrate": False, "stops": "0", "costs": "weights"}}
 
     @classmethod
     def resolve(cls, spec, runner, tokenizer=None) -> DraftInputs:

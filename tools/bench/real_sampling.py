@@ -27,8 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # the ma
 from lossless_stats import P_THRESHOLD, chi2_pvalue, transformers_probs  # noqa: E402
 
 from infer.decode.engine import DecodeConfig  # noqa: E402
+from infer.drafters.examples import ExampleModel  # noqa: E402
+from infer.drafters.registry import example_cases  # noqa: E402
 from infer.loading import load_resolved  # noqa: E402
-from infer.model.plan import LayerPlan  # noqa: E402
 from infer.model.sampling import SamplingConfig  # noqa: E402
 from layerskip_cli.args import add_model_flags, model_settings  # noqa: E402
 from layerskip_core.cli import Parser, parse_and_run, write_result  # noqa: E402
@@ -41,21 +42,14 @@ model's support there is one sequence: nothing to test)."""
 
 
 def cases(layers: int) -> dict[str, tuple[str, dict]]:
-    """Drafters with options that make them draft on this prompt (full draft head: nothing is built)."""
-    return {
-        "early_exit": ("early_exit", {"E": layers - 4, "k": 2, "draft_vocab": "off"}),
-        "early_exit-stop-keep": ("early_exit", {"E": layers - 2, "k": 3, "confidence": 0.3, "keep_last": True,
-                                                "draft_vocab": "off"}),
-        "early_exit-tree": ("early_exit", {"E": layers - 2, "k": 2, "tree": True, "max_tree_nodes": 4,
-                                           "draft_vocab": "off"}),
-        "dynamic_exit": ("dynamic_exit", {"exits": f"{layers - 4}/{layers - 1}", "k": 2, "min_speedup": 0,
-                                          "calibrate": False, "costs": "weights", "observe_every": 1,
-                                          "stops": "0/0.5", "draft_vocab": "off"}),
-        "self_sd": ("self_sd", {"plan": LayerPlan(layers, frozenset({layers - 3}), frozenset({layers - 2})),
-                                "k": 2, "draft_vocab": "off"}),
-        "swift-tree": ("swift", {"adaptive": False, "max_opt_steps": 0, "skip_ratio": 0.1, "num_draft": 2,
-                                 "confidence": 0.3, "remember": "off", "draft_vocab": "off"}),
-    }
+    """Every registered drafter's examples (``infer.drafters.registry.example_cases``) at an exit near the top (where
+    an untrained exit's drafts are accepted often enough to exercise acceptance and rejection), with the full draft
+    head (nothing is built), and early exit with a confidence stop that keeps its last token; no plain decoding."""
+    examples = example_cases(ExampleModel(layers, exit_layer=layers - 2))
+    out = {case: (name, options | {"draft_vocab": "off"}) for case, (name, options) in examples.items()
+           if name != "autoregressive"}
+    stop = {"exit_layer": layers - 2, "num_draft": 3, "confidence": 0.3, "keep_last": True, "draft_vocab": "off"}
+    return out | {"early_exit_stop_keep": ("early_exit", stop)}
 
 
 @torch.no_grad()
