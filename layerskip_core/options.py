@@ -277,6 +277,7 @@ def add_flag(group: argparse._ActionsContainer, name: str, tp: Any, help: str) -
     """A ``--name`` flag (underscores become dashes) parsed to field type ``tp``; default None (= not given)."""
     tp = strip_optional(tp)
     flag = "--" + name.replace("_", "-")
+    help = help.replace("%", "%%")  # a docstring's "1%" is text, not an argparse format
     if tp is bool:
         group.add_argument(flag, dest=name, default=None, action=argparse.BooleanOptionalAction, help=help)
     elif typing.get_origin(tp) is Literal:

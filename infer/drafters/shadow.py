@@ -51,6 +51,7 @@ class ExitShadow:
             rows = runner.spec.vocab_size if head is None else head.size
             self.c, self.v = exit_prices(runner.spec, [exit_layer], rows)[exit_layer], 1.0
         self.seen = self.good = 0.0
+        self.share = SHARE  # the most share of decoding time spent scoring (tests set 1.0: every plain step)
         self.observe_seconds = self.decode_seconds = 0.0
 
     @property
@@ -65,8 +66,8 @@ class ExitShadow:
         return cycle_speedup(iid_tokens_per_cycle(min(self.acceptance, 0.999), self.k), self.k, self.c, self.v)
 
     def wants(self) -> bool:
-        """Whether this plain step should be observed: scoring so far within ``SHARE`` of the decoding time."""
-        return self.observe_seconds <= SHARE * self.decode_seconds
+        """Whether this plain step should be observed: scoring so far within ``share`` of the decoding time."""
+        return self.observe_seconds <= self.share * self.decode_seconds
 
     def _add(self, hits: list[bool]) -> None:
         for hit in hits:
