@@ -21,6 +21,7 @@ from torch import Tensor
 
 from infer.model.kv_cache import KVCache
 from infer.model.program import BULK, Output, Program, Rows, Segment
+from infer.model.quant_weights import check_widths, quantized
 from infer.model.runner import DraftHead, Runner
 from layerskip_core.adapter_spec import (
     LAYER_NAMES,
@@ -42,7 +43,7 @@ class ExitAdapter:
 
     def __init__(self, runner: Runner, shape: AdapterShape, weights: dict[str, Tensor], provenance: dict,
                  source: str | Path = "the adapter", dtype: torch.dtype | None = None,
-                 decoding: TunedDecoding | None = None):
+                 decoding: TunedDecoding | None = None, quant: str | None = None):
         try:
             shape.check_model(runner.num_layers)
         except UserError as e:
@@ -60,19 +61,25 @@ class ExitAdapter:
         layer = {LAYER_NAMES[k]: weights[k] for k in shape.tensor_shapes() if k in LAYER_NAMES}
         self.layer = runner.extra_layer(layer, weights["out_norm.weight"], dtype)
         """The runner over the adapter's layer, its output norm before the LM head (kept by ``runner``), in ``dtype``
-        (default the model's): only drafts read it, so its precision changes drafts, never the output."""
+        (default the model's), or its matrices quantized by the draft dtype ``quant`` ('int8', 'int4'): only drafts
+        read it, so its precision changes drafts, never the output."""
+        if quant is not None:
+            check_widths(self.layer.layers, quant, f"{source} (an exit adapter)")
+            self.layer = quantized(self.layer, quant)
 
     @property
     def exit_layer(self) -> int:
         return self.shape.exit_layer
 
     @classmethod
-    def load(cls, path: str | Path, runner: Runner, dtype: torch.dtype | None = None) -> ExitAdapter:
-        """Read an adapter file made for ``runner``'s model (refused in one line otherwise), to run in ``dtype``."""
+    def load(cls, path: str | Path, runner: Runner, dtype: torch.dtype | None = None,
+             quant: str | None = None) -> ExitAdapter:
+        """Read an adapter file made for ``runner``'s model (refused in one line otherwise), to run in ``dtype`` (or
+        quantized: ``quant``)."""
         path = Path(path).expanduser()
         meta, weights = read_file(path, hint=", or 'default'")
         shape, provenance = read_metadata(meta, runner.identity(), str(path))
-        return cls(runner, shape, weights, provenance, path, dtype, read_decoding(meta, path))
+        return cls(runner, shape, weights, provenance, path, dtype, read_decoding(meta, path), quant)
 
     def new_cache(self, capacity: int) -> KVCache:
         """A one-layer cache for the adapter's keys and values at positions [0, capacity)."""

@@ -150,7 +150,7 @@ WHOLE_PROMPT = sys.maxsize
 """``Needs.prompt_rows`` that keeps every position of the prompt, however long."""
 
 
-DRAFT_DTYPES = (AUTO, "model", "fp32", "bf16", "fp16")
+DRAFT_DTYPES = (AUTO, "model", "fp32", "bf16", "fp16", "int8", "int4")
 """The values of ``DraftVocabOption.draft_dtype``."""
 
 
@@ -168,9 +168,12 @@ class DraftVocabOption:
     draft_dtype: str = AUTO
     """Precision of the weights only drafts read: the reduced draft head and (early exit) an exit adapter. auto:
     bf16 where the model runs in fp32 on a CPU whose kernel has native bf16 dot products (AVX512_BF16: half the
-    bytes a draft reads there; eager executor), else the model's; model; fp32; bf16; fp16. Verification never reads
-    them, so the output is unchanged (drafts may differ slightly). With the full head (draft-vocab off) drafts read
-    the model's own head in its dtype."""
+    bytes a draft reads there; eager executor), else the model's; model; fp32; bf16; fp16; int8, int4: weight-only
+    quantized drafts (a quarter / an eighth of fp32's bytes; activations stay in the model's dtype; CPU only): the
+    draft head (int8 under int4) and every layer a draft runs get a quantized copy (early exit's layers [0, E), a
+    Self-SD or SWIFT plan's layers, an exit adapter's), so the draft no longer reuses the model's own layers.
+    Verification never reads them, so the output is unchanged (drafts may differ). With the full head
+    (draft-vocab off) drafts read the model's own head in its dtype (int8, int4: a quantized copy of it)."""
 
     def __post_init__(self) -> None:
         check_draft_vocab_option(self.draft_vocab)

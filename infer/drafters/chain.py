@@ -39,10 +39,14 @@ def one_per_row(caches: list[KVCache], hidden: Tensor, positions: list[int]) -> 
 class EarlyExitForward:
     """Layers [0, E) then the final norm and LM head (LayerSkip); all of it is exact.
 
-    ``vocab``: a reduced-vocabulary draft head (logits -inf outside its ids)."""
+    ``vocab``: a reduced-vocabulary draft head (logits -inf outside its ids). ``exact`` False: ``runner`` is a
+    quantized copy of the model's layers (``infer.model.quant_weights.quantized``) run over the model's own cache:
+    its draft rows are the model's layout and dtype, none of them exact (``exact_layers`` 0: verification rolls them
+    back and runs every layer over the drafted tokens), while each draft attends over the model's exact history."""
 
-    def __init__(self, runner: Runner, exit_layer: int, vocab: DraftHead | None = None):
-        self.runner, self.exact_layers, self.vocab = runner, exit_layer, vocab
+    def __init__(self, runner: Runner, exit_layer: int, vocab: DraftHead | None = None, exact: bool = True):
+        self.runner, self.exact_layers, self.vocab = runner, exit_layer if exact else 0, vocab
+        self.exit_layer = exit_layer
         self.program = Program(0, exit_layer, logits=True, vocab=vocab)
 
     def __call__(self, cache: KVCache, token: Tensor, position: int) -> tuple[Tensor, Tensor]:
@@ -62,8 +66,8 @@ class EarlyExitForward:
 class ObservingForward(EarlyExitForward):
     """Early exit at E that also keeps the stream entering each observed layer below E (dynamic_exit's observations)."""
 
-    def __init__(self, runner, exit_layer: int, layers: list[int], vocab=None):
-        super().__init__(runner, exit_layer, vocab)
+    def __init__(self, runner, exit_layer: int, layers: list[int], vocab=None, exact: bool = True):
+        super().__init__(runner, exit_layer, vocab, exact)
         self.layers = [x for x in layers if x < exit_layer]
         self.kept: dict[int, list[Tensor]] = {x: [] for x in self.layers}
         self.program = Program(0, exit_layer, observe=tuple(self.layers), logits=True, vocab=vocab)
@@ -93,11 +97,13 @@ class ObservingForward(EarlyExitForward):
 class PlanForward:
     """All layers under a sublayer skip plan; the layers before the first layer with a skip are exact.
 
-    ``vocab``: a reduced-vocabulary draft head (logits -inf outside its ids)."""
+    ``vocab``: a reduced-vocabulary draft head (logits -inf outside its ids). ``exact`` False: ``runner`` is a
+    quantized copy over the model's cache, nothing exact (``EarlyExitForward``)."""
 
-    def __init__(self, runner: Runner, plan: LayerPlan, vocab: DraftHead | None = None):
-        self.runner, self.plan, self.exact_layers, self.vocab = runner, plan, plan.exact_prefix, vocab
-        self.program = Program(0, runner.num_layers, self.exact_layers, plan, logits=True, vocab=vocab)
+    def __init__(self, runner: Runner, plan: LayerPlan, vocab: DraftHead | None = None, exact: bool = True):
+        self.runner, self.plan, self.vocab = runner, plan, vocab
+        self.exact_layers = plan.exact_prefix if exact else 0
+        self.program = Program(0, runner.num_layers, plan.exact_prefix, plan, logits=True, vocab=vocab)
 
     def __call__(self, cache: KVCache, token: Tensor, position: int) -> tuple[Tensor, Tensor]:
         r = self.runner
@@ -241,9 +247,11 @@ def _chain_forwards(active: list[_Chain], step: int) -> list[tuple[Tensor, Tenso
 
 
 def _pack_key(forward) -> tuple:
-    """What must be alike for draft forwards to run as packed rows: their kind, exit, head, plan, observed layers,
-    adapter, copied prefix (rows of one batch may draft from different exits: a dynamic exit's)."""
-    return (type(forward), forward.exact_layers, id(getattr(forward, "vocab", None)),
+    """What must be alike for draft forwards to run as packed rows: their kind, exit, runner (the model's or a
+    quantized copy), head, plan, observed layers, adapter, copied prefix (rows of one batch may draft from different
+    exits: a dynamic exit's)."""
+    return (type(forward), forward.exact_layers, getattr(forward, "exit_layer", None),
+            id(getattr(forward, "runner", None)), id(getattr(forward, "vocab", None)),
             id(getattr(forward, "plan", None)), tuple(getattr(forward, "layers", ())),
             id(getattr(forward, "adapter", None)), id(getattr(forward, "prefix", None)))
 

@@ -36,6 +36,7 @@ from torch import Tensor
 from infer.drafters.chain import EarlyExitForward, PlanForward
 from infer.model.kv_cache import KVCache
 from infer.model.plan import CostModel, LayerPlan, cycle_speedup, iid_tokens_per_cycle, weights_cost
+from infer.model.quant_weights import byte_share
 from infer.model.runner import DraftHead, Runner
 from layerskip_core import jsonfile
 from layerskip_core.errors import UserError
@@ -229,29 +230,34 @@ def head_name(head: DraftHead | None) -> str:
     return "full" if head is None else f"{head.size}rows-{str(head.linear.dtype).removeprefix('torch.')}"
 
 
-def plan_costs(runner: Runner, head: DraftHead | None, max_tokens: int,
-               keep: bool = True) -> tuple[CostModel, MeasuredCosts]:
+def plan_costs(runner: Runner, head: DraftHead | None, max_tokens: int, keep: bool = True,
+               drafting: Runner | None = None, quant: str | None = None) -> tuple[CostModel, MeasuredCosts]:
     """The measured ``CostModel`` of skip-plan drafts with ``head`` (its draft's head share is already in ``base``:
-    ``CostModel.draft(plan)`` with the default head share of 1), and the measurement (a plain step's seconds)."""
+    ``CostModel.draft(plan)`` with the default head share of 1), and the measurement (a plain step's seconds).
+    ``drafting``: the layers the drafts run when not ``runner``'s own (a quantized copy, named by ``quant``)."""
     L = runner.num_layers
     every = frozenset(range(L))
     plans = {"nothing": LayerPlan(L, every, every), "no_mlp": LayerPlan(L, frozenset(), every),
              "no_attn": LayerPlan(L, every, frozenset())}
-    tag = head_name(head)
-    costs = measure_costs(runner, {f"plan-{n}-{tag}": PlanForward(runner, p, head) for n, p in plans.items()},
-                          max_tokens, keep=keep)
+    tag = head_name(head) + (f"-{quant}" if quant else "")
+    exact = drafting is None
+    forwards = {f"plan-{n}-{tag}": PlanForward(drafting or runner, p, head, exact) for n, p in plans.items()}
+    costs = measure_costs(runner, forwards, max_tokens, keep=keep)
     base, no_mlp, no_attn = (costs.drafts[f"plan-{n}-{tag}"] for n in plans)
     attn, mlp = max(no_mlp - base, 0.0) / L, max(no_attn - base, 0.0) / L
     return CostModel(base, attn, mlp, list(costs.verify[:max_tokens]), "measured"), costs
 
 
 def exit_costs(runner: Runner, exits: list[int], head: DraftHead | None, max_tokens: int,
-               keep: bool = True) -> tuple[dict[int, float], MeasuredCosts]:
+               keep: bool = True, drafting: Runner | None = None,
+               quant: str | None = None) -> tuple[dict[int, float], MeasuredCosts]:
     """c_E of an early exit's draft forward (layers [0, E), the final norm and ``head``) for each E of ``exits``, and
-    the measurement (its v(T))."""
-    tag = head_name(head)
-    costs = measure_costs(runner, {f"exit{e}-{tag}": EarlyExitForward(runner, e, head) for e in exits}, max_tokens,
-                          keep=keep)
+    the measurement (its v(T)). ``drafting``: the layers the draft runs when not ``runner``'s own (a quantized copy,
+    named by ``quant``: int8 / int4), over ``runner``'s cache."""
+    tag = head_name(head) + (f"-{quant}" if quant else "")
+    exact = drafting is None
+    forwards = {f"exit{e}-{tag}": EarlyExitForward(drafting or runner, e, head, exact) for e in exits}
+    costs = measure_costs(runner, forwards, max_tokens, keep=keep)
     return {e: costs.drafts[f"exit{e}-{tag}"] for e in exits}, costs
 
 
@@ -266,11 +272,13 @@ class PlanPrices:
     """The draft head's share of the LM head to apply at ``CostModel.draft`` (1 where ``base`` is measured with it)."""
     step_seconds: float | None
     """A plain step's measured seconds (None: priced by weights)."""
+    byte_share: float = 1.0
+    """By weights, a quantized draft's bytes per weight over the model's (``byte_share``); 1 where measured."""
 
     def speedup(self, plan: LayerPlan, acceptance: float, depth: int) -> float:
         """max over k <= ``depth`` of M(a, k) / (k c + v): measured v(k + 1), or v = 1 by weights (an optimistic
         bound: a verification costs at least a plain step)."""
-        c = self.cost.draft(plan, self.head_share)
+        c = self.cost.draft(plan, self.head_share) * self.byte_share
         return max(cycle_speedup(iid_tokens_per_cycle(acceptance, k), k, c,
                                  1.0 if self.step_seconds is None else self.cost.verify_cost(k + 1))
                    for k in range(1, depth + 1))
@@ -280,14 +288,16 @@ class PlanPrices:
         return 0.0 if self.step_seconds is None else self.cost.verify_cost(tokens) * self.step_seconds
 
 
-def plan_prices(runner: Runner, head: DraftHead | None, max_tokens: int, measured: bool) -> PlanPrices:
-    """A skip-plan drafter's prices with ``head``: measured (``plan_costs``), or by the weights each reads (the
-    head's share of the LM head applied at ``draft``)."""
+def plan_prices(runner: Runner, head: DraftHead | None, max_tokens: int, measured: bool,
+                drafting: Runner | None = None, quant: str | None = None) -> PlanPrices:
+    """A skip-plan drafter's prices with ``head``: measured (``plan_costs``; ``drafting``/``quant``: a quantized copy
+    drafts, its forwards timed), or by the weights each reads (the head's share of the LM head applied at ``draft``,
+    a quantized draft's at its bytes per weight)."""
     if measured:
-        cost, costs = plan_costs(runner, head, max_tokens)
+        cost, costs = plan_costs(runner, head, max_tokens, drafting=drafting, quant=quant)
         return PlanPrices(cost, 1.0, costs.step_seconds)
     share = 1.0 if head is None else head.size / runner.spec.vocab_size
-    return PlanPrices(weights_cost(runner.spec, max_tokens), share, None)
+    return PlanPrices(weights_cost(runner.spec, max_tokens), share, None, byte_share(quant, runner.dtype))
 
 
 @dataclass(frozen=True)
@@ -303,30 +313,36 @@ class ExitPrices:
     """Each verified row beyond the first: (v(k + 1) - 1) / k at the largest k."""
 
 
-def measured_exit_prices(runner: Runner, exits: list[int], head: DraftHead | None, max_draft: int) -> ExitPrices:
+def measured_exit_prices(runner: Runner, exits: list[int], head: DraftHead | None, max_draft: int,
+                         drafting: Runner | None = None, quant: str | None = None) -> ExitPrices:
     """``ExitPrices`` of ``exits`` measured on ``runner`` (``exit_costs``; layer 1 and L - 1 too, whose difference
-    prices one layer: the share of a step the reused layers below E save a verification)."""
+    prices one layer: the share of a step the reused layers below E save a verification). ``drafting``/``quant``: a
+    quantized copy drafts (its forwards timed); its rows are not exact, so a verification reuses nothing (v_E = 1)."""
     L = runner.num_layers
     ends = sorted({1, max(L - 1, 1), *exits})
-    c, costs = exit_costs(runner, ends, head, max_draft + 1)
+    c, costs = exit_costs(runner, ends, head, max_draft + 1, drafting=drafting, quant=quant)
     layer = (c[ends[-1]] - c[1]) / (ends[-1] - 1) if ends[-1] > 1 else 0.0
-    verify = {e: max(1.0 - e * max(layer, 0.0), 0.05) for e in exits}
+    verify = {e: 1.0 if drafting is not None else max(1.0 - e * max(layer, 0.0), 0.05) for e in exits}
     return ExitPrices({e: c[e] for e in exits}, verify, max(costs.v(max_draft + 1) - 1.0, 0.0) / max_draft)
 
 
 # --------------------------------------------------------------------------- by weights (costs=weights)
-def exit_prices(spec, exits: list[int], draft_rows: int) -> dict[int, float]:
+def exit_prices(spec, exits: list[int], draft_rows: int, shares: tuple[float, float] = (1.0, 1.0)) -> dict[int, float]:
     """Each exit's draft forward as a fraction of a plain step: the weights it reads (E layers and a head of
-    ``draft_rows`` rows) over a plain step's (L layers and the full head); decoding one token is bound by them."""
+    ``draft_rows`` rows, each scaled by its bytes per weight over the model's: ``shares``, a quantized draft's
+    ``byte_share`` of layers and head) over a plain step's (L layers and the full head); decoding one token is bound
+    by them."""
     layer, step = _weights(spec)
-    return {e: (e * layer + draft_rows * spec.hidden_size) / step for e in exits}
+    return {e: (e * layer * shares[0] + draft_rows * spec.hidden_size * shares[1]) / step for e in exits}
 
 
-def verify_prices(spec, exits: list[int]) -> dict[int, float]:
+def verify_prices(spec, exits: list[int], reuse: bool = True) -> dict[int, float]:
     """Each exit's verification (its first row) as a fraction of a plain step: layers [E, L) and the full head,
-    since the draft computed the rows' exact KV and stream below E (LayerSkip's reuse)."""
+    since the draft computed the rows' exact KV and stream below E (LayerSkip's reuse); without ``reuse`` (a quantized
+    draft: nothing exact) a whole step."""
     layer, step = _weights(spec)
-    return {e: ((spec.num_layers - e) * layer + spec.vocab_size * spec.hidden_size) / step for e in exits}
+    return {e: ((spec.num_layers - (e if reuse else 0)) * layer + spec.vocab_size * spec.hidden_size) / step
+            for e in exits}
 
 
 def _weights(spec) -> tuple[int, int]:

@@ -45,8 +45,9 @@ from infer.drafters.costs import CostsOption, exit_prices, measured_exit_prices,
 from infer.drafters.examples import ExampleModel
 from infer.drafters.exit_choice import Choice, RunEstimates, best_choice, parse_stops
 from infer.drafters.gate import COLD, GateOwner, Rate, RememberOption
-from infer.drafters.inputs import draft_head
+from infer.drafters.inputs import draft_head, draft_quant, draft_runner
 from infer.model.kv_cache import ints_to_device
+from infer.model.quant_weights import byte_share
 from layerskip_core import inputs
 from layerskip_core.errors import UserError
 from layerskip_core.options import check_fields, load_yaml
@@ -288,10 +289,13 @@ class DynamicExitDrafter(GateOwner, Drafter):
     def __init__(self, runner, config: DynamicExitConfig, inputs: DraftInputs):
         self.runner, self.config, self.vocab = runner, config, inputs.vocab
         self.exits = candidate_exits(config.exits, runner)
+        quant = draft_quant(config.draft_dtype, runner)  # int8 / int4: drafts on a quantized copy, nothing exact
+        self.quant, self.exact = quant, quant is None
+        self.drafting = draft_runner(config.draft_dtype, runner, max(self.exits))
         self.prices, self.verify_prices, slope = self._prices()
         self.slope = slope if config.verify_slope is None else config.verify_slope
         self.timing = CycleTiming()
-        self.forwards_at = {e: EarlyExitForward(runner, e, self.vocab) for e in self.exits}
+        self.forwards_at = {e: EarlyExitForward(self.drafting, e, self.vocab, self.exact) for e in self.exits}
         depth = config.prior == "depth" or (config.prior == AUTO and trained_exits(runner) is not None)
         prior = {e: e / runner.num_layers for e in self.exits} if depth else None
         self.estimates = RunEstimates(self.exits, parse_stops(config.stops), config.decay, prior)
@@ -304,14 +308,16 @@ class DynamicExitDrafter(GateOwner, Drafter):
 
     def _prices(self) -> tuple[dict[int, float], dict[int, float], float]:
         """Each exit's draft forward and verification price and the slope of extra verified rows, in plain steps: this
-        model's, measured once per model, dtype and threads (``costs`` measured: ``infer.drafters.costs``), or by
-        the weights each reads."""
+        model's, measured once per model, dtype, draft dtype and threads (``costs`` measured: ``infer.drafters.costs``),
+        or by the weights each reads (a quantized draft's at its bytes per weight; it reuses nothing at verification)."""
         if self.config.costs == "measured":
-            p = measured_exit_prices(self.runner, self.exits, self.vocab, self.config.num_draft)
+            copy = None if self.exact else self.drafting
+            p = measured_exit_prices(self.runner, self.exits, self.vocab, self.config.num_draft, copy, self.quant)
             return p.draft, p.verify, p.slope
         rows = self.runner.spec.vocab_size if self.vocab is None else self.vocab.size
-        spec = self.runner.spec
-        return exit_prices(spec, self.exits, rows), verify_prices(spec, self.exits), WEIGHTS_SLOPE
+        spec, dtype = self.runner.spec, self.runner.dtype
+        shares = (byte_share(self.quant, dtype), byte_share(self.quant, dtype, True))
+        return exit_prices(spec, self.exits, rows, shares), verify_prices(spec, self.exits, self.exact), WEIGHTS_SLOPE
 
     def _reset_counts(self) -> None:
         self.forwards = self.plain_steps = self.cycle = self.observed_rows = self.explored = self.prompt_scored = 0
@@ -380,7 +386,7 @@ class DynamicExitDrafter(GateOwner, Drafter):
         if not drafts:
             return None
         self._forward = ObservingForward(self.runner, c.exit, self.exits, self.vocab) \
-            if observe and c.exit > self.exits[0] else None
+            if observe and c.exit > self.exits[0] and self.exact else None  # inexact drafts: verification observes
         return ChainAsk(state, self._forward or self.forwards_at[c.exit], c.k, c.stop)
 
     def _drafted(self, chain) -> Draft | None:

@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from infer.assets.adapter import AdapterForward, ExitAdapter, adapter_path, trained_vocab_size, vocab_note
 from infer.drafters.base import (
@@ -31,10 +32,11 @@ from infer.drafters.chain import ChainAsk, EarlyExitForward, check_size, draft_c
 from infer.drafters.costs import CostsOption
 from infer.drafters.examples import ExampleModel
 from infer.drafters.gate import COLD, GateOwner, RememberOption
-from infer.drafters.inputs import draft_dtype, draft_head
+from infer.drafters.inputs import draft_dtype, draft_head, draft_quant, draft_runner
 from infer.drafters.prefix_copy import CopiedPrefixForward
 from infer.drafters.shadow import ExitShadow
 from infer.drafters.tree import TreeOption, chain_rows_kept, chain_tree
+from infer.model.quant_weights import QUANT_DTYPES
 from layerskip_core.draft_vocab import AUTO
 from layerskip_core.errors import UserError
 from layerskip_core.layers import check_exit_layer
@@ -79,12 +81,17 @@ class EarlyExitDrafterConfig(DraftVocabOption, RememberOption, TreeOption, Costs
     """Layers [0, E) of a draft: shared = the model's own, whose KV and exit states verification reuses (LayerSkip);
     copy = a copy of them in draft-dtype with its own KV cache (E/L of the weights again, in that precision), so a
     draft reads fewer bytes where draft-dtype is narrower than the model's, and verification runs layers [0, E)
-    over the drafted tokens as well (infer.drafters.prefix_copy); auto = copy with an exit adapter where draft-dtype
-    is narrower than the model's (an adapter's shallow exit: a small copy, most of a draft's cost), else shared. The
-    output is the model's either way."""
+    over the drafted tokens as well (infer.drafters.prefix_copy); shared_kv = (draft-dtype int8 or int4, no adapter)
+    a quantized copy that attends over the model's own KV cache: the history it reads is the model's exact rows, its
+    draft rows are rolled back by verification, which runs every layer over the drafted tokens (no second cache, no
+    prefill of the copy); auto = shared_kv for int8 / int4 without an adapter, copy with an exit adapter where
+    draft-dtype is narrower than the model's (an adapter's shallow exit: a small copy, most of a draft's cost; int8
+    and int4 included), else shared. The output is the model's either way."""
+
+    DRAFTER: ClassVar[str] = "early_exit"
 
     def __post_init__(self) -> None:
-        check_fields(self, "early_exit")
+        check_fields(self, self.DRAFTER)
         DraftVocabOption.__post_init__(self)
         RememberOption.__post_init__(self)
         TreeOption.__post_init__(self)
@@ -96,9 +103,13 @@ class EarlyExitDrafterConfig(DraftVocabOption, RememberOption, TreeOption, Costs
             raise UserError(f"confidence must be in [0, 1), got {self.confidence}")
         if self.prefix not in PREFIXES:
             raise UserError(f"prefix must be one of {', '.join(PREFIXES)}, got {self.prefix!r}")
+        if self.prefix == SHARED_KV and (self.draft_dtype not in QUANT_DTYPES or self.adapter is not None):
+            raise UserError(f"prefix={SHARED_KV} runs a quantized copy of layers [0, E) over the model's KV cache: it "
+                            "needs draft-dtype int8 or int4 and no adapter (with an adapter use prefix=copy)")
 
 
-PREFIXES = (AUTO, "shared", "copy")
+SHARED_KV = "shared_kv"
+PREFIXES = (AUTO, "shared", "copy", SHARED_KV)
 """The values of ``EarlyExitDrafterConfig.prefix``."""
 
 
@@ -142,12 +153,13 @@ class EarlyExitDrafter(GateOwner, Drafter):
         """The draft head and, with ``adapter``, the exit adapter (its E checked against ``exit_layer``)."""
         config = spec.config
         adapter = None if config.adapter is None else \
-            ExitAdapter.load(adapter_path(config.adapter, runner), runner, draft_dtype(config.draft_dtype, runner))
+            ExitAdapter.load(adapter_path(config.adapter, runner), runner, draft_dtype(config.draft_dtype, runner),
+                             draft_quant(config.draft_dtype, runner))
         if adapter is not None and "exit_layer" in spec.given and config.exit_layer != adapter.exit_layer:
             raise UserError(f"the adapter was trained at exit layer {adapter.exit_layer}; drop --exit-layer "
                             f"{config.exit_layer} or give {adapter.exit_layer}")
         if adapter is None:
-            check_exit_layer(config.exit_layer, runner.num_layers)
+            check_exit_layer(config.exit_layer or runner.num_layers, runner.num_layers)
         vocab = draft_head(spec, runner, tokenizer, auto=None if adapter is None else trained_vocab_size(adapter))
         note = None if adapter is None else vocab_note(adapter, vocab)
         if note:
@@ -157,11 +169,14 @@ class EarlyExitDrafter(GateOwner, Drafter):
     def __init__(self, runner, config: EarlyExitDrafterConfig, inputs: DraftInputs):
         self.config = config
         self.adapter, self.vocab = inputs.adapter, inputs.vocab  # the adapter, the draft head: None or given
-        exit_layer = config.exit_layer if self.adapter is None else self.adapter.exit_layer
-        dtype = draft_dtype(config.draft_dtype, runner)
-        if config.prefix == "copy" or (config.prefix == AUTO and self.adapter is not None
-                                       and dtype.itemsize < runner.dtype.itemsize):
-            self.forward = CopiedPrefixForward(runner, exit_layer, dtype, self.adapter, self.vocab)
+        exit_layer = (config.exit_layer or runner.num_layers) if self.adapter is None else self.adapter.exit_layer
+        dtype, quant = draft_dtype(config.draft_dtype, runner), draft_quant(config.draft_dtype, runner)
+        if config.prefix == SHARED_KV or (config.prefix == AUTO and quant is not None and self.adapter is None):
+            self.forward = EarlyExitForward(draft_runner(config.draft_dtype, runner, exit_layer), exit_layer,
+                                            self.vocab, exact=False)
+        elif config.prefix == "copy" or (config.prefix == AUTO and self.adapter is not None
+                                         and (quant is not None or dtype.itemsize < runner.dtype.itemsize)):
+            self.forward = CopiedPrefixForward(runner, exit_layer, dtype, self.adapter, self.vocab, quant)
         elif self.adapter is None:
             self.forward = EarlyExitForward(runner, exit_layer, self.vocab)
         else:
@@ -270,3 +285,42 @@ class EarlyExitDrafter(GateOwner, Drafter):
             stats.mode, stats.tps_plain, stats.tps_draft = self.gate.mode, self.gate.plain.value, \
                 self.gate.drafting.value
         return stats
+
+
+@dataclass
+class QuantSelfConfig(EarlyExitDrafterConfig):
+    """Settings of the quantized self-draft (ML-SpecQD's baseline): early exit at the model's depth on its own
+    int4 (or int8) copy; every early_exit option applies."""
+
+    exit_layer: int | None = None
+    """E: draft with layers [0, E) of the quantized copy, then the final norm and the draft head (1 <= E <= L);
+    default the model's depth L: the whole model, quantized."""
+    draft_dtype: str = "int4"
+    """The copy's weights: int4 (layers in groups of 64, the draft head int8) or int8."""
+
+    DRAFTER: ClassVar[str] = "quant_self"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.draft_dtype not in QUANT_DTYPES:
+            raise UserError(f"quant_self drafts with a quantized copy of the model: draft-dtype int8 or int4, not "
+                            f"{self.draft_dtype!r} (for float drafts use early_exit)")
+        if self.adapter is not None:
+            raise UserError("quant_self drafts with the model's own quantized layers, not an exit adapter: use "
+                            "early_exit:adapter=...:draft_dtype=int4")
+
+
+class QuantSelfDrafter(EarlyExitDrafter):
+    """The model's own quantized copy as its drafter: ``early_exit`` at E = L with draft-dtype int4 (the same code;
+    ``--drafter early_exit --exit-layer L --draft-dtype int4`` runs the same drafts)."""
+
+    name = "quant_self"
+    Config = QuantSelfConfig
+
+    @classmethod
+    def examples(cls, model: ExampleModel) -> dict[str, dict]:
+        """The whole model's copy over the model's cache and with a cache of its own (``infer.drafters.examples``),
+        in int8: its rows fit every width (int4's groups of 64 do not divide some small models' widths, which it
+        refuses; tests/infer/test_quant_draft.py runs int4)."""
+        return {"": {"draft_dtype": "int8", "num_draft": 3},
+                "copy": {"draft_dtype": "int8", "prefix": "copy", "num_draft": 3}}

@@ -1,4 +1,5 @@
-"""Early exit's draft forward on its own copy of layers [0, E) in a narrower dtype (``early_exit:prefix=copy``).
+"""Early exit's draft forward on its own copy of layers [0, E) in a narrower dtype (``early_exit:prefix=copy``;
+int8 / int4 draft dtypes: a quantized copy, ``infer.model.quant_weights``).
 
 LayerSkip drafts with the model's own layers [0, E), so verification reuses their KV and exit states; a draft then
 reads those layers' weights in the model's dtype. With ``prefix=copy`` a draft runs a copy of them in the drafter's
@@ -22,13 +23,17 @@ from infer.assets.adapter import ExitAdapter
 from infer.model.kv_cache import KVCache
 from infer.model.loop import packs
 from infer.model.program import BULK, ONCE, Program, Rows, Segment
+from infer.model.quant_weights import quantized
 from infer.model.runner import DraftHead, Runner
 from infer.model.weights import cast_layer
 
 
-def prefix_copy(runner: Runner, end: int, dtype: torch.dtype) -> Runner:
-    """A runner over a copy of ``runner``'s layers [0, ``end``) in ``dtype`` with its final norm, made once per runner
-    (``Runner.derived``)."""
+def prefix_copy(runner: Runner, end: int, dtype: torch.dtype, quant: str | None = None) -> Runner:
+    """A runner over a copy of ``runner``'s layers [0, ``end``) in ``dtype`` with its final norm, or quantized by the
+    draft dtype ``quant`` (its activations in the model's dtype), made once per runner (``Runner.derived``)."""
+    if quant is not None:
+        return quantized(runner, quant, end)
+
     def build() -> Runner:
         layers = [cast_layer(w, dtype, runner.spec, runner.kernel) for w in runner.layers[:end]]
         norm = runner.final_norm if runner.spec.family.norm_offset else runner.final_norm.to(dtype)
@@ -46,9 +51,9 @@ class CopiedPrefixForward:
     """Nothing a draft computes is the model's: verification runs every layer over the drafted tokens."""
 
     def __init__(self, runner: Runner, exit_layer: int, dtype: torch.dtype, adapter: ExitAdapter | None = None,
-                 vocab: DraftHead | None = None):
+                 vocab: DraftHead | None = None, quant: str | None = None):
         self.runner, self.adapter, self.vocab, self.exit_layer = runner, adapter, vocab, exit_layer
-        self.prefix = prefix_copy(runner, exit_layer, dtype)
+        self.prefix = prefix_copy(runner, exit_layer, dtype, quant)
         """The runner over the copied layers (kept by ``runner`` per E and dtype)."""
         self.to_exit = Program(0, exit_layer)
         """The copied layers, without a head."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from infer.drafters.autoregressive import AutoregressiveDrafter
 from infer.drafters.base import Drafter, DrafterStats
 from infer.drafters.dynamic_exit import DynamicExitDrafter
-from infer.drafters.early_exit import EarlyExitDrafter
+from infer.drafters.early_exit import EarlyExitDrafter, QuantSelfDrafter
 from infer.drafters.examples import ExampleModel
 from infer.drafters.self_sd import SelfSDDrafter
 from infer.drafters.swift import SwiftConfig, SwiftDrafter
@@ -25,6 +25,7 @@ from layerskip_core.options import field_docs, hints
 DRAFTERS: dict[str, type[Drafter]] = {
     AutoregressiveDrafter.name: AutoregressiveDrafter,
     EarlyExitDrafter.name: EarlyExitDrafter,
+    QuantSelfDrafter.name: QuantSelfDrafter,
     DynamicExitDrafter.name: DynamicExitDrafter,
     SelfSDDrafter.name: SelfSDDrafter,
     SwiftDrafter.name: SwiftDrafter,

@@ -47,7 +47,7 @@ from infer.drafters.base import (
 from infer.drafters.chain import ChainAsk, PlanForward, check_size, draft_chains
 from infer.drafters.examples import ExampleModel
 from infer.drafters.gate import COLD
-from infer.drafters.inputs import draft_dtype, draft_head, given_plan, load_plan, plan_head
+from infer.drafters.inputs import draft_dtype, draft_head, draft_quant, draft_runner, given_plan, load_plan, plan_head
 from infer.model.plan import check_plan_option
 from infer.model.runner import Runner
 from layerskip_core.errors import UserError
@@ -177,14 +177,17 @@ class SelfSDDrafter(Drafter):
         if spec.plan is not None:
             return DraftInputs(draft_head(spec, runner, tokenizer), given_plan(spec.plan, runner))
         plan_file = load_plan(spec.config.plan, runner)  # refused unless made for this model (its depth too)
-        head = plan_head(runner, plan_file, draft_dtype(spec.config.draft_dtype, runner)) if plan_file.draft_head \
-            else draft_head(spec, runner, tokenizer)
+        option = spec.config.draft_dtype
+        head = plan_head(runner, plan_file, draft_dtype(option, runner), draft_quant(option, runner)) \
+            if plan_file.draft_head else draft_head(spec, runner, tokenizer)
         return DraftInputs(head, plan_file.plan)
 
     def __init__(self, runner: Runner, config: SelfSDConfig, inputs: DraftInputs):
         self.config = config
         self.plan, self.vocab = inputs.plan, inputs.vocab  # the plan, the draft head (None: the full one)
-        self.forward = PlanForward(runner, self.plan, self.vocab)
+        # int8 / int4: the plan runs on a quantized copy of the layers over the model's cache, nothing exact
+        quant = draft_quant(config.draft_dtype, runner)
+        self.forward = PlanForward(draft_runner(config.draft_dtype, runner), self.plan, self.vocab, quant is None)
         self.threshold = AdaptiveThreshold(config)
         self.forwards = 0
 

@@ -91,15 +91,18 @@ def agreement(runner, window: Window, plan: LayerPlan, vocab=None) -> tuple[Tens
     return logits.argmax(-1) == window.target, torch.softmax(logits, -1).amax(-1)
 
 
-def matchness_span(state: DecodeState, plans: list[LayerPlan], start: int, end: int, vocab=None) -> list[float]:
+def matchness_span(state: DecodeState, plans: list[LayerPlan], start: int, end: int, vocab=None,
+                   runner=None) -> list[float]:
     """SWIFT's matchness: fraction of positions in [start, end) where each plan's argmax (draft view) equals the
-    next verified token (``vocab``: scored with that reduced-vocabulary draft head, as the drafts are).
+    next verified token (``vocab``: scored with that reduced-vocabulary draft head, as the drafts are; ``runner``:
+    the layers the drafts run, default the model's: a quantized copy over the model's cache).
 
     ``tokens[start..end]`` (end <= n = cache length; tokens[n] is the pending token, itself the full
     model's choice) are re-run at their own positions after the cache; the cache is rolled back afterwards.
     """
     if end - start < 1 or start < 1 or end > state.n:
         return [0.0 for _ in plans]
-    window = verified_window(state.runner, state.cache, state.n, start, state.ids(start, end),
-                             state.ids(start + 1, end + 1), "draft")
-    return [float(agreement(state.runner, window, plan, vocab)[0].float().mean()) for plan in plans]
+    runner = runner or state.runner
+    window = verified_window(runner, state.cache, state.n, start, state.ids(start, end), state.ids(start + 1, end + 1),
+                             "draft")
+    return [float(agreement(runner, window, plan, vocab)[0].float().mean()) for plan in plans]

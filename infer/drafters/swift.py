@@ -37,7 +37,7 @@ from infer.drafters.base import (
 from infer.drafters.chain import PlanForward, check_size, draft_chain
 from infer.drafters.costs import CostsOption, plan_prices
 from infer.drafters.gate import COLD, FallbackGate, GateMemory, Rate, RememberOption
-from infer.drafters.inputs import draft_head, given_plan
+from infer.drafters.inputs import draft_head, draft_quant, draft_runner, given_plan
 from infer.drafters.skipping import matchness_span
 from infer.drafters.swift_search import LayerSetSearch
 from infer.drafters.tree import TreeOption, chain_depth, chain_tree
@@ -211,7 +211,8 @@ class SwiftDrafter(Drafter):
 
     def __init__(self, runner, config: SwiftConfig, inputs: DraftInputs = NO_INPUTS):
         self.config = cfg = config
-        self.runner = runner
+        self.runner, self.quant = runner, draft_quant(cfg.draft_dtype, runner)
+        self.draft_layers = draft_runner(cfg.draft_dtype, runner)  # int8 / int4: every layer quantized once
         self.vocab = inputs.vocab  # a reduced-vocabulary draft head, or None
         if runner.num_layers < 3:
             raise UserError("swift needs a model with at least 3 layers (the first and last always run)")
@@ -234,7 +235,8 @@ class SwiftDrafter(Drafter):
         self._reset_prompt_stats()
         self.hopeless = False  # what was restored says no plan pays: optimise within HOPELESS_OPT_BUDGET
         tokens = max(chain_depth(cfg.num_draft, cfg.tree, self.tree_nodes), cfg.context_window) + 1  # verified, scored
-        self.prices = plan_prices(runner, self.vocab, tokens, measured=cfg.costs == "measured" and self.fallback)
+        self.prices = plan_prices(runner, self.vocab, tokens, measured=cfg.costs == "measured" and self.fallback,
+                                  drafting=None if self.quant is None else self.draft_layers, quant=self.quant)
         self.memory = GateMemory.for_drafter(runner, self.name, cfg) if self.fallback else None
         if self.memory is not None:
             self._restore(self.memory.load() or {})
@@ -253,23 +255,15 @@ class SwiftDrafter(Drafter):
         return "" if self.config.max_opt_steps > 0 else "max-opt-steps 0"
 
     # -------------------------------------------------------------- protocol
-    @property
-    def mode(self) -> str:
-        return self.gate.mode
-
-    @property
-    def plain(self) -> Rate:
-        return self.gate.plain
-
-    @property
-    def drafting(self) -> Rate:
-        return self.gate.drafting
+    mode = property(lambda self: self.gate.mode)
+    plain = property(lambda self: self.gate.plain)
+    drafting = property(lambda self: self.gate.drafting)
 
     @property
     def forward(self) -> PlanForward:
         """The draft forward of the current best plan, so drafting always uses the optimised plan."""
         if self._forward is None or self._forward.plan != self.best:
-            self._forward = PlanForward(self.runner, self.best, self.vocab)
+            self._forward = PlanForward(self.draft_layers, self.best, self.vocab, self.quant is None)
         return self._forward
 
     def needs(self) -> Needs:
@@ -391,7 +385,7 @@ class SwiftDrafter(Drafter):
             self.window = self.new_window(state)
             scored += self.rescore(state)
         plan, proposal = self.search.propose()
-        score = matchness_span(state, [plan], *self.window, vocab=self.vocab)[0]
+        score = matchness_span(state, [plan], *self.window, self.vocab, self.draft_layers)[0]
         self.search.record(plan, proposal, score)
         self.opt_steps += 1
         if score > self.to_beat():
@@ -405,7 +399,7 @@ class SwiftDrafter(Drafter):
 
     def rescore(self, state: DecodeState) -> int:
         """The window changed: rescore the incumbent on it, so comparisons are like for like (plans scored)."""
-        self.best_score = matchness_span(state, [self.best], *self.window, vocab=self.vocab)[0]
+        self.best_score = matchness_span(state, [self.best], *self.window, self.vocab, self.draft_layers)[0]
         return 1
 
     def to_beat(self) -> float:

@@ -91,7 +91,7 @@ def gated(spec: ModelSpec, gate_up: Linear, gu: Tensor) -> Tensor:
     path and split a large tensor among threads mid-row (docs/KERNELS.md, "Where the exactness contract holds").
     Elsewhere (torch's matmul, autograd, ``torch.compile`` tracing) torch's functions."""
     gelu = spec.family.activation != "silu"
-    kernel = gate_up.kernel
+    kernel = gate_up.kernel or getattr(gate_up, "act_kernel", None)  # a quantized draft matrix's: its kernel module
     if (kernel is not None and gu.dtype == gate_up.dtype and gu.device.type == "cpu" and hasattr(kernel, "gated_act")
             and not (torch.is_grad_enabled() and gu.requires_grad) and not torch.compiler.is_compiling()):
         return kernel.gated_act(gu, gelu)  # (T, I)

@@ -107,6 +107,9 @@ class Runner(Stack):
         self._draft_heads: dict[str, DraftHead] = {}
         self._extra_layers: dict[str, Runner] = {}
         self._beside: WeakKeyDictionary = WeakKeyDictionary()  # another runner's cache -> this runner's paired one
+        self.quant_layers: dict[tuple[str, int], LayerWeights] = {}
+        """Quantized copies of its layers for drafts, by draft dtype and layer, made on first use
+        (``infer.model.quant_weights.quantized``)."""
         self.eager = EagerExecutor(self)
         """The one layer loop: runs whatever the executors before it decline."""
         self.set_executor(executor, compile)
@@ -166,7 +169,7 @@ class Runner(Stack):
         self.rope_rows = self._rope_rows(self.spec)
         self.layers, self.final_norm = list(layers), final_norm
         self.counters = RunnerCounters([0] * len(layers))
-        self.caches, self._draft_heads, self._extra_layers = CachePool(), {}, {}
+        self.caches, self._draft_heads, self._extra_layers, self.quant_layers = CachePool(), {}, {}, {}
         self._beside, self.declines = WeakKeyDictionary(), {}
         self.eager = EagerExecutor(self)
         self.static = None if self.static is None else StaticExecutor(self, self.static.capture, self.static.compile)
@@ -304,17 +307,20 @@ class Runner(Stack):
         self.counters.lm_head_tokens += hidden.shape[0]
         return self.head(hidden, vocab)
 
-    def draft_head(self, ids: Tensor | list[int], dtype: torch.dtype | None = None) -> DraftHead:
-        """The draft head over token ``ids`` (N,) in ``dtype`` (default the runner's), made on first use and kept."""
+    def draft_head(self, ids: Tensor | list[int], dtype: torch.dtype | None = None,
+                   quant: str | None = None) -> DraftHead:
+        """The draft head over token ``ids`` (N,) in ``dtype`` (default the runner's), or quantized by ``quant`` (a
+        scheme name: ``infer.kernels.quant``), made on first use and kept."""
         ids = torch.as_tensor(ids, dtype=torch.long).cpu()  # (N,)
         if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.spec.vocab_size:
             raise UserError(f"a draft vocabulary needs token ids in [0, {self.spec.vocab_size}), got "
                             f"{ids.numel()} ids")
         ids = ids.unique(sorted=True)
         dtype = dtype or self.dtype
-        key = hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16] + ("" if dtype == self.dtype else str(dtype))
+        key = hashlib.sha256(ids.numpy().tobytes()).hexdigest()[:16] + ("" if dtype == self.dtype else str(dtype)) \
+            + ("" if quant is None else f" {quant}")
         if key not in self._draft_heads:
-            self._draft_heads[key] = DraftHead(self, ids, key, dtype)
+            self._draft_heads[key] = DraftHead(self, ids, key, dtype, quant)
         return self._draft_heads[key]
 
     def to_device(self, values: list[int]) -> Tensor:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from infer.model import layer_math
+from infer.model.quant_weights import QuantLinear
 from infer.model.weights import LayerWeights, Linear
 from layerskip_core.families import ModelSpec
 
@@ -100,16 +101,20 @@ class DraftHead:
     Its weight is a gathered copy of the N rows of the shared head (the model's own head, tied or not, is
     untouched); ``logits`` scores only those N ids and returns them at their places in the full vocabulary,
     with -inf elsewhere, so everything downstream (argmax, softmax, sampling, token trees) sees a proper
-    draft distribution that is zero outside the subset. Verification never uses it.
+    draft distribution that is zero outside the subset. Verification never uses it. With ``quant`` (a scheme name of
+    ``infer.kernels.quant``) the copy is quantized, its products in the model's dtype (``QuantLinear``).
     """
 
-    def __init__(self, stack: Stack, ids: Tensor, key: str, dtype: torch.dtype | None = None):
+    def __init__(self, stack: Stack, ids: Tensor, key: str, dtype: torch.dtype | None = None,
+                 quant: str | None = None):
         self.ids = ids.to(stack.device, torch.long)  # (N,) sorted, unique
-        self.key = key  # identifies the ids and the dtype (static forwards are keyed by it)
+        self.key = key  # identifies the ids, the dtype and the scheme (static forwards are keyed by it)
         self.vocab_size = stack.spec.vocab_size
         self.spec = stack.spec  # its final logit softcapping
         rows = stack.lm_head.rows(self.ids).to(dtype or stack.dtype)  # (N, d)
-        self.linear = Linear(rows, None, stack.kernel)  # a copy, in ``dtype``: only drafts read it
+        # a copy, in ``dtype`` or quantized: only drafts read it
+        self.linear = Linear(rows, None, stack.kernel) if quant is None else \
+            QuantLinear(rows, None, quant, stack.kernel, stack.dtype)
 
     @property
     def size(self) -> int:

@@ -65,7 +65,7 @@ def test_draft_dtype_puts_the_draft_head_in_it(runner):
     assert draft_dtype("auto", runner) == (torch.bfloat16 if native else torch.float32)
     assert (draft_dtype("model", runner), draft_dtype("fp16", runner)) == (torch.float32, torch.float16)
     with pytest.raises(UserError, match="draft-dtype must be one of auto, model"):
-        build_drafter("early_exit", runner, {"draft_dtype": "int8"})
+        build_drafter("early_exit", runner, {"draft_dtype": "int3"})
 
 
 @pytest.mark.parametrize("draft_dtype", ["model", "bf16"])

@@ -397,8 +397,8 @@ def test_paper_mode_scores_each_prompts_first_generated_tokens_on_the_prompts_kv
     windows = []
     span = swift.matchness_span
 
-    def spy(state, plans, start, end, vocab=None):
-        scores = span(state, plans, start, end, vocab=vocab)
+    def spy(state, plans, start, end, vocab=None, runner=None):
+        scores = span(state, plans, start, end, vocab, runner)
         windows.append((state.prompt_len, start, end, plans[0], scores[0], list(state.tokens)))
         return scores
 
