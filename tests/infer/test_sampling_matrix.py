@@ -24,6 +24,7 @@ from lossless_stats import (
 from infer.decode.batch import BatchEngine
 from infer.decode.engine import Engine
 from infer.drafters import ExampleModel, build_drafter, drafter_spec, example_cases
+from infer.kernels import quant
 from infer.model.plan import LayerPlan
 from infer.model.runner import Runner
 from infer.model.sampling import SamplingConfig
@@ -88,6 +89,15 @@ def variants(runner: Runner, adapter: str) -> dict[str, dict]:
         "self_sd-stop": {"plan": LayerPlan(4, frozenset({2}), frozenset({1, 3})), "num_draft": 3, "confidence": 0.5},
         "swift-tree": tree,
         "swift-tree-vocab": tree | {"draft_vocab": DraftVocab(ids=[0, 1, 2, 3], model=runner.identity())},
+        # quantized drafts (issue 64): the draft's layers and head are int8 / int4 copies
+        "quant_self-int4": {"draft_dtype": "int4", "num_draft": 3},
+        "early_exit-int4-stop": stop | {"draft_dtype": "int4"},
+        "early_exit-int8-copy": {"exit_layer": 2, "num_draft": 3, "prefix": "copy", "draft_dtype": "int8"},
+        "early_exit-adapter-int4": {"adapter": adapter, "num_draft": 3, "draft_dtype": "int4"},
+        "dynamic_exit-int8": FORCED_DYNAMIC | {"stops": "0/0.3/0.5", "draft_dtype": "int8"},
+        "self_sd-int4": {"plan": LayerPlan(4, frozenset({2}), frozenset({1, 3})), "num_draft": 3, "confidence": 0.5,
+                         "draft_dtype": "int4"},
+        "swift-tree-int8": tree | {"draft_dtype": "int8"},
     }
 
 
@@ -108,6 +118,9 @@ def check(pvalue: float, totals: dict) -> None:
 
 CASES = [*REGISTRY, "early_exit-stop", "early_exit-vocab-stop", "early_exit-adapter-stop", "early_exit-adapter-keep",
          "dynamic_exit-stop", "dynamic_exit-stops", "self_sd-stop", "swift-tree", "swift-tree-vocab"]
+QUANT_CASES = ["quant_self-int4", "early_exit-int4-stop", "early_exit-int8-copy", "early_exit-adapter-int4",
+               "dynamic_exit-int8", "self_sd-int4", "swift-tree-int8"]
+"""Quantized drafts: run where the quantized kernel runs (its portable route dequantizes, slowly)."""
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -115,6 +128,16 @@ def test_every_drafter_samples_the_target(case, model, runner, adapter_file):
     name, opts = options(case, runner, adapter_file)
     engine = Engine(runner, build_drafter(name, runner, opts))
     check(*sampling_pvalue(engine, model, PROMPT, T1, STEPS, SAMPLES, seed=11, new_tokens=NEW_TOKENS))
+
+
+@pytest.mark.skipif(quant.kernel_op() is None, reason="the quantized kernel does not run on this CPU")
+@pytest.mark.parametrize("case", QUANT_CASES)
+def test_quantized_drafts_sample_the_target(case, model, runner, adapter_file):
+    """Drafts from int8 / int4 copies (their own distributions q, further from the target's p) are still accepted by
+    min(1, p / q) and corrected from the residual: the output samples the target."""
+    name, opts = options(case, runner, adapter_file)
+    engine = Engine(runner, build_drafter(name, runner, opts))
+    check(*sampling_pvalue(engine, model, PROMPT, T1, STEPS, SAMPLES, seed=15, new_tokens=NEW_TOKENS))
 
 
 @pytest.mark.parametrize(("case", "warp"), [("early_exit-stop", "t07-topk3"), ("dynamic_exit-stops", "topp08"),
@@ -126,7 +149,7 @@ def test_temperature_top_k_and_top_p_with_drafting(case, warp, model, runner, ad
     check(*sampling_pvalue(engine, model, PROMPT, WARPED[warp], STEPS, SAMPLES, seed=12, new_tokens=NEW_TOKENS))
 
 
-@pytest.mark.parametrize("case", ["early_exit-stop", "dynamic_exit-stops", "swift-tree"])
+@pytest.mark.parametrize("case", ["early_exit-stop", "dynamic_exit-stops", "swift-tree", "early_exit-int4-stop"])
 def test_batched_rows_sample_the_target(case, model, runner, adapter_file):
     """Rows of one batch (drafted in packed forwards, verified together), each its own generation."""
     name, opts = options(case, runner, adapter_file)

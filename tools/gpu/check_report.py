@@ -11,6 +11,10 @@ def failures(result: dict) -> list[str]:
            if ex.get(f"{p}_fp32_failures")]
     out += [f"sampled generation of {name} did not complete" for name, s in ex.get("sampling", {}).items()
             if not s.get("ok")]
+    quant = ex.get("quant_draft", {})
+    if quant.get("ok") is False:
+        out.append(f"quantized drafts on {quant.get('device')}: expected {quant.get('expected')}, got "
+                   f"{quant.get('message') or 'something else'}")
     if result.get("e2e_ok") is False:
         out.append("the end-to-end training check failed")
     out += [f"part {name} raised {text}" for name, text in result.get("errors", {}).items()]
@@ -40,6 +44,12 @@ def exact_lines(ex: dict, spread_sizes: list[int]) -> list[str]:
     if sampling:
         done = [n for n, s in sampling.items() if s.get("ok")]
         lines.append(f"Sampled generations completed: {len(done)} of {len(sampling)} ({', '.join(done) or 'none'}).")
+    quant = ex.get("quant_draft")
+    if quant:
+        what = "refused in one line" if quant["expected"] == "refused" else "draft, output identical to plain decoding"
+        said = f" ({quant['message']})" if quant.get("message") else ""
+        lines.append(f"Quantized drafts (quant_self) on {quant['device']}: {what}: {'yes' if quant.get('ok') else 'NO'}"
+                     f"{said}.")
     if "parity_max_abs" in ex:
         lines.append(f"Runner vs transformers logits max |diff| {ex['parity_max_abs']:.2e} (fp32).")
     if ex.get("spread"):

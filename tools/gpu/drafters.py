@@ -1,6 +1,7 @@
 """Every registered drafter, with the example options its own file gives (``infer.drafters.examples``) for the GPU
 check's models: the one source each part of the check (greedy identity, sampling, host syncs, per-shape costs) takes
-its drafters from, so a drafter added to the registry is checked without an edit here."""
+its drafters from, so a drafter added to the registry is checked without an edit here (a quantized draft only where
+it runs: on the CPU rehearsal; on CUDA its refusal is a case of its own)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 from infer.drafters import DRAFTERS, ExampleModel, example_cases
 from infer.model.plan import LayerPlan, PlanFile
+from infer.model.quant_weights import QUANT_DTYPES
 from infer.model.runner import Runner
 
 PLAIN = "autoregressive"
@@ -30,6 +32,14 @@ def sync_target(key: str) -> tuple[str, Callable[[dict], bool]] | None:
     return SYNC_RULE_FOR.get(key, SYNC_RULE)
 
 
+def runs_here(runner: Runner, specs: Specs) -> Specs:
+    """The specs that draft on ``runner``'s device: a quantized draft (draft_dtype int8 or int4, as quant_self's
+    examples are) runs on the CPU only; on CUDA its refusal is a case of its own (``tools.gpu.exact.quant_case``)."""
+    cpu = runner.device.type == "cpu"
+    return {key: (name, options) for key, (name, options) in specs.items()
+            if cpu or options.get("draft_dtype") not in QUANT_DTYPES}
+
+
 def plan_file(runner: Runner, folder: Path, plan: LayerPlan) -> Path:
     """``plan`` saved as a plan file for ``runner``'s model in ``folder``."""
     path = folder / f"plan-{runner.fingerprint[:8]}.json"
@@ -44,7 +54,7 @@ def drafter_specs(runner: Runner, folder: Path, adapter: Path | None = None) -> 
     L = runner.num_layers
     plan = plan_file(runner, folder, LayerPlan(L, skip_attn=frozenset({L - 2}), skip_mlp=frozenset({L - 1})))
     model = ExampleModel(L, exit_layer=L // 2, plan=str(plan), adapter=None if adapter is None else str(adapter))
-    return {key: spec for key, spec in example_cases(model).items() if spec[0] != PLAIN}
+    return runs_here(runner, {key: spec for key, spec in example_cases(model).items() if spec[0] != PLAIN})
 
 
 def sync_specs(runner: Runner, folder: Path) -> Specs:
@@ -54,8 +64,9 @@ def sync_specs(runner: Runner, folder: Path) -> Specs:
     plan = plan_file(runner, folder, LayerPlan(L, skip_attn=frozenset({L - 2}), skip_mlp=frozenset({L - 1})))
     specs = example_cases(ExampleModel(L, exit_layer=L // 2, plan=str(plan)), main_only=True)
     early = specs["early_exit"][1] | {"num_draft": 4}
-    return specs | {"early_exit": ("early_exit", early), "early_exit_confidence": ("early_exit", early | {
-        "confidence": 0.5})}
+    confident = early | {"confidence": 0.5}
+    return runs_here(runner, specs | {"early_exit": ("early_exit", early),
+                                      "early_exit_confidence": ("early_exit", confident)})
 
 
 def shape_drafters(runner: Runner, folder: Path) -> Specs:
@@ -67,4 +78,4 @@ def shape_drafters(runner: Runner, folder: Path) -> Specs:
                                                skip_mlp=frozenset(range(L // 2 + 1, L, 2))))
     specs = example_cases(ExampleModel(L, exit_layer=max(1, L // 4), plan=str(plan)), main_only=True)
     specs["early_exit"] = ("early_exit", specs["early_exit"][1] | {"num_draft": 4})
-    return specs
+    return runs_here(runner, specs)

@@ -17,6 +17,7 @@ from infer.drafters import build_drafter
 from infer.measure.exactness import DivergenceJudge, decode_verified, measure_rounding, measure_spread, spread_prompts
 from infer.model.runner import Runner
 from infer.model.sampling import SamplingConfig
+from layerskip_core.errors import UserError
 from tools.gpu.drafters import drafter_specs, sync_specs, sync_target
 from tools.gpu.run import Run, error_text, free
 from tools.seeded_models import tiny_model
@@ -176,6 +177,25 @@ def sampled(run: Run, new_tokens: int) -> dict[str, dict]:
                 out[key] = {"ok": False, "error": error_text(e)}
     note_fallback(run, runner, "sampling")
     return out
+
+
+def quant_case(run: Run, new_tokens: int) -> dict:
+    """Quantized drafts (issue 64 item 9) where the check runs: on the CPU (the rehearsal) ``quant_self`` drafts and
+    its greedy output equals plain decoding; elsewhere (CUDA: no weight-only route is wired to the runner) building
+    it is refused with one line. ``ok`` False fails the run."""
+    runner = tiny_runner(run, "llama", 0, torch.float32, run.executor)
+    expected = "drafts" if runner.device.type == "cpu" else "refused"
+    out = {"device": str(runner.device), "expected": expected}
+    try:
+        drafter = build_drafter("quant_self", runner, {"num_draft": 3})
+    except UserError as e:
+        return out | {"ok": expected == "refused" and "\n" not in str(e), "message": str(e)}
+    gen, prompt = DecodeConfig(max_new_tokens=new_tokens, stop_at_eos=False), prompt_ids(320, 9, 5)
+    plain = Engine(runner, build_drafter("autoregressive", runner)).generate(prompt, gen).tokens
+    result = Engine(runner, drafter).generate(prompt, gen)
+    same = result.tokens == plain
+    return out | {"ok": expected == "drafts" and same, "message": "" if same else "greedy output differs from plain",
+                  "drafted": result.stats.drafted}
 
 
 def syncs(run: Run, new_tokens: int) -> dict:

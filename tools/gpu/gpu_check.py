@@ -27,8 +27,9 @@ b. greedy: every drafter's fp32 greedy output vs ``autoregressive`` on the tiny 
    executor and on eager, each mismatch classified with the drafter's own verification argmax and the fp32
    runner's measured rounding (``infer.measure.exactness``): on CUDA only mismatches beyond a tie flip fail
    (cuBLAS is not batch-invariant, fp32 included), on a CPU every mismatch fails.
-c. checks: one seeded sampled generation per drafter (must complete); host syncs per draft-verify cycle of every
-   drafter (``tools.syncs``) with the targets they are held to (reported, never failing the run).
+c. checks: one seeded sampled generation per drafter (must complete); quantized drafts (``quant_self``: on the
+   CPU rehearsal greedy output identical to plain decoding, on CUDA refused in one line); host syncs per draft-verify
+   cycle of every drafter (``tools.syncs``) with the targets they are held to (reported, never failing the run).
 d. train: ``train_bench.train_check`` (training step speed/memory and an end-to-end train -> save -> decode check).
 e. rest: logits of our runner vs ``transformers`` on both tiny models (fp32, bf16), their one-row vs many-row
    spread, greedy identity on the tiny Qwen2, and the uncompiled ``generate`` peers at the shapes (dynamic cache,
@@ -71,6 +72,7 @@ from tools.gpu.exact import (
     greedy_identity,
     identity_totals,
     parity,
+    quant_case,
     runner_decode,
     sampled,
     spreads,
@@ -148,9 +150,13 @@ def rest_part(run: Run, names: list[str] | None, new_tokens: int) -> dict:
 
 
 def checks_part(run: Run, new_tokens: int, sync_tokens: int) -> dict:
-    """Part c: one sampled generation per drafter, then the host syncs per cycle."""
+    """Part c: one sampled generation per drafter, the quantized draft's case (drafts on the CPU, refused on CUDA),
+    then the host syncs per cycle."""
     if not run.cut("sampling"):
         run.result.setdefault("exact", {})["sampling"] = sampled(run, new_tokens)
+        run.save()
+    if not run.cut("quantized drafts"):
+        run.result.setdefault("exact", {})["quant_draft"] = quant_case(run, new_tokens)
         run.save()
     return {} if run.cut("syncs") else syncs(run, sync_tokens)
 
