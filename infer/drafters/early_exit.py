@@ -159,7 +159,7 @@ class EarlyExitDrafter(GateOwner, Drafter):
             raise UserError(f"the adapter was trained at exit layer {adapter.exit_layer}; drop --exit-layer "
                             f"{config.exit_layer} or give {adapter.exit_layer}")
         if adapter is None:
-            check_exit_layer(config.exit_layer or runner.num_layers, runner.num_layers)
+            check_exit_layer(runner.num_layers if config.exit_layer is None else config.exit_layer, runner.num_layers)
         vocab = draft_head(spec, runner, tokenizer, auto=None if adapter is None else trained_vocab_size(adapter))
         note = None if adapter is None else vocab_note(adapter, vocab)
         if note:
@@ -169,7 +169,8 @@ class EarlyExitDrafter(GateOwner, Drafter):
     def __init__(self, runner, config: EarlyExitDrafterConfig, inputs: DraftInputs):
         self.config = config
         self.adapter, self.vocab = inputs.adapter, inputs.vocab  # the adapter, the draft head: None or given
-        exit_layer = (config.exit_layer or runner.num_layers) if self.adapter is None else self.adapter.exit_layer
+        exit_layer = self.adapter.exit_layer if self.adapter is not None else \
+            runner.num_layers if config.exit_layer is None else config.exit_layer
         dtype, quant = draft_dtype(config.draft_dtype, runner), draft_quant(config.draft_dtype, runner)
         if config.prefix == SHARED_KV or (config.prefix == AUTO and quant is not None and self.adapter is None):
             self.forward = EarlyExitForward(draft_runner(config.draft_dtype, runner, exit_layer), exit_layer,

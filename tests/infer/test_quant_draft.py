@@ -207,6 +207,8 @@ def test_settings_a_quantized_draft_cannot_run_are_refused_in_one_line(runners, 
                                         "--draft-dtype bf16, fp16 or model there"):
         draft_quant("int8", runner)
     monkeypatch.undo()
+    with pytest.raises(UserError, match="exit layer 0 is out of range"):  # 0 is not "the model's depth"
+        build_drafter("quant_self", runner, {"exit_layer": 0})
     for name, options, message in [
             ("early_exit", {"prefix": "shared_kv", "draft_dtype": "bf16"}, "needs draft-dtype int8 or int4"),
             ("early_exit", {"prefix": "shared_kv", "draft_dtype": "int4", "adapter": "default"}, "with an adapter"),
