@@ -15,13 +15,13 @@ from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import DRAFTERS, build_drafter, drafter_spec
 from infer.drafters.inputs import draft_quant
 from infer.kernels import quant
-from infer.measure.gpu.drafters import plan_file, registered_options
 from infer.model.plan import LayerPlan
 from infer.model.program import Program, Rows
 from infer.model.quant_weights import QuantLinear, quantized
 from infer.model.runner import Runner
 from layerskip_core.errors import UserError
 from tiny_models import family_model, make_model, noisy_adapter
+from tools.gpu.drafters import plan_file, registered_options
 
 L = 6
 PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 250, 17, 42, 42, 8], [11, 12]]

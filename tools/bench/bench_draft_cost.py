@@ -1,6 +1,6 @@
 """The draft cost c of every drafter at every draft dtype, and what its draft reads and holds (issue 64 item 5).
 
-    python scripts/bench_draft_cost.py --model default --threads 1 --repeats 7 --out runs/draft_cost.json
+    python -m tools.bench.bench_draft_cost --model default --threads 1 --repeats 7 --out runs/draft_cost.json
 
 c is one draft forward's time over one plain decoding step's (the drafter's own forward object, as its chains call
 it: layers, head and the Python around them), both on the same prompt and position, interleaved, median of repeats;
@@ -10,7 +10,7 @@ head). Drafters: early exit at E = 8 and at E = L (the model's own copy: ``quant
 exit adapter where the model has one, dynamic exit's candidate exits, Self-SD and SWIFT with SWIFT's uniform start plan
 (skip ratio 0.45), each at draft dtype model (the model's), bf16, int8 and int4 (``--draft-dtypes``) with its
 defaults otherwise (prefix auto, draft_vocab auto). The speed-up a drafter can reach is M / (k c + v(T))
-(``scripts/bench_verify_cost.py`` measures v).
+(``tools/bench/bench_verify_cost.py`` measures v).
 """
 
 from __future__ import annotations
