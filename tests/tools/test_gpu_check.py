@@ -90,3 +90,18 @@ def test_every_drafter_list_of_the_check_covers_the_registry(tmp_path):
     names = lambda specs: {name for name, _ in specs.values()}  # noqa: E731
     assert names(drafter_specs(runner, tmp_path)) == set(DRAFTERS) - {"autoregressive"}
     assert names(sync_specs(runner, tmp_path)) == set(DRAFTERS) == names(shape_drafters(runner, tmp_path))
+
+
+def test_the_quantized_draft_case_drafts_on_a_cpu_and_must_be_refused_on_cuda(monkeypatch):
+    """The check's quantized case (issue 64 item 9): on the CPU rehearsal quant_self drafts and equals plain decoding;
+    on CUDA its refusal is what passes, and a quantized draft that did not refuse there fails the run."""
+    from tools.gpu.check_report import failures
+    from tools.gpu.exact import quant_case
+
+    run = Run(torch.device("cpu"), Settings.for_run(True, budget_s=1000.0))
+    case = quant_case(run, 8)
+    assert case["expected"] == "drafts" and case["ok"] and case["drafted"] > 0, case
+    assert failures({"exact": {"quant_draft": case}}) == []
+    refused = {"device": "cuda:0", "expected": "refused", "ok": False, "message": ""}
+    assert failures({"exact": {"quant_draft": refused}}) == ["quantized drafts on cuda:0: expected refused, got "
+                                                             "something else"]
