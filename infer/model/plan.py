@@ -104,8 +104,9 @@ FULL_HEAD = "full"
 
 def head_record(head) -> dict:
     """What a plan file records of the draft head a plan was found (and is to be drafted) with: the full head, or the
-    ids of a reduced-vocabulary head (``infer.model.runner.DraftHead``, or None for the full head)."""
-    if head is None:
+    ids of a reduced-vocabulary head (``infer.model.runner.DraftHead``, or None for the full head; a head over every
+    id, a quantized draft's copy of the full head, is the full head)."""
+    if head is None or head.size == head.vocab_size:
         return {"vocab": FULL_HEAD}
     return {"vocab": head.size, "ids": [int(i) for i in head.ids.tolist()]}
 

@@ -15,7 +15,7 @@ from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import DRAFTERS, build_drafter, drafter_spec
 from infer.drafters.inputs import draft_quant
 from infer.kernels import quant
-from infer.model.plan import LayerPlan
+from infer.model.plan import LayerPlan, PlanFile
 from infer.model.program import Program, Rows
 from infer.model.quant_weights import QuantLinear, quantized
 from infer.model.runner import Runner
@@ -217,3 +217,16 @@ def test_settings_a_quantized_draft_cannot_run_are_refused_in_one_line(runners, 
         with pytest.raises(UserError, match=message) as e:
             drafter_spec(name, options)
         assert "\n" not in str(e.value)
+
+
+@needs_kernel
+def test_a_plan_found_with_the_quantized_full_head_records_the_full_head(runners, tmp_path):
+    """SWIFT with draft_vocab off and int8 drafts scores with a quantized copy of every row of the head: the plan it
+    saves records the full head (not 320 ids), so Self-SD drafts it with the full head again."""
+    runner = runners["fp32"]
+    path = tmp_path / "swift.json"
+    options = {"draft_vocab": "off", "draft_dtype": "int8", "save_plan": str(path), "adaptive": False,
+               "context_window": 4, "remember": "off"}
+    with Engine(runner, build_drafter("swift", runner, options)) as engine:
+        engine.generate(PROMPTS[1], GEN)
+    assert PlanFile.load(path).draft_head == {"vocab": "full"}
