@@ -12,16 +12,15 @@ from transformers import AutoModelForCausalLM
 from infer import hf_generate, kernels, load_model
 from infer.decode.batch import BatchEngine
 from infer.decode.engine import DecodeConfig, Engine
-from infer.drafters import DRAFTERS, build_drafter, drafter_spec
+from infer.drafters import ExampleModel, build_drafter, drafter_spec, example_cases
 from infer.drafters.inputs import draft_quant
 from infer.kernels import quant
-from infer.model.plan import LayerPlan, PlanFile
+from infer.model.plan import PlanFile
 from infer.model.program import Program, Rows
 from infer.model.quant_weights import QuantLinear, quantized
 from infer.model.runner import Runner
 from layerskip_core.errors import UserError
 from tiny_models import family_model, make_model, noisy_adapter
-from tools.gpu.drafters import plan_file, registered_options
 
 L = 6
 PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 250, 17, 42, 42, 8], [11, 12]]
@@ -40,10 +39,9 @@ def runners(model):
     return {"fp32": Runner.from_model(model), "bf16": Runner.from_model(model, dtype=torch.bfloat16)}
 
 
-@pytest.fixture(scope="module")
-def plan(runners, tmp_path_factory):
-    return plan_file(runners["fp32"], tmp_path_factory.mktemp("plan"),
-                     LayerPlan(L, skip_attn=frozenset({3}), skip_mlp=frozenset({4})))
+EXAMPLES = ExampleModel(L, exit_layer=L // 2)
+"""The registered drafters' examples on this model (``infer.drafters.examples``): drafting from E = 3, the default
+skip plan."""
 
 
 def plain(runner, prompt):
@@ -51,22 +49,20 @@ def plain(runner, prompt):
 
 
 def registry_cases():
-    return [(name, dt, mdt) for name in DRAFTERS if name != "autoregressive" for dt in ("int8", "int4")
-            for mdt in DTYPES]
+    return [(case, dt, mdt) for case, (name, _) in example_cases(EXAMPLES, main_only=True).items()
+            if name != "autoregressive" for dt in ("int8", "int4") for mdt in DTYPES]
 
 
 @needs_kernel
 @pytest.mark.parametrize(("name", "draft_dtype", "model_dtype"), registry_cases())
-def test_every_drafter_at_every_quantized_dtype_is_lossless(runners, plan, name, draft_dtype, model_dtype):
-    """Every registered drafter (options that make it draft: the GPU check's list) with int8 and int4 drafts, under
-    an fp32 and a bf16 model: greedy output equal to plain decoding, drafts proposed, and the draft's layers are a
+def test_every_drafter_at_every_quantized_dtype_is_lossless(runners, name, draft_dtype, model_dtype):
+    """Every registered drafter (its main example, ``infer.drafters.examples``) with int8 and int4 drafts, under an
+    fp32 and a bf16 model: greedy output equal to plain decoding, drafts proposed, and the draft's layers are a
     quantized copy (nothing exact: verification runs every layer)."""
     runner = runners[model_dtype]
     if model_dtype == "bf16" and not kernels.supports(runner.kernel, torch.bfloat16):
         pytest.skip("no native bf16 kernel here: a bf16 model's verification rounds by T (the near-tie rule)")
-    options = registered_options(runner, plan, L // 2)[name] | {"draft_dtype": draft_dtype}
-    if name == "dynamic_exit":
-        options["stops"] = "0"  # this model's drafts rarely reach the default stops: draft every cycle
+    options = example_cases(EXAMPLES, main_only=True)[name][1] | {"draft_dtype": draft_dtype}
     drafter = build_drafter(name, runner, options)
     engine = Engine(runner, drafter)
     drafted = 0
@@ -137,17 +133,15 @@ def test_an_exit_adapter_quantized(model, runners, tmp_path):
 
 
 @needs_kernel
-@pytest.mark.parametrize(("name", "options"), [("early_exit", {"exit_layer": 3, "draft_dtype": "int4"}),
-                                               ("early_exit", {"exit_layer": L, "draft_dtype": "int8", "prefix": "copy",
-                                                               "tree": True}),
-                                               ("quant_self", {"confidence": 0.05, "keep_last": True}),
-                                               ("dynamic_exit", {"draft_dtype": "int4", "min_speedup": 0,
-                                                                 "exits": "2/4", "observe_every": 1, "stops": "0"})])
-def test_batched_rows_with_quantized_drafts(runners, name, options):
-    """BatchEngine: rows draft from the quantized copy in packed forwards, each over its own cache; every row's
-    output equals plain decoding of its prompt."""
+@pytest.mark.parametrize("case", [case for case, (name, _) in example_cases(EXAMPLES).items()
+                                  if name != "autoregressive"])
+def test_batched_rows_with_quantized_drafts(runners, case):
+    """BatchEngine, every registered drafter's every example with int4 drafts: rows draft from the quantized copy in
+    packed forwards, each over its own cache (or the copy's); every row's output equals plain decoding of its
+    prompt."""
     runner = runners["fp32"]
-    resolved = drafter_spec(name, options | {"num_draft": 3}).resolve(runner, None)
+    name, options = example_cases(EXAMPLES)[case]
+    resolved = drafter_spec(name, options | {"draft_dtype": "int4"}).resolve(runner, None)
     with BatchEngine(runner, lambda: resolved.build(runner), batch_size=3) as batch:
         outs = batch.generate(PROMPTS, GEN)
     assert [o.tokens for o in outs] == [plain(runner, p) for p in PROMPTS]
