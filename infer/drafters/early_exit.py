@@ -320,8 +320,10 @@ class QuantSelfDrafter(EarlyExitDrafter):
 
     @classmethod
     def examples(cls, model: ExampleModel) -> dict[str, dict]:
-        """The whole model's copy over the model's cache and with a cache of its own (``infer.drafters.examples``),
-        in int8: its rows fit every width (int4's groups of 64 do not divide some small models' widths, which it
-        refuses; tests/infer/test_quant_draft.py runs int4)."""
-        return {"": {"draft_dtype": "int8", "num_draft": 3},
-                "copy": {"draft_dtype": "int8", "prefix": "copy", "num_draft": 3}}
+        """The quantized copy's layers up to the model's exit, over the model's cache and with a cache of its own
+        (``infer.drafters.examples``), in int8: its rows fit every width (int4's groups of 64 do not divide some small
+        models' widths, which it refuses). They stop at the exit: a tiny model's whole int8 copy agrees with it on
+        ~99.8% of sampled tokens, too few rejections for a test of sampling to exercise the rejection path; the whole
+        copy runs in tests/infer/test_quant_draft.py (int8 and int4) and the sampling matrix's int4 case."""
+        return {"": {"draft_dtype": "int8", "exit_layer": model.exit, "num_draft": 3},
+                "copy": {"draft_dtype": "int8", "exit_layer": model.exit, "prefix": "copy", "num_draft": 3}}
