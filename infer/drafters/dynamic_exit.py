@@ -308,8 +308,9 @@ class DynamicExitDrafter(GateOwner, Drafter):
 
     def _prices(self) -> tuple[dict[int, float], dict[int, float], float]:
         """Each exit's draft forward and verification price and the slope of extra verified rows, in plain steps: this
-        model's, measured once per model, dtype, draft dtype and threads (``costs`` measured: ``infer.drafters.costs``),
-        or by the weights each reads (a quantized draft's at its bytes per weight; it reuses nothing at verification)."""
+        model's, measured once per model, dtype, draft dtype and threads (``costs`` measured:
+        ``infer.drafters.costs``), or by the weights each reads (a quantized draft's at its bytes per weight; it reuses
+        nothing at verification)."""
         if self.config.costs == "measured":
             copy = None if self.exact else self.drafting
             p = measured_exit_prices(self.runner, self.exits, self.vocab, self.config.num_draft, copy, self.quant)

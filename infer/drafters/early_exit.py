@@ -66,9 +66,9 @@ class EarlyExitDrafterConfig(DraftVocabOption, RememberOption, TreeOption, Costs
     recheck_interval: int = 128
     """With adaptive: plain steps before drafting is probed again (doubling after each failed probe)."""
     watch: bool = True
-    """With adaptive and no adapter: score the exit's draft on plain steps (a draft-head row per observed step, within
-    1% of the decoding time) and probe drafting only where that acceptance and this model's costs predict it pays;
-    off: probe on the gate's schedule whatever the exit's acceptance."""
+    """With adaptive, no adapter and a float draft: score the exit's draft on plain steps (a draft-head row per
+    observed step, within 1% of the decoding time) and probe drafting only where that acceptance and this model's
+    costs predict it pays; off: probe on the gate's schedule whatever the exit's acceptance."""
     remember: str = "on"
     """With adaptive, what the gate measured (plain and drafting speed, its mode and back-off), kept in the toolkit
     cache per model, device, dtype, threads and these settings: on = start from it and save it (``finish``), read =
@@ -186,7 +186,8 @@ class EarlyExitDrafter(GateOwner, Drafter):
         """The draft forward keeps caches of its own (the adapter's, the copied prefix's), following the tokens."""
         self.init_gate(runner, self.config)
         self.shadow = None  # the exit's acceptance seen on plain steps: the adaptive gate's prediction
-        if config.adaptive and config.watch and not self.own_caches and exit_layer < runner.num_layers:
+        watchable = not self.own_caches and quant is None and exit_layer < runner.num_layers  # a float exit's stream
+        if config.adaptive and config.watch and watchable:  # (a quantized draft's differs from the model's at E)
             self.shadow = ExitShadow(runner, exit_layer, self.vocab, config.num_draft, config.costs == "measured")
             try:
                 if "shadow" in self.remembered:
