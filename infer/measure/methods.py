@@ -118,9 +118,10 @@ def split_drafters(drafters: str) -> list[str]:
 
 
 def _early_exit(method: Method) -> bool:
-    """An early-exit drafter without an adapter (whose E the adapter decides)."""
+    """An early-exit drafter at a given exit, without an adapter (whose E the adapter decides): quant_self's unset
+    exit is the model's depth, no exit for transformers' assistant."""
     config = None if method.is_peer or method.spec is None else method.spec.config
-    return isinstance(config, EarlyExitDrafterConfig) and config.adapter is None
+    return isinstance(config, EarlyExitDrafterConfig) and config.adapter is None and config.exit_layer is not None
 
 
 def parse_peer(spec: str) -> Method:

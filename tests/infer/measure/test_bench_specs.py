@@ -90,3 +90,12 @@ def test_generate_says_when_no_step_drafted(tiny_model_dir, capsys):
                  "--max-new-tokens", "3", "--threads", "1"])
     err = capsys.readouterr().err
     assert code == 0 and "never drafted: every step was a plain step" in err
+
+
+def test_quant_self_beside_an_early_exit_gets_the_default_peers():
+    """quant_self's exit is unset (the model's depth): the default peers name transformers' assistant at the early
+    exits that were given only (before: sorting None beside 8 raised a TypeError, so the bench could not start)."""
+    from infer.measure.methods import parse_methods
+
+    labels = [m.label for m in parse_methods("quant_self,early_exit:E=8:k=4", None)]
+    assert "hf_early_exit:E=8" in labels and not any("None" in label for label in labels)
