@@ -1,4 +1,4 @@
-// The kernel module's functions (small_matmul.cpp, panels.cpp, attention.cpp), for the fused layer span
+// The kernel module's functions (small_matmul.cpp, panels.cpp, attention.cpp, quant.cpp), for the fused layer span
 // (layer_span.cpp) and the Python bindings (also in layer_span.cpp). One extension is built from all of them
 // (infer/kernels/__init__.py).
 #pragma once
@@ -34,6 +34,10 @@ torch::Tensor pack_panels(const torch::Tensor& w);
 torch::Tensor panel_matmul(const torch::Tensor& x, const torch::Tensor& w, int64_t n);
 // x @ w^T for w packed (3-D: panel_matmul) or plain (N, K) with N == n (small_matmul).
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, int64_t n);
+// y = x @ dequantize(w)^T (T, n), x (T, K) fp32 or bf16, w int8 codes (G, K, 48) or int4 words (G, K / 8, 48) with
+// their scales (quant.cpp's layout, infer/kernels/quant.py packs it); y in x's dtype; batch invariant.
+torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales, int64_t n,
+                           int64_t bits, int64_t group);
 // act(gate) * up of a gated MLP, gate_up (T, 2 I) = [gate | up]: (T, I), each row alone (SiLU, or GELU-tanh where
 // ``gelu``; activation.cpp). fp32 on either path, bf16 (torch's roundings) on the AVX-512 path.
 torch::Tensor gated_act(const torch::Tensor& gate_up, bool gelu);

@@ -24,6 +24,9 @@
 // Python side, infer/model/fused_span.py, decides per runner and per call): the AVX-512 path, fp32 and bf16
 // (AVX512_BF16), never T > 1 rows of a segment from an empty layer (those attend causally on SDPA).
 //
+// A layer's matrices may be a quantized draft's (int8 / int4 codes, issue 64: infer.model.quant_weights): each then
+// runs on quant.cpp's matmul, the function QuantLinear calls, so a quantized copy's layers are bitwise the loop's too.
+//
 // This file also holds the module's Python bindings (the kernel functions are the other files', see kernels.h).
 #include "kernels.h"
 
@@ -81,11 +84,33 @@ void add(E* y, const E* x, int64_t n) {
 }  // namespace vec
 #pragma GCC pop_options
 
+// One of a layer's matrices as the kernel reads it (the runner's tensors, held, not copied): float, plain (n, K) or
+// packed in panels (G, K, 48) (layerskip::linear), or a quantized draft's (``bits`` 8 or 4: int8 codes (G, K, 48) or
+// int4 words (G, K / 8, 48) and their scales, layerskip::quant_matmul, infer.model.quant_weights.QuantLinear);
+// undefined ``w``: the layer has none.
+struct Matrix {
+  Tensor w, scales;
+  int64_t bits = 0, group = 0;  // bits 0: float; group: int4's k per scale
+  int64_t in = 0;  // K, its input width
+  bool defined() const { return w.defined(); }
+};
+
+// x (N, K) @ W^T: (N, n), on the matrix's own route (both batch invariant: a row's bits do not depend on N).
+Tensor matmul(const Tensor& x, const Matrix& m, int64_t n) {
+  if (m.bits == 0) return layerskip::linear(x, m.w, n);
+  return layerskip::quant_matmul(x, m.w, m.scales, n, m.bits, m.group);
+}
+
 // One decoder layer's tensors (the runner's own, held, not copied); an undefined tensor: the layer has none.
 struct Layer {
-  Tensor attn_norm, qkv, qkv_bias, o, o_bias;  // (d,), ((Hq + 2 Hkv) D, d), (.,), (d, Hq D), (d,)
-  Tensor q_norm, k_norm, post_attn_norm;  // (D,), (D,), (d,): Qwen3's and Gemma 3's
-  Tensor mlp_norm, gate_up, down, post_mlp_norm;  // (d,), (2 I, d), (d, I), (d,); gate_up undefined: no MLP
+  Tensor attn_norm;  // (d,)
+  Matrix qkv;  // ((Hq + 2 Hkv) D, d)
+  Tensor qkv_bias;  // ((Hq + 2 Hkv) D,)
+  Matrix o;  // (d, Hq D)
+  Tensor o_bias, q_norm, k_norm, post_attn_norm;  // (d,), (D,), (D,), (d,): Qwen2's bias, Qwen3's and Gemma 3's norms
+  Tensor mlp_norm;  // (d,)
+  Matrix gate_up, down;  // (2 I, d), (d, I); gate_up undefined: no MLP
+  Tensor post_mlp_norm;  // (d,)
   int64_t rope = 0;  // its RoPE table
   int64_t window = 0;  // its sliding window W (a query at p sees keys at (p - W, p]); 0: full attention
 };
@@ -174,10 +199,10 @@ void add_into(Tensor& y, const Tensor& x) {
   }
 }
 
-// Linear.__call__ on the kernel: x @ w^T (w plain or packed in panels), then ``+ bias`` (a new tensor, one rounding
-// per element) where there is one: (N, n).
-Tensor linear(const Tensor& x, const Tensor& w, const Tensor& bias, int64_t n) {
-  auto y = layerskip::linear(x, w, n);  // (N, n)
+// Linear.__call__ (or QuantLinear's) on the kernel: x @ w^T, then ``+ bias`` (a new tensor, one rounding per
+// element) where there is one: (N, n).
+Tensor linear(const Tensor& x, const Matrix& w, const Tensor& bias, int64_t n) {
+  auto y = matmul(x, w, n);  // (N, n)
   if (!bias.defined()) return y;
   const int64_t N = y.size(0);
   if (y.scalar_type() == torch::kBFloat16) {
@@ -237,7 +262,8 @@ void rope_rows(const E* qs, int64_t q_row, const E* ks, int64_t k_row, const E* 
 }
 
 // Per call: the segments, checked, as plain C++ values. Each entry (T, positions, k, v, slot positions or None,
-// lengths, mask or None).
+// lengths, mask or None). A cache may hold more layers than the stack (a draft's copy of layers [0, E) over the
+// model's own cache, infer.model.quant_weights.quantized): the stack's layer i is the cache's layer i.
 std::vector<Segment> read_segments(const py::list& given, int64_t N, int64_t L, const Shape& sh,
                                    torch::ScalarType dtype) {
   std::vector<Segment> out;
@@ -251,12 +277,13 @@ std::vector<Segment> read_segments(const py::list& given, int64_t N, int64_t L, 
     if (!t[6].is_none()) s.mask = t[6].cast<Tensor>().contiguous();
     TORCH_CHECK(s.T >= 1 && static_cast<int64_t>(s.pos.size()) == s.T, "a segment's T rows and T positions");
     const auto& ck = s.ck;
-    TORCH_CHECK(ck.dim() == 4 && s.cv.sizes() == ck.sizes() && ck.size(0) == L && ck.size(1) == sh.Hkv &&
+    TORCH_CHECK(ck.dim() == 4 && s.cv.sizes() == ck.sizes() && ck.size(0) >= L && ck.size(1) == sh.Hkv &&
                 ck.size(3) == sh.D && ck.stride(3) == 1 && s.cv.stride(3) == 1 && ck.scalar_type() == dtype &&
                 s.cv.scalar_type() == dtype && ck.device().is_cpu(),
-                "caches (L, Hkv, C, D) of the stack's layers, in the hidden's dtype");
-    TORCH_CHECK(static_cast<int64_t>(s.lengths.size()) == L, "lengths: the stack's ", L, " layers");
-    TORCH_CHECK(!s.slots.defined() || (s.slots.dim() == 2 && s.slots.size(0) == L && s.slots.size(1) == ck.size(2) &&
+                "caches (L', Hkv, C, D), L' >= the stack's L layers, in the hidden's dtype");
+    TORCH_CHECK(static_cast<int64_t>(s.lengths.size()) == ck.size(0), "lengths: the cache's ", ck.size(0), " layers");
+    TORCH_CHECK(!s.slots.defined() || (s.slots.dim() == 2 && s.slots.size(0) == ck.size(0) &&
+                                       s.slots.size(1) == ck.size(2) &&
                                        s.slots.stride(1) == 1 && s.slots.scalar_type() == torch::kLong),
                 "slot positions (L, C) long");
     TORCH_CHECK(!s.mask.has_value() || (s.mask->scalar_type() == torch::kBool && s.mask->dim() == 2 &&
@@ -266,6 +293,27 @@ std::vector<Segment> read_segments(const py::list& given, int64_t N, int64_t L, 
   }
   TORCH_CHECK(row == N && !out.empty(), "the segments' rows: the hidden's ", N);
   return out;
+}
+
+// A layer's matrix as Python gives it (infer.model.fused_span._layer): None, a float matrix (n, K) or its panels
+// (G, K, 48), or a quantized one as (codes, scales, bits, group, K), checked here once.
+Matrix read_matrix(const py::handle& given) {
+  if (given.is_none()) return {};
+  if (!py::isinstance<py::tuple>(given)) {
+    const auto w = given.cast<Tensor>();
+    TORCH_CHECK(w.dim() == 2 || w.dim() == 3, "a float matrix (n, K) or its panels (G, K, 48)");
+    return {w, Tensor(), 0, 0, w.size(1)};
+  }
+  const auto t = given.cast<py::tuple>();
+  TORCH_CHECK(t.size() == 5, "a quantized matrix: (codes, scales, bits, group, K)");
+  Matrix m{t[0].cast<Tensor>(), t[1].cast<Tensor>(), t[2].cast<int64_t>(), t[3].cast<int64_t>(),
+           t[4].cast<int64_t>()};
+  const auto codes = m.bits == 8 ? torch::kInt8 : torch::kInt32;
+  TORCH_CHECK((m.bits == 8 || (m.bits == 4 && m.group > 0 && m.group % 8 == 0 && m.in % m.group == 0)) &&
+              m.w.dim() == 3 && m.w.scalar_type() == codes && m.w.size(1) == (m.bits == 8 ? m.in : m.in / 8) &&
+              m.w.size(2) == layerskip::PANEL_ROWS && m.w.is_contiguous() && m.scales.is_contiguous(),
+              "a quantized matrix: int8 codes (G, K, 48) or int4 words (G, K / 8, 48), its group dividing K");
+  return m;
 }
 
 class LayerStack {
@@ -282,10 +330,11 @@ class LayerStack {
       auto get = [&](const char* k) {
         return !d.contains(k) || d[k].is_none() ? Tensor() : d[k].cast<Tensor>();
       };
-      Layer w{get("attn_norm"), get("qkv"), get("qkv_bias"), get("o"), get("o_bias"), get("q_norm"),
-              get("k_norm"), get("post_attn_norm"), get("mlp_norm"), get("gate_up"), get("down"),
+      auto matrix = [&](const char* k) { return !d.contains(k) ? Matrix() : read_matrix(d[k]); };
+      Layer w{get("attn_norm"), matrix("qkv"), get("qkv_bias"), matrix("o"), get("o_bias"), get("q_norm"),
+              get("k_norm"), get("post_attn_norm"), get("mlp_norm"), matrix("gate_up"), matrix("down"),
               get("post_mlp_norm"), d["rope"].cast<int64_t>(), d["window"].cast<int64_t>()};
-      TORCH_CHECK(w.attn_norm.defined() && w.qkv.defined() && w.o.defined() && w.o.size(1) == heads * head_dim &&
+      TORCH_CHECK(w.attn_norm.defined() && w.qkv.defined() && w.o.defined() && w.o.in == heads * head_dim &&
                   w.gate_up.defined() == w.down.defined() && w.gate_up.defined() == w.mlp_norm.defined() &&
                   w.q_norm.defined() == w.k_norm.defined(),
                   "layer shapes: fused q/k/v, o, q and k norms both or neither, the MLP's three tensors all or none");
@@ -402,10 +451,10 @@ class LayerStack {
   // post-MLP norm where the family has one, residual: (N, d).
   Tensor mlp(const Layer& w, const Tensor& h) {
     if (!w.gate_up.defined()) return h;
-    const int64_t I = w.down.size(1);  // the down matrix's K, plain or packed
-    const auto gu = layerskip::linear(norm(h, w.mlp_norm, s_), w.gate_up, 2 * I);  // (N, 2 I)
+    const int64_t I = w.down.in;
+    const auto gu = matmul(norm(h, w.mlp_norm, s_), w.gate_up, 2 * I);  // (N, 2 I)
     const auto act = layerskip::gated_act(gu, s_.gelu);  // (N, I)
-    auto y = layerskip::linear(act, w.down, h.size(1));  // (N, d)
+    auto y = matmul(act, w.down, h.size(1));  // (N, d)
     if (w.post_mlp_norm.defined()) y = norm(y, w.post_mlp_norm, s_);
     add_into(y, h);
     return y;

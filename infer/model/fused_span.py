@@ -10,7 +10,8 @@ windows, SmolLM3's layers without RoPE), with masks (token trees), skip plans an
 explained: docs/KERNELS.md, "The fused layer span".
 
 Which runners take it is decided once, at construction (``for_runner``; ``unfit`` says why not): the kernel loaded on
-its AVX-512 path for the runner's dtype, on the CPU, every matmul on the kernel, a head dim the row attention takes.
+its AVX-512 path for the runner's dtype, on the CPU, every matmul on the kernel (a float one, or a quantized draft
+copy's int8 / int4 codes on ``quant.cpp``'s matmul: ``QuantLinear``), a head dim the row attention takes.
 A program then runs fused unless its rows are outside what the C++ does (``FusedSpan.run`` returns ``Declined`` with
 the reason and the next executor runs it): a prompt prefill on BLAS (``BULK`` rows), a segment of more than
 ``MAX_TOKENS`` rows, T > 1 rows of a segment from an empty layer (a causal prefill: SDPA), two segments over one
@@ -24,6 +25,7 @@ from torch import Tensor
 
 from infer import kernels
 from infer.model.program import BULK, Declined, Output, Program, Rows, Segment, Step
+from infer.model.quant_weights import QuantLinear
 from infer.model.stack import Stack
 from infer.model.weights import LayerWeights, Linear
 
@@ -106,8 +108,8 @@ def _segment(s: Segment) -> tuple:
 
 def _layer(w: LayerWeights, rope: int, window: int | None) -> dict:
     """A layer as ``LayerStack`` holds it: its tensors (the matrices as the kernel reads them), RoPE table, window."""
-    def matrix(m: Linear | None) -> Tensor | None:
-        return None if m is None else m.matrix()  # (out, in), or packed (G, in, 48)
+    def matrix(m: Linear | QuantLinear | None) -> Tensor | tuple | None:
+        return None if m is None else m.matrix()  # (out, in), packed (G, in, 48), or quantized (codes, scales, ...)
 
     return {"attn_norm": w.attn_norm, "qkv": matrix(w.qkv), "qkv_bias": w.qkv.bias, "o": matrix(w.o),
             "o_bias": w.o.bias, "q_norm": w.q_norm, "k_norm": w.k_norm, "post_attn_norm": w.post_attn_norm,
@@ -144,7 +146,9 @@ def _layer_unfit(w: LayerWeights, dtype: torch.dtype, norm_dtype: torch.dtype) -
     for name, m in linears.items():
         if m is None and name in ("q/k/v", "o"):
             return f"no {name} projection"
-        if m is not None and (m.kernel is None or m.dtype != dtype):
+        if isinstance(m, QuantLinear) and (m.matrix() is None or m.dtype != dtype):
+            return f"the {name} projection is quantized off the kernel (the rows layout, or another dtype)"
+        if not isinstance(m, QuantLinear) and m is not None and (m.kernel is None or m.dtype != dtype):
             return f"the {name} projection runs on F.linear (bf16 with an odd input width, or another dtype)"
         if m is not None and m.bias is not None and (m.bias.dtype != dtype or m.bias.dim() != 1
                                                      or not m.bias.is_contiguous() or name in ("gate/up", "down")):

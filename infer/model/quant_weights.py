@@ -37,9 +37,9 @@ class QuantLinear:
     ``nbytes``, ``shape``, ``dtype``, ``bias``) over a quantized copy of W (out, in), so the layer loop and the draft
     head run it unchanged. ``dtype`` is the activations' (the model's): a call's rows and result are in it.
 
-    ``kernel`` is None (no small-matmul panels: the fused executor and the prefill's packing rule see a matmul
-    off the float kernel); ``act_kernel`` is the kernel module whose row-invariant MLP activation
-    (``infer.model.layer_math.gated``) follows this matrix where the model's would use it."""
+    ``kernel`` is None (no float panels: the prefill's packing rule sees a matmul off the float kernel); the fused
+    executor reads the codes instead (``matrix``); ``act_kernel`` is the kernel module whose row-invariant MLP
+    activation (``infer.model.layer_math.gated``) follows this matrix where the model's would use it."""
 
     kernel = None
 
@@ -78,6 +78,13 @@ class QuantLinear:
         """Rows ``ids`` (T,) of W as the codes stand for it: (T, in)."""
         return F.embedding(ids, self.weight)
 
+    def matrix(self) -> tuple[Tensor, Tensor, int, int, int] | None:
+        """What the fused executor (``layer_span.cpp``) multiplies by, the very call ``__call__`` makes: (codes,
+        scales, bits, group, in) in the kernel's panel layout; None where the codes are not on the kernel here."""
+        if self._op is None:
+            return None
+        return self.qw.codes, self.qw.scales, self.qw.scheme.bits, self.qw.scheme.group, self.shape[1]
+
 
 def check_widths(layers: list[LayerWeights], name: str, what: str = "the model") -> None:
     """Refuse, in one line, a draft dtype ``name`` whose scheme does not fit a matrix of ``layers`` (int4's groups
@@ -113,8 +120,9 @@ def quantized(runner, name: str, end: int | None = None):
     its final norm, in its dtype, its RoPE tables, embedding and head: made once per runner, scheme and end
     (``Runner.derived``), each layer quantized once per runner and scheme (``Runner.quant_layers``), so copies of
     several ends share their layers. Its caches have the model's layout and dtype, so a draft may run it over the
-    model's own cache (``infer.drafters.quant_draft``). It runs eagerly (the static forwards and the fused span take
-    float matrices only)."""
+    model's own cache (``infer.drafters.quant_draft``). It runs on the fused executor where the model's would
+    (``infer.model.fused_span``: the quantized matmul in C++), else eagerly (the static forwards trace float matrices
+    only)."""
     end = runner.num_layers if end is None else end
 
     def layer(i: int) -> LayerWeights:
