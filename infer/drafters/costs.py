@@ -318,7 +318,7 @@ def measured_exit_prices(runner: Runner, exits: list[int], head: DraftHead | Non
     """``ExitPrices`` of ``exits`` measured on ``runner`` (``exit_costs``; layer 1 and L - 1 too, whose difference
     prices one layer: the share of a step the reused layers below E save a verification). ``drafting``/``quant``: a
     quantized copy drafts (its forwards timed); its rows are not exact, so a verification reuses nothing (v_E = 1)."""
-    L = runner.num_layers
+    L = runner.num_layers if drafting is None else drafting.num_layers  # a copy holds layers [0, its deepest exit)
     ends = sorted({1, max(L - 1, 1), *exits})
     c, costs = exit_costs(runner, ends, head, max_draft + 1, drafting=drafting, quant=quant)
     layer = (c[ends[-1]] - c[1]) / (ends[-1] - 1) if ends[-1] > 1 else 0.0

@@ -118,3 +118,16 @@ def test_every_drafter_drafts_int4_on_the_fused_executor(drafting_runner, name):
     assert copies, name
     assert all(c.fused is not None for c in copies), [fused_span.unfit(c) for c in copies]
     assert sum(c.fused.runs for c in copies) > 0, name
+
+
+@needs_kernel
+@pytest.mark.parametrize("draft_dtype", ["int8", "int4"])
+def test_dynamic_exit_measures_a_quantized_copy_shallower_than_the_model(drafting_runner, draft_dtype):
+    """dynamic_exit's measured costs time the quantized copy's exits (layers [0, 3) here): the copy's own depth bounds
+    what is timed (it timed layer L - 1 = 5 of a 3-layer copy: an error on either executor; the default model's
+    ``dynamic_exit --draft-dtype int4`` failed), and the drafts stay lossless."""
+    runner = drafting_runner
+    drafter = build_drafter("dynamic_exit", runner, {"exits": "1/3", "costs": "measured", "draft_dtype": draft_dtype})
+    assert drafter.drafting.num_layers == 3 < runner.num_layers and set(drafter.prices) == {1, 3}
+    plain = Engine(runner, build_drafter("autoregressive", runner))
+    assert Engine(runner, drafter).generate(PROMPTS[1], GEN).tokens == plain.generate(PROMPTS[1], GEN).tokens
