@@ -28,6 +28,7 @@ from tools.doc_sections import GPU_COMPARE
 NOTE = re.compile(r"<!-- notes:(\w+) -->\n(.*?)<!-- /notes:\1 -->", re.S)
 COMMANDS = "Commands of this run"
 VERIFY_COST = "Cost of verifying T tokens at once"
+GEMMA = "Gemma 3 270M beside the default model (preliminary)"
 EXITS = "Early-exit agreement before and after LayerSkip training"
 SWIFT_STREAM = "SWIFT over a stream of HumanEval and GSM8K prompts"
 
@@ -252,6 +253,7 @@ def write_page(args: argparse.Namespace) -> None:
     page += _section(old, COMMANDS, [f"## {COMMANDS}\n", "```bash", commands.read_text().strip(), "```\n"]
                      if commands.is_file() else None, commands)
     page += _bench_section(args.runs / "bench", "Drafters vs peers, base and trained model", img, old, "bench")
+    page += [f"## {GEMMA}\n", _notes(old, "gemma")]  # its commands and tables are in its notes (not in a run folder)
     page += _bench_section(args.runs / "peers_gsm8k", "transformers peers on GSM8K, rerun with an attention mask",
                            img, old, "peers_gsm8k")
     page += _bench_section(args.runs / "adaptive", "Early exit, fixed k vs adaptive, against transformers' assistant",
