@@ -42,7 +42,8 @@ def add_generation_flags(p: argparse.ArgumentParser) -> None:
     group = p.add_argument_group("generation")
     add_dataclass_flags(group, DecodeConfig, skip=("sampling", "stop_strings", "stop_at_eos"))
     group.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                       help="stop once the output contains TEXT (repeatable; not empty)")
+                       help="stop at the token that completes TEXT (repeatable; not empty; a match may begin in the "
+                            "prompt's last tokens, as transformers' stop_strings)")
     group.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     add_sampling_flags(p)
 
