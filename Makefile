@@ -48,31 +48,34 @@ endif
 fetch-model: setup
 	$(BIN)/layerskip fetch-model $(MODEL)
 
-# A quick look on a few held-out real prompts (HumanEval, GSM8K), per model. The default model: the untrained early
-# exit (which loses on this model), the exit adapter shipped for it (trained on the frozen model: output unchanged) at
-# the setting it was tuned with (kept in the adapter file's header: `--drafter best` on the command line) and SWIFT,
-# which falls back to plain steps where drafting would not pay. Gemma 3 270M (no adapter ships for it): dynamic exit,
-# the row measured to pay there (docs/RESULTS.md, "Gemma 3 270M"), and SWIFT, never slower. The screen shows short
+# A quick look on a few held-out real prompts (HumanEval, GSM8K), per model: the best training-free row and the best
+# trained row, both paying. quant_self: the model's own int4 copy drafting for itself (training-free; docs/RESULTS.md,
+# "Quantized drafts"). The default model: the exit adapter shipped for it (trained on the frozen model: output
+# unchanged) at the setting it was tuned with (kept in the adapter file's header: `--drafter best` on the command
+# line) and SWIFT, which falls back to plain steps where drafting would not pay. Gemma 3 270M (no adapter ships for
+# it): dynamic exit and SWIFT (docs/RESULTS.md, "Gemma 3 270M beside the default model"). The screen shows short
 # labels, a legend and the recommendation with why; runs/demo*/results.md has every column and each method's spec.
 ifeq ($(MODEL),gemma3-270m)
-DEMO_DRAFTERS ?= autoregressive,dynamic_exit,swift
+DEMO_DRAFTERS ?= autoregressive,quant_self,dynamic_exit,swift
 DEMO_OUT ?= runs/demo-gemma3-270m
 else
-DEMO_DRAFTERS ?= autoregressive,early_exit:E=24:k=4,early_exit:adapter=default,swift
+DEMO_DRAFTERS ?= autoregressive,quant_self,early_exit:adapter=default,swift
 DEMO_OUT ?= runs/demo
 endif
 demo: fetch-model
 ifeq ($(MODEL),gemma3-270m)
-	@echo "demo rows: autoregressive = plain decoding; dynamic_exit = the exit layer, draft length and stop chosen per"
-	@echo "  context from the acceptance it watches, priced with this model's measured costs (its reduced draft vocabulary"
-	@echo "  is built from the model's own generations on first use, 2-3 minutes, then kept); swift = SWIFT, training-free,"
-	@echo "  falling back to plain steps where drafting would not pay. About 9 minutes on 2 busy CPU cores after the fetch."
+	@echo "demo rows: autoregressive = plain decoding; quant_self = the model's own int4 copy drafting for itself"
+	@echo "  (training-free; its reduced draft vocabulary is built from the model's own generations on first use, 2-3"
+	@echo "  minutes, then kept); dynamic_exit = the exit layer, draft length and stop chosen per context from the acceptance"
+	@echo "  it watches, priced with this model's measured costs; swift = SWIFT, training-free, falling back to plain steps"
+	@echo "  where drafting would not pay. About 10 minutes on 2 busy CPU cores after the fetch."
 else
-	@echo "demo rows: autoregressive = plain decoding; early_exit:E=24 = the untrained model's own exit 24 (expected to lose);"
-	@echo "  early_exit:adapter=default = the exit adapter shipped for this model (one attention layer and an MLP on layer"
-	@echo "  4's input, distilled on CPU from the frozen model's own answers; model unchanged, output identical) at its tuned"
-	@echo "  setting (k=6, confidence 0.5, the stopping token kept, a token tree of up to 4 nodes; --drafter best);"
-	@echo "  swift = SWIFT, training-free. About 6 minutes on 2 busy CPU cores after the setup."
+	@echo "demo rows: autoregressive = plain decoding; quant_self = the model's own int4 copy drafting for itself"
+	@echo "  (training-free: weights quantized at load, output identical); early_exit:adapter=default = the exit adapter"
+	@echo "  shipped for this model (one attention layer and an MLP on layer 4's input, distilled on CPU from the frozen"
+	@echo "  model's own answers; model unchanged, output identical) at its tuned setting (k=6, confidence 0.5, the stopping"
+	@echo "  token kept, a token tree of up to 4 nodes; --drafter best); swift = SWIFT, training-free."
+	@echo "  About 6 minutes on 2 busy CPU cores after the setup."
 endif
 	$(BIN)/layerskip bench --model $(MODEL) --drafters $(DEMO_DRAFTERS) --peers hf_generate \
 		--data humaneval,gsm8k --n 3 --max-new-tokens 64 --repeats 1 --threads 1 --out $(DEMO_OUT) --force

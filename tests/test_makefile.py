@@ -58,16 +58,16 @@ def test_demo_shows_a_drafter_that_does_not_lose_beside_the_untrained_early_exit
 
 def test_demo_on_gemma_fetches_it_and_shows_its_own_rows():
     """`make demo MODEL=gemma3-270m`: Gemma 3 270M fetched, its own rows (no adapter ships for it), its own output
-    folder; the default demo's rows and folder unchanged."""
+    folder; the default demo's rows: a training-free row (the own int4 copy) and a trained one (the adapter)."""
     def planned(*variables: str) -> str:
         return subprocess.run(["make", "--no-print-directory", "-n", "-B", "demo", "VENV=/tmp/dry-venv", *variables],
                               cwd=REPO, env=MAKE_ENV, capture_output=True, text=True, timeout=60, check=True).stdout
 
     gemma, default = planned("MODEL=gemma3-270m"), planned()
     assert "layerskip fetch-model gemma3-270m" in gemma and "--model gemma3-270m" in gemma
-    assert "--drafters autoregressive,dynamic_exit,swift " in gemma and "--out runs/demo-gemma3-270m" in gemma
+    assert "--drafters autoregressive,quant_self,dynamic_exit,swift " in gemma and "--out runs/demo-gemma3-270m" in gemma
     assert "adapter=default" not in gemma.split("layerskip bench", 1)[1]
-    assert "--model default --drafters autoregressive,early_exit:E=24:k=4,early_exit:adapter=default,swift " in \
+    assert "--model default --drafters autoregressive,quant_self,early_exit:adapter=default,swift " in \
         default and "--out runs/demo --force" in default
 
 
