@@ -33,8 +33,8 @@ def test_a_run_folder_without_inputs_keeps_every_measured_section_of_the_committ
     proc = subprocess.run([sys.executable, *SCRIPT, "--runs", str(tmp_path / "runs"), "--out", str(page)], cwd=REPO,
                           capture_output=True, text=True, check=True)
     assert page.read_text() == (REPO / "docs" / "RESULTS.md").read_text()
-    assert "kept the committed section 'Drafters vs peers, base and trained model'" in proc.stderr
-    assert "bench/results.json is missing" in proc.stderr
+    assert "kept the committed section 'Early-exit agreement before and after LayerSkip training'" in proc.stderr
+    assert "exits_*.json is missing" in proc.stderr
 
 
 def test_a_missing_run_folder_is_refused_and_the_page_left_as_it_is(tmp_path):
