@@ -39,7 +39,7 @@ BUNDLED_DIR = Path(__file__).parent / "data" / "draft_vocab"
 MAKE_ONE = "make one for this model with `layerskip draft-vocab`"
 AUTO = "auto"
 """The drafters' default ``draft_vocab``: the top ``AUTO_SIZE`` ids of the counts shipped for the model when some fit
-it, else the full head (measured: docs/RESULTS.md, "Reduced draft vocabulary")."""
+it, else the full head (measured: docs/LOG.md, "Reduced draft vocabulary: cost and acceptance, base and trained")."""
 AUTO_SIZE = 8192
 """Size of the ``auto`` draft vocabulary: draft cost c 0.85 -> 0.70 at exit 24 of 30 on the default model (4096:
 c 0.68); with the shipped counts (the model's own answers of nine kinds) it covers 0.91-1.00 of the model's tokens on
