@@ -87,7 +87,7 @@ class FallbackGate:
     kept while its tokens/s beats plain steps by ``MARGIN``. Otherwise plain steps resume and drafting
     is probed again after ``recheck`` plain steps, doubling after every failed probe (up to
     ``BACKOFF`` times the interval). No probe, the first included, starts while the caller's cost model
-    predicts less than ``HOPELESS`` (a caller without one passes None: probes follow the schedule).
+    predicts less than ``bar`` (default ``HOPELESS``; a caller without one passes None: probes follow the schedule).
     A caller whose drafter improves while plain (SWIFT's optimiser) can ask for an early probe.
     """
 
@@ -97,8 +97,8 @@ class FallbackGate:
     BACKOFF = 16
     HOPELESS = 0.9
 
-    def __init__(self, recheck_interval: int, enabled: bool = True):
-        self.enabled = enabled
+    def __init__(self, recheck_interval: int, enabled: bool = True, bar: float = HOPELESS):
+        self.enabled, self.bar = enabled, bar
         self.recheck_interval = self.recheck = recheck_interval
         self.mode = "plain" if enabled else "draft"
         self.mode_cycles = 0
@@ -114,7 +114,7 @@ class FallbackGate:
             return False
         self.mode_cycles += 1
         if self.mode == "plain":
-            hopeful = predicted is None or predicted >= self.HOPELESS
+            hopeful = predicted is None or predicted >= self.bar
             periodic = self.mode_cycles >= self.recheck and hopeful
             first = self.drafting.cycles == 0 and hopeful
             due = first or periodic or (early_probe and self.mode_cycles >= self.WARM_PLAIN)
