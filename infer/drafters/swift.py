@@ -7,10 +7,9 @@ random search and, every ``bo_interval`` steps, from Bayesian optimisation fitte
 TPE when optuna is installed, random search otherwise). Drafting is confidence-aware and verified as a dynamic top-k
 token tree (``infer.drafters.tree``).
 
-Beyond the paper: the drafter measures its own tokens/s in drafting and in plain decoding and falls back to plain
-steps while drafting does not pay, re-checking later; optimisation time is capped at a fraction of decoding time (a
-larger share while drafting pays than while it does not), so ``swift`` stays close to ``autoregressive`` on models
-without exploitable redundancy.
+Beyond the paper: the drafter falls back to plain steps while drafting measures slower, and what looking for a plan
+costs (optimisation, probes) is bounded by what drafting could gain (``infer.drafters.swift_budget``), so ``swift``
+stays close to ``autoregressive`` on models without exploitable redundancy.
 
 ``paper=true`` runs SWIFT as its released code does instead: ``infer.drafters.swift_paper``, a subclass that
 shares this search, scoring and drafting code.
@@ -39,6 +38,7 @@ from infer.drafters.costs import CostsOption, plan_prices
 from infer.drafters.gate import COLD, FallbackGate, GateMemory, Rate, RememberOption
 from infer.drafters.inputs import draft_head, draft_quant, draft_runner, given_plan
 from infer.drafters.skipping import matchness_span
+from infer.drafters.swift_budget import PROBE_BAR, draft_share, needed_matchness, plain_share, within
 from infer.drafters.swift_search import LayerSetSearch
 from infer.drafters.tree import TreeOption, chain_depth, chain_tree
 from infer.model.plan import (
@@ -223,12 +223,13 @@ class SwiftDrafter(Drafter):
         self.stop_reason = self.initial_stop()
         self.optimising = not self.stop_reason
         self._forward: PlanForward | None = None
-        self.gate = FallbackGate(cfg.recheck_interval, enabled=self.fallback)
+        self.gate = FallbackGate(cfg.recheck_interval, enabled=self.fallback, bar=PROBE_BAR)
         self.draft_forward, self.verify = Rate(), Rate()  # forwards per second, verifications per second
         self.score_at_probe = -1.0
         self.opt_time_total = 0.0  # this drafter's own, over every prompt it decoded (never restored)
         self.drafted_cycles = 0  # this drafter's own drafted verifications (what --save-plan's line reports)
         self.decode_time = 0.0
+        self.draft_time = 0.0  # of decode_time and opt_time_total: spent in draft mode (its share's base)
         self.opt_step = Rate()  # seconds per scored candidate (its ``seconds``; remembered)
         self.trajectory: list[tuple[int, float]] = []
         self.window: tuple[int, int] | None = None
@@ -298,6 +299,7 @@ class SwiftDrafter(Drafter):
         if self._cycle_start is not None:
             seconds = time.perf_counter() - self._cycle_start
             self.decode_time += seconds
+            self.draft_time += seconds if self.mode == "draft" else 0.0
             self.gate.record(len(outcome.tokens), seconds, drafted=outcome.draft is not None)
             if outcome.draft is not None:
                 self.verify.add(1, seconds - self._draft_seconds)
@@ -309,6 +311,7 @@ class SwiftDrafter(Drafter):
             spent = time.perf_counter() - t0
             self.opt_time += spent
             self.opt_time_total += spent
+            self.draft_time += spent if self.mode == "draft" else 0.0
             if scored:
                 self.opt_step.add(1, spent / scored)
 
@@ -337,9 +340,9 @@ class SwiftDrafter(Drafter):
                 if all(0 <= i < L for i in plan.skip_attn | plan.skip_mlp):
                     self.best, self.best_score = plan, float(saved["score"])
                     self.score_at_probe = self.best_score
-                    self.hopeless = self.mode == "plain" and (self.predicted_speedup(self.best_score) or 0.0) < 1.0
+                    self.hopeless = self.mode == "plain" and (self.predicted_speedup(self.best_score) or 0) < PROBE_BAR
         except (KeyError, TypeError, ValueError):
-            self.gate = FallbackGate(self.config.recheck_interval, enabled=self.fallback)
+            self.gate = FallbackGate(self.config.recheck_interval, enabled=self.fallback, bar=PROBE_BAR)
 
     def stats(self) -> SwiftStats:
         return SwiftStats(
@@ -352,24 +355,27 @@ class SwiftDrafter(Drafter):
 
     # -------------------------------------------------------------- optimisation
     def within_budget(self) -> bool:
-        """Would one more optimisation step keep optimisation within its share of decode + optimisation time?
-
-        The share is ``opt_budget`` while drafting (paying, or being probed) and ``fallback_opt_budget`` while
-        taking plain steps (the fallback, and before the first probe, which waits for a scored plan), of this
-        drafter's own time: what earlier commands decoded is not credit (their plan, when remembered, was paid
-        for then); plain, at most ``HOPELESS_OPT_BUDGET`` when what was restored says no plan pays. The step's cost
-        is what scoring a plan took so far (remembered across commands; before any, what this model's measured
-        costs expect of it: ``PlanPrices.seconds``), twice when the window is new (the incumbent is rescored too),
-        so a step the prompt's own decoding cannot pay for is not taken up front, while a long prompt or a stream
-        still earns steps (whose better plan can bring an early probe).
-        """
+        """Would one more step keep optimisation within what this drafter's own time earns, each mode's time at its
+        share (``shares``; earlier commands' decoding is no credit)? The step costs what scoring a plan took so far
+        (remembered; before any, ``PlanPrices.seconds``), twice when the window is new (the incumbent is rescored)."""
         step = (self.opt_step.seconds if self.opt_step.cycles else self.prices.seconds(self.config.context_window)) \
             * (2 if self.window is None else 1)
-        share = self.config.opt_budget if self.mode == "draft" else self.config.fallback_opt_budget
-        if self.hopeless and self.mode == "plain":
-            share = min(share, self.HOPELESS_OPT_BUDGET)
-        spent = self.opt_time_total
-        return spent + step <= share * (self.decode_time + spent + step)
+        plain_time = self.decode_time + self.opt_time_total - self.draft_time
+        ceiling = (self.config.fallback_opt_budget, self.config.opt_budget)  # no share exceeds these: tested first
+        return all(within(self.opt_time_total, step, shares(), plain_time, self.draft_time, self.mode == "draft")
+                   for shares in (lambda: ceiling, self.shares))
+
+    def shares(self) -> tuple[float, float]:
+        """The optimiser's shares of plain and of drafting time (``within_budget``)."""
+        cfg = self.config
+        if not self.fallback:
+            return cfg.fallback_opt_budget, cfg.opt_budget  # always drafting: no never-slower promise to keep
+        plain = plain_share(cfg.fallback_opt_budget, self.best_score,
+                            None if self.best_score < 0 else needed_matchness(self.predicted_speedup))
+        if self.hopeless:
+            plain = min(plain, self.HOPELESS_OPT_BUDGET)
+        measured = self.drafting.value / self.plain.value if self.drafting.cycles and self.plain.value else None
+        return plain, draft_share(cfg.opt_budget, plain, measured or self.predicted_speedup(self.best_score))
 
     def _window_ready(self, state: DecodeState) -> bool:
         """Whether this prompt has the γ verified tokens the optimiser scores candidates on."""
@@ -431,10 +437,10 @@ class SwiftDrafter(Drafter):
         sooner when the optimiser has found a plan the cost model expects to pay.
 
         The cost model is evaluated only when the gate will read it: at a periodic re-check, before the first
-        probe, or when the best matchness has gained ``REPROBE_GAIN`` since the last probe (an early probe if
-        it predicts >= 1). Before drafting was ever timed it uses this model's measured costs (``predicted_speedup``),
-        and before any plan was scored nothing is known, so the first probe waits for a score: a plan that cannot
-        pay is never drafted with, and a cold start costs what plain decoding costs.
+        probe, or when the best matchness has gained ``REPROBE_GAIN`` since the last probe. Any probe needs a
+        prediction that clears the gate (``PROBE_BAR``). Before drafting was ever timed it uses this model's measured
+        costs (``predicted_speedup``), and before any plan was scored nothing is known, so the first probe waits for
+        a score: a plan predicted not to pay is never drafted with, and a cold start costs what plain decoding costs.
         """
         if not self.fallback:
             return
@@ -447,7 +453,7 @@ class SwiftDrafter(Drafter):
                 predicted = self.predicted_speedup(self.best_score)
                 if predicted is None and first and self.optimising:
                     predicted = 0.0  # no plan scored yet (the optimiser will score one): wait for it
-                early = gained and (predicted or 0.0) >= 1.0
+                early = gained and (predicted or 0.0) >= PROBE_BAR
         if self.gate.decide(predicted, early_probe=early):
             self.score_at_probe = self.best_score
 

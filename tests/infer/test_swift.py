@@ -520,7 +520,9 @@ def test_plain_steps_before_the_first_probe_get_the_fallback_budget(runner):
     assert drafter.mode == "plain" and drafter.gate.drafting.cycles == 0
     drafter.decode_time, drafter.opt_time_total = 1.0, 0.1  # 9 % of the time spent optimising
     assert not drafter.within_budget()
-    drafter.gate.switch("draft")  # a probe: the assessment's share applies
+    drafter.gate.switch("draft")  # a probe: the assessment's share applies, to the probe's own time
+    drafter.decode_time += 0.4
+    drafter.draft_time = 0.4
     assert drafter.within_budget()
 
 
