@@ -34,6 +34,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -41,7 +42,6 @@ namespace {
 
 constexpr int64_t ROWS = layerskip::PANEL_ROWS;  // weight rows per group (48)
 constexpr int64_t GRAIN = 4;  // row groups per parallel chunk
-constexpr int BIT[8] = {0, 16, 4, 20, 8, 24, 12, 28};  // where k0 + c's int4 code sits in a row's word
 
 // What a call multiplies: x (T, K) fp32 (bf16 widened first), one row group's codes and scales at a time.
 struct Job {
@@ -49,7 +49,46 @@ struct Job {
   int64_t T, K, group;  // group: int4's k per scale (0 for int8)
   const void* scales;
   bool bf16_scales;
+  const int32_t* xw;  // int4: x's int8 codes, per 8 k two words (T, K / 8, 2) (see Acts)
+  const float* xs;  // int4: x's scale per row and group (T, K / group)
+  const int32_t* xc;  // int4: 8 * the sum of x's codes per row and group (T, K / group): the offset's correction
 };
+
+// int4's activations: each row's group of ``group`` k quantized to int8, symmetric (s = max |x| / 127, q =
+// round-half-even(x / s) in -127..127; s = 0 gives q = 0), and the codes of each 8 k packed as two 32-bit words in the
+// weight words' byte order: bytes (k0, k0+4, k0+1, k0+5) and (k0+2, k0+6, k0+3, k0+7).
+struct Acts {
+  std::vector<int32_t> words;
+  std::vector<float> scale;
+  std::vector<int32_t> corr;
+};
+
+Acts quantize_acts(const float* x, int64_t T, int64_t K, int64_t group) {
+  static constexpr int ORDER[8] = {0, 4, 1, 5, 2, 6, 3, 7};  // k0 + ORDER[b] goes to byte b of the two words
+  const int64_t groups = K / group;
+  Acts a{std::vector<int32_t>(T * K / 4), std::vector<float>(T * groups), std::vector<int32_t>(T * groups)};
+  std::vector<int8_t> q(K);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* xt = x + t * K;
+    for (int64_t g = 0; g < groups; ++g) {
+      float amax = 0.0f;
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) amax = std::max(amax, std::fabs(xt[k]));
+      const float s = amax / 127.0f;
+      int32_t sum = 0;
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) {
+        const float r = s == 0.0f ? 0.0f : std::nearbyint(xt[k] / s);
+        q[k] = int8_t(std::min(127.0f, std::max(-127.0f, r)));
+        sum += q[k];
+      }
+      a.scale[t * groups + g] = s;
+      a.corr[t * groups + g] = 8 * sum;
+    }
+    auto* bytes = reinterpret_cast<int8_t*>(a.words.data() + t * K / 4);
+    for (int64_t k = 0; k < K; k += 8)
+      for (int b = 0; b < 8; ++b) bytes[k + b] = q[k + ORDER[b]];
+  }
+  return a;
+}
 
 // ------------------------------------------------------------------------------------------ AVX-512
 #pragma GCC push_options
@@ -86,53 +125,40 @@ void pass8(const Job& j, int64_t t0, const int8_t* w, int64_t g, float* out) {
   }
 }
 
-// fp32 values of the int4 codes 0..15 (two's complement): vpermps reads the low 4 bits of each index lane.
-inline __m512 int4_table() { return _mm512_set_ps(-1, -2, -3, -4, -5, -6, -7, -8, 7, 6, 5, 4, 3, 2, 1, 0); }
-
-// Code of k0 + C (C = 0..7) of each lane's word as fp32, exactly: one shift (none for C = 0) and a table lookup.
-template <int C>
-inline __m512 nibble(__m512i v, __m512 table) {
-  return _mm512_permutexvar_ps(BIT[C] == 0 ? v : _mm512_srli_epi32(v, BIT[C]), table);
-}
-
-template <int TB, int C>
-inline void step4(__m512 (&acc)[TB][PANELS], const __m512i (&v)[PANELS], __m512 table, const float* x, int64_t K) {
-  __m512 wv[PANELS];
-  for (int q = 0; q < PANELS; ++q) wv[q] = nibble<C>(v[q], table);
-  for (int t = 0; t < TB; ++t) {
-    const __m512 xb = _mm512_set1_ps(x[t * K + C]);
-    for (int q = 0; q < PANELS; ++q) acc[t][q] = _mm512_fmadd_ps(wv[q], xb, acc[t][q]);
-  }
-}
-
-// TB tokens against row group g of int4 words w (K / 8, 48): out (TB, 48) fp32, scaled group by group.
+// TB tokens against row group g of int4 words w (K / 8, 48): out (TB, 48) fp32. Per group of k, each lane's
+// int32 sum of (code + 8) * x code over the group (vpdpbusd: the codes made unsigned by flipping their sign bit,
+// two nibble planes of 4 k a word), less 8 * the sum of x's codes, converted (exactly), times x's scale, and added
+// into the output as fmadd(that, scale, out).
 template <int TB>
-void pass4(const Job& j, int64_t t0, const int32_t* w, int64_t g, float* out) {
-  const int64_t groups = j.K / j.group;
-  const float* x = j.x + t0 * j.K;
-  const __m512 table = int4_table();
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni"))) void pass4(const Job& j, int64_t t0, const int32_t* w, int64_t g, float* out) {
+  const int64_t groups = j.K / j.group, words = j.K / 8, per = j.group / 8;
+  const __m512i nib = _mm512_set1_epi32(0x0F0F0F0F), flip = _mm512_set1_epi32(0x08080808);
   for (int64_t i = 0; i < TB * ROWS; ++i) out[i] = 0.0f;
   for (int64_t kg = 0; kg < groups; ++kg) {
-    __m512 acc[TB][PANELS];
+    __m512i acc[TB][PANELS];
     for (int t = 0; t < TB; ++t)
-      for (int q = 0; q < PANELS; ++q) acc[t][q] = _mm512_setzero_ps();
-    for (int64_t k = kg * j.group; k < (kg + 1) * j.group; k += 8, w += ROWS) {
-      __m512i v[PANELS];
-      for (int q = 0; q < PANELS; ++q) v[q] = _mm512_loadu_si512(w + 16 * q);
-      step4<TB, 0>(acc, v, table, x + k, j.K);
-      step4<TB, 1>(acc, v, table, x + k, j.K);
-      step4<TB, 2>(acc, v, table, x + k, j.K);
-      step4<TB, 3>(acc, v, table, x + k, j.K);
-      step4<TB, 4>(acc, v, table, x + k, j.K);
-      step4<TB, 5>(acc, v, table, x + k, j.K);
-      step4<TB, 6>(acc, v, table, x + k, j.K);
-      step4<TB, 7>(acc, v, table, x + k, j.K);
+      for (int q = 0; q < PANELS; ++q) acc[t][q] = _mm512_setzero_si512();
+    const int32_t* xw = j.xw + (t0 * words + kg * per) * 2;
+    for (int64_t b = 0; b < per; ++b, w += ROWS) {
+      __m512i lo[PANELS], hi[PANELS];
+      for (int q = 0; q < PANELS; ++q) {
+        const __m512i v = _mm512_loadu_si512(w + 16 * q);
+        lo[q] = _mm512_ternarylogic_epi32(v, nib, flip, 0x6A);  // (v & nib) ^ flip
+        hi[q] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(v, 4), nib, flip, 0x6A);
+      }
+      for (int t = 0; t < TB; ++t) {
+        const __m512i xl = _mm512_set1_epi32(xw[(t * words + b) * 2]), xh = _mm512_set1_epi32(xw[(t * words + b) * 2 + 1]);
+        for (int q = 0; q < PANELS; ++q) acc[t][q] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[t][q], lo[q], xl), hi[q], xh);
+      }
     }
     for (int q = 0; q < PANELS; ++q) {
       const __m512 s = scales16(j, (g * groups + kg) * ROWS + 16 * q);
       for (int t = 0; t < TB; ++t) {
+        const int64_t tg = (t0 + t) * groups + kg;
+        const __m512 d = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[t][q], _mm512_set1_epi32(j.xc[tg]))),
+                                       _mm512_set1_ps(j.xs[tg]));
         float* o = out + t * ROWS + 16 * q;
-        _mm512_storeu_ps(o, _mm512_fmadd_ps(acc[t][q], s, _mm512_loadu_ps(o)));
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(d, s, _mm512_loadu_ps(o)));
       }
     }
   }
@@ -189,29 +215,42 @@ void pass8(const Job& j, int64_t t0, const int8_t* w, int64_t g, float* out) {
   }
 }
 
+// int4 as the AVX-512 path computes it (the same exact integer sums: vpmaddubsw pairs, at most 2 * 15 * 127, never
+// saturate; vpmaddwd adds them into int32), then the same float steps per lane.
 template <int TB>
 void pass4(const Job& j, int64_t t0, const int32_t* w, int64_t g, float* out) {
-  const int64_t groups = j.K / j.group;
-  const float* x = j.x + t0 * j.K;
+  const int64_t groups = j.K / j.group, words = j.K / 8, per = j.group / 8;
+  const __m256i nib = _mm256_set1_epi32(0x0F0F0F0F), flip = _mm256_set1_epi32(int32_t(0x88888888u));
+  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t i = 0; i < TB * ROWS; ++i) out[i] = 0.0f;
   for (int64_t kg = 0; kg < groups; ++kg) {
-    __m256 acc[TB][HALVES];
+    __m256i acc[TB][HALVES];
     for (int t = 0; t < TB; ++t)
-      for (int h = 0; h < HALVES; ++h) acc[t][h] = _mm256_setzero_ps();
-    for (int64_t k = kg * j.group; k < (kg + 1) * j.group; k += 8, w += ROWS) {
+      for (int h = 0; h < HALVES; ++h) acc[t][h] = _mm256_setzero_si256();
+    const int32_t* xw = j.xw + (t0 * words + kg * per) * 2;
+    for (int64_t b = 0; b < per; ++b, w += ROWS) {
+      __m256i xl[TB], xh[TB];
+      for (int t = 0; t < TB; ++t) {
+        xl[t] = _mm256_set1_epi32(xw[(t * words + b) * 2]);
+        xh[t] = _mm256_set1_epi32(xw[(t * words + b) * 2 + 1]);
+      }
       for (int h = 0; h < HALVES; ++h) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 8 * h));
-        for (int c = 0; c < 8; ++c) {
-          const __m256 wv = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 28 - BIT[c]), 28));
-          for (int t = 0; t < TB; ++t) acc[t][h] = _mm256_fmadd_ps(wv, _mm256_set1_ps(x[t * j.K + k + c]), acc[t][h]);
+        const __m256i v = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 8 * h)), flip);
+        const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi32(v, 4), nib);
+        for (int t = 0; t < TB; ++t) {
+          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl[t]), _mm256_maddubs_epi16(hi, xh[t]));
+          acc[t][h] = _mm256_add_epi32(acc[t][h], _mm256_madd_epi16(p, ones));
         }
       }
     }
     for (int h = 0; h < HALVES; ++h) {
       const __m256 s = scales8(j, (g * groups + kg) * ROWS + 8 * h);
       for (int t = 0; t < TB; ++t) {
+        const int64_t tg = (t0 + t) * groups + kg;
+        const __m256 d = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc[t][h], _mm256_set1_epi32(j.xc[tg]))),
+                                       _mm256_set1_ps(j.xs[tg]));
         float* o = out + t * ROWS + 8 * h;
-        _mm256_storeu_ps(o, _mm256_fmadd_ps(acc[t][h], s, _mm256_loadu_ps(o)));
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(d, s, _mm256_loadu_ps(o)));
       }
     }
   }
@@ -294,8 +333,9 @@ torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& w, const
   const int64_t T = xf.size(0), K = xf.size(1), G = w.size(0);
   auto y = torch::empty({T, n}, x.options());
   if (T == 0) return y;
+  const Acts acts = bits == 4 ? quantize_acts(xf.data_ptr<float>(), T, K, group) : Acts{};
   const Job j{xf.data_ptr<float>(), T, K, bits == 4 ? group : 0, scales.data_ptr(),
-              scales.dtype() == torch::kBFloat16};
+              scales.dtype() == torch::kBFloat16, acts.words.data(), acts.scale.data(), acts.corr.data()};
   const int64_t group_bytes = w.stride(0) * w.element_size();
   const char* wp = static_cast<const char*>(w.data_ptr());
   if (x.dtype() == torch::kBFloat16) {

@@ -173,8 +173,19 @@ def matmul(x: Tensor, qw: QuantWeight) -> Tensor:
     if qw.layout == "panels" and x.device.type == "cpu" and (op := kernel_op()) is not None:
         y = op(rows, qw.codes, qw.scales, N, qw.scheme.bits, qw.scheme.group)  # (T, N)
     else:
-        y = F.linear(rows.float(), dequantize(qw).to(x.device)).to(x.dtype)  # (T, N)
+        xf = rows.float() if qw.scheme.bits == 8 else int4_activations(rows, qw.scheme.group)  # (T, K)
+        y = F.linear(xf, dequantize(qw).to(x.device)).to(x.dtype)  # (T, N)
     return y.reshape(*x.shape[:-1], N)
+
+
+def int4_activations(x: Tensor, group: int) -> Tensor:
+    """The fp32 activations an int4 matmul multiplies: x (T, K) with each row's group of ``group`` k on a symmetric
+    int8 grid (s = max |x| / 127, q = round-half-even(x / s) in -127..127; s = 0 gives 0), as q * s (T, K)."""
+    T, K = x.shape
+    blocks = x.float().reshape(T, K // group, group)  # (T, K / group, group)
+    s = blocks.abs().amax(-1, keepdim=True) / 127.0  # (T, K / group, 1)
+    q = torch.round(blocks / torch.where(s == 0, torch.ones_like(s), s)).clamp_(-127, 127)  # (T, K / group, group)
+    return (q * s).reshape(T, K)
 
 
 def route(qw: QuantWeight) -> str:

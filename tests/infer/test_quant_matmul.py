@@ -75,7 +75,8 @@ def test_int8_rounds_to_the_nearest_code_and_keeps_each_rows_extreme():
 @pytest.mark.parametrize("N,K", SHAPES)
 def test_matmul_is_x_times_the_dequantized_matrix(route, dtype, scheme, N, K):
     """For T = 1..8: the product in x's dtype is x @ dequantize(w).T, computed exactly, to within fp32 accumulation
-    (K 2^-23 sum |x||w|) plus one rounding to x's dtype."""
+    (K 2^-23 sum |x||w|) plus one rounding to x's dtype; int4 multiplies x on its int8 grid (``int4_activations``:
+    per row and group, the kernel's integer dot products), the same on every route."""
     layout = _kernel_layout() if route == "kernel" else "rows"
     w = _weight(N, K, seed=N + K)
     qw = quant.quantize(w, scheme, layout)
@@ -86,10 +87,25 @@ def test_matmul_is_x_times_the_dequantized_matrix(route, dtype, scheme, N, K):
     for T in range(1, 9):
         y = quant.matmul(x[:T], qw)  # (T, N)
         assert y.dtype == dtype and y.shape == (T, N)
-        exact = x[:T].double() @ deq.T  # (T, N)
-        bound = K * 2**-23 * (x[:T].double().abs() @ deq.abs().T) + exact.abs() * (2**-8 if dtype == torch.bfloat16
+        xt = (x[:T].float() if scheme.bits == 8 else quant.int4_activations(x[:T], scheme.group)).double()  # (T, K)
+        exact = xt @ deq.T  # (T, N)
+        bound = K * 2**-23 * (xt.abs() @ deq.abs().T) + exact.abs() * (2**-8 if dtype == torch.bfloat16
                                                                                     else 2**-24)
         assert bool(((y.double() - exact).abs() <= bound + 1e-30).all()), (T, float((y.double() - exact).abs().max()))
+
+
+def test_int4_activations_are_each_groups_symmetric_int8_grid():
+    """Each row's group of k becomes s * q with s = max |x| / 127 and q = round(x / s) in -127..127 (the group's
+    extreme is exactly ±127 steps; an all-zero group stays zero), row by row whatever the other rows hold."""
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(3))  # (3, 128)
+    x[1, 64:] = 0.0
+    got = quant.int4_activations(x, 64).reshape(3, 2, 64)  # (3, 2, 64)
+    s = x.reshape(3, 2, 64).abs().amax(-1, keepdim=True) / 127  # (3, 2, 1)
+    assert bool(((got - x.reshape(3, 2, 64)).abs() <= 0.5 * s * (1 + 1e-6)).all())
+    assert torch.equal(got[1, 1], torch.zeros(64))
+    steps = got / torch.where(s == 0, torch.ones_like(s), s)  # (3, 2, 64): the codes, to rounding
+    assert bool(((steps - steps.round()).abs() <= 1e-4).all()) and int(steps.abs().round().amax()) == 127
+    assert torch.equal(quant.int4_activations(x[2:], 64), quant.int4_activations(x, 64)[2:])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -183,19 +183,36 @@ def _scheme(scheme: quant.QuantScheme | None) -> Callable[[torch.Tensor], torch.
 
 def grids() -> dict[str, tuple[Callable, Callable]]:
     """Weight grids to compare: name -> (the layers' grid, the LM head's grid), each fp32 matrix -> the matrix a
-    draft would multiply."""
+    draft would multiply (the weights only: activations stay fp32; ``ACTIVATIONS`` names the rows whose int4
+    matrices also multiply int8 activations, as the kernel does)."""
     int8, int4 = quant.SCHEMES["int8"], quant.SCHEMES["int4"]
     g32 = quant.QuantScheme(4, 32, "bf16")
     return {
         "int8, head int8": (_scheme(int8), _scheme(int8)),
         "int4 (g64 bf16), head int4": (_scheme(int4), _scheme(int4)),
         "int4 g32 bf16, head int4": (_scheme(g32), _scheme(g32)),
+        "int4 (g64 bf16) x int8 activations, head int4 x int8 act. (the kernel)": (_scheme(int4), _scheme(int4)),
+        "int4 (g64 bf16) x int8 activations, head int8": (_scheme(int4), _scheme(int8)),
         "int4 (g64 bf16), head int8": (_scheme(int4), _scheme(int8)),
         "int4 g32 bf16, head int8": (_scheme(g32), _scheme(int8)),
         "asym g64 (scale+min), head int8": (lambda w: asymmetric(w, 64), _scheme(int8)),
         "asym g32 (the source's grid), head int8": (lambda w: asymmetric(w, 32), _scheme(int8)),
         "asym g32 (the source's grid), head fp32": (lambda w: asymmetric(w, 32), _scheme(None)),
     }
+
+
+ACTIVATIONS = {"int4 (g64 bf16) x int8 activations, head int4 x int8 act. (the kernel)": (64, 64),
+               "int4 (g64 bf16) x int8 activations, head int8": (64, 0)}
+"""Rows whose int4 linears quantize their input per row and group to int8 (``quant.int4_activations``, the
+kernel's arithmetic): name -> (the layers' group, the head's group; 0: activations kept fp32)."""
+
+
+def _quantize_inputs(group: int):
+    """A forward pre-hook putting a linear's input on the int4 kernel's int8 activation grid."""
+    def hook(_module, args):
+        x = args[0]
+        return (quant.int4_activations(x.reshape(-1, x.shape[-1]), group).reshape(x.shape).to(x.dtype),)
+    return hook
 
 
 def _sequences(model, tok, n: int, new: int) -> list[tuple[torch.Tensor, int]]:
@@ -231,9 +248,12 @@ def run_agreement(args) -> None:
         print(f"{len(seqs)} sequences, {len(linears)} linears (the tied head included)")
         print("| weights | agreement, continuation | agreement, all positions |\n|---|---|---|")
         for name, (layer_grid, head_grid) in grids().items():
+            hooks = []
             for n, m in linears:
                 grid = head_grid if n == "lm_head" else layer_grid
                 m.weight = torch.nn.Parameter(grid(saved[n]), requires_grad=False)  # the head untied from embed
+                if act := ACTIVATIONS.get(name, (0, 0))[n == "lm_head"]:
+                    hooks.append(m.register_forward_pre_hook(_quantize_inputs(act)))
             same = cont = total = every = 0
             for (s, p), r in zip(seqs, ref, strict=True):
                 got = model(s).logits[0].argmax(-1)  # (L,)
@@ -242,6 +262,8 @@ def run_agreement(args) -> None:
                 every += int((got[:-1] == r[:-1]).sum())
                 total += got[:-1].numel()
             print(f"| {name} | {same / cont:.3f} ({cont}) | {every / total:.3f} ({total}) |", flush=True)
+            for h in hooks:
+                h.remove()
         for n, m in linears:
             m.weight = saved[n]
 
