@@ -1,5 +1,5 @@
-// Weight-only int8 / int4 matmul for quantized drafts: y = x @ dequantize(w)^T with x (T, K) fp32 or bf16, the
-// arithmetic in fp32, y in x's dtype (infer/kernels/quant.py packs the weights and is the Python API).
+// Weight-only int8 / int4 matmul for quantized drafts: y = x @ dequantize(w)^T with x (T, K) fp32 or bf16 (int4: x
+// on an int8 grid first, below), y in x's dtype (infer/kernels/quant.py packs the weights and is the Python API).
 //
 // The layout is the panels' (panels.cpp): the weight's rows in groups of 48 (three 16-row panels; the last group
 // padded with zero rows), each group one contiguous block, k-major, so a step reads a matrix as one sequential stream
@@ -9,18 +9,23 @@
 //   int4 (groups of ``group`` k along a row, symmetric): for each 8 consecutive k0..k0+7, each row's 8 codes in one
 //        little-endian 32-bit word, the code of k0 + 2p (two's complement, -8..7) in bits 4p..4p+3 and that of
 //        k0 + 2p + 1 in bits 16 + 4p..: (G, K / 8, 48) words; one scale per row and group, (G, K / group, 48) fp32
-//        or bf16. So a panel's line of 16 words, read as 32 16-bit halves and shifted by 4p, holds in the low bits
-//        of each half the codes of the pair (k0 + 2p, k0 + 2p + 1) of each row: vdpbf16ps's operand layout.
-// (The pairing lets a bf16 dot-product path read the same layout; measured slower than the FMAs below on the
-// developers' AVX512_BF16 CPU, docs/KERNELS.md, so not kept.) Arithmetic, activations kept in float (bf16 x widened
-// exactly): the codes become fp32 values in registers (int8: a sign extension and a convert; int4 on AVX-512: a
-// shift and a 16-entry table lookup, vpermps; on AVX2: a shift pair and a convert) and are multiplied into fp32
-// accumulators with FMAs, one broadcast x[k] per token; the output is rounded once to x's dtype.
+//        or bf16. So the low nibbles of a word's four bytes hold the codes of k0, k0 + 4, k0 + 1, k0 + 5 and the high
+//        nibbles those of k0 + 2, k0 + 6, k0 + 3, k0 + 7: two vpdpbusd operands (and, shifted by 4p and read as
+//        16-bit halves, the pairs (k0 + 2p, k0 + 2p + 1) of vdpbf16ps's layout).
+// Arithmetic, activations kept in float (bf16 x widened exactly) for int8: the codes become fp32 values in registers
+// (a sign extension and a convert) and are multiplied into fp32 accumulators with FMAs, one broadcast x[k] per token.
+// int4 multiplies integers: each row of x is quantized per group of ``group`` k to int8 (symmetric, s = max |x| / 127,
+// round half to even; quant.py's int4_activations is the same grid), the codes' sign bits flipped (code + 8, 0..15)
+// and each 32-bit word split into two nibble planes of 4 k a lane, and the group's dot products summed exactly in
+// int32 (AVX-512: vpdpbusd, AVX512_VNNI, which every CPU with the AVX-512 path's AVX512_BF16 has; AVX2: vpmaddubsw
+// and vpmaddwd), less 8 * the sum of x's codes; a decoded code costs a third of an instruction where the fp32 route
+// spent two (a shift and a vpermps) and an FMA per token. The output is rounded once to x's dtype.
 //
 // Batch invariance: an int8 output element is one accumulator, fmadd over k in ascending order from zero, times its
-// scale; an int4 one is, group by group in ascending order, an accumulator of fmadd over the group's k in order from
-// zero, added into the output as fmadd(acc, scale, out) (out from zero). Neither depends on T, on the pass that
-// computes a token, or on how the row groups are split over threads: row t of a T-row call is bitwise the 1-row call.
+// scale; an int4 one is, group by group in ascending order, (exact int32 sum, converted exactly) * x's scale, added
+// into the output as fmadd(that, scale, out) (out from zero), x's codes and scales quantized per row. Neither depends
+// on T, on the pass that computes a token, or on how the row groups are split over threads: row t of a T-row call is
+// bitwise the 1-row call.
 //
 // Paths (chosen by the module's path(): "avx512" or "avx2", LAYERSKIP_KERNEL_ISA=avx2 forces the latter): AVX-512
 // runs up to 8 tokens a pass over 3 panel vectors; AVX2 the same layout as six 8-lane halves, 2 tokens a pass. The

@@ -2,8 +2,10 @@
 
 A ``QuantScheme`` says how a float matrix W (N, K) becomes codes and scales; ``quantize`` makes a ``QuantWeight``
 (codes, scales, shape, scheme, ``nbytes``), ``dequantize`` gives the float matrix it stands for, and ``matmul(x, qw)``
-computes x @ dequantize(qw).T with the activations x (T, K) in fp32 or bf16 (the result in x's dtype; the arithmetic
-in fp32). Schemes (both symmetric, no zero point):
+computes x @ dequantize(qw).T with the activations x (T, K) in fp32 or bf16 (the result in x's dtype; int8: the
+arithmetic in fp32; int4: x on a per-row, per-group int8 grid first, ``int4_activations``, and the dot products in
+integers, since a draft may be approximate and decoding int4 codes to fp32 cost more than reading them). Schemes (both
+symmetric, no zero point):
 
 - int8, per output channel: W[n] ~ s[n] * q[n], q = round(W[n] / s[n]) in -127..127, s[n] = max |W[n]| / 127.
 - int4, groups of ``group`` k along a row: W[n, g] ~ s[n, g] * q, q in -8..7, s = -m / 8 where m is the group's

@@ -183,3 +183,21 @@ def test_the_int4_scheme_does_not_redraw_the_default_models_grid(default_model_p
         moved = float((ours != w).float().mean())
         rel = float(((ours - w) ** 2).sum() / (w**2).sum())
         assert moved > 0.5 and rel > 1e-3, (name, moved, rel)
+
+
+def test_the_avx2_path_is_bitwise_the_avx512_path_on_int4(tmp_path):
+    """int4's integer sums are exact and its float steps per lane the same on both paths: a forced-AVX2 process
+    gives bitwise the AVX-512 product."""
+    if FORCED or quant.kernel_op() is None or kernels.load().path() != "avx512":
+        pytest.skip("needs the AVX-512 path here")
+    qw = quant.quantize(_weight(145, 576), "int4", "panels")
+    x = torch.randn(8, 576, generator=torch.Generator().manual_seed(4))  # (8, 576)
+    torch.save({"qw": qw, "x": x}, tmp_path / "case.pt")
+    script = ("import sys, torch; from infer.kernels import quant; c = torch.load(sys.argv[1], weights_only=False); "
+              "assert quant.route(c['qw']) == 'avx2'; torch.save(quant.matmul(c['x'], c['qw']), sys.argv[2])")
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, LAYERSKIP_KERNEL_ISA="avx2", PYTHONPATH=os.pathsep.join([here, *sys.path]))
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "case.pt"), str(tmp_path / "y.pt")], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert torch.equal(torch.load(tmp_path / "y.pt"), quant.matmul(x, qw))

@@ -191,8 +191,8 @@ def grids() -> dict[str, tuple[Callable, Callable]]:
         "int8, head int8": (_scheme(int8), _scheme(int8)),
         "int4 (g64 bf16), head int4": (_scheme(int4), _scheme(int4)),
         "int4 g32 bf16, head int4": (_scheme(g32), _scheme(g32)),
-        "int4 (g64 bf16) x int8 activations, head int4 x int8 act. (the kernel)": (_scheme(int4), _scheme(int4)),
-        "int4 (g64 bf16) x int8 activations, head int8": (_scheme(int4), _scheme(int8)),
+        "int4 (g64 bf16) x int8 activations, head int4 x int8 activations": (_scheme(int4), _scheme(int4)),
+        "int4 (g64 bf16) x int8 activations, head int8 (what int4 drafts run)": (_scheme(int4), _scheme(int8)),
         "int4 (g64 bf16), head int8": (_scheme(int4), _scheme(int8)),
         "int4 g32 bf16, head int8": (_scheme(g32), _scheme(int8)),
         "asym g64 (scale+min), head int8": (lambda w: asymmetric(w, 64), _scheme(int8)),
@@ -201,8 +201,8 @@ def grids() -> dict[str, tuple[Callable, Callable]]:
     }
 
 
-ACTIVATIONS = {"int4 (g64 bf16) x int8 activations, head int4 x int8 act. (the kernel)": (64, 64),
-               "int4 (g64 bf16) x int8 activations, head int8": (64, 0)}
+ACTIVATIONS = {"int4 (g64 bf16) x int8 activations, head int4 x int8 activations": (64, 64),
+               "int4 (g64 bf16) x int8 activations, head int8 (what int4 drafts run)": (64, 0)}
 """Rows whose int4 linears quantize their input per row and group to int8 (``quant.int4_activations``, the
 kernel's arithmetic): name -> (the layers' group, the head's group; 0: activations kept fp32)."""
 
