@@ -204,7 +204,7 @@ def test_runner_verification_matches_token_by_token(dtype):
 
 
 @pytest.mark.parametrize("name, options", [("early_exit", {"E": 2, "k": 3}), ("early_exit", {"E": 3, "k": 6}),
-                                           ("swift", {"context_window": 8, "remember": "off", "costs": "weights"})])
+                                           ("swift", {"context_window": 8, "remember": "off", "adaptive": False})])
 def test_bf16_self_speculation_equals_bf16_plain_decoding(name, options):
     """With the batch-invariant row attention (AVX-512 path with AVX512_BF16), bf16 verification reproduces bf16
     one-token decoding bitwise, so no near-tie flips: self-speculation gives plain decoding's tokens."""
