@@ -33,6 +33,7 @@ from layerskip_cli.args import add_model_flags, model_settings
 from layerskip_core.cli import Parser, parse_and_run
 from layerskip_core.errors import UserError
 from layerskip_core.families import ModelSpec
+from tools.bench.bench_step_bandwidth import int_list
 
 SHAPES = {
     "gemma3-270m": ("Gemma3TextConfig", dict(num_hidden_layers=18, hidden_size=640, num_attention_heads=4,
@@ -131,18 +132,8 @@ def report(times: dict, sizes: list[int], rows: list[int]) -> None:
                   f"{scale[0]} | {scale[1]} |")
 
 
-def _ints(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UserError(f"{flag} {text!r}: expected comma-separated integers") from None
-    if not values or min(values) < 1:
-        raise UserError(f"{flag} {text!r}: give integers >= 1")
-    return values
-
-
 def run(args: argparse.Namespace) -> int:
-    sizes, rows = _ints(args.batch_sizes, "--batch-sizes"), _ints(args.rows, "--rows")
+    sizes, rows = int_list(args.batch_sizes, "--batch-sizes"), int_list(args.rows, "--rows")
     settings = model_settings(args).resolve()
     if settings.device.type != "cpu":
         raise UserError("the fused executor runs on a CPU; use --device cpu")

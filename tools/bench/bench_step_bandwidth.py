@@ -134,7 +134,8 @@ def routes(model, dtype: torch.dtype, kernels: str, attentions: list[str], fused
     return runners
 
 
-def _ints(text: str, flag: str) -> list[int]:
+def int_list(text: str, flag: str) -> list[int]:
+    """A flag's comma-separated integers, each >= 1 (a UserError naming the flag otherwise)."""
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -150,8 +151,8 @@ def _row(name: str, r: dict, sizes: list[int]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    sizes = sorted(set(_ints(args.sizes, "--sizes")) | {1})
-    threads_list = _ints(args.threads_list, "--threads-list")
+    sizes = sorted(set(int_list(args.sizes, "--sizes")) | {1})
+    threads_list = int_list(args.threads_list, "--threads-list")
     attentions = [a.strip() for a in args.attention.split(",")]
     if not attentions or not set(attentions) <= {"rows", "sdpa"}:
         raise UserError(f"--attention {args.attention!r}: give rows, sdpa or both")
