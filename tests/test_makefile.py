@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-MAKE_ENV = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "TORCH", "EXTRAS")}
-"""The environment of a top-level make: a suite started by ``make test EXTRAS=...`` passes its variables to every
-make below it through MAKEFLAGS, which would change what these dry runs plan."""
+MAKE_VARIABLES = set(re.findall(r"^([A-Z_]+) *\?=", (REPO / "Makefile").read_text(), re.M))
+"""The Makefile's overridable variables (``GEMMA``, ``EXTRAS``, ``MODEL``, ...)."""
+MAKE_ENV = {k: v for k, v in os.environ.items() if k not in {"MAKEFLAGS", "MFLAGS", "MAKELEVEL", *MAKE_VARIABLES}}
+"""The environment of a top-level make: a suite started by ``make test EXTRAS=... GEMMA=1`` (CI) passes its variables
+to every make below it, through MAKEFLAGS and the environment, which would change what these dry runs plan."""
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 
 
