@@ -19,16 +19,23 @@ choices come from measured time (an adaptive gate, dynamic_exit's ``calibrate``,
 are the exception: what they draft, and so which random draws a row makes, depends on the clock (docs/BATCHING.md).
 ``carry_state=True`` keeps a slot's drafter over the prompts it takes in turn instead (a stream per slot: which
 state a prompt meets then depends on the schedule).
+
+With adaptive drafters (early exit's and dynamic exit's ``adaptive``, SWIFT's default) and more than one row, one gate
+decides for the whole batch (``infer.decode.batch_gate``): the rows' drafters hand their gates over, and each cycle
+either drafts for every row or takes a plain step for every row, per number of running rows, from the batch's
+measured speed: whether drafting pays depends on B, which a row's own gate cannot see.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
 
+from infer.decode.batch_gate import BatchGate
 from infer.decode.cycle import CycleObserver, step_rows
 from infer.decode.engine import DecodeConfig, Engine, Generation, GenerationResult, start_rows, token_ids
 from infer.decode.processing import PositionProcessor
@@ -82,6 +89,9 @@ class BatchEngine:
                   f"{runner.executor} executor serves one row at a time)", file=sys.stderr)
         self.slots = [self.make_engine() for _ in range(batch_size)]
         """One engine (one drafter) per row of the batch."""
+        self.gate: BatchGate | None = BatchGate() if self.take_gates(self.slots) else None
+        """With adaptive drafters and more than one row: the batch's one gate, which took the rows' gates over
+        (``infer.decode.batch_gate``); None: each drafter gates itself, or does not."""
         self.used: set[int] = set()
         """Slots (indices) whose drafter has decoded a prompt: the next prompt there gets a fresh one."""
         self.observers: list[CycleObserver] = []
@@ -158,9 +168,23 @@ class BatchEngine:
         if slot in self.used and not self.carry_state:
             engine.close()
             engine = self.slots[slot] = self.make_engine()
+            self.take_gates([engine])
         self.used.add(slot)
         return engine
 
+    def take_gates(self, engines: Sequence[Engine]) -> bool:
+        """With more than one row, the batch's gate decides plain steps for these engines' drafters
+        (``Drafter.hand_over_gate``); whether any had an adaptive gate to hand over."""
+        if self.batch_size == 1:
+            return False
+        return any([engine.drafter.hand_over_gate() for engine in engines])
+
     def step(self, rows: Sequence[tuple[Engine, Generation]]) -> list[VerifyOutcome]:
-        """One cycle over running rows (``infer.decode.cycle.step_rows``), seen by ``observers``."""
-        return step_rows(rows, self.observers)
+        """One cycle over running rows (``infer.decode.cycle.step_rows``), seen by ``observers``; with the batch's
+        gate, a cycle of plain steps for every row where it chose so, and the cycle timed for it."""
+        if self.gate is None:
+            return step_rows(rows, self.observers)
+        drafting, t0 = self.gate.drafts(len(rows)), time.perf_counter()
+        outcomes = step_rows(rows, self.observers, plain=not drafting)
+        self.gate.record(len(rows), sum(len(o.tokens) for o in outcomes), time.perf_counter() - t0, drafting)
+        return outcomes

@@ -39,9 +39,10 @@ class CycleObserver:
 
 
 @torch.no_grad()
-def step_rows(rows: Sequence[Row], observers: Sequence[CycleObserver] = ()) -> list[VerifyOutcome]:
+def step_rows(rows: Sequence[Row], observers: Sequence[CycleObserver] = (), plain: bool = False) -> list[VerifyOutcome]:
     """One cycle over running rows: every row's drafter proposes (batched per drafter class), one forward verifies
-    every row, each row takes its accepted tokens. The rows' timings are the cycle's."""
+    every row, each row takes its accepted tokens. The rows' timings are the cycle's. ``plain``: a plain step for
+    every row, no drafter asked for a draft (``Drafter.skip``; a batch's gate chose it)."""
     for _, gen in rows:
         if gen.done:
             raise ValueError(f"the generation has finished ({gen.finish_reason})")
@@ -49,7 +50,7 @@ def step_rows(rows: Sequence[Row], observers: Sequence[CycleObserver] = ()) -> l
     for o in observers:
         o.begin(rows)
     t0 = time.perf_counter()
-    drafts = propose(rows)
+    drafts = [engine.drafter.skip(gen.state) for engine, gen in rows] if plain else propose(rows)
     t1 = time.perf_counter()
     for o in observers:
         o.drafted(rows, drafts)

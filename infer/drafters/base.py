@@ -261,6 +261,18 @@ class Drafter:
         one packed forward."""
         return [drafter.propose(state) for drafter, state in rows]
 
+    def skip(self, state: DecodeState) -> Draft | None:
+        """The caller takes a plain step for this sequence without asking for a draft (a batch's gate chose plain
+        steps for every row: ``infer.decode.batch_gate``); what the step asks for (None: nothing). ``update`` then sees
+        the plain outcome as usual; a drafter that times its own cycles does not count this one as its own."""
+        return None
+
+    def hand_over_gate(self) -> bool:
+        """From now on a caller's gate chooses this sequence's plain steps (a batch's: one gate for every row,
+        measuring the batch's cycles): a drafter with a fallback gate of its own stops choosing (it drafts whenever
+        asked) and keeps nothing for later commands. True when it had an enabled gate to hand over."""
+        return False
+
     def update(self, state: DecodeState, outcome: VerifyOutcome) -> None:
         """Learn from a verification (the cache now holds state.n exact rows)."""
 

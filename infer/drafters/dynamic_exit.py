@@ -428,6 +428,11 @@ class DynamicExitDrafter(GateOwner, Drafter):
         self.explored += bool(explore)
         return bool(explore)
 
+    def skip(self, state: DecodeState) -> Draft | None:
+        self._cycle_start, self._observe = None, ()  # the caller's plain step: not timed, nothing observed
+        self.cycle += 1
+        return self.plain_step()
+
     def plain_step(self) -> Draft | None:
         """A plain step this cycle (None, or an empty draft that still asks for the cycle's observations)."""
         self.plain_steps += 1

@@ -248,6 +248,10 @@ class EarlyExitDrafter(GateOwner, Drafter):
                 drafts[j] = chain_tree(chain, state, c.max_tree_nodes) if c.tree else chain.draft
         return drafts
 
+    def skip(self, state: DecodeState) -> Draft | None:
+        self._cycle_start = None  # the caller's plain step: not timed as this gate's (``update`` counts it)
+        return None
+
     def plain_draft(self) -> Draft | None:
         """A plain step: one that keeps the stream entering the exit for the shadow estimate when it wants one."""
         return Draft.plain((self.forward.exact_layers,)) if self.shadow is not None and self.shadow.wants() else None

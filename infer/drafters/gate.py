@@ -235,6 +235,17 @@ class GateMemory:
                   file=sys.stderr)
 
 
+def hand_over(owner) -> bool:
+    """``owner``'s gate hands its choice to a caller's (``Drafter.hand_over_gate``): replaced by a disabled one (always
+    drafting) and its memory dropped, so that what the caller's gate decided is never saved as this drafter's
+    measurements. True when the gate was enabled."""
+    if not owner.gate.enabled:
+        return False
+    owner.gate = FallbackGate(owner.gate.recheck_interval, enabled=False, bar=owner.gate.bar)
+    owner.memory = None
+    return True
+
+
 class GateOwner:
     """What early_exit and dynamic_exit share about their adaptive gate, written once: the gate built from the
     drafter's ``recheck_interval`` and ``adaptive`` options, the memory of earlier commands it starts from (a damaged
@@ -258,6 +269,11 @@ class GateOwner:
             except (KeyError, TypeError, ValueError):  # a damaged memory file: start afresh
                 self.gate = FallbackGate(config.recheck_interval, enabled=True)
                 self.remembered = {}
+
+    def hand_over_gate(self) -> bool:
+        """A caller's gate chooses plain steps from now on (``Drafter.hand_over_gate``): this gate stops choosing and
+        nothing is remembered."""
+        return hand_over(self)
 
     def kept_state(self) -> dict:
         """What ``finish`` keeps besides the gate (a drafter adds its own)."""

@@ -35,7 +35,7 @@ from infer.drafters.base import (
 )
 from infer.drafters.chain import PlanForward, check_size, draft_chain
 from infer.drafters.costs import CostsOption, plan_prices
-from infer.drafters.gate import COLD, FallbackGate, GateMemory, Rate, RememberOption
+from infer.drafters.gate import COLD, FallbackGate, GateMemory, Rate, RememberOption, hand_over
 from infer.drafters.inputs import draft_head, draft_quant, draft_runner, given_plan
 from infer.drafters.skipping import matchness_span
 from infer.drafters.swift_budget import PROBE_BAR, draft_share, needed_matchness, plain_share, within
@@ -294,6 +294,14 @@ class SwiftDrafter(Drafter):
         self._draft_seconds = time.perf_counter() - self._cycle_start
         self.draft_forward.add(chain.forwards, self._draft_seconds)
         return chain_tree(chain, state, self.tree_nodes) if self.config.tree else chain.draft
+
+    def skip(self, state: DecodeState) -> Draft | None:
+        self._cycle_start, self._draft_seconds = None, 0.0  # the caller's plain step: not timed as this gate's
+        self.plain_steps += 1
+        return None
+
+    def hand_over_gate(self) -> bool:
+        return hand_over(self)
 
     def update(self, state: DecodeState, outcome: VerifyOutcome) -> None:
         if self._cycle_start is not None:

@@ -9,6 +9,7 @@ import torch
 
 from infer.decode import batch as batch_module
 from infer.decode.batch import BatchEngine
+from infer.decode.batch_gate import PROBE, BatchGate
 from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import ExampleModel, build_drafter, example_cases
 from infer.model.runner import Runner
@@ -208,3 +209,57 @@ def test_the_default_model_batched_equals_alone(default_model_path):
     for drafter, options in [("autoregressive", {}), ("early_exit", {"exit_layer": 24, "num_draft": 3})]:
         batched = model.generate(texts, drafter, config, batch_size=2, **options)
         assert [r.tokens for r in batched] == alone_, drafter
+
+
+class AlternatingGate(BatchGate):
+    """A batch gate that takes plain steps for every row on every other cycle, whatever it measures."""
+
+    def __init__(self):
+        super().__init__()
+        self.cycles = 0
+
+    def drafts(self, rows: int) -> bool:
+        self.cycles += 1
+        return self.cycles % 2 == 0
+
+
+@pytest.mark.parametrize("case", [*CASES, *ADAPTER_CASES])
+def test_plain_cycles_chosen_by_the_batch_keep_every_row_exact(model, runner, prompts, eos, case, tmp_path):
+    """Every drafter takes the batch's plain steps (``Drafter.skip``) and drafts again after them, an adapter's own
+    caches catching up: every row still equals plain decoding alone."""
+    with_adapter = {"adapter": str(adapter_file(model, tmp_path / "a.safetensors")), "k": 3}
+    name, options = ("early_exit", with_adapter | ADAPTER_CASES[case]) if case in ADAPTER_CASES else CASES[case]
+    config = DecodeConfig(max_new_tokens=16)
+    with BatchEngine(runner, lambda: build_drafter(name, runner, options), 3, eos) as engine:
+        engine.gate = AlternatingGate()
+        results = engine.generate(prompts, config)
+    for prompt, result in zip(prompts, results, strict=True):
+        assert (result.tokens, result.finish_reason) == alone(runner, prompt, config, eos), (case, len(prompt))
+    assert engine.gate.cycles > 0
+    if name != PLAIN:
+        assert sum(r.stats.drafted for r in results) > 0
+
+
+@pytest.mark.parametrize("name, options", [
+    ("early_exit", {"E": 2, "k": 3, "adaptive": True, "remember": "on"}),
+    ("dynamic_exit", {"adaptive": True, "remember": "on"}),
+    ("swift", {"remember": "on"}),
+])
+def test_adaptive_drafters_hand_their_gates_to_the_batch(runner, prompts, name, options, tmp_path, monkeypatch):
+    """With adaptive drafters, a batch of several rows decides plain steps once for every row, per number of running
+    rows, from the batch's cycles; the rows' own gates stop choosing and save nothing; one row keeps its own gate."""
+    monkeypatch.setenv("LAYERSKIP_CACHE", str(tmp_path))
+    config = DecodeConfig(max_new_tokens=24)
+    with BatchEngine(runner, lambda: build_drafter(name, runner, options), 3) as engine:
+        assert engine.gate is not None
+        assert all(not e.drafter.gate.enabled for e in engine.slots)
+        results = engine.generate(prompts, config)
+        engine.generate(prompts[:2], config)  # slots take fresh drafters: they hand their gates over too
+        assert all(not e.drafter.gate.enabled for e in engine.slots)
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.tokens == alone(runner, prompt, config)[0]
+    summary = engine.gate.summary()
+    assert 3 in summary and summary[3]["plain_cycles"] >= PROBE["plain"]
+    assert not list(tmp_path.rglob("*.json"))  # what the batch's gate decided is never saved as a drafter's memory
+    with BatchEngine(runner, lambda: build_drafter(name, runner, options), 1) as one:
+        assert one.gate is None and one.slots[0].drafter.gate.enabled

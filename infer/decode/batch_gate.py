@@ -1,0 +1,114 @@
+"""One never-slower gate for a batch: draft or take plain steps for every row, from the batch's measured speed per B.
+
+At B rows a plain cycle already shares one weight stream among B tokens; a drafting cycle verifies B (M + rejected)
+rows, arithmetic that a plain cycle does not pay, and on a CPU core a 20-row verification costs about 1.5 plain
+8-row cycles (docs/BATCHING.md). Whether drafting pays therefore depends on B, and a row's own gate cannot tell: it
+times the batch's cycle, and its memory is keyed without B. So a ``BatchEngine`` whose drafters are adaptive takes
+their gates over (``Drafter.hand_over_gate``) and decides for every row at once, per number of running rows, from
+the batch's committed tokens and each cycle's seconds (prefill excluded: a joining row's prefill runs between
+cycles).
+
+Per B: a steady mode, and now and then a probe of the other one. A B seen for the first time starts in the mode its
+nearest measured B chose (the tail of a batch, rows finishing one by one, passes through many B for a few cycles
+each: probing each would cost more than it finds); the first B of all times plain steps first, then probes
+drafting. A probe that does not change the choice doubles the time to the next one (up to ``BACKOFF`` times).
+Output is unchanged either way: a plain step is a verification of nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from infer.drafters.gate import Rate
+
+RECHECK = 32
+"""Cycles in the chosen mode before the other one is probed again at the same B (doubling after each probe that did
+not change the choice): a batch of short prompts lasts a few hundred cycles, so its gate can change its mind in one."""
+BACKOFF = 8
+"""At most this many times ``RECHECK`` between probes."""
+PROBE = {"plain": 3, "draft": 6}
+"""Cycles a probe of each mode runs (drafting varies more from cycle to cycle than plain steps do)."""
+MARGIN = 0.02
+"""Drafting is chosen only where its tokens per second beat plain steps' by this share."""
+
+
+@dataclass
+class Choice:
+    """What the gate knows and does at one B: each mode's measured speed, the mode of the next cycles, and how many
+    cycles are left before it reconsiders."""
+
+    mode: str
+    """'plain' or 'draft': what the next cycle at this B does."""
+    left: int
+    """Cycles left in this phase (a probe, or the steady mode)."""
+    probing: bool
+    """Whether this phase measures ``mode`` to compare it with the other (else the steady mode)."""
+    recheck: int = RECHECK
+    """Length of the next steady phase."""
+    speed: dict[str, Rate] = field(default_factory=lambda: {"plain": Rate(), "draft": Rate()})
+    """Tokens per second of the batch's cycles in each mode at this B (moving averages)."""
+
+    @property
+    def measured(self) -> bool:
+        return all(rate.cycles for rate in self.speed.values())
+
+    def best(self) -> str:
+        plain, draft = self.speed["plain"].value, self.speed["draft"].value
+        return "draft" if draft > plain * (1 + MARGIN) else "plain"
+
+    def next_phase(self) -> None:
+        """The phase ended: measure a mode this B has not seen, or choose after a probe, or probe after a steady
+        phase."""
+        unseen = [mode for mode in ("plain", "draft") if not self.speed[mode].cycles]
+        if unseen:
+            self.mode, self.probing, self.left = unseen[0], True, PROBE[unseen[0]]
+        elif self.probing:
+            best = self.best()
+            kept = best != self.mode  # the probe lost: the steady mode before it stays
+            self.recheck = min(self.recheck * 2, RECHECK * BACKOFF) if kept else RECHECK
+            self.mode, self.probing, self.left = best, False, self.recheck
+        else:
+            other = "plain" if self.mode == "draft" else "draft"
+            self.speed[other] = Rate()  # judge it on fresh cycles: the drafters and the context have moved on
+            self.mode, self.probing, self.left = other, True, PROBE[other]
+
+
+@dataclass
+class BatchGate:
+    """Per number of running rows B, whether the batch's next cycle drafts (``drafts``), learned from every cycle
+    (``record``)."""
+
+    choices: dict[int, Choice] = field(default_factory=dict)
+    """B -> what the gate knows and does at B rows."""
+
+    def choice(self, rows: int) -> Choice:
+        """The choice at ``rows`` running rows; a new B starts in its nearest measured B's mode, else (the first B)
+        timing plain steps."""
+        if rows not in self.choices:
+            known = [b for b, c in self.choices.items() if c.measured]
+            if known:
+                near = self.choices[min(known, key=lambda b: (abs(b - rows), -b))]
+                mode = near.best()
+                self.choices[rows] = Choice(mode, near.recheck, probing=False, recheck=near.recheck)
+            else:
+                self.choices[rows] = Choice("plain", PROBE["plain"], probing=True)
+        return self.choices[rows]
+
+    def drafts(self, rows: int) -> bool:
+        """Whether the next cycle of ``rows`` running rows asks their drafters for drafts (else plain steps)."""
+        return self.choice(rows).mode == "draft"
+
+    def record(self, rows: int, tokens: int, seconds: float, drafted: bool) -> None:
+        """A finished cycle of ``rows`` rows: ``tokens`` committed over all rows in ``seconds``."""
+        choice = self.choice(rows)
+        choice.speed["draft" if drafted else "plain"].add(tokens, seconds)
+        choice.left -= 1
+        if choice.left <= 0:
+            choice.next_phase()
+
+    def summary(self) -> dict[int, dict]:
+        """Per B: the mode of its next cycle, and the measured tokens per second of plain and drafting cycles
+        (0: not measured) with their counts of cycles."""
+        return {b: {"mode": c.mode, "plain_tps": round(c.speed["plain"].value, 2),
+                    "draft_tps": round(c.speed["draft"].value, 2), "plain_cycles": c.speed["plain"].cycles,
+                    "draft_cycles": c.speed["draft"].cycles} for b, c in sorted(self.choices.items())}
