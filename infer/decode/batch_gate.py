@@ -8,10 +8,11 @@ their gates over (``Drafter.hand_over_gate``) and decides for every row at once,
 the batch's committed tokens and each cycle's seconds (prefill excluded: a joining row's prefill runs between
 cycles).
 
-Per B: a steady mode, and now and then a probe of the other one. A B seen for the first time starts in the mode its
-nearest measured B chose (the tail of a batch, rows finishing one by one, passes through many B for a few cycles
-each: probing each would cost more than it finds); the first B of all times plain steps first, then probes
-drafting. A probe that does not change the choice doubles the time to the next one (up to ``BACKOFF`` times).
+Per B: a steady mode, and now and then a probe of the other one; a probe that does not change the choice doubles the
+time to the next one (up to ``BACKOFF`` times). The first B times plain steps, then probes drafting. A B seen for the
+first time starts in the mode its nearest measured B chose, without a probe: a batch without a queue ends in a tail
+of rows finishing one by one, a few cycles at each B, where a probe would cost more than it could find (and drafting
+rows out of step lengthens the tail: the batch's last cycles run the rows that gained least).
 Output is unchanged either way: a plain step is a verification of nothing.
 """
 
@@ -45,6 +46,8 @@ class Choice:
     """Whether this phase measures ``mode`` to compare it with the other (else the steady mode)."""
     recheck: int = RECHECK
     """Length of the next steady phase."""
+    before: str | None = None
+    """During a probe, the steady mode it interrupted (the first B's first measurement: plain)."""
     speed: dict[str, Rate] = field(default_factory=lambda: {"plain": Rate(), "draft": Rate()})
     """Tokens per second of the batch's cycles in each mode at this B (moving averages)."""
 
@@ -64,13 +67,13 @@ class Choice:
             self.mode, self.probing, self.left = unseen[0], True, PROBE[unseen[0]]
         elif self.probing:
             best = self.best()
-            kept = best != self.mode  # the probe lost: the steady mode before it stays
+            kept = best == self.before  # the probe changed nothing: wait twice as long for the next one
             self.recheck = min(self.recheck * 2, RECHECK * BACKOFF) if kept else RECHECK
             self.mode, self.probing, self.left = best, False, self.recheck
         else:
             other = "plain" if self.mode == "draft" else "draft"
             self.speed[other] = Rate()  # judge it on fresh cycles: the drafters and the context have moved on
-            self.mode, self.probing, self.left = other, True, PROBE[other]
+            self.before, self.mode, self.probing, self.left = self.mode, other, True, PROBE[other]
 
 
 @dataclass
@@ -82,16 +85,15 @@ class BatchGate:
     """B -> what the gate knows and does at B rows."""
 
     def choice(self, rows: int) -> Choice:
-        """The choice at ``rows`` running rows; a new B starts in its nearest measured B's mode, else (the first B)
-        timing plain steps."""
+        """The choice at ``rows`` running rows; a new B starts in the mode its nearest measured B chose, else (the
+        first B) timing plain steps, then probing drafting."""
         if rows not in self.choices:
-            known = [b for b, c in self.choices.items() if c.measured]
-            if known:
-                near = self.choices[min(known, key=lambda b: (abs(b - rows), -b))]
-                mode = near.best()
-                self.choices[rows] = Choice(mode, near.recheck, probing=False, recheck=near.recheck)
+            measured = [b for b, c in self.choices.items() if c.measured]
+            if measured:
+                near = self.choices[min(measured, key=lambda b: (abs(b - rows), -b))]
+                self.choices[rows] = Choice(near.best(), near.recheck, probing=False, recheck=near.recheck)
             else:
-                self.choices[rows] = Choice("plain", PROBE["plain"], probing=True)
+                self.choices[rows] = Choice("plain", PROBE["plain"], probing=True, before="plain")
         return self.choices[rows]
 
     def drafts(self, rows: int) -> bool:
