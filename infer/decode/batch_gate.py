@@ -31,6 +31,12 @@ PROBE = {"plain": 3, "draft": 6}
 """Cycles a probe of each mode runs (drafting varies more from cycle to cycle than plain steps do)."""
 MARGIN = 0.02
 """Drafting is chosen only where its tokens per second beat plain steps' by this share."""
+CLEAR_LOSS = 0.75
+"""A probe of drafting ends after ``SURE`` cycles where its tokens per second are below this share of plain steps':
+on a CPU, drafting at B = 8 can run at half the speed of plain steps (docs/BATCHING.md), and in a batch without a
+queue a probe's extra cost is not earned back (the last row to finish sets the end)."""
+SURE = 2
+"""Cycles of a drafting probe before a clear loss ends it."""
 
 
 @dataclass
@@ -58,6 +64,12 @@ class Choice:
     def best(self) -> str:
         plain, draft = self.speed["plain"].value, self.speed["draft"].value
         return "draft" if draft > plain * (1 + MARGIN) else "plain"
+
+    def clearly_loses(self) -> bool:
+        """Whether this phase is a probe of drafting that has run ``SURE`` cycles far below plain steps' speed."""
+        draft, plain = self.speed["draft"], self.speed["plain"]
+        return self.probing and self.mode == "draft" and draft.cycles >= SURE and plain.cycles > 0 \
+            and draft.value < CLEAR_LOSS * plain.value
 
     def next_phase(self) -> None:
         """The phase ended: measure a mode this B has not seen, or choose after a probe, or probe after a steady
@@ -105,7 +117,7 @@ class BatchGate:
         choice = self.choice(rows)
         choice.speed["draft" if drafted else "plain"].add(tokens, seconds)
         choice.left -= 1
-        if choice.left <= 0:
+        if choice.left <= 0 or choice.clearly_loses():
             choice.next_phase()
 
     def summary(self) -> dict[int, dict]:

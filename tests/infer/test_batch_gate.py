@@ -2,7 +2,7 @@
 them (measured tokens per second of the batch's cycles, injected here); a new B starts from what the measured B
 imply for it."""
 
-from infer.decode.batch_gate import BACKOFF, PROBE, RECHECK, BatchGate
+from infer.decode.batch_gate import BACKOFF, PROBE, RECHECK, SURE, BatchGate
 
 
 def run(gate: BatchGate, rows: int, cycles: int, plain_tps: float, draft_tps: float) -> list[bool]:
@@ -44,3 +44,11 @@ def test_a_new_batch_size_starts_from_its_nearest_measured_one():
     gate = BatchGate()
     run(gate, 8, 20, plain_tps=100.0, draft_tps=150.0)  # drafting pays at B = 8
     assert run(gate, 6, 5, plain_tps=90.0, draft_tps=150.0) == [True] * 5
+
+
+def test_a_probe_that_clearly_loses_ends_early():
+    gate = BatchGate()
+    warm = PROBE["plain"]
+    modes = run(gate, 8, warm + 2 * RECHECK, plain_tps=100.0, draft_tps=50.0)
+    assert modes[:warm + SURE] == [False] * warm + [True] * SURE and not any(modes[warm + SURE:])
+    assert gate.summary()[8]["mode"] == "plain" and gate.choices[8].recheck == 2 * RECHECK
