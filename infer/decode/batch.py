@@ -158,7 +158,7 @@ class BatchEngine:
                     on_result(i, results[i])
             live = [row for row in live if not row[2].done]
             if live:
-                self.step([(engine, gen) for _, engine, gen in live])
+                self.step([(engine, gen) for _, engine, gen in live], queued=bool(queue))
         return results
 
     def fresh(self, engine: Engine) -> Engine:
@@ -179,12 +179,16 @@ class BatchEngine:
             return False
         return any([engine.drafter.hand_over_gate() for engine in engines])
 
-    def step(self, rows: Sequence[tuple[Engine, Generation]]) -> list[VerifyOutcome]:
+    def step(self, rows: Sequence[tuple[Engine, Generation]], queued: bool = True) -> list[VerifyOutcome]:
         """One cycle over running rows (``infer.decode.cycle.step_rows``), seen by ``observers``; with the batch's
-        gate, a cycle of plain steps for every row where it chose so, and the cycle timed for it."""
+        gate, a cycle of plain steps for every row where it chose so, and the cycle timed for it. ``queued``: prompts
+        wait for a slot (the gate weighs the tokens of every row; else those of the row that advanced least, which
+        sets when the batch ends)."""
         if self.gate is None:
             return step_rows(rows, self.observers)
         drafting, t0 = self.gate.drafts(len(rows)), time.perf_counter()
         outcomes = step_rows(rows, self.observers, plain=not drafting)
-        self.gate.record(len(rows), sum(len(o.tokens) for o in outcomes), time.perf_counter() - t0, drafting)
+        seconds = time.perf_counter() - t0
+        made = [len(o.tokens) for o in outcomes]
+        self.gate.record(len(rows), sum(made) if queued else len(made) * min(made), seconds, drafting)
         return outcomes

@@ -10,6 +10,7 @@ import torch
 from infer.decode import batch as batch_module
 from infer.decode.batch import BatchEngine
 from infer.decode.batch_gate import PROBE, BatchGate
+from infer.decode.cycle import CycleObserver
 from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import ExampleModel, build_drafter, example_cases
 from infer.model.runner import Runner
@@ -263,3 +264,37 @@ def test_adaptive_drafters_hand_their_gates_to_the_batch(runner, prompts, name, 
     assert not list(tmp_path.rglob("*.json"))  # what the batch's gate decided is never saved as a drafter's memory
     with BatchEngine(runner, lambda: build_drafter(name, runner, options), 1) as one:
         assert one.gate is None and one.slots[0].drafter.gate.enabled
+
+
+class Recorder(CycleObserver):
+    def __init__(self):
+        self.made = []
+
+    def advanced(self, rows, outcomes):
+        self.made.append([len(o.tokens) for o in outcomes])
+
+
+def test_the_batch_gate_weighs_the_slowest_row_when_no_prompt_waits(runner, prompts):
+    """While prompts wait for a slot the gate counts every row's tokens; once none waits, B times the fewest any row
+    committed (the batch ends with its slowest row)."""
+    recorded = []
+
+    class Listening(BatchGate):
+        def record(self, rows, tokens, seconds, drafted):
+            recorded.append(tokens)
+            super().record(rows, tokens, seconds, drafted)
+
+    config = DecodeConfig(max_new_tokens=12)
+    for n in (3, 6):  # no queue; a queue of three at first
+        recorded.clear()
+        with BatchEngine(runner, lambda: build_drafter("early_exit", runner, {"E": 2, "k": 4}), 3) as engine:
+            engine.gate, seen = Listening(), Recorder()
+            engine.observers.append(seen)
+            engine.generate(prompts[:n], config)
+        closed = [len(m) * min(m) for m in seen.made]
+        assert len(recorded) == len(seen.made) and any(len(set(m)) > 1 for m in seen.made)
+        if n == 3:
+            assert recorded == closed
+        else:
+            assert recorded[0] == sum(seen.made[0]) and recorded[-1] == closed[-1]
+            assert any(r == sum(m) != c for r, m, c in zip(recorded, seen.made, closed, strict=True))
