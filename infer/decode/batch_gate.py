@@ -39,8 +39,8 @@ CLEAR_LOSS = 0.75
 on a CPU, drafting at B = 8 can run at half the speed of plain steps (docs/BATCHING.md), and in a batch without a
 queue a probe's extra cost is not earned back (the last row to finish sets the end)."""
 SURE = 1
-"""Cycles of a drafting probe before a clear loss ends it: one, since one drafting cycle of 8 rows can cost several plain
-cycles."""
+"""Cycles of a drafting probe before a clear loss ends it: one, since one drafting cycle of 8 rows can cost several
+plain cycles."""
 
 
 @dataclass

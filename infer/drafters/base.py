@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from infer.assets.adapter import ExitAdapter
+from infer.drafters.gate import FallbackGate, hand_over
 from infer.model.kv_cache import KVCache, ints_to_device
 from infer.model.plan import LayerPlan
 from infer.model.runner import DraftHead, Runner
@@ -269,9 +270,10 @@ class Drafter:
 
     def hand_over_gate(self) -> bool:
         """From now on a caller's gate chooses this sequence's plain steps (a batch's: one gate for every row,
-        measuring the batch's cycles): a drafter with a fallback gate of its own stops choosing (it drafts whenever
-        asked) and keeps nothing for later commands. True when it had an enabled gate to hand over."""
-        return False
+        measuring the batch's cycles): a drafter with a fallback gate of its own (its ``gate``, what it remembers its
+        ``memory``) stops choosing (it drafts whenever asked) and keeps nothing for later commands. True when it had
+        an enabled gate to hand over."""
+        return isinstance(getattr(self, "gate", None), FallbackGate) and hand_over(self)
 
     def update(self, state: DecodeState, outcome: VerifyOutcome) -> None:
         """Learn from a verification (the cache now holds state.n exact rows)."""

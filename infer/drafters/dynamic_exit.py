@@ -429,8 +429,7 @@ class DynamicExitDrafter(GateOwner, Drafter):
         return bool(explore)
 
     def skip(self, state: DecodeState) -> Draft | None:
-        self._cycle_start, self._observe = None, ()  # the caller's plain step: not timed, nothing observed
-        self.cycle += 1
+        self._cycle_start, self._observe, self.cycle = None, (), self.cycle + 1  # not timed, nothing observed
         return self.plain_step()
 
     def plain_step(self) -> Draft | None:

@@ -270,11 +270,6 @@ class GateOwner:
                 self.gate = FallbackGate(config.recheck_interval, enabled=True)
                 self.remembered = {}
 
-    def hand_over_gate(self) -> bool:
-        """A caller's gate chooses plain steps from now on (``Drafter.hand_over_gate``): this gate stops choosing and
-        nothing is remembered."""
-        return hand_over(self)
-
     def kept_state(self) -> dict:
         """What ``finish`` keeps besides the gate (a drafter adds its own)."""
         return {}

@@ -35,7 +35,7 @@ from infer.drafters.base import (
 )
 from infer.drafters.chain import PlanForward, check_size, draft_chain
 from infer.drafters.costs import CostsOption, plan_prices
-from infer.drafters.gate import COLD, FallbackGate, GateMemory, Rate, RememberOption, hand_over
+from infer.drafters.gate import COLD, FallbackGate, GateMemory, Rate, RememberOption
 from infer.drafters.inputs import draft_head, draft_quant, draft_runner, given_plan
 from infer.drafters.skipping import matchness_span
 from infer.drafters.swift_budget import PROBE_BAR, draft_share, needed_matchness, plain_share, within
@@ -242,10 +242,8 @@ class SwiftDrafter(Drafter):
         if self.memory is not None:
             self._restore(self.memory.load() or {})
 
-    @property
-    def fallback(self) -> bool:
-        """Whether the gate may fall back to plain steps (``adaptive``)."""
-        return self.config.adaptive
+    fallback = property(lambda self: self.config.adaptive)
+    """Whether the gate may fall back to plain steps (``adaptive``)."""
 
     def start_plan(self) -> LayerPlan:
         """The plan drafting starts from when none was given: a uniform one at ``skip_ratio``."""
@@ -296,12 +294,8 @@ class SwiftDrafter(Drafter):
         return chain_tree(chain, state, self.tree_nodes) if self.config.tree else chain.draft
 
     def skip(self, state: DecodeState) -> Draft | None:
-        self._cycle_start, self._draft_seconds = None, 0.0  # the caller's plain step: not timed as this gate's
-        self.plain_steps += 1
+        self._cycle_start, self._draft_seconds, self.plain_steps = None, 0.0, self.plain_steps + 1  # not timed here
         return None
-
-    def hand_over_gate(self) -> bool:
-        return hand_over(self)
 
     def update(self, state: DecodeState, outcome: VerifyOutcome) -> None:
         if self._cycle_start is not None:
@@ -501,8 +495,5 @@ class SwiftDrafter(Drafter):
               f"step(s); {tried}", file=sys.stderr, flush=True)
 
     def _reset_prompt_stats(self) -> None:
-        self.forwards = 0
-        self.opt_time = 0.0
-        self.opt_steps = 0
-        self.plain_steps = 0
+        self.forwards, self.opt_time, self.opt_steps, self.plain_steps = 0, 0.0, 0, 0
         self._traj_mark = len(self.trajectory)

@@ -2,6 +2,7 @@
 drafter, with rows of very different lengths and finishing times and rows joining from a queue; sampled rows are
 the same at any batch size; a batch whose caches do not fit is refused in one line."""
 
+import dataclasses
 import random
 
 import pytest
@@ -13,6 +14,7 @@ from infer.decode.batch_gate import PROBE, BatchGate
 from infer.decode.cycle import CycleObserver
 from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import ExampleModel, build_drafter, example_cases
+from infer.drafters.registry import drafter_class
 from infer.model.runner import Runner
 from infer.model.sampling import SamplingConfig
 from layerskip_core.errors import UserError
@@ -241,14 +243,17 @@ def test_plain_cycles_chosen_by_the_batch_keep_every_row_exact(model, runner, pr
         assert sum(r.stats.drafted for r in results) > 0
 
 
-@pytest.mark.parametrize("name, options", [
-    ("early_exit", {"E": 2, "k": 3, "adaptive": True, "remember": "on"}),
-    ("dynamic_exit", {"adaptive": True, "remember": "on"}),
-    ("swift", {"remember": "on"}),
-])
-def test_adaptive_drafters_hand_their_gates_to_the_batch(runner, prompts, name, options, tmp_path, monkeypatch):
+ADAPTIVE = {case: (name, options | {"adaptive": True, "remember": "on"})
+            for case, (name, options) in example_cases(ExampleModel(L), main_only=True).items()
+            if "adaptive" in {f.name for f in dataclasses.fields(drafter_class(name).Config)}}
+"""Every registered drafter with a fallback gate of its own (an ``adaptive`` option), at its main example."""
+
+
+@pytest.mark.parametrize("case", sorted(ADAPTIVE))
+def test_adaptive_drafters_hand_their_gates_to_the_batch(runner, prompts, case, tmp_path, monkeypatch):
     """With adaptive drafters, a batch of several rows decides plain steps once for every row, per number of running
     rows, from the batch's cycles; the rows' own gates stop choosing and save nothing; one row keeps its own gate."""
+    name, options = ADAPTIVE[case]
     monkeypatch.setenv("LAYERSKIP_CACHE", str(tmp_path))
     config = DecodeConfig(max_new_tokens=24)
     with BatchEngine(runner, lambda: build_drafter(name, runner, options), 3) as engine:
