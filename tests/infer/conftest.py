@@ -1,4 +1,5 @@
-"""A seeded 6-layer model and its eager runner, for the executor tests (their cases: ``executor_cases``)."""
+"""A seeded 6-layer model and its eager runner, for the executor tests (their cases: ``executor_cases``); a private
+toolkit cache for tests whose drafters remember what they measured."""
 
 import pytest
 from executor_cases import SIX
@@ -15,3 +16,10 @@ def model():
 @pytest.fixture(scope="module")
 def eager(model):
     return Runner.from_model(model, executor="eager")
+
+
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch):
+    """The fallback gate's memory lives in the toolkit cache: keep each test's apart
+    (``pytestmark = pytest.mark.usefixtures("private_cache")``)."""
+    monkeypatch.setenv("LAYERSKIP_CACHE", str(tmp_path / "cache"))

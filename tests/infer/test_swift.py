@@ -26,10 +26,7 @@ PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 250, 17], [42] * 12 + [7, 8], [1, 2, 3]]
 EAGER = {"context_window": 8, "opt_budget": 0.95, "fallback_opt_budget": 0.95}  # optimise at every step
 
 
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path, monkeypatch):
-    """The fallback gate's memory lives in the toolkit cache: keep each test's apart."""
-    monkeypatch.setenv("LAYERSKIP_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache")  # tests/infer/conftest.py
 
 
 @pytest.fixture(scope="module")

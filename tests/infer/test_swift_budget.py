@@ -20,9 +20,7 @@ from tiny_models import make_model
 BAR = 1 + FallbackGate.MARGIN  # what the gate keeps: drafting that beats plain steps by its margin
 
 
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("LAYERSKIP_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache")  # tests/infer/conftest.py
 
 
 @pytest.fixture(scope="module")

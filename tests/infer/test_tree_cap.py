@@ -15,10 +15,7 @@ PROMPTS = [[5, 6, 7, 8, 9], [100, 3, 250, 17], [42] * 12 + [7, 8]]
 # ``model`` (seeded, 6 layers) and ``eager`` (its runner) come from tests/infer/conftest.py
 
 
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path, monkeypatch):
-    """SWIFT's gate memory lives in the toolkit cache: keep each test's apart."""
-    monkeypatch.setenv("LAYERSKIP_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("private_cache")  # tests/infer/conftest.py
 
 
 def _decode_recording(runner, name: str, options: dict) -> tuple[list[list[int]], list[int], list]:
