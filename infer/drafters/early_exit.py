@@ -200,9 +200,10 @@ class EarlyExitDrafter(GateOwner, Drafter):
     def needs(self) -> Needs:
         c = self.config
         lookahead = c.most_nodes(c.num_draft) + 1
-        if not isinstance(self.forward, AdapterForward):
+        if self.adapter is None:
             return Needs(lookahead=lookahead)
-        # the prefill keeps the prompt's stream entering the adapter's exit, which fills the adapter's cache
+        # the prefill keeps the prompt's stream entering the adapter's exit, which fills the adapter's cache (and, with
+        # a copied prefix, the copy takes the model's keys and values: ``CopiedPrefixForward.fill``)
         return Needs(lookahead=lookahead, prompt_layers=(self.adapter.exit_layer,), prompt_rows=WHOLE_PROMPT)
 
     def start(self, state: DecodeState) -> None:

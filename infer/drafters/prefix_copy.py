@@ -11,7 +11,9 @@ the model's as always. The trade: drafts read E/L of the weights in the narrower
 
 The copy's cache (and the adapter's) follow the accepted tokens: a draft writes the row of each token it runs,
 rows of rejected tokens are rolled back, and the rows a draft did not run (the last drafted token when every one was
-accepted, plain steps of the adaptive gate) are run in front of the next draft's first token, in the same forward.
+accepted, plain steps of the adaptive gate) are run in front of the next draft's first token, in the same forward;
+the prompt's rows are taken from the model's own cache (and stream at E, for the adapter) at the first draft, so a
+sequence that never drafts never spends anything on them.
 """
 
 from __future__ import annotations
@@ -64,6 +66,11 @@ class CopiedPrefixForward:
         self.adapter_cache: KVCache | None = None
         self.tokens: list[int] = []
         """The sequence's tokens (``catch_up``'s): rows the copy's cache lacks are run from them."""
+        self.unfilled = 0
+        """Prompt positions the copy's cache still lacks (``fill`` takes them at the first draft)."""
+        self.model_cache: KVCache | None = None
+        self.kept: Tensor | None = None
+        """The prefill's stream entering layer E over the prompt, until ``fill`` feeds it to the adapter."""
 
     def __call__(self, cache: KVCache, token: Tensor, position: int) -> tuple[Tensor, Tensor]:
         ids = self.missing(position, token)  # (T,): missing rows, then the token at ``position``
@@ -89,21 +96,40 @@ class CopiedPrefixForward:
         return hidden, self.adapter.forward_rows(caches_a, hidden, positions, self.vocab)
 
     def start(self, cache: KVCache, tokens: list[int], kept: Tensor | None = None) -> None:
-        """A prompt was prefilled into ``cache``: fill the copy's cache (and the adapter's) for its positions from the
-        copy's own rows (``kept``, the model's stream, is not what the copy computes: unused)."""
+        """A prompt was prefilled into ``cache``: the copy's cache (and the adapter's) are filled for its positions at
+        the first draft (``fill``), not before: where the gate never drafts (a batch too large for drafting to pay)
+        nothing is spent on them. ``kept``: the (P, d) stream entering layer E that the prefill kept, or None."""
         self.cache = self.prefix.cache_beside(cache)
         if self.adapter is not None:
             self.adapter_cache = self.adapter.layer.cache_beside(cache)
-        self.tokens = tokens
-        if tokens:
-            # the route the engine's prefill takes for the model (``packs``): a copy in the model's dtype then holds
-            # bitwise the model's rows
-            rows = Rows.one(self.cache, self._embed(self.runner.to_device(tokens)),
-                            torch.arange(len(tokens), device=self.runner.device),
-                            kind=ONCE if packs(self.runner) else BULK)
+        self.model_cache, self.kept = cache, kept
+        self.tokens, self.unfilled = tokens, len(tokens)
+
+    def fill(self) -> None:
+        """The prompt's rows, once, before the first draft: the copy's cache takes the model's keys and values of
+        layers [0, E) (in the copy's dtype: what the copy computes, up to its rounding; bitwise in the model's dtype),
+        and the adapter's cache is computed from the model's stream entering E (``kept``). Running the copy over the
+        prompt instead cost 0.4 s for 8 prompts of about 200 tokens (6 plain cycles of the batch) and changed no
+        output: drafts only propose."""
+        P, self.unfilled = self.unfilled, 0
+        if not P:
+            return
+        E, source = self.exit_layer, self.model_cache
+        self.cache.k[:E, :, :P] = source.k[:E, :, :P]  # (E, Hkv, P, D), cast to the copy's dtype
+        self.cache.v[:E, :, :P] = source.v[:E, :, :P]
+        if self.cache.pos is not None:
+            self.cache.pos[:E, :P] = source.pos[:E, :P]
+        self.cache.lengths[:E] = [P] * E
+        if self.adapter is None:
+            return
+        hidden = self.kept
+        if hidden is None or hidden.shape[0] != P:  # no stream kept (a target not deeper than E): the copy runs
+            self.cache.rollback(0)
+            rows = Rows.one(self.cache, self._embed(self.runner.to_device(self.tokens[:P])),
+                            torch.arange(P, device=self.runner.device), kind=ONCE if packs(self.runner) else BULK)
             hidden = self.prefix.run(self.to_exit, rows).hidden  # (P, d)
-            if self.adapter is not None:
-                self.adapter.forward(self.adapter_cache, hidden, 0)
+        self.adapter.forward(self.adapter_cache, hidden.to(self.prefix.dtype), 0)
+        self.kept = None
 
     def accept(self, n: int, hidden: Tensor | None, new_n: int, kept: int) -> None:
         """Verification settled positions [0, new_n): drop the rows from ``kept`` on (rejected tokens, and those
@@ -118,6 +144,7 @@ class CopiedPrefixForward:
 
     def missing(self, position: int, token: Tensor) -> Tensor:
         """The token ids (T,) to run for a draft at ``position``: the rows the copy's cache lacks, then ``token``."""
+        self.fill()
         have = self.cache.lengths[0]
         if have >= position:
             return token

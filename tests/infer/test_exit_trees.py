@@ -7,7 +7,8 @@ import pytest
 import torch
 from lossless_stats import P_THRESHOLD, sampling_pvalue
 
-from infer.decode.engine import DecodeConfig, Engine
+from infer.decode.cycle import step_rows
+from infer.decode.engine import DecodeConfig, Engine, start_rows
 from infer.drafters import build_drafter
 from infer.drafters.base import Draft, VerifyOutcome
 from infer.drafters.tree import chain_rows_kept
@@ -91,6 +92,8 @@ def test_the_adapter_cache_holds_the_rows_of_the_sequence_tokens(eager, adapter,
         have = own.lengths[0]
         fresh = build_drafter("early_exit", eager, options).forward
         fresh.start(eager.new_cache(state.n + 8), state.tokens[:have])
+        if prefix == "copy":
+            fresh.fill()  # a copy runs over the prompt at its first draft
         want = fresh.cache if prefix == "shared" else fresh.adapter_cache
         torch.testing.assert_close(own.k[:, :, :have], want.k[:, :, :have], rtol=1e-4, atol=1e-5)
         checked[0] += have > 0
@@ -100,6 +103,22 @@ def test_the_adapter_cache_holds_the_rows_of_the_sequence_tokens(eager, adapter,
     for p in PROMPTS:
         engine.generate(p, DecodeConfig(max_new_tokens=24))
     assert checked[0] > 10 and siblings[0] > 0
+
+
+def test_a_copied_prefix_runs_over_the_prompt_at_its_first_draft_and_not_before(eager, adapter):
+    """Where a batch's gate takes plain steps only (drafting does not pay at that B), the copy never runs: its caches
+    stay empty through plain steps and fill (the prompt and every token since) at the first draft, output exact."""
+    drafter = build_drafter("early_exit", eager, {"adapter": adapter, "k": 4, "prefix": "copy", "draft_dtype": "model"})
+    engine = Engine(eager, drafter)
+    gen = engine.admit(PROMPTS[0], DecodeConfig(max_new_tokens=16))
+    start_rows([(engine, gen)])
+    for _ in range(3):
+        step_rows([(engine, gen)], plain=True)
+    assert drafter.forward.cache.lengths[0] == drafter.forward.adapter_cache.lengths[0] == 0
+    while not gen.done:
+        step_rows([(engine, gen)])
+    assert drafter.forward.cache.lengths[0] > len(PROMPTS[0]) + 3
+    assert engine.finish(gen).tokens == _plain(eager, 16)[0]
 
 
 def test_a_tree_never_exceeds_its_node_cap(eager, adapter):
