@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from infer.decode.batch_gate import BatchGate
+from infer.decode.batch_gate import BatchGate, CycleClock
 from infer.decode.cycle import CycleObserver, step_rows
 from infer.decode.engine import DecodeConfig, Engine, Generation, GenerationResult, start_rows, token_ids
 from infer.decode.processing import PositionProcessor
@@ -92,6 +92,8 @@ class BatchEngine:
         self.gate: BatchGate | None = BatchGate() if self.take_gates(self.slots) else None
         """With adaptive drafters and more than one row: the batch's one gate, which took the rows' gates over
         (``infer.decode.batch_gate``); None: each drafter gates itself, or does not."""
+        self.clock = CycleClock()
+        """Times each cycle's two phases for the gate."""
         self.used: set[int] = set()
         """Slots (indices) whose drafter has decoded a prompt: the next prompt there gets a fresh one."""
         self.observers: list[CycleObserver] = []
@@ -181,14 +183,18 @@ class BatchEngine:
 
     def step(self, rows: Sequence[tuple[Engine, Generation]], queued: bool = True) -> list[VerifyOutcome]:
         """One cycle over running rows (``infer.decode.cycle.step_rows``), seen by ``observers``; with the batch's
-        gate, a cycle of plain steps for every row where it chose so, and the cycle timed for it. ``queued``: prompts
-        wait for a slot (the gate weighs the tokens of every row; else those of the row that advanced least, which
-        sets when the batch ends)."""
+        gate, a cycle of plain steps for every row or of drafts capped where it chose so, and the cycle timed and
+        shown to it. ``queued``: prompts wait for a slot (the gate weighs the tokens of every row; else B times the
+        advance of the row that has advanced least, which sets when the batch ends)."""
         if self.gate is None:
             return step_rows(rows, self.observers)
-        drafting, t0 = self.gate.drafts(len(rows)), time.perf_counter()
-        outcomes = step_rows(rows, self.observers, plain=not drafting)
+        drafting, cap = self.gate.drafts(len(rows)), self.gate.cap(len(rows))
+        for _, gen in rows:
+            gen.state.draft_cap = cap
+        least, t0 = min(len(gen.tokens) for _, gen in rows), time.perf_counter()
+        outcomes = step_rows(rows, [*self.observers, self.clock], plain=not drafting)
         seconds = time.perf_counter() - t0
-        made = [len(o.tokens) for o in outcomes]
-        self.gate.record(len(rows), sum(made) if queued else len(made) * min(made), seconds, drafting)
+        progress = sum(len(o.tokens) for o in outcomes) if queued else \
+            len(rows) * (min(len(gen.tokens) for _, gen in rows) - least)
+        self.gate.record(len(rows), progress, seconds, drafting, self.clock.detail(outcomes))
         return outcomes

@@ -109,6 +109,9 @@ class DecodeState:
     """tokens[:n] are in the cache (all layers); tokens[n] is the pending token."""
     budget: int = 0
     """How many more tokens may be appended (accepted drafts + bonus) before max_new_tokens."""
+    draft_cap: int | None = None
+    """Most tokens this cycle's draft may hold, a tree's included (a batch's gate sets it: at B rows a draft of k
+    costs a verification of B (k + 1) rows, ``infer.decode.batch_gate``); None: the drafter's own."""
     eos: frozenset[int] = frozenset()
     """Token ids that end the generation (empty when it does not stop at EOS): a draft chain stops after one."""
     depth: int | None = None

@@ -179,6 +179,13 @@ def draft_chain(state: DecodeState, forward, max_draft: int, confidence: float =
     return draft_chains([ChainAsk(state, forward, max_draft, confidence, keep_last)], keep_dists)[0]
 
 
+def most_drafts(state: DecodeState, limit: int) -> int:
+    """Most tokens a draft may hold this cycle: ``limit`` (the drafter's), within the token budget (a bonus token
+    follows) and the caller's cap (``DecodeState.draft_cap``)."""
+    cap = limit if state.draft_cap is None else state.draft_cap
+    return min(limit, state.budget - 1, cap)
+
+
 def draft_chains(asks: list[ChainAsk], keep_dists: bool = False) -> list[ChainResult]:
     """A draft chain for every sequence of ``asks``, drafted together: each step runs one draft forward over the
     packed rows of the sequences still drafting (one sequence: its own forward), and each chain stops on its own.
@@ -197,7 +204,7 @@ def draft_chains(asks: list[ChainAsk], keep_dists: bool = False) -> list[ChainRe
     a token it does propose is an unconditioned draw from q. Greedy drafts are deterministic (q is one-hot), and the
     top-1 probability is the chosen token's: both rules are the same there.
     """
-    chains = [_Chain(a, min(a.max_draft, a.state.budget - 1), ints_to_device([a.state.pending], a.state.runner.device))
+    chains = [_Chain(a, most_drafts(a.state, a.max_draft), ints_to_device([a.state.pending], a.state.runner.device))
               for a in asks]  # each token (1,) via pinned memory on CUDA: no host sync
     active, step = [c for c in chains if c.k > 0], 0
     while active:

@@ -273,21 +273,25 @@ def test_adaptive_drafters_hand_their_gates_to_the_batch(runner, prompts, case, 
 
 class Recorder(CycleObserver):
     def __init__(self):
-        self.made = []
+        self.made, self.before, self.after = [], [], []
+
+    def begin(self, rows):
+        self.before.append([len(gen.tokens) for _, gen in rows])
 
     def advanced(self, rows, outcomes):
         self.made.append([len(o.tokens) for o in outcomes])
+        self.after.append([len(gen.tokens) for _, gen in rows])
 
 
 def test_the_batch_gate_weighs_the_slowest_row_when_no_prompt_waits(runner, prompts):
-    """While prompts wait for a slot the gate counts every row's tokens; once none waits, B times the fewest any row
-    committed (the batch ends with its slowest row)."""
+    """While prompts wait for a slot the gate counts every row's tokens; once none waits, B times the advance of the
+    row that has advanced least (the batch ends with its slowest row)."""
     recorded = []
 
     class Listening(BatchGate):
-        def record(self, rows, tokens, seconds, drafted):
+        def record(self, rows, tokens, seconds, drafted, detail=None):
             recorded.append(tokens)
-            super().record(rows, tokens, seconds, drafted)
+            super().record(rows, tokens, seconds, drafted, detail)
 
     config = DecodeConfig(max_new_tokens=12)
     for n in (3, 6):  # no queue; a queue of three at first
@@ -296,10 +300,47 @@ def test_the_batch_gate_weighs_the_slowest_row_when_no_prompt_waits(runner, prom
             engine.gate, seen = Listening(), Recorder()
             engine.observers.append(seen)
             engine.generate(prompts[:n], config)
-        closed = [len(m) * min(m) for m in seen.made]
+        closed = [len(b) * (min(a) - min(b)) for b, a in zip(seen.before, seen.after, strict=True)]
         assert len(recorded) == len(seen.made) and any(len(set(m)) > 1 for m in seen.made)
         if n == 3:
             assert recorded == closed
         else:
             assert recorded[0] == sum(seen.made[0]) and recorded[-1] == closed[-1]
             assert any(r == sum(m) != c for r, m, c in zip(recorded, seen.made, closed, strict=True))
+
+
+class Capped(BatchGate):
+    """A gate that drafts every cycle, at most ``cap`` tokens a row."""
+
+    def __init__(self, cap):
+        super().__init__()
+        self.fixed = cap
+
+    def drafts(self, rows):
+        return True
+
+    def cap(self, rows):
+        return self.fixed
+
+
+@pytest.mark.parametrize("cap", [1, 2])
+@pytest.mark.parametrize("case", [*CASES, *ADAPTER_CASES])
+def test_the_gates_cap_bounds_every_drafters_draft_and_output_stays_exact(model, runner, prompts, case, cap,
+                                                                         tmp_path):
+    """The batch's gate caps each row's draft at k tokens (``DecodeState.draft_cap``): every registered drafter's
+    chains and trees hold at most k, and every row still equals plain decoding alone."""
+    with_adapter = {"adapter": str(adapter_file(model, tmp_path / "a.safetensors")), "k": 3}
+    name, options = ("early_exit", with_adapter | ADAPTER_CASES[case]) if case in ADAPTER_CASES else CASES[case]
+    config, seen = DecodeConfig(max_new_tokens=16), Recorder()
+    with BatchEngine(runner, lambda: build_drafter(name, runner, options), 3) as engine:
+        engine.gate = Capped(cap)
+        engine.observers.append(seen)
+        drafted = []
+        engine.observers.append(type("Sizes", (CycleObserver,), {
+            "verified": lambda self, rows, outcomes: drafted.extend(o.drafted for o in outcomes)})())
+        results = engine.generate(prompts, config)
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.tokens == alone(runner, prompt, config)[0], case
+    assert max(drafted) <= cap
+    if name != PLAIN:
+        assert max(drafted) >= 1, case  # the cap bounds the draft; it does not stop drafting

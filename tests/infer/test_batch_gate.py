@@ -2,7 +2,11 @@
 them (measured tokens per second of the batch's cycles, injected here); a new B starts from what the measured B
 imply for it."""
 
-from infer.decode.batch_gate import BACKOFF, PROBE, RECHECK, SURE, BatchGate
+import random
+
+import pytest
+
+from infer.decode.batch_gate import BACKOFF, PROBE, RECHECK, SCOUT, SURE, BatchGate, CycleDetail, Line
 
 
 def run(gate: BatchGate, rows: int, cycles: int, plain_tps: float, draft_tps: float) -> list[bool]:
@@ -52,3 +56,64 @@ def test_a_probe_that_clearly_loses_ends_early():
     modes = run(gate, 8, warm + 2 * RECHECK, plain_tps=100.0, draft_tps=50.0)
     assert modes[:warm + SURE] == [False] * warm + [True] * SURE and not any(modes[warm + SURE:])
     assert gate.summary()[8]["mode"] == "plain" and gate.choices[8].recheck == 2 * RECHECK
+
+
+def simulate(gate: BatchGate, rows: int, cycles: int, verify: tuple[float, float], draft: float, acceptance: float,
+             own_k: int = 6, seed: int = 0) -> list[int | None]:
+    """``cycles`` cycles of ``rows`` rows on a machine whose verification of T tokens takes a + b T seconds and one
+    draft forward over the rows ``draft`` seconds, each drafted token accepted with probability ``acceptance``: the
+    gate sees each cycle's detail as a ``BatchEngine`` shows it. Returns each cycle's draft length (None: plain)."""
+    rng, a, b, ks = random.Random(seed), *verify, []
+    for _ in range(cycles):
+        if not gate.drafts(rows):
+            seconds = a + b * rows
+            gate.record(rows, rows, seconds, False, CycleDetail(0.0, seconds, rows, 0, 0, 0))
+            ks.append(None)
+            continue
+        k = min(gate.cap(rows) or own_k, own_k)
+        accepted = [next((j for j in range(k) if rng.random() >= acceptance), k) for _ in range(rows)]
+        rest = a + b * rows * (k + 1)
+        detail = CycleDetail(k * draft, rest, rows * (k + 1), k, sum(accepted), sum(x + (x < k) for x in accepted))
+        gate.record(rows, sum(x + 1 for x in accepted), k * draft + rest, True, detail)
+        ks.append(k)
+    return ks
+
+
+def test_where_no_draft_length_pays_the_scout_ends_the_probe():
+    """Verification that grows steeply with rows (a CPU core at B = 8: 16 rows cost 1.9 plain cycles): the two
+    scout cycles at k = 1 are the only drafting; the model finds no k that pays and the wait doubles."""
+    gate, warm = BatchGate(), PROBE["plain"]
+    ks = simulate(gate, 8, warm + SCOUT + 2 * RECHECK, verify=(0.01, 0.007), draft=0.02, acceptance=0.85)
+    assert ks[:warm] == [None] * warm and ks[warm:warm + SCOUT] == [1] * SCOUT
+    assert ks[warm + SCOUT:] == [None] * (2 * RECHECK)
+    assert gate.fit.best(8)[0] == 0 and gate.choices[8].recheck == 2 * RECHECK
+
+
+def test_where_drafting_pays_the_model_picks_a_longer_draft_and_keeps_it():
+    """A flat verification (memory-bound: 4 rows or 24 cost about alike): after the scout, drafts of several tokens,
+    kept after the probe since they beat plain steps; k follows the model's best."""
+    gate, warm = BatchGate(), PROBE["plain"]
+    ks = simulate(gate, 4, 60, verify=(0.05, 0.002), draft=0.004, acceptance=0.85)
+    assert ks[warm:warm + SCOUT] == [1] * SCOUT
+    assert all(k is not None and k >= 3 for k in ks[warm + SCOUT:warm + SCOUT + RECHECK])
+    assert gate.choices[4].mode == "draft" and gate.fit.best(4)[1] > 1.5
+
+
+def test_a_new_batch_size_starts_from_the_models_prediction():
+    """Once the model can predict, a B seen for the first time starts where it predicts, at its k, without timing
+    plain steps first; at a larger B where verification costs more the same model chooses plain steps."""
+    gate = BatchGate()
+    simulate(gate, 4, 30, verify=(0.05, 0.002), draft=0.004, acceptance=0.85)
+    three = gate.choice(3)
+    assert three.mode == "draft" and three.cap >= 3 and not three.probing
+    steep = BatchGate()
+    simulate(steep, 4, 30, verify=(0.01, 0.007), draft=0.02, acceptance=0.6)
+    assert steep.choice(8).mode == "plain"
+
+
+def test_the_verification_line_needs_two_sizes():
+    line = Line()
+    line.add(8, 0.06)
+    assert line.at(8) is None  # one size: no slope to extrapolate with
+    line.add(16, 0.10)
+    assert line.at(24) == pytest.approx(0.14) and line.at(8) == pytest.approx(0.06)
