@@ -22,8 +22,9 @@ state a prompt meets then depends on the schedule).
 
 With adaptive drafters (early exit's and dynamic exit's ``adaptive``, SWIFT's default) and more than one row, one gate
 decides for the whole batch (``infer.decode.batch_gate``): the rows' drafters hand their gates over, and each cycle
-either drafts for every row or takes a plain step for every row, per number of running rows, from the batch's
-measured speed: whether drafting pays depends on B, which a row's own gate cannot see.
+either takes a plain step for every row or drafts at most k tokens a row, per number of running rows, from a cost
+model fitted to the batch's cycles and their measured speed: whether drafting pays, and how far, depends on B, which a
+row's own gate cannot see.
 """
 
 from __future__ import annotations
