@@ -22,6 +22,7 @@ from lossless_stats import (
 )
 
 from infer.decode.batch import BatchEngine
+from infer.decode.batch_gate import BatchGate
 from infer.decode.engine import Engine
 from infer.drafters import ExampleModel, build_drafter, drafter_spec, example_cases
 from infer.kernels import quant
@@ -156,6 +157,30 @@ def test_batched_rows_sample_the_target(case, model, runner, adapter_file):
     resolved = drafter_spec(name, opts).resolve(runner, None)  # once: a fresh drafter per row is built from it
     with BatchEngine(runner, lambda: resolved.build(runner), batch_size=8) as batch:
         check(*batch_sampling_pvalue(batch, model, PROMPT, T1, STEPS, SAMPLES, seed=13, new_tokens=NEW_TOKENS))
+
+
+class CappedGate(BatchGate):
+    """The batch's gate drafting every cycle at most ``fixed`` tokens a row (``DecodeState.draft_cap``)."""
+
+    def __init__(self, fixed: int):
+        super().__init__()
+        self.fixed = fixed
+
+    def drafts(self, rows: int) -> bool:
+        return True
+
+    def cap(self, rows: int) -> int:
+        return self.fixed
+
+
+@pytest.mark.parametrize("case", ["early_exit-stop", "swift-tree"])
+def test_batched_rows_with_capped_drafts_sample_the_target(case, model, runner, adapter_file):
+    """The batch's gate caps each row's draft (a chain cut at 1 token, a tree at 1 node): still the target."""
+    name, opts = options(case, runner, adapter_file)
+    resolved = drafter_spec(name, opts).resolve(runner, None)
+    with BatchEngine(runner, lambda: resolved.build(runner), batch_size=8) as batch:
+        batch.gate = CappedGate(1)
+        check(*batch_sampling_pvalue(batch, model, PROMPT, T1, STEPS, SAMPLES, seed=14, new_tokens=NEW_TOKENS))
 
 
 def test_the_old_confidence_stop_rule_is_detected(model, runner, monkeypatch):
