@@ -209,7 +209,8 @@ class Choice:
     def start_probe(self, mode: str) -> None:
         self.mode, self.probing, self.left = mode, True, PROBE[mode]
         self.scouting = SCOUT if mode == "draft" else 0
-        self.cap = 1 if self.scouting else self.cap
+        if self.scouting:
+            self.cap = 1
 
     def settle(self, mode: str) -> None:
         """A probe ended: ``mode`` is kept, and the next probe waits twice as long where it changed nothing."""

@@ -75,7 +75,7 @@ def chain_tree(chain: ChainResult, state: DecodeState, max_nodes: int) -> Draft:
     """
     draft = chain.draft
     m = draft.size
-    max_nodes = max_nodes if state.draft_cap is None else min(max_nodes, max(state.draft_cap, m))
+    max_nodes = max_nodes if state.draft_cap is None else min(max_nodes, state.draft_cap)  # the chain kept it
     if m > max_nodes:  # a drafter's bug: its chain must stop at the cap (``TreeOption.chain_depth``)
         raise ValueError(f"a chain of {m} drafted tokens under a tree cap of {max_nodes} nodes")
     room = max_nodes - m
