@@ -13,6 +13,7 @@ then the adapter's layer, its output norm and the shared LM head (or a reduced d
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -20,7 +21,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from infer.model.kv_cache import KVCache
-from infer.model.program import BULK, Output, Program, Rows, Segment
+from infer.model.program import BULK, STEP, Output, Program, Rows, Segment
 from infer.model.quant_weights import check_widths, quantized
 from infer.model.runner import DraftHead, Runner
 from layerskip_core.adapter_spec import (
@@ -86,31 +87,37 @@ class ExitAdapter:
         return self.layer.new_cache(capacity)
 
     def forward(self, cache: KVCache, hidden: Tensor, start: int, logits: bool = False,
-                vocab: DraftHead | None = None) -> Output:
+                vocab: DraftHead | None = None, kind: str = STEP) -> Output:
         """Hidden (T, d) entering layer E at positions start..start+T-1 (the cache must hold ``start``) through the
         adapter's layer, appending T rows to its cache: ``hidden`` (T, d) is the adapter's output (in its dtype) before
-        its output norm; with ``logits``, the (T, V) fp32 logits after it and the LM head (or ``vocab``'s)."""
+        its output norm; with ``logits``, the (T, V) fp32 logits after it and the LM head (or ``vocab``'s). ``kind``:
+        ``BULK`` for a prompt's rows (a prefill's route: a bf16 adapter's matmuls on torch's AMX, 3x faster for a
+        prompt of 200 tokens), else the rows of a decoding step."""
         T = hidden.shape[0]
         if cache.lengths[0] != start:
             raise RuntimeError(f"adapter cache holds {cache.lengths[0]} positions; asked to write from {start}")
-        rows = Rows.one(cache, hidden.to(self.layer.dtype), list(range(start, start + T)))
+        rows = Rows.one(cache, hidden.to(self.layer.dtype), list(range(start, start + T)), kind=kind)
         out = self.layer.run(Program(0, 1, logits=logits, vocab=vocab), rows)
         if logits:
             self.runner.counters.lm_head_tokens += T
         return out
 
 
-    def forward_rows(self, caches: list[KVCache], hidden: Tensor, starts: list[int],
+    def forward_rows(self, caches: list[KVCache], hidden: Tensor, spans: Sequence[Sequence[int]],
                      vocab: DraftHead | None = None) -> Tensor:
-        """``forward`` of one position for each of R sequences at once: ``hidden`` (R, d) entering layer E, row j at
-        position ``starts[j]`` in its own adapter cache ``caches[j]``, as packed rows; returns the (R, V) logits."""
-        for cache, start in zip(caches, starts, strict=True):
-            if cache.lengths[0] != start:
-                raise RuntimeError(f"adapter cache holds {cache.lengths[0]} positions; asked to write from {start}")
-        segments = [Segment(cache, [start]) for cache, start in zip(caches, starts, strict=True)]
-        self.runner.counters.lm_head_tokens += hidden.shape[0]
-        rows = Rows(hidden.to(self.layer.dtype), segments)
-        return self.layer.run(Program(0, 1, logits=True, vocab=vocab), rows).logits
+        """``forward`` of R sequences at once as packed rows: ``hidden`` (N, d) entering layer E holds each sequence's
+        rows in turn, sequence j's at the consecutive positions ``spans[j]`` (from the length of its own adapter cache
+        ``caches[j]``); returns the (R, V) logits of each sequence's last row."""
+        for cache, span in zip(caches, spans, strict=True):
+            if cache.lengths[0] != span[0]:
+                raise RuntimeError(f"adapter cache holds {cache.lengths[0]} positions; asked to write from {span[0]}")
+        self.runner.counters.lm_head_tokens += len(spans)
+        rows = Rows(hidden.to(self.layer.dtype), [Segment(c, list(s)) for c, s in zip(caches, spans, strict=True)])
+        if rows.size == len(spans):  # one row each
+            return self.layer.run(Program(0, 1, logits=True, vocab=vocab), rows).logits
+        out = self.layer.run(Program(0, 1), rows).hidden  # (N, d)
+        last = torch.tensor([len(s) for s in spans]).cumsum(0) - 1  # (R,)
+        return self.layer.logits(out[last], vocab)
 
 
 def trained_vocab_size(adapter: ExitAdapter) -> str | None:
@@ -185,7 +192,8 @@ class AdapterForward:
         r = self.runner
         segments = [Segment(cache, [p]) for cache, p in zip(caches, positions, strict=True)]
         exact = r.run(self.program, Rows(r.embed(tokens), segments)).hidden  # (R, d)
-        return exact, self.adapter.forward_rows([f.cache for f in forwards], exact, positions, self.vocab)
+        spans = [[p] for p in positions]
+        return exact, self.adapter.forward_rows([f.cache for f in forwards], exact, spans, self.vocab)
 
     def start(self, cache: KVCache, tokens: list[int], kept: Tensor | None = None) -> None:
         """A prompt was prefilled: fill the adapter's cache for its positions from ``kept``, the (P, d) stream
@@ -194,7 +202,7 @@ class AdapterForward:
         r, P = self.runner, len(tokens)
         self.cache = self.adapter.layer.cache_beside(cache)
         if kept is not None and kept.shape[0] == P:
-            self.adapter.forward(self.cache, kept, 0)
+            self.adapter.forward(self.cache, kept, 0, kind=BULK)
             return
         scratch = r.take_cache(P)
         try:
@@ -203,7 +211,7 @@ class AdapterForward:
             hidden = r.run(self.program, rows).hidden  # (P, d)
         finally:
             r.release_cache(scratch)
-        self.adapter.forward(self.cache, hidden, 0)
+        self.adapter.forward(self.cache, hidden, 0, kind=BULK)
 
     def accept(self, n: int, hidden: Tensor | None, new_n: int, kept: int) -> None:
         """Verification accepted positions [n, new_n) (``hidden``: their exit states from verification, rows from

@@ -80,20 +80,24 @@ class CopiedPrefixForward:
 
     def rows(self, forwards: list[CopiedPrefixForward], caches: list[KVCache], tokens: Tensor,
              positions: list[int]) -> tuple[Tensor, Tensor]:
-        """The draft forward of R sequences' tokens (R,) at once as packed rows, each sequence's missing rows run
-        first on its own: (R, d) streams after the copy, (R, V) logits."""
-        for f, token, p in zip(forwards, tokens.split(1), positions, strict=True):
-            ids = f.missing(p, token)
-            if ids.shape[0] > 1:
-                f.run(ids[:-1], p - ids.shape[0] + 1, logits=False)
-        x = self._embed(tokens)  # (R, d)
-        rows = Rows(x, [Segment(f.cache, [q]) for f, q in zip(forwards, positions, strict=True)])
-        if self.adapter is None:
+        """The draft forward of R sequences' tokens (R,) at once as packed rows: each sequence's segment holds the
+        rows its copy's cache lacks (after plain steps, the tokens verification took), then its token, so a batch
+        catches up in one forward rather than one per sequence (after 3 plain cycles at B = 8: 0.06 s against one
+        draft forward's 0.03). Returns (R, d) streams after the copy and (R, V) logits, at each sequence's token."""
+        ids = [f.missing(p, token) for f, token, p in zip(forwards, tokens.split(1), positions, strict=True)]
+        spans = [range(p - i.shape[0] + 1, p + 1) for i, p in zip(ids, positions, strict=True)]
+        rows = Rows(self._embed(torch.cat(ids)), [Segment(f.cache, list(s)) for f, s in zip(forwards, spans,
+                                                                                             strict=True)])
+        caught_up = rows.size == len(forwards)  # one row each: the draft's own step
+        if self.adapter is None and caught_up:
             out = self.prefix.run(self.to_logits, rows)
             return out.hidden, out.logits
-        hidden = self.prefix.run(self.to_exit, rows).hidden  # (R, d)
+        hidden = self.prefix.run(self.to_exit, rows).hidden  # (N, d)
+        last = torch.tensor([len(s) for s in spans]).cumsum(0) - 1  # (R,) each sequence's token among the N rows
+        if self.adapter is None:
+            return hidden[last], self.prefix.logits(hidden[last], self.vocab)
         caches_a = [f.adapter_cache for f in forwards]
-        return hidden, self.adapter.forward_rows(caches_a, hidden, positions, self.vocab)
+        return hidden[last], self.adapter.forward_rows(caches_a, hidden, spans, self.vocab)
 
     def start(self, cache: KVCache, tokens: list[int], kept: Tensor | None = None) -> None:
         """A prompt was prefilled into ``cache``: the copy's cache (and the adapter's) are filled for its positions at
@@ -128,7 +132,8 @@ class CopiedPrefixForward:
             self.cache.pos[:E, :P] = source.pos[:E, :P]
         self.cache.lengths[:E] = [P] * E
         if self.adapter is not None:
-            self.adapter.forward(self.adapter_cache, hidden.to(self.prefix.dtype), 0)  # (P, d) the model's stream
+            stream = hidden.to(self.prefix.dtype)  # (P, d) the model's stream entering E
+            self.adapter.forward(self.adapter_cache, stream, 0, kind=BULK)
 
     def accept(self, n: int, hidden: Tensor | None, new_n: int, kept: int) -> None:
         """Verification settled positions [0, new_n): drop the rows from ``kept`` on (rejected tokens, and those

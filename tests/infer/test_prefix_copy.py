@@ -136,3 +136,45 @@ def test_the_default_model_with_its_adapter_on_a_copied_prefix(default_model_pat
         got = model.generate(text, "early_exit", config, adapter="default", num_draft=6, confidence=0.5,
                              keep_last=True, prefix="copy")  # in bf16 where the CPU has it natively (draft-dtype auto)
         assert got.tokens == want and got.stats.drafted > 0
+
+
+@pytest.mark.parametrize("with_adapter", [False, True])
+def test_a_batch_catches_up_in_one_packed_forward(runner, adapter, with_adapter, monkeypatch):
+    """After plain steps each sequence's copy lacks the rows of the tokens verification took (here 0, 1, 3 and 6):
+    ``rows`` runs them in front of each sequence's token in one packed forward and gives what each sequence's own
+    forward gives (the same draft token, logits equal to rounding), with each copy's cache as long."""
+    from infer.assets.adapter import ExitAdapter
+
+    exit_adapter = ExitAdapter.load(adapter, runner) if with_adapter else None
+    E = exit_adapter.exit_layer if with_adapter else 3
+    plain_steps = [0, 1, 3, 6]
+
+    def started(prompt, steps):
+        forward = CopiedPrefixForward(runner, E, torch.float32, exit_adapter)
+        cache = runner.new_cache(64)
+        tokens = list(prompt) + [(7 * j + 3) % 300 for j in range(steps)]
+        runner.forward(cache, torch.tensor(tokens))  # the model's cache: the prompt, then the plain steps' tokens
+        forward.start(cache, tokens[:len(prompt)])
+        forward.catch_up(cache, tokens, len(tokens))
+        return forward, cache, tokens
+
+    seqs = [started(p, m) for p, m in zip(PROMPTS, plain_steps, strict=True)]
+    pending = torch.tensor([17, 29, 4, 250])
+    positions = [len(t) for _, _, t in seqs]
+    for f, _, _ in seqs:
+        f.fill()  # the prompts' rows (each its own forward, or a copy of the model's keys and values)
+    prefix, runs = seqs[0][0].prefix, []
+    run = prefix.run
+    monkeypatch.setattr(prefix, "run", lambda program, rows: runs.append(rows.size) or run(program, rows))
+    hidden, logits = seqs[0][0].rows([f for f, _, _ in seqs], [c for _, c, _ in seqs], pending, positions)
+    monkeypatch.undo()
+    assert runs == [sum(plain_steps) + 4]  # one forward: every missing row and every token
+    assert hidden.shape == (4, runner.spec.hidden_size) and logits.shape == (4, runner.spec.vocab_size)
+    for j, (p, m) in enumerate(zip(PROMPTS, plain_steps, strict=True)):
+        forward, cache, tokens = started(p, m)
+        h, lg = forward(cache, pending[j:j + 1], positions[j])  # (1, d), (1, V)
+        assert torch.allclose(lg, logits[j:j + 1], atol=1e-4) and lg.argmax() == logits[j].argmax(), j
+        assert torch.allclose(h, hidden[j:j + 1], atol=1e-4), j
+        assert forward.cache.lengths == seqs[j][0].cache.lengths, j
+        if with_adapter:
+            assert forward.adapter_cache.lengths == seqs[j][0].adapter_cache.lengths == [positions[j] + 1]
