@@ -23,10 +23,12 @@ MLPs run once over all N = sum P_r prompt positions; the attention runs per prom
   of 64, so every row starts at the same place of that loop.
 
 Everywhere else (CUDA, bf16, the AVX2 kernel path, a projection off the kernel, more than one thread) every prompt runs
-alone in its own forward on torch's ``F.linear``, as before: cuBLAS and MKL choose their blocking by the number of
-rows (MKL's fp32 rows measured bitwise row-invariant only from 4 rows on here, which nothing promises), and the AVX2
-kernel runs prefill-sized matmuls at about 0.65x MKL's rate. Prompts of a different target depth run in different
-forwards, and one packed forward holds at most ``PACK_ROWS`` positions (a longer prompt runs in a forward of its own).
+alone in its own forward (``BULK``: ``F.linear``, or the AVX-512 kernel's panels where a matrix has them, except bf16
+on an AMX CPU, ``infer.model.weights.Linear.bulk_on_torch``), as before: cuBLAS and MKL choose their blocking by the
+number of rows (MKL's fp32 rows measured bitwise row-invariant only from 4 rows on here, which nothing promises), and
+the AVX2 kernel runs prefill-sized matmuls at about 0.65x MKL's rate. Prompts of a different target depth run in
+different forwards, and one packed forward holds at most ``PACK_ROWS`` positions (a longer prompt runs in a forward of
+its own).
 """
 
 from __future__ import annotations

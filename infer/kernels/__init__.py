@@ -29,6 +29,7 @@ set ``LAYERSKIP_KERNEL=torch`` (read by ``layerskip_core.settings``) to force th
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -88,6 +89,16 @@ def cpu_has_bf16() -> bool:
     """Whether this CPU has AVX512_BF16 (bf16 dot products), by /proc/cpuinfo; the kernel checks cpuid itself."""
     try:
         return cpu_supported() and " avx512_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles for bf16 (``amx_bf16`` in /proc/cpuinfo), where torch's bf16 matmul (oneDNN)
+    runs prefill-sized products several times faster than the panels' bf16 dot products (``weights.Linear``)."""
+    try:
+        return cpu_supported() and " amx_bf16" in Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
 

@@ -178,6 +178,35 @@ def test_packed_panels_unpack_and_gather_rows_exactly(dtype):
     assert torch.equal(lin.rows(ids), w[ids])
 
 
+@pytest.mark.parametrize("amx", [False, True])
+def test_a_bf16_prefill_runs_on_torch_where_the_cpu_has_amx(monkeypatch, amx):
+    """bf16 prefill rows (``bulk``) from ``TORCH_BULK_ROWS`` on run on torch's matmul over the unpacked matrix where the
+    CPU has AMX (rows padded to a multiple, cut back), else on the panels; decoding steps and fp32 stay on the panels.
+    Either way the product is W x to bf16 rounding."""
+    from infer.model import weights
+
+    module = _bf16_module()
+    monkeypatch.setattr(kernels, "cpu_has_amx", lambda: amx)
+    w = torch.randn(100, 72).bfloat16()
+    lin = Linear(w, None, module)
+    if lin.panels is None:
+        pytest.skip("the kernel's AVX-512 path is not this CPU's (no packed panels)")
+    calls = []
+    panel_matmul = module.panel_matmul
+    monkeypatch.setattr(lin, "kernel", type("K", (), {"panel_matmul": lambda self, *a: calls.append(1) or
+                                                        panel_matmul(*a)})())
+    for rows, bulk in [(weights.TORCH_BULK_ROWS - 1, True), (weights.TORCH_BULK_ROWS + 5, True), (200, False)]:
+        x = torch.randn(rows, 72).bfloat16()
+        calls.clear()
+        y = lin(x, bulk=bulk)
+        exact = F.linear(x.double(), w.double())  # (rows, 100)
+        assert y.shape == (rows, 100) and y.dtype == torch.bfloat16
+        assert (y.double() - exact).abs().max() <= exact.abs().max() * 2 ** -7
+        on_torch = amx and bulk and rows >= weights.TORCH_BULK_ROWS
+        assert calls == ([] if on_torch else [1]), (rows, bulk)
+    assert not Linear(torch.randn(100, 72), None, module).bulk_on_torch(torch.randn(64, 72))  # fp32: the panels
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_runner_verification_matches_token_by_token(dtype):
     """A T-token forward against one token at a time: the matmuls, norms and (on the AVX-512 path) the attention are
