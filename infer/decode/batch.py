@@ -36,11 +36,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from infer.decode.batch_gate import BatchGate, CycleClock
+from infer.decode.batch_gate import BatchGate, CycleClock, check_batch_memory
 from infer.decode.cycle import CycleObserver, step_rows
 from infer.decode.engine import DecodeConfig, Engine, Generation, GenerationResult, start_rows, token_ids
 from infer.decode.processing import PositionProcessor
 from infer.drafters.base import Drafter, VerifyOutcome
+from infer.drafters.gate import HandedOver
 from infer.model.kv_cache import capacity_bucket
 from infer.model.runner import Runner
 from layerskip_core.errors import UserError
@@ -90,9 +91,13 @@ class BatchEngine:
                   f"{runner.executor} executor serves one row at a time)", file=sys.stderr)
         self.slots = [self.make_engine() for _ in range(batch_size)]
         """One engine (one drafter) per row of the batch."""
-        self.gate: BatchGate | None = BatchGate() if self.take_gates(self.slots) else None
+        handed = self.take_gates(self.slots)
+        memory = next((h.memory for h in handed if h.memory is not None), None)
+        self.gate: BatchGate | None = BatchGate(memory=None if memory is None else memory.sibling(
+            "batch", check_batch_memory)) if handed else None
         """With adaptive drafters and more than one row: the batch's one gate, which took the rows' gates over
-        (``infer.decode.batch_gate``); None: each drafter gates itself, or does not."""
+        (``infer.decode.batch_gate``), starting from what it kept beside their memory in earlier commands (none with
+        ``remember=off``); None: each drafter gates itself, or does not."""
         self.clock = CycleClock()
         """Times each cycle's two phases for the gate."""
         self.used: set[int] = set()
@@ -107,9 +112,11 @@ class BatchEngine:
         self.close()
 
     def close(self) -> None:
-        """Decoding is over: every slot drafter's ``finish`` runs (once)."""
+        """Decoding is over: every slot drafter's ``finish`` runs (once), and the batch's gate keeps what it learned."""
         for engine in self.slots:
             engine.close()
+        if self.gate is not None:
+            self.gate.save()
 
     def check_memory(self, prompts: Sequence[Sequence[int]], config: DecodeConfig) -> int:
         """Refuse, in one line, a batch whose KV caches do not fit: at most ``batch_size`` rows hold a cache at once,
@@ -175,12 +182,13 @@ class BatchEngine:
         self.used.add(slot)
         return engine
 
-    def take_gates(self, engines: Sequence[Engine]) -> bool:
+    def take_gates(self, engines: Sequence[Engine]) -> list[HandedOver]:
         """With more than one row, the batch's gate decides plain steps for these engines' drafters
-        (``Drafter.hand_over_gate``); whether any had an adaptive gate to hand over."""
+        (``Drafter.hand_over_gate``); what those with an adaptive gate handed over (empty: none had one)."""
         if self.batch_size == 1:
-            return False
-        return any([engine.drafter.hand_over_gate() for engine in engines])
+            return []
+        handed = [engine.drafter.hand_over_gate() for engine in engines]
+        return [h for h in handed if h is not None]
 
     def step(self, rows: Sequence[tuple[Engine, Generation]], queued: bool = True) -> list[VerifyOutcome]:
         """One cycle over running rows (``infer.decode.cycle.step_rows``), seen by ``observers``; with the batch's

@@ -29,6 +29,10 @@ without a queue ends in a tail of rows finishing one by one, a few cycles at eac
 Progress is the tokens every row committed while prompts wait for a slot (a row that finishes early makes room for
 the next); with none waiting it is B times the advance of the least-advanced row: the batch ends when its slowest row
 does. Output is unchanged either way: a plain step is a verification of nothing, a capped draft a shorter one.
+
+What the gate learned is kept for the next command beside the drafters' own memory (``BatchGate.memory``, their
+``remember`` option): a remembered B starts in the mode and at the cap it ended in, without a probe, which is where a
+probe costs most (at B = 8 the first draft fills the rows' copied prefixes and the scouts verify twice the rows).
 """
 
 from __future__ import annotations
@@ -40,8 +44,9 @@ from dataclasses import dataclass, field
 
 from infer.decode.cycle import CycleObserver
 from infer.drafters.base import VerifyOutcome
-from infer.drafters.gate import Rate
+from infer.drafters.gate import COLD, GateMemory, Rate, check_rate
 from infer.model.plan import iid_tokens_per_cycle
+from layerskip_core import jsonfile
 
 RECHECK = 32
 """Cycles in the chosen mode before the other one is probed again at the same B (doubling after each probe that did
@@ -257,12 +262,56 @@ class Choice:
 @dataclass
 class BatchGate:
     """Per number of running rows B, whether the batch's next cycle drafts (``drafts``) and at most how far
-    (``cap``), learned from every cycle (``record``)."""
+    (``cap``), learned from every cycle (``record``), and kept for the next command in ``memory`` (``save``)."""
 
     choices: dict[int, Choice] = field(default_factory=dict)
     """B -> what the gate knows and does at B rows."""
     fit: CostFit = field(default_factory=CostFit)
     """The cost model of the batch's cycles (every B together)."""
+    memory: GateMemory | None = None
+    """Where what the gate learned is kept across commands (beside the drafters' own memory, keyed as it is by model,
+    device, dtype, threads and drafter settings): a B it remembers starts in the mode and at the cap it ended in,
+    without a probe, and the cost model starts from the remembered fit. None: remember off."""
+
+    def __post_init__(self) -> None:
+        if self.memory is None:
+            return
+        try:
+            saved = self.memory.load()
+            if saved is not None:
+                self.restore(saved["batch"])
+        except (KeyError, TypeError, ValueError):  # checked on load; anything else unreadable: start afresh
+            self.choices, self.fit = {}, CostFit()
+
+    @property
+    def start_state(self) -> str:
+        """What the gate started from: ``cold``, or ``warm from <file>``."""
+        return COLD if self.memory is None else self.memory.start_state
+
+    def save(self) -> None:
+        """Keep what the gate learned for the next command (nothing without a memory, or a read-only one)."""
+        if self.memory is not None and self.choices:
+            self.memory.save({"batch": self.to_dict()})
+
+    def to_dict(self) -> dict:
+        choices = {str(b): {"mode": c.mode, "cap": c.cap, "recheck": c.recheck, "plain": c.speed["plain"].to_dict(),
+                            "draft": c.speed["draft"].to_dict()} for b, c in self.choices.items() if c.measured}
+        fit = self.fit
+        return {"choices": choices, "fit": {"verify": fit.verify.sums, "acceptance": fit.acceptance,
+                                            "draft": {str(b): list(d) for b, d in fit.draft.items()}}}
+
+    def restore(self, d: dict) -> None:
+        """Continue from ``to_dict``'s state (checked by ``check_batch_memory``): each remembered B in the mode and at
+        the cap it ended in, for its recheck interval before the next probe."""
+        for b, c in d["choices"].items():
+            choice = Choice(c["mode"], int(c["recheck"]), probing=False, recheck=int(c["recheck"]), cap=c["cap"])
+            choice.speed["plain"].load(c["plain"])
+            choice.speed["draft"].load(c["draft"])
+            self.choices[int(b)] = choice
+        fit = d["fit"]
+        self.fit.verify.sums = [float(x) for x in fit["verify"]]
+        self.fit.acceptance = [float(x) for x in fit["acceptance"]]
+        self.fit.draft = {int(b): deque((float(x) for x in v), maxlen=RECENT) for b, v in fit["draft"].items()}
 
     def choice(self, rows: int) -> Choice:
         """The choice at ``rows`` running rows; a new B starts where the model predicts (else in the mode its
@@ -310,6 +359,37 @@ class BatchGate:
         return {b: {"mode": c.mode, "cap": c.cap, "plain_tps": round(c.speed["plain"].value, 2),
                     "draft_tps": round(c.speed["draft"].value, 2), "plain_cycles": c.speed["plain"].cycles,
                     "draft_cycles": c.speed["draft"].cycles} for b, c in sorted(self.choices.items())}
+
+
+def check_batch_memory(d: dict, num_layers: int | None = None) -> None:
+    """ValueError or KeyError unless ``d`` holds what ``BatchGate.save`` keeps, all plausible (``GateMemory.load``
+    then reports the file in one line and the gate starts afresh)."""
+    batch = jsonfile.obj(d["batch"], "'batch'")
+    for b, c in jsonfile.obj(batch["choices"], "batch.choices").items():
+        jsonfile.integer(int(b) if b.isdigit() else b, "a batch size", 1)
+        c = jsonfile.obj(c, f"batch.choices.{b}")
+        if c.get("mode") not in ("plain", "draft"):
+            raise ValueError(f"batch.choices.{b}.mode is {c.get('mode')!r}, expected 'plain' or 'draft'")
+        if c["cap"] is not None:
+            jsonfile.integer(c["cap"], f"batch.choices.{b}.cap", 1, MOST_DRAFTS)
+        jsonfile.integer(c["recheck"], f"batch.choices.{b}.recheck", 1, RECHECK * BACKOFF)
+        check_rate(c["plain"], f"batch.choices.{b}.plain")
+        check_rate(c["draft"], f"batch.choices.{b}.draft")
+    fit = jsonfile.obj(batch["fit"], "batch.fit")
+    if not isinstance(fit["verify"], list) or len(fit["verify"]) != 5:
+        raise ValueError("batch.fit.verify must be a list of 5 numbers")
+    for j, x in enumerate(fit["verify"]):
+        jsonfile.number(x, f"batch.fit.verify[{j}]", -1e12, 1e12)
+    if not isinstance(fit["acceptance"], list) or len(fit["acceptance"]) != 2:
+        raise ValueError("batch.fit.acceptance must be a list of 2 numbers")
+    tested = jsonfile.number(fit["acceptance"][1], "batch.fit.acceptance[1]", 0, 1e9)
+    jsonfile.number(fit["acceptance"][0], "batch.fit.acceptance[0]", 0, tested)
+    for b, seconds in jsonfile.obj(fit["draft"], "batch.fit.draft").items():
+        jsonfile.integer(int(b) if b.isdigit() else b, "a batch size", 1)
+        if not isinstance(seconds, list) or not 0 < len(seconds) <= RECENT:
+            raise ValueError(f"batch.fit.draft.{b} must be a list of 1 to {RECENT} numbers")
+        for x in seconds:
+            jsonfile.number(x, f"batch.fit.draft.{b}", 0, 1e3)
 
 
 class CycleClock(CycleObserver):

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from infer.assets.adapter import ExitAdapter
-from infer.drafters.gate import FallbackGate, hand_over
+from infer.drafters.gate import FallbackGate, HandedOver, hand_over
 from infer.model.kv_cache import KVCache, ints_to_device
 from infer.model.plan import LayerPlan
 from infer.model.runner import DraftHead, Runner
@@ -271,12 +271,12 @@ class Drafter:
         the plain outcome as usual; a drafter that times its own cycles does not count this one as its own."""
         return None
 
-    def hand_over_gate(self) -> bool:
+    def hand_over_gate(self) -> HandedOver | None:
         """From now on a caller's gate chooses this sequence's plain steps (a batch's: one gate for every row,
         measuring the batch's cycles): a drafter with a fallback gate of its own (its ``gate``, what it remembers its
-        ``memory``) stops choosing (it drafts whenever asked) and keeps nothing for later commands. True when it had
-        an enabled gate to hand over."""
-        return isinstance(getattr(self, "gate", None), FallbackGate) and hand_over(self)
+        ``memory``) stops choosing (it drafts whenever asked) and keeps nothing for later commands. Returns what it
+        handed over (its memory, beside which the caller may keep its own), or None: it had no enabled gate."""
+        return hand_over(self) if isinstance(getattr(self, "gate", None), FallbackGate) else None
 
     def update(self, state: DecodeState, outcome: VerifyOutcome) -> None:
         """Learn from a verification (the cache now holds state.n exact rows)."""

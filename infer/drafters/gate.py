@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -183,8 +184,9 @@ def check_memory(d: dict, num_layers: int | None = None) -> None:
 class GateMemory:
     """One drafter's learned gate state on disk, keyed by model, device, dtype, threads and drafter settings."""
 
-    def __init__(self, path: Path, writable: bool = True, num_layers: int | None = None):
-        self.path, self.writable, self.num_layers = path, writable, num_layers
+    def __init__(self, path: Path, writable: bool = True, num_layers: int | None = None,
+                 check: Callable[[dict, int | None], None] = check_memory):
+        self.path, self.writable, self.num_layers, self.check = path, writable, num_layers, check
         self.loaded = False  # whether ``load`` found a saved state
 
     @classmethod
@@ -201,6 +203,11 @@ class GateMemory:
         return cls(cache_root() / "gate" / f"{name}-{digest}.json", writable=config.remember == "on",
                    num_layers=runner.num_layers)
 
+    def sibling(self, scope: str, check: Callable[[dict, int | None], None]) -> GateMemory:
+        """The memory of another gate deciding for the same drafter and settings (``scope``: a batch's), in a file
+        beside this one, read and written alike, its contents checked by ``check``."""
+        return GateMemory(self.path.with_name(f"{self.path.stem}-{scope}.json"), self.writable, self.num_layers, check)
+
     @property
     def start_state(self) -> str:
         """What a drafter using this memory started from: ``cold``, or ``warm from <file>``."""
@@ -214,7 +221,7 @@ class GateMemory:
         try:
             d = jsonfile.read(self.path, "gate memory", MEMORY_FORMAT)
             with jsonfile.checked(self.path, "gate memory"):
-                check_memory(d, self.num_layers)
+                self.check(d, self.num_layers)
         except UserError as e:
             print(f"layerskip: warning: {e}; ignoring it and starting afresh (this run's measurements replace it; "
                   "delete the file to reset the gate)", file=sys.stderr)
@@ -235,15 +242,25 @@ class GateMemory:
                   file=sys.stderr)
 
 
-def hand_over(owner) -> bool:
+@dataclass(frozen=True)
+class HandedOver:
+    """What a drafter gives the caller's gate that takes its choice over (``Drafter.hand_over_gate``)."""
+
+    memory: GateMemory | None
+    """The drafter's own memory (remember on or read), beside which the caller keeps what its gate learns
+    (``GateMemory.sibling``); None: remember off."""
+
+
+def hand_over(owner) -> HandedOver | None:
     """``owner``'s gate hands its choice to a caller's (``Drafter.hand_over_gate``): replaced by a disabled one (always
     drafting) and its memory dropped, so that what the caller's gate decided is never saved as this drafter's
-    measurements. True when the gate was enabled."""
+    measurements. None when the gate was not enabled (nothing to hand over)."""
     if not owner.gate.enabled:
-        return False
+        return None
+    handed = HandedOver(owner.memory)
     owner.gate = FallbackGate(owner.gate.recheck_interval, enabled=False, bar=owner.gate.bar)
     owner.memory = None
-    return True
+    return handed
 
 
 class GateOwner:

@@ -351,6 +351,10 @@ def _timed_run(cfg: BenchConfig, model: LoadedModel, peer: Peer | None, label: s
                 for t, s in zip(tokens, latency, strict=True)], wall
     with engine_for(method, model, label, cfg.start, batch_size=size) as engine:  # built before the clock starts
         results, verified, wall = timed_batch(engine, prompts, cfg.generation(method))
+    gate = getattr(engine, "gate", None)
+    if gate is not None:  # the rows' drafters handed their gates to the batch's: what it started from is theirs
+        for r in results:
+            r.stats.drafter = dataclasses.replace(r.stats.drafter, start_state=gate.start_state)
     return [(r.tokens, r.stats, v) for r, v in zip(results, verified, strict=True)], wall
 
 

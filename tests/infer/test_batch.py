@@ -252,7 +252,8 @@ ADAPTIVE = {case: (name, options | {"adaptive": True, "remember": "on"})
 @pytest.mark.parametrize("case", sorted(ADAPTIVE))
 def test_adaptive_drafters_hand_their_gates_to_the_batch(runner, prompts, case, tmp_path, monkeypatch):
     """With adaptive drafters, a batch of several rows decides plain steps once for every row, per number of running
-    rows, from the batch's cycles; the rows' own gates stop choosing and save nothing; one row keeps its own gate."""
+    rows, from the batch's cycles; the rows' own gates stop choosing and save nothing, the batch's keeps its own
+    memory beside theirs (the next batch starts from it; remember=off: nothing kept); one row keeps its own gate."""
     name, options = ADAPTIVE[case]
     monkeypatch.setenv("LAYERSKIP_CACHE", str(tmp_path))
     config = DecodeConfig(max_new_tokens=24)
@@ -266,7 +267,17 @@ def test_adaptive_drafters_hand_their_gates_to_the_batch(runner, prompts, case, 
         assert result.tokens == alone(runner, prompt, config)[0]
     summary = engine.gate.summary()
     assert 3 in summary and summary[3]["plain_cycles"] >= PROBE["plain"]
-    assert not list(tmp_path.rglob("*.json"))  # what the batch's gate decided is never saved as a drafter's memory
+    saved = list(tmp_path.rglob("*.json"))  # what the batch's gate decided is never saved as a drafter's memory
+    assert [p.name.endswith("-batch.json") for p in saved] == [True]
+    with BatchEngine(runner, lambda: build_drafter(name, runner, options), 3) as again:
+        assert again.gate.start_state == f"warm from {saved[0]}" and 3 in again.gate.choices
+        assert not again.gate.choices[3].probing
+    off = options | {"remember": "off"}
+    saved[0].unlink()
+    with BatchEngine(runner, lambda: build_drafter(name, runner, off), 3) as cold:
+        cold.generate(prompts[:2], config)
+        assert cold.gate.start_state == "cold"
+    assert not list(tmp_path.rglob("*.json"))
     with BatchEngine(runner, lambda: build_drafter(name, runner, options), 1) as one:
         assert one.gate is None and one.slots[0].drafter.gate.enabled
 

@@ -117,3 +117,49 @@ def test_the_verification_line_needs_two_sizes():
     assert line.at(8) is None  # one size: no slope to extrapolate with
     line.add(16, 0.10)
     assert line.at(24) == pytest.approx(0.14) and line.at(8) == pytest.approx(0.06)
+
+
+def _memory(path, writable=True):
+    from infer.decode.batch_gate import check_batch_memory
+    from infer.drafters.gate import GateMemory
+
+    return GateMemory(path, writable).sibling("batch", check_batch_memory)
+
+
+def test_a_remembered_batch_size_starts_in_its_mode_without_a_probe(tmp_path):
+    """What the gate learned is kept (``save``) and the next command's gate starts each remembered B in the mode and
+    at the cap it ended in, for its recheck interval, its cost model restored: no scout at B = 8, drafts at once at
+    B = 4, and a B never seen predicted from the remembered fit."""
+    first = BatchGate(memory=_memory(tmp_path / "early_exit-abc.json"))
+    assert first.start_state == "cold"
+    simulate(first, 8, 40, verify=(0.05, 0.002), draft=0.1, acceptance=0.85)  # drafting loses at B = 8
+    simulate(first, 4, 40, verify=(0.05, 0.002), draft=0.004, acceptance=0.85)  # and pays at B = 4
+    assert first.choices[8].mode == "plain" and first.choices[4].mode == "draft"
+    first.save()
+    assert (tmp_path / "early_exit-abc-batch.json").exists()
+    second = BatchGate(memory=_memory(tmp_path / "early_exit-abc.json"))
+    assert second.start_state.startswith("warm from") and str(tmp_path) in second.start_state
+    assert second.fit.best(4) == pytest.approx(first.fit.best(4)) and second.fit.best(8)[0] == 0
+    recheck = first.choices[8].recheck
+    assert simulate(second, 8, recheck, verify=(0.05, 0.002), draft=0.1, acceptance=0.85) == [None] * recheck
+    assert second.choices[4].mode == "draft" and second.choices[4].cap == first.choices[4].cap
+    assert not second.choice(3).probing
+
+
+def test_a_damaged_or_read_only_batch_memory(tmp_path, capsys):
+    """A damaged file is named in one line and not trusted (a cold gate; this run's state replaces it); a read-only
+    memory (a benchmark's warm start) is read and never written; without a memory nothing is kept."""
+    path = tmp_path / "quant_self-abc-batch.json"
+    path.write_text('{"format": "layerskip-gate/1", "batch": {"choices": {"8": {"mode": "fast"}}, "fit": {}}}\n')
+    gate = BatchGate(memory=_memory(tmp_path / "quant_self-abc.json"))
+    assert "gate memory" in capsys.readouterr().err and gate.start_state == "cold" and not gate.choices
+    simulate(gate, 8, 12, verify=(0.01, 0.007), draft=0.02, acceptance=0.85)
+    gate.save()
+    saved = path.read_text()
+    assert '"fast"' not in saved
+    reader = BatchGate(memory=_memory(tmp_path / "quant_self-abc.json", writable=False))
+    assert reader.start_state.startswith("warm from") and 8 in reader.choices
+    simulate(reader, 8, 40, verify=(0.01, 0.007), draft=0.002, acceptance=0.85)
+    reader.save()
+    assert path.read_text() == saved
+    BatchGate().save()  # no memory: nothing to keep, nothing written
