@@ -29,6 +29,7 @@ row's own gate cannot see.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections import deque
@@ -100,6 +101,8 @@ class BatchEngine:
         ``remember=off``); None: each drafter gates itself, or does not."""
         self.clock = CycleClock()
         """Times each cycle's two phases for the gate."""
+        self.cold = False
+        """Whether the next cycle is the first after a prefill (its verification left out of the gate's fit)."""
         self.used: set[int] = set()
         """Slots (indices) whose drafter has decoded a prompt: the next prompt there gets a fresh one."""
         self.observers: list[CycleObserver] = []
@@ -161,6 +164,7 @@ class BatchEngine:
             if joining:  # the rows taking free slots prefill together (``infer.decode.prefill``)
                 start_rows([(engine, gen) for _, engine, gen in joining])
                 live += joining
+                self.cold = True
             for i, engine, gen in [row for row in live if row[2].done]:
                 results[i] = engine.finish(gen)
                 free.append(engine)
@@ -197,6 +201,7 @@ class BatchEngine:
         advance of the row that has advanced least, which sets when the batch ends)."""
         if self.gate is None:
             return step_rows(rows, self.observers)
+        self.gate.horizon = None if queued else max(gen.config.max_new_tokens - len(gen.tokens) for _, gen in rows)
         drafting, cap = self.gate.drafts(len(rows)), self.gate.cap(len(rows))
         for _, gen in rows:
             gen.state.draft_cap = cap
@@ -205,5 +210,7 @@ class BatchEngine:
         seconds = time.perf_counter() - t0
         progress = sum(len(o.tokens) for o in outcomes) if queued else \
             len(rows) * (min(len(gen.tokens) for _, gen in rows) - least)
-        self.gate.record(len(rows), progress, seconds, drafting, self.clock.detail(outcomes))
+        detail = dataclasses.replace(self.clock.detail(outcomes), cold=self.cold)
+        self.cold = False
+        self.gate.record(len(rows), progress, seconds, drafting, detail)
         return outcomes

@@ -296,27 +296,33 @@ class Recorder(CycleObserver):
 
 def test_the_batch_gate_weighs_the_slowest_row_when_no_prompt_waits(runner, prompts):
     """While prompts wait for a slot the gate counts every row's tokens; once none waits, B times the advance of the
-    row that has advanced least (the batch ends with its slowest row)."""
-    recorded = []
+    row that has advanced least (the batch ends with its slowest row), and the gate's horizon is the tokens the slowest
+    row has left. The first cycle after each prefill is marked cold (left out of the verification line)."""
+    recorded, horizons, colds = [], [], []
 
     class Listening(BatchGate):
         def record(self, rows, tokens, seconds, drafted, detail=None):
             recorded.append(tokens)
+            horizons.append(self.horizon)
+            colds.append(detail.cold)
             super().record(rows, tokens, seconds, drafted, detail)
 
     config = DecodeConfig(max_new_tokens=12)
     for n in (3, 6):  # no queue; a queue of three at first
-        recorded.clear()
+        recorded.clear(), horizons.clear(), colds.clear()
         with BatchEngine(runner, lambda: build_drafter("early_exit", runner, {"E": 2, "k": 4}), 3) as engine:
             engine.gate, seen = Listening(), Recorder()
             engine.observers.append(seen)
             engine.generate(prompts[:n], config)
         closed = [len(b) * (min(a) - min(b)) for b, a in zip(seen.before, seen.after, strict=True)]
         assert len(recorded) == len(seen.made) and any(len(set(m)) > 1 for m in seen.made)
+        assert colds[0] and colds.count(True) <= n and not colds[1]
         if n == 3:
             assert recorded == closed
+            assert horizons == [12 - min(b) for b in seen.before]  # every row asked for 12 tokens
         else:
             assert recorded[0] == sum(seen.made[0]) and recorded[-1] == closed[-1]
+            assert horizons[0] is None and horizons[-1] == 12 - min(seen.before[-1])
             assert any(r == sum(m) != c for r, m, c in zip(recorded, seen.made, closed, strict=True))
 
 

@@ -163,3 +163,41 @@ def test_a_damaged_or_read_only_batch_memory(tmp_path, capsys):
     reader.save()
     assert path.read_text() == saved
     BatchGate().save()  # no memory: nothing to keep, nothing written
+
+
+def test_without_a_queue_the_slowest_row_sets_the_pace():
+    """The slowest of B rows falls behind the mean advance M by about z_B s sqrt(n) over n cycles (a sum of i.i.d.
+    advances); with a queue, or one row, or certain acceptance, the mean; a long horizon tends to it."""
+    from infer.decode.batch_gate import slowest_row_tokens
+    from infer.model.plan import iid_tokens_per_cycle
+
+    mean = iid_tokens_per_cycle(0.63, 1)
+    assert slowest_row_tokens(0.63, 1, 8, None) == slowest_row_tokens(0.63, 1, 1, 61) == pytest.approx(mean)
+    assert slowest_row_tokens(0.63, 1, 8, 61) == pytest.approx(1.524, abs=1e-3)  # 6.5% below M = 1.63
+    assert slowest_row_tokens(0.63, 1, 8, 61) < slowest_row_tokens(0.63, 1, 4, 61) < mean
+    assert slowest_row_tokens(0.63, 1, 8, 10**6) == pytest.approx(mean, rel=1e-3)
+    assert slowest_row_tokens(1.0, 3, 8, 61) == 4.0 and slowest_row_tokens(0.0, 3, 8, 61) == 1.0
+
+
+def test_a_marginal_draft_is_declined_where_the_slowest_row_ends_the_batch():
+    """Drafting at k = 1 that beats plain steps by ~7% on the mean advance: with a queue the gate drafts on; with no
+    prompt waiting and 61 tokens left the slowest of 8 rows leaves it no gain, and the gate returns to plain steps."""
+    warm = PROBE["plain"]
+    machine = dict(verify=(0.04, 0.00375), draft=0.008, acceptance=0.75, own_k=1)
+    queued = BatchGate()
+    ks = simulate(queued, 8, warm + 6, **machine)
+    assert queued.fit.best(8)[0] == 1 and queued.fit.best(8)[1] > 1.05 and ks[warm:] == [1] * 6
+    alone = BatchGate(horizon=61)
+    ks = simulate(alone, 8, warm + 6, **machine)
+    assert alone.fit.best(8, 61)[0] == 0 and ks[:warm + SCOUT] == [None] * warm + [1] * SCOUT
+    assert ks[-3:] == [None] * 3 and alone.choices[8].mode == "plain"
+
+
+def test_the_first_cycle_after_a_prefill_stays_out_of_the_verification_line():
+    from infer.decode.batch_gate import CostFit
+
+    fit = CostFit()
+    fit.add(8, CycleDetail(0.0, 0.09, 8, 0, 0, 0, cold=True))  # the caches cold after the prompts' forward
+    fit.add(8, CycleDetail(0.0, 0.07, 8, 0, 0, 0))
+    fit.add(8, CycleDetail(0.016, 0.098, 16, 1, 5, 8))
+    assert fit.verify.at(8) == pytest.approx(0.07) and fit.verify.at(16) == pytest.approx(0.098)
