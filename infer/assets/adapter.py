@@ -104,15 +104,16 @@ class ExitAdapter:
 
 
     def forward_rows(self, caches: list[KVCache], hidden: Tensor, spans: Sequence[Sequence[int]],
-                     vocab: DraftHead | None = None) -> Tensor:
+                     vocab: DraftHead | None = None, kind: str = STEP) -> Tensor:
         """``forward`` of R sequences at once as packed rows: ``hidden`` (N, d) entering layer E holds each sequence's
         rows in turn, sequence j's at the consecutive positions ``spans[j]`` (from the length of its own adapter cache
-        ``caches[j]``); returns the (R, V) logits of each sequence's last row."""
+        ``caches[j]``); returns the (R, V) logits of each sequence's last row. ``kind``: as ``forward``'s."""
         for cache, span in zip(caches, spans, strict=True):
             if cache.lengths[0] != span[0]:
                 raise RuntimeError(f"adapter cache holds {cache.lengths[0]} positions; asked to write from {span[0]}")
         self.runner.counters.lm_head_tokens += len(spans)
-        rows = Rows(hidden.to(self.layer.dtype), [Segment(c, list(s)) for c, s in zip(caches, spans, strict=True)])
+        rows = Rows(hidden.to(self.layer.dtype), [Segment(c, list(s)) for c, s in zip(caches, spans, strict=True)],
+                    kind)
         if rows.size == len(spans):  # one row each
             return self.layer.run(Program(0, 1, logits=True, vocab=vocab), rows).logits
         out = self.layer.run(Program(0, 1), rows).hidden  # (N, d)

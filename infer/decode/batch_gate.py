@@ -18,14 +18,15 @@ and predicts tokens per second at cap k: B M(a, k) / (k d + a + b B (k + 1)) wit
 (Leviathan et al. 2023), against B / (a + b B) for plain steps; with no prompt waiting, M is the slowest row's
 advance over the tokens it has left (``slowest_row_tokens``: the batch ends with that row).
 
-Per B: a steady mode, and now and then a probe of the other; a probe that does not change the choice doubles the
-time to the next one (up to ``BACKOFF`` times). The first B times plain steps first, then scouts: one drafting cycle
-at k = 1, which costs about what it gains (measured at B = 8: two plain cycles' time for 1.7-1.9 tokens a row, where
-the drafters' own k = 6 cost five), and gives the fit its second point and the acceptance. Where the model then
-finds no k that beats plain steps by ``MARGIN`` the probe ends there; else drafting runs at the best k, measured, and
-is kept only where its measured speed beats plain steps'. While it drafts, k follows the model each cycle. A B seen
-for the first time starts from the model's prediction (else from its nearest measured B), without a probe: a batch
-without a queue ends in a tail of rows finishing one by one, a few cycles at each B.
+Per B: a steady mode, and now and then a probe of the other (ended at once where no row drafts: their drafters' own cost
+models declined, as dynamic exit's do where its exits do not pay); a probe that does not change the choice doubles the
+time to the next one (up to ``BACKOFF`` times). The first B times plain steps first, then scouts: one drafting cycle at
+k = 1, which costs about what it gains (measured at B = 8: two plain cycles' time for 1.7-1.9 tokens a row, where the
+drafters' own k = 6 cost five), and gives the fit its second point and the acceptance. Where the model then finds no k
+that beats plain steps by ``MARGIN`` the probe ends there; else drafting runs at the best k, measured, and is kept only
+where its measured speed beats plain steps'. While it drafts, k follows the model each cycle. A B seen for the first
+time starts from the model's prediction (else from its nearest measured B), without a probe: a batch without a queue
+ends in a tail of rows finishing one by one, a few cycles at each B.
 
 Progress is the tokens every row committed while prompts wait for a slot (a row that finishes early makes room for
 the next); with none waiting it is B times the advance of the least-advanced row: the batch ends when its slowest row
@@ -375,6 +376,9 @@ class BatchGate:
         choice.left -= 1
         if detail is not None:
             self.fit.add(rows, detail)
+        if drafted and detail is not None and not detail.chain and choice.probing:
+            choice.settle("plain")  # no row drafted: their drafters' own cost models declined at this B
+            return
         if drafted:
             choice.follow(None if detail is None else self.fit.best(rows, self.horizon))
             if choice.mode == "plain":  # the model ended the drafting phase

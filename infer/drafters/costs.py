@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from infer.drafters.chain import EarlyExitForward, PlanForward
+from infer.drafters.gate import Rate
 from infer.model.kv_cache import KVCache
 from infer.model.plan import CostModel, LayerPlan, cycle_speedup, iid_tokens_per_cycle, weights_cost
 from infer.model.quant_weights import byte_share
@@ -350,3 +351,42 @@ def _weights(spec) -> tuple[int, int]:
     and a plain step's (every layer and the LM head)."""
     layer = sum(spec.sublayer_weights())
     return layer, spec.num_layers * layer + spec.vocab_size * spec.hidden_size
+
+
+class CycleTiming:
+    """Measured cost of drafting: seconds per unit of the cost model's price (plain steps by weight count: the draft
+    forwards, the verification and its rows, as a cycle realised them; ``realised_cost``) over a plain step's seconds,
+    once both were timed ``MIN_TIMED`` times; 1 before. Weight counts miss what each call costs besides reading
+    weights (Python, the sampler, kernel launches, a confidence stop's host reads); this ratio folds that into the
+    prediction of every drafting choice, so a chain that stops at once is not taken for as cheap as a plain step."""
+
+    MIN_TIMED = 2
+    BOUNDS = (0.5, 3.0)
+
+    def __init__(self, weight: float = 0.2):
+        self.drafted, self.plain = Rate(weight), Rate(weight)
+
+    def cycle(self, seconds: float, cost: float) -> None:
+        """A drafted cycle took ``seconds`` for a realised cost of ``cost`` plain steps by weight count."""
+        if cost > 0:
+            self.drafted.add(cost, seconds)  # "tokens" = cost units
+
+    def plain_step(self, seconds: float) -> None:
+        """A plain step took ``seconds``."""
+        self.plain.add(1, seconds)
+
+    def scale(self) -> float:
+        """Measured over weight-count cost of drafting (1 until timed)."""
+        if min(self.drafted.cycles, self.plain.cycles) < self.MIN_TIMED:
+            return 1.0
+        ratio = self.plain.value / self.drafted.value  # (steps/s) / (cost units/s)
+        return min(max(ratio, self.BOUNDS[0]), self.BOUNDS[1])
+
+
+def realised_cost(price: float, verify: float, slope: float, forwards: int, proposed: int) -> float:
+    """What a cycle cost by weight count, in plain steps (``predicted_speedup``'s denominator as it happened):
+    ``forwards`` draft forwards at ``price`` each, a verification of ``proposed`` + 1 rows that reuses the draft's
+    layers below E (``verify``) unless the last proposal had no draft forward of its own (nothing stopped the chain:
+    it needs every layer, about a plain step)."""
+    every = forwards == proposed  # the chain did not stop on confidence
+    return price * forwards + verify + (1 - verify) * every + slope * verify * proposed

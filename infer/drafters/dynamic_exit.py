@@ -41,10 +41,17 @@ from infer.drafters.base import (
     VerifyOutcome,
 )
 from infer.drafters.chain import ChainAsk, EarlyExitForward, ObservingForward, check_size, draft_chains
-from infer.drafters.costs import CostsOption, exit_prices, measured_exit_prices, verify_prices
+from infer.drafters.costs import (
+    CostsOption,
+    CycleTiming,
+    exit_prices,
+    measured_exit_prices,
+    realised_cost,
+    verify_prices,
+)
 from infer.drafters.examples import ExampleModel
 from infer.drafters.exit_choice import Choice, RunEstimates, best_choice, parse_stops
-from infer.drafters.gate import COLD, GateOwner, Rate, RememberOption
+from infer.drafters.gate import COLD, GateOwner, RememberOption
 from infer.drafters.inputs import draft_head, draft_quant, draft_runner
 from infer.model.kv_cache import ints_to_device
 from infer.model.quant_weights import byte_share
@@ -197,45 +204,6 @@ def candidate_exits(text: str, runner) -> list[int]:
     return exits
 
 
-class CycleTiming:
-    """Measured cost of drafting: seconds per unit of the cost model's price (plain steps by weight count: the draft
-    forwards, the verification and its rows, as a cycle realised them; ``realised_cost``) over a plain step's seconds,
-    once both were timed ``MIN_TIMED`` times; 1 before. Weight counts miss what each call costs besides reading
-    weights (Python, the sampler, kernel launches, a confidence stop's host reads); this ratio folds that into the
-    prediction of every drafting choice, so a chain that stops at once is not taken for as cheap as a plain step."""
-
-    MIN_TIMED = 2
-    BOUNDS = (0.5, 3.0)
-
-    def __init__(self, weight: float = 0.2):
-        self.drafted, self.plain = Rate(weight), Rate(weight)
-
-    def cycle(self, seconds: float, cost: float) -> None:
-        """A drafted cycle took ``seconds`` for a realised cost of ``cost`` plain steps by weight count."""
-        if cost > 0:
-            self.drafted.add(cost, seconds)  # "tokens" = cost units
-
-    def plain_step(self, seconds: float) -> None:
-        """A plain step took ``seconds``."""
-        self.plain.add(1, seconds)
-
-    def scale(self) -> float:
-        """Measured over weight-count cost of drafting (1 until timed)."""
-        if min(self.drafted.cycles, self.plain.cycles) < self.MIN_TIMED:
-            return 1.0
-        ratio = self.plain.value / self.drafted.value  # (steps/s) / (cost units/s)
-        return min(max(ratio, self.BOUNDS[0]), self.BOUNDS[1])
-
-
-def realised_cost(price: float, verify: float, slope: float, forwards: int, proposed: int) -> float:
-    """What a cycle cost by weight count, in plain steps (``predicted_speedup``'s denominator as it happened):
-    ``forwards`` draft forwards at ``price`` each, a verification of ``proposed`` + 1 rows that reuses the draft's
-    layers below E (``verify``) unless the last proposal had no draft forward of its own (nothing stopped the chain:
-    it needs every layer, about a plain step)."""
-    every = forwards == proposed  # the chain did not stop on confidence
-    return price * forwards + verify + (1 - verify) * every + slope * verify * proposed
-
-
 @dataclass
 class DynamicExitStats(DrafterStats):
     """What the dynamic-exit drafter reports."""
@@ -304,6 +272,7 @@ class DynamicExitDrafter(GateOwner, Drafter):
         self.choice = self._best()
         self._gate_exit: int | None = None  # the exit drafting when the gate last started a probe
         self._observe: tuple[int, ...] = ()  # what this cycle's draft asks the verification to keep
+        self._unscored: DecodeState | None = None  # a started sequence whose prompt streams are not scored yet
         self._reset_counts()
 
     def _prices(self) -> tuple[dict[int, float], dict[int, float], float]:
@@ -346,8 +315,14 @@ class DynamicExitDrafter(GateOwner, Drafter):
 
     def start(self, state: DecodeState) -> None:
         self._reset_counts()
+        self._unscored = state  # the prompt's streams are scored at the first cycle this drafter is asked to draft
+
+    def _score_prompt(self) -> None:
+        """The prompt's last positions scored at every exit: this context's first estimates, at the first cycle asking
+        for a draft (a batch taking plain steps never pays the head over its prompts: Gemma 3's is 262k wide)."""
+        state, self._unscored = self._unscored, None
         kept = state.prompt_observed
-        if kept and state.depth in kept:  # the prompt's own last positions: this context's first estimates
+        if kept and state.depth in kept:
             t0 = time.perf_counter()
             target = self.runner.logits(kept[state.depth]).argmax(-1)  # (m,): what greedy verification accepts
             self._count({e: kept[e] for e in self.exits if e in kept}, target, continues=False)
@@ -377,6 +352,8 @@ class DynamicExitDrafter(GateOwner, Drafter):
 
     def cycle_ask(self, state: DecodeState) -> ChainAsk | None:
         """Start this sequence's cycle: its chain request under the current choice, or None for a plain step."""
+        if self._unscored is not None:
+            self._score_prompt()
         self._cycle_start = time.perf_counter()
         self.cycle += 1
         c = self.choice

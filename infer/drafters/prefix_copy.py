@@ -24,10 +24,10 @@ from torch import Tensor
 from infer.assets.adapter import ExitAdapter
 from infer.model.kv_cache import KVCache
 from infer.model.loop import packs
-from infer.model.program import BULK, ONCE, Program, Rows, Segment
+from infer.model.program import BULK, ONCE, STEP, Program, Rows, Segment
 from infer.model.quant_weights import quantized
 from infer.model.runner import DraftHead, Runner
-from infer.model.weights import cast_layer
+from infer.model.weights import TORCH_BULK_ROWS, cast_layer
 
 
 def prefix_copy(runner: Runner, end: int, dtype: torch.dtype, quant: str | None = None) -> Runner:
@@ -42,6 +42,13 @@ def prefix_copy(runner: Runner, end: int, dtype: torch.dtype, quant: str | None 
         return runner.over_layers(layers, norm, None, dtype)
 
     return runner.derived(f"prefix {end} {dtype}", build)
+
+
+def catch_up_kind(rows: int) -> str:
+    """How a draft forward that catches a copy up runs its ``rows``: from ``TORCH_BULK_ROWS`` on as a prompt's rows
+    (``BULK``: torch's matmuls, AMX in bf16, and SDPA; 8 rows of 64 missing tokens each, after a batch's plain phase,
+    cost 0.2 s on the panels), else as a decoding step's. Nothing compares a draft's rows with token-by-token ones."""
+    return BULK if rows >= TORCH_BULK_ROWS else STEP
 
 
 class CopiedPrefixForward:
@@ -73,10 +80,7 @@ class CopiedPrefixForward:
         """The prefill's stream entering layer E over the prompt, until ``fill`` feeds it to the adapter."""
 
     def __call__(self, cache: KVCache, token: Tensor, position: int) -> tuple[Tensor, Tensor]:
-        ids = self.missing(position, token)  # (T,): missing rows, then the token at ``position``
-        start = position - ids.shape[0] + 1
-        out = self.run(ids, start)  # (T, V)
-        return out[0][-1:], out[1][-1:]  # (1, d), (1, V)
+        return self.rows([self], [cache], token, [position])  # (1, d), (1, V)
 
     def rows(self, forwards: list[CopiedPrefixForward], caches: list[KVCache], tokens: Tensor,
              positions: list[int]) -> tuple[Tensor, Tensor]:
@@ -86,10 +90,11 @@ class CopiedPrefixForward:
         draft forward's 0.03). Returns (R, d) streams after the copy and (R, V) logits, at each sequence's token."""
         ids = [f.missing(p, token) for f, token, p in zip(forwards, tokens.split(1), positions, strict=True)]
         spans = [range(p - i.shape[0] + 1, p + 1) for i, p in zip(ids, positions, strict=True)]
+        N = sum(len(s) for s in spans)
+        kind = STEP if N == len(forwards) else catch_up_kind(N)  # one row each: the draft's own step
         rows = Rows(self._embed(torch.cat(ids)), [Segment(f.cache, list(s)) for f, s in zip(forwards, spans,
-                                                                                             strict=True)])
-        caught_up = rows.size == len(forwards)  # one row each: the draft's own step
-        if self.adapter is None and caught_up:
+                                                                                             strict=True)], kind)
+        if self.adapter is None and N == len(forwards):
             out = self.prefix.run(self.to_logits, rows)
             return out.hidden, out.logits
         hidden = self.prefix.run(self.to_exit, rows).hidden  # (N, d)
@@ -97,7 +102,7 @@ class CopiedPrefixForward:
         if self.adapter is None:
             return hidden[last], self.prefix.logits(hidden[last], self.vocab)
         caches_a = [f.adapter_cache for f in forwards]
-        return hidden[last], self.adapter.forward_rows(caches_a, hidden, spans, self.vocab)
+        return hidden[last], self.adapter.forward_rows(caches_a, hidden, spans, self.vocab, kind)
 
     def start(self, cache: KVCache, tokens: list[int], kept: Tensor | None = None) -> None:
         """A prompt was prefilled into ``cache``: the copy's cache (and the adapter's) are filled for its positions at
@@ -156,13 +161,3 @@ class CopiedPrefixForward:
 
     def _embed(self, ids: Tensor) -> Tensor:
         return self.runner.embed(ids).to(self.prefix.dtype)  # (T, d)
-
-    def run(self, ids: Tensor, start: int, logits: bool = True) -> tuple[Tensor, Tensor | None]:
-        """The copy (and adapter) over ``ids`` (T,) at positions start..start+T-1: (T, d) streams after the copy,
-        (T, V) logits when ``logits``."""
-        rows = Rows.one(self.cache, self._embed(ids), list(range(start, start + ids.shape[0])))
-        if self.adapter is None:
-            out = self.prefix.run(self.to_logits if logits else self.to_exit, rows)
-            return out.hidden, out.logits
-        hidden = self.prefix.run(self.to_exit, rows).hidden  # (T, d)
-        return hidden, self.adapter.forward(self.adapter_cache, hidden, start, logits=logits, vocab=self.vocab).logits

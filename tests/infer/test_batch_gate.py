@@ -201,3 +201,16 @@ def test_the_first_cycle_after_a_prefill_stays_out_of_the_verification_line():
     fit.add(8, CycleDetail(0.0, 0.07, 8, 0, 0, 0))
     fit.add(8, CycleDetail(0.016, 0.098, 16, 1, 5, 8))
     assert fit.verify.at(8) == pytest.approx(0.07) and fit.verify.at(16) == pytest.approx(0.098)
+
+
+def test_a_probe_where_no_row_drafts_ends_at_once():
+    """Drafting cycles in which every row's drafter declined (its own cost model: dynamic exit's) end the probe:
+    plain steps again, the wait doubled."""
+    gate, warm = BatchGate(), PROBE["plain"]
+    modes = []
+    for _ in range(warm + 1 + RECHECK):
+        drafting = gate.drafts(8)
+        gate.record(8, 8, 0.07, drafting, CycleDetail(0.0, 0.07, 8, 0, 0, 0))  # nothing drafted either way
+        modes.append(drafting)
+    assert modes == [False] * warm + [True] + [False] * RECHECK
+    assert gate.choices[8].mode == "plain" and gate.choices[8].recheck == 2 * RECHECK

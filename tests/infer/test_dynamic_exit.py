@@ -8,13 +8,12 @@ from lossless_stats import P_THRESHOLD, sampling_pvalue
 
 from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import build_drafter, drafter_spec
+from infer.drafters.costs import CycleTiming, realised_cost
 from infer.drafters.dynamic_exit import (
     OBSERVE_SHARE,
-    CycleTiming,
     DynamicExitDrafter,
     candidate_exits,
     exit_prices,
-    realised_cost,
 )
 from infer.drafters.exit_choice import Choice, RunEstimates, RunRates, best_choice, predicted_speedup
 from infer.drafters.registry import stats_from_dict
@@ -363,16 +362,19 @@ def test_consecutive_windows_pair_across_their_border():
 
 
 def test_first_choice_comes_from_the_prompt(scripted):
-    """The prefill keeps each exit's stream at the prompt's last positions and the drafter scores them before its
-    first cycle: on the scripted model the first choice is already exit 3 (the cheapest always accepted); without
-    prompt rows it starts from the flat prior, which favours the cheapest exit."""
+    """The prefill keeps each exit's stream at the prompt's last positions and the drafter scores them at its first
+    cycle asking for a draft (not at the prefill: a batch whose gate takes plain steps never pays for it): on the
+    scripted model the first draft is already from exit 3 (the cheapest always accepted); without prompt rows it starts
+    from the flat prior, which favours the cheapest exit."""
     prompt = list(range(3, 40))
     for rows, first in ((16, 3), (0, 1)):
         drafter = build_drafter("dynamic_exit", scripted, FORCED | {"exits": "1/2/3/5", "k": 6, "prompt_rows": rows})
-        gen = Engine(scripted, drafter).start(prompt, DecodeConfig(max_new_tokens=20))
-        assert drafter.choice.exit == first, (rows, drafter.choice)
+        engine = Engine(scripted, drafter)
+        gen = engine.start(prompt, DecodeConfig(max_new_tokens=20))
+        assert drafter.stats().prompt_rows == 0 and (gen.state.prompt_observed is not None) == (rows > 0)
+        engine.step(gen)
+        assert drafter.schedule[0][1] == first, (rows, drafter.schedule)
         assert drafter.stats().prompt_rows == rows
-        assert (gen.state.prompt_observed is not None) == (rows > 0)
 
 
 def test_prompt_streams_are_the_models_and_the_prefill_is_unchanged(runner):
@@ -415,3 +417,21 @@ def test_batch_rows_draft_in_packed_forwards_per_exit(monkeypatch):
     steps = {o.drafted for o in outcomes}  # each row's k chosen on its own estimates: the same here
     assert len(steps) == 1 and steps.pop() > 0
     assert calls == {"rows": outcomes[0].drafted, "one": 0}  # each draft step one packed forward over the 3 rows
+
+
+def test_rows_of_a_batch_taking_plain_steps_never_score_their_prompts(runner):
+    """A batch whose gate takes plain steps never asks the rows for drafts, so none pays the draft head over its
+    prompt's streams; the first cycle that drafts scores them."""
+    from infer.decode.batch import BatchEngine
+    from infer.decode.batch_gate import BatchGate
+
+    class Plain(BatchGate):
+        def drafts(self, rows):
+            return False
+
+    options = {"exits": "2/4", "k": 3, "prompt_rows": 5, "adaptive": True, "remember": "off"}
+    with BatchEngine(runner, lambda: build_drafter("dynamic_exit", runner, options), 3) as batch:
+        batch.gate = Plain()
+        results = batch.generate(PROMPTS[:3], DecodeConfig(max_new_tokens=12))
+    assert [r.stats.drafter.prompt_rows for r in results] == [0, 0, 0]
+    assert [r.tokens for r in results] == [plain(runner, p, 12).tokens for p in PROMPTS[:3]]

@@ -12,6 +12,7 @@ from infer import kernels
 from infer.decode.engine import DecodeConfig, Engine
 from infer.drafters import build_drafter
 from infer.drafters.prefix_copy import CopiedPrefixForward, prefix_copy
+from infer.model.program import BULK, STEP
 from infer.model.runner import Runner
 from infer.model.sampling import SamplingConfig
 from layerskip_core.draft_vocab import DraftVocab
@@ -138,16 +139,17 @@ def test_the_default_model_with_its_adapter_on_a_copied_prefix(default_model_pat
         assert got.tokens == want and got.stats.drafted > 0
 
 
+@pytest.mark.parametrize("plain_steps", [[0, 1, 3, 6], [0, 1, 3, 30]])
 @pytest.mark.parametrize("with_adapter", [False, True])
-def test_a_batch_catches_up_in_one_packed_forward(runner, adapter, with_adapter, monkeypatch):
-    """After plain steps each sequence's copy lacks the rows of the tokens verification took (here 0, 1, 3 and 6):
-    ``rows`` runs them in front of each sequence's token in one packed forward and gives what each sequence's own
-    forward gives (the same draft token, logits equal to rounding), with each copy's cache as long."""
+def test_a_batch_catches_up_in_one_packed_forward(runner, adapter, with_adapter, plain_steps, monkeypatch):
+    """After plain steps each sequence's copy lacks the rows of the tokens verification took (here 0, 1, 3 and 6 or
+    30): ``rows`` runs them in front of each sequence's token in one packed forward (from 32 rows as a prompt's rows,
+    ``BULK``) and gives what each sequence's own forward gives (the same draft token, logits equal to rounding), with
+    each copy's cache as long."""
     from infer.assets.adapter import ExitAdapter
 
     exit_adapter = ExitAdapter.load(adapter, runner) if with_adapter else None
     E = exit_adapter.exit_layer if with_adapter else 3
-    plain_steps = [0, 1, 3, 6]
 
     def started(prompt, steps):
         forward = CopiedPrefixForward(runner, E, torch.float32, exit_adapter)
@@ -165,10 +167,11 @@ def test_a_batch_catches_up_in_one_packed_forward(runner, adapter, with_adapter,
         f.fill()  # the prompts' rows (each its own forward, or a copy of the model's keys and values)
     prefix, runs = seqs[0][0].prefix, []
     run = prefix.run
-    monkeypatch.setattr(prefix, "run", lambda program, rows: runs.append(rows.size) or run(program, rows))
+    monkeypatch.setattr(prefix, "run", lambda program, rows: runs.append((rows.size, rows.kind)) or run(program, rows))
     hidden, logits = seqs[0][0].rows([f for f, _, _ in seqs], [c for _, c, _ in seqs], pending, positions)
     monkeypatch.undo()
-    assert runs == [sum(plain_steps) + 4]  # one forward: every missing row and every token
+    N = sum(plain_steps) + 4
+    assert runs == [(N, BULK if N >= 32 else STEP)]  # one forward: every missing row and every token
     assert hidden.shape == (4, runner.spec.hidden_size) and logits.shape == (4, runner.spec.vocab_size)
     for j, (p, m) in enumerate(zip(PROMPTS, plain_steps, strict=True)):
         forward, cache, tokens = started(p, m)
