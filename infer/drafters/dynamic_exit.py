@@ -225,8 +225,8 @@ class DynamicExitStats(DrafterStats):
     prompt_rows: int = 0
     """Prompt positions scored at every candidate exit before the first draft (``prompt_rows`` option)."""
     observe_seconds: float = 0.0
-    """Time spent scoring those and the verified positions (inside the update time, the prompt's before the first
-    cycle; the split forwards themselves cost no extra layers)."""
+    """Time spent scoring those and the verified positions (inside the update time, the prompt's in the first cycle
+    asking for a draft; the split forwards themselves cost no extra layers)."""
     explored_cycles: int = 0
     """Cycles drafted to explore while the cost model predicted under ``min_speedup`` (``explore_every``)."""
     draft_vocab: int | None = None
