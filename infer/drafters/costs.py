@@ -16,6 +16,8 @@ and added, so each is paid once (seconds) and a change of model, machine setting
 with every sublayer skipped (embedding, final norm, the draft head), with every MLP skipped and with every attention
 skipped give the base and each sublayer's price. ``exit_costs`` gives early exits' c_E. The drafters' online timing
 (``infer.drafters.gate``) refines these once drafting runs; these are what they predict with before it has.
+``realised_cost`` and ``CycleTiming`` are that refinement for dynamic exit: a cycle's cost by weight count as it
+happened, and the measured seconds per unit of it against a plain step's.
 """
 
 from __future__ import annotations
