@@ -29,7 +29,6 @@ row's own gate cannot see.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 from collections import deque
@@ -210,7 +209,6 @@ class BatchEngine:
         seconds = time.perf_counter() - t0
         progress = sum(len(o.tokens) for o in outcomes) if queued else \
             len(rows) * (min(len(gen.tokens) for _, gen in rows) - least)
-        detail = dataclasses.replace(self.clock.detail(outcomes), cold=self.cold)
-        self.cold = False
+        detail, self.cold = self.clock.detail(outcomes, self.cold), False
         self.gate.record(len(rows), progress, seconds, drafting, detail)
         return outcomes

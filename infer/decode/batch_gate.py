@@ -109,13 +109,14 @@ def chain_length(outcome: VerifyOutcome) -> int:
     return next((j for j, parent in enumerate(draft.parents) if parent != j), len(draft.parents))
 
 
-def detail_of(outcomes: Sequence[VerifyOutcome], draft_seconds: float, rest_seconds: float) -> CycleDetail:
-    """A cycle's detail from its outcomes and its two phases' seconds."""
+def detail_of(outcomes: Sequence[VerifyOutcome], draft_seconds: float, rest_seconds: float,
+              cold: bool = False) -> CycleDetail:
+    """A cycle's detail from its outcomes and its two phases' seconds (``cold``: the first after a prefill)."""
     chains = [chain_length(o) for o in outcomes]
     accepted = [min(o.accepted, m) for o, m in zip(outcomes, chains, strict=True)]
     tested = sum(a + (a < m) for a, m in zip(accepted, chains, strict=True))
     return CycleDetail(draft_seconds, rest_seconds, sum(o.drafted + 1 for o in outcomes), max(chains, default=0),
-                       sum(accepted), tested)
+                       sum(accepted), tested, cold)
 
 
 def slowest_row_tokens(acceptance: float, k: int, rows: int, horizon: int | None) -> float:
@@ -440,6 +441,6 @@ class CycleClock(CycleObserver):
     def advanced(self, rows, outcomes) -> None:
         self.marks.append(time.perf_counter())
 
-    def detail(self, outcomes: Sequence[VerifyOutcome]) -> CycleDetail:
+    def detail(self, outcomes: Sequence[VerifyOutcome], cold: bool = False) -> CycleDetail:
         start, drafted, done = self.marks
-        return detail_of(outcomes, drafted - start, done - drafted)
+        return detail_of(outcomes, drafted - start, done - drafted, cold)
